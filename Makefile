@@ -1,0 +1,27 @@
+# The two Quick start commands: `make run` and `make test`. Each creates or refreshes the
+# virtual environment itself (torch pinned to the CPU build through constraints.txt).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.stamp-install
+
+.PHONY: run test lint format
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/ringlab db upgrade
+	$(VENV)/bin/ringlab --help
+
+test: $(STAMP)
+	VENV=$(VENV) bash scripts/test.sh
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .

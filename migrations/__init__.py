@@ -1,0 +1,1 @@
+"""Alembic migrations (installed as service.migrations)."""

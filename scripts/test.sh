@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The whole test suite: lint, format check, then pytest against SQLite and the real Postgres.
+# Called by `make test` (the README's test command) after the venv is up to date.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+BIN=$VENV/bin
+
+"$BIN/ruff" check .
+"$BIN/ruff" format --check .
+
+# Postgres: start the local cluster if it is down, and use it when it answers.
+if command -v pg_ctlcluster >/dev/null 2>&1 && ! pg_isready -q -h 127.0.0.1 -p 5432; then
+  ver=$(ls /etc/postgresql 2>/dev/null | head -1)
+  [ -n "$ver" ] && pg_ctlcluster --skip-systemctl-redirect "$ver" main start || true
+  for _ in $(seq 20); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 0.5; done
+fi
+if [ -z "${RINGLAB_TEST_POSTGRES_URL:-}" ] && command -v pg_isready >/dev/null 2>&1 \
+    && pg_isready -q -h 127.0.0.1 -p 5432; then
+  export RINGLAB_TEST_POSTGRES_URL=postgresql://postgres@127.0.0.1:5432/test
+fi
+if [ -z "${RINGLAB_TEST_POSTGRES_URL:-}" ]; then
+  echo "note: no Postgres reachable and RINGLAB_TEST_POSTGRES_URL unset: Postgres tests will skip"
+fi
+
+# The dashboard's browser tests drive Debian's chromium: install it when it is missing.
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing chromium for the browser tests (apt-get install -y chromium)"
+  if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
+fi
+
+exec "$BIN/python" -m pytest "$@"

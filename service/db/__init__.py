@@ -1,0 +1,1 @@
+"""The database layer: typed models, engine set-up and migrations."""

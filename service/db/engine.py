@@ -1,0 +1,44 @@
+"""Engine and session factory with the per-backend settings every connection needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def _on_sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
+    # WAL lets readers run beside the one writer; busy_timeout waits instead of
+    # failing with "database is locked"; SQLite leaves foreign keys off unless asked.
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.close()
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """Create an engine for a normalized URL (see core.config.normalize_database_url)."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(
+            url,
+            connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False},
+            **kwargs,
+        )
+        event.listen(engine, "connect", _on_sqlite_connect)
+        return engine
+    return create_engine(url, pool_pre_ping=True, **kwargs)
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    """Sessions that keep loaded attributes after commit (results are read after writes)."""
+    return sessionmaker(engine, expire_on_commit=False)

@@ -1,0 +1,55 @@
+"""Run Alembic migrations from the installed package, so they work from any directory."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine
+
+
+def alembic_config(url: str) -> Config:
+    """An Alembic config pointing at the packaged migrations and the given database."""
+    script_location = Path(str(files("service.migrations")))
+    cfg = Config()
+    cfg.set_main_option("script_location", str(script_location))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head", engine: Engine | None = None) -> None:
+    """Bring the database at `url` to `revision` (default head)."""
+    cfg = alembic_config(url)
+    if engine is not None:
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+    else:
+        command.upgrade(cfg, revision)
+
+
+def downgrade(url: str, revision: str = "base", engine: Engine | None = None) -> None:
+    """Take the database at `url` back to `revision` (default base: empty)."""
+    cfg = alembic_config(url)
+    if engine is not None:
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, revision)
+    else:
+        command.downgrade(cfg, revision)
+
+
+def current(url: str) -> str | None:
+    """The revision the database is at, or None for an empty database."""
+    from alembic.runtime.migration import MigrationContext
+
+    from service.db.engine import make_engine
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()

@@ -1,0 +1,205 @@
+"""SQLAlchemy 2 typed models: sweeps, their runs, per-rank results, probes and environments.
+
+Raw units only: bytes, seconds, FLOPs. JSON columns hold what users submitted verbatim; the
+columns users filter by are copied out of it and indexed.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    """Timezone-aware now, the only clock the models use."""
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map: ClassVar[dict[Any, Any]] = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class SweepKind(enum.StrEnum):
+    benchmark = "benchmark"
+    max_seq_len = "max_seq_len"
+    correctness = "correctness"
+
+
+class RunStatus(enum.StrEnum):
+    queued = "queued"
+    waiting_resources = "waiting_resources"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    oom = "oom"
+    cancelled = "cancelled"
+    timed_out = "timed_out"
+
+
+TERMINAL_STATUSES = frozenset(
+    {RunStatus.succeeded, RunStatus.failed, RunStatus.oom, RunStatus.cancelled, RunStatus.timed_out}
+)
+
+
+class ProbeOutcome(enum.StrEnum):
+    fit = "fit"
+    oom = "oom"
+    error = "error"
+
+
+def _enum(cls: type[enum.Enum], name: str) -> Enum:
+    # Stored as plain strings (no native PG enum) so adding a state is a one-line migration.
+    return Enum(cls, name=name, native_enum=False, length=32, validate_strings=True)
+
+
+class Sweep(Base):
+    __tablename__ = "sweep"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    kind: Mapped[SweepKind] = mapped_column(_enum(SweepKind, "sweep_kind"))
+    spec: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
+
+    runs: Mapped[list[Run]] = relationship(
+        back_populates="sweep", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class Environment(Base):
+    """What a run ran on; deduplicated by a hash of its content."""
+
+    __tablename__ = "environment"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    hash: Mapped[str] = mapped_column(String(64), unique=True)
+    hosts: Mapped[list[Any]]
+    gpus: Mapped[list[Any]]
+    driver: Mapped[str | None] = mapped_column(String(64))
+    cuda: Mapped[str | None] = mapped_column(String(64))
+    torch: Mapped[str] = mapped_column(String(64))
+    nccl: Mapped[str | None] = mapped_column(String(64))
+    ray: Mapped[str | None] = mapped_column(String(64))
+    python: Mapped[str] = mapped_column(String(64))
+    git_sha: Mapped[str | None] = mapped_column(String(64))
+    git_dirty: Mapped[bool | None] = mapped_column(Boolean)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Run(Base):
+    """One cell of a sweep's grid, and its life from queued to a terminal state."""
+
+    __tablename__ = "run"
+    __table_args__ = (
+        UniqueConstraint("sweep_id", "cell_key", name="uq_run_sweep_id_cell_key"),
+        Index("ix_run_status_id", "status", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    sweep_id: Mapped[int] = mapped_column(ForeignKey("sweep.id", ondelete="CASCADE"), index=True)
+    cell_key: Mapped[str] = mapped_column(String(64))
+    config: Mapped[dict[str, Any]]
+    kernel: Mapped[str] = mapped_column(String(64), index=True)
+    seq_len: Mapped[int] = mapped_column(BigInteger, index=True)
+    world_size: Mapped[int] = mapped_column(Integer, index=True)
+    dtype: Mapped[str] = mapped_column(String(16), index=True)
+    mode: Mapped[str] = mapped_column(String(16))
+    causal: Mapped[bool] = mapped_column(Boolean)
+    status: Mapped[RunStatus] = mapped_column(
+        _enum(RunStatus, "run_status"), default=RunStatus.queued, index=True
+    )
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(128))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    error: Mapped[str | None] = mapped_column(Text)
+    environment_id: Mapped[int | None] = mapped_column(
+        ForeignKey("environment.id", ondelete="SET NULL")
+    )
+
+    sweep: Mapped[Sweep] = relationship(back_populates="runs")
+    environment: Mapped[Environment | None] = relationship()
+    rank_results: Mapped[list[RankResult]] = relationship(
+        back_populates="run",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+        order_by="RankResult.rank",
+    )
+    probes: Mapped[list[Probe]] = relationship(
+        back_populates="run",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+        order_by="Probe.id",
+    )
+
+
+class RankResult(Base):
+    """What one rank measured for one run."""
+
+    __tablename__ = "rank_result"
+    __table_args__ = (UniqueConstraint("run_id", "rank", name="uq_rank_result_run_id_rank"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    times_s: Mapped[list[Any]]
+    median_s: Mapped[float] = mapped_column(Float)
+    p10_s: Mapped[float] = mapped_column(Float)
+    p90_s: Mapped[float] = mapped_column(Float)
+    tokens_per_s: Mapped[float] = mapped_column(Float)
+    flops: Mapped[float] = mapped_column(Float)
+    flops_per_s: Mapped[float] = mapped_column(Float)
+    peak_memory_bytes: Mapped[int] = mapped_column(BigInteger)
+    memory_budget_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    backend: Mapped[str] = mapped_column(String(64))
+    max_abs_error: Mapped[float | None] = mapped_column(Float)
+
+    run: Mapped[Run] = relationship(back_populates="rank_results")
+
+
+class Probe(Base):
+    """One tried length of a max_seq_len search."""
+
+    __tablename__ = "probe"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
+    seq_len: Mapped[int] = mapped_column(BigInteger)
+    outcome: Mapped[ProbeOutcome] = mapped_column(_enum(ProbeOutcome, "probe_outcome"))
+    peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    time_s: Mapped[float | None] = mapped_column(Float)
+    error: Mapped[str | None] = mapped_column(Text)
+    emulated: Mapped[bool] = mapped_column(Boolean, default=False)
+
+    run: Mapped[Run] = relationship(back_populates="probes")
