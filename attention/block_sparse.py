@@ -1,0 +1,483 @@
+"""`block_sparse`: attention restricted to a block mask, computing only the kept block pairs.
+
+The sequence is cut into blocks of `block_size` tokens; `block_mask(seq_len)` (n, n) says which
+key blocks each query block attends to. Patterns (i: query block, j: key block):
+- local_window: |i - j| <= window;
+- dilated: (i - j) % dilation == 0 and |i - j| <= window * dilation;
+- global_local: |i - j| <= window, or i < num_global, or j < num_global;
+- random: the diagonal plus num_random other key blocks per row, drawn with `seed`.
+Either sparsity_ratio (the fraction of key blocks a query block computes) or the pattern's size
+parameter (window; num_random for random) is given, never both. From sparsity_ratio the size
+parameter is the one whose mask density is nearest; density then lies within 1/n (one block per
+row) of the ratio, else ValueError. The diagonal is always kept; causal intersects the mask with
+the lower triangle and masks tokens causally inside diagonal blocks. window and num_global larger
+than the number of blocks mean "all blocks".
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attention import primitive
+from attention.base import Kernel, attention_flops, check_qkv
+from attention.hilbert import (
+    check_hilbert_length,
+    check_ordering,
+    hilbert_permutation,
+    inverse_permutation,
+)
+from attention.primitive import block_backward, block_forward, merge_
+from attention.registry import KernelSpec, register
+
+PATTERNS = ("local_window", "dilated", "global_local", "random")
+_PATTERN_FIELDS = {
+    "local_window": ("window",),
+    "dilated": ("window", "dilation"),
+    "global_local": ("window", "num_global"),
+    "random": ("num_random", "seed"),
+}
+_SIZE_FIELD = {"local_window": "window", "dilated": "window", "global_local": "window"}
+_SIZE_FIELD["random"] = "num_random"
+_OPTIONAL_FIELDS = ("window", "dilation", "num_global", "num_random", "seed")
+MAX_VIEW_RUNS = 2
+"""A query block whose kept key blocks form more contiguous runs than this gathers them."""
+CHUNK_TOKENS = 16384
+"""Bound on query tokens (forward) or per-row key tokens (backward) of one primitive call."""
+
+
+def _check_int(field: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"params.{field}: expected an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class BlockSparseParams:
+    """block_size, pattern, and sparsity_ratio or the pattern's own parameters; token ordering.
+
+    Fields a pattern does not use must stay unset (None): setting them is an error.
+    """
+
+    block_size: int = 64
+    pattern: str = "local_window"
+    sparsity_ratio: float | None = None
+    window: int | None = None
+    dilation: int | None = None
+    num_global: int | None = None
+    num_random: int | None = None
+    seed: int | None = None
+    ordering: str = "natural"
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1)
+        if self.pattern not in PATTERNS:
+            raise ValueError(
+                f"params.pattern: must be one of {', '.join(PATTERNS)}, got {self.pattern!r}"
+            )
+        used = _PATTERN_FIELDS[self.pattern]
+        for field in _OPTIONAL_FIELDS:
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if field not in used:
+                raise ValueError(
+                    f"params.{field}: not used by pattern {self.pattern!r} (it uses "
+                    f"{', '.join(used)} and sparsity_ratio)"
+                )
+            _check_int(field, value, 1 if field == "dilation" else 0)
+        size = _SIZE_FIELD[self.pattern]
+        if self.sparsity_ratio is not None:
+            ratio = self.sparsity_ratio
+            if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
+                raise ValueError(f"params.sparsity_ratio: must be in (0, 1], got {ratio!r}")
+            if getattr(self, size) is not None:
+                raise ValueError(
+                    f"params.{size}: conflicts with params.sparsity_ratio; pattern "
+                    f"{self.pattern!r} takes one of them"
+                )
+        elif getattr(self, size) is None:
+            raise ValueError(
+                f"params.sparsity_ratio: give sparsity_ratio or params.{size} for pattern "
+                f"{self.pattern!r}"
+            )
+        check_ordering(self.ordering)
+
+
+def _pattern_mask(params: BlockSparseParams, n: int, size: int) -> torch.Tensor:
+    """Block keep-mask (n, n) of the pattern with size parameter `size` (window or num_random)."""
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    dist = (i - j).abs()
+    if params.pattern == "local_window":
+        return dist <= size
+    if params.pattern == "dilated":
+        d = params.dilation if params.dilation is not None else 2
+        return (dist % d == 0) & (dist <= size * d)
+    if params.pattern == "global_local":
+        g = params.num_global if params.num_global is not None else 1
+        return (dist <= size) | (i < g) | (j < g)
+    # random: the diagonal ranks first, then a seeded random order of the other blocks
+    gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
+    score = torch.rand(n, n, generator=gen)
+    score.fill_diagonal_(2.0)
+    top = score.topk(min(n, size + 1), dim=-1).indices
+    return torch.zeros(n, n, dtype=torch.bool).scatter_(1, top, True)
+
+
+def _size_for_ratio(params: BlockSparseParams, n: int, ratio: float) -> int:
+    """The size parameter whose mask density is nearest to `ratio` (ties: the smaller)."""
+    if params.pattern == "random":
+        return max(0, min(n, math.floor(ratio * n + 0.5)) - 1)
+
+    def density(size: int) -> float:
+        return _pattern_mask(params, n, size).float().mean().item()
+
+    lo, hi = 0, n  # densities grow with the window; find the first window reaching the ratio
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if density(mid) >= ratio:
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo > 0 and abs(density(lo - 1) - ratio) <= abs(density(lo) - ratio):
+        return lo - 1
+    return lo
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_block_mask(params: BlockSparseParams, seq_len: int) -> torch.Tensor:
+    n = seq_len // params.block_size
+    if params.sparsity_ratio is None:
+        return _pattern_mask(params, n, getattr(params, _SIZE_FIELD[params.pattern]))
+    mask = _pattern_mask(params, n, _size_for_ratio(params, n, params.sparsity_ratio))
+    got = mask.float().mean().item()
+    if abs(got - params.sparsity_ratio) > 1 / n + 1e-9:
+        raise ValueError(
+            f"params.sparsity_ratio: pattern {params.pattern!r} cannot reach density "
+            f"{params.sparsity_ratio} within one block per row at seq_len {seq_len} "
+            f"({n} blocks); nearest is {got:.4f}"
+        )
+    return mask
+
+
+def check_block_sparse(
+    params: BlockSparseParams, *, seq_len: int, world_size: int = 1, num_heads: int = 1
+) -> None:
+    """Raise ValueError unless seq_len divides into blocks (power of 4 under hilbert) and the
+    sparsity_ratio is reachable at that length."""
+    if seq_len % params.block_size:
+        raise ValueError(f"seq_len: {seq_len} must divide by params.block_size {params.block_size}")
+    if params.ordering == "hilbert":
+        check_hilbert_length(seq_len)
+    _cached_block_mask(params, seq_len)
+
+
+def _runs(cols: list[int]) -> list[tuple[int, int]]:
+    """Contiguous runs [j0, j1) of sorted block indices."""
+    runs: list[tuple[int, int]] = []
+    for j in cols:
+        if runs and runs[-1][1] == j:
+            runs[-1] = (runs[-1][0], j + 1)
+        else:
+            runs.append((j, j + 1))
+    return runs
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One batched primitive call: query blocks [r0, r1) against key blocks given by `kind`.
+
+    rel: key blocks [i + a, i + b) for query block i (an overlapping strided view of K);
+    abs: key blocks [a, b) for every query block (a plain slice); gather: one query block r0
+    against `blocks` (copied). `masked`: the last key block is the diagonal, causal inside.
+    `merge`: these rows already hold a result (merge into it) rather than copy.
+    """
+
+    kind: str
+    r0: int
+    r1: int
+    a: int = 0
+    b: int = 0
+    blocks: tuple[int, ...] = ()
+    masked: bool = False
+    merge: bool = False
+
+    @property
+    def key_blocks(self) -> int:
+        return len(self.blocks) if self.kind == "gather" else self.b - self.a
+
+
+def _consecutive(rows: list[int]) -> list[tuple[int, int]]:
+    """Maximal ranges [r0, r1) of consecutive integers in sorted `rows`."""
+    return _runs(rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(params: BlockSparseParams, seq_len: int, causal: bool) -> tuple[_Call, ...]:
+    """The calls that compute exactly the kept block pairs, query blocks batched where the key
+    blocks follow the same rule (same offsets from the diagonal, or the same fixed blocks)."""
+    mask = _cached_block_mask(params, seq_len)
+    if causal:
+        mask = mask.tril()
+    groups: dict[tuple, list[int]] = {}
+    gathers: list[tuple[int, tuple[int, ...]]] = []
+    for i in range(mask.shape[0]):
+        cols = mask[i].nonzero().flatten().tolist()
+        runs = _runs(cols)
+        if len(runs) > MAX_VIEW_RUNS:
+            gathers.append((i, tuple(cols)))
+            continue
+        for j0, j1 in runs:
+            if j0 <= i < j1:
+                key = ("rel", j0 - i, j1 - i, causal and j1 - 1 == i)
+            else:
+                key = ("abs", j0, j1, False)
+            groups.setdefault(key, []).append(i)
+    done = [False] * mask.shape[0]
+    calls: list[_Call] = []
+    for (kind, a, b, masked), rows in groups.items():
+        for r0, r1 in _consecutive(rows):
+            start = r0
+            for r in range(r0 + 1, r1 + 1):  # split where the rows' copy/merge state changes
+                if r == r1 or done[r] != done[start]:
+                    calls.append(_Call(kind, start, r, a, b, (), masked, done[start]))
+                    start = r
+            done[r0:r1] = [True] * (r1 - r0)
+    for i, cols in gathers:
+        masked = causal and cols[-1] == i
+        calls.append(_Call("gather", i, i + 1, blocks=cols, masked=masked, merge=done[i]))
+        done[i] = True
+    return tuple(calls)
+
+
+@functools.lru_cache(maxsize=32)
+def _diag_mask(block_size: int, n_blocks: int) -> torch.Tensor:
+    """Keep (bs, n_blocks*bs): full blocks, then a causal diagonal block last."""
+    keep = torch.ones(block_size, n_blocks * block_size, dtype=torch.bool)
+    keep[:, -block_size:] = torch.ones(block_size, block_size, dtype=torch.bool).tril()
+    return keep
+
+
+def _chunks(call: _Call, rows_per_call: int) -> list[tuple[int, int]]:
+    return [(r, min(call.r1, r + rows_per_call)) for r in range(call.r0, call.r1, rows_per_call)]
+
+
+def _rel_keys(x: torch.Tensor, b: int, r0: int, r1: int, call: _Call, bs: int) -> torch.Tensor:
+    """(r1 - r0, key_blocks*bs, H, D) overlapping view: row i sees blocks [i + a, i + b)."""
+    _, s, h, d = x.shape
+    tok = h * d
+    offset = x.storage_offset() + b * s * tok + (r0 + call.a) * bs * tok
+    return x.as_strided((r1 - r0, call.key_blocks * bs, h, d), (bs * tok, tok, d, 1), offset)
+
+
+def _row_views(x: torch.Tensor, lse: torch.Tensor, b: int, r0: int, r1: int, bs: int):
+    """(rows, bs, H, D) view of x[b] and (rows, H, bs) view of lse[b] for query blocks r0..r1."""
+    h, d = x.shape[2], x.shape[3]
+    rows = x[b, r0 * bs : r1 * bs].view(r1 - r0, bs, h, d)
+    lse_rows = lse[b].view(h, -1, bs)[:, r0:r1].transpose(0, 1)
+    return rows, lse_rows
+
+
+def _store(o_view, l_view, o_b, l_b, merge: bool) -> None:
+    if merge:
+        merge_(o_view, l_view, o_b, l_b)
+    else:
+        o_view.copy_(o_b)
+        l_view.copy_(l_b)
+
+
+def _gather(x: torch.Tensor, blocks: tuple[int, ...], bs: int) -> torch.Tensor:
+    b, s, h, d = x.shape
+    idx = torch.tensor(blocks, device=x.device)
+    return x.view(b, s // bs, bs, h, d).index_select(1, idx).view(b, -1, h, d)
+
+
+def block_sparse_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: BlockSparseParams, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out fp32 (B,S,H,D), lse fp32 (B,H,S)) over the kept block pairs only; no graph.
+
+    q, k, v must be contiguous."""
+    bsz, seq_len, heads, dim = q.shape
+    bs, scale = params.block_size, dim**-0.5
+    out = torch.empty(bsz, seq_len, heads, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(bsz, heads, seq_len, dtype=torch.float32, device=q.device)
+    rows_per_call = max(1, CHUNK_TOKENS // bs)
+    for call in _plan(params, seq_len, causal):
+        mask = _diag_mask(bs, call.key_blocks) if call.masked else None
+        if call.kind == "rel":
+            for b in range(bsz):
+                for r0, r1 in _chunks(call, rows_per_call):
+                    q_rows, _ = _row_views(q, lse, b, r0, r1, bs)
+                    keys = _rel_keys(k, b, r0, r1, call, bs)
+                    vals = _rel_keys(v, b, r0, r1, call, bs)
+                    o_b, l_b = block_forward(q_rows, keys, vals, scale=scale, mask=mask)
+                    _store(*_row_views(out, lse, b, r0, r1, bs), o_b, l_b, call.merge)
+            continue
+        if call.kind == "abs":
+            keys, vals = (x[:, call.a * bs : call.b * bs] for x in (k, v))
+        else:
+            keys, vals = (_gather(x, call.blocks, bs) for x in (k, v))
+        for r0, r1 in _chunks(call, rows_per_call):
+            rows = slice(r0 * bs, r1 * bs)
+            o_b, l_b = block_forward(q[:, rows], keys, vals, scale=scale, mask=mask)
+            _store(out[:, rows], lse[:, :, rows], o_b, l_b, call.merge)
+    return out, lse
+
+
+def block_sparse_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    params: BlockSparseParams,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 (dq, dk, dv): each call's block backward with the merged (out, lse).
+
+    All inputs contiguous. Per call, key gradients come per query row and are summed into
+    their blocks; rows per call are bounded so those copies stay small."""
+    bsz, seq_len, heads, dim = q.shape
+    bs, scale = params.block_size, dim**-0.5
+    n = seq_len // bs
+    dq, dk, dv = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) for _ in range(3))
+    for call in _plan(params, seq_len, causal):
+        mask = _diag_mask(bs, call.key_blocks) if call.masked else None
+        rows_per_call = max(1, CHUNK_TOKENS // (bs * call.key_blocks))
+        if call.kind == "rel":
+            for b in range(bsz):
+                dk_blocks = dk[b].view(n, bs, heads, dim)
+                dv_blocks = dv[b].view(n, bs, heads, dim)
+                for r0, r1 in _chunks(call, rows_per_call):
+                    q_rows, lse_rows = _row_views(q, lse, b, r0, r1, bs)
+                    dq_b, dk_b, dv_b = block_backward(
+                        _row_views(dout, lse, b, r0, r1, bs)[0],
+                        q_rows,
+                        _rel_keys(k, b, r0, r1, call, bs),
+                        _rel_keys(v, b, r0, r1, call, bs),
+                        _row_views(out, lse, b, r0, r1, bs)[0],
+                        lse_rows,
+                        scale=scale,
+                        mask=mask,
+                    )
+                    _row_views(dq, lse, b, r0, r1, bs)[0].add_(dq_b)
+                    dk_b = dk_b.reshape(r1 - r0, call.key_blocks, bs, heads, dim)
+                    dv_b = dv_b.reshape(r1 - r0, call.key_blocks, bs, heads, dim)
+                    for t in range(call.key_blocks):
+                        j0 = r0 + call.a + t
+                        dk_blocks[j0 : j0 + r1 - r0].add_(dk_b[:, t])
+                        dv_blocks[j0 : j0 + r1 - r0].add_(dv_b[:, t])
+            continue
+        if call.kind == "abs":
+            keys, vals = (x[:, call.a * bs : call.b * bs] for x in (k, v))
+        else:
+            keys, vals = (_gather(x, call.blocks, bs) for x in (k, v))
+        for r0, r1 in _chunks(call, rows_per_call):
+            rows = slice(r0 * bs, r1 * bs)
+            dq_b, dk_b, dv_b = block_backward(
+                dout[:, rows],
+                q[:, rows],
+                keys,
+                vals,
+                out[:, rows],
+                lse[:, :, rows],
+                scale=scale,
+                mask=mask,
+            )
+            dq[:, rows].add_(dq_b)
+            if call.kind == "abs":
+                dk[:, call.a * bs : call.b * bs].add_(dk_b)
+                dv[:, call.a * bs : call.b * bs].add_(dv_b)
+            else:
+                idx = torch.tensor(call.blocks, device=q.device)
+                shape = (bsz, -1, bs, heads, dim)
+                dk.view(bsz, n, bs, heads, dim).index_add_(1, idx, dk_b.reshape(shape))
+                dv.view(bsz, n, bs, heads, dim).index_add_(1, idx, dv_b.reshape(shape))
+    return dq, dk, dv
+
+
+class _BlockSparseFunction(torch.autograd.Function):
+    """Autograd wrapper: forward through the primitive, backward with the merged (out, lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, params, causal):  # type: ignore[override]
+        out, lse = block_sparse_forward(q, k, v, params, causal)
+        ctx.params, ctx.causal = params, causal
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = block_sparse_backward(
+            dout.contiguous(), q, k, v, out, lse, ctx.params, ctx.causal
+        )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+class BlockSparseAttention(Kernel):
+    """Attention over (B, S, H, D) restricted to `block_mask`; see the module docstring."""
+
+    def __init__(self, params: BlockSparseParams) -> None:
+        super().__init__()
+        self.params = params
+
+    def block_mask(self, seq_len: int, *, causal: bool = False) -> torch.Tensor:
+        """bool (n_blocks, n_blocks): key blocks each query block computes (on permuted
+        positions under hilbert ordering); causal intersects it with the lower triangle."""
+        check_block_sparse(self.params, seq_len=seq_len)
+        mask = _cached_block_mask(self.params, seq_len).clone()
+        return mask.tril() if causal else mask
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
+    ) -> torch.Tensor:
+        check_qkv(q, k, v)
+        check_block_sparse(self.params, seq_len=q.shape[1], num_heads=q.shape[2])
+        # causal diagonal blocks go through the primitive with a mask (another backend on CUDA)
+        backends = {primitive.backend_for(q.device, q.dtype, has_mask=m) for m in {False, causal}}
+        self.backend = "+".join(sorted(backends))
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        if self.params.ordering == "hilbert":
+            perm = hilbert_permutation(q.shape[1], q.device)
+            q, k, v = q[:, perm], k[:, perm], v[:, perm]
+            out = _BlockSparseFunction.apply(q, k, v, self.params, causal)
+            return out[:, inverse_permutation(perm)]
+        return _BlockSparseFunction.apply(q, k, v, self.params, causal)
+
+    def flops(
+        self,
+        batch: int,
+        seq_len: int,
+        num_heads: int,
+        head_dim: int,
+        causal: bool = False,
+        backward: bool = False,
+    ) -> int:
+        """Kept block pairs x block_size^2 (diagonal blocks: the causal triangle when causal)."""
+        bs = self.params.block_size
+        mask = self.block_mask(seq_len, causal=causal)
+        n = mask.shape[0]
+        off_diag = int(mask.sum().item()) - n
+        diag = bs * (bs + 1) // 2 if causal else bs * bs
+        pairs = off_diag * bs * bs + n * diag
+        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
+
+
+register(
+    KernelSpec(
+        name="block_sparse",
+        description=(
+            "Block-sparse attention (local_window, dilated, global_local or random block "
+            "pattern); computes only the kept block pairs."
+        ),
+        params=BlockSparseParams,
+        factory=BlockSparseAttention,
+        check=check_block_sparse,
+    )
+)

@@ -1,0 +1,101 @@
+"""Explicit token masks and dense masked attention: the slow references kernels are tested against.
+
+Everything here materialises (S, S) masks and scores in fp64-capable plain torch ops (einsum,
+logsumexp, softmax) with autograd, independent of the primitive; use it for tests only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+_BIG_NEG = -1e30  # finite "minus infinity": keeps autograd free of inf - inf NaNs
+
+
+def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """keep[i, j] = j <= i."""
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+
+
+def dilated_branch_mask(
+    seq_len: int, num_heads: int, segment_length: int, dilation_rate: int, *, causal: bool = False
+) -> torch.Tensor:
+    """LongNet branch (w, r) as keep (H, S, S), from the definition (authors' semantics).
+
+    Segments of w tokens; heads split into r contiguous groups of ceil(H / r) heads; head h is in
+    group g = h // ceil(H / r) and, in every segment, keeps the positions p (from the segment
+    start) with p % r == g; kept positions of one segment attend among themselves.
+    """
+    pos = torch.arange(seq_len)
+    segment = pos // segment_length
+    offset = pos % segment_length
+    group_size = math.ceil(num_heads / dilation_rate)
+    group = torch.arange(num_heads) // group_size  # (H,)
+    kept = (offset % dilation_rate)[None, :] == group[:, None]  # (H, S)
+    same_segment = segment[:, None] == segment[None, :]  # (S, S)
+    keep = kept[:, :, None] & kept[:, None, :] & same_segment[None]
+    if causal:
+        keep &= causal_mask(seq_len)[None]
+    return keep
+
+
+def block_token_mask(
+    block_mask: torch.Tensor, block_size: int, *, causal: bool = False
+) -> torch.Tensor:
+    """Token keep-mask (S, S) or (H, S, S) of a block mask (n, n) or (H, n, n); causal optional."""
+    keep = block_mask.repeat_interleave(block_size, -1).repeat_interleave(block_size, -2)
+    if causal:
+        keep = keep & causal_mask(keep.shape[-1], keep.device)
+    return keep
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention restricted to `keep` (S, S) or (H, S, S): out (B,S,H,D), lse (B,H,S).
+
+    Rows with no kept key output 0; their lse is `_BIG_NEG`-like (finite) so that merging by
+    softmax over lse gives them no weight and autograd stays NaN-free.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    keep = keep.to(q.device)
+    scores = scores.masked_fill(~keep, _BIG_NEG)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)) * keep
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
+    return out, lse
+
+
+def dilated_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    *,
+    causal: bool = False,
+) -> torch.Tensor:
+    """LongNet dilated attention: per-branch masked softmax, branches mixed by softmax of lse.
+
+    A (head, position) a branch does not cover gets no weight from it; covered by none -> 0.
+    """
+    seq_len, num_heads = q.shape[1], q.shape[2]
+    outs, lses, covered = [], [], []
+    for w, r in zip(segment_lengths, dilation_rates, strict=True):
+        keep = dilated_branch_mask(seq_len, num_heads, w, r, causal=causal)
+        out, lse = masked_attention(q, k, v, keep)
+        outs.append(out)
+        lses.append(lse)
+        covered.append(keep.any(-1))  # (H, S)
+    cov = torch.stack(covered)  # (n, H, S)
+    lse = torch.stack(lses).masked_fill(~cov[:, None], _BIG_NEG)  # (n, B, H, S)
+    weights = torch.softmax(lse, dim=0) * cov[:, None]  # (n, B, H, S)
+    mixed = sum(o * wt.transpose(1, 2).unsqueeze(-1) for o, wt in zip(outs, weights, strict=True))
+    return mixed

@@ -1,0 +1,170 @@
+"""`multihead`: input and output projections around any single-process kernel (layer benchmarks).
+
+Call difference: inputs are (batch, seq, embed_dim), not (batch, seq, heads, head_dim):
+`module(q, k=None, v=None, *, causal=False) -> (batch, seq, embed_dim)`; k and v default to q
+(self-attention). q, k, v are projected, split into num_heads heads of embed_dim / num_heads,
+run through the inner kernel and projected back. `input_layout = "bse"` tells harnesses so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from attention.base import Kernel
+from attention.registry import KERNELS, KernelSpec, make_params, register
+
+LINEAR_BACKWARD_FACTOR = 2
+"""Backward FLOPs of a linear layer per forward FLOP (grad of input and of weight)."""
+
+
+@dataclass(frozen=True)
+class MultiheadParams:
+    """The inner kernel and its parameters; embed_dim split into num_heads heads; linear bias."""
+
+    kernel: str = "dense"
+    kernel_params: dict[str, Any] = field(default_factory=dict)
+    embed_dim: int = 512
+    num_heads: int = 8
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("embed_dim", "num_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"params.{name}: expected a positive integer, got {value!r}")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"params.embed_dim: {self.embed_dim} must divide by params.num_heads "
+                f"{self.num_heads}"
+            )
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"params.bias: expected true or false, got {self.bias!r}")
+        if self.kernel == "multihead" or self.kernel not in KERNELS:
+            valid = sorted(k for k, s in KERNELS.items() if k != "multihead" and not s.distributed)
+            raise ValueError(
+                f"params.kernel: unknown or unsupported kernel {self.kernel!r}; valid: "
+                f"{', '.join(valid)}"
+            )
+        if KERNELS[self.kernel].distributed:
+            raise ValueError(
+                f"params.kernel: {self.kernel!r} runs across ranks; multihead wraps "
+                "single-process kernels"
+            )
+        if not isinstance(self.kernel_params, dict):
+            raise ValueError(
+                f"params.kernel_params: expected a mapping, got {type(self.kernel_params).__name__}"
+            )
+        self.inner_params()
+
+    def inner_params(self) -> Any:
+        """The inner kernel's parameter dataclass; its errors read params.kernel_params.<field>."""
+        try:
+            return make_params(self.kernel, self.kernel_params)
+        except ValueError as exc:
+            msg = str(exc)
+            if msg.startswith("params"):
+                msg = "params.kernel_params" + msg[len("params") :]
+            raise ValueError(msg) from exc
+
+
+def check_multihead(
+    params: MultiheadParams, *, seq_len: int, world_size: int = 1, num_heads: int = 1
+) -> None:
+    """The inner kernel's shape rules, with the layer's own head count."""
+    spec = KERNELS[params.kernel]
+    if spec.check is not None:
+        spec.check(
+            params.inner_params(),
+            seq_len=seq_len,
+            world_size=world_size,
+            num_heads=params.num_heads,
+        )
+
+
+class MultiheadAttention(Kernel):
+    """Projections q/k/v/out (embed_dim x embed_dim) around the kernel `params.kernel`."""
+
+    input_layout = "bse"
+
+    def __init__(self, params: MultiheadParams | None = None) -> None:
+        super().__init__()
+        self.params = params or MultiheadParams()
+        e, bias = self.params.embed_dim, self.params.bias
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
+            nn.Linear(e, e, bias=bias) for _ in range(4)
+        )
+        self.inner = KERNELS[self.params.kernel].factory(self.params.inner_params())
+
+    def _heads(self, x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.params.num_heads
+        return proj(x).view(b, s, h, self.params.embed_dim // h)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        *,
+        causal: bool = False,
+    ) -> torch.Tensor:
+        k = q if k is None else k
+        v = q if v is None else v
+        e = self.params.embed_dim
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dim() != 3 or t.shape[-1] != e:
+                raise ValueError(
+                    f"{name}: expected (batch, seq, embed_dim={e}), got {tuple(t.shape)}"
+                )
+        if q.shape != k.shape or k.shape != v.shape:
+            raise ValueError(
+                f"q, k, v: shapes must match, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"{tuple(v.shape)}"
+            )
+        heads = self.inner(
+            self._heads(q, self.q_proj),
+            self._heads(k, self.k_proj),
+            self._heads(v, self.v_proj),
+            causal=causal,
+        )
+        self.backend = self.inner.backend
+        return self.out_proj(heads.reshape(q.shape))
+
+    def flops(
+        self,
+        batch: int,
+        seq_len: int,
+        num_heads: int,
+        head_dim: int,
+        causal: bool = False,
+        backward: bool = False,
+    ) -> int:
+        """Four embed_dim^2 projections (2 FLOPs a multiply-add) plus the inner kernel's FLOPs."""
+        if num_heads != self.params.num_heads or num_heads * head_dim != self.params.embed_dim:
+            raise ValueError(
+                f"num_heads, head_dim: this layer has {self.params.num_heads} heads of "
+                f"{self.params.embed_dim // self.params.num_heads}, got {num_heads} x {head_dim}"
+            )
+        proj = 4 * 2 * batch * seq_len * self.params.embed_dim**2
+        if backward:
+            proj *= 1 + LINEAR_BACKWARD_FACTOR
+        inner = self.inner.flops(batch, seq_len, num_heads, head_dim, causal, backward)
+        return proj + inner
+
+
+register(
+    KernelSpec(
+        name="multihead",
+        description=(
+            "Input/output projections (embed_dim, num_heads, bias) around any single-process "
+            "kernel; called with (batch, seq, embed_dim) tensors."
+        ),
+        params=MultiheadParams,
+        factory=MultiheadAttention,
+        check=check_multihead,
+    )
+)

@@ -1,0 +1,251 @@
+"""The one primitive: attention of a query block against a key/value block as (out, lse), a stable
+merge of partial results, and a FlashAttention-2 style backward that uses the final merged lse.
+
+Layout everywhere: tensors (batch, seq, heads, head_dim); lse (batch, heads, seq), natural log of
+the softmax denominator of the scaled scores. `out` and `lse` are fp32 accumulators.
+Rows that see no key have out 0 and lse -inf; `merge` handles that without NaN.
+
+Backends (chosen once per (device type, dtype, has_mask), recorded in `last_backend`):
+- "cpu_flash": aten._scaled_dot_product_flash_attention_for_cpu (returns lse; takes an additive
+  float mask), and its fused backward, which accepts any (out, lse) such as merged ones.
+- "cuda_flash" (fp16/bf16) / "cuda_efficient" (fp32): the CUDA SDPA aten ops that return lse.
+- "math": plain matmul/softmax, used only where no fused op applies (a mask on CUDA, other devices).
+The fused ops' lse carries no gradient: never let autograd see a merge; use `block_backward`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+BACKENDS = ("cpu_flash", "cuda_flash", "cuda_efficient", "math")
+
+last_backend: str | None = None
+"""Name of the backend the most recent `block_forward` call ran (for results to record)."""
+
+_NEG_INF = float("-inf")
+_MATH_CHUNK_ELEMENTS = 1 << 24  # score elements per chunk in the plain-math paths
+
+
+@functools.cache
+def _backend_for(device_type: str, dtype: torch.dtype, has_mask: bool) -> str:
+    cpu_dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    if device_type == "cpu" and dtype in cpu_dtypes:
+        return "cpu_flash"
+    if device_type == "cuda" and not has_mask:
+        if dtype in (torch.float16, torch.bfloat16):
+            return "cuda_flash"
+        if dtype == torch.float32:
+            return "cuda_efficient"
+    return "math"
+
+
+def backend_for(device: torch.device | str, dtype: torch.dtype, *, has_mask: bool = False) -> str:
+    """The backend `block_forward` uses for this device type, dtype and whether a mask is given."""
+    return _backend_for(torch.device(device).type, dtype, has_mask)
+
+
+def _combined_mask(
+    mask: torch.Tensor | None, causal: bool, sq: int, sk: int, device: torch.device
+) -> torch.Tensor | None:
+    """Keep-mask (Sq, Sk) or (H, Sq, Sk) combining `mask` with the top-left causal mask."""
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.shape[-2:] != (sq, sk) or mask.dim() not in (2, 3):
+            raise ValueError(
+                f"mask: expected a bool tensor of shape ({sq}, {sk}) or (heads, {sq}, {sk}), "
+                f"got {mask.dtype} {tuple(mask.shape)}"
+            )
+        mask = mask.to(device)
+    if causal:
+        tri = torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+        mask = tri if mask is None else mask & tri
+    return mask
+
+
+def _additive_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 / -inf additive mask for the fused CPU op, which takes 2-D or 4-D masks only."""
+    bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, _NEG_INF)
+    return bias.unsqueeze(0) if bias.dim() == 3 else bias
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(
+            f"q, k, v: expected 4-D (batch, seq, heads, head_dim) with k and v equal, got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
+        raise ValueError(
+            f"q, k: batch, heads and head_dim must match, got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
+
+
+def block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (B, Sq, H, D) against k, v (B, Sk, H, D): out fp32 (B,Sq,H,D), lse (B,H,Sq).
+
+    `causal`: query i sees key j <= i (top-left aligned). `mask`: bool keep-mask (Sq, Sk) or
+    (H, Sq, Sk). No autograd graph is built.
+    """
+    global last_backend
+    _check_shapes(q, k, v)
+    sq, sk = q.shape[1], k.shape[1]
+    backend = backend_for(q.device, q.dtype, has_mask=mask is not None)
+    last_backend = backend
+    with torch.no_grad():
+        if backend == "math":
+            keep = _combined_mask(mask, causal, sq, sk, q.device)
+            return _math_forward(q, k, v, scale, keep)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if backend == "cpu_flash":
+            if mask is None:
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    qt, kt, vt, 0.0, causal, scale=scale
+                )
+                return out.transpose(1, 2).float(), lse.float()
+            keep = _combined_mask(mask, causal, sq, sk, q.device)
+            bias = _additive_bias(keep, q.dtype)
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qt, kt, vt, 0.0, False, attn_mask=bias, scale=scale
+            )
+            # The fused op leaves rows without any visible key at lse 0: make them -inf.
+            empty = ~keep.any(-1)
+            lse = lse.float().masked_fill(empty, _NEG_INF)
+            return out.transpose(1, 2).float(), lse
+        if backend == "cuda_flash":
+            res = torch.ops.aten._scaled_dot_product_flash_attention(
+                qt, kt, vt, 0.0, causal, False, scale=scale
+            )
+            return res[0].transpose(1, 2).float(), res[1].float()
+        # cuda_efficient: its lse may be padded along Sq to a multiple of 32.
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(
+            qt, kt, vt, None, True, 0.0, causal, scale=scale
+        )
+        return res[0].transpose(1, 2).float(), res[1][..., :sq].float()
+
+
+def _math_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, keep: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-math forward in fp32, chunked over query rows to bound the score matrix."""
+    b, sq, h, _ = q.shape
+    sk = k.shape[1]
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+    out = torch.empty(b, h, sq, q.shape[3], dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+    step = max(1, _MATH_CHUNK_ELEMENTS // max(1, b * h * sk))
+    for s0 in range(0, sq, step):
+        s1 = min(sq, s0 + step)
+        scores = (qf[:, :, s0:s1] @ kf.transpose(-1, -2)) * scale
+        if keep is not None:
+            scores.masked_fill_(~keep[..., s0:s1, :], _NEG_INF)
+        chunk_lse = torch.logsumexp(scores, dim=-1)
+        safe = chunk_lse.masked_fill(torch.isneginf(chunk_lse), math.inf)
+        probs = torch.exp(scores - safe.unsqueeze(-1))
+        out[:, :, s0:s1] = probs @ vf
+        lse[:, :, s0:s1] = chunk_lse
+    return out.transpose(1, 2), lse
+
+
+def merge_(
+    out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial result b into (out, lse) in place; works on strided views.
+
+    out, out_b: (..., S, H, D) fp32; lse, lse_b: (..., H, S) fp32. Returns (out, lse).
+    """
+    diff = (lse_b - lse).nan_to_num_(nan=0.0)  # -inf - -inf: both empty, weight irrelevant
+    weight = torch.sigmoid_(diff).transpose(-1, -2).unsqueeze(-1)  # (..., S, H, 1)
+    out.sub_(weight * (out - out_b))
+    lse.copy_(torch.logaddexp(lse, lse_b))
+    return out, lse
+
+
+def merge(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Numerically stable merge of two partial (out, lse) results; -inf rows merge without NaN."""
+    return merge_(out_a.float().clone(), lse_a.float().clone(), out_b, lse_b)
+
+
+def block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) in fp32 of one block pair, recomputing P = exp(S*scale - lse).
+
+    `out` and `lse` are the FINAL (merged) results for these query rows, so summing the blocks'
+    gradients gives the exact gradient of the merged attention (FlashAttention-2 backward).
+    """
+    _check_shapes(q, k, v)
+    sq, sk = q.shape[1], k.shape[1]
+    # Rows without any key: lse -inf -> +inf makes P = exp(S - inf) = 0 instead of NaN.
+    lse = lse.float().masked_fill(torch.isneginf(lse), math.inf)
+    with torch.no_grad():
+        if q.device.type == "cpu":
+            qt, kt, vt = (t.float().transpose(1, 2) for t in (q, k, v))
+            dot = dout.float().transpose(1, 2)
+            ot = out.float().transpose(1, 2)
+            bias = None
+            is_causal = causal
+            if mask is not None:
+                keep = _combined_mask(mask, causal, sq, sk, q.device)
+                bias = _additive_bias(keep, torch.float32)
+                is_causal = False
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dot, qt, kt, vt, ot, lse, 0.0, is_causal, attn_mask=bias, scale=scale
+            )
+            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        keep = _combined_mask(mask, causal, sq, sk, q.device)
+        return _math_backward(dout, q, k, v, out, lse, scale, keep)
+
+
+def _math_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    keep: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain-math FlashAttention-2 backward in fp32, chunked over query rows."""
+    b, sq, h, _ = q.shape
+    sk = k.shape[1]
+    qf, kf, vf, dof, of = (t.float().transpose(1, 2) for t in (q, k, v, dout, out))
+    dq = torch.empty_like(qf)
+    dk = torch.zeros_like(kf)
+    dv = torch.zeros_like(vf)
+    step = max(1, _MATH_CHUNK_ELEMENTS // max(1, b * h * sk))
+    for s0 in range(0, sq, step):
+        s1 = min(sq, s0 + step)
+        scores = (qf[:, :, s0:s1] @ kf.transpose(-1, -2)) * scale
+        probs = torch.exp(scores - lse[:, :, s0:s1].unsqueeze(-1))
+        if keep is not None:
+            probs.masked_fill_(~keep[..., s0:s1, :], 0.0)
+        do_c = dof[:, :, s0:s1]
+        dv += probs.transpose(-1, -2) @ do_c
+        dp = do_c @ vf.transpose(-1, -2)
+        delta = (do_c * of[:, :, s0:s1]).sum(-1, keepdim=True)
+        ds = probs * (dp - delta)
+        dq[:, :, s0:s1] = (ds @ kf) * scale
+        dk += (ds.transpose(-1, -2) @ qf[:, :, s0:s1]) * scale
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

@@ -1,0 +1,104 @@
+"""The kernel catalogue: each kernel's name, description, parameter dataclass and constraints.
+
+Kernel modules call `register` at import; `attention/__init__.py` imports them all, so
+`KERNELS` is complete once `attention` is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel: its parameter schema (a dataclass that validates itself) and how to build it.
+
+    `check(params, seq_len=, world_size=, num_heads=)` raises ValueError when a shape does not
+    fit the kernel (e.g. seq_len not divisible by a segment length at that world size).
+    """
+
+    name: str
+    description: str
+    params: type
+    factory: Callable[[Any], nn.Module]
+    distributed: bool = False
+    check: Callable[..., None] | None = None
+
+
+KERNELS: dict[str, KernelSpec] = {}
+
+
+def register(spec: KernelSpec) -> KernelSpec:
+    """Add a kernel to the catalogue; a second kernel with the same name is a programming error."""
+    if spec.name in KERNELS:
+        raise ValueError(f"kernel {spec.name!r} is registered twice")
+    if not dataclasses.is_dataclass(spec.params):
+        raise TypeError(f"kernel {spec.name!r}: params must be a dataclass, got {spec.params!r}")
+    KERNELS[spec.name] = spec
+    return spec
+
+
+def _spec(name: str) -> KernelSpec:
+    if name not in KERNELS:
+        raise ValueError(f"kernel: unknown kernel {name!r}; valid: {', '.join(sorted(KERNELS))}")
+    return KERNELS[name]
+
+
+def make_params(name: str, params: dict[str, Any]) -> Any:
+    """The kernel's parameter dataclass from a dict; unknown or invalid fields raise ValueError.
+
+    Messages start with `params.<field>:` so the service can turn them into a field path.
+    """
+    spec = _spec(name)
+    fields = {f.name for f in dataclasses.fields(spec.params) if f.init}
+    unknown = sorted(set(params) - fields)
+    if unknown:
+        raise ValueError(
+            f"params.{unknown[0]}: unknown parameter of kernel {name!r}; "
+            f"valid: {', '.join(sorted(fields)) or '(none)'}"
+        )
+    try:
+        return spec.params(**params)
+    except TypeError as exc:  # a missing required field
+        raise ValueError(f"params: {exc}") from exc
+
+
+def build(name: str, **params: Any) -> nn.Module:
+    """Build kernel `name` with `params`; unknown names or parameters raise ValueError."""
+    return _spec(name).factory(make_params(name, params))
+
+
+def validate(
+    kernel: str,
+    params: dict[str, Any],
+    *,
+    seq_len: int,
+    world_size: int = 1,
+    num_heads: int = 1,
+) -> None:
+    """Raise ValueError unless `kernel(params)` can run `seq_len` tokens on `world_size` ranks.
+
+    A single-process kernel needs world_size 1 (run it on several ranks with parallel=data, or
+    use its ring twin); the kernel's own `check` adds its divisibility rules.
+    """
+    spec = _spec(kernel)
+    parsed = make_params(kernel, params)
+    if world_size < 1:
+        raise ValueError(f"world_size: must be >= 1, got {world_size}")
+    if not spec.distributed and world_size != 1:
+        rings = ", ".join(sorted(k for k, s in KERNELS.items() if s.distributed))
+        raise ValueError(
+            f"world_size: kernel {kernel!r} runs in one process; for {world_size} ranks use "
+            f"parallel=data or a ring kernel ({rings or 'none registered'})"
+        )
+    if seq_len < 1:
+        raise ValueError(f"seq_len: must be >= 1, got {seq_len}")
+    if seq_len % world_size:
+        raise ValueError(f"seq_len: {seq_len} must divide by world_size {world_size}")
+    if spec.check is not None:
+        spec.check(parsed, seq_len=seq_len, world_size=world_size, num_heads=num_heads)

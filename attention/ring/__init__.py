@@ -1,0 +1,4 @@
+"""Ring attention across ranks: K/V travel a ring of ranks; one file per variant."""
+
+# importing a variant module registers it
+from attention.ring import block_sparse, dense, dilated  # noqa: F401

@@ -1,0 +1,298 @@
+"""`ring_block_sparse`: block-sparse attention over a sequence sharded across ranks.
+
+The block mask is `block_sparse`'s, on the global block indices. At step t rank r attends to the
+K/V of rank s = r - t (mod W), which s sends to r directly (P2P, posted one step ahead). Every
+rank knows the whole mask, so a (query rank, key rank) pair the mask drops entirely is neither
+computed nor sent, and inside a step only the kept block pairs are computed. The backward
+re-fetches the needed K/V the same way and returns each partial dK/dV straight to its owner.
+Layouts: contiguous or zigzag (shards of whole blocks); striped would split blocks across ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from attention import primitive
+from attention.base import Kernel, attention_flops, check_qkv
+from attention.block_sparse import BlockSparseAttention, BlockSparseParams, check_block_sparse
+from attention.hilbert import hilbert_permutation
+from attention.layouts import check_layout, check_seq_len
+from attention.layouts import positions as layout_positions
+from attention.registry import KernelSpec, register
+from attention.ring.comm import (
+    RingComm,
+    check_backend,
+    check_same_call,
+    rank_and_world,
+    resolve_group,
+)
+from attention.ring.dense import check_group, default_layout
+from attention.ring.engine import Block, add_kv_grads, step_backward, step_forward
+
+KV_TAGS, DKV_TAG = (10, 11), 12
+
+
+@dataclass(frozen=True)
+class RingBlockSparseParams(BlockSparseParams):
+    """`block_sparse`'s parameters plus layout (contiguous | zigzag; None: zigzag when causal,
+    else contiguous) and group (a torch.distributed process group; None: the world)."""
+
+    layout: str | None = None
+    group: Any = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layout is not None:
+            check_layout(self.layout)
+            if self.layout == "striped":
+                raise ValueError(
+                    "params.layout: ring_block_sparse needs whole blocks on each rank; "
+                    "'striped' splits every block across ranks (use contiguous or zigzag)"
+                )
+        check_group(self.group)
+
+    def twin(self) -> BlockSparseParams:
+        """The single-process `block_sparse` parameters."""
+        names = [f.name for f in dataclasses.fields(BlockSparseParams)]
+        return BlockSparseParams(**{name: getattr(self, name) for name in names})
+
+
+def _check_shards(params: RingBlockSparseParams, seq_len: int, world: int, layout: str) -> None:
+    check_seq_len(seq_len, layout, world)
+    piece = seq_len // world // (2 if layout == "zigzag" else 1)
+    if piece % params.block_size:
+        what = "zigzag chunk" if layout == "zigzag" else "shard"
+        raise ValueError(
+            f"seq_len: each {what} of {piece} tokens (seq_len {seq_len}, world_size {world}, "
+            f"layout {layout!r}) must divide by params.block_size {params.block_size}"
+        )
+
+
+def check_ring_block_sparse(
+    params: RingBlockSparseParams, *, seq_len: int, world_size: int = 1, num_heads: int = 1
+) -> None:
+    """`block_sparse`'s rules on the full length, then whole blocks in every shard (in every
+    zigzag chunk; without an explicit layout the zigzag rule applies, as for causal runs)."""
+    check_block_sparse(params.twin(), seq_len=seq_len, world_size=1, num_heads=num_heads)
+    _check_shards(params, seq_len, world_size, params.layout or "zigzag")
+
+
+def _rank_blocks(seq_len: int, layout: str, rank: int, world: int, bs: int) -> torch.Tensor:
+    """Global block indices a rank holds, in its local order."""
+    return layout_positions(seq_len, layout, rank, world)[::bs] // bs
+
+
+@functools.lru_cache(maxsize=32)
+def _diag_keep(block_size: int, n_blocks: int) -> torch.Tensor:
+    """Keep (bs, n_blocks*bs): full key blocks, then a causal diagonal block last."""
+    keep = torch.ones(block_size, n_blocks * block_size, dtype=torch.bool)
+    keep[:, -block_size:] = torch.ones(block_size, block_size, dtype=torch.bool).tril()
+    return keep
+
+
+class _Schedule:
+    """Which block pairs every (rank, step) computes; from the global mask, same on all ranks."""
+
+    def __init__(self, mask: torch.Tensor, seq_len: int, layout: str, world: int, bs: int):
+        self.world, self.bs = world, bs
+        self.blocks = [_rank_blocks(seq_len, layout, r, world, bs) for r in range(world)]
+        self.mask = mask
+
+    def sub_mask(self, rank: int, t: int) -> torch.Tensor:
+        src = (rank - t) % self.world
+        return self.mask[self.blocks[rank]][:, self.blocks[src]]
+
+    def needs(self, rank: int, t: int) -> bool:
+        """Whether `rank` computes anything at step t (else nothing is sent to it)."""
+        return bool(self.sub_mask(rank % self.world, t).any())
+
+    def plan(self, rank: int, t: int, causal: bool) -> list[Block]:
+        """Block pairs of step t: per local query block, runs of consecutive kept key blocks."""
+        bs, sub = self.bs, self.sub_mask(rank, t)
+        q_ids, k_ids = self.blocks[rank], self.blocks[(rank - t) % self.world]
+        out = []
+        for a in range(sub.shape[0]):
+            cols = sub[a].nonzero().flatten().tolist()
+            runs: list[list[int]] = []
+            for j in cols:
+                if runs and runs[-1][1] == j:
+                    runs[-1][1] = j + 1
+                else:
+                    runs.append([j, j + 1])
+            for j0, j1 in runs:
+                diag = causal and int(k_ids[j1 - 1]) == int(q_ids[a])
+                mask = _diag_keep(bs, j1 - j0) if diag else None
+                out.append(Block(a * bs, (a + 1) * bs, j0 * bs, j1 * bs, mask=mask))
+        return out
+
+
+def _exchange(comm: RingComm, sched: _Schedule, rank: int, t: int, send, recv) -> None:
+    """Post step t's K/V transfer: mine to rank + t if it needs it, rank - t's into `recv`."""
+    comm.start(
+        send if sched.needs(rank + t, t) else None,
+        recv if sched.needs(rank, t) else None,
+        offset=t,
+    )
+
+
+def _forward(q, k, v, sched: _Schedule, group, causal: bool, scale: float):
+    rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+    bsz, n, heads, dim = q.shape
+    out = torch.zeros(bsz, n, heads, dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((bsz, heads, n), float("-inf"), dtype=torch.float32, device=q.device)
+    fresh = step_forward(q, k, v, sched.plan(rank, 0, causal), out, lse, scale, True)
+    if world == 1:
+        return out, lse
+    mine = torch.stack((k, v))
+    bufs = [torch.empty_like(mine), torch.empty_like(mine)]
+    comms = [RingComm(group, tag) for tag in KV_TAGS]
+    _exchange(comms[1], sched, rank, 1, mine, bufs[1])
+    for t in range(1, world):
+        if t + 1 < world:  # post the next step's transfer before this step computes
+            _exchange(comms[(t + 1) % 2], sched, rank, t + 1, mine, bufs[(t + 1) % 2])
+        comms[t % 2].wait()
+        kv = bufs[t % 2]
+        fresh = step_forward(q, kv[0], kv[1], sched.plan(rank, t, causal), out, lse, scale, fresh)
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, sched: _Schedule, group, causal: bool, scale: float):
+    rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+    add_kv_grads(
+        dkv, step_backward(dout, q, k, v, out, lse, sched.plan(rank, 0, causal), dq, scale)
+    )
+    if world == 1:
+        return dq, dkv[0], dkv[1]
+    mine = torch.stack((k, v))
+    bufs = [torch.empty_like(mine), torch.empty_like(mine)]
+    comms = [RingComm(group, tag) for tag in KV_TAGS]
+    back = RingComm(group, DKV_TAG)
+    incoming = torch.empty_like(dkv)
+    pending: tuple[int, torch.Tensor | None] | None = None  # (step, partial sent)
+    _exchange(comms[1], sched, rank, 1, mine, bufs[1])
+
+    def finish_return() -> None:
+        step, _ = pending
+        back.wait()
+        if sched.needs(rank + step, step):  # rank + step computed with my block: its share
+            dkv.add_(incoming)
+
+    for t in range(1, world):
+        if t + 1 < world:
+            _exchange(comms[(t + 1) % 2], sched, rank, t + 1, mine, bufs[(t + 1) % 2])
+        comms[t % 2].wait()
+        kv = bufs[t % 2]
+        plan = sched.plan(rank, t, causal)
+        partial = None
+        if plan:
+            partial = torch.zeros_like(dkv)
+            add_kv_grads(partial, step_backward(dout, q, kv[0], kv[1], out, lse, plan, dq, scale))
+        if pending is not None:
+            finish_return()
+        # my share of rank - t's dK/dV goes home; rank + t's share of mine comes in
+        recv = incoming if sched.needs(rank + t, t) else None
+        back.start(partial, recv, offset=-t)
+        pending = (t, partial)
+    finish_return()
+    return dq, dkv[0], dkv[1]
+
+
+class _RingBlockSparseFunction(torch.autograd.Function):
+    """Autograd wrapper: direct K/V transfers of the needed steps; partial dK/dV go home."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sched, group, causal):  # type: ignore[override]
+        scale = q.shape[-1] ** -0.5
+        out, lse = _forward(q, k, v, sched, group, causal, scale)
+        ctx.sched, ctx.group, ctx.causal = sched, group, causal
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        scale = q.shape[-1] ** -0.5
+        dq, dk, dv = _backward(
+            dout.contiguous(), q, k, v, out, lse, ctx.sched, ctx.group, ctx.causal, scale
+        )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+class RingBlockSparseAttention(Kernel):
+    """Block-sparse attention on this rank's shard: `module(q, k, v, *, causal=False)`.
+
+    Under ordering='hilbert' a rank holds its shard of the Hilbert-ordered sequence (see
+    `local_positions`) and its output comes back in that order.
+    """
+
+    def __init__(self, params: RingBlockSparseParams) -> None:
+        super().__init__()
+        self.params = params
+        self.layout = params.layout
+        self._twin = BlockSparseAttention(params.twin())
+
+    def local_positions(
+        self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
+    ) -> torch.Tensor:
+        """Global (natural) positions of the tokens rank `rank` must pass, in its local order."""
+        pos = layout_positions(seq_len, default_layout(self.layout, causal), rank, world_size)
+        if self.params.ordering == "hilbert":
+            return hilbert_permutation(seq_len)[pos]
+        return pos
+
+    def _schedule(self, seq_len: int, world: int, causal: bool) -> _Schedule:
+        layout = default_layout(self.layout, causal)
+        _check_shards(self.params, seq_len, world, layout)
+        mask = self._twin.block_mask(seq_len, causal=causal)
+        return _Schedule(mask, seq_len, layout, world, self.params.block_size)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
+    ) -> torch.Tensor:
+        check_qkv(q, k, v)
+        group = resolve_group(self.params.group)
+        check_backend(group, q.device)
+        check_same_call(group, q, causal)
+        world = dist.get_world_size(group)
+        sched = self._schedule(q.shape[1] * world, world, causal)
+        self.backend = primitive.backend_for(q.device, q.dtype, has_mask=causal)
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        return _RingBlockSparseFunction.apply(q, k, v, sched, group if world > 1 else None, causal)
+
+    def flops(
+        self,
+        batch: int,
+        seq_len: int,
+        num_heads: int,
+        head_dim: int,
+        causal: bool = False,
+        backward: bool = False,
+    ) -> int:
+        """FLOPs of this rank for a local shard of `seq_len` tokens: its kept block pairs."""
+        rank, world = rank_and_world(self.params.group)
+        sched = self._schedule(seq_len * world, world, causal)
+        pairs = sum(b.pairs() for t in range(world) for b in sched.plan(rank, t, causal))
+        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
+
+
+register(
+    KernelSpec(
+        name="ring_block_sparse",
+        description=(
+            "Block-sparse attention across ranks: only the kept block pairs are computed, and "
+            "K/V go only to the ranks whose query blocks keep them."
+        ),
+        params=RingBlockSparseParams,
+        factory=RingBlockSparseAttention,
+        distributed=True,
+        check=check_ring_block_sparse,
+    )
+)

@@ -1,0 +1,122 @@
+"""Ring communication: one P2P exchange per step (send to the next rank, receive from the previous),
+posted with `batch_isend_irecv` so it runs while the current step computes.
+
+The process group's backend moves the tensors: gloo for CPU tensors, NCCL for CUDA tensors (a
+group made with backend "cpu:gloo,cuda:nccl" dispatches by the tensors' device).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def resolve_group(group: Any) -> Any:
+    """The process group to use: `group`, or the default (world) group; errors if none exists."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "ring attention: torch.distributed is not initialised; call "
+            "dist.init_process_group first (gloo for CPU tensors, nccl for CUDA tensors)"
+        )
+    return dist.group.WORLD if group is None else group
+
+
+def rank_and_world(group: Any) -> tuple[int, int]:
+    """(rank in group, group size); (0, 1) when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    group = dist.group.WORLD if group is None else group
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def check_backend(group: Any, device: torch.device) -> None:
+    """Raise ValueError when the group's backend cannot move tensors of `device`."""
+    backend = str(dist.get_backend(group)).lower()
+    if device.type == "cuda" and "nccl" not in backend:
+        raise ValueError(
+            f"group: CUDA tensors travel the ring over NCCL, but the group's backend is "
+            f"{backend!r}; init it with 'nccl' or 'cpu:gloo,cuda:nccl'"
+        )
+    if device.type == "cpu" and backend == "nccl":
+        raise ValueError(
+            "group: NCCL cannot move CPU tensors; init the group with 'gloo' or "
+            "'cpu:gloo,cuda:nccl'"
+        )
+
+
+def check_same_call(group: Any, q: torch.Tensor, causal: bool, extra: tuple[int, ...] = ()) -> None:
+    """Raise ValueError on every rank when ranks call with different shapes, dtypes or `causal`.
+
+    One tiny all-gather per call: a mismatch would otherwise hang or corrupt the ring.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    dtype_code = _DTYPE_CODES.get(q.dtype, -1)
+    meta = torch.tensor([*q.shape, dtype_code, int(causal), *extra], dtype=torch.int64)
+    meta = meta.to(q.device)
+    gathered = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(gathered, meta, group=group)
+    rows = [tuple(int(x) for x in m.cpu()) for m in gathered]
+    if any(row != rows[0] for row in rows):
+        described = "; ".join(
+            f"rank {r}: q {row[:4]}, dtype code {row[4]}, causal {bool(row[5])}"
+            + (f", extra {row[6:]}" if extra else "")
+            for r, row in enumerate(rows)
+        )
+        raise ValueError(
+            "q, k, v: every rank of the ring must pass the same shape, dtype and causal flag; "
+            f"got {described}"
+        )
+
+
+_DTYPE_CODES = {
+    torch.float32: 0,
+    torch.float64: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+}
+
+
+class RingComm:
+    """Exchange with the ring neighbours: `start(send, recv)` posts send-to-next and
+    receive-from-previous; `wait()` completes them. One exchange in flight per instance."""
+
+    def __init__(self, group: Any, tag: int = 0) -> None:
+        self.group = group
+        self.tag = tag
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._reqs: list[Any] | None = None
+
+    def peer(self, offset: int) -> int:
+        """Global rank of the group member `offset` places after this one on the ring."""
+        return dist.get_global_rank(self.group, (self.rank + offset) % self.world_size)
+
+    def start(
+        self, send: torch.Tensor | None, recv: torch.Tensor | None, *, offset: int = 1
+    ) -> None:
+        """Post sending `send` to the rank `offset` after this one and receiving into `recv`
+        from the rank `offset` before it (offset 1: the ring neighbours).
+
+        Either may be None (a block nobody needs is not sent; see ring_block_sparse); both ends
+        must agree, which callers guarantee by deciding from information every rank has.
+        """
+        if self._reqs is not None:
+            raise RuntimeError("RingComm.start: the previous exchange was not waited for")
+        ops = []
+        if send is not None:
+            ops.append(dist.P2POp(dist.isend, send, self.peer(offset), self.group, self.tag))
+        if recv is not None:
+            ops.append(dist.P2POp(dist.irecv, recv, self.peer(-offset), self.group, self.tag))
+        self._reqs = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self) -> None:
+        """Block until the posted exchange is complete (its buffers may then be reused)."""
+        if self._reqs is None:
+            raise RuntimeError("RingComm.wait: nothing was started")
+        for req in self._reqs:
+            req.wait()
+        self._reqs = None

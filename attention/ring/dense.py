@@ -1,0 +1,149 @@
+"""`ring`: exact attention over a sequence sharded across the ranks of a process group.
+
+Each rank holds its shard (layout contiguous | zigzag | striped) of q, k, v; K/V travel the ring
+and every step merges through the (out, lse) primitive. Causal: block pairs the mask removes
+entirely are skipped; zigzag and striped give every rank the same work at every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from attention import primitive
+from attention.base import Kernel, attention_flops, check_qkv
+from attention.layouts import check_layout, check_seq_len
+from attention.layouts import positions as layout_positions
+from attention.registry import KernelSpec, register
+from attention.ring.comm import check_backend, check_same_call, rank_and_world, resolve_group
+from attention.ring.engine import Block, RingFunction
+
+
+def check_group(group: Any) -> None:
+    """Raise ValueError unless `group` is None (the world) or a torch.distributed ProcessGroup."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            f"params.group: expected a torch.distributed ProcessGroup or None, got {group!r}"
+        )
+
+
+def default_layout(layout: str | None, causal: bool) -> str:
+    """The layout in force: `layout`, or zigzag when causal and contiguous otherwise."""
+    if layout is not None:
+        return layout
+    return "zigzag" if causal else "contiguous"
+
+
+@dataclass(frozen=True)
+class RingParams:
+    """layout: contiguous | zigzag | striped (None: zigzag when causal, else contiguous);
+    group: the process group (None: the default world group)."""
+
+    layout: str | None = None
+    group: Any = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.layout is not None:
+            check_layout(self.layout)
+        check_group(self.group)
+
+
+def check_ring(params: Any, *, seq_len: int, world_size: int = 1, num_heads: int = 1) -> None:
+    """Raise ValueError unless seq_len splits over world_size ranks in the layout.
+
+    Without an explicit layout the zigzag rule (seq_len % (2 x world_size)) applies, since the
+    default is zigzag for causal runs; set layout='contiguous' to need only seq_len % world_size.
+    """
+    check_seq_len(seq_len, params.layout or "zigzag", world_size)
+
+
+def dense_plan(layout: str, causal: bool, rank: int, world: int, n: int) -> list[list[Block]]:
+    """Blocks per step for exact attention; step t holds the K/V of rank (rank - t) mod W."""
+    plan: list[list[Block]] = []
+    for t in range(world):
+        src = (rank - t) % world
+        if not causal:
+            plan.append([Block(0, n, 0, n)])
+        elif src == rank:  # same positions on both sides: the local order is increasing
+            plan.append([Block(0, n, 0, n, causal=True)])
+        elif layout == "contiguous":
+            plan.append([Block(0, n, 0, n)] if src < rank else [])
+        elif layout == "zigzag":
+            c = n // 2  # chunks: mine r and 2W-1-r, held s and 2W-1-s
+            if src < rank:  # both my chunks see chunk s, neither sees 2W-1-s
+                plan.append([Block(0, n, 0, c)])
+            else:  # only my late chunk sees anything, and it sees both held chunks
+                plan.append([Block(c, n, 0, n)])
+        elif src < rank:  # striped: key j*W+s <= query i*W+r  <=>  j <= i
+            plan.append([Block(0, n, 0, n, causal=True)])
+        else:  # striped, s > r: j < i
+            plan.append([Block(1, n, 0, n - 1, causal=True)] if n > 1 else [])
+    return plan
+
+
+class RingAttention(Kernel):
+    """Exact attention on this rank's shard: `module(q, k, v, *, causal=False) -> out_local`."""
+
+    def __init__(self, params: RingParams | None = None) -> None:
+        super().__init__()
+        self.params = params or RingParams()
+        self.layout = self.params.layout
+
+    def local_positions(
+        self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
+    ) -> torch.Tensor:
+        """Global positions of the tokens rank `rank` must pass, in its local order."""
+        return layout_positions(seq_len, default_layout(self.layout, causal), rank, world_size)
+
+    def _setup(self, q: torch.Tensor, causal: bool) -> tuple[Any, int, int, str]:
+        group = resolve_group(self.params.group)
+        check_backend(group, q.device)
+        check_same_call(group, q, causal)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        layout = default_layout(self.layout, causal)
+        check_seq_len(q.shape[1] * world, layout, world)
+        return group, rank, world, layout
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
+    ) -> torch.Tensor:
+        check_qkv(q, k, v)
+        group, rank, world, layout = self._setup(q, causal)
+        self.backend = primitive.backend_for(q.device, q.dtype)
+        plan = dense_plan(layout, causal, rank, world, q.shape[1])
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        return RingFunction.apply(q, k, v, plan, group if world > 1 else None, q.shape[-1] ** -0.5)
+
+    def flops(
+        self,
+        batch: int,
+        seq_len: int,
+        num_heads: int,
+        head_dim: int,
+        causal: bool = False,
+        backward: bool = False,
+    ) -> int:
+        """FLOPs of this rank for a local shard of `seq_len` tokens (its computed pairs only)."""
+        rank, world = rank_and_world(self.params.group)
+        plan = dense_plan(default_layout(self.layout, causal), causal, rank, world, seq_len)
+        pairs = sum(blk.pairs() for step in plan for blk in step)
+        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
+
+
+register(
+    KernelSpec(
+        name="ring",
+        description=(
+            "Ring attention: exact attention over a sequence sharded across ranks (contiguous, "
+            "zigzag or striped); K/V travel the ring, dK/dV travel home in the backward."
+        ),
+        params=RingParams,
+        factory=RingAttention,
+        distributed=True,
+        check=check_ring,
+    )
+)

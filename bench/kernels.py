@@ -1,0 +1,339 @@
+"""Single-process kernels against dense SDPA: time, FLOP/s and peak memory per sequence length.
+
+For each --seq and kernel (dense first): forward ms and forward+backward ms (median, min, max of
+--repeats after one warm-up), the FLOPs the kernel computes (`module.flops`), achieved FLOP/s and
+its fraction of dense SDPA's at the same length, and forward / forward+backward peak memory
+above the inputs (CPU: malloc_trim(0), then "5" to /proc/self/clear_refs, then VmHWM; CUDA:
+reset_peak_memory_stats and max_memory_allocated), with the forward floor (q, k, v, out, lse).
+Each kernel first passes a correctness gate: its output on a small shape (params scaled down)
+against the fp64 dense masked reference of attention.masks. One JSON line per case, a table last.
+dilated segments longer than --seq are cut to --seq (default w = 2048, 4096, 8192 at 4K runs
+2048, 4096, 4096); each line records the params that ran. The CPU columns (process CPU time)
+show the work done even when other processes share the cores; wall times then stretch.
+
+    .venv/bin/python bench/kernels.py --seq 4096 8192 16384 --repeats 3 --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import attention
+from attention.masks import block_token_mask, dilated_reference, masked_attention
+
+DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
+    "dense": {},
+    "dilated": {"segment_lengths": [2048, 4096, 8192], "dilation_rates": [1, 2, 4]},
+    "block_sparse": [  # two tile sizes: the CPU flash op uses 256-row tiles for >= 768 queries
+        {"block_size": 256, "pattern": "local_window", "sparsity_ratio": 0.25},
+        {"block_size": 1024, "pattern": "local_window", "sparsity_ratio": 0.25},
+    ],
+}
+GATE_SEQ = 256
+GATE_TOL = 1e-4
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--kernels", nargs="+", default=list(DEFAULT_PARAMS), help="dense is added")
+    ap.add_argument(
+        "--params",
+        default="{}",
+        help="JSON {kernel: params or [params, ...]} overriding defaults (a list: one case each)",
+    )
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    return ap.parse_args()
+
+
+# ---- memory -----------------------------------------------------------------------------------
+
+
+class PeakMemory:
+    """Peak bytes of one device since `reset()`: VmHWM on Linux CPU, the CUDA allocator's peak."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._libc = ctypes.CDLL("libc.so.6") if device.type == "cpu" else None
+
+    @staticmethod
+    def _status_bytes(field: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"/proc/self/status has no {field}")
+
+    def current(self) -> int:
+        """Bytes in use now (RSS after releasing freed heap pages; CUDA: allocated)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        self._libc.malloc_trim(0)
+        return self._status_bytes("VmRSS")
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self._libc.malloc_trim(0)  # else freed blocks stay resident and the peak never moves
+        Path("/proc/self/clear_refs").write_text("5")
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        return self._status_bytes("VmHWM")
+
+
+def measure_peak(meter: PeakMemory, fn: Callable[[], Any]) -> int:
+    """Peak bytes above what was in use before `fn` ran (its result is held until measured)."""
+    base = meter.current()
+    meter.reset()
+    result = fn()
+    peak = meter.peak() - base
+    del result
+    return peak
+
+
+# ---- timing -----------------------------------------------------------------------------------
+
+
+def time_ms(
+    fn: Callable[[], Any], repeats: int, device: torch.device
+) -> tuple[list[float], list[float]]:
+    """Wall and process-CPU milliseconds of each of `repeats` calls after one warm-up.
+
+    CUDA: wall from CUDA events. The CPU time (all threads of this process) shows the work a
+    call did even when other processes share the cores and stretch its wall time.
+    """
+    fn()
+    times, cpu = [], []
+    for _ in range(repeats):
+        c0 = time.process_time()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
+    return times, cpu
+
+
+def stats(times: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(times), 3),
+        "min": round(min(times), 3),
+        "max": round(max(times), 3),
+    }
+
+
+# ---- correctness gate ---------------------------------------------------------------------------
+
+
+def fit_params(kernel: str, params: dict[str, Any], seq: int) -> dict[str, Any]:
+    """dilated: a segment longer than the sequence is cut to the sequence (the JSON line shows
+    the segment lengths that ran); other kernels run their params unchanged."""
+    if kernel != "dilated":
+        return params
+    return {**params, "segment_lengths": [min(w, seq) for w in params["segment_lengths"]]}
+
+
+def gate_params(kernel: str, params: dict[str, Any], seq: int) -> dict[str, Any]:
+    """The kernel's params scaled down so that they fit GATE_SEQ tokens (same code paths)."""
+    if kernel == "dilated":
+        factor = max(1, max(params["segment_lengths"]) // GATE_SEQ)
+        ws = [
+            max(r, w // factor)
+            for w, r in zip(params["segment_lengths"], params["dilation_rates"], strict=True)
+        ]
+        return {**params, "segment_lengths": ws}
+    if kernel == "block_sparse":
+        return {**params, "block_size": max(1, params["block_size"] * GATE_SEQ // seq)}
+    return params
+
+
+def gate(kernel: str, params: dict[str, Any], seq: int, causal: bool) -> float:
+    """Max |kernel - fp64 reference| on (1, GATE_SEQ, 4, 16) CPU fp32 inputs; raises if > tol."""
+    small = gate_params(kernel, params, seq)
+    module = attention.build(kernel, **small)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, GATE_SEQ, 4, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    out = module(q.float(), k.float(), v.float(), causal=causal).double()
+    if kernel == "dilated":
+        p = module.params
+        ref = dilated_reference(q, k, v, p.segment_lengths, p.dilation_rates, causal=causal)
+    elif kernel == "block_sparse":
+        keep = block_token_mask(module.block_mask(GATE_SEQ), small["block_size"], causal=causal)
+        ref = masked_attention(q, k, v, keep)[0]
+    else:
+        keep = torch.ones(GATE_SEQ, GATE_SEQ, dtype=torch.bool)
+        ref = masked_attention(q, k, v, keep.tril() if causal else keep)[0]
+    err = (out - ref).abs().max().item()
+    if not err <= GATE_TOL:
+        raise SystemExit(f"correctness gate failed: {kernel} {small}: max error {err:.3g}")
+    return err
+
+
+# ---- cases --------------------------------------------------------------------------------------
+
+
+def run_case(
+    kernel: str,
+    params: dict[str, Any],
+    seq: int,
+    args: argparse.Namespace,
+    dense: tuple[float, float] | None,
+) -> dict[str, Any]:
+    """One kernel at one length; `dense`: SDPA's (wall, CPU-time) forward FLOP/s, None for it."""
+    device = torch.device(args.device)
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    )
+    b, h, d = args.batch, args.heads, args.dim
+    attention.validate(kernel, params, seq_len=seq, num_heads=h)
+    err = gate(kernel, params, seq, args.causal)
+    module = attention.build(kernel, **params).to(device)
+    meter = PeakMemory(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(b, seq, h, d, generator=g, device=device, dtype=dtype) for _ in range(3))
+
+    def fwd() -> torch.Tensor:
+        with torch.no_grad():
+            return module(q, k, v, causal=args.causal)
+
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+
+    def fwd_bwd() -> tuple[torch.Tensor, ...]:
+        out = module(qg, kg, vg, causal=args.causal)
+        return torch.autograd.grad(out, (qg, kg, vg), dout)
+
+    fwd_ms, fwd_cpu_ms = time_ms(fwd, args.repeats, device)
+    fwd_bwd_ms, fwd_bwd_cpu_ms = time_ms(fwd_bwd, args.repeats, device)
+    fwd_peak = measure_peak(meter, fwd)
+    fwd_bwd_peak = measure_peak(meter, fwd_bwd)
+    itemsize = q.element_size()
+    inputs = 3 * q.numel() * itemsize
+    floor = 4 * q.numel() * itemsize + b * h * seq * 4  # q, k, v, out + fp32 lse
+    flops = module.flops(b, seq, h, d, causal=args.causal)
+    flops_fb = module.flops(b, seq, h, d, causal=args.causal, backward=True)
+    fwd_flops_s = flops / (statistics.median(fwd_ms) / 1e3)
+    fwd_flops_cpu_s = flops / (statistics.median(fwd_cpu_ms) / 1e3)
+    return {
+        "kernel": kernel,
+        "params": params,
+        "seq": seq,
+        "batch": b,
+        "heads": h,
+        "head_dim": d,
+        "causal": args.causal,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device.type,
+        "backend": module.backend,
+        "gate_max_err": err,
+        "fwd_ms": stats(fwd_ms),
+        "fwd_bwd_ms": stats(fwd_bwd_ms),
+        "fwd_cpu_ms": stats(fwd_cpu_ms),
+        "fwd_bwd_cpu_ms": stats(fwd_bwd_cpu_ms),
+        "flops_fwd": flops,
+        "flops_fwd_bwd": flops_fb,
+        "fwd_flop_s": fwd_flops_s,
+        "fwd_bwd_flop_s": flops_fb / (statistics.median(fwd_bwd_ms) / 1e3),
+        "fwd_frac_of_sdpa": fwd_flops_s / dense[0] if dense else 1.0,
+        "fwd_flop_per_cpu_s": fwd_flops_cpu_s,
+        "fwd_frac_of_sdpa_cpu": fwd_flops_cpu_s / dense[1] if dense else 1.0,
+        "fwd_peak_above_inputs_bytes": fwd_peak,
+        "fwd_bwd_peak_above_inputs_bytes": fwd_bwd_peak,
+        "inputs_bytes": inputs,
+        "floor_bytes": floor,
+        "fwd_peak_over_floor": (inputs + fwd_peak) / floor,
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Wall and CPU-time columns; x SDPA and t/dense compare with dense at the same length."""
+    head = (
+        f"{'kernel':<13}{'seq':>6}{'fwd ms':>9}{'fb ms':>9}{'GFLOP/s':>8}{'xSDPA':>6}"
+        f"{'fwd cpu ms':>11}{'cpu GFLOP/s':>12}{'xSDPA':>6}{'t/dense':>8}{'peak/floor':>11}"
+    )
+    lines = [head, "-" * len(head)]
+    dense_cpu = {r["seq"]: r["fwd_cpu_ms"]["median"] for r in rows if r["kernel"] == "dense"}
+    for r in rows:
+        cpu_ms = r["fwd_cpu_ms"]["median"]
+        name = r["kernel"]
+        if "block_size" in r["params"]:
+            name = f"{name[:8]}/{r['params']['block_size']}"
+        lines.append(
+            f"{name:<13}{r['seq']:>6}{r['fwd_ms']['median']:>9.1f}"
+            f"{r['fwd_bwd_ms']['median']:>9.1f}{r['fwd_flop_s'] / 1e9:>8.1f}"
+            f"{r['fwd_frac_of_sdpa']:>6.2f}{cpu_ms:>11.1f}"
+            f"{r['fwd_flop_per_cpu_s'] / 1e9:>12.1f}{r['fwd_frac_of_sdpa_cpu']:>6.2f}"
+            f"{cpu_ms / dense_cpu[r['seq']]:>8.3f}{r['fwd_peak_over_floor']:>11.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = json.loads(args.params)
+    kernels = ["dense", *[k for k in args.kernels if k != "dense"]]
+    print(
+        json.dumps(
+            {
+                "setup": {
+                    "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                    "device": args.device,
+                    "repeats": args.repeats,
+                    "warmup": 1,
+                    "causal": args.causal,
+                    "loadavg_1min": os.getloadavg()[0],
+                }
+            }
+        ),
+        flush=True,
+    )
+    rows = []
+    for seq in args.seq:
+        dense = None
+        for kernel in kernels:
+            given = overrides.get(kernel, DEFAULT_PARAMS.get(kernel, {}))
+            for params in given if isinstance(given, list) else [given]:
+                row = run_case(kernel, fit_params(kernel, params, seq), seq, args, dense)
+                if kernel == "dense":
+                    dense = (row["fwd_flop_s"], row["fwd_flop_per_cpu_s"])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""`block_sparse` against dense attention restricted to an explicit token mask; its patterns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attention
+from attention import block_sparse as bs_module
+from attention.hilbert import hilbert_permutation
+from attention.masks import block_token_mask, masked_attention
+
+pytestmark = pytest.mark.timeout(120)
+
+ATOL = 1e-5
+
+
+def assert_matches_reference(module, keep_fn, batch, seq, heads, dim, causal, seed=0) -> None:
+    """out and dq, dk, dv of the fp32 kernel equal fp64 masked attention within 1e-5.
+
+    keep_fn(q, k, v, causal) -> reference output (fp64, autograd).
+    """
+    g = torch.Generator().manual_seed(seed)
+    q64, k64, v64 = (
+        torch.randn(batch, seq, heads, dim, generator=g, dtype=torch.float64).requires_grad_()
+        for _ in range(3)
+    )
+    q, k, v = (t.detach().float().requires_grad_() for t in (q64, k64, v64))
+    out = module(q, k, v, causal=causal)
+    ref = keep_fn(q64, k64, v64, causal)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=ATOL)
+    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), dout.float())
+    refs = torch.autograd.grad(ref, (q64, k64, v64), dout)
+    for name, a, b in zip("qkv", grads, refs, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=ATOL, rtol=ATOL, msg=f"d{name}")
+
+
+def _explicit_block_mask(pattern: str, n: int, **p) -> torch.Tensor:
+    """The patterns' definitions written as loops over (query block i, key block j)."""
+    keep = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        for j in range(n):
+            d = abs(i - j)
+            if pattern == "local_window":
+                keep[i, j] = d <= p["window"]
+            elif pattern == "dilated":
+                keep[i, j] = d % p["dilation"] == 0 and d <= p["window"] * p["dilation"]
+            elif pattern == "global_local":
+                g = p["num_global"]
+                keep[i, j] = d <= p["window"] or i < g or j < g
+    return keep
+
+
+def _reference(module, block_size):
+    def reference(q, k, v, causal):
+        keep = block_token_mask(module.block_mask(q.shape[1]), block_size, causal=causal)
+        return masked_attention(q, k, v, keep)[0]
+
+    return reference
+
+
+PARAMS = [
+    {"block_size": 4, "pattern": "local_window", "window": 1},
+    {"block_size": 2, "pattern": "local_window", "sparsity_ratio": 0.25},
+    {"block_size": 4, "pattern": "dilated", "window": 2, "dilation": 2},
+    {"block_size": 2, "pattern": "dilated", "sparsity_ratio": 0.2, "dilation": 3},
+    {"block_size": 4, "pattern": "global_local", "window": 0, "num_global": 1},
+    {"block_size": 2, "pattern": "global_local", "sparsity_ratio": 0.4, "num_global": 2},
+    {"block_size": 4, "pattern": "random", "num_random": 2, "seed": 1},
+    {"block_size": 2, "pattern": "random", "sparsity_ratio": 0.3, "seed": 7},
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: "-".join(map(str, p.values())))
+def test_block_sparse_matches_masked_reference(params, causal) -> None:
+    module = attention.build("block_sparse", **params)
+    assert_matches_reference(module, _reference(module, params["block_size"]), 2, 32, 3, 8, causal)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "p"),
+    [
+        ("local_window", {"window": 0}),
+        ("local_window", {"window": 2}),
+        ("dilated", {"window": 1, "dilation": 3}),
+        ("dilated", {"window": 3, "dilation": 2}),
+        ("global_local", {"window": 1, "num_global": 2}),
+    ],
+)
+def test_block_masks_follow_the_pattern_definitions(pattern, p) -> None:
+    module = attention.build("block_sparse", block_size=2, pattern=pattern, **p)
+    mask = module.block_mask(24)
+    assert mask.dtype == torch.bool and mask.shape == (12, 12)
+    defaults = {"dilation": 2, "num_global": 1}
+    assert torch.equal(mask, _explicit_block_mask(pattern, 12, **{**defaults, **p}))
+    assert torch.equal(module.block_mask(24, causal=True), mask.tril())
+
+
+def test_random_pattern_keeps_diagonal_and_exact_count_per_row_and_is_seeded() -> None:
+    make = lambda seed: attention.build(  # noqa: E731
+        "block_sparse", block_size=1, pattern="random", num_random=3, seed=seed
+    )
+    mask = make(5).block_mask(16)
+    assert mask.diagonal().all() and (mask.sum(-1) == 4).all()
+    assert torch.equal(mask, make(5).block_mask(16))
+    assert not torch.equal(mask, make(6).block_mask(16))
+
+
+@pytest.mark.parametrize("pattern", ["local_window", "dilated", "global_local", "random"])
+def test_sparsity_ratio_sets_density_within_one_block_per_row(pattern) -> None:
+    n = 64
+    densities = []
+    for ratio in (0.1, 0.25, 0.5):
+        extra = {"dilation": 1} if pattern == "dilated" else {}
+        module = attention.build(
+            "block_sparse", block_size=1, pattern=pattern, sparsity_ratio=ratio, **extra
+        )
+        mask = module.block_mask(n)
+        density = mask.float().mean().item()
+        assert abs(density - ratio) <= 1 / n, (ratio, density)
+        assert mask.diagonal().all()
+        densities.append(density)
+    assert densities[0] < densities[1] < densities[2]
+
+
+def test_kernel_computes_exactly_the_kept_pairs(monkeypatch) -> None:
+    """Token pairs the primitive is asked to keep == mask count == flops(); no dense compute."""
+    seen = []
+    real = bs_module.block_forward
+
+    def spy(q, k, v, *, scale, mask=None):
+        kept = int(mask.sum()) if mask is not None else q.shape[1] * k.shape[1]
+        seen.append(q.shape[0] * q.shape[2] * kept)
+        return real(q, k, v, scale=scale, mask=mask)
+
+    monkeypatch.setattr(bs_module, "block_forward", spy)
+    for params in PARAMS:
+        module = attention.build("block_sparse", **params)
+        q = torch.randn(2, 32, 3, 4)
+        for causal in (False, True):
+            seen.clear()
+            module(q, q, q, causal=causal)
+            token_keep = block_token_mask(
+                module.block_mask(32), params["block_size"], causal=causal
+            )
+            assert sum(seen) == 2 * 3 * int(token_keep.sum())
+            assert module.flops(2, 32, 3, 4, causal=causal) == 4 * 4 * sum(seen)
+
+
+def test_flops_count_kept_blocks() -> None:
+    module = attention.build("block_sparse", block_size=4, pattern="local_window", window=1)
+    # 8 blocks: 8 diagonal + 14 off-diagonal kept blocks of 16 pairs; causal: 7 below + 8 x 10
+    assert module.flops(1, 32, 2, 8) == 4 * 8 * 2 * (22 * 16)
+    assert module.flops(1, 32, 2, 8, causal=True) == 4 * 8 * 2 * (7 * 16 + 8 * 10)
+
+
+def test_hilbert_ordering_equals_reference_on_permuted_positions() -> None:
+    params = {"block_size": 4, "pattern": "local_window", "window": 1, "ordering": "hilbert"}
+    module = attention.build("block_sparse", **params)
+    perm = hilbert_permutation(64)
+    inv = torch.argsort(perm)
+
+    def reference(q, k, v, causal):
+        keep = block_token_mask(module.block_mask(64), 4, causal=causal)
+        return masked_attention(q[:, perm], k[:, perm], v[:, perm], keep)[0][:, inv]
+
+    for causal in (False, True):
+        assert_matches_reference(module, reference, 2, 64, 2, 4, causal)
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"block_size": 0, "window": 1}, r"^params\.block_size: "),
+        ({"pattern": "banded", "window": 1}, r"^params\.pattern: must be one of"),
+        ({"pattern": "local_window"}, r"^params\.sparsity_ratio: give sparsity_ratio or"),
+        ({"sparsity_ratio": 0.25, "window": 2}, r"^params\.window: conflicts with"),
+        ({"pattern": "random", "sparsity_ratio": 0.2, "num_random": 2}, r"^params\.num_random: "),
+        ({"sparsity_ratio": 0.0}, r"^params\.sparsity_ratio: must be in \(0, 1\]"),
+        ({"sparsity_ratio": 1.5}, r"^params\.sparsity_ratio: must be in"),
+        ({"window": 1, "dilation": 2}, r"^params\.dilation: not used by pattern 'local_window'"),
+        ({"window": 1, "seed": 3}, r"^params\.seed: not used by pattern"),
+        ({"pattern": "random", "window": 1}, r"^params\.window: not used by pattern 'random'"),
+        ({"pattern": "dilated", "window": 1, "dilation": 0}, r"^params\.dilation: "),
+        ({"window": -1}, r"^params\.window: expected an integer >= 0"),
+        ({"window": 1, "ordering": "zorder"}, r"^params\.ordering: "),
+    ],
+)
+def test_invalid_parameters_raise_named_errors(params, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        attention.build("block_sparse", **params)
+
+
+def test_shape_constraints_raise_named_errors() -> None:
+    with pytest.raises(ValueError, match=r"^seq_len: 30 must divide by params\.block_size 4"):
+        attention.validate("block_sparse", {"block_size": 4, "window": 1}, seq_len=30)
+    hilbert = {"block_size": 4, "window": 1, "ordering": "hilbert"}
+    with pytest.raises(ValueError, match=r"^seq_len: 32 must be a power of 4"):
+        attention.validate("block_sparse", hilbert, seq_len=32)
+    unreachable = {"block_size": 1, "pattern": "dilated", "dilation": 4, "sparsity_ratio": 0.9}
+    with pytest.raises(ValueError, match=r"^params\.sparsity_ratio: pattern 'dilated' cannot"):
+        attention.validate("block_sparse", unreachable, seq_len=64)
+    module = attention.build("block_sparse", block_size=4, window=1)
+    with pytest.raises(ValueError, match=r"^seq_len: 30 must divide"):
+        module(*(torch.zeros(1, 30, 1, 4) for _ in range(3)))
+    attention.validate("block_sparse", {"block_size": 4, "window": 1}, seq_len=32)
+
+
+@st.composite
+def block_sparse_configs(draw):
+    pattern = draw(st.sampled_from(["local_window", "dilated", "global_local", "random"]))
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    n = draw(st.integers(1, 10))
+    params = {"block_size": block_size, "pattern": pattern}
+    if pattern == "random":
+        params["seed"] = draw(st.integers(0, 100))
+    if pattern == "dilated":
+        params["dilation"] = draw(st.integers(1, 3))
+    if pattern == "global_local":
+        params["num_global"] = draw(st.integers(0, 2))
+    if draw(st.booleans()) and pattern in ("local_window", "random"):  # always reachable
+        params["sparsity_ratio"] = draw(st.sampled_from([0.1, 0.3, 0.5, 1.0]))
+    elif pattern == "random":
+        params["num_random"] = draw(st.integers(0, 4))
+    else:
+        params["window"] = draw(st.integers(0, 3))
+    return params, n * block_size, draw(st.booleans())
+
+
+@settings(max_examples=25, deadline=None)
+@given(config=block_sparse_configs(), batch=st.integers(1, 2), heads=st.integers(1, 3))
+def test_property_random_valid_configs_match_reference(config, batch, heads) -> None:
+    params, seq, causal = config
+    module = attention.build("block_sparse", **params)
+    mask = module.block_mask(seq)
+    assert mask.diagonal().all()
+    assert_matches_reference(
+        module, _reference(module, params["block_size"]), batch, seq, heads, 4, causal
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("params", PARAMS[::2], ids=lambda p: p["pattern"])
+def test_small_chunks_give_the_same_result(params, causal, monkeypatch) -> None:
+    """Row chunking of the batched calls (forward and backward) changes nothing."""
+    monkeypatch.setattr(bs_module, "CHUNK_TOKENS", 8)
+    module = attention.build("block_sparse", **params)
+    assert_matches_reference(module, _reference(module, params["block_size"]), 2, 32, 2, 4, causal)
+
+
+def test_query_blocks_with_the_same_key_offsets_share_one_call() -> None:
+    params = attention.make_params("block_sparse", {"block_size": 4, "window": 2})
+    calls = bs_module._plan(params, 64, False)
+    rel = [c for c in calls if c.kind == "rel" and (c.a, c.b) == (-2, 3)]
+    assert [(c.r0, c.r1) for c in rel] == [(2, 14)]
+    assert len(calls) == 5  # interior rows in one call, 4 edge rows alone
+    causal = bs_module._plan(params, 64, True)
+    assert [(c.r0, c.r1, c.masked) for c in causal if (c.a, c.b) == (-2, 1)] == [(2, 16, True)]

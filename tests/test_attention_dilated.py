@@ -1,0 +1,198 @@
+"""`dilated` (LongNet) against a dense reference built from explicit per-branch token masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attention
+from attention import dilated as dilated_module
+from attention.dilated import DilatedAttention, DilatedParams
+from attention.masks import dilated_branch_mask, dilated_reference
+
+pytestmark = pytest.mark.timeout(120)
+
+ATOL = 1e-5
+
+
+def _inputs(batch: int, seq: int, heads: int, dim: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, seq, heads, dim, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def assert_matches_reference(module, reference, batch, seq, heads, dim, causal, seed=0) -> None:
+    """out and dq, dk, dv of the fp32 kernel equal the fp64 reference within 1e-5."""
+    q64, k64, v64 = (t.requires_grad_() for t in _inputs(batch, seq, heads, dim, seed))
+    q, k, v = (t.detach().float().requires_grad_() for t in (q64, k64, v64))
+    out = module(q, k, v, causal=causal)
+    ref = reference(q64, k64, v64, causal)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=ATOL)
+    g = torch.randn(
+        ref.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64
+    )
+    grads = torch.autograd.grad(out, (q, k, v), g.float())
+    refs = torch.autograd.grad(ref, (q64, k64, v64), g)
+    for name, a, b in zip("qkv", grads, refs, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=ATOL, rtol=ATOL, msg=f"d{name}")
+
+
+def _dilated_ref(ws, rs):
+    return lambda q, k, v, causal: dilated_reference(q, k, v, ws, rs, causal=causal)
+
+
+CONFIGS = [
+    # (seq, heads, segment_lengths, dilation_rates)
+    (16, 3, (4, 8), (1, 2)),  # H=3, r=2: groups of 2 and 1 heads
+    (16, 5, (8, 16), (4, 2)),  # H=5, r=4: groups of 2, 2, 1; offset 3 has no heads
+    (24, 4, (6, 12, 24), (1, 2, 3)),
+    (32, 2, (8, 16, 32), (1, 2, 4)),  # r > H: some offsets uncovered in a branch
+    (16, 6, (16,), (4,)),  # one branch: positions/heads outside a group are uncovered -> 0
+    (12, 3, (4, 12), (2, 3)),  # no r=1 branch
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("seq", "heads", "ws", "rs"), CONFIGS)
+def test_dilated_matches_masked_reference(seq, heads, ws, rs, causal) -> None:
+    module = attention.build("dilated", segment_lengths=ws, dilation_rates=rs)
+    assert_matches_reference(module, _dilated_ref(ws, rs), 2, seq, heads, 8, causal)
+
+
+def test_branch_mask_follows_the_authors_head_groups() -> None:
+    # H=3, r=2: ceil(3/2)=2 heads per group; heads 0,1 keep even offsets, head 2 odd ones.
+    keep = dilated_branch_mask(8, 3, 4, 2)
+    kept_rows = keep.any(-1)
+    assert kept_rows[0].tolist() == [True, False] * 4
+    assert kept_rows[1].tolist() == [True, False] * 4
+    assert kept_rows[2].tolist() == [False, True] * 4
+    assert keep[0, 0].tolist() == [True, False, True, False, False, False, False, False]
+    assert keep[2, 5].tolist() == [False, False, False, False, False, True, False, True]
+    causal = dilated_branch_mask(8, 3, 4, 2, causal=True)
+    assert causal[2, 5].tolist() == [False] * 5 + [True, False, False]
+
+
+def test_uncovered_positions_output_zero_and_get_no_gradient() -> None:
+    module = attention.build("dilated", segment_lengths=(8,), dilation_rates=(2,))
+    q, k, v = (t.float().requires_grad_() for t in _inputs(1, 16, 1, 4, seed=3))
+    out = module(q, k, v)
+    assert (out[:, 1::2] == 0).all() and (out[:, 0::2] != 0).any()
+    out.sum().backward()
+    assert (q.grad[:, 1::2] == 0).all() and (k.grad[:, 1::2] == 0).all()
+
+
+def test_hilbert_ordering_equals_reference_on_permuted_positions() -> None:
+    from attention.hilbert import hilbert_permutation
+
+    ws, rs = (4, 16), (1, 2)
+    perm = hilbert_permutation(16)
+    inv = torch.argsort(perm)
+
+    def reference(q, k, v, causal):
+        out = dilated_reference(q[:, perm], k[:, perm], v[:, perm], ws, rs, causal=causal)
+        return out[:, inv]
+
+    module = attention.build("dilated", segment_lengths=ws, dilation_rates=rs, ordering="hilbert")
+    for causal in (False, True):
+        assert_matches_reference(module, reference, 2, 16, 3, 8, causal)
+
+
+def test_primitive_calls_cover_exactly_the_counted_pairs(monkeypatch) -> None:
+    """The kernel computes only the dilated rows: pairs passed to the primitive == flops()."""
+    seen = []
+    real = dilated_module.block_forward
+
+    def spy(q, k, v, **kw):
+        sq, sk = q.shape[1], k.shape[1]
+        seen.append(q.shape[0] * q.shape[2] * (sq * (sq + 1) // 2 if kw["causal"] else sq * sk))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(dilated_module, "block_forward", spy)
+    module = attention.build("dilated", segment_lengths=(8, 16, 32), dilation_rates=(1, 2, 4))
+    q, k, v = (t.float() for t in _inputs(2, 32, 5, 4, seed=5))
+    for causal in (False, True):
+        seen.clear()
+        module(q, k, v, causal=causal)
+        assert 4 * 4 * sum(seen) == module.flops(2, 32, 5, 4, causal=causal)
+
+
+def test_flops_count_segments_of_dilated_rows() -> None:
+    module = attention.build("dilated", segment_lengths=(4, 8), dilation_rates=(1, 2))
+    # per head: 4 segments x 4^2 + 2 segments x 4^2 = 96 pairs; causal: 4 x 10 + 2 x 10 = 60
+    assert module.flops(2, 16, 3, 8) == 4 * 8 * 2 * 3 * 96
+    assert module.flops(2, 16, 3, 8, causal=True) == 4 * 8 * 2 * 3 * 60
+    assert module.flops(1, 16, 1, 8, backward=True) == int(4 * 8 * 96 * 3.5)
+    dense = attention.build("dense").flops(1, 16384, 8, 64)
+    longnet = attention.build("dilated").flops(1, 16384, 8, 64)
+    assert longnet / dense == pytest.approx(14 * 2048**2 / 16384**2)
+
+
+def test_low_precision_input_gives_output_of_that_dtype() -> None:
+    module = attention.build("dilated", segment_lengths=(4, 8), dilation_rates=(1, 2))
+    q, k, v = (t.float() for t in _inputs(1, 16, 2, 8, seed=7))
+    out32 = module(q, k, v)
+    out16 = module(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert out16.dtype == torch.bfloat16 and out16.shape == q.shape
+    torch.testing.assert_close(out16.float(), out32, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize(
+    ("params", "seq_len", "match"),
+    [
+        ({"segment_lengths": (), "dilation_rates": ()}, 16, r"^params\.segment_lengths: must not"),
+        ({"segment_lengths": (4, 8), "dilation_rates": (1,)}, 16, r"^params\.dilation_rates: "),
+        ({"segment_lengths": (6,), "dilation_rates": (4,)}, 12, r"^params\.segment_lengths: .*6"),
+        ({"segment_lengths": (4,), "dilation_rates": (0,)}, 16, r"^params\.dilation_rates: "),
+        ({"segment_lengths": 4, "dilation_rates": (1,)}, 16, r"^params\.segment_lengths: "),
+        ({"segment_lengths": (4,), "dilation_rates": (1,), "ordering": "zorder"}, 16, "ordering"),
+        ({"segment_lengths": (4, 16), "dilation_rates": (1, 2)}, 24, r"^seq_len: 24 .* 16$"),
+        ({"segment_lengths": (4,), "dilation_rates": (1,), "ordering": "hilbert"}, 32, "^seq_len"),
+    ],
+)
+def test_invalid_configurations_raise_named_errors(params, seq_len, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        attention.validate("dilated", params, seq_len=seq_len)
+    if not match.startswith("^seq_len"):
+        with pytest.raises(ValueError, match=match):
+            attention.build("dilated", **params)
+    else:
+        module = attention.build("dilated", **params)
+        with pytest.raises(ValueError, match=match):
+            module(*(torch.zeros(1, seq_len, 1, 4) for _ in range(3)))
+
+
+def test_lists_from_json_become_tuples() -> None:
+    params = attention.make_params("dilated", {"segment_lengths": [4, 8], "dilation_rates": [1, 2]})
+    assert params == DilatedParams((4, 8), (1, 2))
+    assert isinstance(DilatedAttention(params).params.segment_lengths, tuple)
+
+
+@st.composite
+def dilated_configs(draw):
+    n_branches = draw(st.integers(1, 3))
+    base = draw(st.sampled_from([2, 3, 4]))
+    ws, rs = [], []
+    for _ in range(n_branches):
+        w = base * draw(st.sampled_from([1, 2, 4]))
+        rs.append(draw(st.sampled_from([r for r in (1, 2, 3, 4) if w % r == 0])))
+        ws.append(w)
+    seq = max(ws) * draw(st.integers(1, 2))
+    return seq, draw(st.integers(1, 5)), tuple(ws), tuple(rs), draw(st.booleans())
+
+
+@settings(max_examples=25, deadline=None)
+@given(config=dilated_configs(), batch=st.integers(1, 2), seed=st.integers(0, 1000))
+def test_property_random_valid_configs_match_reference(config, batch, seed) -> None:
+    seq, heads, ws, rs, causal = config
+    module = attention.build("dilated", segment_lengths=ws, dilation_rates=rs)
+    assert_matches_reference(module, _dilated_ref(ws, rs), batch, seq, heads, 4, causal, seed)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_small_chunks_give_the_same_result(causal, monkeypatch) -> None:
+    monkeypatch.setattr(dilated_module, "CHUNK_TOKENS", 4)
+    ws, rs = (4, 8, 16), (1, 2, 4)
+    module = attention.build("dilated", segment_lengths=ws, dilation_rates=rs)
+    assert_matches_reference(module, _dilated_ref(ws, rs), 2, 32, 5, 4, causal)

@@ -1,0 +1,124 @@
+"""`multihead`: projections around a kernel equal explicit projections around its reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import attention
+from attention.masks import dilated_reference
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _explicit(module, x, inner_reference, causal):
+    """Projections written out with the module's weights around an fp64 reference kernel."""
+    p = module.params
+    heads, dim = p.num_heads, p.embed_dim // p.num_heads
+
+    def proj(lin: nn.Linear, t):
+        out = t @ lin.weight.double().T
+        return out + lin.bias.double() if lin.bias is not None else out
+
+    b, s, _ = x.shape
+    q, k, v = (
+        proj(lin, x).view(b, s, heads, dim) for lin in (module.q_proj, module.k_proj, module.v_proj)
+    )
+    return proj(module.out_proj, inner_reference(q, k, v, causal).reshape(b, s, p.embed_dim))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_multihead_dilated_matches_explicit_projections(causal, bias) -> None:
+    torch.manual_seed(0)
+    ws, rs = (4, 8), (1, 2)
+    module = attention.build(
+        "multihead",
+        kernel="dilated",
+        kernel_params={"segment_lengths": ws, "dilation_rates": rs},
+        embed_dim=12,
+        num_heads=3,
+        bias=bias,
+    )
+    x64 = torch.randn(2, 16, 12, dtype=torch.float64, requires_grad=True)
+    x = x64.detach().float().requires_grad_()
+    out = module(x, causal=causal)
+    ref = _explicit(
+        module, x64, lambda q, k, v, c: dilated_reference(q, k, v, ws, rs, causal=c), causal
+    )
+    assert out.shape == (2, 16, 12)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(ref)
+    (dx,) = torch.autograd.grad(out, (x,), g.float())
+    (dx_ref,) = torch.autograd.grad(ref, (x64,), g)
+    torch.testing.assert_close(dx.double(), dx_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_multihead_dense_equals_torch_multihead_attention() -> None:
+    torch.manual_seed(1)
+    module = attention.build("multihead", kernel="dense", embed_dim=16, num_heads=4)
+    torch_mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    with torch.no_grad():
+        w = torch.cat([module.q_proj.weight, module.k_proj.weight, module.v_proj.weight])
+        torch_mha.in_proj_weight.copy_(w)
+        b = torch.cat([module.q_proj.bias, module.k_proj.bias, module.v_proj.bias])
+        torch_mha.in_proj_bias.copy_(b)
+        torch_mha.out_proj.weight.copy_(module.out_proj.weight)
+        torch_mha.out_proj.bias.copy_(module.out_proj.bias)
+    q, k, v = (torch.randn(2, 10, 16) for _ in range(3))
+    ours = module(q, k, v)
+    theirs, _ = torch_mha(q, k, v, need_weights=False)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    ours.sum().backward()
+    assert module.q_proj.weight.grad is not None and module.q_proj.weight.grad.abs().sum() > 0
+    assert module.backend == "sdpa"
+
+
+def test_flops_add_projections_to_the_inner_kernel() -> None:
+    module = attention.build(
+        "multihead",
+        kernel="block_sparse",
+        kernel_params={"block_size": 4, "window": 1},
+        embed_dim=16,
+        num_heads=2,
+    )
+    inner = attention.build("block_sparse", block_size=4, window=1)
+    proj = 4 * 2 * 3 * 32 * 16 * 16
+    assert module.flops(3, 32, 2, 8) == proj + inner.flops(3, 32, 2, 8)
+    assert module.flops(3, 32, 2, 8, causal=True, backward=True) == 3 * proj + inner.flops(
+        3, 32, 2, 8, causal=True, backward=True
+    )
+    with pytest.raises(ValueError, match=r"^num_heads, head_dim: this layer has 2 heads of 8"):
+        module.flops(3, 32, 4, 4)
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"embed_dim": 10, "num_heads": 3}, r"^params\.embed_dim: 10 must divide by"),
+        ({"num_heads": 0}, r"^params\.num_heads: expected a positive integer"),
+        ({"kernel": "nope"}, r"^params\.kernel: unknown or unsupported kernel 'nope'; valid: .*"),
+        ({"kernel": "multihead"}, r"^params\.kernel: unknown or unsupported kernel 'multihead'"),
+        ({"kernel": "dense", "kernel_params": {"x": 1}}, r"^params\.kernel_params\.x: unknown"),
+        (
+            {"kernel": "block_sparse", "kernel_params": {"block_size": 4}},
+            r"^params\.kernel_params\.sparsity_ratio: give sparsity_ratio",
+        ),
+        ({"bias": "yes"}, r"^params\.bias: "),
+    ],
+)
+def test_invalid_parameters_raise_named_errors(params, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        attention.build("multihead", **params)
+
+
+def test_shape_rules_come_from_the_inner_kernel_and_inputs_are_checked() -> None:
+    params = {"kernel": "dilated", "kernel_params": {"segment_lengths": [8], "dilation_rates": [2]}}
+    with pytest.raises(ValueError, match=r"^seq_len: 12 must divide by every segment length"):
+        attention.validate("multihead", {**params, "embed_dim": 8, "num_heads": 2}, seq_len=12)
+    module = attention.build("multihead", embed_dim=8, num_heads=2)
+    with pytest.raises(ValueError, match=r"^q: expected \(batch, seq, embed_dim=8\)"):
+        module(torch.randn(1, 4, 2, 4))
+    with pytest.raises(ValueError, match=r"^q, k, v: shapes must match"):
+        module(torch.randn(1, 4, 8), torch.randn(1, 5, 8), torch.randn(1, 5, 8))
