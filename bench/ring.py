@@ -1,0 +1,353 @@
+"""Ring kernels on W ranks against their single-process twin on the full sequence, same cores.
+
+CPU (default): W gloo ranks with one thread each vs one process with W threads running the twin
+on all the tokens; forward and forward+backward times (median of --repeats after a short warm-up;
+a rank's time is the slowest rank's), the ratio ring/twin, and each process's peak memory above
+its baseline (VmHWM after malloc_trim(0) and a clear_refs reset; inputs included). Also the
+peak per rank at --mem-world ranks against the single process. CUDA (--device cuda, one GPU per
+rank, NCCL): the same cases in bf16 with CUDA events, TFLOP/s per GPU and max_memory_allocated.
+Every ring case first passes a correctness gate (a short sequence vs the twin on full tensors).
+
+    .venv/bin/python bench/ring.py [--seq 16384] [--world 2] [--mem-world 4] [--repeats 3]
+        [--kernel ring] [--params '{}'] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import attention
+from attention import layouts
+
+TWINS = {"ring": "dense", "ring_dilated": "dilated", "ring_block_sparse": "block_sparse"}
+GATE_SEQ = 512
+GATE_TOL = 1e-4
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=16384, help="total tokens")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--world", type=int, default=2, help="ranks of the timed ring")
+    ap.add_argument("--mem-world", type=int, default=4, help="ranks of the memory case (0: skip)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kernel", default="ring", choices=sorted(TWINS))
+    ap.add_argument("--params", default="{}", help="JSON params of the ring kernel")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument(
+        "--cases",
+        default="full,causal-zigzag,causal-contiguous",
+        help="comma list of full | causal-zigzag | causal-contiguous | causal-striped",
+    )
+    return ap.parse_args()
+
+
+# ---- memory -----------------------------------------------------------------------------------
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak(device: str) -> int:
+    """Reset the peak-memory mark; returns the current bytes (the baseline of the case)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back, or VmHWM would not move
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def read_peak(device: str) -> int:
+    """Peak bytes since the last reset_peak."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _status_kib("VmHWM") * 1024
+
+
+# ---- one process's work -----------------------------------------------------------------------
+
+
+def _inputs(args: dict, seq: int, device: torch.device, dtype: torch.dtype, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    shape = (args["batch"], seq, args["heads"], args["dim"])
+    return [torch.randn(*shape, generator=g).to(device, dtype) for _ in range(4)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _time_call(fn: Any, device: torch.device) -> float:
+    _sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1000
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def warm_up(args: dict, module: torch.nn.Module, layout: str, causal: bool) -> None:
+    """One short forward+backward, so that code pages, thread pools and gloo's first buffers
+    are in place before the memory baseline is taken."""
+    device = torch.device(args["device_name"])
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    q, k, v, dout = (
+        layouts.shard(t, layout, rank, world)
+        for t in _inputs(args, GATE_SEQ, device, torch.float32, seed=7)
+    )
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    module(q, k, v, causal=causal).backward(dout)
+
+
+def gate(args: dict, module: torch.nn.Module, twin: torch.nn.Module, layout: str, causal: bool):
+    """Raise unless the ring output on a short sequence equals the twin's on the full tensors."""
+    device, dtype = torch.device(args["device_name"]), torch.float32
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    q, k, v, _ = _inputs(args, GATE_SEQ, device, dtype, seed=123)
+    with torch.no_grad():
+        ref = twin(q, k, v, causal=causal)
+        shards = [layouts.shard(t, layout, rank, world) for t in (q, k, v)]
+        got = module(*shards, causal=causal)
+    err = (got.float() - layouts.shard(ref, layout, rank, world).float()).abs().max().item()
+    if err > GATE_TOL:
+        raise AssertionError(f"correctness gate: rank {rank} max error {err:.2e} > {GATE_TOL}")
+
+
+def measure(args: dict, kernel: str, params: dict, layout: str | None, causal: bool) -> dict:
+    """Time forward and forward+backward of `kernel` on this process's part; peak memory."""
+    device = torch.device(args["device_name"])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    module = attention.build(kernel, **params)
+    in_force = layout or ("zigzag" if causal else "contiguous")
+    if attention.KERNELS[kernel].distributed:
+        twin_name = TWINS[kernel]
+        twin_fields = set(attention.KERNELS[twin_name].params.__dataclass_fields__)
+        twin = attention.build(twin_name, **{k: v for k, v in params.items() if k in twin_fields})
+        gate(args, module, twin, in_force, causal)
+    warm_up(args, module, in_force, causal)
+    baseline = reset_peak(args["device"])
+    full = _inputs(args, args["seq"], torch.device("cpu"), torch.float32, seed=0)
+    if world > 1:
+        full = [layouts.shard(t, layout, rank, world) for t in full]
+    q, k, v, dout = (t.to(device, dtype) for t in full)
+    del full
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def fwd() -> None:
+        with torch.no_grad():
+            module(q, k, v, causal=causal)
+
+    def fwd_bwd() -> None:
+        out = module(q, k, v, causal=causal)
+        out.backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    result: dict[str, Any] = {"rank": rank, "local_seq": q.shape[1], "fwd_s": []}
+    fwd_bwd_s = []
+    if args["repeats"] > 0:  # (warm_up ran a short forward+backward already)
+        result["fwd_s"] = [_time_call(fwd, device) for _ in range(args["repeats"])]
+        fwd_bwd_s = [_time_call(fwd_bwd, device) for _ in range(args["repeats"] - 1)]
+    reset_peak(args["device"])
+    fwd_bwd_s.append(_time_call(fwd_bwd, device))  # the peak spans a whole forward+backward
+    result["fwd_bwd_s"] = fwd_bwd_s
+    result["peak_bytes"] = read_peak(args["device"]) - baseline
+    result["flops_fwd"] = module.flops(
+        args["batch"], q.shape[1], args["heads"], args["dim"], causal
+    )
+    result["backend"] = getattr(module, "backend", None)
+    return result
+
+
+# ---- processes ---------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_main(rank: int, world: int, port: int, args: dict, job: dict, out: Any) -> None:
+    try:
+        torch.set_num_threads(job["threads"])
+        if world > 1 or job["distributed"]:
+            backend = "nccl" if args["device"] == "cuda" else "gloo"
+            if args["device"] == "cuda":
+                torch.cuda.set_device(rank)
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=600),
+            )
+        if args["device"] == "cuda":
+            args = {**args, "device_name": f"cuda:{rank}"}
+        res = measure(args, job["kernel"], job["params"], job["layout"], job["causal"])
+        out.put(("ok", res))
+    except BaseException as exc:  # the parent prints it and stops
+        import traceback
+
+        out.put(("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_job(args: dict, job: dict, world: int) -> list[dict]:
+    """Run `job` on `world` fresh processes (one when world is 1); results by rank."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, args, job, out)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results = []
+    for _ in range(world):
+        status, value = out.get()
+        if status == "error":
+            for p in procs:
+                p.kill()
+            raise SystemExit(f"bench failed: {value}")
+        results.append(value)
+    for p in procs:
+        p.join()
+    return sorted(results, key=lambda r: r["rank"])
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def _median_of_slowest(results: list[dict], key: str) -> float:
+    """Median over repeats of the slowest rank's time (a ring step waits for every rank)."""
+    per_repeat = zip(*(r[key] for r in results), strict=True)
+    return statistics.median(max(times) for times in per_repeat)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def main() -> None:
+    a = parse()
+    if a.device == "cuda" and torch.cuda.device_count() < a.world:
+        raise SystemExit(f"--device cuda needs {a.world} GPUs, found {torch.cuda.device_count()}")
+    args = {**vars(a), "device_name": a.device}
+    params = json.loads(a.params)
+    twin = TWINS[a.kernel]
+    twin_fields = set(attention.KERNELS[twin].params.__dataclass_fields__)
+    twin_params = {k: v for k, v in params.items() if k in twin_fields}
+    threads = a.world if a.device == "cpu" else 1
+    print(
+        f"setup: {a.kernel} vs {twin}, total seq {a.seq}, batch {a.batch}, heads {a.heads}, "
+        f"head_dim {a.dim}, {'fp32 cpu' if a.device == 'cpu' else 'bf16 cuda'}; ring: {a.world} "
+        f"ranks x 1 thread ({'gloo' if a.device == 'cpu' else 'nccl'}); twin: 1 process x "
+        f"{threads} threads; {a.repeats} repeats after a warm-up; os.cpu_count()={os.cpu_count()}"
+    )
+    cases = {
+        "full": (False, "contiguous"),
+        "causal-zigzag": (True, "zigzag"),
+        "causal-contiguous": (True, "contiguous"),
+        "causal-striped": (True, "striped"),
+    }
+    twin_cache: dict[bool, list[dict]] = {}
+    for name in [c for c in a.cases.split(",") if c]:
+        causal, layout = cases[name]
+        if causal not in twin_cache:
+            job = dict(kernel=twin, params=twin_params, layout=None, causal=causal, threads=threads)
+            twin_cache[causal] = run_job(args, {**job, "distributed": False}, 1)
+        single = twin_cache[causal][0]
+        job = dict(
+            kernel=a.kernel,
+            params={**params, "layout": layout},
+            layout=layout,
+            causal=causal,
+            threads=1,
+            distributed=True,
+        )
+        ring = run_job(args, job, a.world)
+        line = {"case": name, "world": a.world}
+        for key in ("fwd_s", "fwd_bwd_s"):
+            t_ring = _median_of_slowest(ring, key)
+            t_one = statistics.median(single[key])
+            line[f"{key}_ring"] = round(t_ring, 4)
+            line[f"{key}_twin"] = round(t_one, 4)
+            line[f"{key}_ratio"] = round(t_ring / t_one, 3)
+        line["peak_per_rank"] = [r["peak_bytes"] for r in ring]
+        line["peak_twin"] = single["peak_bytes"]
+        if a.device == "cuda":
+            line["tflops_per_gpu_fwd"] = [
+                round(r["flops_fwd"] / statistics.median(r["fwd_s"]) / 1e12, 2) for r in ring
+            ]
+        print(json.dumps(line))
+        print(
+            f"  {name:18s} fwd {line['fwd_s_ring']:.3f}s vs {line['fwd_s_twin']:.3f}s "
+            f"(ratio {line['fwd_s_ratio']:.2f}); fwd+bwd {line['fwd_bwd_s_ring']:.3f}s vs "
+            f"{line['fwd_bwd_s_twin']:.3f}s (ratio {line['fwd_bwd_s_ratio']:.2f}); peak per rank "
+            f"{', '.join(_mib(p) for p in line['peak_per_rank'])} vs twin "
+            f"{_mib(single['peak_bytes'])}"
+        )
+    if a.mem_world:
+        mem_args = {**args, "repeats": 0}
+        job = dict(
+            kernel=a.kernel,
+            params={**params, "layout": "contiguous"},
+            layout="contiguous",
+            causal=False,
+            threads=1,
+            distributed=True,
+        )
+        ring = run_job(mem_args, job, a.mem_world)
+        one_job = dict(kernel=twin, params=twin_params, layout=None, causal=False, threads=threads)
+        single = run_job(mem_args, {**one_job, "distributed": False}, 1)[0]
+        worst = max(r["peak_bytes"] for r in ring)
+        line = {
+            "case": "memory fwd+bwd non-causal",
+            "world": a.mem_world,
+            "peak_per_rank": [r["peak_bytes"] for r in ring],
+            "peak_twin": single["peak_bytes"],
+            "ratio_worst_rank": round(worst / single["peak_bytes"], 3),
+        }
+        print(json.dumps(line))
+        print(
+            f"  memory at W={a.mem_world}: worst rank {_mib(worst)} vs single process "
+            f"{_mib(single['peak_bytes'])} (ratio {line['ratio_worst_rank']:.3f})"
+        )
+
+
+if __name__ == "__main__":
+    main()

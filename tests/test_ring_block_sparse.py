@@ -1,0 +1,110 @@
+"""`ring_block_sparse` in real gloo processes equals `block_sparse` on the full tensors (out and
+grads), for W in {1, 2, 4}, contiguous and zigzag, every pattern, causal or not, Hilbert order;
+steps the mask drops are neither computed nor sent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist_helpers import run_ranks
+
+import attention
+from attention import layouts
+from attention.hilbert import hilbert_permutation
+from attention.ring.block_sparse import _Schedule
+
+pytestmark = pytest.mark.timeout(120)
+
+SHAPE = (1, 64, 2, 8)
+CONFIGS = [
+    {"block_size": 4, "pattern": "local_window", "window": 1},
+    {"block_size": 4, "pattern": "dilated", "window": 2, "dilation": 3},
+    {"block_size": 4, "pattern": "global_local", "window": 1, "num_global": 1},
+    {"block_size": 4, "pattern": "random", "num_random": 3, "seed": 5},
+    {"block_size": 4, "pattern": "local_window", "sparsity_ratio": 0.25},
+    {"block_size": 4, "pattern": "local_window", "window": 1, "ordering": "hilbert"},
+]
+CASES = [
+    (cfg, layout, causal)
+    for cfg in CONFIGS
+    for layout in ("contiguous", "zigzag")
+    for causal in (False, True)
+]
+
+
+def full_inputs(seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(*SHAPE, generator=g) for _ in range(4))
+
+
+def rank_cases(rank: int, world: int) -> list[dict]:
+    results = []
+    for i, (cfg, layout, causal) in enumerate(CASES):
+        module = attention.build("ring_block_sparse", layout=layout, **cfg)
+        pos = module.local_positions(SHAPE[1], rank, world, causal=causal)
+        q, k, v, dout = (t[:, pos].clone() for t in full_inputs(i))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = module(q, k, v, causal=causal)
+        out.backward(dout)
+        flops = module.flops(SHAPE[0], SHAPE[1] // world, SHAPE[2], SHAPE[3], causal)
+        results.append(
+            {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "flops": flops}
+        )
+    return results
+
+
+def twin_reference(i: int, cfg: dict, causal: bool) -> dict:
+    q, k, v, dout = full_inputs(i)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    twin = attention.build("block_sparse", **cfg)
+    out = twin(q, k, v, causal=causal)
+    out.backward(dout)
+    flops = twin.flops(SHAPE[0], SHAPE[1], SHAPE[2], SHAPE[3], causal)
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "flops": flops}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ring_block_sparse_equals_block_sparse(world):
+    per_rank = run_ranks(rank_cases, world)
+    for i, (cfg, layout, causal) in enumerate(CASES):
+        ref = twin_reference(i, cfg, causal)
+        hilbert = cfg.get("ordering") == "hilbert"
+        perm = hilbert_permutation(SHAPE[1]) if hilbert else torch.arange(SHAPE[1])
+        for name in ("out", "dq", "dk", "dv"):
+            got = layouts.unshard([r[i][name] for r in per_rank], layout)
+            torch.testing.assert_close(
+                got, ref[name][:, perm], atol=1e-5, rtol=1e-5,
+                msg=lambda m, n=name, c=(cfg, layout, causal): f"{n} {c}: {m}",
+            )  # fmt: skip
+        assert sum(r[i]["flops"] for r in per_rank) == ref["flops"], (cfg, layout, causal)
+
+
+def test_dropped_steps_are_neither_computed_nor_sent():
+    twin = attention.build("block_sparse", block_size=4, pattern="local_window", window=1)
+    mask = twin.block_mask(64)
+    sched = _Schedule(mask, 64, "contiguous", 4, 4)  # 4 blocks a rank, window 1 block
+    for rank in range(4):
+        assert sched.needs(rank, 0)
+        assert not sched.needs(rank, 2)  # two ranks away: no block within the window
+        assert sched.plan(rank, 2, causal=False) == []
+    # step 1 holds rank - 1's keys, step 3 rank + 1's; the window does not wrap around
+    assert [sched.needs(r, 1) for r in range(4)] == [False, True, True, True]
+    assert [sched.needs(r, 3) for r in range(4)] == [True, True, True, False]
+    causal = _Schedule(twin.block_mask(64, causal=True), 64, "contiguous", 4, 4)
+    assert [causal.needs(r, 3) for r in range(4)] == [False, False, False, False]
+    assert [causal.needs(r, 1) for r in range(4)] == [False, True, True, True]
+
+
+def test_validate_names_the_shard_rules():
+    params = {"block_size": 8, "pattern": "local_window", "window": 1}
+    contiguous = {**params, "layout": "contiguous"}
+    attention.validate("ring_block_sparse", contiguous, seq_len=64, world_size=8)
+    with pytest.raises(ValueError, match=r"each zigzag chunk of 4 tokens .*params.block_size 8"):
+        attention.validate("ring_block_sparse", params, seq_len=64, world_size=8)
+    with pytest.raises(ValueError, match=r"seq_len: 60 must divide by params.block_size 8"):
+        attention.validate("ring_block_sparse", params, seq_len=60, world_size=2)
+    with pytest.raises(ValueError, match=r"params.layout: .* 'striped' splits every block"):
+        attention.build("ring_block_sparse", layout="striped", **params)
+    with pytest.raises(ValueError, match=r"params.window: conflicts with params.sparsity_ratio"):
+        attention.build("ring_block_sparse", sparsity_ratio=0.5, **params)
+    assert attention.KERNELS["ring_block_sparse"].distributed
