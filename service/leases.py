@@ -1,0 +1,268 @@
+"""Run leases in the database: atomic claims, heartbeats, recovery and the final result write.
+
+Every write after the claim is conditional on still holding the lease (the run's lease token in
+`lease_owner` and an active status), so a run cancelled by the API or recovered after a lost
+lease is never written by the scheduler that lost it. Each function is one short transaction.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal, cast
+
+from sqlalchemy import CursorResult, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.db.models import Environment, Probe, RankResult, Run, RunStatus, Sweep, utcnow
+
+ACTIVE_STATUSES = (RunStatus.running, RunStatus.waiting_resources)
+Kind = Literal["benchmark", "max_seq_len", "correctness"]  # workers.gang.Kind (SweepKind values)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A run this scheduler holds: its id, the lease token and what it needs to start."""
+
+    run_id: int
+    token: str
+    config: dict[str, Any]
+    kind: Kind
+    attempts: int
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What finishing a run writes: its terminal status and every row of its results."""
+
+    status: RunStatus
+    error: str | None = None
+    ranks: Sequence[dict[str, Any]] = field(default_factory=tuple)
+    probes: Sequence[dict[str, Any]] = field(default_factory=tuple)
+    environment: dict[str, Any] | None = None  # Environment columns, "hash" included
+
+
+def new_token(owner: str) -> str:
+    """A lease token unique to one claim: the owner plus a nonce (fits lease_owner's 128)."""
+    return f"{owner[:100]}/{uuid.uuid4().hex[:16]}"
+
+
+def _rowcount(result: Any) -> int:
+    # UPDATE statements return a CursorResult; Session.execute is typed as plain Result.
+    return cast(CursorResult[Any], result).rowcount
+
+
+def _holding(claim: Claim) -> Any:
+    # The one condition every post-claim write carries.
+    return (
+        (Run.id == claim.run_id)
+        & (Run.lease_owner == claim.token)
+        & Run.status.in_(ACTIVE_STATUSES)
+    )
+
+
+def claim_next(sm: sessionmaker[Session], owner: str, lease_s: float) -> Claim | None:
+    """Take the oldest queued run (status running, lease set, attempts + 1); None if none queued.
+
+    Postgres: SELECT ... FOR UPDATE SKIP LOCKED then UPDATE, so concurrent schedulers take
+    different rows. SQLite: one conditional UPDATE as the transaction's first statement (it takes
+    the write lock at once), checked by rowcount.
+    """
+    token = new_token(owner)
+    now = utcnow()
+    values = {
+        "status": RunStatus.running,
+        "lease_owner": token,
+        "lease_expires_at": now + timedelta(seconds=lease_s),
+        "heartbeat_at": now,
+        "started_at": now,
+        "finished_at": None,
+        "error": None,
+        "attempts": Run.attempts + 1,
+    }
+    with sm() as session, session.begin():
+        if session.get_bind().dialect.name == "postgresql":
+            run_id = session.scalars(
+                select(Run.id)
+                .where(Run.status == RunStatus.queued)
+                .order_by(Run.id)
+                .limit(1)
+                .with_for_update(skip_locked=True)
+            ).first()
+            if run_id is None:
+                return None
+            session.execute(
+                update(Run)
+                .where(Run.id == run_id)
+                .values(**values)
+                .execution_options(synchronize_session=False)
+            )
+        else:
+            oldest = (
+                select(Run.id)
+                .where(Run.status == RunStatus.queued)
+                .order_by(Run.id)
+                .limit(1)
+                .scalar_subquery()
+            )
+            result = session.execute(
+                update(Run)
+                .where(Run.id == oldest, Run.status == RunStatus.queued)
+                .values(**values)
+                .execution_options(synchronize_session=False)
+            )
+            if _rowcount(result) != 1:
+                return None
+        row = session.execute(
+            select(Run.id, Run.config, Run.attempts, Sweep.kind)
+            .join(Sweep, Sweep.id == Run.sweep_id)
+            .where(Run.lease_owner == token)
+        ).one()
+    return Claim(
+        run_id=row.id,
+        token=token,
+        config=row.config,
+        kind=cast(Kind, str(row.kind)),
+        attempts=row.attempts,
+    )
+
+
+def heartbeat(
+    sm: sessionmaker[Session], claim: Claim, lease_s: float, status: RunStatus | None = None
+) -> bool:
+    """Renew the lease (and optionally move between running and waiting_resources).
+
+    False means the lease is gone: the API cancelled the run or another scheduler recovered it.
+    """
+    now = utcnow()
+    values: dict[str, Any] = {
+        "lease_expires_at": now + timedelta(seconds=lease_s),
+        "heartbeat_at": now,
+    }
+    if status is not None:
+        if status not in ACTIVE_STATUSES:
+            raise ValueError(f"status: heartbeat moves between active states only, got {status}")
+        values["status"] = status
+    with sm() as session, session.begin():
+        result = session.execute(
+            update(Run)
+            .where(_holding(claim))
+            .values(**values)
+            .execution_options(synchronize_session=False)
+        )
+        return _rowcount(result) == 1
+
+
+def requeue(
+    sm: sessionmaker[Session], claim: Claim, error: str | None, *, consume_attempt: bool
+) -> bool:
+    """Give the run back to the queue (a retry, or a graceful stop); False if no longer held.
+
+    A graceful stop does not consume an attempt (attempts goes back down by one).
+    """
+    values: dict[str, Any] = {
+        "status": RunStatus.queued,
+        "lease_owner": None,
+        "lease_expires_at": None,
+        "heartbeat_at": None,
+        "started_at": None,
+        "error": error,
+    }
+    if not consume_attempt:
+        values["attempts"] = Run.attempts - 1
+    with sm() as session, session.begin():
+        result = session.execute(
+            update(Run)
+            .where(_holding(claim))
+            .values(**values)
+            .execution_options(synchronize_session=False)
+        )
+        return _rowcount(result) == 1
+
+
+def _environment_id(session: Session, env: dict[str, Any]) -> int:
+    # Insert-if-absent by hash: concurrent schedulers writing the same environment both succeed.
+    insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+    row = {"created_at": utcnow(), **env}
+    session.execute(
+        insert(Environment).values(**row).on_conflict_do_nothing(index_elements=["hash"])
+    )
+    return session.scalars(select(Environment.id).where(Environment.hash == env["hash"])).one()
+
+
+def finish(sm: sessionmaker[Session], claim: Claim, completion: Completion) -> bool:
+    """Write the terminal status and all results in ONE transaction, only while the lease holds.
+
+    The conditional UPDATE comes first (it takes the row/write lock); if it matches nothing the
+    transaction rolls back and nothing is written. Returns whether the write happened.
+    """
+    if completion.status not in (
+        RunStatus.succeeded,
+        RunStatus.failed,
+        RunStatus.oom,
+        RunStatus.timed_out,
+    ):
+        raise ValueError(
+            f"completion.status: not a status the scheduler ends a run with: {completion.status}"
+        )
+    with sm() as session, session.begin():
+        result = session.execute(
+            update(Run)
+            .where(_holding(claim))
+            .values(
+                status=completion.status,
+                error=completion.error,
+                finished_at=utcnow(),
+                lease_expires_at=None,
+            )
+            .execution_options(synchronize_session=False)
+        )
+        if _rowcount(result) != 1:
+            session.rollback()
+            return False
+        if completion.environment is not None:
+            env_id = _environment_id(session, completion.environment)
+            session.execute(
+                update(Run)
+                .where(Run.id == claim.run_id)
+                .values(environment_id=env_id)
+                .execution_options(synchronize_session=False)
+            )
+        for rank in completion.ranks:
+            session.add(RankResult(run_id=claim.run_id, **rank))
+        for probe in completion.probes:
+            session.add(Probe(run_id=claim.run_id, **probe))
+        session.flush()
+    return True
+
+
+def recover_expired(sm: sessionmaker[Session]) -> list[int]:
+    """Active runs whose lease expired (their scheduler died) go back to queued; attempts unchanged.
+
+    Returns the ids recovered.
+    """
+    now = utcnow()
+    stale = Run.status.in_(ACTIVE_STATUSES) & or_(
+        Run.lease_expires_at.is_(None), Run.lease_expires_at < now
+    )
+    with sm() as session, session.begin():
+        # One UPDATE ... RETURNING (both backends): concurrent recoveries re-check the condition
+        # on the locked row, so each run is requeued once.
+        ids = session.scalars(
+            update(Run)
+            .where(stale)
+            .values(
+                status=RunStatus.queued,
+                lease_owner=None,
+                lease_expires_at=None,
+                heartbeat_at=None,
+                started_at=None,
+                error="requeued: the lease of the scheduler running it expired",
+            )
+            .returning(Run.id)
+            .execution_options(synchronize_session=False)
+        ).all()
+    return sorted(ids)

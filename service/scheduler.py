@@ -1,0 +1,328 @@
+"""The scheduler loop: turns queued runs into results on a gang of Ray actors, losing none.
+
+One scheduler runs one run at a time: claim (service.leases), feasibility check, start the gang
+(workers.gang), poll while renewing the lease by heartbeat, then write the outcome in one
+transaction conditional on still holding the lease. Several schedulers may share one Postgres.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session, sessionmaker
+
+from service import leases
+from service.db.models import RunStatus
+from service.leases import Claim, Completion, Kind
+from workers.config import RunConfig
+from workers.results import RunOutcome
+
+log = logging.getLogger(__name__)
+
+OUTCOME_STATUS = {
+    "succeeded": RunStatus.succeeded,
+    "failed": RunStatus.failed,
+    "oom": RunStatus.oom,
+}
+
+
+class RunHandle(Protocol):
+    """A started run (workers.gang.RunHandle)."""
+
+    def poll(self, timeout_s: float) -> RunOutcome | None: ...  # raises RankFailed, ...
+
+    def kill(self, reason: str) -> None: ...
+
+    def placement(self) -> list[Any]: ...  # where the ranks run; empty until the gang is up
+
+
+class Pool(Protocol):
+    """Starts runs on (warm or fresh) gangs (workers.gang.GangPool)."""
+
+    def start(
+        self, config: RunConfig, kind: Kind, *, on_waiting: Callable[[], None] | None = None
+    ) -> RunHandle: ...  # raises workers.errors.Infeasible (checked against the cluster)
+
+
+@dataclass
+class RunTrace:
+    """Wall-clock (time.time()) marks of the last run, for bench/scheduler.py."""
+
+    run_id: int
+    claim_started_at: float
+    claimed_at: float
+    outcome: RunOutcome | None = None
+    outcome_at: float | None = None  # when poll returned the outcome
+    committed_at: float | None = None
+    status: RunStatus | None = None
+
+
+def default_owner() -> str:
+    """host:pid:nonce, unique per scheduler instance."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def completion_from_outcome(outcome: RunOutcome) -> Completion:
+    """Map a workers.results.RunOutcome onto the rows finishing a run writes (their row())."""
+    status = OUTCOME_STATUS.get(str(outcome.status))
+    if status is None:
+        raise ValueError(f"outcome.status: unknown status {outcome.status!r}")
+    return Completion(
+        status=status,
+        error=outcome.error,
+        ranks=[r.row() for r in outcome.ranks],
+        probes=[p.row() for p in outcome.probes],
+        environment=None if outcome.environment is None else outcome.environment.row(),
+    )
+
+
+class Scheduler:
+    """Claims queued runs one at a time and drives each to a terminal state (or back to queued)."""
+
+    def __init__(
+        self,
+        sessionmaker: sessionmaker[Session],
+        *,
+        pool: Pool,
+        owner: str | None = None,
+        lease_s: float = 30.0,
+        heartbeat_s: float = 5.0,
+        poll_s: float = 0.5,
+        grace_s: float = 10.0,
+    ) -> None:
+        """lease_s: how long a claim holds without a heartbeat (then recovery requeues the run);
+        heartbeat_s: renewal period (also how fast a cancel is noticed); poll_s: poll slice and
+        idle wait; grace_s: after a stop, how long the running run may still finish.
+        A run's timeout_s counts from its claim (waiting for resources and gang start included).
+        """
+        if not 0 < heartbeat_s < lease_s:
+            raise ValueError(
+                f"heartbeat_s: must be > 0 and below lease_s ({lease_s}), got {heartbeat_s}"
+            )
+        if poll_s <= 0:
+            raise ValueError(f"poll_s: must be > 0, got {poll_s}")
+        self.sessionmaker = sessionmaker
+        self.pool = pool
+        self.owner = owner or default_owner()
+        self.lease_s = lease_s
+        self.heartbeat_s = heartbeat_s
+        self.poll_s = poll_s
+        self.grace_s = grace_s
+        self._stopping = threading.Event()
+        self._requeue = threading.Event()
+        self._waiting = threading.Event()
+        self.last_trace: RunTrace | None = None
+
+    # -- control -------------------------------------------------------------------------------
+
+    def stop(self, *, requeue: bool = False) -> None:
+        """Stop claiming; the running run finishes (or, with requeue, is killed and requeued)."""
+        if requeue:
+            self._requeue.set()
+        self._stopping.set()
+
+    def recover(self) -> list[int]:
+        """Runs whose lease expired (a crashed scheduler) return to queued; their ids."""
+        ids = leases.recover_expired(self.sessionmaker)
+        if ids:
+            log.warning("requeued %d run(s) with an expired lease: %s", len(ids), ids)
+        return ids
+
+    def run_forever(self, stop: threading.Event) -> None:
+        """Recover, then claim and run until `stop` (or stop()); a stop lets the run finish
+        within grace_s and requeues it after that (attempts unchanged)."""
+        self.recover()
+        next_recover = time.monotonic() + self.lease_s
+        done = threading.Event()
+        watcher = threading.Thread(target=self._watch_stop, args=(stop, done), daemon=True)
+        watcher.start()
+        try:
+            while not self._stopping.is_set():
+                try:
+                    if time.monotonic() >= next_recover:
+                        self.recover()
+                        next_recover = time.monotonic() + self.lease_s
+                    worked = self.run_once()
+                except DBAPIError:
+                    # The database is down or restarting: keep trying; a run we held and could
+                    # not finish is requeued by recovery once its lease expires.
+                    log.exception("database error; retrying in %g s", self.lease_s / 4)
+                    self._stopping.wait(self.lease_s / 4)
+                    continue
+                if not worked:
+                    self._stopping.wait(self.poll_s)
+        finally:
+            self._stopping.set()
+            done.set()
+            watcher.join()
+
+    def _watch_stop(self, stop: threading.Event, done: threading.Event) -> None:
+        # Turns the caller's event into a graceful stop: grace_s to finish, then requeue.
+        while not done.is_set():
+            if stop.wait(0.2):
+                self._stopping.set()
+                if not done.wait(self.grace_s):
+                    self._requeue.set()
+                return
+
+    # -- one run -------------------------------------------------------------------------------
+
+    def run_once(self) -> bool:
+        """Claim at most one queued run and drive it to the end; False when nothing was queued."""
+        if self._stopping.is_set():
+            return False
+        t0 = time.time()
+        claim = leases.claim_next(self.sessionmaker, self.owner, self.lease_s)
+        if claim is None:
+            return False
+        self.last_trace = RunTrace(claim.run_id, claim_started_at=t0, claimed_at=time.time())
+        log.info("claimed run %d (attempt %d)", claim.run_id, claim.attempts)
+        try:
+            self._execute(claim)
+        except DBAPIError:
+            raise  # the lease expires and recovery requeues the run
+        except Exception as exc:  # a bug anywhere below must not wedge the run: fail it loudly
+            log.exception("run %d: scheduler error", claim.run_id)
+            self._finish(claim, Completion(RunStatus.failed, error=f"scheduler error: {exc!r}"))
+        return True
+
+    def _finish(self, claim: Claim, completion: Completion) -> None:
+        written = leases.finish(self.sessionmaker, claim, completion)
+        if self.last_trace is not None and self.last_trace.run_id == claim.run_id:
+            self.last_trace.committed_at = time.time()
+            self.last_trace.status = completion.status
+        if not written:
+            log.warning(
+                "run %d: lease lost (cancelled or recovered); %s not written",
+                claim.run_id,
+                completion.status,
+            )
+
+    def _execute(self, claim: Claim) -> None:
+        from workers import errors
+
+        try:
+            config = RunConfig.model_validate(claim.config)
+        except ValueError as exc:
+            self._finish(claim, Completion(RunStatus.failed, error=f"invalid run config: {exc}"))
+            return
+        self._waiting.clear()
+        try:
+            # The pool checks feasibility against the cluster before it creates anything and
+            # calls on_waiting (from this thread) when the bundles are not ready at once.
+            handle = self.pool.start(config, claim.kind, on_waiting=self._waiting.set)
+        except (errors.Infeasible, ValueError) as exc:
+            self._finish(claim, Completion(RunStatus.failed, error=str(exc)))
+            return
+        try:
+            self._drive(claim, config, handle)
+        except BaseException:
+            handle.kill("scheduler error")
+            raise
+
+    def _drive(self, claim: Claim, config: RunConfig, handle: RunHandle) -> None:
+        from workers import errors
+
+        deadline = time.monotonic() + config.timeout_s
+        next_beat = time.monotonic() + self.heartbeat_s
+        renewed = time.monotonic()  # the lease is ours until renewed + lease_s
+        backoff_until = 0.0  # after a failed heartbeat, status moves wait too
+        shown = RunStatus.running
+        while True:
+            # waiting_resources while the pool waits for bundles, running once ranks are placed.
+            wanted = shown
+            if self._waiting.is_set():
+                wanted = RunStatus.running if handle.placement() else RunStatus.waiting_resources
+            moved = wanted if wanted != shown else None
+            now = time.monotonic()
+            if (moved is not None and now >= backoff_until) or now >= next_beat:
+                try:
+                    held = leases.heartbeat(self.sessionmaker, claim, self.lease_s, moved)
+                except DBAPIError:
+                    if now - renewed >= self.lease_s - self.heartbeat_s:
+                        handle.kill("lease lost: the database was unreachable")
+                        raise
+                    log.warning("run %d: heartbeat failed; retrying", claim.run_id, exc_info=True)
+                    held = None  # unknown: try again shortly
+                    next_beat = backoff_until = now + min(1.0, self.heartbeat_s)
+                if held is False:
+                    handle.kill("run cancelled or lease lost")
+                    log.info("run %d: cancelled or lease lost; gang killed", claim.run_id)
+                    return
+                if held:
+                    renewed = now
+                    next_beat = now + self.heartbeat_s
+                    shown = wanted
+                    if shown == RunStatus.running:
+                        self._waiting.clear()
+            if self._requeue.is_set():
+                handle.kill("scheduler stopping")
+                leases.requeue(
+                    self.sessionmaker,
+                    claim,
+                    "requeued: the scheduler running it stopped",
+                    consume_attempt=False,
+                )
+                return
+            if now >= deadline:
+                handle.kill(f"timeout after {config.timeout_s} s")
+                self._finish(
+                    claim,
+                    Completion(
+                        RunStatus.timed_out, error=f"timed out after {config.timeout_s:g} s"
+                    ),
+                )
+                return
+            wait = max(0.0, min(self.poll_s, next_beat - now, deadline - now))
+            try:
+                outcome = handle.poll(wait)
+            except (errors.RankFailed, errors.PlacementTimeout) as exc:
+                handle.kill(str(exc))
+                self._failed_attempt(claim, config, str(exc))
+                return
+            except errors.GangError as exc:
+                handle.kill(str(exc))
+                self._finish(claim, Completion(RunStatus.failed, error=str(exc)))
+                return
+            if outcome is not None:
+                if self.last_trace is not None:
+                    self.last_trace.outcome = outcome
+                    self.last_trace.outcome_at = time.time()
+                self._finish(claim, completion_from_outcome(outcome))
+                return
+
+    def _failed_attempt(self, claim: Claim, config: RunConfig, error: str) -> None:
+        # A broken gang: retry while attempts remain, else fail with the cause.
+        msg = f"attempt {claim.attempts}/{config.max_attempts}: {error}"
+        if claim.attempts < config.max_attempts:
+            if leases.requeue(self.sessionmaker, claim, msg, consume_attempt=True):
+                log.warning("run %d: %s; requeued", claim.run_id, msg)
+            return
+        self._finish(claim, Completion(RunStatus.failed, error=msg))
+
+
+def run_forever_from_settings(settings: Any, stop_event: threading.Event) -> None:
+    """Migrate, connect Ray (settings.ray_address or a local one), and schedule until stop_event."""
+    from service.db.engine import make_engine, make_sessionmaker
+    from service.db.migrate import upgrade
+    from workers import cluster
+    from workers.gang import GangPool
+
+    upgrade(settings.database_url)
+    engine = make_engine(settings.database_url)
+    cluster.connect(settings.ray_address)
+    pool = GangPool()
+    try:
+        Scheduler(make_sessionmaker(engine), pool=pool).run_forever(stop_event)
+    finally:
+        pool.close()
+        engine.dispose()

@@ -1,0 +1,144 @@
+"""The benchmark protocol without Ray: times, honest peak memory, OOM outcomes, correctness gate."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+from _workers_helpers import config
+
+import attention
+from attention.dense import DenseAttention
+from attention.registry import KernelSpec
+from workers import protocol, references
+
+FP32 = 4
+
+
+def _floor(cfg, tensors: int) -> int:
+    return tensors * cfg.batch_size * cfg.seq_len * cfg.num_heads * cfg.head_dim * FP32
+
+
+def test_times_and_throughput_follow_each_iteration() -> None:
+    cfg = config(seq_len=1024, iterations=4)
+    case = protocol.run_case(cfg)
+    assert case.status == "ok" and case.error is None
+    result = case.result
+    assert len(result.times_s) == 4 and all(t > 0 for t in result.times_s)
+    assert result.median_s == statistics.median(result.times_s)
+    assert result.p10_s <= result.median_s <= result.p90_s
+    assert result.tokens_per_s == pytest.approx(1024 / result.median_s)
+    kernel = attention.build("dense")
+    assert result.flops == kernel.flops(1, 1024, 2, 16, False)
+    assert result.flops_per_s == pytest.approx(result.flops / result.median_s)
+    assert result.backend == "sdpa"
+    assert case.first_iteration_at < case.last_iteration_at
+    assert case.environment.torch and case.environment.python
+
+
+@pytest.mark.parametrize("mode", ["forward", "train"])
+def test_peak_memory_is_plausible_for_a_known_allocation(mode: str) -> None:
+    cfg = config(seq_len=4096, num_heads=4, head_dim=32, mode=mode, iterations=2)
+    # Inputs plus the output (forward); train adds dout and three gradients.
+    floor = _floor(cfg, 4 if mode == "forward" else 8)
+    peak = protocol.run_case(cfg).result.peak_memory_bytes
+    assert 0.9 * floor <= peak <= 3 * floor, (peak, floor)
+
+
+def test_cpu_budget_over_the_peak_is_an_emulated_oom() -> None:
+    cfg = config(seq_len=4096, num_heads=4, head_dim=32)
+    budget = _floor(cfg, 3) + _floor(cfg, 1) // 2  # holds the inputs, not the output
+    case = protocol.run_case(cfg.model_copy(update={"memory_budget_bytes": budget}))
+    assert case.status == "oom" and case.emulated
+    assert case.peak_memory_bytes > budget
+    assert case.result.emulated_oom and case.result.memory_budget_bytes == budget
+    assert f"over the {budget}-byte CPU memory budget" in case.error
+
+
+def test_inputs_over_the_budget_are_not_allocated() -> None:
+    cfg = config(seq_len=4096, num_heads=4, head_dim=32, memory_budget_bytes=1000)
+    case = protocol.run_case(cfg)
+    assert case.status == "oom" and case.emulated and case.result is None
+    assert case.requested_bytes == _floor(cfg, 3)
+
+
+def test_allocation_failure_is_an_oom_and_the_rank_stays_usable() -> None:
+    huge = config(seq_len=4096, num_heads=65536, head_dim=1024)  # 1 TiB per input
+    case = protocol.run_case(huge)
+    assert case.status == "oom" and not case.emulated
+    assert "can't allocate memory" in case.error
+    assert case.requested_bytes == _floor(huge, 1)
+    assert protocol.run_case(config()).status == "ok"
+
+
+class _Skewed(DenseAttention):
+    """dense plus a constant: fast and wrong, what the correctness gate must stop."""
+
+    def forward(self, q, k, v, *, causal=False):  # type: ignore[no-untyped-def]
+        return super().forward(q, k, v, causal=causal) + 0.01
+
+
+@pytest.fixture
+def skewed(monkeypatch: pytest.MonkeyPatch) -> str:
+    """`dense` replaced by a wrong kernel (the reference is an independent einsum)."""
+    spec = KernelSpec(
+        name="skewed",
+        description="test",
+        params=attention.KERNELS["dense"].params,
+        factory=_Skewed,
+    )
+    monkeypatch.setitem(attention.KERNELS, "dense", spec)
+    return "dense"
+
+
+def test_correctness_check_fails_a_wrong_kernel(skewed: str) -> None:
+    case = protocol.run_case(config(kernel=skewed, correctness_check=True))
+    assert case.status == "failed" and case.result is None
+    assert "correctness check failed: max abs error 0.01" in case.error
+
+
+@pytest.mark.parametrize("mode", ["forward", "train"])
+def test_correctness_check_passes_dense_and_is_recorded(mode: str) -> None:
+    case = protocol.run_case(config(correctness_check=True, mode=mode))
+    assert case.status == "ok"
+    assert 0 < case.result.max_abs_error <= protocol.CHECK_ATOL["float32"]
+
+
+def test_correctness_kind_checks_at_the_full_length(skewed: str) -> None:
+    case = protocol.run_case(config(kernel=skewed, seq_len=256), kind="correctness")
+    assert case.status == "failed" and "at seq_len 256" in case.error
+
+
+SPARSE = [
+    ("dilated", {"segment_lengths": [64, 128], "dilation_rates": [1, 2]}),
+    ("dilated", {"segment_lengths": [64, 256], "dilation_rates": [1, 4], "ordering": "hilbert"}),
+    ("block_sparse", {"block_size": 16, "pattern": "local_window", "window": 2}),
+]
+
+
+@pytest.mark.parametrize(("kernel", "params"), SPARSE)
+def test_sparse_kernels_are_checked_against_their_explicit_masks(kernel: str, params) -> None:
+    cfg = config(
+        kernel=kernel, params=params, seq_len=256, mode="train", causal=True, correctness_check=True
+    )
+    case = protocol.run_case(cfg)
+    assert case.status == "ok", case.error
+    assert 0 < case.result.max_abs_error <= 1e-4
+
+
+def test_a_kernel_without_a_reference_is_refused() -> None:
+    with pytest.raises(ValueError, match="correctness_check: no exact reference for kernel"):
+        references.reference_for("multihead", {})
+
+
+def test_check_length_is_the_smallest_valid_divisor() -> None:
+    assert protocol.check_length(config(seq_len=1 << 20)) == 128
+    assert protocol.check_length(config(seq_len=100)) == 100
+    dilated = config(
+        kernel="dilated",
+        params={"segment_lengths": [2048, 4096], "dilation_rates": [1, 2]},
+        seq_len=3 * 4096,
+    )
+    assert protocol.check_length(dilated) == 4096
+    ring = config(kernel="ring", world_size=4, seq_len=3000, params={"layout": "contiguous"})
+    assert protocol.check_length(ring) == 200

@@ -1,0 +1,367 @@
+"""The scheduler's database half on SQLite and Postgres: claims, leases, recovery, writes.
+
+Runs execute on the in-process executor of tests/_scheduler_helpers.py (no Ray); the Ray half is
+in tests/test_scheduler_ray.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import pytest
+from _scheduler_helpers import (
+    Script,
+    ThreadPool,
+    add_sweep,
+    fake_outcome,
+    rank_rows_per_run,
+    run_row,
+    tiny_config,
+    wait_for,
+)
+from sqlalchemy import Engine, func, select, text, update
+from sqlalchemy.exc import IntegrityError
+
+from service import leases
+from service.db.engine import make_sessionmaker
+from service.db.models import Environment, RankResult, Run, RunStatus, utcnow
+from service.leases import Completion
+from service.scheduler import Scheduler, completion_from_outcome
+
+pytestmark = pytest.mark.timeout(60)
+
+# A claiming process: claims (and heartbeats) until nothing is queued, prints the ids it got.
+CLAIM_LOOP = """
+import json, os, sys
+from service import leases
+from service.db.engine import make_engine, make_sessionmaker
+sm = make_sessionmaker(make_engine(sys.argv[1]))
+got = []
+while (claim := leases.claim_next(sm, f"proc-{os.getpid()}", 30)) is not None:
+    got.append(claim.run_id)
+    if not leases.heartbeat(sm, claim, 30):
+        raise SystemExit(f"lost the lease of run {claim.run_id} right after claiming it")
+print(json.dumps(got))
+"""
+
+
+def make_scheduler(engine: Engine, pool: ThreadPool, **kwargs: object) -> Scheduler:
+    opts: dict[str, object] = {"lease_s": 2.0, "heartbeat_s": 0.1, "poll_s": 0.02}
+    opts.update(kwargs)
+    return Scheduler(make_sessionmaker(engine), pool=pool, **opts)  # type: ignore[arg-type]
+
+
+def test_claims_are_exclusive_under_concurrency(engine: Engine) -> None:
+    sm = make_sessionmaker(engine)
+    ids = add_sweep(sm, [tiny_config(seed=i) for i in range(40)])
+    claimed: list[int] = []
+    lock = threading.Lock()
+
+    def worker(n: int) -> None:
+        while (claim := leases.claim_next(sm, f"w{n}", lease_s=30)) is not None:
+            with lock:
+                claimed.append(claim.run_id)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(claimed) == ids, "each run claimed exactly once"
+    with sm() as session:
+        rows = session.execute(select(Run.status, Run.attempts, Run.lease_owner)).all()
+    assert {(r.status, r.attempts) for r in rows} == {(RunStatus.running, 1)}
+    assert len({r.lease_owner for r in rows}) == len(ids), "one lease token per claim"
+
+
+def test_claims_are_exclusive_across_processes(database_url: str, engine: Engine) -> None:
+    sm = make_sessionmaker(engine)
+    ids = add_sweep(sm, [tiny_config(seed=i) for i in range(60)])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CLAIM_LOOP, database_url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    claimed: list[int] = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-2000:]
+        claimed.extend(json.loads(out))
+    assert sorted(claimed) == ids, "each run claimed exactly once, no database error"
+
+
+def test_several_schedulers_run_every_run_exactly_once(engine: Engine) -> None:
+    sm = make_sessionmaker(engine)
+    configs = [tiny_config(seed=i, world_size=2, parallel="data", batch_size=2) for i in range(12)]
+    ids = add_sweep(sm, configs)
+    pool = ThreadPool(script_for=lambda _c: Script(delay_s=0.02))
+    stop = threading.Event()
+    schedulers = [make_scheduler(engine, pool) for _ in range(3)]
+    threads = [threading.Thread(target=s.run_forever, args=(stop,)) for s in schedulers]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(
+            lambda: all(run_row(sm, i).status == RunStatus.succeeded for i in ids),
+            what="all runs succeeded",
+        )
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert pool.starts == Counter({i: 1 for i in range(12)}), "no run started twice"
+    assert rank_rows_per_run(sm) == Counter(dict.fromkeys(ids, 2))
+    with sm() as session:
+        assert session.scalar(select(func.count()).select_from(Environment)) == 1, "deduplicated"
+        envs = set(session.scalars(select(Run.environment_id)))
+    assert len(envs) == 1 and None not in envs
+
+
+def test_run_once_false_when_nothing_queued(engine: Engine) -> None:
+    assert make_scheduler(engine, ThreadPool()).run_once() is False
+
+
+def test_expired_lease_is_recovered_to_queued(engine: Engine) -> None:
+    sm = make_sessionmaker(engine)
+    (run_id,) = add_sweep(sm, [tiny_config()])
+    claim = leases.claim_next(sm, "crashed", lease_s=0.05)
+    assert claim is not None
+    assert leases.recover_expired(sm) == [], "a live lease is not recovered"
+    time.sleep(0.1)
+    assert make_scheduler(engine, ThreadPool()).recover() == [run_id]
+    run = run_row(sm, run_id)
+    assert (run.status, run.attempts, run.lease_owner) == (RunStatus.queued, 1, None)
+    assert "lease" in (run.error or "")
+    assert not leases.heartbeat(sm, claim, 30), "the crashed owner cannot renew"
+    assert not leases.finish(sm, claim, completion_from_outcome(fake_outcome(tiny_config())))
+    assert rank_rows_per_run(sm) == Counter()
+
+
+def test_finish_writes_once_and_only_with_the_lease(engine: Engine) -> None:
+    sm = make_sessionmaker(engine)
+    (run_id,) = add_sweep(sm, [tiny_config(world_size=2, parallel="data", batch_size=2)])
+    claim = leases.claim_next(sm, "me", lease_s=30)
+    assert claim is not None
+    done = completion_from_outcome(
+        fake_outcome(tiny_config(world_size=2, parallel="data", batch_size=2))
+    )
+    assert leases.finish(sm, claim, done)
+    assert not leases.finish(sm, claim, done), "a second write is refused"
+    assert rank_rows_per_run(sm) == Counter({run_id: 2})
+    run = run_row(sm, run_id)
+    assert run.status == RunStatus.succeeded and run.finished_at is not None
+    assert run.lease_expires_at is None
+
+
+def test_results_are_committed_in_one_transaction(engine: Engine) -> None:
+    # A result row that violates a constraint rolls back the status change too.
+    sm = make_sessionmaker(engine)
+    (run_id,) = add_sweep(sm, [tiny_config()])
+    claim = leases.claim_next(sm, "me", lease_s=30)
+    assert claim is not None
+    row = fake_outcome(tiny_config()).ranks[0].row()
+    with pytest.raises(IntegrityError):
+        leases.finish(sm, claim, Completion(RunStatus.succeeded, ranks=[row, row]))
+    run = run_row(sm, run_id)
+    assert run.status == RunStatus.running and rank_rows_per_run(sm) == Counter()
+
+
+def test_cancel_while_running_kills_and_stays_cancelled(engine: Engine) -> None:
+    sm = make_sessionmaker(engine)
+    (run_id,) = add_sweep(sm, [tiny_config()])
+    pool = ThreadPool(script_for=lambda _c: Script(hang=True))
+    sched = make_scheduler(engine, pool)
+    worker = threading.Thread(target=sched.run_once)
+    worker.start()
+    wait_for(lambda: run_row(sm, run_id).status == RunStatus.running, what="running")
+    with sm() as session, session.begin():  # what POST /sweeps/{id}/cancel does
+        session.execute(
+            update(Run)
+            .where(Run.id == run_id)
+            .values(status=RunStatus.cancelled, finished_at=utcnow(), error="cancelled by request")
+        )
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    assert pool.kills == ["run cancelled or lease lost"]
+    run = run_row(sm, run_id)
+    assert (run.status, run.error) == (RunStatus.cancelled, "cancelled by request")
+    assert rank_rows_per_run(sm) == Counter()
+
+
+def test_timeout_kills_and_records_timed_out(engine: Engine) -> None:
+    sm = make_sessionmaker(engine)
+    (run_id,) = add_sweep(sm, [tiny_config(timeout_s=0.3)])
+    pool = ThreadPool(script_for=lambda _c: Script(hang=True))
+    t0 = time.monotonic()
+    assert make_scheduler(engine, pool).run_once()
+    assert 0.3 <= time.monotonic() - t0 < 5
+    run = run_row(sm, run_id)
+    assert run.status == RunStatus.timed_out and "0.3 s" in (run.error or "")
+    assert pool.kills == ["timeout after 0.3 s"]
+
+
+def test_infeasible_fails_at_once_with_the_message(engine: Engine) -> None:
+    sm = make_sessionmaker(engine)
+    (run_id,) = add_sweep(sm, [tiny_config()])
+
+    pool = ThreadPool(script_for=lambda _c: Script(infeasible=("8 CPUs for 8 ranks", "4 CPUs")))
+    assert make_scheduler(engine, pool).run_once()
+    run = run_row(sm, run_id)
+    assert run.status == RunStatus.failed
+    assert run.error == "infeasible: the run needs 8 CPUs for 8 ranks; the cluster has 4 CPUs"
+    assert pool.starts == Counter(), "no gang started"
+
+
+@pytest.mark.parametrize(
+    ("max_attempts", "status"), [(2, RunStatus.succeeded), (1, RunStatus.failed)]
+)
+def test_rank_failure_retries_up_to_max_attempts(
+    engine: Engine, max_attempts: int, status: RunStatus
+) -> None:
+    sm = make_sessionmaker(engine)
+    (run_id,) = add_sweep(sm, [tiny_config(max_attempts=max_attempts)])
+    pool = ThreadPool(script_for=lambda _c: Script(fail_attempts=1))
+    sched = make_scheduler(engine, pool)
+    assert sched.run_once()
+    if max_attempts == 2:
+        assert run_row(sm, run_id).status == RunStatus.queued, "requeued after the first failure"
+        assert sched.run_once()
+    run = run_row(sm, run_id)
+    assert (run.status, run.attempts) == (status, max_attempts)
+    assert pool.starts[0] == max_attempts
+    if status == RunStatus.failed:
+        assert run.error == "attempt 1/1: rank 1 failed: simulated death on start 1"
+        assert rank_rows_per_run(sm) == Counter()
+    else:
+        assert run.error is None and rank_rows_per_run(sm) == Counter({run_id: 1})
+
+
+def test_waiting_resources_is_shown_then_running(engine: Engine) -> None:
+    sm = make_sessionmaker(engine)
+    (run_id,) = add_sweep(sm, [tiny_config()])
+    pool = ThreadPool(script_for=lambda _c: Script(waiting_s=1.0, delay_s=1.0))
+    worker = threading.Thread(target=make_scheduler(engine, pool).run_once)
+    worker.start()
+    seen: list[RunStatus] = []
+
+    def record() -> bool:
+        status = run_row(sm, run_id).status
+        if not seen or seen[-1] != status:
+            seen.append(status)
+        return status == RunStatus.succeeded
+
+    wait_for(record, what="succeeded")
+    worker.join()
+    assert RunStatus.waiting_resources in seen
+    assert seen.index(RunStatus.waiting_resources) < len(seen) - 1
+    assert seen[-2:] == [RunStatus.running, RunStatus.succeeded]
+
+
+def test_graceful_stop_lets_the_run_finish(engine: Engine) -> None:
+    sm = make_sessionmaker(engine)
+    ids = add_sweep(sm, [tiny_config(seed=0), tiny_config(seed=1)])
+    pool = ThreadPool(script_for=lambda _c: Script(delay_s=0.5))
+    stop = threading.Event()
+    sched = make_scheduler(engine, pool, grace_s=5.0)
+    worker = threading.Thread(target=sched.run_forever, args=(stop,))
+    worker.start()
+    wait_for(lambda: run_row(sm, ids[0]).status == RunStatus.running, what="running")
+    stop.set()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    assert [run_row(sm, i).status for i in ids] == [RunStatus.succeeded, RunStatus.queued]
+
+
+def test_stop_past_grace_requeues_without_consuming_an_attempt(engine: Engine) -> None:
+    sm = make_sessionmaker(engine)
+    (run_id,) = add_sweep(sm, [tiny_config()])
+    pool = ThreadPool(script_for=lambda _c: Script(hang=True))
+    stop = threading.Event()
+    sched = make_scheduler(engine, pool, grace_s=0.2)
+    worker = threading.Thread(target=sched.run_forever, args=(stop,))
+    worker.start()
+    wait_for(lambda: run_row(sm, run_id).status == RunStatus.running, what="running")
+    stop.set()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    run = run_row(sm, run_id)
+    assert (run.status, run.attempts, run.lease_owner) == (RunStatus.queued, 0, None)
+    assert pool.kills == ["scheduler stopping"]
+
+
+def test_heartbeat_renews_the_lease(engine: Engine) -> None:
+    sm = make_sessionmaker(engine)
+    (run_id,) = add_sweep(sm, [tiny_config()])
+    pool = ThreadPool(script_for=lambda _c: Script(delay_s=1.0))
+    sched = make_scheduler(engine, pool, lease_s=0.4, heartbeat_s=0.1)
+    worker = threading.Thread(target=sched.run_once)
+    worker.start()
+    wait_for(lambda: run_row(sm, run_id).status == RunStatus.running, what="running")
+    time.sleep(0.6)  # longer than the lease: only heartbeats keep it
+    assert leases.recover_expired(sm) == []
+    worker.join()
+    assert run_row(sm, run_id).status == RunStatus.succeeded
+    with sm() as session:
+        assert session.scalar(select(func.count()).select_from(RankResult)) == 1
+
+
+def test_bad_settings_are_rejected() -> None:
+    with pytest.raises(ValueError, match="heartbeat_s"):
+        Scheduler(None, pool=ThreadPool(), lease_s=1.0, heartbeat_s=2.0)  # type: ignore[arg-type]
+
+
+def _rename_run_table(engine: Engine, old: str, new: str) -> None:
+    # A real database error for every statement on `run` (what an outage looks like to us).
+    with engine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE {old} RENAME TO {new}"))
+
+
+def test_short_database_outage_is_ridden_out(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    sm = make_sessionmaker(engine)
+    (run_id,) = add_sweep(sm, [tiny_config()])
+    pool = ThreadPool(script_for=lambda _c: Script(delay_s=1.5))
+    worker = threading.Thread(target=make_scheduler(engine, pool).run_once)
+    worker.start()
+    wait_for(lambda: run_row(sm, run_id).status == RunStatus.running, what="running")
+    _rename_run_table(engine, "run", "run_away")
+    time.sleep(0.5)  # several heartbeats fail; the lease (2 s) still holds
+    _rename_run_table(engine, "run_away", "run")
+    worker.join(timeout=10)
+    run = run_row(sm, run_id)
+    assert (run.status, run.attempts) == (RunStatus.succeeded, 1)
+    assert pool.kills == []
+    assert any("heartbeat failed" in r.getMessage() for r in caplog.records)
+
+
+def test_outage_longer_than_the_lease_reruns_the_run(engine: Engine) -> None:
+    sm = make_sessionmaker(engine)
+    (run_id,) = add_sweep(sm, [tiny_config()])
+    pool = ThreadPool(script_for=lambda _c: Script(delay_s=2.5))
+    stop = threading.Event()
+    sched = make_scheduler(engine, pool, lease_s=1.0, heartbeat_s=0.2)
+    worker = threading.Thread(target=sched.run_forever, args=(stop,))
+    worker.start()
+    try:
+        wait_for(lambda: run_row(sm, run_id).status == RunStatus.running, what="running")
+        _rename_run_table(engine, "run", "run_away")
+        wait_for(lambda: bool(pool.kills), what="the gang killed once the lease is lost")
+        _rename_run_table(engine, "run_away", "run")
+        wait_for(lambda: run_row(sm, run_id).status == RunStatus.succeeded, what="rerun")
+    finally:
+        stop.set()
+        worker.join(timeout=10)
+    assert not worker.is_alive()
+    assert pool.kills == ["lease lost: the database was unreachable"]
+    assert run_row(sm, run_id).attempts == 2 and pool.starts[0] == 2
+    assert rank_rows_per_run(sm) == Counter({run_id: 1})

@@ -1,0 +1,349 @@
+"""The scheduler on real gangs (the session's local Ray, gloo ranks): results, infeasible runs,
+cancel, timeout, a killed rank retried, and a scheduler killed with -9 mid-sweep then restarted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _scheduler_helpers import (
+    RecordingPool,
+    add_sweep,
+    live_placement_groups,
+    long_config,
+    rank_rows_per_run,
+    run_row,
+    tiny_config,
+    wait_for,
+)
+from sqlalchemy import Engine, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.db.engine import make_engine, make_sessionmaker
+from service.db.migrate import upgrade
+from service.db.models import TERMINAL_STATUSES, Run, RunStatus, SweepKind, utcnow
+from service.scheduler import Scheduler
+
+pytestmark = pytest.mark.ray
+
+HELPERS = Path(__file__).with_name("_scheduler_helpers.py")
+NEVER_ENDS = 10**7  # iterations: far longer than any test waits
+
+
+@pytest.fixture
+def gang_pool(ray_session: Any) -> Iterator[RecordingPool]:
+    """A real GangPool on the session Ray; closed after the test, which must leak no group."""
+    from workers.gang import GangPool
+
+    before = live_placement_groups()
+    pool = RecordingPool(GangPool(placement_timeout_s=60))
+    try:
+        yield pool
+    finally:
+        pool.pool.close()
+    wait_for(lambda: live_placement_groups() <= before, what="placement groups removed")
+
+
+@pytest.fixture
+def sqlite_sm(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
+    """A migrated SQLite database (the Ray tests that need one backend only)."""
+    url = f"sqlite:///{tmp_path / 'ringlab.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    try:
+        yield make_sessionmaker(engine)
+    finally:
+        engine.dispose()
+
+
+def scheduler(sm: sessionmaker[Session], pool: RecordingPool, **kwargs: Any) -> Scheduler:
+    opts: dict[str, Any] = {"lease_s": 10.0, "heartbeat_s": 0.5, "poll_s": 0.05}
+    return Scheduler(sm, pool=pool, **{**opts, **kwargs})
+
+
+def run_in_thread(target: Any, *args: Any) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def pids_of(pool: RecordingPool, index: int = -1) -> list[int]:
+    """The rank processes of a run the pool started (empty until its gang is up)."""
+    return [p.pid for p in pool.handles[index].placement()]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.timeout(120)
+def test_sweep_runs_on_real_gangs(
+    sqlite_sm: sessionmaker[Session], gang_pool: RecordingPool
+) -> None:
+    sm = sqlite_sm
+    configs = [
+        tiny_config(seed=0),
+        tiny_config(seed=1, world_size=2, parallel="data", batch_size=2),
+        tiny_config(seed=2, world_size=2, parallel="data", batch_size=2, seq_len=128),
+    ]
+    ids = add_sweep(sm, configs)
+    sched = scheduler(sm, gang_pool)
+    while sched.run_once():
+        pass
+    runs = [run_row(sm, i) for i in ids]
+    assert [(r.status, r.error, r.attempts) for r in runs] == [(RunStatus.succeeded, None, 1)] * 3
+    assert rank_rows_per_run(sm) == Counter({ids[0]: 1, ids[1]: 2, ids[2]: 2})
+    assert len({r.environment_id for r in runs}) == 1 and runs[0].environment_id is not None
+    with sm() as session:
+        run = session.get(Run, ids[2])
+        assert run is not None
+        for rr in run.rank_results:
+            assert rr.median_s > 0 and rr.tokens_per_s > 0 and rr.peak_memory_bytes >= 0
+            assert len(rr.times_s) == 2 and rr.backend
+
+
+@pytest.mark.timeout(60)
+def test_max_seq_len_run_stores_its_probes(
+    sqlite_sm: sessionmaker[Session], gang_pool: RecordingPool
+) -> None:
+    config = tiny_config(
+        seq_len=64,
+        memory_budget_bytes=1,  # every probe exceeds a 1-byte budget: an emulated OOM
+        search={"start": 64, "max": 256, "granularity": 64},
+    )
+    (run_id,) = add_sweep(sqlite_sm, [config], kind=SweepKind.max_seq_len)
+    assert scheduler(sqlite_sm, gang_pool).run_once()
+    with sqlite_sm() as session:
+        run = session.get(Run, run_id)
+        assert run is not None
+        assert run.probes, f"no probes stored (status {run.status}, error {run.error})"
+        assert run.probes[0].seq_len == 64 and run.probes[0].outcome == "oom"
+        assert run.probes[0].emulated
+
+
+@pytest.mark.timeout(60)
+def test_infeasible_run_fails_at_once(
+    sqlite_sm: sessionmaker[Session], gang_pool: RecordingPool
+) -> None:
+    (run_id,) = add_sweep(sqlite_sm, [tiny_config(world_size=8, parallel="data", batch_size=8)])
+    t0 = time.monotonic()
+    assert scheduler(sqlite_sm, gang_pool).run_once()
+    assert time.monotonic() - t0 < 5
+    run = run_row(sqlite_sm, run_id)
+    assert run.status == RunStatus.failed
+    assert (run.error or "").startswith("infeasible: the run needs 8 CPU")
+    assert "4 CPU in total" in (run.error or "")
+    assert gang_pool.handles == []
+
+
+@pytest.mark.timeout(90)
+def test_cancel_kills_the_gang_and_stays_cancelled(
+    sqlite_sm: sessionmaker[Session], gang_pool: RecordingPool
+) -> None:
+    (run_id,) = add_sweep(sqlite_sm, [long_config(iterations=NEVER_ENDS)])
+    worker = run_in_thread(scheduler(sqlite_sm, gang_pool).run_once)
+    wait_for(lambda: bool(gang_pool.handles) and bool(pids_of(gang_pool)), 60, "gang up")
+    pids = pids_of(gang_pool)
+    with sqlite_sm() as session, session.begin():  # what the API's cancel does
+        session.execute(
+            update(Run)
+            .where(Run.id == run_id)
+            .values(status=RunStatus.cancelled, finished_at=utcnow(), error="cancelled by request")
+        )
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+    wait_for(lambda: all(gone(p) for p in pids), 30, "rank processes killed")
+    run = run_row(sqlite_sm, run_id)
+    assert (run.status, run.error) == (RunStatus.cancelled, "cancelled by request")
+    assert rank_rows_per_run(sqlite_sm) == Counter()
+
+
+@pytest.mark.timeout(90)
+def test_timeout_kills_the_gang(sqlite_sm: sessionmaker[Session], gang_pool: RecordingPool) -> None:
+    (run_id,) = add_sweep(sqlite_sm, [long_config(iterations=NEVER_ENDS, timeout_s=8)])
+    assert scheduler(sqlite_sm, gang_pool).run_once()
+    run = run_row(sqlite_sm, run_id)
+    assert (run.status, run.error) == (RunStatus.timed_out, "timed out after 8 s")
+    pids = pids_of(gang_pool)
+    wait_for(lambda: all(gone(p) for p in pids), 30, "rank processes killed")
+
+
+@pytest.mark.timeout(120)
+def test_killed_rank_fails_the_attempt_and_the_retry_succeeds(
+    sqlite_sm: sessionmaker[Session], gang_pool: RecordingPool
+) -> None:
+    (run_id,) = add_sweep(sqlite_sm, [long_config(iterations=3000, max_attempts=2)])
+    sched = scheduler(sqlite_sm, gang_pool)
+    worker = run_in_thread(sched.run_once)
+    wait_for(lambda: bool(gang_pool.handles) and bool(pids_of(gang_pool)), 60, "gang up")
+    os.kill(pids_of(gang_pool)[1], signal.SIGKILL)
+    worker.join(timeout=60)
+    run = run_row(sqlite_sm, run_id)
+    assert (run.status, run.attempts) == (RunStatus.queued, 1)
+    assert (run.error or "").startswith("attempt 1/2: rank 1 failed: ")
+    assert sched.run_once()
+    run = run_row(sqlite_sm, run_id)
+    assert (run.status, run.attempts, run.error) == (RunStatus.succeeded, 2, None)
+    assert rank_rows_per_run(sqlite_sm) == Counter({run_id: 2})
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)  # the multi-process backend
+def test_scheduler_killed_mid_sweep_then_restarted_runs_each_run_once(
+    database_url: str, gang_pool: RecordingPool, ray_session: Any
+) -> None:
+    upgrade(database_url)
+    engine = make_engine(database_url)
+    sm = make_sessionmaker(engine)
+    ids = add_sweep(sm, [long_config(seed=i, iterations=3000) for i in range(3)])
+    address = ray_session.get_runtime_context().gcs_address
+    lease_s = 2.0
+    proc = subprocess.Popen(
+        [sys.executable, str(HELPERS), database_url, address, str(lease_s)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(
+            lambda: (
+                run_row(sm, ids[0]).status == RunStatus.succeeded
+                and any(run_row(sm, i).status == RunStatus.running for i in ids[1:])
+            ),
+            90,
+            "the first run done and a later one running",
+        )
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    interrupted = [i for i in ids if run_row(sm, i).status == RunStatus.running]
+    assert len(interrupted) == 1, "killed while one run was running"
+    stop = threading.Event()
+    restarted = run_in_thread(
+        scheduler(sm, gang_pool, lease_s=lease_s, heartbeat_s=0.5).run_forever, stop
+    )
+    try:
+        wait_for(
+            lambda: all(run_row(sm, i).status in TERMINAL_STATUSES for i in ids),
+            120,
+            "the sweep finished",
+        )
+    finally:
+        stop.set()
+        restarted.join(timeout=30)
+    runs = [run_row(sm, i) for i in ids]
+    assert [r.status for r in runs] == [RunStatus.succeeded] * 3
+    assert [r.attempts for r in runs] == [2 if i in interrupted else 1 for i in ids], (
+        "only the interrupted run ran again"
+    )
+    assert rank_rows_per_run(sm) == Counter(dict.fromkeys(ids, 2)), "every result exactly once"
+    engine.dispose()
+
+
+@pytest.mark.timeout(90)
+def test_run_forever_from_settings_migrates_runs_and_stops(
+    tmp_path: Path, ray_session: Any
+) -> None:
+    from service.core.config import Settings
+    from service.scheduler import run_forever_from_settings
+
+    before = live_placement_groups()
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'fresh.db'}", ray_address=None)
+    stop = threading.Event()
+    thread = run_in_thread(run_forever_from_settings, settings, stop)
+    engine = make_engine(settings.database_url)
+    try:
+        sm = make_sessionmaker(engine)
+        wait_for(lambda: thread.is_alive() and _migrated(engine), 30, "the database migrated")
+        (run_id,) = add_sweep(sm, [tiny_config()])
+        wait_for(lambda: run_row(sm, run_id).status == RunStatus.succeeded, 60, "run succeeded")
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        engine.dispose()
+    assert not thread.is_alive(), "the scheduler stopped"
+    assert live_placement_groups() <= before, "its pool was closed"
+
+
+def _migrated(engine: Engine) -> bool:
+    from sqlalchemy import inspect
+
+    return "run" in inspect(engine).get_table_names()
+
+
+def _block_all_but_one_cpu(ray_session: Any) -> Any:
+    """A placement group holding every CPU of the cluster but one: a W=2 gang must wait.
+
+    Sized from the total, not from what is free now: the previous test's gang may still be
+    releasing its CPUs, and a blocker sized from a momentary reading would leave room for two.
+    ready() waits until those CPUs are back, then exactly one stays free.
+    """
+    from ray.util.placement_group import placement_group
+
+    from workers.cluster import describe
+
+    total = int(describe()["total_cpus"])
+    assert total >= 2, f"the session Ray has {total} CPUs; the test needs 2"
+    blocker = placement_group([{"CPU": 1}] * (total - 1))
+    ray_session.get(blocker.ready(), timeout=30)
+    return blocker
+
+
+@pytest.mark.timeout(90)
+def test_busy_cluster_shows_waiting_resources_then_runs(
+    sqlite_sm: sessionmaker[Session], gang_pool: RecordingPool, ray_session: Any
+) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    (run_id,) = add_sweep(sqlite_sm, [long_config(iterations=3000)])
+    blocker = _block_all_but_one_cpu(ray_session)
+    try:
+        worker = run_in_thread(scheduler(sqlite_sm, gang_pool).run_once)
+        wait_for(
+            lambda: run_row(sqlite_sm, run_id).status == RunStatus.waiting_resources,
+            30,
+            "waiting_resources",
+        )
+    finally:
+        remove_placement_group(blocker)
+    seen = {RunStatus.waiting_resources}
+
+    def finished() -> bool:
+        seen.add(run_row(sqlite_sm, run_id).status)
+        return not worker.is_alive()
+
+    wait_for(finished, 60, "the run to finish once placed")
+    assert run_row(sqlite_sm, run_id).status == RunStatus.succeeded
+    assert RunStatus.running in seen, "back to running once the ranks were placed"
+
+
+@pytest.mark.timeout(90)
+def test_placement_deadline_fails_the_run_with_what_is_free(
+    sqlite_sm: sessionmaker[Session], gang_pool: RecordingPool, ray_session: Any
+) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    (run_id,) = add_sweep(sqlite_sm, [long_config(iterations=2)])
+    gang_pool.pool.placement_timeout_s = 2.0
+    blocker = _block_all_but_one_cpu(ray_session)
+    try:
+        assert scheduler(sqlite_sm, gang_pool).run_once()
+    finally:
+        remove_placement_group(blocker)
+    run = run_row(sqlite_sm, run_id)
+    assert run.status == RunStatus.failed
+    assert "attempt 1/1: the 2 bundles of {'CPU': 1.0}" in (run.error or "")
+    assert "were not ready within 2 s; free now: 1 CPU" in (run.error or "")

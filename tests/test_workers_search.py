@@ -1,0 +1,117 @@
+"""The max_seq_len search without Ray: doubling, bisection, divisibility rounding, probe records."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _workers_helpers import config
+
+import attention
+from attention.registry import KernelSpec
+from workers.config import RunConfig
+from workers.results import CaseOutcome, RankResult
+from workers.search import run_search, snap_down
+
+
+def _planted(limit: int, log: list[int]) -> Any:
+    """A probe runner whose ranks fit up to `limit` tokens (peak = 100 bytes per token)."""
+
+    def run_probe(cfg: RunConfig, first: bool) -> list[CaseOutcome]:
+        assert first == (not log)
+        log.append(cfg.seq_len)
+        peak = 100 * cfg.seq_len
+        if cfg.seq_len > limit:
+            return [
+                CaseOutcome(
+                    rank=0,
+                    seq_len=cfg.seq_len,
+                    status="oom",
+                    emulated=True,
+                    peak_memory_bytes=peak,
+                    error="over budget",
+                )
+            ]
+        result = RankResult(
+            rank=0,
+            times_s=[0.5],
+            median_s=0.5,
+            p10_s=0.5,
+            p90_s=0.5,
+            tokens_per_s=1.0,
+            flops=1.0,
+            flops_per_s=2.0,
+            peak_memory_bytes=peak,
+            backend="sdpa",
+        )
+        return [
+            CaseOutcome(
+                rank=0, seq_len=cfg.seq_len, status="ok", result=result, peak_memory_bytes=peak
+            )
+        ]
+
+    return run_probe
+
+
+def test_doubling_then_bisection_to_the_granularity() -> None:
+    cfg = config(search={"start": 1024, "max": 1 << 20, "granularity": 256})
+    log: list[int] = []
+    outcome = run_search(cfg, _planted(5000, log))
+    assert outcome.status == "succeeded"
+    assert log[:4] == [1024, 2048, 4096, 8192]
+    assert outcome.answer_seq_len <= 5000 < outcome.answer_seq_len + 256
+    assert [p.seq_len for p in outcome.probes] == log
+    assert all((p.outcome == "fit") == (p.seq_len <= 5000) for p in outcome.probes)
+    assert all(p.emulated for p in outcome.probes if p.outcome == "oom")
+    assert outcome.probes[0].peak_memory_bytes == 102400 and outcome.probes[0].time_s == 0.5
+
+
+def test_max_caps_the_search() -> None:
+    cfg = config(search={"start": 1024, "max": 3000, "granularity": 256})
+    log: list[int] = []
+    outcome = run_search(cfg, _planted(1 << 30, log))
+    assert log == [1024, 2048, 3000] and outcome.answer_seq_len == 3000
+
+
+def test_first_length_that_does_not_fit_is_an_oom() -> None:
+    cfg = config(search={"start": 1024, "max": 4096, "granularity": 256})
+    outcome = run_search(cfg, _planted(100, []))
+    assert outcome.status == "oom" and outcome.answer_seq_len is None
+    assert len(outcome.probes) == 1 and "1024 did not fit" in outcome.error
+
+
+@pytest.fixture
+def by_96(monkeypatch: pytest.MonkeyPatch) -> str:
+    """dense with a divisibility rule: seq_len must divide by 96."""
+
+    def check(params: Any, *, seq_len: int, world_size: int = 1, num_heads: int = 1) -> None:
+        if seq_len % 96:
+            raise ValueError(f"seq_len: {seq_len} must divide by 96")
+
+    base = attention.KERNELS["dense"]
+    spec = KernelSpec(
+        name="by96", description="test", params=base.params, factory=base.factory, check=check
+    )
+    monkeypatch.setitem(attention.KERNELS, "by96", spec)
+    return "by96"
+
+
+def test_probes_follow_the_kernels_divisibility_rule(by_96: str) -> None:
+    cfg = config(
+        kernel=by_96, seq_len=960, search={"start": 1000, "max": 1 << 20, "granularity": 100}
+    )
+    assert snap_down(cfg, 1000) == 960 and snap_down(cfg, 95) is None
+    log: list[int] = []
+    outcome = run_search(cfg, _planted(5000, log))
+    assert all(n % 96 == 0 for n in log)
+    assert log[0] == 960 and outcome.answer_seq_len <= 5000
+    assert min(n for n in log if n > 5000) - outcome.answer_seq_len <= 192
+
+
+def test_probe_error_stops_the_search() -> None:
+    def broken(cfg: RunConfig, first: bool) -> list[CaseOutcome]:
+        return [CaseOutcome(rank=0, seq_len=cfg.seq_len, status="failed", error="boom")]
+
+    outcome = run_search(config(search={"start": 512, "max": 4096, "granularity": 256}), broken)
+    assert outcome.status == "failed" and "rank 0: boom" in outcome.error
+    assert [p.outcome for p in outcome.probes] == ["error"]

@@ -1,0 +1,106 @@
+"""The Ray cluster as the engine sees it: connect, describe, and check a run can ever be placed.
+
+A STRICT_SPREAD group that cannot be placed never becomes ready and raises nothing, so every
+run is checked here before its placement group is created.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import ray
+
+from workers.config import RunConfig
+from workers.errors import Infeasible
+
+DeviceKind = Literal["cuda", "cpu"]
+
+
+def connect(address: str | None = None) -> None:
+    """Join the cluster at `address`, or start a local Ray when None and none is running."""
+    if ray.is_initialized():
+        return
+    if address is None:
+        ray.init(log_to_driver=False, include_dashboard=False)
+    else:
+        ray.init(address=address, log_to_driver=False)
+
+
+def _gpu_names(resources: dict[str, float]) -> list[str]:
+    prefix = "accelerator_type:"
+    return sorted(k[len(prefix) :] for k in resources if k.startswith(prefix))
+
+
+def describe() -> dict[str, Any]:
+    """Alive nodes (id, IP, hostname, CPUs, GPUs, GPU types, free CPUs/GPUs) and the totals."""
+    from ray._private.state import available_resources_per_node
+
+    free = available_resources_per_node()
+    nodes = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        total = node.get("Resources", {})
+        avail = free.get(node["NodeID"], {})
+        nodes.append(
+            {
+                "node_id": node["NodeID"],
+                "ip": node["NodeManagerAddress"],
+                "hostname": node.get("NodeManagerHostname", ""),
+                "cpus": float(total.get("CPU", 0.0)),
+                "gpus": float(total.get("GPU", 0.0)),
+                "gpu_names": _gpu_names(total),
+                "free_cpus": float(avail.get("CPU", 0.0)),
+                "free_gpus": float(avail.get("GPU", 0.0)),
+            }
+        )
+    nodes.sort(key=lambda n: (n["ip"], n["node_id"]))
+    return {
+        "nodes": nodes,
+        "total_cpus": sum(n["cpus"] for n in nodes),
+        "total_gpus": sum(n["gpus"] for n in nodes),
+        "free_cpus": sum(n["free_cpus"] for n in nodes),
+        "free_gpus": sum(n["free_gpus"] for n in nodes),
+    }
+
+
+def device_kind(config: RunConfig, cluster: dict[str, Any] | None = None) -> DeviceKind:
+    """cuda or cpu for this run: as configured, `auto` meaning cuda when the cluster has GPUs."""
+    if config.device != "auto":
+        return config.device
+    cluster = describe() if cluster is None else cluster
+    return "cuda" if cluster["total_gpus"] >= 1 else "cpu"
+
+
+def bundle(kind: DeviceKind) -> dict[str, float]:
+    """One rank's reservation: a GPU on CUDA runs, a CPU on CPU runs."""
+    return {"GPU": 1.0} if kind == "cuda" else {"CPU": 1.0}
+
+
+def check_feasible(config: RunConfig, cluster: dict[str, Any] | None = None) -> None:
+    """Raise Infeasible unless the cluster could ever hold this run's W bundles.
+
+    W GPUs in total for a CUDA run, W CPUs for a CPU run; STRICT_SPREAD needs W distinct nodes
+    with one each; every bundle needs one node that can hold it.
+    """
+    cluster = describe() if cluster is None else cluster
+    kind = device_kind(config, cluster)
+    resource, unit = ("gpus", "GPU") if kind == "cuda" else ("cpus", "CPU")
+    world = config.world_size
+    nodes = cluster["nodes"]
+    per_node = ", ".join(f"{n['ip']}: {n[resource]:g} {unit}" for n in nodes) or "no alive nodes"
+    total = cluster[f"total_{resource}"]
+    have = f"{total:g} {unit} in total on {len(nodes)} node(s) ({per_node})"
+    if config.placement == "strict_spread":
+        holders = sum(1 for n in nodes if n[resource] >= 1)
+        if holders < world:
+            raise Infeasible(
+                f"{world} distinct nodes with >= 1 {unit} each "
+                f"(world_size={world}, placement=strict_spread, device={kind})",
+                f"{holders} node(s) with a {unit}: {have}",
+            )
+        return
+    if total < world:
+        raise Infeasible(
+            f"{world} {unit} (world_size={world}, one {unit} per rank, device={kind})", have
+        )

@@ -1,0 +1,29 @@
+"""Typed errors the engine raises to the scheduler: why a gang could not run or broke."""
+
+from __future__ import annotations
+
+
+class GangError(Exception):
+    """Base of every error about a gang of rank actors."""
+
+
+class Infeasible(GangError):
+    """The cluster can never host this gang; the message names what is needed and what exists."""
+
+    def __init__(self, needed: str, available: str) -> None:
+        super().__init__(f"infeasible: the run needs {needed}; the cluster has {available}")
+        self.needed = needed
+        self.available = available
+
+
+class RankFailed(GangError):
+    """A rank died (actor error, killed process, lost node): the whole gang is broken."""
+
+    def __init__(self, rank: int, cause: str) -> None:
+        super().__init__(f"rank {rank} failed: {cause}")
+        self.rank = rank
+        self.cause = cause
+
+
+class PlacementTimeout(GangError):
+    """The gang's bundles did not become ready within the deadline (the cluster stays busy)."""

@@ -1,0 +1,460 @@
+"""Gangs of rank actors: placement group, ordered ranks, process group; a pool that reuses them.
+
+`GangPool.start(config, kind)` returns a RunHandle at once; the run goes on in a driver thread
+that only makes Ray calls, and the scheduler loops on `handle.poll(timeout_s)` while it
+heartbeats. A rank that dies fails the run with RankFailed and the gang is torn down; a warm
+gang is reused by the next run with the same world size, resources, placement and NCCL env.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import ray
+from ray.exceptions import RayError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from workers import kernels, references, search
+from workers.actor import RankActor
+from workers.cluster import DeviceKind, bundle, check_feasible, describe, device_kind
+from workers.config import RunConfig
+from workers.errors import GangError, PlacementTimeout, RankFailed
+from workers.results import CaseOutcome, EnvironmentInfo, RankPlacement, RunOutcome
+
+Kind = Literal["benchmark", "max_seq_len", "correctness"]
+STRATEGIES = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}
+READY_AT_ONCE_S = 0.5  # bundles ready within this are "at once": no waiting_resources
+FAILURE_GRACE_S = 10.0  # after one rank fails, how long the others get before the gang is killed
+WAIT_SLICE_S = 0.5  # the run thread's wait granularity (how fast it notices a kill)
+
+
+@dataclass(frozen=True)
+class GangKey:
+    """What makes a gang reusable for a run: world size, resources, placement, NCCL env, timeout."""
+
+    world_size: int
+    device: DeviceKind
+    placement: str
+    env: tuple[tuple[str, str], ...]
+    dist_timeout_s: float
+
+    @classmethod
+    def of(cls, config: RunConfig, device: DeviceKind) -> GangKey:
+        """The key of the gang `config` runs on."""
+        return cls(
+            world_size=config.world_size,
+            device=device,
+            placement=config.placement,
+            env=tuple(sorted(config.env.items())),
+            dist_timeout_s=config.dist_timeout_s,
+        )
+
+
+class Gang:
+    """W rank actors in one placement group, in rank order, joined in one process group."""
+
+    def __init__(self, key: GangKey) -> None:
+        self.key = key
+        self.pg: PlacementGroup = placement_group(
+            [bundle(key.device)] * key.world_size, strategy=STRATEGIES[key.placement]
+        )
+        self.actors: list[Any] = []
+        self.placement: list[RankPlacement] = []
+        self.removed = False
+        self._lock = threading.Lock()
+
+    def ready_ref(self) -> Any:
+        """An ObjectRef that resolves when every bundle is reserved."""
+        return self.pg.ready()
+
+    def spawn(self) -> None:
+        """Create one actor per bundle, order ranks by node then GPU id, init the process group."""
+        env = dict(self.key.env)
+        gpu = self.key.device == "cuda"
+        remote = ray.remote(RankActor)
+        actors = []
+        for index in range(self.key.world_size):
+            options: dict[str, Any] = {
+                "num_cpus": 0 if gpu else 1,
+                "num_gpus": 1 if gpu else 0,
+                "max_restarts": 0,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=index
+                ),
+            }
+            if env:
+                options["runtime_env"] = {"env_vars": env}
+            actors.append(remote.options(**options).remote())
+        with self._lock:
+            if self.removed:
+                for actor in actors:
+                    ray.kill(actor, no_restart=True)
+                raise GangError("gang removed while it was starting")
+            self.actors = actors
+        infos = _get_all(actors, [a.info.remote() for a in actors])
+        order = sorted(
+            range(len(actors)),
+            key=lambda i: (
+                infos[i]["node_ip"],
+                infos[i]["node_id"],
+                [int(g) if g.isdigit() else g for g in infos[i]["gpu_ids"]],
+                i,
+            ),
+        )
+        with self._lock:
+            self.actors = [actors[i] for i in order]
+        self.placement = [RankPlacement(rank=r, **infos[i]) for r, i in enumerate(order)]
+        world = self.key.world_size
+        timeout = self.key.dist_timeout_s
+        addr = self.placement[0].node_ip
+        port = _get_all(self.actors[:1], [self.actors[0].open_store.remote(world, timeout)])[0]
+        backend = "nccl" if gpu else "gloo"
+        refs = [
+            actor.init_dist.remote(rank, world, addr, port, backend, timeout)
+            for rank, actor in enumerate(self.actors)
+        ]
+        _get_all(self.actors, refs)
+
+    def kill_actors(self) -> None:
+        """Kill every actor (the placement group stays reserved for fresh ones)."""
+        with self._lock:
+            actors, self.actors = self.actors, []
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+
+    def remove(self) -> None:
+        """Kill every actor and remove the placement group; idempotent."""
+        with self._lock:
+            if self.removed:
+                return
+            self.removed = True
+        self.kill_actors()
+        remove_placement_group(self.pg)
+
+
+def _cause(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {' '.join(lines[:3])}"[:2000]
+
+
+def _get_all(actors: list[Any], refs: list[Any]) -> list[Any]:
+    """Every ref's value in order; a dead actor raises RankFailed naming its rank (list index)."""
+    values: list[Any] = [None] * len(refs)
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        for ref in done:
+            index = refs.index(ref)
+            try:
+                values[index] = ray.get(ref)
+            except RayError as exc:  # the actor died, or raised while joining the gang
+                raise RankFailed(index, _cause(exc)) from exc
+    return values
+
+
+class RunHandle:
+    """One run in flight on a gang: poll it for the outcome, kill it to cancel or time out."""
+
+    def __init__(
+        self,
+        pool: GangPool,
+        gang: Gang,
+        config: RunConfig,
+        kind: Kind,
+        *,
+        cold: bool,
+        fresh: bool,
+        deadline: float,
+    ) -> None:
+        self.config = config
+        self.kind = kind
+        self._pool = pool
+        self._gang = gang
+        self._cold = cold
+        self._fresh = fresh
+        self._deadline = deadline
+        self._started = time.monotonic()
+        self._killed: str | None = None
+        self._finished = False
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._outcome: RunOutcome | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="ringlab-run", daemon=True)
+
+    # public API ---------------------------------------------------------------------------
+
+    def poll(self, timeout_s: float) -> RunOutcome | None:
+        """The outcome once the run ended, else None after waiting up to timeout_s.
+
+        Raises RankFailed (a rank died or could not join; the gang is torn down),
+        PlacementTimeout (bundles not ready by the deadline) or GangError (the run was killed).
+        Any other error of the run comes back as status `failed` with the error.
+        """
+        if not self._done.wait(max(0.0, timeout_s)):
+            return None
+        if self._killed is not None:
+            raise GangError(f"run was killed: {self._killed}")
+        if self._error is not None:
+            raise self._error
+        if self._outcome is None:
+            raise GangError("the run thread ended without an outcome")
+        return self._outcome
+
+    def kill(self, reason: str) -> None:
+        """Kill the run's actors and remove its placement group (cancel, timeout); idempotent.
+
+        A run that already ended is left alone (its gang went back to the pool or was removed).
+        """
+        with self._lock:
+            if self._finished and self._killed is None:
+                return
+            if self._killed is None:
+                self._killed = reason
+        self._pool._discard(self._gang)
+        self._done.set()
+
+    def placement(self) -> list[RankPlacement]:
+        """Where each rank runs (node, pid, GPUs) once the gang is up; empty before."""
+        return list(self._gang.placement)
+
+    # the run thread -----------------------------------------------------------------------
+
+    def _main(self) -> None:
+        healthy = False
+        try:
+            gang_start_s = None
+            if self._cold:
+                self._wait_ready()
+                self._gang.spawn()
+                gang_start_s = time.monotonic() - self._started
+            if self.kind == "max_seq_len":
+                outcome = search.run_search(self.config, self._run_probe)
+            else:
+                outcome = self._run_case(self.config, self.kind)
+            outcome = outcome.model_copy(
+                update={"gang_start_s": gang_start_s, "placement": list(self._gang.placement)}
+            )
+            healthy = len(self._gang.actors) == self.config.world_size
+            self._outcome = outcome
+        except GangError as exc:  # raised by poll(); the gang is torn down below
+            self._error = exc
+        except Exception as exc:  # not the gang's fault (e.g. a search config no kernel fits)
+            self._outcome = RunOutcome(status="failed", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._finished = True
+                killed = self._killed is not None
+            if not killed:
+                if healthy and not self._fresh:
+                    self._pool._release(self._gang)
+                else:
+                    self._pool._discard(self._gang)
+            self._done.set()
+
+    def _wait_ready(self) -> None:
+        ref = self._gang.ready_ref()
+        while True:
+            self._check_killed()
+            remaining = self._deadline - time.monotonic()
+            if remaining <= 0:
+                raise PlacementTimeout(
+                    f"the {self.config.world_size} bundles of {bundle(self._gang.key.device)} "
+                    f"(placement={self.config.placement}) were not ready within "
+                    f"{self._pool.placement_timeout_s:g} s; free now: {_free_summary()}"
+                )
+            done, _ = ray.wait([ref], timeout=min(WAIT_SLICE_S, remaining))
+            if done:
+                return
+
+    def _check_killed(self) -> None:
+        if self._killed is not None:
+            raise GangError(f"run was killed: {self._killed}")
+
+    def _ensure_actors(self, fresh: bool) -> None:
+        if fresh and self._gang.actors:
+            self._gang.kill_actors()
+        if not self._gang.actors:
+            self._check_killed()
+            self._gang.spawn()
+
+    def _run_probe(self, config: RunConfig, first: bool) -> list[CaseOutcome]:
+        fresh = bool(config.search and config.search.fresh_processes) and not first
+        self._ensure_actors(fresh)
+        return self._collect(config, "benchmark")
+
+    def _run_case(self, config: RunConfig, kind: Kind) -> RunOutcome:
+        cases = self._collect(config, kind)
+        return outcome_of(cases, config.world_size)
+
+    def _where(self, rank: int) -> str:
+        placed = self._gang.placement
+        if rank >= len(placed):
+            return ""
+        return f"process {placed[rank].pid} on node {placed[rank].node_ip}: "
+
+    def _collect(self, config: RunConfig, kind: str) -> list[CaseOutcome]:
+        """Run one case on every rank; a rank's failure gives the others a grace period."""
+        actors = list(self._gang.actors)
+        payload = config.model_dump_json()
+        refs = [actor.run_case.remote(payload, kind) for actor in actors]
+        cases: dict[int, CaseOutcome] = {}
+        pending = list(refs)
+        grace_until: float | None = None
+        while pending:
+            self._check_killed()
+            slice_s = WAIT_SLICE_S
+            if grace_until is not None:
+                slice_s = min(slice_s, max(0.0, grace_until - time.monotonic()))
+            done, pending = ray.wait(pending, num_returns=1, timeout=slice_s)
+            for ref in done:
+                rank = refs.index(ref)
+                try:
+                    cases[rank] = ray.get(ref)
+                except RayError as exc:  # the actor died (its own errors come back as cases)
+                    self._check_killed()
+                    raise RankFailed(rank, self._where(rank) + _cause(exc)) from exc
+                if cases[rank].status != "ok" and grace_until is None:
+                    grace_until = time.monotonic() + FAILURE_GRACE_S
+            if pending and grace_until is not None and time.monotonic() >= grace_until:
+                stuck = sorted(refs.index(r) for r in pending)
+                first_bad = next(c for c in cases.values() if c.status != "ok")
+                self._gang.kill_actors()  # ranks stuck in a collective: fresh ones next time
+                for rank in stuck:
+                    cases[rank] = CaseOutcome(
+                        rank=rank,
+                        seq_len=config.seq_len,
+                        status="failed",
+                        error=f"abandoned {FAILURE_GRACE_S:g} s after rank {first_bad.rank} "
+                        f"ended with {first_bad.status}",
+                    )
+                break
+        return [cases[r] for r in range(len(refs))]
+
+
+def _free_summary() -> str:
+    info = describe()
+    return f"{info['free_cpus']:g} CPU, {info['free_gpus']:g} GPU"
+
+
+def outcome_of(cases: list[CaseOutcome], world_size: int) -> RunOutcome:
+    """A run's outcome from its ranks' cases: failed beats oom beats succeeded."""
+    environment = _environment(cases)
+    timing = {
+        "first_iteration_at": min(
+            (c.first_iteration_at for c in cases if c.first_iteration_at is not None),
+            default=None,
+        ),
+        "last_iteration_at": max(
+            (c.last_iteration_at for c in cases if c.last_iteration_at is not None), default=None
+        ),
+    }
+    failed = [c for c in cases if c.status == "failed"]
+    if failed:
+        # The root cause first: an abandoned rank only reports another's failure.
+        failed.sort(key=lambda c: (c.error or "").startswith("abandoned"))
+        error = "; ".join(f"rank {c.rank}: {c.error}" for c in failed)
+        return RunOutcome(status="failed", error=error, environment=environment, **timing)
+    ooms = [c for c in cases if c.status == "oom"]
+    ranks = [c.result for c in cases if c.result is not None]
+    if ooms:
+        error = "; ".join(f"rank {c.rank}: {c.error}" for c in ooms)
+        kept = ranks if len(ranks) == world_size else []
+        return RunOutcome(status="oom", error=error, ranks=kept, environment=environment, **timing)
+    return RunOutcome(status="succeeded", ranks=ranks, environment=environment, **timing)
+
+
+def _environment(cases: list[CaseOutcome]) -> EnvironmentInfo | None:
+    parts = [c.environment for c in cases if c.environment is not None]
+    return EnvironmentInfo.merge(parts) if parts else None
+
+
+class GangPool:
+    """Starts runs on gangs, keeps one warm gang for the next run with the same key."""
+
+    def __init__(self, placement_timeout_s: float = 300.0) -> None:
+        self.placement_timeout_s = placement_timeout_s
+        self._lock = threading.Lock()
+        self._idle: list[Gang] = []
+        self._busy: list[Gang] = []
+
+    def start(
+        self,
+        config: RunConfig,
+        kind: Kind,
+        *,
+        on_waiting: Callable[[], None] | None = None,
+    ) -> RunHandle:
+        """Start `config` as a run of `kind`; returns at once (after on_waiting, if it waits).
+
+        Raises Infeasible when the cluster can never hold the gang, ValueError for a
+        max_seq_len run without `search`.
+        """
+        if kind not in ("benchmark", "max_seq_len", "correctness"):
+            raise ValueError(f"kind: must be benchmark, max_seq_len or correctness, got {kind!r}")
+        if kind == "max_seq_len" and config.search is None:
+            raise ValueError("search: a max_seq_len run needs a search config")
+        kernels.check_mode(config)
+        if config.correctness_check or kind == "correctness":
+            references.reference_for(config.kernel, config.params)  # ValueError if none
+        cluster = describe()
+        check_feasible(config, cluster)
+        device = device_kind(config, cluster)
+        key = GangKey.of(config, device)
+        fresh = config.fresh_processes or bool(
+            kind == "max_seq_len" and config.search and config.search.fresh_processes
+        )
+        with self._lock:
+            gang = None
+            if not fresh:
+                gang = next((g for g in self._idle if g.key == key), None)
+            if gang is not None:
+                self._idle.remove(gang)
+            stale, self._idle = self._idle, []
+            cold = gang is None
+            if gang is None:
+                gang = Gang(key)
+            self._busy.append(gang)
+        for old in stale:  # idle gangs hold resources the new one may need
+            old.remove()
+        if cold:
+            ready, _ = ray.wait([gang.ready_ref()], timeout=READY_AT_ONCE_S)
+            if not ready and on_waiting is not None:
+                on_waiting()
+        handle = RunHandle(
+            self,
+            gang,
+            config,
+            kind,
+            cold=cold,
+            fresh=fresh,
+            deadline=time.monotonic() + self.placement_timeout_s,
+        )
+        handle._thread.start()
+        return handle
+
+    def close(self) -> None:
+        """Kill every actor and remove every placement group this pool created."""
+        with self._lock:
+            gangs, self._idle, self._busy = self._idle + self._busy, [], []
+        for gang in gangs:
+            gang.remove()
+
+    def _release(self, gang: Gang) -> None:
+        with self._lock:
+            if gang in self._busy:
+                self._busy.remove(gang)
+                self._idle.append(gang)
+                return
+        gang.remove()
+
+    def _discard(self, gang: Gang) -> None:
+        with self._lock:
+            if gang in self._busy:
+                self._busy.remove(gang)
+        gang.remove()

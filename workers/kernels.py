@@ -1,0 +1,105 @@
+"""The engine's one door into the attention package: build, layout, FLOPs, backend, validity."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+import attention
+from workers.config import RunConfig
+
+# Single-process twin of each ring kernel: the correctness check's reference when the kernel
+# is not dense attention itself.
+RING_TWINS = {"ring": "dense", "ring_dilated": "dilated", "ring_block_sparse": "block_sparse"}
+
+
+def is_distributed(name: str) -> bool:
+    """Whether the kernel runs one shard of a sequence per rank (a ring kernel)."""
+    return bool(attention.KERNELS[name].distributed)
+
+
+def shard_world(config: RunConfig) -> int:
+    """How many ranks share one sequence: world_size in sequence mode, 1 in data mode."""
+    return config.world_size if config.parallel == "sequence" else 1
+
+
+def check_mode(config: RunConfig) -> None:
+    """Sequence parallelism over several ranks needs a ring kernel; data mode a local one."""
+    dist_kernel = is_distributed(config.kernel)
+    if config.parallel == "sequence" and config.world_size > 1 and not dist_kernel:
+        raise ValueError(
+            f"parallel: sequence with world_size={config.world_size} needs a ring kernel "
+            f"(ring, ring_dilated, ring_block_sparse); {config.kernel!r} runs on one rank"
+        )
+    if config.parallel == "data" and dist_kernel:
+        raise ValueError(f"parallel: data runs single-process kernels; {config.kernel!r} is a ring")
+
+
+def build(config: RunConfig) -> torch.nn.Module:
+    """The kernel module for this rank (ring kernels use the default process group)."""
+    return attention.build(config.kernel, **config.params)
+
+
+def params_for(kernel: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The subset of `params` that `kernel` takes (a ring kernel's twin drops ring-only ones)."""
+    allowed = {f.name for f in dataclasses.fields(attention.KERNELS[kernel].params) if f.init}
+    return {k: v for k, v in params.items() if k in allowed}
+
+
+def layout_of(module: torch.nn.Module, config: RunConfig) -> str:
+    """The layout a ring module shards by (its own attribute, else its documented default)."""
+    layout = getattr(module, "layout", None) or config.params.get("layout")
+    if layout is None:
+        layout = "zigzag" if config.causal else "contiguous"
+    return str(layout)
+
+
+def local_positions(
+    module: torch.nn.Module, config: RunConfig, seq_len: int, rank: int, world: int
+) -> torch.Tensor:
+    """Global token positions this rank holds, in the order the kernel expects them."""
+    positions = torch.arange(seq_len)
+    if world == 1:
+        return positions
+    from attention import layouts
+
+    part = layouts.shard(positions.view(1, seq_len), layout_of(module, config), rank, world)
+    return part.reshape(-1)
+
+
+def flops(
+    module: torch.nn.Module, config: RunConfig, batch: int, seq_len: int, train: bool
+) -> float:
+    """FLOPs this rank computes per iteration, from the kernel's own accounting.
+
+    kernel.flops(..., backward=True) counts forward plus backward (3.5x forward).
+    """
+    args = (batch, seq_len, config.num_heads, config.head_dim, config.causal)
+    return float(module.flops(*args, backward=train))
+
+
+def backend_of(module: torch.nn.Module) -> str:
+    """Name of the backend the kernel last ran on (e.g. sdpa-flash-cpu)."""
+    backend = getattr(module, "backend", None)
+    if callable(backend):
+        backend = backend()
+    if backend is None:
+        raise RuntimeError(f"kernel {type(module).__name__} does not report its backend")
+    return str(backend)
+
+
+def is_valid_length(config: RunConfig, seq_len: int) -> bool:
+    """Whether the kernel accepts this total length at the config's world size."""
+    try:
+        attention.validate(
+            config.kernel,
+            config.params,
+            seq_len=seq_len,
+            world_size=shard_world(config),
+            num_heads=config.num_heads,
+        )
+    except ValueError:
+        return False
+    return True

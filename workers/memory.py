@@ -1,0 +1,111 @@
+"""Peak memory of exactly one case: CUDA allocator stats, or the process' peak RSS on Linux CPU."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import gc
+import re
+from pathlib import Path
+
+import torch
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c") or "libc.so.6"
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def _status_kib(field: str) -> int:
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from {_STATUS}")
+
+
+def cpu_peak_supported() -> bool:
+    """Linux with a writable clear_refs: the only place the CPU peak can be reset."""
+    return _STATUS.exists() and _CLEAR_REFS.exists()
+
+
+def release(collect_cycles: bool = False) -> None:
+    """Give freed memory back: the CUDA cache and glibc's heap (see reference.md).
+
+    collect_cycles also runs the garbage collector (~0.1 s): after an OOM, whose traceback
+    may keep tensors alive in reference cycles.
+    """
+    if collect_cycles:
+        gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+class PeakMeter:
+    """Measures the peak above a baseline on one device: `baseline()`, `reset()`, then `peak()`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._base = 0
+        if device.type == "cpu" and not cpu_peak_supported():
+            raise RuntimeError("CPU peak memory needs Linux /proc/self/clear_refs")
+
+    def baseline(self) -> int:
+        """Record what is resident before the inputs exist; returns it in bytes."""
+        release()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._base = _status_kib("VmRSS") * 1024
+        return self._base
+
+    def reset(self) -> None:
+        """Start the peak from what is resident now (inputs included)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            release()
+            _CLEAR_REFS.write_text("5")
+
+    def peak(self) -> int:
+        """Peak since reset() above the baseline, in bytes (never negative)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            high = torch.cuda.max_memory_allocated(self.device)
+        else:
+            high = _status_kib("VmHWM") * 1024
+        return max(0, high - self._base)
+
+
+_SIZE = re.compile(r"(?:allocate|allocating)\s+([0-9.]+)\s*(bytes|KiB|MiB|GiB|TiB|B)?", re.I)
+_UNITS = {"b": 1, "bytes": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def requested_bytes(message: str) -> int | None:
+    """The failed allocation's size from an OOM message ("Tried to allocate 2.00 GiB"...)."""
+    match = _SIZE.search(message)
+    if not match:
+        return None
+    unit = (match.group(2) or "bytes").lower()
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def is_oom(exc: BaseException) -> bool:
+    """A CUDA OOM or a CPU allocation failure (both leave the process usable once freed)."""
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and (
+        "DefaultCPUAllocator: can't allocate memory" in str(exc) or "CUDA out of memory" in str(exc)
+    )

@@ -1,0 +1,367 @@
+"""The benchmark protocol: one case on one rank, torch only (no Ray), honest about time and memory.
+
+`run_case(config, rank)` makes seeded inputs on the device (this rank's shard only), warms up,
+times every iteration, measures the peak above the pre-input baseline, applies the memory
+budget, and turns an allocation failure into status `oom`; the rank stays usable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from workers import kernels, references
+from workers.config import RunConfig
+from workers.environment import collect
+from workers.memory import PeakMeter, is_oom, release, requested_bytes
+from workers.results import CaseOutcome, RankResult
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Max abs error allowed by the correctness check, against a float32 reference.
+CHECK_ATOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
+CHECK_MIN_LEN = 128  # the check runs at the smallest valid length >= this (or seq_len if smaller)
+BLOCK = 1024  # inputs are generated in blocks of this many positions, each with its own seed
+TENSORS = {"q": 0, "k": 1, "v": 2, "dout": 3}
+
+
+def resolve_device(config: RunConfig) -> torch.device:
+    """cuda when asked or available (auto), else cpu; Ray has already set CUDA_VISIBLE_DEVICES."""
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("device=cuda but no CUDA device is visible to this rank")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def make_input(
+    which: str,
+    config: RunConfig,
+    seq_len: int,
+    positions: torch.Tensor,
+    rows: slice,
+    device: torch.device,
+) -> torch.Tensor:
+    """This rank's part of one global (batch, seq, heads, dim) tensor, built block by block.
+
+    Every block of BLOCK positions has its own seed, so a rank materializes only the rows and
+    positions it holds, and the global tensor is the same at every world size and layout.
+    """
+    dtype = DTYPES[config.dtype]
+    h, d = config.num_heads, config.head_dim
+    n_rows = len(range(config.batch_size)[rows])
+    out = torch.empty(n_rows, positions.numel(), h, d, device=device, dtype=dtype)
+    sorted_pos, order = positions.sort()
+    gen = torch.Generator(device=device)
+    for block in range(math.ceil(seq_len / BLOCK)):
+        lo_pos, hi_pos = block * BLOCK, min(seq_len, (block + 1) * BLOCK)
+        lo = int(torch.searchsorted(sorted_pos, lo_pos))
+        hi = int(torch.searchsorted(sorted_pos, hi_pos))
+        if lo == hi:
+            continue
+        gen.manual_seed(((config.seed * 4 + TENSORS[which]) << 32) + block)
+        shape = (config.batch_size, hi_pos - lo_pos, h, d)
+        values = torch.randn(shape, generator=gen, device=device, dtype=dtype)[rows]
+        src = (sorted_pos[lo:hi] - lo_pos).to(device)
+        out[:, order[lo:hi].to(device)] = values[:, src]
+        del values
+    return out
+
+
+def _rows(config: RunConfig, rank: int) -> slice:
+    if config.parallel == "data":
+        lb = config.local_batch
+        return slice(rank * lb, (rank + 1) * lb)
+    return slice(None)
+
+
+@contextlib.contextmanager
+def _memory_fraction(device: torch.device, budget: int | None) -> Iterator[None]:
+    """Cap the CUDA caching allocator at the budget (emulates a smaller GPU); CPU: no-op."""
+    if device.type != "cuda" or budget is None:
+        yield
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
+    """Seconds one call takes: CUDA events on GPU, perf_counter on CPU."""
+    if device.type == "cuda":
+
+        def timed_cuda(step: Callable[[], None]) -> float:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+
+        return timed_cuda
+
+    def timed_cpu(step: Callable[[], None]) -> float:
+        t0 = time.perf_counter()
+        step()
+        return time.perf_counter() - t0
+
+    return timed_cpu
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+def _error_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"
+
+
+def _timed_loop(
+    module: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    config: RunConfig,
+    meter: PeakMeter | None,
+    device: torch.device,
+) -> tuple[list[float], float, float]:
+    """Warm-up, then every timed iteration (barrier before each); returns (times, t0, t1).
+
+    The peak meter is reset once the inputs exist, so the peak covers exactly this case.
+    """
+    train = config.mode == "train"
+    world = config.world_size
+    q, k, v = (inputs[n] for n in ("q", "k", "v"))
+    if train:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+
+    def step() -> None:
+        if train:
+            out = module(q, k, v, causal=config.causal)
+            out.backward(inputs["dout"])
+            q.grad = k.grad = v.grad = None
+        else:
+            with torch.no_grad():
+                out = module(q, k, v, causal=config.causal)
+        del out
+
+    timer = _timer(device)
+    _barrier(world)
+    if meter is not None:
+        meter.reset()
+    for _ in range(config.warmup):
+        _barrier(world)
+        step()
+    _sync(device)
+    times: list[float] = []
+    first_at = time.time()
+    for _ in range(config.iterations):
+        _barrier(world)
+        times.append(timer(step))
+    return times, first_at, time.time()
+
+
+_PRIMED: set[str] = set()
+
+
+def _prime(config: RunConfig, rank: int, device: torch.device) -> None:
+    """Run the kernel once at a small length, once per process and case shape, so that lazy
+    one-time allocations (thread pools, library workspaces) are not counted in a case's peak.
+    """
+    key = config.model_dump_json(include={"kernel", "params", "dtype", "mode", "causal"})
+    key += f"{device}|{config.world_size}|{config.parallel}"
+    if key in _PRIMED:
+        return
+    small = config.model_copy(update={"seq_len": min(config.seq_len, check_length(config))})
+    sworld = kernels.shard_world(config)
+    module = kernels.build(small)
+    positions = kernels.local_positions(
+        module, small, small.seq_len, rank if sworld > 1 else 0, sworld
+    )
+    names = ["q", "k", "v", "dout"] if config.mode == "train" else ["q", "k", "v"]
+    rows = _rows(config, rank)
+    inputs = {n: make_input(n, small, small.seq_len, positions, rows, device) for n in names}
+    quiet = small.model_copy(update={"warmup": 0, "iterations": 1})
+    _timed_loop(module, inputs, quiet, None, device)
+    _sync(device)
+    del inputs, module
+    release()
+    _PRIMED.add(key)
+
+
+def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseOutcome:
+    """Run one case as `rank` of config.world_size and return what it measured.
+
+    Status ok, oom (a caught allocation failure, or on CPU a peak over the memory budget,
+    flagged emulated) or failed (the correctness check). With world_size > 1 the process group
+    must be initialized (the gang does it). kind `correctness` checks at the full length.
+    """
+    world = config.world_size
+    if world > 1 and not dist.is_initialized():
+        raise RuntimeError(f"world_size={world} needs an initialized process group")
+    kernels.check_mode(config)
+    device = resolve_device(config)
+    environment = collect(device)
+    case = {"rank": rank, "seq_len": config.seq_len, "environment": environment}
+
+    max_abs_error = None
+    if config.correctness_check or kind == "correctness":
+        length = config.seq_len if kind == "correctness" else check_length(config)
+        max_abs_error = check_correctness(config, rank, device, length)
+        tol = CHECK_ATOL[config.dtype]
+        if not max_abs_error <= tol:  # also catches NaN
+            return CaseOutcome(
+                **case,
+                status="failed",
+                error=f"correctness check failed: max abs error {max_abs_error:.3g} at "
+                f"seq_len {length} exceeds {tol:g} ({config.kernel} vs "
+                f"{references.describe(config.kernel)}, {config.dtype}, {config.mode})",
+            )
+
+    sworld = kernels.shard_world(config)
+    srank = rank if sworld > 1 else 0
+    module = kernels.build(config)
+    positions = kernels.local_positions(module, config, config.seq_len, srank, sworld)
+    rows = _rows(config, rank)
+    train = config.mode == "train"
+    tokens = config.local_batch * positions.numel()
+
+    budget = config.memory_budget_bytes
+    elem = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
+    input_bytes = (4 if train else 3) * tokens * config.num_heads * config.head_dim * elem
+    if device.type == "cpu" and budget is not None and input_bytes > budget:
+        # The inputs alone exceed the budget, so would the peak: do not allocate them.
+        return CaseOutcome(
+            **case,
+            status="oom",
+            emulated=True,
+            requested_bytes=input_bytes,
+            error=f"inputs need {input_bytes} bytes, over the {budget}-byte CPU memory budget",
+        )
+
+    _prime(config, rank, device)
+    meter = PeakMeter(device)
+    meter.baseline()
+    names = ["q", "k", "v", "dout"] if train else ["q", "k", "v"]
+    inputs: dict[str, torch.Tensor] = {}
+    try:
+        with _memory_fraction(device, budget):
+            for name in names:
+                inputs[name] = make_input(name, config, config.seq_len, positions, rows, device)
+            times, first_at, last_at = _timed_loop(module, inputs, config, meter, device)
+            peak = meter.peak()
+            backend = kernels.backend_of(module)
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        message = _error_line(exc)
+        del exc
+        inputs.clear()
+        release(collect_cycles=True)
+        return CaseOutcome(
+            **case, status="oom", error=message, requested_bytes=requested_bytes(message)
+        )
+    finally:
+        inputs.clear()
+        release()
+
+    flops = kernels.flops(module, config, config.local_batch, positions.numel(), train)
+    median = statistics.median(times)
+    result = RankResult(
+        rank=rank,
+        times_s=times,
+        median_s=median,
+        p10_s=_percentile(times, 0.1),
+        p90_s=_percentile(times, 0.9),
+        tokens_per_s=tokens / median,
+        flops=flops,
+        flops_per_s=flops / median,
+        peak_memory_bytes=peak,
+        memory_budget_bytes=budget,
+        backend=backend,
+        max_abs_error=max_abs_error,
+    )
+    timing = {"first_iteration_at": first_at, "last_iteration_at": last_at}
+    if device.type == "cpu" and budget is not None and peak > budget:
+        return CaseOutcome(
+            **case,
+            **timing,
+            status="oom",
+            emulated=True,
+            peak_memory_bytes=peak,
+            result=result.model_copy(update={"emulated_oom": True}),
+            error=f"peak {peak} bytes over the {budget}-byte CPU memory budget",
+        )
+    return CaseOutcome(**case, **timing, status="ok", peak_memory_bytes=peak, result=result)
+
+
+def check_length(config: RunConfig) -> int:
+    """The reduced length of the correctness check: the smallest divisor of seq_len that is
+    >= CHECK_MIN_LEN and that the kernel accepts (seq_len itself when none is smaller).
+    """
+    n = config.seq_len
+    if n <= CHECK_MIN_LEN:
+        return n
+    divisors = set()
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            divisors.update((d, n // d))
+    for length in sorted(d for d in divisors if d >= CHECK_MIN_LEN):
+        if kernels.is_valid_length(config, length):
+            return length
+    return n
+
+
+def check_correctness(config: RunConfig, rank: int, device: torch.device, length: int) -> float:
+    """Max abs error of the kernel at `length` against its float32 reference (output, and grads
+    in train mode); the maximum over all ranks.
+    """
+    small = config.model_copy(update={"seq_len": length})
+    sworld = kernels.shard_world(config)
+    srank = rank if sworld > 1 else 0
+    module = kernels.build(small)
+    reference = references.reference_for(config.kernel, config.params)
+    rows = _rows(config, rank)
+    full_pos = torch.arange(length)
+    local_pos = kernels.local_positions(module, small, length, srank, sworld).to(device)
+    train = config.mode == "train"
+    names = ["q", "k", "v", "dout"] if train else ["q", "k", "v"]
+    full = {n: make_input(n, small, length, full_pos, rows, device) for n in names}
+    ref = {n: t.float().requires_grad_(n != "dout") for n, t in full.items()}
+    loc = {n: t[:, local_pos].detach().requires_grad_(n != "dout") for n, t in full.items()}
+
+    ref_out = reference(ref["q"], ref["k"], ref["v"], config.causal)
+    out = module(loc["q"], loc["k"], loc["v"], causal=config.causal)
+    errors = [(out.float() - ref_out.detach()[:, local_pos]).abs().max()]
+    if train:
+        ref_out.backward(ref["dout"])
+        out.backward(loc["dout"])
+        for n in ("q", "k", "v"):
+            ref_grad = ref[n].grad[:, local_pos]
+            errors.append((loc[n].grad.float() - ref_grad).abs().max())
+    error = torch.stack(errors).max().detach().to(device)
+    if config.world_size > 1:
+        dist.all_reduce(error, op=dist.ReduceOp.MAX)
+    return float(error)

@@ -1,0 +1,195 @@
+"""Typed results of the engine: what ranks measure, what a search probed, what a run ran on.
+
+Raw units only (bytes, seconds, FLOPs). Field names match the columns of service/db/models.py
+(RankResult, Probe, Environment); `row()` gives exactly those columns, so the scheduler can
+write them without knowing the engine-only extras.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+RunStatus = Literal["succeeded", "failed", "oom"]
+ProbeOutcome = Literal["fit", "oom", "error"]
+
+RANK_RESULT_COLUMNS = (
+    "rank",
+    "times_s",
+    "median_s",
+    "p10_s",
+    "p90_s",
+    "tokens_per_s",
+    "flops",
+    "flops_per_s",
+    "peak_memory_bytes",
+    "memory_budget_bytes",
+    "backend",
+    "max_abs_error",
+)
+PROBE_COLUMNS = ("seq_len", "outcome", "peak_memory_bytes", "time_s", "error", "emulated")
+ENVIRONMENT_COLUMNS = (
+    "hosts",
+    "gpus",
+    "driver",
+    "cuda",
+    "torch",
+    "nccl",
+    "ray",
+    "python",
+    "git_sha",
+    "git_dirty",
+)
+
+
+class RankResult(BaseModel):
+    """What one rank measured for one case: every timed iteration, throughput and peak memory."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(ge=0)
+    times_s: list[float] = Field(description="Seconds of every timed iteration, in order.")
+    median_s: float
+    p10_s: float
+    p90_s: float
+    tokens_per_s: float = Field(description="Tokens this rank processed per second (median).")
+    flops: float = Field(description="FLOPs this rank computed per iteration (kernel.flops).")
+    flops_per_s: float
+    peak_memory_bytes: int = Field(ge=0, description="Peak above the pre-input baseline.")
+    memory_budget_bytes: int | None = None
+    backend: str = Field(description="The kernel backend that ran (kernel.backend).")
+    max_abs_error: float | None = Field(None, description="Correctness check vs the reference.")
+    emulated_oom: bool = Field(
+        False, description="CPU: the peak exceeded memory_budget_bytes (an emulated OOM)."
+    )
+
+    def row(self) -> dict[str, Any]:
+        """The columns of the rank_result table."""
+        return self.model_dump(include=set(RANK_RESULT_COLUMNS))
+
+
+class ProbeResult(BaseModel):
+    """One tried length of a max_seq_len search and how it ended (worst rank wins)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seq_len: int = Field(ge=1)
+    outcome: ProbeOutcome
+    peak_memory_bytes: int | None = Field(None, description="Max over ranks, when measured.")
+    time_s: float | None = Field(None, description="Median iteration time (slowest rank).")
+    error: str | None = None
+    emulated: bool = Field(False, description="oom decided by the CPU memory budget.")
+
+    def row(self) -> dict[str, Any]:
+        """The columns of the probe table."""
+        return self.model_dump(include=set(PROBE_COLUMNS))
+
+
+class EnvironmentInfo(BaseModel):
+    """What a run ran on: hosts, GPUs (name, memory) and the software stack, project git state."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hosts: list[str]
+    gpus: list[dict[str, Any]] = Field(default_factory=list)
+    driver: str | None = None
+    cuda: str | None = None
+    torch: str
+    nccl: str | None = None
+    ray: str | None = None
+    python: str
+    git_sha: str | None = None
+    git_dirty: bool | None = None
+
+    def hash(self) -> str:
+        """sha256 of the canonical JSON: the key environment rows are deduplicated by."""
+        canon = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(canon.encode()).hexdigest()
+
+    def row(self) -> dict[str, Any]:
+        """The columns of the environment table, `hash` included."""
+        return {**self.model_dump(include=set(ENVIRONMENT_COLUMNS)), "hash": self.hash()}
+
+    @classmethod
+    def merge(cls, parts: list[EnvironmentInfo]) -> EnvironmentInfo:
+        """One environment for a gang: the hosts and GPUs of every rank, deduplicated, in order."""
+        if not parts:
+            raise ValueError("merge needs at least one environment")
+        hosts = list(dict.fromkeys(h for p in parts for h in p.hosts))
+        gpus: list[dict[str, Any]] = []
+        for part in parts:
+            gpus.extend(g for g in part.gpus if g not in gpus)
+        return parts[0].model_copy(update={"hosts": hosts, "gpus": gpus})
+
+
+class RankPlacement(BaseModel):
+    """Where one rank ran: node, process, GPUs Ray assigned and the NCCL_* variables it saw."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int
+    node_id: str
+    node_ip: str
+    hostname: str
+    pid: int
+    gpu_ids: list[str] = Field(default_factory=list)
+    env_vars: dict[str, str] = Field(default_factory=dict)
+
+
+class RunOutcome(BaseModel):
+    """How a run ended, with every rank's result (and for max_seq_len every probe and the answer).
+
+    status `oom`: a real OOM (ranks empty) or an emulated one on CPU (ranks hold what was
+    measured, with emulated_oom set). status `failed`: `error` says which rank and why.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    status: RunStatus
+    ranks: list[RankResult] = Field(default_factory=list)
+    probes: list[ProbeResult] = Field(default_factory=list)
+    environment: EnvironmentInfo | None = None
+    error: str | None = None
+    answer_seq_len: int | None = Field(
+        None, description="max_seq_len runs: the largest length that fit (None if none did)."
+    )
+    placement: list[RankPlacement] = Field(default_factory=list)
+    gang_start_s: float | None = Field(
+        None,
+        description="Seconds spent starting the gang (placement, actors, process group); "
+        "None when a warm gang was reused.",
+    )
+    first_iteration_at: float | None = Field(
+        None, description="Unix time the first timed iteration began (earliest rank)."
+    )
+    last_iteration_at: float | None = Field(
+        None, description="Unix time the last timed iteration ended (latest rank)."
+    )
+
+
+CaseStatus = Literal["ok", "oom", "failed"]
+
+
+class CaseOutcome(BaseModel):
+    """What one rank returns for one case (one run, or one probe): its result or why there is none.
+
+    `ok`: `result` holds the measurement. `oom`: a caught allocation failure (`result` None) or
+    a CPU peak over the budget (`result` set, emulated). `failed`: `error` says why.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int
+    seq_len: int
+    status: CaseStatus
+    result: RankResult | None = None
+    error: str | None = None
+    emulated: bool = False
+    peak_memory_bytes: int | None = None
+    requested_bytes: int | None = Field(None, description="The failed allocation, if known.")
+    environment: EnvironmentInfo | None = None
+    first_iteration_at: float | None = None
+    last_iteration_at: float | None = None
