@@ -1,0 +1,275 @@
+"""REST API latency against a live service on Postgres: a 10,000-cell POST and filtered run pages.
+
+Starts uvicorn in-process on a free port, on a fresh Postgres schema (dropped at the end), then
+1. POSTs --posts sweeps of 100 x 100 = 10,000 cells each (dense, seq_len x batch_size axes),
+   timing each request at the client (validation, expansion, bulk insert, commit, response);
+2. bulk-inserts runs directly until the run table holds --runs rows (mixed kernels, states,
+   world sizes, dtypes), ANALYZEs it, and times --gets filtered GET /runs pages of 100 rows.
+
+    RINGLAB_TEST_POSTGRES_URL=postgresql://postgres@127.0.0.1:5432/test \\
+        .venv/bin/python bench/service.py [--posts 5] [--runs 100000] [--gets 300]
+        [--separate-process]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+# Run as `python bench/service.py`, this directory comes first on sys.path and this file's name
+# would shadow the `service` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+
+import httpx  # noqa: E402
+import uvicorn  # noqa: E402
+from sqlalchemy import create_engine, func, insert, select, text  # noqa: E402
+
+from service.app import create_app  # noqa: E402
+from service.core.config import Settings, normalize_database_url  # noqa: E402
+from service.db.engine import make_engine, make_sessionmaker  # noqa: E402
+from service.db.models import Run, RunStatus, Sweep, SweepKind, utcnow  # noqa: E402
+from service.spec import SweepSpec, canonical_json, cell_key_of, expand  # noqa: E402
+from workers.config import RunConfig  # noqa: E402
+
+API = "/api/v1"
+FILTERS: list[dict[str, Any]] = [
+    {"kernel": "dense", "status": "succeeded", "world_size": 2, "sort": "-seq_len"},
+    {"seq_len_min": 4096, "seq_len_max": 65536, "dtype": "bfloat16", "sort": "seq_len"},
+    {"kernel": "ring", "status": "failed", "skip": 200},
+]
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--posts", type=int, default=5, help="10,000-cell sweeps POSTed")
+    ap.add_argument("--runs", type=int, default=100_000, help="runs in the table for the GETs")
+    ap.add_argument("--gets", type=int, default=300, help="filtered GET /runs requests timed")
+    ap.add_argument(
+        "--database-url",
+        default=os.environ.get("RINGLAB_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1/test"),
+    )
+    ap.add_argument(
+        "--separate-process",
+        action="store_true",
+        help="serve from a subprocess (run_server) instead of a thread of this process",
+    )
+    return ap.parse_args()
+
+
+@contextlib.contextmanager
+def fresh_schema(base_url: str) -> Iterator[str]:
+    """A URL whose connections use a new, empty schema; the schema is dropped afterwards."""
+    base = normalize_database_url(base_url)
+    schema = f"bench_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    sep = "&" if "?" in base else "?"
+    try:
+        yield f"{base}{sep}options=-csearch_path%3D{schema}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@contextlib.contextmanager
+def serve(app: Any) -> Iterator[str]:
+    """uvicorn on a free port in a thread (the app's lifespan migrates the schema)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@contextlib.contextmanager
+def serve_subprocess(url: str) -> Iterator[str]:
+    """`run_server` (uvicorn, no scheduler) in its own process: no GIL shared with the client."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import sys; from service.app import run_server; from service.core.config import "
+        "Settings; run_server(Settings(database_url=sys.argv[1]), '127.0.0.1', "
+        "int(sys.argv[2]), with_scheduler=False)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, url, str(port)],
+        cwd="/",  # not bench/: this file's name would shadow the package there
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError("the server process exited")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{base}{API}/healthz").status_code == 200:
+                    break
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def spec_10k(n: int) -> dict[str, Any]:
+    return {
+        "name": f"bench-10k-{n}",
+        "base": {"kernel": "dense", "num_heads": 8, "head_dim": 64},
+        "grid": {
+            "seq_len": [1024 * (i + 1) for i in range(100)],
+            "batch_size": list(range(1, 101)),
+        },
+    }
+
+
+def fill_runs(sessionmaker: Any, target: int) -> int:
+    """Bulk-insert synthetic runs (one sweep per 10,000) until the run table holds `target`."""
+    rng = random.Random(0)
+    kernels = ["dense", "ring", "dilated", "block_sparse"]
+    statuses = list(RunStatus)
+    with sessionmaker() as session:
+        have = session.scalar(select(func.count()).select_from(Run)) or 0
+        added = 0
+        while have + added < target:
+            chunk = min(10_000, target - have - added)
+            sweep = Sweep(name=f"bench-fill-{added}", kind=SweepKind.benchmark, spec={})
+            session.add(sweep)
+            session.flush()
+            now = utcnow()
+            rows = []
+            for i in range(chunk):
+                kernel = rng.choice(kernels)
+                world = rng.choice([1, 2, 4, 8])
+                seq_len = 1024 * world * rng.randint(1, 128)
+                dtype = rng.choice(["float32", "bfloat16", "float16"])
+                config = RunConfig.model_construct(
+                    kernel=kernel, seq_len=seq_len, world_size=world, dtype=dtype, params={}
+                ).model_dump(mode="json")
+                config["i"] = i  # distinct cells
+                rows.append(
+                    {
+                        "sweep_id": sweep.id,
+                        "cell_key": cell_key_of(config),
+                        "config": config,
+                        "kernel": kernel,
+                        "seq_len": seq_len,
+                        "world_size": world,
+                        "dtype": dtype,
+                        "mode": "forward",
+                        "causal": False,
+                        "status": rng.choice(statuses),
+                        "attempts": 1,
+                        "created_at": now,
+                    }
+                )
+            session.execute(insert(Run), rows)
+            session.commit()
+            added += chunk
+        session.execute(text("ANALYZE run"))
+        session.commit()
+        return have + added
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    args = parse()
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"setup: {os.cpu_count()} CPUs (load average {load}), Postgres at ")
+    print(
+        f"       {args.database_url.split('@')[-1]}, uvicorn (1 worker), httpx keep-alive client,"
+    )
+    where = "a subprocess (run_server)" if args.separate_process else "a thread of this process"
+    print(f"       served from {where}; times measured at the client")
+    with fresh_schema(args.database_url) as url:
+        engine = make_engine(url)
+        if args.separate_process:
+            server = serve_subprocess(url)
+        else:
+            server = serve(create_app(Settings(database_url=url)))
+        with server as base, httpx.Client(base_url=base, timeout=120) as http:
+            assert http.get(f"{API}/healthz").status_code == 200
+            post_s = []
+            for n in range(args.posts):
+                body = spec_10k(n)
+                t0 = time.perf_counter()
+                r = http.post(f"{API}/sweeps", json=body)
+                post_s.append(time.perf_counter() - t0)
+                if r.status_code != 201 or r.json()["total"] != 10_000:
+                    raise SystemExit(f"POST failed: {r.status_code} {r.text[:300]}")
+            expand_s = []
+            for n in range(3):  # the validation + expansion share of a POST, in this process
+                t0 = time.perf_counter()
+                assert len(expand(SweepSpec.model_validate(spec_10k(n)))) == 10_000
+                expand_s.append(time.perf_counter() - t0)
+            print(
+                f"POST /sweeps, 10,000 cells: {len(post_s)} requests; median "
+                f"{statistics.median(post_s):.3f} s, min {min(post_s):.3f} s, max "
+                f"{max(post_s):.3f} s (target <= 1 s); of which validation + expansion "
+                f"alone: median {statistics.median(expand_s):.3f} s over {len(expand_s)} runs"
+            )
+
+            t0 = time.perf_counter()
+            total = fill_runs(make_sessionmaker(engine), args.runs)
+            print(
+                f"run table: {total:,} runs (bulk fill + ANALYZE {time.perf_counter() - t0:.1f} s)"
+            )
+            for f in FILTERS:  # warm the connection pool and plans
+                http.get(f"{API}/runs", params={**f, "limit": 100}).raise_for_status()
+            get_s: list[float] = []
+            per_filter: dict[str, list[float]] = {}
+            counts: dict[str, int] = {}
+            for i in range(args.gets):
+                f = FILTERS[i % len(FILTERS)]
+                t0 = time.perf_counter()
+                r = http.get(f"{API}/runs", params={**f, "limit": 100})
+                elapsed = time.perf_counter() - t0
+                r.raise_for_status()
+                assert len(r.json()["data"]) == 100
+                get_s.append(elapsed)
+                per_filter.setdefault(canonical_json(f), []).append(elapsed)
+                counts[canonical_json(f)] = r.json()["count"]
+            print(
+                f"GET /runs filtered page of 100 with {total:,} runs: {len(get_s)} requests; "
+                f"p50 {pct(get_s, 0.5) * 1e3:.1f} ms, p95 {pct(get_s, 0.95) * 1e3:.1f} ms, "
+                f"max {max(get_s) * 1e3:.1f} ms (target p95 <= 50 ms)"
+            )
+            engine.dispose()
+            for key, times in per_filter.items():
+                print(
+                    f"  {key}: {counts[key]:,} match; {len(times)} requests, p50 "
+                    f"{pct(times, 0.5) * 1e3:.1f} ms, p95 {pct(times, 0.95) * 1e3:.1f} ms"
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""This API process' link to Ray: used by /cluster and /readyz.
+
+The embedded scheduler connects Ray at start; an API-only process connects on first use when
+RINGLAB_RAY_ADDRESS is set, and otherwise reports that it has no cluster (never starts one).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from service.core.config import Settings
+
+_connect_lock = threading.Lock()
+
+
+def problem(settings: Settings, *, may_connect: bool) -> str | None:
+    """None when Ray is connected and has an alive node; else why not, in one line.
+
+    may_connect is False when the embedded scheduler owns the connection (it connects at start;
+    a second ray.init racing it would fail).
+    """
+    import ray
+
+    if not ray.is_initialized():
+        if not may_connect:
+            return "not connected yet: the embedded scheduler connects at start"
+        if settings.ray_address is None:
+            return (
+                "not connected: this process runs no scheduler and RINGLAB_RAY_ADDRESS is unset "
+                "(run `ringlab serve` with its scheduler, or set the address)"
+            )
+        with _connect_lock:
+            if not ray.is_initialized():
+                try:
+                    ray.init(address=settings.ray_address, log_to_driver=False)
+                except (ConnectionError, RuntimeError, ValueError) as e:
+                    return f"cannot connect to {settings.ray_address}: {e}"
+    try:
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+    except (ConnectionError, RuntimeError) as e:
+        return f"connected but not answering: {e}"
+    if not alive:
+        return "connected but no node is alive"
+    return None

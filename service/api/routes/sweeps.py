@@ -1,0 +1,223 @@
+"""/api/v1/sweeps: submit (idempotent), list, inspect, cancel, retry, delete, exports, events."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Response, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse
+
+from service.api import results, store
+from service.api.deps import SessionDep, SweepId, require_read, require_write
+from service.api.events import sweep_events
+from service.api.schemas import Message, ResultRow, SweepAction, SweepList, SweepOut
+from service.db.models import RunStatus, Sweep
+from service.spec import SpecError, SweepSpec, expand
+
+router = APIRouter(prefix="/sweeps", tags=["sweeps"])
+read = [Depends(require_read)]
+write = [Depends(require_write)]
+NOT_FOUND = {404: {"model": Message, "description": "No sweep with this id."}}
+AUTH = {401: {"model": Message, "description": "Missing or wrong bearer token."}}
+
+
+def _sweep_or_404(session: SessionDep, sweep_id: int) -> SweepOut:
+    out = store.load_sweep_out(session, sweep_id)
+    if out is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"sweep {sweep_id} not found")
+    return out
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    dependencies=write,
+    responses={
+        200: {"model": SweepOut, "description": "The sweep stored earlier under this key."},
+        409: {"model": Message, "description": "Idempotency-Key reused for a different spec."},
+        413: {"model": Message, "description": "Request body too large."},
+        **AUTH,
+    },
+)
+def create_sweep(
+    spec: SweepSpec,
+    session: SessionDep,
+    response: Response,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            min_length=1,
+            max_length=200,
+            description="The same key returns the sweep it created (200) instead of a new one.",
+        ),
+    ] = None,
+) -> SweepOut:
+    """Validate and expand the spec, then store the sweep and one queued run per cell.
+
+    An invalid spec answers 422 with the field path of every problem; nothing is stored then.
+    """
+    location = "/api/v1/sweeps/{}"
+    try:
+        existing = store.sweep_for_key(session, idempotency_key, spec) if idempotency_key else None
+    except store.IdempotencyConflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    if existing is not None:  # answered before expanding: a replay costs one lookup
+        response.status_code = status.HTTP_200_OK
+        response.headers["Location"] = location.format(existing.id)
+        return _sweep_or_404(session, existing.id)
+    try:
+        cells = expand(spec)
+    except SpecError as e:
+        raise RequestValidationError(
+            [{**err, "loc": ["body", *err["loc"]]} for err in e.errors]
+        ) from e
+    try:
+        sweep, created = store.create_sweep(session, spec, cells, idempotency_key)
+    except store.IdempotencyConflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    response.headers["Location"] = location.format(sweep.id)
+    if not created:
+        response.status_code = status.HTTP_200_OK
+        return _sweep_or_404(session, sweep.id)
+    # Just stored, all queued: no need to count them again.
+    return store.sweep_out(sweep, {**dict.fromkeys(RunStatus, 0), RunStatus.queued: len(cells)})
+
+
+@router.get("", dependencies=read, responses=AUTH)
+def list_sweeps(
+    session: SessionDep,
+    skip: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    kind: Literal["benchmark", "max_seq_len", "correctness"] | None = None,
+    name: Annotated[str | None, Query(max_length=200, description="Substring of the name.")] = None,
+) -> SweepList:
+    """Sweeps, newest first, with their run counts and progress."""
+    data, count = store.list_sweeps(session, skip=skip, limit=limit, kind=kind, name=name)
+    return SweepList(data=data, count=count)
+
+
+@router.get("/{sweep_id}", dependencies=read, responses={**NOT_FOUND, **AUTH})
+def get_sweep(sweep_id: SweepId, session: SessionDep) -> SweepOut:
+    """One sweep: its spec, runs per state and progress."""
+    return _sweep_or_404(session, sweep_id)
+
+
+@router.post("/{sweep_id}/cancel", dependencies=write, responses={**NOT_FOUND, **AUTH})
+def cancel_sweep(sweep_id: SweepId, session: SessionDep) -> SweepAction:
+    """Queued, waiting and running runs -> cancelled; the scheduler stops running gangs."""
+    _sweep_or_404(session, sweep_id)
+    changed = store.cancel_sweep(session, sweep_id)
+    return SweepAction(changed=changed, sweep=_sweep_or_404(session, sweep_id))
+
+
+@router.post("/{sweep_id}/retry", dependencies=write, responses={**NOT_FOUND, **AUTH})
+def retry_sweep(
+    sweep_id: SweepId,
+    session: SessionDep,
+    include_oom: Annotated[
+        bool, Query(description="Also requeue runs that ran out of memory.")
+    ] = False,
+    include_cancelled: Annotated[bool, Query(description="Also requeue cancelled runs.")] = False,
+) -> SweepAction:
+    """Failed and timed-out runs back to queued with attempts reset (their results removed).
+
+    oom is a measured outcome, not an accident, so it is retried only with include_oom=true.
+    """
+    _sweep_or_404(session, sweep_id)
+    changed = store.retry_sweep(
+        session, sweep_id, include_oom=include_oom, include_cancelled=include_cancelled
+    )
+    return SweepAction(changed=changed, sweep=_sweep_or_404(session, sweep_id))
+
+
+@router.delete(
+    "/{sweep_id}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    dependencies=write,
+    responses={
+        409: {"model": Message, "description": "Runs are running: cancel the sweep first."},
+        **NOT_FOUND,
+        **AUTH,
+    },
+)
+def delete_sweep(sweep_id: SweepId, session: SessionDep) -> Response:
+    """Delete the sweep with its runs and results; refused (409) while runs are running."""
+    if session.get(Sweep, sweep_id) is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"sweep {sweep_id} not found")
+    if not store.delete_sweep(session, sweep_id):
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"sweep {sweep_id} has running or waiting runs; cancel it first "
+            f"(POST /api/v1/sweeps/{sweep_id}/cancel)",
+        )
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+def _rows(session: SessionDep, sweep_id: int) -> list[dict[str, Any]]:
+    _sweep_or_404(session, sweep_id)
+    runs = store.sweep_runs(session, sweep_id)
+    ranks, probes = store.results_for_sweep(session, sweep_id)
+    return [results.result_row(r, ranks.get(r.id, []), probes.get(r.id, [])) for r in runs]
+
+
+@router.get("/{sweep_id}/results.json", dependencies=read, responses={**NOT_FOUND, **AUTH})
+def results_json(sweep_id: SweepId, session: SessionDep) -> list[ResultRow]:
+    """One row per run with its headline metrics (see the report for the conventions)."""
+    return [ResultRow(**row) for row in _rows(session, sweep_id)]
+
+
+@router.get(
+    "/{sweep_id}/results.csv",
+    dependencies=read,
+    response_model=None,
+    response_class=Response,
+    responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}, **NOT_FOUND, **AUTH},
+)
+def results_csv(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
+    """The rows of results.json as CSV with a header line."""
+    return PlainTextResponse(
+        results.to_csv(_rows(session, sweep_id)),
+        media_type="text/csv",
+        headers={"Content-Disposition": f'attachment; filename="sweep-{sweep_id}.csv"'},
+    )
+
+
+@router.get(
+    "/{sweep_id}/report.md",
+    dependencies=read,
+    response_model=None,
+    response_class=Response,
+    responses={
+        200: {"content": {"text/markdown": {"schema": {"type": "string"}}}},
+        **NOT_FOUND,
+        **AUTH,
+    },
+)
+def report_md(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
+    """A markdown report: results per kernel and length, maximum lengths, scaling, environment."""
+    sweep_view = _sweep_or_404(session, sweep_id)
+    sweep = session.get(Sweep, sweep_id)
+    assert sweep is not None  # checked just above
+    runs = store.sweep_runs(session, sweep_id)
+    ranks, probes = store.results_for_sweep(session, sweep_id)
+    text = results.report_markdown(
+        sweep, runs, ranks, probes, store.sweep_environments(session, sweep_id), sweep_view.counts
+    )
+    return PlainTextResponse(text, media_type="text/markdown")
+
+
+router.add_api_route(
+    "/{sweep_id}/events",
+    sweep_events,
+    methods=["GET"],
+    dependencies=read,
+    response_model=None,
+    response_class=Response,
+    responses={
+        200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+        **NOT_FOUND,
+        **AUTH,
+    },
+    summary="Server-sent events: run state changes and progress until the sweep is done",
+)

@@ -1,0 +1,215 @@
+"""Response models: what the API promises, published in its OpenAPI schema."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+def _as_utc(value: datetime) -> datetime:
+    # SQLite returns naive datetimes; every stored time is UTC (models.utcnow).
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
+
+
+class Message(BaseModel):
+    """An error or status message."""
+
+    detail: str
+
+
+class SweepOut(BaseModel):
+    """A sweep with the number of its runs in each state and its progress."""
+
+    id: int
+    name: str
+    kind: str
+    spec: dict[str, Any]
+    created_at: UtcDatetime
+    idempotency_key: str | None
+    total: int = Field(description="Number of runs.")
+    counts: dict[str, int] = Field(description="Runs per state (every state listed).")
+    finished: int = Field(description="Runs in a terminal state.")
+    progress: float = Field(ge=0, le=1, description="finished / total.")
+    done: bool = Field(description="Every run is in a terminal state.")
+
+
+class SweepList(BaseModel):
+    """A page of sweeps and how many match the filters in all."""
+
+    data: list[SweepOut]
+    count: int
+
+
+class SweepAction(BaseModel):
+    """The outcome of cancel or retry: how many runs changed, and the sweep after it."""
+
+    changed: int
+    sweep: SweepOut
+
+
+class RunOut(BaseModel):
+    """One run as listed: its cell, state and timing."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    sweep_id: int
+    cell_key: str
+    kernel: str
+    seq_len: int
+    world_size: int
+    dtype: str
+    mode: str
+    causal: bool
+    status: str
+    attempts: int
+    created_at: UtcDatetime
+    started_at: UtcDatetime | None
+    finished_at: UtcDatetime | None
+    error: str | None
+    config: dict[str, Any]
+
+
+class RunList(BaseModel):
+    """A page of runs and how many match the filters in all."""
+
+    data: list[RunOut]
+    count: int
+
+
+class RankResultOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    rank: int
+    times_s: list[float]
+    median_s: float
+    p10_s: float
+    p90_s: float
+    tokens_per_s: float
+    flops: float
+    flops_per_s: float
+    peak_memory_bytes: int
+    memory_budget_bytes: int | None
+    backend: str
+    max_abs_error: float | None
+
+
+class ProbeOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    seq_len: int
+    outcome: str
+    peak_memory_bytes: int | None
+    time_s: float | None
+    error: str | None
+    emulated: bool
+
+
+class EnvironmentOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    hash: str
+    hosts: list[Any]
+    gpus: list[Any]
+    driver: str | None
+    cuda: str | None
+    torch: str
+    nccl: str | None
+    ray: str | None
+    python: str
+    git_sha: str | None
+    git_dirty: bool | None
+
+
+class Headline(BaseModel):
+    """A run's headline numbers, derived from its per-rank results and probes."""
+
+    median_s: float | None = Field(description="Slowest rank's median time per iteration.")
+    tokens_per_s: float | None = Field(description="batch_size * seq_len / median_s.")
+    tflops_per_s: float | None = Field(description="FLOPs summed over ranks / median_s / 1e12.")
+    peak_memory_bytes: int | None = Field(description="Largest peak memory over the ranks.")
+    max_seq_len: int | None = Field(description="max_seq_len runs: the longest length that fit.")
+
+
+class RunDetail(RunOut):
+    """A run with everything measured for it."""
+
+    lease_owner: str | None
+    heartbeat_at: UtcDatetime | None
+    rank_results: list[RankResultOut]
+    probes: list[ProbeOut]
+    environment: EnvironmentOut | None
+    headline: Headline
+
+
+class KernelOut(BaseModel):
+    """A kernel of the catalogue and the JSON schema of its parameters."""
+
+    name: str
+    description: str
+    distributed: bool
+    params_schema: dict[str, Any]
+
+
+class HealthOut(BaseModel):
+    """Liveness or readiness: `ok` or `unavailable`, with one line per check."""
+
+    status: str
+    checks: dict[str, str] = Field(default_factory=dict)
+
+
+class ResultRow(BaseModel):
+    """One run in results.json / results.csv: its cell, outcome and headline numbers."""
+
+    run_id: int
+    sweep_id: int
+    kernel: str
+    params: str = Field(description="The kernel's parameters as canonical JSON.")
+    seq_len: int
+    world_size: int
+    batch_size: int | None
+    num_heads: int | None
+    head_dim: int | None
+    dtype: str
+    causal: bool
+    mode: str
+    parallel: str | None
+    status: str
+    outcome: str = Field(description="ok (with the correctness error if checked), OOM, failed, ...")
+    attempts: int
+    median_s: float | None = Field(description="Slowest rank's median seconds per iteration.")
+    tokens_per_s: float | None = Field(description="batch_size * seq_len / median_s.")
+    tflops_per_s: float | None = Field(description="FLOPs summed over ranks / median_s / 1e12.")
+    peak_memory_bytes: int | None = Field(description="Largest per-rank peak memory.")
+    max_seq_len: int | None = Field(description="max_seq_len runs: the longest length that fit.")
+    backend: str | None
+    max_abs_error: float | None
+    environment_id: int | None
+    error: str | None
+
+
+class ClusterNode(BaseModel):
+    node_id: str
+    ip: str
+    hostname: str
+    cpus: float
+    gpus: float
+    gpu_names: list[str]
+    free_cpus: float
+    free_gpus: float
+
+
+class ClusterOut(BaseModel):
+    """The Ray cluster: alive nodes, their CPUs and GPUs, and what is free now."""
+
+    nodes: list[ClusterNode]
+    total_cpus: float
+    total_gpus: float
+    free_cpus: float
+    free_gpus: float

@@ -1,0 +1,364 @@
+"""Database reads and writes behind the sweep endpoints (ORM only; atomic state changes)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import delete, exists, func, insert, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, joinedload, selectinload
+
+from service.api.schemas import SweepOut
+from service.db.models import (
+    TERMINAL_STATUSES,
+    Environment,
+    Probe,
+    RankResult,
+    Run,
+    RunStatus,
+    Sweep,
+    utcnow,
+)
+from service.spec import Cell, SweepSpec
+
+ACTIVE_STATUSES = (RunStatus.running, RunStatus.waiting_resources)
+"""Runs a scheduler holds: a sweep with one of these cannot be deleted."""
+CANCELLABLE = (RunStatus.queued, RunStatus.waiting_resources, RunStatus.running)
+RETRYABLE = (RunStatus.failed, RunStatus.timed_out)
+"""Retried by default. oom is deterministic for a given config and cluster, so it is retried
+only when asked (include_oom), e.g. after the cluster changed; cancelled runs likewise.
+"""
+
+
+class IdempotencyConflict(Exception):
+    """The Idempotency-Key was used before for a different spec."""
+
+
+def run_counts(session: Session, sweep_ids: Sequence[int]) -> dict[int, dict[str, int]]:
+    """Runs per status for each sweep, every status present (zeros included)."""
+    counts: dict[int, dict[str, int]] = {sid: dict.fromkeys(RunStatus, 0) for sid in sweep_ids}
+    if not sweep_ids:
+        return counts
+    rows = session.execute(
+        select(Run.sweep_id, Run.status, func.count())
+        .where(Run.sweep_id.in_(sweep_ids))
+        .group_by(Run.sweep_id, Run.status)
+    )
+    for sweep_id, status, n in rows:
+        counts[sweep_id][RunStatus(status)] = n
+    return counts
+
+
+def sweep_out(sweep: Sweep, counts: dict[str, int]) -> SweepOut:
+    """The API view of a sweep given its run counts."""
+    total = sum(counts.values())
+    finished = sum(n for s, n in counts.items() if s in TERMINAL_STATUSES)
+    return SweepOut(
+        id=sweep.id,
+        name=sweep.name,
+        kind=str(sweep.kind),
+        spec=sweep.spec,
+        created_at=sweep.created_at,
+        idempotency_key=sweep.idempotency_key,
+        total=total,
+        counts={str(s): n for s, n in counts.items()},
+        finished=finished,
+        progress=finished / total if total else 1.0,
+        done=finished == total,
+    )
+
+
+def load_sweep_out(session: Session, sweep_id: int) -> SweepOut | None:
+    sweep = session.get(Sweep, sweep_id)
+    if sweep is None:
+        return None
+    return sweep_out(sweep, run_counts(session, [sweep_id])[sweep_id])
+
+
+def _run_row(sweep_id: int, cell: Cell, now: Any) -> dict[str, Any]:
+    c = cell.config
+    return {
+        "sweep_id": sweep_id,
+        "cell_key": cell.cell_key,
+        "config": cell.config_json,
+        "kernel": c.kernel,
+        "seq_len": c.seq_len,
+        "world_size": c.world_size,
+        "dtype": c.dtype,
+        "mode": c.mode,
+        "causal": c.causal,
+        "status": RunStatus.queued,
+        "attempts": 0,
+        "created_at": now,
+    }
+
+
+def create_sweep(
+    session: Session, spec: SweepSpec, cells: Sequence[Cell], idempotency_key: str | None
+) -> tuple[Sweep, bool]:
+    """Store a sweep and its runs in one transaction; (sweep, created).
+
+    With an idempotency key already used for the same spec, returns that sweep (created=False).
+    """
+    spec_json = spec.model_dump(mode="json")
+    if idempotency_key is not None:
+        existing = _by_key(session, idempotency_key, spec_json)
+        if existing is not None:
+            return existing, False
+    now = utcnow()
+    sweep = Sweep(
+        name=spec.name,
+        kind=spec.kind,
+        spec=spec_json,
+        idempotency_key=idempotency_key,
+        created_at=now,
+    )
+    session.add(sweep)
+    try:
+        session.flush()
+        # Core executemany on the table: no ORM unit-of-work bookkeeping for 10,000s of rows.
+        session.execute(insert(Run.__table__), [_run_row(sweep.id, cell, now) for cell in cells])
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        if idempotency_key is None:
+            raise
+        existing = _by_key(session, idempotency_key, spec_json)
+        if existing is None:
+            raise
+        return existing, False
+    return sweep, True
+
+
+def sweep_for_key(session: Session, key: str, spec: SweepSpec) -> Sweep | None:
+    """The sweep stored under an Idempotency-Key (IdempotencyConflict for another spec)."""
+    return _by_key(session, key, spec.model_dump(mode="json"))
+
+
+def _by_key(session: Session, key: str, spec_json: dict[str, Any]) -> Sweep | None:
+    sweep = session.scalars(select(Sweep).where(Sweep.idempotency_key == key)).one_or_none()
+    if sweep is not None and sweep.spec != spec_json:
+        raise IdempotencyConflict(
+            f"Idempotency-Key {key!r} was used for sweep {sweep.id} with a different spec"
+        )
+    return sweep
+
+
+def cancel_sweep(session: Session, sweep_id: int) -> int:
+    """Queued, waiting and running runs -> cancelled (the scheduler stops running ones)."""
+    result = session.execute(
+        update(Run)
+        .where(Run.sweep_id == sweep_id, Run.status.in_(CANCELLABLE))
+        .values(status=RunStatus.cancelled, finished_at=utcnow(), error="cancelled by request")
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    return result.rowcount
+
+
+def retry_sweep(
+    session: Session, sweep_id: int, *, include_oom: bool = False, include_cancelled: bool = False
+) -> int:
+    """Failed and timed-out runs (and oom/cancelled ones if asked) -> queued, attempts reset.
+
+    Their partial results and probes are removed so the new attempt's numbers stand alone.
+    """
+    statuses = list(RETRYABLE)
+    if include_oom:
+        statuses.append(RunStatus.oom)
+    if include_cancelled:
+        statuses.append(RunStatus.cancelled)
+    retry_ids = select(Run.id).where(Run.sweep_id == sweep_id, Run.status.in_(statuses))
+    session.execute(delete(RankResult).where(RankResult.run_id.in_(retry_ids)))
+    session.execute(delete(Probe).where(Probe.run_id.in_(retry_ids)))
+    result = session.execute(
+        update(Run)
+        .where(Run.sweep_id == sweep_id, Run.status.in_(statuses))
+        .values(
+            status=RunStatus.queued,
+            attempts=0,
+            error=None,
+            started_at=None,
+            finished_at=None,
+            heartbeat_at=None,
+            lease_owner=None,
+            lease_expires_at=None,
+            environment_id=None,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    return result.rowcount
+
+
+def delete_sweep(session: Session, sweep_id: int) -> bool:
+    """Delete the sweep and (by cascade) its runs unless one is running; True if deleted.
+
+    One conditional statement, so a run claimed concurrently cannot be deleted under the scheduler.
+    """
+    active = exists().where(Run.sweep_id == sweep_id, Run.status.in_(ACTIVE_STATUSES))
+    result = session.execute(
+        delete(Sweep)
+        .where(Sweep.id == sweep_id, ~active)
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    return result.rowcount == 1
+
+
+def results_for_sweep(
+    session: Session, sweep_id: int
+) -> tuple[dict[int, list[RankResult]], dict[int, list[Probe]]]:
+    """Rank results and probes of a sweep's runs, grouped by run id (two joined queries)."""
+    ranks: dict[int, list[RankResult]] = defaultdict(list)
+    probes: dict[int, list[Probe]] = defaultdict(list)
+    for rr in session.scalars(
+        select(RankResult)
+        .join(Run, Run.id == RankResult.run_id)
+        .where(Run.sweep_id == sweep_id)
+        .order_by(RankResult.run_id, RankResult.rank)
+    ):
+        ranks[rr.run_id].append(rr)
+    for p in session.scalars(
+        select(Probe)
+        .join(Run, Run.id == Probe.run_id)
+        .where(Run.sweep_id == sweep_id)
+        .order_by(Probe.id)
+    ):
+        probes[p.run_id].append(p)
+    return ranks, probes
+
+
+def list_sweeps(
+    session: Session, *, skip: int, limit: int, kind: str | None, name: str | None
+) -> tuple[list[SweepOut], int]:
+    """A page of sweeps, newest first, with their run counts; and how many match in all."""
+    where = []
+    if kind is not None:
+        where.append(Sweep.kind == kind)
+    if name is not None:
+        where.append(Sweep.name.contains(name, autoescape=True))
+    total = session.scalar(select(func.count()).select_from(Sweep).where(*where)) or 0
+    sweeps = session.scalars(
+        select(Sweep).where(*where).order_by(Sweep.id.desc()).offset(skip).limit(limit)
+    ).all()
+    counts = run_counts(session, [s.id for s in sweeps])
+    return [sweep_out(s, counts[s.id]) for s in sweeps], total
+
+
+RUN_SORT_KEYS = {
+    "id": Run.id,
+    "created_at": Run.created_at,
+    "started_at": Run.started_at,
+    "finished_at": Run.finished_at,
+    "seq_len": Run.seq_len,
+    "world_size": Run.world_size,
+    "kernel": Run.kernel,
+    "status": Run.status,
+    "dtype": Run.dtype,
+    "attempts": Run.attempts,
+}
+"""The only columns GET /runs sorts by (`sort=<key>` ascending, `sort=-<key>` descending)."""
+
+
+@dataclass(frozen=True)
+class RunFilter:
+    """The filters GET /runs accepts; every one is optional."""
+
+    sweep_id: int | None = None
+    kernel: str | None = None
+    status: RunStatus | None = None
+    world_size: int | None = None
+    seq_len_min: int | None = None
+    seq_len_max: int | None = None
+    dtype: str | None = None
+
+    def clauses(self) -> list[Any]:
+        where: list[Any] = []
+        if self.sweep_id is not None:
+            where.append(Run.sweep_id == self.sweep_id)
+        if self.kernel is not None:
+            where.append(Run.kernel == self.kernel)
+        if self.status is not None:
+            where.append(Run.status == self.status)
+        if self.world_size is not None:
+            where.append(Run.world_size == self.world_size)
+        if self.seq_len_min is not None:
+            where.append(Run.seq_len >= self.seq_len_min)
+        if self.seq_len_max is not None:
+            where.append(Run.seq_len <= self.seq_len_max)
+        if self.dtype is not None:
+            where.append(Run.dtype == self.dtype)
+        return where
+
+
+RUN_LIST_COLUMNS = tuple(
+    getattr(Run, name)
+    for name in (
+        "id", "sweep_id", "cell_key", "kernel", "seq_len", "world_size", "dtype", "mode",
+        "causal", "status", "attempts", "created_at", "started_at", "finished_at", "error",
+        "config",
+    )
+)  # fmt: skip
+"""What a run listing shows (RunOut): plain columns, no ORM identity map for a page of rows."""
+
+
+def list_runs(
+    session: Session, filters: RunFilter, *, sort: str, skip: int, limit: int
+) -> tuple[list[dict[str, Any]], int]:
+    """A page of runs matching `filters`, sorted by a whitelisted key (id breaks ties)."""
+    desc = sort.startswith("-")
+    column = RUN_SORT_KEYS[sort.removeprefix("-")]
+    where = filters.clauses()
+    total = session.scalar(select(func.count()).select_from(Run).where(*where)) or 0
+    order = [column.desc(), Run.id.desc()] if desc else [column.asc(), Run.id.asc()]
+    rows = session.execute(
+        select(*RUN_LIST_COLUMNS).where(*where).order_by(*order).offset(skip).limit(limit)
+    )
+    return [dict(row._mapping) for row in rows], total
+
+
+def load_run(session: Session, run_id: int) -> Run | None:
+    """A run with its rank results, probes and environment loaded."""
+    return session.scalars(
+        select(Run)
+        .where(Run.id == run_id)
+        .options(
+            selectinload(Run.rank_results),
+            selectinload(Run.probes),
+            joinedload(Run.environment),
+        )
+    ).one_or_none()
+
+
+def sweep_runs(session: Session, sweep_id: int) -> list[Run]:
+    """Every run of a sweep in id order."""
+    return list(session.scalars(select(Run).where(Run.sweep_id == sweep_id).order_by(Run.id)))
+
+
+def sweep_environments(session: Session, sweep_id: int) -> list[Environment]:
+    """The distinct environments the sweep's runs ran on."""
+    ids = select(Run.environment_id).where(Run.sweep_id == sweep_id).distinct()
+    return list(
+        session.scalars(select(Environment).where(Environment.id.in_(ids)).order_by(Environment.id))
+    )
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What the event stream compares between polls for one run."""
+
+    status: str
+    attempts: int
+    error: str | None
+
+
+def run_states(session: Session, sweep_id: int) -> dict[int, RunState]:
+    """run id -> (status, attempts, error) for every run of a sweep (one narrow query)."""
+    rows = session.execute(
+        select(Run.id, Run.status, Run.attempts, Run.error).where(Run.sweep_id == sweep_id)
+    )
+    return {rid: RunState(str(status), attempts, error) for rid, status, attempts, error in rows}

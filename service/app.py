@@ -1,0 +1,143 @@
+"""The FastAPI application: REST API under /api/v1, migrations at start, optional scheduler thread.
+
+`create_app` builds it (tests use it in-process); `run_server` serves it with uvicorn, whose
+SIGTERM/SIGINT handling drains requests and then runs the lifespan shutdown (scheduler stop).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI
+from sqlalchemy.engine import make_url
+
+from service.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from service.api.routes import cluster, health, kernels, runs, sweeps
+from service.core.config import Settings
+from service.db.engine import make_engine, make_sessionmaker
+from service.db.migrate import upgrade
+from service.web.router import router as web_router
+
+log = logging.getLogger(__name__)
+
+API_PREFIX = "/api/v1"
+SCHEDULER_JOIN_TIMEOUT_S = 120.0
+"""How long shutdown waits for the scheduler to finish or requeue its runs."""
+
+
+def api_router() -> APIRouter:
+    """Every /api/v1 route."""
+    router = APIRouter(prefix=API_PREFIX)
+    for module in (sweeps, runs, kernels, cluster, health):
+        router.include_router(module.router)
+    return router
+
+
+def _engine_kwargs(url: str) -> dict[str, int]:
+    # Sync routes run in a 40-thread pool; let most of them hold a connection at once.
+    if make_url(url).get_backend_name() == "sqlite":
+        return {"pool_size": 10, "max_overflow": 30}
+    return {"pool_size": 10, "max_overflow": 20}
+
+
+def _run_scheduler(app: FastAPI, settings: Settings, stop: threading.Event) -> None:
+    from service.scheduler import run_forever_from_settings
+
+    try:
+        run_forever_from_settings(settings, stop)
+    except Exception as e:  # recorded for /readyz and logged with its traceback
+        app.state.scheduler_error = f"{type(e).__name__}: {e}"
+        log.exception("embedded scheduler stopped")
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    with_scheduler: bool = False,
+    extra_routers: Iterable[APIRouter] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The ringlab API for `settings` (default: from the environment).
+
+    At start it migrates the database and opens the engine; with_scheduler also runs the
+    scheduler in a thread, stopped and joined at shutdown. The dashboard (service.web) is mounted
+    at the root; `extra_routers` adds more routers there.
+    """
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        upgrade(settings.database_url)
+        engine = make_engine(settings.database_url, **_engine_kwargs(settings.database_url))
+        app.state.engine = engine
+        app.state.sessionmaker = make_sessionmaker(engine)
+        stop = threading.Event()
+        app.state.scheduler_stop = stop
+        app.state.scheduler_error = None
+        thread: threading.Thread | None = None
+        if with_scheduler:
+            thread = threading.Thread(
+                target=_run_scheduler,
+                args=(app, settings, stop),
+                name="ringlab-scheduler",
+                daemon=True,  # a scheduler stuck past the join timeout must not block exit
+            )
+            thread.start()
+        app.state.scheduler_thread = thread
+        # Start-up objects (torch, pydantic and SQLAlchemy metadata) never die: keep the cyclic
+        # GC from rescanning them while a request builds tens of thousands of cells.
+        gc.freeze()
+        try:
+            yield
+        finally:
+            stop.set()
+            if thread is not None:
+                thread.join(SCHEDULER_JOIN_TIMEOUT_S)
+                if thread.is_alive():
+                    log.error(
+                        "scheduler did not stop within %.0f s; exiting anyway",
+                        SCHEDULER_JOIN_TIMEOUT_S,
+                    )
+            engine.dispose()
+
+    app = FastAPI(
+        title="ringlab",
+        version="0.1.0",
+        summary="Sweeps of long-context attention kernels on a Ray cluster, and their results.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.scheduler_thread = None
+    app.state.scheduler_error = None
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.include_router(api_router())
+    app.include_router(web_router)  # the dashboard's HTML pages at /
+    for router in extra_routers:
+        if router is web_router:  # callers written before the dashboard was built in
+            continue
+        app.include_router(router)
+    return app
+
+
+def run_server(
+    settings: Settings | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    with_scheduler: bool = True,
+) -> None:
+    """Serve the API with uvicorn until SIGTERM/SIGINT, then shut down cleanly."""
+    import uvicorn
+
+    settings = settings or Settings()
+    app = create_app(settings, with_scheduler=with_scheduler)
+    uvicorn.run(
+        app,
+        host=host or settings.host,
+        port=port or settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=30,
+    )

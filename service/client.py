@@ -1,0 +1,142 @@
+"""The HTTP client the CLI uses to talk to a ringlab service (httpx).
+
+RINGLAB_URL (default http://127.0.0.1:8000) says where the service is; RINGLAB_API_TOKEN, when
+set, is sent as a bearer token. Every failure becomes a ClientError with one readable line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+API = "/api/v1"
+
+
+class ClientError(Exception):
+    """A request that failed: the service is unreachable or answered with an error."""
+
+
+def _detail(response: httpx.Response) -> str:
+    """The service's error detail as one line: FastAPI's string, or the first validation error."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip().splitlines()[0] if response.text.strip() else ""
+    detail = body.get("detail") if isinstance(body, dict) else body
+    if isinstance(detail, list) and detail:
+        first = detail[0]
+        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        more = f" (and {len(detail) - 1} more)" if len(detail) > 1 else ""
+        where = ".".join(loc)
+        return f"{where}: {first.get('msg', first)}{more}" if where else f"{first.get('msg')}{more}"
+    return str(detail)
+
+
+class Client:
+    """A thin client for /api/v1: each method returns the decoded answer or raises ClientError."""
+
+    def __init__(
+        self, base_url: str | None = None, token: str | None = None, timeout_s: float = 30.0
+    ) -> None:
+        self.base_url = (base_url or os.environ.get("RINGLAB_URL") or DEFAULT_URL).rstrip("/")
+        token = token if token is not None else os.environ.get("RINGLAB_API_TOKEN")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def dashboard_url(self, sweep_id: int) -> str:
+        """The sweep's page in the dashboard."""
+        return f"{self.base_url}/sweeps/{sweep_id}"
+
+    def _unreachable(self, exc: httpx.TransportError) -> ClientError:
+        return ClientError(
+            f"cannot reach the ringlab service at {self.base_url} ({type(exc).__name__}: {exc}); "
+            "start it with `ringlab serve` or set RINGLAB_URL"
+        )
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One request under /api/v1; an error status or a transport failure -> ClientError."""
+        try:
+            response = self.http.request(method, API + path, **kwargs)
+        except httpx.TransportError as exc:
+            raise self._unreachable(exc) from exc
+        if response.status_code >= 400:
+            raise ClientError(
+                f"{method} {API}{path} -> {response.status_code}: {_detail(response)}"
+            )
+        return response
+
+    def submit(self, spec: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
+        """POST the sweep spec; the stored sweep (with its run counts)."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self.request("POST", "/sweeps", json=spec, headers=headers).json()
+
+    def sweeps(self, skip: int = 0, limit: int = 50) -> dict[str, Any]:
+        return self.request("GET", "/sweeps", params={"skip": skip, "limit": limit}).json()
+
+    def sweep(self, sweep_id: int) -> dict[str, Any]:
+        return self.request("GET", f"/sweeps/{sweep_id}").json()
+
+    def cancel(self, sweep_id: int) -> dict[str, Any]:
+        return self.request("POST", f"/sweeps/{sweep_id}/cancel").json()
+
+    def retry(self, sweep_id: int, include_oom: bool = False) -> dict[str, Any]:
+        params = {"include_oom": "true"} if include_oom else {}
+        return self.request("POST", f"/sweeps/{sweep_id}/retry", params=params).json()
+
+    def results(self, sweep_id: int) -> list[dict[str, Any]]:
+        return self.request("GET", f"/sweeps/{sweep_id}/results.json").json()
+
+    def results_csv(self, sweep_id: int) -> str:
+        return self.request("GET", f"/sweeps/{sweep_id}/results.csv").text
+
+    def report(self, sweep_id: int) -> str:
+        return self.request("GET", f"/sweeps/{sweep_id}/report.md").text
+
+    def cluster(self) -> dict[str, Any]:
+        return self.request("GET", "/cluster").json()
+
+    def healthy(self) -> bool:
+        """Whether /healthz answers 200 (False while the service is still starting)."""
+        try:
+            return self.http.get(API + "/healthz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def events(self, sweep_id: int) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The sweep's server-sent events as (event, data) until the stream ends."""
+        try:
+            with self.http.stream(
+                "GET", f"{API}/sweeps/{sweep_id}/events", timeout=httpx.Timeout(30, read=None)
+            ) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise ClientError(
+                        f"GET {API}/sweeps/{sweep_id}/events -> {response.status_code}: "
+                        f"{_detail(response)}"
+                    )
+                event, data = "message", []
+                for line in response.iter_lines():
+                    if not line:
+                        if data:
+                            yield event, json.loads("\n".join(data))
+                        event, data = "message", []
+                    elif line.startswith("event:"):
+                        event = line[6:].strip()
+                    elif line.startswith("data:"):
+                        data.append(line[5:].strip())
+        except httpx.TransportError as exc:
+            raise self._unreachable(exc) from exc

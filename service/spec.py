@@ -1,0 +1,421 @@
+"""The sweep spec: a base run config plus grid and zip axes, expanded into validated run configs.
+
+The API, the CLI and the scheduler share it. Errors carry a field path (`loc`) and name the bad
+cell's axis values, so the API can answer 422 with the exact place to fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from workers.config import RunConfig, SearchConfig
+
+MAX_CELLS = 100_000
+"""A grid larger than this is rejected before anything is expanded."""
+MAX_SEQ_LEN = 2**63 - 1
+"""seq_len is a 64-bit column."""
+MAX_ERRORS = 20
+"""Expansion stops after this many distinct errors (the rest are usually the same mistake)."""
+RUN_FIELDS = frozenset(RunConfig.model_fields) - {"search"}
+
+Loc = tuple[str | int, ...]
+Position = dict[str, tuple[str, int]]
+
+
+class SweepSpec(BaseModel):
+    """What a user submits: `base` run config, `grid` axes (cartesian) and `zip` axes (lockstep)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    kind: Literal["benchmark", "max_seq_len", "correctness"] = Field(
+        "benchmark",
+        description="benchmark: time each cell; max_seq_len: search each cell's longest length; "
+        "correctness: every cell runs with correctness_check=true.",
+    )
+    base: dict[str, Any] = Field(
+        default_factory=dict, description="A partial run config shared by every cell."
+    )
+    grid: dict[str, list[Any]] = Field(
+        default_factory=dict,
+        description="Axis -> values; the cells are their cartesian product. Axes are run config "
+        "fields or `params.<name>`.",
+    )
+    zip: dict[str, list[Any]] = Field(
+        default_factory=dict,
+        description="Axis -> values of equal length that vary together (one extra grid dimension).",
+    )
+    search: SearchConfig | None = Field(
+        None, description="Maximum sequence length search; only for kind max_seq_len."
+    )
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One expanded cell: its validated config (and its JSON form), key, and axis values."""
+
+    config: RunConfig
+    config_json: dict[str, Any]
+    cell_key: str
+    axes: dict[str, Any]
+
+
+class SpecError(ValueError):
+    """A spec that cannot be expanded; `errors` are pydantic-style dicts (loc without 'body')."""
+
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors))
+
+
+def _err(loc: Loc, msg: str, kind: str = "value_error") -> dict[str, Any]:
+    return {"loc": list(loc), "msg": msg, "type": kind}
+
+
+def canonical_json(value: Any) -> str:
+    """JSON with sorted keys and no whitespace, the form cell keys are computed from.
+
+    Raises ValueError for NaN or infinite floats (not JSON; the database would refuse them).
+    """
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def cell_key_of(config_json: dict[str, Any]) -> str:
+    """sha256 of a normalized run config (model_dump(mode='json')): equal cells, equal keys."""
+    return hashlib.sha256(canonical_json(config_json).encode()).hexdigest()
+
+
+def cell_key(config: RunConfig) -> str:
+    """sha256 of the normalized run config: identical cells get identical keys."""
+    return cell_key_of(config.model_dump(mode="json"))
+
+
+def cell_count(spec: SweepSpec) -> int:
+    """How many cells the spec expands into (before validation)."""
+    grid = math.prod(len(v) for v in spec.grid.values())
+    zipped = len(next(iter(spec.zip.values()))) if spec.zip else 1
+    return grid * zipped
+
+
+def split_message(msg: str) -> tuple[tuple[str, ...], str] | None:
+    """'params.block_size: reason' -> (('params', 'block_size'), 'reason'); None if no field.
+
+    RunConfig's model validator and attention.validate start their messages with the field.
+    """
+    head, sep, reason = msg.partition(": ")
+    if not sep:
+        return None
+    path = tuple(head.split("."))
+    if path[0] not in RUN_FIELDS or not all(p.isidentifier() for p in path):
+        return None
+    return path, reason
+
+
+def _check_axis(where: str, axis: str) -> dict[str, Any] | None:
+    if axis.startswith("params."):
+        name = axis.removeprefix("params.")
+        if not name.isidentifier():
+            return _err((where, axis), f"{name!r} is not a parameter name")
+        return None
+    if axis == "search":
+        return _err((where, axis), "search is not an axis; use the sweep's search block")
+    if axis == "params":
+        return _err((where, axis), "vary single parameters with axes named params.<name>")
+    if axis not in RUN_FIELDS:
+        valid = ", ".join(sorted(RUN_FIELDS))
+        return _err((where, axis), f"unknown axis {axis!r}; valid: {valid} or params.<name>")
+    return None
+
+
+def _check_structure(spec: SweepSpec) -> None:
+    """Field names, axis shapes and the cell count: everything checked before expanding."""
+    errors: list[dict[str, Any]] = []
+    for key in spec.base:
+        if key == "search":
+            errors.append(_err(("base", key), "put the search block at the top level of the sweep"))
+        elif key not in RUN_FIELDS:
+            errors.append(
+                _err(("base", key), f"unknown run config field {key!r}", "extra_forbidden")
+            )
+    for where, axes in (("grid", spec.grid), ("zip", spec.zip)):
+        for axis, values in axes.items():
+            problem = _check_axis(where, axis)
+            if problem:
+                errors.append(problem)
+            elif not values:
+                errors.append(_err((where, axis), "an axis needs at least one value"))
+    for axis in spec.grid.keys() & spec.zip.keys():
+        errors.append(_err(("zip", axis), f"axis {axis!r} is in both grid and zip"))
+    if spec.zip:
+        first_axis, first = next(iter(spec.zip.items()))
+        for axis, values in spec.zip.items():
+            if len(values) != len(first):
+                errors.append(
+                    _err(
+                        ("zip", axis),
+                        f"zip axes vary together and need equal lengths: {axis!r} has "
+                        f"{len(values)}, {first_axis!r} has {len(first)}",
+                    )
+                )
+    if spec.kind == "max_seq_len":
+        for where, axes in (("base", spec.base), ("grid", spec.grid), ("zip", spec.zip)):
+            if "seq_len" in axes:
+                errors.append(
+                    _err(
+                        (where, "seq_len"),
+                        "a max_seq_len sweep searches seq_len; set search.start and search.max",
+                    )
+                )
+    elif spec.search is not None:
+        errors.append(_err(("search",), f"a search block needs kind max_seq_len, not {spec.kind}"))
+    if errors:
+        raise SpecError(errors)
+    n = cell_count(spec)
+    if n > MAX_CELLS:
+        raise SpecError(
+            [_err(("grid",), f"the sweep has {n:,} cells; at most {MAX_CELLS:,} are allowed")]
+        )
+
+
+@lru_cache(maxsize=64)
+def _params_adapter(params_type: type) -> TypeAdapter[Any]:
+    return TypeAdapter(params_type)
+
+
+def _kernels() -> dict[str, Any]:
+    import attention
+
+    return attention.KERNELS
+
+
+ParamsCheck = tuple[dict[str, Any] | None, list[tuple[tuple[str | int, ...], str]]]
+
+
+def normalize_params(kernel: Any, params: Any) -> ParamsCheck:
+    """Check a kernel's params strictly (types included) and fill in their defaults.
+
+    Returns (normalized params, []) or (None, [(field path, reason), ...]) where the path starts
+    with 'kernel' or 'params'.
+    """
+    kernels = _kernels()
+    if not isinstance(kernel, str) or kernel not in kernels:
+        return None, [
+            (("kernel",), f"unknown kernel {kernel!r}; valid: {', '.join(sorted(kernels))}")
+        ]
+    if not isinstance(params, dict):
+        return None, [(("params",), "must be an object of the kernel's parameters")]
+    params_type = kernels[kernel].params
+    names = [f.name for f in dataclasses.fields(params_type) if f.init]
+    unknown = sorted(set(params) - set(names))
+    if unknown:
+        valid = ", ".join(sorted(names)) or "none"
+        return None, [
+            (("params", name), f"unknown parameter of kernel {kernel!r}; valid: {valid}")
+            for name in unknown
+        ]
+    adapter = _params_adapter(params_type)
+    try:
+        # JSON mode, strict: "64" is not an int, but a JSON array is a valid tuple.
+        parsed = adapter.validate_json(canonical_json(params), strict=True)
+    except ValidationError as e:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        for d in e.errors():
+            msg = d["msg"].removeprefix("Value error, ")
+            split = split_message(msg) if not d["loc"] else None
+            if split is not None:
+                problems.append(split)
+            else:
+                problems.append((("params", *d["loc"]), msg))
+        return None, problems
+    dumped = adapter.dump_python(parsed, mode="json")
+    return {k: dumped[k] for k in names}, []
+
+
+class _Expander:
+    """Builds and validates cells, mapping every error back to where the user wrote the value."""
+
+    def __init__(self, spec: SweepSpec) -> None:
+        self.spec = spec
+        # every axis once, grid axes first: (name, grid|zip, values)
+        self.axes = [(a, "grid", v) for a, v in spec.grid.items()]
+        self.axes += [(a, "zip", v) for a, v in spec.zip.items()]
+        self.zip_len = len(next(iter(spec.zip.values()))) if spec.zip else 1
+        self.errors: list[dict[str, Any]] = []
+        self.params_cache: dict[tuple[int, ...], ParamsCheck] = {}
+        self.reported: set[tuple[Loc, str]] = set()
+        self.search = (
+            (spec.search or SearchConfig()).model_dump() if spec.kind == "max_seq_len" else None
+        )
+
+    def indices(self) -> Iterator[tuple[int, ...]]:
+        """For each cell: the index of its value on every axis (zip axes share one index)."""
+        zips = len(self.spec.zip)
+        ranges = [range(len(v)) for v in self.spec.grid.values()]
+        for combo in itertools.product(*ranges):
+            for z in range(self.zip_len):
+                yield combo + (z,) * zips
+
+    def position(self, idx: tuple[int, ...]) -> Position:
+        """axis -> (grid|zip, index of the value): where each axis value of a cell was written."""
+        return {name: (where, i) for (name, where, _), i in zip(self.axes, idx, strict=True)}
+
+    def locate(self, pos: Position, path: tuple[str | int, ...]) -> Loc:
+        """Where the user wrote the value at `path` (('seq_len',), ('params', 'block_size'))."""
+        head = str(path[0])
+        if head == "params" and len(path) > 1:
+            axis = f"params.{path[1]}"
+            if axis in pos:
+                where, i = pos[axis]
+                return (where, axis, i, *path[2:])
+            params = self.spec.base.get("params")
+            if isinstance(params, dict) and path[1] in params:
+                return ("base", *path)
+            kernel_at = self.locate(pos, ("kernel",))
+            return kernel_at if kernel_at != ("base",) else ("base", "params")
+        if head in pos:
+            where, i = pos[head]
+            return (where, head, i, *path[1:])
+        if head in self.spec.base:
+            return ("base", *path)
+        if head == "seq_len" and self.search is not None:
+            return ("search", "start")
+        return ("base",)
+
+    def blame(self, pos: Position, msg: str) -> Loc:
+        """For a whole-config error without a field prefix: the first axis or field it names."""
+        for axis in pos:
+            if axis in msg or axis.removeprefix("params.") in msg:
+                return self.locate(pos, tuple(axis.split(".", 1)))
+        for field in self.spec.base:
+            if field in msg:
+                return ("base", field)
+        return ("base",)
+
+    def add(self, loc: Loc, msg: str, axes: dict[str, Any], kind: str = "value_error") -> None:
+        """Record an error once per (place, reason), naming the first cell that hit it."""
+        if (loc, msg) in self.reported:
+            return
+        self.reported.add((loc, msg))
+        where = ", ".join(f"{k}={v!r}" for k, v in axes.items())
+        self.errors.append(_err(loc, f"{msg} (cell {where})" if axes else msg, kind))
+
+    def build(self, idx: tuple[int, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The raw (unvalidated) run config of one cell and its axis values."""
+        axes = {name: values[i] for (name, _, values), i in zip(self.axes, idx, strict=True)}
+        raw = dict(self.spec.base)
+        base_params = raw.get("params", {})
+        params = dict(base_params) if isinstance(base_params, dict) else base_params
+        for axis, value in axes.items():
+            if axis.startswith("params."):
+                if isinstance(params, dict):
+                    params[axis.removeprefix("params.")] = value
+            else:
+                raw[axis] = value
+        raw["params"] = params
+        if self.search is not None:
+            raw["search"] = self.search
+            raw["seq_len"] = self.search["start"]
+        if self.spec.kind == "correctness":
+            raw.setdefault("correctness_check", True)
+        return raw, axes
+
+    def check_params(self, raw: dict[str, Any], idx: tuple[int, ...], axes: dict[str, Any]) -> bool:
+        """Validate kernel and params (cached per distinct pair); normalize raw['params']."""
+        kernel, params = raw.get("kernel"), raw["params"]
+        if kernel is None:
+            return True  # RunConfig reports the missing field
+        # kernel and params come from base plus these axes: their indices identify the pair.
+        key = tuple(
+            i
+            for (name, _, _), i in zip(self.axes, idx, strict=True)
+            if name == "kernel" or name.startswith("params.")
+        )
+        if key not in self.params_cache:
+            self.params_cache[key] = normalize_params(kernel, params)
+        normalized, problems = self.params_cache[key]
+        for path, msg in problems:
+            self.add(self.locate(self.position(idx), path), msg, axes)
+        if normalized is None:
+            return False
+        raw["params"] = normalized
+        return True
+
+    def validate(
+        self, raw: dict[str, Any], idx: tuple[int, ...], axes: dict[str, Any]
+    ) -> Cell | None:
+        """One cell as a RunConfig, or None after recording where and why it is invalid."""
+        if self.spec.kind == "correctness" and raw["correctness_check"] is not True:
+            self.add(
+                self.locate(self.position(idx), ("correctness_check",)),
+                "a correctness sweep checks every cell; leave correctness_check true",
+                axes,
+            )
+            return None
+        if not self.check_params(raw, idx, axes):
+            return None
+        try:
+            config = RunConfig.model_validate(raw)
+        except ValidationError as e:
+            pos = self.position(idx)
+            for d in e.errors():
+                msg = d["msg"].removeprefix("Value error, ")
+                if d["loc"]:
+                    target = self.locate(pos, tuple(d["loc"]))
+                elif (split := split_message(msg)) is not None:
+                    target, msg = self.locate(pos, split[0]), split[1]
+                else:
+                    target = self.blame(pos, msg)
+                self.add(target, msg, axes, d["type"])
+            return None
+        if config.seq_len > MAX_SEQ_LEN:
+            loc = self.locate(self.position(idx), ("seq_len",))
+            self.add(loc, f"must be <= {MAX_SEQ_LEN}", axes)
+            return None
+        config_json = config.model_dump(mode="json")
+        try:
+            key = cell_key_of(config_json)
+        except ValueError:
+            bad = [
+                k for k, v in config_json.items() if isinstance(v, float) and not math.isfinite(v)
+            ]
+            loc = self.locate(self.position(idx), (bad[0],)) if bad else ("base",)
+            self.add(loc, "must be finite", axes)
+            return None
+        return Cell(config, config_json, key, axes)
+
+    def expand(self) -> list[Cell]:
+        cells: list[Cell] = []
+        seen: dict[str, dict[str, Any]] = {}
+        for idx in self.indices():
+            if len(self.errors) >= MAX_ERRORS:
+                break
+            raw, axes = self.build(idx)
+            cell = self.validate(raw, idx, axes)
+            if cell is None:
+                continue
+            if cell.cell_key in seen:
+                first = ", ".join(f"{k}={v!r}" for k, v in seen[cell.cell_key].items())
+                where = self.axes[0][1] if self.axes else "base"
+                self.add((where,), f"duplicate cell: same run config as the cell {first}", axes)
+                continue
+            seen[cell.cell_key] = axes
+            cells.append(cell)
+        if self.errors:
+            raise SpecError(self.errors[:MAX_ERRORS])
+        return cells
+
+
+def expand(spec: SweepSpec) -> list[Cell]:
+    """Every cell of the sweep as a validated RunConfig; SpecError (with field paths) otherwise."""
+    _check_structure(spec)
+    return _Expander(spec).expand()

@@ -1,0 +1,128 @@
+"""Helpers for the API tests: an in-process client, a live uvicorn server, and stored results."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session
+
+from service.app import create_app
+from service.core.config import Settings
+from service.db.models import Environment, Probe, ProbeOutcome, RankResult, Run, RunStatus
+
+TOKEN = "s3cret-token"
+
+
+def small_spec(name: str = "small", **overrides: Any) -> dict[str, Any]:
+    """A 4-cell dense sweep (2 lengths x world 1 and 2, data parallel)."""
+    spec: dict[str, Any] = {
+        "name": name,
+        "base": {
+            "kernel": "dense",
+            "num_heads": 2,
+            "head_dim": 16,
+            "batch_size": 2,
+            "parallel": "data",
+            "warmup": 1,
+            "iterations": 2,
+        },
+        "grid": {"seq_len": [128, 256], "world_size": [1, 2]},
+    }
+    spec.update(overrides)
+    return spec
+
+
+@contextmanager
+def api_client(database_url: str, **settings: Any) -> Iterator[TestClient]:
+    """A TestClient on a fresh app (lifespan run: migrations, engine) for `database_url`."""
+    app = create_app(Settings(database_url=database_url, **settings))
+    with TestClient(app) as client:
+        yield client
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live_server(app: FastAPI) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free local port in a thread; yields the base URL."""
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def store_result(
+    session: Session,
+    run_id: int,
+    *,
+    status: RunStatus = RunStatus.succeeded,
+    medians: tuple[float, ...] = (0.01,),
+    peak: int = 1 << 20,
+    flops: float = 1e9,
+    probes: tuple[tuple[int, ProbeOutcome, int | None], ...] = (),
+    error: str | None = None,
+) -> None:
+    """Write what a finished run leaves in the database: rank results, probes, environment."""
+    run = session.get(Run, run_id)
+    assert run is not None
+    env = session.query(Environment).filter_by(hash="e" * 64).one_or_none()
+    if env is None:
+        env = Environment(
+            hash="e" * 64,
+            hosts=["node-a"],
+            gpus=[],
+            torch="2.13.0+cpu",
+            python="3.11.7",
+            ray="2.60.0",
+            git_sha="abc1234",
+            git_dirty=False,
+        )
+        session.add(env)
+        session.flush()
+    run.status = status
+    run.environment_id = env.id
+    run.error = error
+    for rank, median in enumerate(medians):
+        session.add(
+            RankResult(
+                run_id=run_id,
+                rank=rank,
+                times_s=[median * 0.9, median, median * 1.1],
+                median_s=median,
+                p10_s=median * 0.9,
+                p90_s=median * 1.1,
+                tokens_per_s=run.seq_len / median,
+                flops=flops,
+                flops_per_s=flops / median,
+                peak_memory_bytes=peak + rank,
+                backend="sdpa",
+            )
+        )
+    for seq_len, outcome, probe_peak in probes:
+        session.add(
+            Probe(run_id=run_id, seq_len=seq_len, outcome=outcome, peak_memory_bytes=probe_peak)
+        )
+    session.commit()

@@ -1,0 +1,82 @@
+"""End to end: a tiny CPU sweep submitted over the API runs on the local Ray; results come back."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _api_helpers import api_client
+
+from service.scheduler import Scheduler
+from workers.gang import GangPool
+
+API = "/api/v1"
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(400)
+def test_tiny_cpu_sweep_runs_and_reports(tmp_path: Path, ray_session: Any) -> None:
+    spec = {
+        "name": "tiny cpu",
+        "base": {
+            "num_heads": 2,
+            "head_dim": 16,
+            "batch_size": 2,
+            "device": "cpu",
+            "warmup": 1,
+            "iterations": 3,
+            "timeout_s": 120,
+        },
+        "grid": {"seq_len": [128, 256], "world_size": [1, 2]},
+        # dense splits the batch over the ranks; ring splits the sequence
+        "zip": {"kernel": ["dense", "ring"], "parallel": ["data", "sequence"]},
+    }
+    with api_client(f"sqlite:///{tmp_path / 'e2e.db'}") as client:
+        created = client.post(f"{API}/sweeps", json=spec)
+        assert created.status_code == 201, created.text
+        sweep_id = created.json()["id"]
+        assert created.json()["total"] == 8
+
+        pool = GangPool(placement_timeout_s=120)
+        scheduler = Scheduler(client.app.state.sessionmaker, pool=pool, lease_s=60, heartbeat_s=5)
+        try:
+            ran = 0
+            while scheduler.run_once():
+                ran += 1
+        finally:
+            pool.close()
+        assert ran == 8
+
+        sweep = client.get(f"{API}/sweeps/{sweep_id}").json()
+        assert sweep["done"] and sweep["counts"]["succeeded"] == 8, sweep["counts"]
+
+        rows = client.get(f"{API}/sweeps/{sweep_id}/results.json").json()
+        assert len(rows) == 8
+        for row in rows:
+            assert row["outcome"] == "ok" and row["environment_id"] is not None
+            assert row["median_s"] > 0 and row["tflops_per_s"] > 0
+            expected = row["batch_size"] * row["seq_len"] / row["median_s"]
+            assert row["tokens_per_s"] == pytest.approx(expected)
+            assert row["peak_memory_bytes"] is not None and row["peak_memory_bytes"] >= 0
+        assert {(r["kernel"], r["world_size"]) for r in rows} == {
+            (k, w) for k in ("dense", "ring") for w in (1, 2)
+        }
+
+        table = list(
+            csv.DictReader(io.StringIO(client.get(f"{API}/sweeps/{sweep_id}/results.csv").text))
+        )
+        assert len(table) == 8 and all(float(r["median_s"]) > 0 for r in table)
+
+        two_ranks = next(r for r in rows if r["kernel"] == "ring" and r["world_size"] == 2)
+        detail = client.get(f"{API}/runs/{two_ranks['run_id']}").json()
+        assert [rr["rank"] for rr in detail["rank_results"]] == [0, 1]
+        assert detail["environment"]["torch"]
+
+        md = client.get(f"{API}/sweeps/{sweep_id}/report.md").text
+        assert "## Results per kernel and sequence length" in md
+        assert "## Scaling with world size" in md and "## Environment" in md
+        assert "| ring | " in md and "| dense | " in md
+        assert md.count("| ok |") == 8
