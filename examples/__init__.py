@@ -1,0 +1,1 @@
+"""Example sweeps (YAML), installed as service.examples so `ringlab demo` finds them anywhere."""

@@ -1,0 +1,182 @@
+// ringlab dashboard: draws the server-built Plotly figures, makes the results table sortable and
+// filterable, and keeps the sweep page live from the sweep's server-sent events.
+"use strict";
+
+const ringlab = (() => {
+  const PLOT_CONFIG = { responsive: true, displaylogo: false };
+
+  function readJson(scriptId) {
+    return JSON.parse(document.getElementById(scriptId).textContent);
+  }
+
+  function draw(divId, figure) {
+    const div = document.getElementById(divId);
+    if (!div) return;
+    Plotly.react(div, figure.data, figure.layout, PLOT_CONFIG);
+  }
+
+  function drawFromScript(divId, scriptId) {
+    draw(divId, readJson(scriptId));
+  }
+
+  // ---- formatting (mirrors the server's Jinja filters) ----
+  function si(v, unit) {
+    if (v === null || v === undefined) return "—";
+    const steps = [[1e12, "T"], [1e9, "G"], [1e6, "M"], [1e3, "k"]];
+    for (const [f, p] of steps) {
+      if (Math.abs(v) >= f) return `${(v / f).toPrecision(3)} ${p}${unit || ""}`;
+    }
+    return `${Number(v).toPrecision(3)} ${unit || ""}`.trim();
+  }
+
+  function nbytes(v) {
+    if (v === null || v === undefined) return "—";
+    const steps = [[2 ** 40, "TiB"], [2 ** 30, "GiB"], [2 ** 20, "MiB"], [2 ** 10, "KiB"]];
+    for (const [f, u] of steps) {
+      if (Math.abs(v) >= f) return `${(v / f).toFixed(2)} ${u}`;
+    }
+    return `${v} B`;
+  }
+
+  function secs(v) {
+    if (v === null || v === undefined) return "—";
+    return v < 1 ? `${(v * 1e3).toPrecision(3)} ms` : `${v.toPrecision(3)} s`;
+  }
+
+  function int(v) {
+    return v === null || v === undefined ? "—" : Number(v).toLocaleString("en-US");
+  }
+
+  function pct(v) {
+    return v === null || v === undefined ? "—" : `${(v * 100).toFixed(1)}%`;
+  }
+
+  function esc(text) {
+    const span = document.createElement("span");
+    span.textContent = String(text);
+    return span.innerHTML;
+  }
+
+  // Columns of the results table: key, header, how to show a value, sort key.
+  const COLUMNS = [
+    ["run_id", "run", (r) => `<a href="/runs/${r.run_id}">${r.run_id}</a>`],
+    ["variant", "kernel", (r) => esc(r.variant)],
+    ["seq_len", "seq_len", (r) => int(r.seq_len)],
+    ["world_size", "W", (r) => r.world_size],
+    ["parallel", "parallel", (r) => esc(r.parallel)],
+    ["dtype", "dtype", (r) => esc(r.dtype)],
+    ["mode", "mode", (r) => esc(r.mode) + (r.causal ? " causal" : "")],
+    ["status", "status", (r) => `<span class="state state-${esc(r.status)}">${esc(r.status)}</span>`],
+    ["time_s", "time", (r) => secs(r.time_s)],
+    ["tokens_per_s", "tokens/s", (r) => si(r.tokens_per_s)],
+    ["flops_per_s_per_rank", "TFLOP/s per rank",
+      (r) => (r.flops_per_s_per_rank === null ? "—" : (r.flops_per_s_per_rank / 1e12).toFixed(3))],
+    ["peak_fraction", "of dense peak",
+      (r) => (r.peak_fraction === null ? (r.status === "succeeded" ? "no reference peak" : "—")
+        : pct(r.peak_fraction))],
+    ["peak_memory_bytes", "peak mem / rank", (r) => nbytes(r.peak_memory_bytes)],
+    ["floor_bytes", "floor / rank", (r) => nbytes(r.floor_bytes)],
+    ["max_seq_len", "max len", (r) => int(r.max_seq_len)],
+    ["device", "device", (r) => esc(r.device || "—")],
+    ["error", "error", (r) => (r.error ? `<span class="err" title="${esc(r.error)}">${esc(r.error.split("\n")[0].slice(0, 80))}</span>` : "")],
+  ];
+
+  function searchText(r) {
+    return [r.run_id, r.variant, `seq=${r.seq_len}`, r.seq_len, `W=${r.world_size}`, r.parallel,
+      r.dtype, r.mode, r.causal ? "causal" : "", r.status, r.device || "", r.error || ""]
+      .join(" ").toLowerCase();
+  }
+
+  function compare(a, b) {
+    if (a === b) return 0;
+    if (a === null || a === undefined) return 1; // missing values last
+    if (b === null || b === undefined) return -1;
+    if (typeof a === "number" && typeof b === "number") return a - b;
+    return String(a).localeCompare(String(b), "en", { numeric: true });
+  }
+
+  function resultsTable(table, state) {
+    const head = table.tHead;
+    head.innerHTML = "<tr>" + COLUMNS.map(([key, title]) => {
+      const mark = state.sortKey === key ? (state.sortDir > 0 ? " ▲" : " ▼") : "";
+      return `<th data-key="${key}" aria-sort="${state.sortKey === key ? (state.sortDir > 0 ? "ascending" : "descending") : "none"}">${title}${mark}</th>`;
+    }).join("") + "</tr>";
+    const needle = state.filter.trim().toLowerCase();
+    const terms = needle ? needle.split(/\s+/) : [];
+    let rows = state.rows.filter((r) => (!state.status || r.status === state.status)
+      && terms.every((t) => searchText(r).includes(t)));
+    rows = rows.slice().sort((a, b) => state.sortDir * compare(a[state.sortKey], b[state.sortKey]));
+    table.tBodies[0].innerHTML = rows.map((r) =>
+      `<tr class="row-${esc(r.status)}">` + COLUMNS.map(([, , show]) => `<td>${show(r)}</td>`).join("") + "</tr>"
+    ).join("");
+    document.getElementById("row-count").textContent = `${rows.length} of ${state.rows.length} runs`;
+    document.getElementById("results-empty").hidden = state.rows.length > 0;
+  }
+
+  function renderSummary(sweep) {
+    const bar = document.querySelector("#progress .bar");
+    const label = document.querySelector("#progress span");
+    if (bar) bar.style.width = `${(100 * sweep.progress).toFixed(1)}%`;
+    if (label) label.textContent = `${sweep.done}/${sweep.total}`;
+    const counts = document.getElementById("counts");
+    const parts = Object.entries(sweep.counts).map(([s, n]) =>
+      `<span class="state state-${esc(s)}">${esc(s)} ${n}</span>`);
+    counts.innerHTML = `<span class="counts">${parts.join(" ") || '<span class="muted">no runs</span>'}</span>`;
+    document.getElementById("live").textContent = sweep.finished ? "ended" : "live";
+  }
+
+  function render(payload, state) {
+    state.rows = payload.rows;
+    renderSummary(payload.sweep);
+    for (const [id, fig] of Object.entries(payload.figures)) draw(id, fig);
+    resultsTable(document.getElementById("results"), state);
+  }
+
+  function sweepPage(sweepId) {
+    const state = { rows: [], sortKey: "run_id", sortDir: 1, filter: "", status: "" };
+    const table = document.getElementById("results");
+    render(readJson("payload"), state);
+
+    table.tHead.addEventListener("click", (ev) => {
+      const th = ev.target.closest("th");
+      if (!th) return;
+      const key = th.dataset.key;
+      state.sortDir = state.sortKey === key ? -state.sortDir : 1;
+      state.sortKey = key;
+      resultsTable(table, state);
+    });
+    document.getElementById("filter").addEventListener("input", (ev) => {
+      state.filter = ev.target.value;
+      resultsTable(table, state);
+    });
+    document.getElementById("status-filter").addEventListener("change", (ev) => {
+      state.status = ev.target.value;
+      resultsTable(table, state);
+    });
+
+    if (readJson("payload").sweep.finished) return;
+    // Live: every event means the database moved; reload the page's data at most once a second.
+    let pending = null;
+    const reload = () => {
+      if (pending) return;
+      pending = setTimeout(async () => {
+        pending = null;
+        const resp = await fetch(`/sweeps/${sweepId}/dashboard.json`, { cache: "no-store" });
+        if (resp.ok) render(await resp.json(), state);
+      }, 1000);
+    };
+    const events = new EventSource(`/api/v1/sweeps/${sweepId}/events`);
+    events.addEventListener("run", reload);
+    events.addEventListener("progress", reload);
+    events.addEventListener("end", () => {
+      events.close();
+      reload();
+    });
+    events.onerror = () => {
+      document.getElementById("live").textContent = "live updates lost: reload the page";
+      events.close();
+    };
+  }
+
+  return { draw, drawFromScript, sweepPage };
+})();

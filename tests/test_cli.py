@@ -1,0 +1,156 @@
+"""The `ringlab` client commands through typer's runner against a live service (uvicorn on a
+free port, no scheduler) holding finished sweeps; errors are one line and exit code 1."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from _web_helpers import Seeded, live_server, make_web_app, seed_sweeps
+from typer.testing import CliRunner
+
+from service import cli
+from service.cli import app
+from service.core.config import Settings
+
+pytestmark = pytest.mark.timeout(120)
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Seeded]]:
+    url = f"sqlite:///{tmp_path_factory.mktemp('cli') / 'ringlab.db'}"
+    seeded = seed_sweeps(url)
+    with live_server(make_web_app(Settings(database_url=url))) as base:
+        yield base, seeded
+
+
+@pytest.fixture
+def base(service: tuple[str, Seeded], monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("RINGLAB_URL", service[0])
+    monkeypatch.delenv("RINGLAB_API_TOKEN", raising=False)
+    monkeypatch.setattr(cli.out, "width", 200)  # the runner is no terminal: rich would use 80
+    return service[0]
+
+
+def ringlab(*args: str):
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+def one_error_line(result) -> str:
+    assert result.exit_code == 1, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_ls_and_show(base: str, service: tuple[str, Seeded]) -> None:
+    result = ringlab("ls")
+    assert result.exit_code == 0, result.stderr
+    text = result.stdout
+    assert "kernels on 2x H100 (synthetic numbers)" in text and "max_seq_len" in text
+    assert "17/17" in text and "succeeded 16, failed 1" in text
+    result = ringlab("show", str(service[1].rerun))
+    assert result.exit_code == 0, result.stderr
+    assert f"dashboard: {base}/sweeps/{service[1].rerun}" in result.stdout
+    assert "progress 17/17: succeeded 16, failed 1" in result.stdout
+
+
+def test_results_in_three_formats(base: str, service: tuple[str, Seeded]) -> None:
+    sweep = str(service[1].maxlen)
+    rows = json.loads(ringlab("results", sweep, "--format", "json").stdout)
+    assert sorted(r["max_seq_len"] for r in rows) == [1536, 1536, 2048, 4096]
+    parsed = list(csv.DictReader(io.StringIO(ringlab("results", sweep, "-f", "csv").stdout)))
+    assert [int(r["run_id"]) for r in parsed] == [r["run_id"] for r in rows]
+    table = ringlab("results", sweep).stdout
+    assert "block_sparse" in table and "4,096" in table
+    assert "--format" in one_error_line(ringlab("results", sweep, "--format", "xml"))
+
+
+def test_report_is_markdown(base: str, service: tuple[str, Seeded]) -> None:
+    result = ringlab("report", str(service[1].benchmark))
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.startswith("#") and "|" in result.stdout
+
+
+def test_watch_exit_code_says_whether_a_run_failed(base: str, service: tuple[str, Seeded]) -> None:
+    ok = ringlab("watch", str(service[1].benchmark))
+    assert ok.exit_code == 0, ok.stderr
+    assert "ended: succeeded 17" in ok.stdout
+    bad = ringlab("watch", str(service[1].rerun))
+    assert bad.exit_code == 1
+    assert "1 run(s) failed or timed out" in bad.stderr
+
+
+def test_submit_cancel_retry(base: str, service: tuple[str, Seeded], tmp_path: Path) -> None:
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(
+        "name: tiny\nkind: benchmark\nbase: {kernel: dense, device: cpu, num_heads: 2}\n"
+        "grid:\n  seq_len: [128, 256]\n"
+    )
+    result = ringlab("submit", str(spec))
+    assert result.exit_code == 0, result.stderr
+    first, second = result.stdout.strip().splitlines()
+    sweep_id = int(first.split()[1])
+    assert first == f"sweep {sweep_id} (tiny): 2 runs"
+    assert second == f"dashboard: {base}/sweeps/{sweep_id}"
+    assert httpx.get(f"{base}/sweeps/{sweep_id}").status_code == 200  # the page it points to
+    again = ringlab("submit", str(spec), "--idempotency-key", "k1")
+    again_twice = ringlab("submit", str(spec), "--idempotency-key", "k1")
+    assert again.stdout == again_twice.stdout  # the same key returns the same sweep
+    result = ringlab("cancel", str(sweep_id))
+    assert result.stdout.strip() == f"sweep {sweep_id}: 2 run(s) cancelled"
+    result = ringlab("retry", str(service[1].rerun))
+    assert result.stdout.strip() == f"sweep {service[1].rerun}: 1 run(s) requeued"
+
+
+def test_client_errors_are_one_line(
+    base: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nbase: {kernel: nope, seq_len: 1024}\n")
+    line = one_error_line(ringlab("submit", str(bad)))
+    assert "422" in line and "base.kernel" in line and "unknown kernel 'nope'" in line
+    assert "404" in one_error_line(ringlab("show", "9999"))
+    assert "no such file" in one_error_line(ringlab("submit", str(tmp_path / "missing.yaml")))
+    (tmp_path / "broken.yaml").write_text("name: [unclosed\n")
+    assert "not valid YAML" in one_error_line(ringlab("submit", str(tmp_path / "broken.yaml")))
+    monkeypatch.setenv("RINGLAB_URL", "http://127.0.0.1:9")  # discard port: nothing listens
+    line = one_error_line(ringlab("ls"))
+    assert "cannot reach the ringlab service at http://127.0.0.1:9" in line
+
+
+def test_token_is_sent_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"sqlite:///{tmp_path / 'auth.db'}"
+    seeded = seed_sweeps(url)
+    settings = Settings(database_url=url, api_token="s3cret")
+    with live_server(make_web_app(settings)) as base:
+        monkeypatch.setenv("RINGLAB_URL", base)
+        monkeypatch.delenv("RINGLAB_API_TOKEN", raising=False)
+        assert "401" in one_error_line(ringlab("cancel", str(seeded.benchmark)))
+        monkeypatch.setenv("RINGLAB_API_TOKEN", "s3cret")
+        result = ringlab("cancel", str(seeded.benchmark))
+        assert result.exit_code == 0 and "0 run(s) cancelled" in result.stdout
+
+
+def test_bundled_example_by_name() -> None:
+    from service.cli import load_specs
+
+    (spec,) = load_specs("cpu-quick.yaml")
+    assert spec["name"] == "cpu-quick"
+    assert len(load_specs("max-seq-len-1gpu.yaml")) == 3
+
+
+@pytest.mark.ray
+def test_cluster_lists_the_local_ray(base: str, ray_session: object) -> None:
+    result = ringlab("cluster")
+    assert result.exit_code == 0, result.stderr
+    total = result.stdout.strip().splitlines()[-1]
+    assert total.startswith("total: ") and "/4 CPUs free" in total and "/0 GPUs free" in total

@@ -1,0 +1,66 @@
+"""Every bundled example sweep loads (as `ringlab submit` reads it) and validates with SweepSpec:
+each document expands into run configs the workers accept."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+import pytest
+
+import attention
+from service.cli import load_specs
+from service.spec import SweepSpec, expand
+
+EXAMPLES = sorted(p.name for p in files("service.examples").iterdir() if p.name.endswith(".yaml"))
+GPU_EXPERIMENTS = [
+    "max-seq-len-1gpu.yaml",
+    "max-seq-len-2gpu.yaml",
+    "dp-vs-ring-2gpu.yaml",
+    "dilated-1-2gpu.yaml",
+    "memory-per-token.yaml",
+]
+DOCS = [(name, i) for name in EXAMPLES for i in range(len(load_specs(name)))]
+
+
+def test_every_seed_experiment_has_a_gpu_sweep_and_a_cpu_twin() -> None:
+    expected = {*GPU_EXPERIMENTS, *(f"cpu-{n}" for n in GPU_EXPERIMENTS), "cpu-quick.yaml"}
+    assert set(EXAMPLES) == expected
+
+
+def _kernels(doc: dict) -> set[str]:
+    names = set(doc.get("zip", {}).get("kernel", [])) | set(doc.get("grid", {}).get("kernel", []))
+    return names | ({doc["base"]["kernel"]} if "kernel" in doc.get("base", {}) else set())
+
+
+@pytest.mark.parametrize(("name", "index"), DOCS, ids=[f"{n}#{i}" for n, i in DOCS])
+def test_example_validates(name: str, index: int) -> None:
+    doc = load_specs(name)[index]
+    spec = SweepSpec.model_validate(doc)
+    missing = sorted(_kernels(doc) - set(attention.KERNELS))
+    if missing:
+        pytest.skip(f"kernel(s) {', '.join(missing)} not registered in attention.KERNELS yet")
+    cells = expand(spec)
+    assert cells, name
+    configs = [c.config for c in cells]
+    if name.startswith("cpu-"):
+        assert {c.device for c in configs} == {"cpu"} and {c.dtype for c in configs} == {"float32"}
+    else:
+        assert {c.device for c in configs} == {"cuda"}
+    for c in configs:  # a single-process kernel on several ranks must split the batch
+        if not attention.KERNELS[c.kernel].distributed and c.world_size > 1:
+            assert c.parallel == "data", c
+
+
+def test_cpu_quick_is_a_handful_of_tiny_runs_at_one_and_two_ranks() -> None:
+    (doc,) = load_specs("cpu-quick.yaml")
+    configs = [c.config for c in expand(SweepSpec.model_validate(doc))]
+    assert len(configs) <= 10
+    assert {c.world_size for c in configs} == {1, 2}
+    assert {c.parallel for c in configs} == {"sequence", "data"}
+    assert max(c.seq_len for c in configs) <= 2048
+    # Attention work stays under a second at the ~140 GFLOP/s of SDPA on this machine kind.
+    flops = sum(
+        4 * c.batch_size * c.seq_len**2 * c.num_heads * c.head_dim * (c.warmup + c.iterations)
+        for c in configs
+    )
+    assert flops < 140e9

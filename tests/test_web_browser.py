@@ -1,0 +1,255 @@
+"""The dashboard in a real headless chromium against a live service holding finished sweeps:
+every page loads without a console error and every chart is drawn. Saves a screenshot of the
+sweep page to artifacts/ (and to docs/img/sweep.png when RINGLAB_UPDATE_SCREENSHOT=1).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _web_helpers import (
+    Seeded,
+    finish_run,
+    live_server,
+    make_web_app,
+    seed_running_sweep,
+    seed_sweeps,
+)
+
+from service.core.config import Settings
+
+CHROMIUM = Path("/usr/bin/chromium")
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "artifacts"
+README_SHOT = ROOT / "docs" / "img" / "sweep.png"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason="/usr/bin/chromium is missing: apt-get install -y chromium (the test command does)",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def database_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return f"sqlite:///{tmp_path_factory.mktemp('web') / 'ringlab.db'}"
+
+
+@pytest.fixture(scope="module")
+def service(database_file: str) -> Iterator[tuple[str, Seeded]]:
+    seeded = seed_sweeps(database_file)
+    with live_server(make_web_app(Settings(database_url=database_file))) as base:
+        yield base, seeded
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+class Page:
+    """A chromium page that records console errors, page errors and failed requests."""
+
+    def __init__(self, browser: Any, base: str) -> None:
+        self.base = base
+        self.context = browser.new_context(viewport={"width": 1500, "height": 1100})
+        self.page = self.context.new_page()
+        self.problems: list[str] = []
+        self.page.on(
+            "console",
+            lambda m: (
+                self.problems.append(f"console {m.type}: {m.text}")
+                if m.type in ("error", "warning")
+                else None
+            ),
+        )
+        self.page.on("pageerror", lambda e: self.problems.append(f"page error: {e}"))
+        self.page.on("requestfailed", self._on_failed)
+        self.page.on("response", self._on_response)
+        self.outside: list[str] = []
+        self.page.on(
+            "request",
+            lambda r: None if r.url.startswith((base, "data:")) else self.outside.append(r.url),
+        )
+
+    def _on_failed(self, request: Any) -> None:
+        # The page closes its event stream itself once the sweep has ended: that abort is normal.
+        if request.url.endswith("/events") and request.failure == "net::ERR_ABORTED":
+            return
+        self.problems.append(f"request failed: {request.url} ({request.failure})")
+
+    def _on_response(self, response: Any) -> None:
+        if response.status >= 400:
+            self.problems.append(f"HTTP {response.status}: {response.url}")
+
+    def open(self, path: str) -> Any:
+        response = self.page.goto(self.base + path, wait_until="networkidle")
+        assert response is not None and response.status == 200, path
+        return self.page
+
+    def charts_drawn(self, expected: int) -> None:
+        """Every .chart div holds a drawn Plotly figure (its svg.main-svg)."""
+        charts = self.page.locator("div.chart")
+        assert charts.count() == expected
+        for i in range(expected):
+            chart = charts.nth(i)
+            chart.locator("svg.main-svg").first.wait_for(state="attached", timeout=15_000)
+            assert "js-plotly-plot" in (chart.get_attribute("class") or ""), chart
+        self.check()
+
+    def check(self) -> None:
+        assert self.problems == [], self.problems
+        assert self.outside == [], f"fetched from outside the service: {self.outside}"
+
+    def close(self) -> None:
+        self.context.close()
+
+
+@pytest.fixture
+def page(browser: Any, service: tuple[str, Seeded]) -> Iterator[Page]:
+    p = Page(browser, service[0])
+    yield p
+    p.close()
+
+
+def test_sweeps_list(page: Page, service: tuple[str, Seeded]) -> None:
+    seeded = service[1]
+    pg = page.open("/")
+    rows = pg.locator("#sweeps tbody tr")
+    assert rows.count() == 3
+    assert "max length per kernel" in rows.nth(0).inner_text()  # newest first
+    assert pg.locator(".progress .bar").count() == 3
+    text = pg.locator("#sweeps").inner_text()
+    assert "succeeded 16 failed 1" in text  # counts by state of the rerun
+    pg.locator(f'a[href="/sweeps/{seeded.benchmark}"]').first.click()
+    pg.wait_for_load_state("networkidle")
+    assert pg.url.endswith(f"/sweeps/{seeded.benchmark}")
+    page.check()
+
+
+def test_sweep_page_charts_table_and_screenshot(page: Page, service: tuple[str, Seeded]) -> None:
+    seeded = service[1]
+    pg = page.open(f"/sweeps/{seeded.benchmark}")
+    page.charts_drawn(5)
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "sweep.png"
+    pg.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 20_000
+    if os.environ.get("RINGLAB_UPDATE_SCREENSHOT") == "1":
+        README_SHOT.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, README_SHOT)
+    # Throughput: one line per kernel x world size (dense W=1, dense W=2 data, ring, dilated).
+    traces = pg.evaluate(
+        "() => document.getElementById('chart-throughput').data.map(t => [t.name, t.x.length])"
+    )
+    points = {name.split(" ")[0] + " " + name.split(" · ")[1]: n for name, n in traces}
+    assert points == {"dense W=1": 4, "dense W=2": 4, "dilated W=1": 4, "ring W=2": 5}, traces
+    scaling = pg.evaluate(
+        "() => document.getElementById('chart-scaling').data.map(t => [t.name, t.y])"
+    )
+    by_name = dict(scaling)
+    ring = by_name["ring layout=contiguous · seq 8,192 (vs dense W=1)"]
+    assert ring[0] == 1.0 and 0.8 < ring[1] < 0.85, scaling  # 0.85 / 1.03 (rank 1 lags)
+    data = by_name["dense · data-parallel b=2 · seq 8,192"]
+    assert data[0] == 1.0 and 0.93 < data[1] < 0.95, scaling  # weak scaling: 0.97 / 1.03
+    names = pg.evaluate("() => document.getElementById('chart-memory').data.map(t => t.name)")
+    assert any(n.startswith("floor h=8 d=64 bfloat16") for n in names), names
+    peak = pg.evaluate("() => document.getElementById('chart-peak').data.length")
+    assert peak == 4
+    # The table: 17 runs, sortable and filterable.
+    body = pg.locator("#results tbody tr")
+    assert body.count() == 17
+    pg.fill("#filter", "ring W=2")
+    assert body.count() == 5
+    assert pg.locator("#row-count").inner_text() == "5 of 17 runs"
+    pg.locator('#results th[data-key="tokens_per_s"]').click()
+    pg.locator('#results th[data-key="tokens_per_s"]').click()  # descending
+    lengths = [c.split("\t")[2] for c in pg.locator("#results tbody tr").all_inner_texts()]
+    assert lengths == ["2,048", "4,096", "8,192", "16,384", "32,768"]  # quadratic: tokens/s falls
+    pg.fill("#filter", "")
+    page.check()
+
+
+def test_max_len_sweep_page_shows_probes(page: Page, service: tuple[str, Seeded]) -> None:
+    pg = page.open(f"/sweeps/{service[1].maxlen}")
+    page.charts_drawn(5)
+    traces = pg.evaluate(
+        "() => document.getElementById('chart-maxlen').data.map(t => [t.name, t.x.length])"
+    )
+    assert dict(traces) == {"max length that fit": 4, "probe: fit": 9, "probe: oom": 6}, traces
+    bars = pg.evaluate("() => document.getElementById('chart-maxlen').data[0].y")
+    assert bars == [2048, 1536, 1536, 4096]  # block_sparse, dense, dense W=2 data, ring W=2
+    note = pg.locator("#chart-peak").inner_text()
+    assert "no reference peak for CPU (float32)" in note
+
+
+def test_run_page(page: Page, service: tuple[str, Seeded]) -> None:
+    seeded = service[1]
+    pg = page.open(f"/runs/{seeded.ring_run}")
+    page.charts_drawn(1)
+    assert pg.locator("#ranks tbody tr").count() == 2
+    assert "NVIDIA H100 80GB HBM3" in pg.locator("#environment").inner_text()
+    assert '"kernel": "ring"' in pg.locator("#config").inner_text()
+    pg = page.open(f"/runs/{seeded.failed_run}")
+    assert "gloo timeout" in pg.locator("#error").inner_text()
+    page.check()
+
+
+def test_compare_page(page: Page, service: tuple[str, Seeded]) -> None:
+    seeded = service[1]
+    pg = page.open(f"/compare?a={seeded.benchmark}&b={seeded.rerun}")
+    page.charts_drawn(1)
+    assert pg.locator("#pairs tbody tr").count() == 17
+    # ring is 20% slower in the rerun at every length, and its 32K run failed there.
+    regressions = pg.locator("#pairs tbody tr.regression")
+    assert regressions.count() == 5
+    assert "B failed" in regressions.last.inner_text()
+    assert "slower" in regressions.first.inner_text()
+    assert (
+        "17 matching cells (0 only in A, 0 only in B); 5 regressions"
+        in pg.locator("#verdict").inner_text()
+    )
+
+
+def test_sweep_page_updates_live_from_events(page: Page, database_file: str) -> None:
+    sweep_id, (first, second) = seed_running_sweep(database_file)
+    pg = page.open(f"/sweeps/{sweep_id}")
+    page.charts_drawn(5)
+    assert pg.locator("#live").inner_text() == "live"
+    assert pg.locator("#progress span").inner_text() == "0/2"
+    finish_run(database_file, first)
+    pg.wait_for_function(
+        "() => document.querySelector('#progress span').textContent === '1/2'", timeout=15_000
+    )
+    assert pg.locator("#results tbody tr.row-succeeded").count() == 1
+    assert pg.evaluate("() => document.getElementById('chart-throughput').data.length") == 1
+    finish_run(database_file, second)
+    pg.wait_for_function(
+        "() => document.getElementById('live').textContent === 'ended'", timeout=15_000
+    )
+    assert pg.locator("#progress span").inner_text() == "2/2"
+    assert pg.locator("#results tbody tr.row-succeeded").count() == 2
+    page.check()
