@@ -80,20 +80,51 @@ def test_first_length_that_does_not_fit_is_an_oom() -> None:
     assert len(outcome.probes) == 1 and "1024 did not fit" in outcome.error
 
 
-@pytest.fixture
-def by_96(monkeypatch: pytest.MonkeyPatch) -> str:
-    """dense with a divisibility rule: seq_len must divide by 96."""
+def _register_multiple_of(monkeypatch: pytest.MonkeyPatch, quantum: int) -> str:
+    """dense with a divisibility rule: seq_len must divide by `quantum`."""
 
     def check(params: Any, *, seq_len: int, world_size: int = 1, num_heads: int = 1) -> None:
-        if seq_len % 96:
-            raise ValueError(f"seq_len: {seq_len} must divide by 96")
+        if seq_len % quantum:
+            raise ValueError(f"seq_len: {seq_len} must divide by {quantum}")
 
+    name = f"by{quantum}"
     base = attention.KERNELS["dense"]
     spec = KernelSpec(
-        name="by96", description="test", params=base.params, factory=base.factory, check=check
+        name=name, description="test", params=base.params, factory=base.factory, check=check
     )
-    monkeypatch.setitem(attention.KERNELS, "by96", spec)
-    return "by96"
+    monkeypatch.setitem(attention.KERNELS, name, spec)
+    return name
+
+
+@pytest.fixture
+def by_96(monkeypatch: pytest.MonkeyPatch) -> str:
+    return _register_multiple_of(monkeypatch, 96)
+
+
+@pytest.mark.parametrize(
+    ("quantum", "limit", "granularity", "answer"),
+    [
+        (100, 7777, 100, 7700),  # a block size of 100: 25 * 4 is no f * 2**k step
+        (100, 3333, 1, 3300),
+        (96, 5000, 1, 4992),
+        (11, 1000, 1, 990),  # a prime quantum
+    ],
+)
+def test_search_lands_on_the_largest_accepted_length(
+    monkeypatch: pytest.MonkeyPatch, quantum: int, limit: int, granularity: int, answer: int
+) -> None:
+    """Whatever the kernel's quantum, the answer is the largest accepted length that fits,
+    not one that stopped a few steps short because a rounding rule could not reach it."""
+    kernel = _register_multiple_of(monkeypatch, quantum)
+    cfg = config(
+        kernel=kernel,
+        seq_len=quantum,
+        search={"start": quantum * 10, "max": 1 << 20, "granularity": granularity},
+    )
+    log: list[int] = []
+    outcome = run_search(cfg, _planted(limit, log))
+    assert all(n % quantum == 0 for n in log)
+    assert outcome.status == "succeeded" and outcome.answer_seq_len == answer, log
 
 
 def test_probes_follow_the_kernels_divisibility_rule(by_96: str) -> None:

@@ -7,6 +7,7 @@ length that fit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from workers import kernels
@@ -20,23 +21,34 @@ _FACTORS = (1, 3, 5, 7)
 ProbeRunner = Callable[[RunConfig, bool], list[CaseOutcome]]
 
 
-def snap_down(config: RunConfig, length: int, floor: int = 1) -> int | None:
-    """The largest length <= `length` (and >= floor) the kernel accepts, among round multiples."""
-    best: int | None = None
-    for power in range(0, 63):
-        if 1 << power > length:
+def _divisors(n: int) -> list[int]:
+    """Every positive divisor of n (n >= 1), by trial division up to sqrt(n)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def snap_down(
+    config: RunConfig, length: int, floor: int = 1, anchors: tuple[int, ...] = ()
+) -> int | None:
+    """The largest length in [floor, length] the kernel accepts, among the candidate multiples.
+
+    Candidates are `length` rounded down to f * 2**k (f in 1, 3, 5, 7) and to every divisor of
+    gcd(anchors), where anchors are lengths known to be valid. A kernel whose valid lengths are
+    the multiples of some quantum q (a block size, lcm of segment lengths, the world size) has q
+    dividing every valid anchor, so with an anchor the answer is exact whatever q is (a block
+    size of 100 included).
+    """
+    steps = {factor << power for power in range(63) if 1 << power <= length for factor in _FACTORS}
+    valid_anchors = [a for a in anchors if a >= 1]
+    if valid_anchors:
+        steps.update(_divisors(math.gcd(*valid_anchors)))
+    candidates = sorted({length - length % step for step in steps if step <= length}, reverse=True)
+    for candidate in candidates:
+        if candidate < floor:
             break
-        for factor in _FACTORS:
-            step = factor << power
-            if step > length:
-                continue
-            candidate = length - length % step
-            better = candidate >= floor and (best is None or candidate > best)
-            if better and kernels.is_valid_length(config, candidate):
-                best = candidate
-        if best == length:
-            break
-    return best
+        if kernels.is_valid_length(config, candidate):
+            return candidate
+    return None
 
 
 def probe_of(seq_len: int, cases: list[CaseOutcome]) -> ProbeResult:
@@ -97,14 +109,20 @@ def run_search(config: RunConfig, run_probe: ProbeRunner) -> RunOutcome:
                 hi = length
                 break
             lo = length
-            nxt = snap_down(config, min(2 * length, search.max), floor=length + 1)
+            nxt = snap_down(
+                config, min(2 * length, search.max), floor=length + 1, anchors=(length,)
+            )
             if nxt is None:
                 break
             length = nxt
         if lo is not None and hi is not None:  # bisection
             while hi - lo > search.granularity:
-                mid = snap_down(config, (lo + hi) // 2, floor=lo + 1)
-                if mid is None or mid >= hi:
+                # The valid length nearest the middle; else the largest one below hi. None of
+                # either means no accepted length lies between lo and hi: lo is exact.
+                mid = snap_down(config, (lo + hi) // 2, floor=lo + 1, anchors=(lo, hi))
+                if mid is None:
+                    mid = snap_down(config, hi - 1, floor=lo + 1, anchors=(lo, hi))
+                if mid is None:
                     break
                 if probe(mid):
                     lo = mid
