@@ -11,9 +11,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
+# The demo: the service on SQLite with a local CPU Ray, examples/cpu-quick.yaml submitted, the
+# dashboard URL printed; it keeps serving until Ctrl-C. PORT=8001 make run picks another port.
+PORT ?= 8000
 run: $(STAMP)
-	$(VENV)/bin/ringlab db upgrade
-	$(VENV)/bin/ringlab --help
+	$(VENV)/bin/ringlab demo --port $(PORT)
 
 test: $(STAMP)
 	VENV=$(VENV) bash scripts/test.sh

@@ -65,6 +65,7 @@ def friendly_errors(fn: F) -> F:
             OperationalError,
             NoSuchModuleError,
             ArgumentError,
+            ConnectionError,  # Ray: no cluster at RINGLAB_RAY_ADDRESS
         ) as e:
             err.print(f"[red]error:[/red] {_one_line(e)}")
             raise typer.Exit(1) from None
@@ -120,7 +121,7 @@ def db_current() -> None:
 @friendly_errors
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address (RINGLAB_HOST).")] = None,
-    port: Annotated[int | None, typer.Option(help="Port (RINGLAB_PORT).")] = None,
+    port: Annotated[int | None, typer.Option(min=1, max=65535, help="Port (RINGLAB_PORT).")] = None,
     no_scheduler: Annotated[
         bool, typer.Option("--no-scheduler", help="Serve the API only; run `ringlab scheduler`.")
     ] = False,
@@ -139,8 +140,12 @@ def scheduler() -> None:
     import threading
 
     from service.scheduler import run_forever_from_settings
+    from workers import cluster
 
     settings = load_settings()
+    # Ray first: ray.init() in the main thread installs its own SIGTERM handler (sys.exit),
+    # which would kill the scheduler mid-run; ours must be installed after it.
+    cluster.connect(settings.ray_address)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -154,13 +159,15 @@ DEMO_EXAMPLE = "cpu-quick.yaml"
 @app.command()
 @friendly_errors
 def demo(
-    port: Annotated[int, typer.Option(help="Port to serve on.")] = 8000,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to serve on.")] = 8000,
     database_url: Annotated[
         str | None,
         typer.Option(help="Database (default: demo.db, SQLite, in the user's data dir)."),
     ] = None,
 ) -> None:
     """Start the service on SQLite with a local CPU Ray, submit cpu-quick.yaml, keep serving."""
+    import os
+    import signal
     import threading
 
     from platformdirs import user_data_dir
@@ -173,18 +180,26 @@ def demo(
     (spec,) = load_specs(DEMO_EXAMPLE)
     base = f"http://127.0.0.1:{port}"
 
+    failure: list[str] = []
+
+    def give_up(reason: str) -> None:
+        # The demo without its sweep is no demo: stop the server (uvicorn's graceful SIGTERM
+        # path) and exit non-zero with the reason, after the server has shut down.
+        failure.append(reason)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def submit_when_ready() -> None:
         with Client(base) as client:
             deadline = time.monotonic() + 120
             while not client.healthy():
                 if time.monotonic() > deadline:
-                    err.print(f"[red]error:[/red] the service did not answer at {base} in 120 s")
+                    give_up(f"the service did not answer at {base} in 120 s")
                     return
                 time.sleep(0.5)
             try:
                 sweep = client.submit(spec)
             except ClientError as e:
-                err.print(f"[red]error:[/red] {e}")
+                give_up(f"could not submit {DEMO_EXAMPLE}: {e}")
                 return
             out.print(
                 f"[bold]demo sweep {sweep['id']}[/bold] ({sweep['total']} runs) submitted.\n"
@@ -196,6 +211,8 @@ def demo(
     out.print(f"starting ringlab on {base} (database {_safe(settings)}, local Ray on CPU)")
     threading.Thread(target=submit_when_ready, name="demo-submit", daemon=True).start()
     run_server(settings, host="127.0.0.1", port=port, with_scheduler=True)
+    if failure:
+        raise CliError(failure[0])
 
 
 # ---- client commands: talk to a running service over HTTP ----

@@ -95,6 +95,38 @@ def test_invalid_spec_is_422_with_a_field_path_and_stores_nothing(database_url: 
         assert _count(client, Sweep) == 0 and _count(client, Run) == 0
 
 
+def test_values_any_database_could_not_hold_are_422_not_500(database_url: str) -> None:
+    """NUL characters (Postgres stores none), coerced types and out-of-range ids or seeds are
+    refused with their path on both databases; nothing is stored."""
+    with api_client(database_url) as client:
+        r = client.post(f"{API}/sweeps", json=small_spec("x\u0000"))
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "name"]
+        nul_env = small_spec()
+        nul_env["base"]["env"] = {"NCCL_DEBUG": "IN\u0000FO"}
+        r = client.post(f"{API}/sweeps", json=nul_env)
+        assert r.status_code == 422
+        assert r.json()["detail"][0]["loc"] == ["body", "base", "env", "NCCL_DEBUG"]
+
+        for field, value in [("seq_len", "128"), ("causal", "yes"), ("warmup", 1.0)]:
+            spec = small_spec(grid={"world_size": [1]})
+            spec["base"] |= {"seq_len": 128, field: value}
+            r = client.post(f"{API}/sweeps", json=spec)
+            assert r.status_code == 422, (field, r.text)
+            assert r.json()["detail"][0]["loc"][:3] == ["body", "base", field], r.text
+        spec = small_spec()
+        spec["base"]["seed"] = 2**40
+        r = client.post(f"{API}/sweeps", json=spec)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "base", "seed"]
+        assert _count(client, Sweep) == 0 and _count(client, Run) == 0
+
+        assert client.get(f"{API}/sweeps", params={"name": "a\x00"}).status_code == 422
+        assert client.get(f"{API}/runs", params={"kernel": "a\x00"}).status_code == 422
+        for path in ("/sweeps/99999999999", "/runs/99999999999", "/?page=10000000000000"):
+            assert client.get(path).status_code == 422, path
+        assert client.get("/compare", params={"a": 10**12, "b": 1}).status_code == 422
+        assert client.get("/sweeps/7").status_code == 404
+
+
 def test_runs_filters_sort_and_pagination(database_url: str) -> None:
     with api_client(database_url) as client:
         spec = small_spec(grid={"seq_len": [128, 256, 512], "world_size": [1, 2]})

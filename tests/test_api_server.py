@@ -98,3 +98,91 @@ def test_serve_with_embedded_scheduler_runs_a_sweep(tmp_path: Path, ray_session:
         proc.kill()
         raise
     _sigterm(proc)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_scheduler_process_stops_cleanly_on_sigterm(tmp_path: Path, ray_session: Any) -> None:
+    """`ringlab scheduler` keeps its own SIGTERM handler after joining Ray (ray.init installs
+    one that exits at once): SIGTERM stops claiming and the process exits 0."""
+    address = ray_session.get_runtime_context().gcs_address
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "scheduler"],
+        env={
+            **os.environ,
+            "RINGLAB_DATABASE_URL": f"sqlite:///{tmp_path / 'sched.db'}",
+            "RINGLAB_RAY_ADDRESS": address,
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    seen = ""
+    for line in proc.stdout:  # printed once Ray is joined and the handlers are in place
+        seen += line
+        if "SIGTERM or Ctrl-C stops it cleanly" in line:
+            break
+    else:
+        raise AssertionError(f"scheduler exited before it was ready: {seen}")
+    time.sleep(3.0)  # into the claim loop (Ray is joined before the line above)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 0, f"exit {proc.returncode}: {seen}{out}"
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(240)
+def test_demo_serves_and_finishes_the_quick_sweep(tmp_path: Path, ray_session: Any) -> None:
+    """`ringlab demo` (what `make run` starts): it serves, submits examples/cpu-quick.yaml,
+    prints the dashboard URL, and the sweep finishes on the CPU with every run succeeded.
+    RAY_ADDRESS points its ray.init() at the tests' shared Ray instead of a second one."""
+    port = free_port()
+    database = f"sqlite:///{tmp_path / 'demo.db'}"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "demo",
+            "--port",
+            str(port),
+            "--database-url",
+            database,
+        ],
+        env={**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    try:
+        seen = ""
+        for line in proc.stdout:
+            seen += line
+            if line.startswith("Dashboard: "):
+                break
+        else:
+            raise AssertionError(f"demo exited before printing its dashboard URL: {seen}")
+        dashboard = line.removeprefix("Dashboard: ").strip()
+        base = f"http://127.0.0.1:{port}"
+        assert dashboard.startswith(f"{base}/sweeps/"), seen
+        page = httpx.get(dashboard, timeout=10)
+        assert page.status_code == 200 and "cpu-quick" in page.text
+        sweep_id = dashboard.rsplit("/", 1)[1]
+        deadline = time.monotonic() + 180
+        sweep: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            sweep = httpx.get(f"{base}{API}/sweeps/{sweep_id}", timeout=10).json()
+            if sweep["done"]:
+                break
+            time.sleep(1.0)
+        assert sweep["done"] and sweep["counts"]["succeeded"] == sweep["total"] == 9, sweep
+    except BaseException:
+        proc.kill()
+        raise
+    _sigterm(proc)

@@ -65,3 +65,6 @@ MAX_BIGINT = 2**63 - 1
 
 SweepId = Annotated[int, Path(ge=1, le=MAX_ID, description="A sweep id.")]
 RunId = Annotated[int, Path(ge=1, le=MAX_ID, description="A run id.")]
+
+NO_NUL = r"^[^\x00]*$"
+"""Pattern for free-text query values: Postgres cannot compare text holding NUL."""

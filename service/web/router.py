@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.templating import Jinja2Templates
 
-from service.api.deps import SessionDep, require_read
+from service.api.deps import MAX_ID, RunId, SessionDep, SweepId, require_read
 from service.db.models import TERMINAL_STATUSES
 from service.web import charts, data
 from service.web.peaks import dense_peak_flops
@@ -91,7 +91,7 @@ def static_file(name: str) -> FileResponse:
 def sweeps_page(
     request: Request,
     session: SessionDep,
-    page: Annotated[int, Query(ge=1)] = 1,
+    page: Annotated[int, Query(ge=1, le=MAX_ID)] = 1,
     per_page: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> HTMLResponse:
     """Every sweep, newest first: kind, created, progress and run counts by state."""
@@ -122,20 +122,20 @@ def _sweep_payload(session: SessionDep, sweep_id: int) -> dict[str, Any]:
 
 
 @router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
-def sweep_page(request: Request, session: SessionDep, sweep_id: int) -> HTMLResponse:
+def sweep_page(request: Request, session: SessionDep, sweep_id: SweepId) -> HTMLResponse:
     """Results table and charts of one sweep; live while it runs."""
     payload = _sweep_payload(session, sweep_id)
     return _page(request, "sweep.html", payload=payload, sweep=payload["sweep"])
 
 
 @router.get("/sweeps/{sweep_id}/dashboard.json")
-def sweep_data(session: SessionDep, sweep_id: int) -> JSONResponse:
+def sweep_data(session: SessionDep, sweep_id: SweepId) -> JSONResponse:
     """The sweep page's data (summary, rows, figures), reloaded by the page on live events."""
     return JSONResponse(_sweep_payload(session, sweep_id))
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
-def run_page(request: Request, session: SessionDep, run_id: int) -> HTMLResponse:
+def run_page(request: Request, session: SessionDep, run_id: RunId) -> HTMLResponse:
     """One run: config, per-rank timings and memory, probes, environment, error."""
     run = data.get_run(session, run_id)
     if run is None:
@@ -175,8 +175,10 @@ def run_page(request: Request, session: SessionDep, run_id: int) -> HTMLResponse
 def compare_page(
     request: Request,
     session: SessionDep,
-    a: Annotated[int | None, Query(description="Sweep A (the baseline).")] = None,
-    b: Annotated[int | None, Query(description="Sweep B (compared with A).")] = None,
+    a: Annotated[int | None, Query(ge=1, le=MAX_ID, description="Sweep A (the baseline).")] = None,
+    b: Annotated[
+        int | None, Query(ge=1, le=MAX_ID, description="Sweep B (compared with A).")
+    ] = None,
 ) -> HTMLResponse:
     """Two sweeps side by side: B/A for every cell with the same config; regressions marked."""
     sweeps, _ = data.list_sweeps(session, 0, 500)

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, HTTPException, Query, Response, status
 
 from service.api import results, store
-from service.api.deps import MAX_BIGINT, MAX_ID, RunId, SessionDep, require_read
+from service.api.deps import MAX_BIGINT, MAX_ID, NO_NUL, RunId, SessionDep, require_read
 from service.api.schemas import Message, RunDetail, RunList, RunOut
 from service.db.models import RunStatus
 
@@ -28,7 +28,7 @@ RunSort = StrEnum(  # type: ignore[misc]
 def list_runs(
     session: SessionDep,
     sweep_id: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None,
-    kernel: Annotated[str | None, Query(max_length=64)] = None,
+    kernel: Annotated[str | None, Query(max_length=64, pattern=NO_NUL)] = None,
     status_: Annotated[RunStatus | None, Query(alias="status")] = None,
     world_size: Annotated[int | None, Query(ge=1, le=4096)] = None,
     seq_len_min: Annotated[int | None, Query(ge=0, le=MAX_BIGINT)] = None,

@@ -9,11 +9,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 
 from service.api import results, store
-from service.api.deps import SessionDep, SweepId, require_read, require_write
+from service.api.deps import NO_NUL, SessionDep, SweepId, require_read, require_write
 from service.api.events import sweep_events
 from service.api.schemas import Message, ResultRow, SweepAction, SweepList, SweepOut
 from service.db.models import RunStatus, Sweep
-from service.spec import SpecError, SweepSpec, expand
+from service.spec import SpecError, SweepSpec, expand, nul_characters
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
 read = [Depends(require_read)]
@@ -58,6 +58,8 @@ def create_sweep(
     An invalid spec answers 422 with the field path of every problem; nothing is stored then.
     """
     location = "/api/v1/sweeps/{}"
+    if nul := nul_characters(spec.model_dump(exclude_unset=True)):
+        raise RequestValidationError([{**err, "loc": ["body", *err["loc"]]} for err in nul])
     try:
         existing = store.sweep_for_key(session, idempotency_key, spec) if idempotency_key else None
     except store.IdempotencyConflict as e:
@@ -90,7 +92,10 @@ def list_sweeps(
     skip: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     kind: Literal["benchmark", "max_seq_len", "correctness"] | None = None,
-    name: Annotated[str | None, Query(max_length=200, description="Substring of the name.")] = None,
+    name: Annotated[
+        str | None,
+        Query(max_length=200, pattern=NO_NUL, description="Substring of the name."),
+    ] = None,
 ) -> SweepList:
     """Sweeps, newest first, with their run counts and progress."""
     data, count = store.list_sweeps(session, skip=skip, limit=limit, kind=kind, name=name)
