@@ -53,6 +53,8 @@ def shard(x: torch.Tensor, layout: str, rank: int, world_size: int) -> torch.Ten
         raise ValueError(f"x: expected (batch, seq, ...), got shape {tuple(x.shape)}")
     seq_len = x.shape[1]
     check_seq_len(seq_len, layout, world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
     n = seq_len // world_size
     if layout == "contiguous":
         return x[:, rank * n : (rank + 1) * n].clone()

@@ -187,3 +187,47 @@ def test_restrict_splits_a_block_exactly(blk):
                 assert r0 <= part.q0 < part.q1 <= r0 + 5 and 0 <= part.k0 < part.k1 <= 4
                 total += block_keep(shifted, n).long()
     assert torch.equal(total, block_keep(blk, n).long())
+
+
+# Each ring kernel with a rank-dependent parameter (differs between ranks), and its inputs.
+RING_KERNELS = {
+    "ring": ({"layout": "contiguous"}, {"layout": "striped"}),
+    "ring_dilated": (
+        {"segment_lengths": (8,), "dilation_rates": (1,)},
+        {"segment_lengths": (8,), "dilation_rates": (2,)},
+    ),
+    "ring_block_sparse": (
+        {"block_size": 4, "pattern": "local_window", "window": 1},
+        {"block_size": 4, "pattern": "local_window", "window": 2},
+    ),
+}
+
+
+def rank_disagreements(rank: int, world: int, kernel: str) -> list[str]:
+    """Messages each rank gets when (1) rank 1 built the kernel with other parameters and
+    (2) rank 1 alone passes a k that does not match its q: every rank raises, none waits."""
+    same, other = RING_KERNELS[kernel]
+    q = torch.randn(1, 16, 2, 8)
+    messages = []
+    try:
+        attention.build(kernel, **(other if rank == 1 else same))(q, q, q)
+    except ValueError as exc:
+        messages.append(str(exc))
+    k = q[:, :8] if rank == 1 else q
+    try:
+        attention.build(kernel, **same)(q, k, q)
+    except ValueError as exc:
+        messages.append(str(exc))
+    return messages
+
+
+@pytest.mark.parametrize("kernel", sorted(RING_KERNELS))
+def test_ranks_that_disagree_all_fail_fast(kernel):
+    start = time.monotonic()
+    per_rank = run_ranks(rank_disagreements, 2, kernel)
+    assert time.monotonic() - start < 30
+    for messages in per_rank:
+        assert len(messages) == 2, messages
+        assert messages[0].startswith("params: every rank of the ring must build the kernel")
+    assert per_rank[1][1].startswith("q, k, v: shapes must match")
+    assert per_rank[0][1].startswith("q, k, v: rank(s) 1 rejected their inputs")

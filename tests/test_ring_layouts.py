@@ -38,6 +38,10 @@ def test_errors_name_the_numbers():
         layouts.shard(x, "diagonal", 0, 2)
     with pytest.raises(ValueError, match=r"rank: must be in \[0, 2\), got 2"):
         layouts.positions(12, "striped", 2, 2)
+    for layout in layouts.LAYOUTS:
+        for rank in (-1, 2, 5):
+            with pytest.raises(ValueError, match=rf"rank: must be in \[0, 2\), got {rank}"):
+                layouts.shard(x, layout, rank, 2)
     with pytest.raises(ValueError, match=r"parts\[1\]: shape"):
         layouts.unshard([torch.zeros(1, 4), torch.zeros(1, 3)], "contiguous")
     with pytest.raises(ValueError, match=r"local seq 3 is odd"):

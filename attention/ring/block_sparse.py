@@ -257,10 +257,9 @@ class RingBlockSparseAttention(Kernel):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
-        check_qkv(q, k, v)
         group = resolve_group(self.params.group)
         check_backend(group, q.device)
-        check_same_call(group, q, causal)
+        check_same_call(group, q, causal, self.params, local_check=lambda: check_qkv(q, k, v))
         world = dist.get_world_size(group)
         sched = self._schedule(q.shape[1] * world, world, causal)
         self.backend = primitive.backend_for(q.device, q.dtype, has_mask=causal)

@@ -7,6 +7,9 @@ group made with backend "cpu:gloo,cuda:nccl" dispatches by the tensors' device).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,29 +49,70 @@ def check_backend(group: Any, device: torch.device) -> None:
         )
 
 
-def check_same_call(group: Any, q: torch.Tensor, causal: bool, extra: tuple[int, ...] = ()) -> None:
-    """Raise ValueError on every rank when ranks call with different shapes, dtypes or `causal`.
+def params_fingerprint(params: Any) -> int:
+    """A stable 56-bit hash of a kernel's parameter dataclass, its process group left out."""
+    if params is None:
+        return 0
+    fields = [(f.name, getattr(params, f.name)) for f in dataclasses.fields(params)]
+    text = repr([(name, value) for name, value in fields if name != "group"])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
 
-    One tiny all-gather per call: a mismatch would otherwise hang or corrupt the ring.
+
+def check_same_call(
+    group: Any,
+    q: torch.Tensor,
+    causal: bool,
+    params: Any = None,
+    local_check: Callable[[], None] | None = None,
+) -> None:
+    """Raise ValueError on every rank unless all ranks call with the same q shape, dtype,
+    `causal` and kernel parameters, and every rank's `local_check` (its own input checks) passed.
+
+    One tiny all-gather per call. Without it a rank that rejects its inputs leaves the others
+    blocked in the ring until the process-group timeout, and ranks built with different
+    parameters (layout, pattern) would hang or silently compute a different attention.
     """
+    local_error: ValueError | None = None
+    if local_check is not None:
+        try:
+            local_check()
+        except ValueError as exc:  # re-raised below, after the others have heard of it
+            local_error = exc
     world = dist.get_world_size(group)
     if world == 1:
+        if local_error is not None:
+            raise local_error
         return
-    dtype_code = _DTYPE_CODES.get(q.dtype, -1)
-    meta = torch.tensor([*q.shape, dtype_code, int(causal), *extra], dtype=torch.int64)
-    meta = meta.to(q.device)
+    shape = [*q.shape[:4], *[-1] * (4 - min(q.dim(), 4))]
+    row = [*shape, q.dim(), _DTYPE_CODES.get(q.dtype, -1), int(causal)]
+    meta = torch.tensor(
+        [*row, params_fingerprint(params), int(local_error is not None)], dtype=torch.int64
+    ).to(q.device)
     gathered = [torch.empty_like(meta) for _ in range(world)]
     dist.all_gather(gathered, meta, group=group)
     rows = [tuple(int(x) for x in m.cpu()) for m in gathered]
-    if any(row != rows[0] for row in rows):
+    if local_error is not None:
+        raise local_error
+    failed = [r for r, got in enumerate(rows) if got[-1]]
+    if failed:
+        raise ValueError(
+            f"q, k, v: rank(s) {', '.join(map(str, failed))} rejected their inputs "
+            "(see that rank's error); every rank stops"
+        )
+    if any(got[:7] != rows[0][:7] for got in rows):
         described = "; ".join(
-            f"rank {r}: q {row[:4]}, dtype code {row[4]}, causal {bool(row[5])}"
-            + (f", extra {row[6:]}" if extra else "")
-            for r, row in enumerate(rows)
+            f"rank {r}: q {got[:4][: got[4]]}, dtype code {got[5]}, causal {bool(got[6])}"
+            for r, got in enumerate(rows)
         )
         raise ValueError(
             "q, k, v: every rank of the ring must pass the same shape, dtype and causal flag; "
             f"got {described}"
+        )
+    if any(got[7] != rows[0][7] for got in rows):
+        raise ValueError(
+            "params: every rank of the ring must build the kernel with the same parameters "
+            f"(layout, pattern, segments, ...); this rank has {params!r}, and the parameter "
+            f"fingerprints per rank are {[got[7] for got in rows]}"
         )
 
 

@@ -99,10 +99,12 @@ class RingAttention(Kernel):
         """Global positions of the tokens rank `rank` must pass, in its local order."""
         return layout_positions(seq_len, default_layout(self.layout, causal), rank, world_size)
 
-    def _setup(self, q: torch.Tensor, causal: bool) -> tuple[Any, int, int, str]:
+    def _setup(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    ) -> tuple[Any, int, int, str]:
         group = resolve_group(self.params.group)
         check_backend(group, q.device)
-        check_same_call(group, q, causal)
+        check_same_call(group, q, causal, self.params, local_check=lambda: check_qkv(q, k, v))
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         layout = default_layout(self.layout, causal)
         check_seq_len(q.shape[1] * world, layout, world)
@@ -111,8 +113,7 @@ class RingAttention(Kernel):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
-        check_qkv(q, k, v)
-        group, rank, world, layout = self._setup(q, causal)
+        group, rank, world, layout = self._setup(q, k, v, causal)
         self.backend = primitive.backend_for(q.device, q.dtype)
         plan = dense_plan(layout, causal, rank, world, q.shape[1])
         q, k, v = (t.contiguous() for t in (q, k, v))

@@ -205,8 +205,14 @@ class RingDilatedAttention(Kernel):
         self.layout = "contiguous"
         self._subgroups: dict[tuple[int, int], Any] = {}
 
-    def local_positions(self, seq_len: int, rank: int, world_size: int) -> torch.Tensor:
-        """Global (natural) positions of the tokens rank `rank` must pass, in its local order."""
+    def local_positions(
+        self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
+    ) -> torch.Tensor:
+        """Global (natural) positions of the tokens rank `rank` must pass, in its local order.
+
+        `causal` is taken for the ring kernels' common signature; this kernel's shards are
+        contiguous whether causal or not.
+        """
         pos = layout_positions(seq_len, "contiguous", rank, world_size)
         if self.params.ordering == "hilbert":
             return hilbert_permutation(seq_len)[pos]
@@ -226,10 +232,9 @@ class RingDilatedAttention(Kernel):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
-        check_qkv(q, k, v)
         group = resolve_group(self.params.group)
         check_backend(group, q.device)
-        check_same_call(group, q, causal)
+        check_same_call(group, q, causal, self.params, local_check=lambda: check_qkv(q, k, v))
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         n = q.shape[1]
         check_ring_dilated(self.params, seq_len=n * world, world_size=world, num_heads=q.shape[2])
