@@ -48,25 +48,21 @@ def params_for(kernel: str, params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if k in allowed}
 
 
-def layout_of(module: torch.nn.Module, config: RunConfig) -> str:
-    """The layout a ring module shards by (its own attribute, else its documented default)."""
-    layout = getattr(module, "layout", None) or config.params.get("layout")
-    if layout is None:
-        layout = "zigzag" if config.causal else "contiguous"
-    return str(layout)
-
-
 def local_positions(
     module: torch.nn.Module, config: RunConfig, seq_len: int, rank: int, world: int
 ) -> torch.Tensor:
-    """Global token positions this rank holds, in the order the kernel expects them."""
-    positions = torch.arange(seq_len)
-    if world == 1:
-        return positions
-    from attention import layouts
+    """Global token positions this rank holds, in the order the kernel expects them.
 
-    part = layouts.shard(positions.view(1, seq_len), layout_of(module, config), rank, world)
-    return part.reshape(-1)
+    A ring kernel says so itself (`module.local_positions`: its layout, and Hilbert order when
+    it has ordering='hilbert'); a single-process kernel holds every position in natural order
+    (it permutes internally).
+    """
+    own = getattr(module, "local_positions", None)
+    if own is None:
+        if world != 1:
+            raise ValueError(f"kernel {config.kernel!r} cannot hold a shard of {world} ranks")
+        return torch.arange(seq_len)
+    return own(seq_len, rank, world, causal=config.causal)
 
 
 def flops(
