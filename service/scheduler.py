@@ -44,6 +44,8 @@ class RunHandle(Protocol):
 
     def placement(self) -> list[Any]: ...  # where the ranks run; empty until the gang is up
 
+    def probes(self) -> list[Any]: ...  # ProbeResults of a max_seq_len search so far
+
 
 class Pool(Protocol):
     """Starts runs on (warm or fresh) gangs (workers.gang.GangPool)."""
@@ -51,6 +53,10 @@ class Pool(Protocol):
     def start(
         self, config: RunConfig, kind: Kind, *, on_waiting: Callable[[], None] | None = None
     ) -> RunHandle: ...  # raises workers.errors.Infeasible (checked against the cluster)
+
+
+MAX_LOST_LEASES = 2
+"""Claims beyond max_attempts a run gets after its scheduler died under it; then it fails."""
 
 
 @dataclass
@@ -83,6 +89,12 @@ def completion_from_outcome(outcome: RunOutcome) -> Completion:
         probes=[p.row() for p in outcome.probes],
         environment=None if outcome.environment is None else outcome.environment.row(),
     )
+
+
+def _ended_early(status: RunStatus, error: str, handle: RunHandle) -> Completion:
+    """A run that ended without an outcome (timeout, kill, lost rank): its status and error,
+    and the probes a max_seq_len search had finished by then, which are measurements too."""
+    return Completion(status=status, error=error, probes=[p.row() for p in handle.probes()])
 
 
 class Scheduler:
@@ -215,6 +227,16 @@ class Scheduler:
         except ValueError as exc:
             self._finish(claim, Completion(RunStatus.failed, error=f"invalid run config: {exc}"))
             return
+        lost = claim.attempts - config.max_attempts
+        if lost > MAX_LOST_LEASES:
+            # Each claim past max_attempts came from a lease that expired under a dead
+            # scheduler; a run that keeps killing its scheduler must not loop forever.
+            error = (
+                f"claimed {claim.attempts} times for max_attempts {config.max_attempts}: the "
+                f"scheduler running it died (lease expired) {lost} times; not retried again"
+            )
+            self._finish(claim, Completion(RunStatus.failed, error=error))
+            return
         self._waiting.clear()
         try:
             # The pool checks feasibility against the cluster before it creates anything and
@@ -275,23 +297,19 @@ class Scheduler:
                 return
             if now >= deadline:
                 handle.kill(f"timeout after {config.timeout_s} s")
-                self._finish(
-                    claim,
-                    Completion(
-                        RunStatus.timed_out, error=f"timed out after {config.timeout_s:g} s"
-                    ),
-                )
+                error = f"timed out after {config.timeout_s:g} s"
+                self._finish(claim, _ended_early(RunStatus.timed_out, error, handle))
                 return
             wait = max(0.0, min(self.poll_s, next_beat - now, deadline - now))
             try:
                 outcome = handle.poll(wait)
             except (errors.RankFailed, errors.PlacementTimeout) as exc:
                 handle.kill(str(exc))
-                self._failed_attempt(claim, config, str(exc))
+                self._failed_attempt(claim, config, str(exc), handle)
                 return
             except errors.GangError as exc:
                 handle.kill(str(exc))
-                self._finish(claim, Completion(RunStatus.failed, error=str(exc)))
+                self._finish(claim, _ended_early(RunStatus.failed, str(exc), handle))
                 return
             if outcome is not None:
                 if self.last_trace is not None:
@@ -300,14 +318,17 @@ class Scheduler:
                 self._finish(claim, completion_from_outcome(outcome))
                 return
 
-    def _failed_attempt(self, claim: Claim, config: RunConfig, error: str) -> None:
-        # A broken gang: retry while attempts remain, else fail with the cause.
+    def _failed_attempt(
+        self, claim: Claim, config: RunConfig, error: str, handle: RunHandle
+    ) -> None:
+        # A broken gang: retry while attempts remain (the retry searches again), else fail
+        # with the cause and the probes that did end.
         msg = f"attempt {claim.attempts}/{config.max_attempts}: {error}"
         if claim.attempts < config.max_attempts:
             if leases.requeue(self.sessionmaker, claim, msg, consume_attempt=True):
                 log.warning("run %d: %s; requeued", claim.run_id, msg)
             return
-        self._finish(claim, Completion(RunStatus.failed, error=msg))
+        self._finish(claim, _ended_early(RunStatus.failed, msg, handle))
 
 
 def run_forever_from_settings(settings: Any, stop_event: threading.Event) -> None:

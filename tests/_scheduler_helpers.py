@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.db.models import RankResult, Run, RunStatus, Sweep, SweepKind
 from workers.config import RunConfig
 from workers.errors import Infeasible, RankFailed
-from workers.results import EnvironmentInfo, RunOutcome
+from workers.results import EnvironmentInfo, ProbeResult, RunOutcome
 from workers.results import RankResult as RankMeasure
 
 TINY = {
@@ -112,6 +112,7 @@ class Script:
     hang: bool = False
     waiting_s: float = 0.0  # bundles not ready for this long (on_waiting, empty placement)
     infeasible: tuple[str, str] | None = None  # (needed, available): start raises Infeasible
+    probes: tuple[ProbeResult, ...] = ()  # a max_seq_len search's probes ended before it hangs
 
 
 @dataclass
@@ -152,6 +153,7 @@ class ThreadHandle:
     ) -> None:
         self.pool = pool
         self.placed: list[str] = []
+        self.ended_probes: list[ProbeResult] = []
         self.done = threading.Event()
         self.killed = threading.Event()
         self.result: RunOutcome | None = None
@@ -170,6 +172,7 @@ class ThreadHandle:
         if self.killed.wait(script.waiting_s):
             return
         self.placed = [f"rank {r}" for r in range(config.world_size)]
+        self.ended_probes = list(script.probes)
         if self.killed.wait(script.delay_s) or script.hang:
             return
         if start_no <= script.fail_attempts:
@@ -187,6 +190,9 @@ class ThreadHandle:
 
     def placement(self) -> list[str]:
         return list(self.placed)
+
+    def probes(self) -> list[ProbeResult]:
+        return list(self.ended_probes)
 
     def kill(self, reason: str) -> None:
         if not self.killed.is_set():

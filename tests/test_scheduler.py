@@ -29,9 +29,10 @@ from sqlalchemy.exc import IntegrityError
 
 from service import leases
 from service.db.engine import make_sessionmaker
-from service.db.models import Environment, RankResult, Run, RunStatus, utcnow
+from service.db.models import Environment, RankResult, Run, RunStatus, SweepKind, utcnow
 from service.leases import Completion
 from service.scheduler import Scheduler, completion_from_outcome
+from workers.results import ProbeResult
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -146,6 +147,24 @@ def test_expired_lease_is_recovered_to_queued(engine: Engine) -> None:
     assert rank_rows_per_run(sm) == Counter()
 
 
+def test_a_run_whose_scheduler_keeps_dying_fails_instead_of_looping(engine: Engine) -> None:
+    """Recovery requeues a run whose lease expired; after max_attempts + MAX_LOST_LEASES
+    claims the next claim fails it, naming why, instead of running it once more."""
+    from service.scheduler import MAX_LOST_LEASES
+
+    sm = make_sessionmaker(engine)
+    (run_id,) = add_sweep(sm, [tiny_config(max_attempts=1)])
+    for _ in range(1 + MAX_LOST_LEASES):  # each claim's scheduler "dies": the lease expires
+        assert leases.claim_next(sm, "crashing", lease_s=0.01) is not None
+        time.sleep(0.03)
+        assert leases.recover_expired(sm) == [run_id]
+    pool = ThreadPool()
+    assert make_scheduler(engine, pool).run_once()
+    run = run_row(sm, run_id)
+    assert run.status == RunStatus.failed and pool.starts == Counter()
+    assert f"died (lease expired) {MAX_LOST_LEASES + 1} times" in (run.error or "")
+
+
 def test_finish_writes_once_and_only_with_the_lease(engine: Engine) -> None:
     sm = make_sessionmaker(engine)
     (run_id,) = add_sweep(sm, [tiny_config(world_size=2, parallel="data", batch_size=2)])
@@ -207,6 +226,26 @@ def test_timeout_kills_and_records_timed_out(engine: Engine) -> None:
     run = run_row(sm, run_id)
     assert run.status == RunStatus.timed_out and "0.3 s" in (run.error or "")
     assert pool.kills == ["timeout after 0.3 s"]
+
+
+def test_a_search_that_times_out_keeps_its_probes(engine: Engine) -> None:
+    """The probes a max_seq_len search finished are stored with its timed_out status."""
+    sm = make_sessionmaker(engine)
+    search = {"start": 64, "max": 1024, "granularity": 64}
+    (run_id,) = add_sweep(
+        sm, [tiny_config(timeout_s=0.3, search=search)], kind=SweepKind.max_seq_len
+    )
+    ended = (
+        ProbeResult(seq_len=64, outcome="fit", peak_memory_bytes=1000, time_s=0.01),
+        ProbeResult(seq_len=128, outcome="oom", error="over budget", emulated=True),
+    )
+    pool = ThreadPool(script_for=lambda _c: Script(hang=True, probes=ended))
+    assert make_scheduler(engine, pool).run_once()
+    with sm() as session:
+        run = session.get(Run, run_id)
+        assert run is not None and run.status == RunStatus.timed_out
+        stored = [(p.seq_len, p.outcome, p.peak_memory_bytes, p.emulated) for p in run.probes]
+    assert stored == [(64, "fit", 1000, False), (128, "oom", None, True)]
 
 
 def test_infeasible_fails_at_once_with_the_message(engine: Engine) -> None:

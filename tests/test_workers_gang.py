@@ -168,6 +168,20 @@ def test_killed_rank_fails_the_run_and_the_next_run_succeeds(pool: GangPool) -> 
     assert after.status == "succeeded" and after.gang_start_s is not None
 
 
+def test_a_warm_gang_that_lost_a_rank_while_idle_is_replaced(pool: GangPool) -> None:
+    """A rank process killed between runs: the next run with that key does not spend its
+    attempt on the dead gang; it gets a new one (a cold start) and succeeds."""
+    cfg = config(world_size=2, batch_size=2, parallel="data")
+    first = wait(pool.start(cfg, "benchmark"))
+    assert first.status == "succeeded", first.error
+    victim = next(p for p in first.placement if p.rank == 0)
+    os.kill(victim.pid, signal.SIGKILL)
+    after = wait(pool.start(cfg, "benchmark"))
+    assert after.status == "succeeded", after.error
+    assert after.gang_start_s is not None, "a new gang was started"
+    assert victim.pid not in {p.pid for p in after.placement}
+
+
 def test_kill_cancels_a_run_and_frees_its_gang(pool: GangPool) -> None:
     cfg = config(world_size=2, batch_size=2, parallel="data", seq_len=2048, iterations=2000)
     handle = pool.start(cfg, "benchmark")

@@ -8,6 +8,7 @@ gang is reused by the next run with the same world size, resources, placement an
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -24,13 +25,16 @@ from workers.actor import RankActor
 from workers.cluster import DeviceKind, bundle, check_feasible, describe, device_kind
 from workers.config import RunConfig
 from workers.errors import GangError, PlacementTimeout, RankFailed
-from workers.results import CaseOutcome, EnvironmentInfo, RankPlacement, RunOutcome
+from workers.results import CaseOutcome, EnvironmentInfo, ProbeResult, RankPlacement, RunOutcome
 
 Kind = Literal["benchmark", "max_seq_len", "correctness"]
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}
 READY_AT_ONCE_S = 0.5  # bundles ready within this are "at once": no waiting_resources
 FAILURE_GRACE_S = 10.0  # after one rank fails, how long the others get before the gang is killed
 WAIT_SLICE_S = 0.5  # the run thread's wait granularity (how fast it notices a kill)
+ALIVE_TIMEOUT_S = 10.0  # a warm gang's ranks must answer a ping within this to be reused
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,17 @@ class Gang:
     def ready_ref(self) -> Any:
         """An ObjectRef that resolves when every bundle is reserved."""
         return self.pg.ready()
+
+    def alive(self, timeout_s: float = ALIVE_TIMEOUT_S) -> bool:
+        """Whether every rank actor still answers: a warm gang's process can die while idle
+        (OOM killer, a lost node), and a run must not spend an attempt on a dead gang."""
+        if len(self.actors) != self.key.world_size:
+            return False
+        try:
+            ray.get([actor.ping.remote() for actor in self.actors], timeout=timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False  # the caller discards the gang and starts a new one
+        return True
 
     def spawn(self) -> None:
         """Create one actor per bundle, order ranks by node then GPU id, init the process group."""
@@ -185,6 +200,7 @@ class RunHandle:
         self._done = threading.Event()
         self._outcome: RunOutcome | None = None
         self._error: BaseException | None = None
+        self._probes: list[ProbeResult] = []
         self._thread = threading.Thread(target=self._main, name="ringlab-run", daemon=True)
 
     # public API ---------------------------------------------------------------------------
@@ -219,6 +235,10 @@ class RunHandle:
         self._pool._discard(self._gang)
         self._done.set()
 
+    def probes(self) -> list[ProbeResult]:
+        """The max_seq_len probes that have ended so far (all of them once the run ended)."""
+        return list(self._probes)
+
     def placement(self) -> list[RankPlacement]:
         """Where each rank runs (node, pid, GPUs) once the gang is up; empty before."""
         return list(self._gang.placement)
@@ -234,7 +254,7 @@ class RunHandle:
                 self._gang.spawn()
                 gang_start_s = time.monotonic() - self._started
             if self.kind == "max_seq_len":
-                outcome = search.run_search(self.config, self._run_probe)
+                outcome = search.run_search(self.config, self._run_probe, self._probes)
             else:
                 outcome = self._run_case(self.config, self.kind)
             outcome = outcome.model_copy(
@@ -422,6 +442,12 @@ class GangPool:
             self._busy.append(gang)
         for old in stale:  # idle gangs hold resources the new one may need
             old.remove()
+        if not cold and not gang.alive():
+            log.warning("warm gang %s lost a rank while idle; starting a new one", key)
+            self._discard(gang)
+            gang, cold = Gang(key), True
+            with self._lock:
+                self._busy.append(gang)
         if cold:
             ready, _ = ray.wait([gang.ready_ref()], timeout=READY_AT_ONCE_S)
             if not ready and on_waiting is not None:

@@ -68,8 +68,13 @@ def probe_of(seq_len: int, cases: list[CaseOutcome]) -> ProbeResult:
     )
 
 
-def run_search(config: RunConfig, run_probe: ProbeRunner) -> RunOutcome:
+def run_search(
+    config: RunConfig, run_probe: ProbeRunner, probes: list[ProbeResult] | None = None
+) -> RunOutcome:
     """Drive the search with `run_probe(config_at_length, first)`; the outcome holds every probe.
+
+    `probes`, when given, receives each probe as it ends: the caller still has them when the
+    search never returns (a timeout, a cancel, a lost rank) and stores them with that outcome.
 
     succeeded: the answer is the largest length that fit (and `ranks` hold its measurement);
     oom: even the first length did not fit; failed: a probe ended with an error.
@@ -79,7 +84,7 @@ def run_search(config: RunConfig, run_probe: ProbeRunner) -> RunOutcome:
     search = config.search
     if search is None:
         raise ValueError("search: a max_seq_len run needs a search config")
-    probes: list[ProbeResult] = []
+    probes = [] if probes is None else probes
     best: RunOutcome | None = None
     lo: int | None = None
     hi: int | None = None
