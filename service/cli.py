@@ -295,14 +295,23 @@ def _watch(c: Any, sweep_id: int) -> None:
         task = progress.add_task(
             f"sweep {sweep_id}", total=sweep["total"], completed=sweep["finished"], counts=""
         )
+        ended = False
         for event, data in c.events(sweep_id):
+            if event == "end" and data.get("deleted"):
+                raise CliError(f"sweep {sweep_id} was deleted while watching")
             if event in ("progress", "end") and "counts" in data:
                 sweep = data
                 progress.update(task, completed=data["finished"], counts=_counts(data["counts"]))
             if event == "end":
+                ended = True
                 break
-    if sweep.get("deleted"):
-        raise CliError(f"sweep {sweep_id} was deleted while watching")
+    if not ended:  # the stream closed early (a restart, a proxy): ask where the sweep is
+        sweep = c.sweep(sweep_id)
+        if not sweep["done"]:
+            raise CliError(
+                f"the event stream of sweep {sweep_id} closed before the sweep ended "
+                f"({sweep['finished']}/{sweep['total']} finished); watch it again"
+            )
     out.print(f"sweep {sweep_id} ended: {_counts(sweep['counts'])}")
     bad = sum(sweep["counts"].get(s, 0) for s in FAILED_STATES)
     if bad:

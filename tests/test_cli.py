@@ -87,6 +87,24 @@ def test_watch_exit_code_says_whether_a_run_failed(base: str, service: tuple[str
     assert "1 run(s) failed or timed out" in bad.stderr
 
 
+def test_watch_of_a_sweep_deleted_meanwhile_fails_with_that_reason(base: str) -> None:
+    """The last event of a deleted sweep is `end` with deleted: one line and exit 1, not an
+    'ended' with the counts seen before."""
+    import threading
+
+    spec = {"name": "doomed", "base": {"kernel": "dense", "seq_len": 64, "device": "cpu"}}
+    sweep_id = httpx.post(f"{base}/api/v1/sweeps", json=spec).json()["id"]
+    deleter = threading.Timer(1.5, lambda: httpx.delete(f"{base}/api/v1/sweeps/{sweep_id}"))
+    deleter.start()
+    try:
+        result = ringlab("watch", str(sweep_id))
+    finally:
+        deleter.join()
+    assert result.exit_code == 1
+    assert f"sweep {sweep_id} was deleted while watching" in result.stderr
+    assert "ended" not in result.stdout
+
+
 def test_submit_cancel_retry(base: str, service: tuple[str, Seeded], tmp_path: Path) -> None:
     spec = tmp_path / "tiny.yaml"
     spec.write_text(
