@@ -146,13 +146,14 @@ def _forward(q, k, v, sched: _Schedule, group, causal: bool, scale: float):
     bsz, n, heads, dim = q.shape
     out = torch.zeros(bsz, n, heads, dim, dtype=torch.float32, device=q.device)
     lse = torch.full((bsz, heads, n), float("-inf"), dtype=torch.float32, device=q.device)
-    fresh = step_forward(q, k, v, sched.plan(rank, 0, causal), out, lse, scale, True)
     if world == 1:
+        step_forward(q, k, v, sched.plan(rank, 0, causal), out, lse, scale, True)
         return out, lse
     mine = torch.stack((k, v))
     bufs = [torch.empty_like(mine), torch.empty_like(mine)]
     comms = [RingComm(group, tag) for tag in KV_TAGS]
-    _exchange(comms[1], sched, rank, 1, mine, bufs[1])
+    _exchange(comms[1], sched, rank, 1, mine, bufs[1])  # travels while step 0 computes
+    fresh = step_forward(q, k, v, sched.plan(rank, 0, causal), out, lse, scale, True)
     for t in range(1, world):
         if t + 1 < world:  # post the next step's transfer before this step computes
             _exchange(comms[(t + 1) % 2], sched, rank, t + 1, mine, bufs[(t + 1) % 2])
@@ -166,18 +167,25 @@ def _backward(dout, q, k, v, out, lse, sched: _Schedule, group, causal: bool, sc
     rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
-    add_kv_grads(
-        dkv, step_backward(dout, q, k, v, out, lse, sched.plan(rank, 0, causal), dq, scale)
-    )
+
+    def local_step() -> None:
+        plan = sched.plan(rank, 0, causal)
+        add_kv_grads(dkv, step_backward(dout, q, k, v, out, lse, plan, dq, scale))
+
     if world == 1:
+        local_step()
         return dq, dkv[0], dkv[1]
     mine = torch.stack((k, v))
     bufs = [torch.empty_like(mine), torch.empty_like(mine)]
     comms = [RingComm(group, tag) for tag in KV_TAGS]
     back = RingComm(group, DKV_TAG)
     incoming = torch.empty_like(dkv)
+    # Partial dK/dV sent home, double-buffered: step t's buffer is free again once step t - 1's
+    # send completed (finish_return), which happens before step t + 1 reuses it.
+    partials = [torch.empty_like(dkv), torch.empty_like(dkv)]
     pending: tuple[int, torch.Tensor | None] | None = None  # (step, partial sent)
-    _exchange(comms[1], sched, rank, 1, mine, bufs[1])
+    _exchange(comms[1], sched, rank, 1, mine, bufs[1])  # travels while step 0 computes
+    local_step()
 
     def finish_return() -> None:
         step, _ = pending
@@ -193,7 +201,7 @@ def _backward(dout, q, k, v, out, lse, sched: _Schedule, group, causal: bool, sc
         plan = sched.plan(rank, t, causal)
         partial = None
         if plan:
-            partial = torch.zeros_like(dkv)
+            partial = partials[t % 2].zero_()
             add_kv_grads(partial, step_backward(dout, q, kv[0], kv[1], out, lse, plan, dq, scale))
         if pending is not None:
             finish_return()
