@@ -7,7 +7,9 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
+
+MIGRATION_LOCK_KEY = 0x72696E676C6162  # "ringlab": the Postgres advisory lock upgrades take
 
 
 def alembic_config(url: str) -> Config:
@@ -20,14 +22,27 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(url: str, revision: str = "head", engine: Engine | None = None) -> None:
-    """Bring the database at `url` to `revision` (default head)."""
+    """Bring the database at `url` to `revision` (default head), in one transaction.
+
+    On Postgres the transaction first takes an advisory lock: processes that start together
+    (an API replica and a scheduler, say) migrate one after the other, and the later ones
+    find the schema at head instead of failing on tables that already exist.
+    """
+    from service.db.engine import make_engine
+
     cfg = alembic_config(url)
-    if engine is not None:
+    own = engine is None
+    engine = make_engine(url) if engine is None else engine
+    try:
         with engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                lock = text("SELECT pg_advisory_xact_lock(:key)")
+                conn.execute(lock, {"key": MIGRATION_LOCK_KEY})
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, revision)
-    else:
-        command.upgrade(cfg, revision)
+    finally:
+        if own:
+            engine.dispose()
 
 
 def downgrade(url: str, revision: str = "base", engine: Engine | None = None) -> None:
