@@ -71,6 +71,16 @@ def test_allocation_failure_is_an_oom_and_the_rank_stays_usable() -> None:
     assert protocol.run_case(config()).status == "ok"
 
 
+def test_allocation_failure_in_the_correctness_check_is_an_oom() -> None:
+    """A correctness sweep checks at the full length: running out of memory there is an oom
+    outcome naming where, not a failed run, and the rank stays usable."""
+    huge = config(seq_len=4096, num_heads=65536, head_dim=1024)  # 1 TiB per input
+    case = protocol.run_case(huge, kind="correctness")
+    assert case.status == "oom" and not case.emulated
+    assert case.error.startswith("the correctness check at seq_len 4096 ran out of memory")
+    assert protocol.run_case(config()).status == "ok"
+
+
 class _Skewed(DenseAttention):
     """dense plus a constant: fast and wrong, what the correctness gate must stop."""
 

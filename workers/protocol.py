@@ -12,6 +12,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -211,6 +212,16 @@ def _prime(config: RunConfig, rank: int, device: torch.device) -> None:
     _PRIMED.add(key)
 
 
+def _oom_outcome(case: dict[str, Any], exc: BaseException, where: str) -> CaseOutcome:
+    """An allocation failure outside the timed loop (priming, the correctness check): the case
+    is an oom like any other, its memory given back so the rank stays usable."""
+    message = f"{where} ran out of memory: {_error_line(exc)}"
+    release(collect_cycles=True)
+    return CaseOutcome(
+        **case, status="oom", error=message, requested_bytes=requested_bytes(message)
+    )
+
+
 def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseOutcome:
     """Run one case as `rank` of config.world_size and return what it measured.
 
@@ -226,10 +237,17 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
     environment = collect(device)
     case = {"rank": rank, "seq_len": config.seq_len, "environment": environment}
 
+    budget = config.memory_budget_bytes
     max_abs_error = None
     if config.correctness_check or kind == "correctness":
         length = config.seq_len if kind == "correctness" else check_length(config)
-        max_abs_error = check_correctness(config, rank, device, length)
+        try:
+            with _memory_fraction(device, budget):
+                max_abs_error = check_correctness(config, rank, device, length)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            return _oom_outcome(case, exc, f"the correctness check at seq_len {length}")
         tol = CHECK_ATOL[config.dtype]
         if not max_abs_error <= tol:  # also catches NaN
             return CaseOutcome(
@@ -248,7 +266,6 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
     train = config.mode == "train"
     tokens = config.local_batch * positions.numel()
 
-    budget = config.memory_budget_bytes
     elem = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
     input_bytes = (4 if train else 3) * tokens * config.num_heads * config.head_dim * elem
     if device.type == "cpu" and budget is not None and input_bytes > budget:
@@ -261,7 +278,13 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
             error=f"inputs need {input_bytes} bytes, over the {budget}-byte CPU memory budget",
         )
 
-    _prime(config, rank, device)
+    try:
+        with _memory_fraction(device, budget):
+            _prime(config, rank, device)
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        return _oom_outcome(case, exc, "the warm-up run at a short length")
     meter = PeakMeter(device)
     meter.baseline()
     names = ["q", "k", "v", "dout"] if train else ["q", "k", "v"]
