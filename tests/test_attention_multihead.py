@@ -66,12 +66,23 @@ def test_multihead_dense_equals_torch_multihead_attention() -> None:
         torch_mha.in_proj_bias.copy_(b)
         torch_mha.out_proj.weight.copy_(module.out_proj.weight)
         torch_mha.out_proj.bias.copy_(module.out_proj.bias)
-    q, k, v = (torch.randn(2, 10, 16) for _ in range(3))
-    ours = module(q, k, v)
-    theirs, _ = torch_mha(q, k, v, need_weights=False)
+    inputs = [torch.randn(2, 10, 16, requires_grad=True) for _ in range(3)]
+    twins = [t.detach().clone().requires_grad_() for t in inputs]
+    ours = module(*inputs)
+    theirs, _ = torch_mha(*twins, need_weights=False)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
-    ours.sum().backward()
-    assert module.q_proj.weight.grad is not None and module.q_proj.weight.grad.abs().sum() > 0
+    g = torch.randn_like(ours)
+    ours.backward(g)
+    theirs.backward(g)
+    for mine, ref in zip(inputs, twins, strict=True):  # dq, dk, dv
+        torch.testing.assert_close(mine.grad, ref.grad, atol=1e-5, rtol=1e-5)
+    in_w = torch.cat([m.weight.grad for m in (module.q_proj, module.k_proj, module.v_proj)])
+    in_b = torch.cat([m.bias.grad for m in (module.q_proj, module.k_proj, module.v_proj)])
+    torch.testing.assert_close(in_w, torch_mha.in_proj_weight.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(in_b, torch_mha.in_proj_bias.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        module.out_proj.weight.grad, torch_mha.out_proj.weight.grad, atol=1e-5, rtol=1e-5
+    )
     assert module.backend == "sdpa"
 
 
