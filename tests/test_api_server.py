@@ -45,6 +45,17 @@ def _start(db: Path, with_scheduler: bool, **env: str) -> tuple[subprocess.Popen
     raise AssertionError("server did not answer /healthz within 60 s")
 
 
+def _read_until(proc: subprocess.Popen[str], marker: str, what: str) -> tuple[str, str]:
+    """The process' output up to the first line holding `marker`: (that line, all so far)."""
+    assert proc.stdout is not None
+    seen = ""
+    for line in proc.stdout:
+        seen += line
+        if marker in line:
+            return line, seen
+    raise AssertionError(f"{what} exited before printing {marker!r}: {seen}")
+
+
 def _sigterm(proc: subprocess.Popen[str]) -> str:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -117,14 +128,8 @@ def test_scheduler_process_stops_cleanly_on_sigterm(tmp_path: Path, ray_session:
         stderr=subprocess.STDOUT,
         text=True,
     )
-    assert proc.stdout is not None
-    seen = ""
-    for line in proc.stdout:  # printed once Ray is joined and the handlers are in place
-        seen += line
-        if "SIGTERM or Ctrl-C stops it cleanly" in line:
-            break
-    else:
-        raise AssertionError(f"scheduler exited before it was ready: {seen}")
+    # printed once Ray is joined and the handlers are in place
+    _, seen = _read_until(proc, "SIGTERM or Ctrl-C stops it cleanly", "the scheduler")
     time.sleep(3.0)  # into the claim loop (Ray is joined before the line above)
     proc.send_signal(signal.SIGTERM)
     try:
@@ -159,15 +164,8 @@ def test_demo_serves_and_finishes_the_quick_sweep(tmp_path: Path, ray_session: A
         stderr=subprocess.STDOUT,
         text=True,
     )
-    assert proc.stdout is not None
     try:
-        seen = ""
-        for line in proc.stdout:
-            seen += line
-            if line.startswith("Dashboard: "):
-                break
-        else:
-            raise AssertionError(f"demo exited before printing its dashboard URL: {seen}")
+        line, seen = _read_until(proc, "Dashboard: ", "the demo")
         dashboard = line.removeprefix("Dashboard: ").strip()
         base = f"http://127.0.0.1:{port}"
         assert dashboard.startswith(f"{base}/sweeps/"), seen

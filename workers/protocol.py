@@ -212,10 +212,9 @@ def _prime(config: RunConfig, rank: int, device: torch.device) -> None:
     _PRIMED.add(key)
 
 
-def _oom_outcome(case: dict[str, Any], exc: BaseException, where: str) -> CaseOutcome:
-    """An allocation failure outside the timed loop (priming, the correctness check): the case
-    is an oom like any other, its memory given back so the rank stays usable."""
-    message = f"{where} ran out of memory: {_error_line(exc)}"
+def _oom_outcome(case: dict[str, Any], message: str) -> CaseOutcome:
+    """A caught allocation failure (timed loop, priming, correctness check): an oom case, its
+    memory given back first so the rank stays usable."""
     release(collect_cycles=True)
     return CaseOutcome(
         **case, status="oom", error=message, requested_bytes=requested_bytes(message)
@@ -247,7 +246,8 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
         except Exception as exc:
             if not is_oom(exc):
                 raise
-            return _oom_outcome(case, exc, f"the correctness check at seq_len {length}")
+            where = f"the correctness check at seq_len {length}"
+            return _oom_outcome(case, f"{where} ran out of memory: {_error_line(exc)}")
         tol = CHECK_ATOL[config.dtype]
         if not max_abs_error <= tol:  # also catches NaN
             return CaseOutcome(
@@ -284,7 +284,8 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
     except Exception as exc:
         if not is_oom(exc):
             raise
-        return _oom_outcome(case, exc, "the warm-up run at a short length")
+        message = _error_line(exc)
+        return _oom_outcome(case, f"the warm-up run at a short length ran out of memory: {message}")
     meter = PeakMeter(device)
     meter.baseline()
     names = ["q", "k", "v", "dout"] if train else ["q", "k", "v"]
@@ -302,10 +303,7 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
         message = _error_line(exc)
         del exc
         inputs.clear()
-        release(collect_cycles=True)
-        return CaseOutcome(
-            **case, status="oom", error=message, requested_bytes=requested_bytes(message)
-        )
+        return _oom_outcome(case, message)
     finally:
         inputs.clear()
         release()
