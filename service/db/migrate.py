@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
 
@@ -22,7 +23,19 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(url: str, revision: str = "head", engine: Engine | None = None) -> None:
-    """Bring the database at `url` to `revision` (default head), in one transaction.
+    """Bring the database at `url` to `revision` (default head)."""
+    _migrate(command.upgrade, url, revision, engine)
+
+
+def downgrade(url: str, revision: str = "base", engine: Engine | None = None) -> None:
+    """Take the database at `url` back to `revision` (default base: empty)."""
+    _migrate(command.downgrade, url, revision, engine)
+
+
+def _migrate(
+    step: Callable[[Config, str], None], url: str, revision: str, engine: Engine | None
+) -> None:
+    """Run an Alembic command in one transaction (on `engine`, or one made for `url`).
 
     On Postgres the transaction first takes an advisory lock: processes that start together
     (an API replica and a scheduler, say) migrate one after the other, and the later ones
@@ -39,21 +52,10 @@ def upgrade(url: str, revision: str = "head", engine: Engine | None = None) -> N
                 lock = text("SELECT pg_advisory_xact_lock(:key)")
                 conn.execute(lock, {"key": MIGRATION_LOCK_KEY})
             cfg.attributes["connection"] = conn
-            command.upgrade(cfg, revision)
+            step(cfg, revision)
     finally:
         if own:
             engine.dispose()
-
-
-def downgrade(url: str, revision: str = "base", engine: Engine | None = None) -> None:
-    """Take the database at `url` back to `revision` (default base: empty)."""
-    cfg = alembic_config(url)
-    if engine is not None:
-        with engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.downgrade(cfg, revision)
-    else:
-        command.downgrade(cfg, revision)
 
 
 def current(url: str) -> str | None:
