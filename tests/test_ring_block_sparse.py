@@ -1,6 +1,6 @@
 """`ring_block_sparse` in real gloo processes equals `block_sparse` on the full tensors (out and
-grads), for W in {1, 2, 4}, contiguous and zigzag, every pattern, causal or not, Hilbert order;
-steps the mask drops are neither computed nor sent."""
+grads), for W in {1, 2, 4}, contiguous, zigzag and striped, every pattern, causal or not,
+Hilbert order; steps the mask drops are neither computed nor sent."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import attention
 from attention import layouts
 from attention.hilbert import hilbert_permutation
 from attention.ring.block_sparse import _Schedule
+from attention.ring.engine import Block
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,7 +28,7 @@ CONFIGS = [
 CASES = [
     (cfg, layout, causal)
     for cfg in CONFIGS
-    for layout in ("contiguous", "zigzag")
+    for layout in ("contiguous", "zigzag", "striped")
     for causal in (False, True)
 ]
 
@@ -82,17 +83,38 @@ def test_ring_block_sparse_equals_block_sparse(world):
 def test_dropped_steps_are_neither_computed_nor_sent():
     twin = attention.build("block_sparse", block_size=4, pattern="local_window", window=1)
     mask = twin.block_mask(64)
-    sched = _Schedule(mask, 64, "contiguous", 4, 4)  # 4 blocks a rank, window 1 block
+    sched = _Schedule(mask, 64, "contiguous", 4, 4, causal=False)  # 4 blocks a rank, window 1 block
     for rank in range(4):
         assert sched.needs(rank, 0)
         assert not sched.needs(rank, 2)  # two ranks away: no block within the window
-        assert sched.plan(rank, 2, causal=False) == []
+        assert sched.plan(rank, 2) == []
     # step 1 holds rank - 1's keys, step 3 rank + 1's; the window does not wrap around
     assert [sched.needs(r, 1) for r in range(4)] == [False, True, True, True]
     assert [sched.needs(r, 3) for r in range(4)] == [True, True, True, False]
-    causal = _Schedule(twin.block_mask(64, causal=True), 64, "contiguous", 4, 4)
+    causal = _Schedule(twin.block_mask(64, causal=True), 64, "contiguous", 4, 4, causal=True)
     assert [causal.needs(r, 3) for r in range(4)] == [False, False, False, False]
     assert [causal.needs(r, 1) for r in range(4)] == [False, True, True, True]
+
+
+def test_striped_schedule_uses_local_blocks_and_a_strict_diagonal():
+    """Striped: local block a is global block a on every rank (block_size / W rows); keys of a
+    later rank on the diagonal block are strictly before the queries of the same local row."""
+    twin = attention.build("block_sparse", block_size=4, pattern="local_window", window=0)
+    sched = _Schedule(twin.block_mask(32, causal=True), 32, "striped", 2, 4, causal=True)
+    # rank 0 holds tokens 0, 2, 4, ...: local block a, rows [2a, 2a+2), is global block a
+    assert sched.plan(0, 0) == [
+        Block(2 * a, 2 * a + 2, 2 * a, 2 * a + 2, causal=True) for a in range(8)
+    ]
+    # step 1 on rank 0 holds rank 1's keys (tokens 1, 3, ...): query 2a+2 sees key 2a+1 only
+    assert sched.plan(0, 1) == [
+        Block(2 * a + 1, 2 * a + 2, 2 * a, 2 * a + 1, causal=True) for a in range(8)
+    ]
+    assert sched.plan(1, 1) == [
+        Block(2 * a, 2 * a + 2, 2 * a, 2 * a + 2, causal=True) for a in range(8)
+    ]
+    one_row = _Schedule(twin.block_mask(32, causal=True), 32, "striped", 4, 4, causal=True)
+    assert one_row.plan(0, 1) == []  # one row a block: a later rank's diagonal key is after it
+    assert not one_row.needs(0, 1)
 
 
 def test_validate_names_the_shard_rules():
@@ -103,8 +125,10 @@ def test_validate_names_the_shard_rules():
         attention.validate("ring_block_sparse", params, seq_len=64, world_size=8)
     with pytest.raises(ValueError, match=r"seq_len: 60 must divide by params.block_size 8"):
         attention.validate("ring_block_sparse", params, seq_len=60, world_size=2)
-    with pytest.raises(ValueError, match=r"params.layout: .* 'striped' splits every block"):
-        attention.build("ring_block_sparse", layout="striped", **params)
+    striped = {**params, "layout": "striped"}
+    attention.validate("ring_block_sparse", striped, seq_len=64, world_size=8)
+    with pytest.raises(ValueError, match=r"params.block_size: 8 must divide by world_size 3 .*"):
+        attention.validate("ring_block_sparse", striped, seq_len=48, world_size=3)
     with pytest.raises(ValueError, match=r"params.window: conflicts with params.sparsity_ratio"):
         attention.build("ring_block_sparse", sparsity_ratio=0.5, **params)
     assert attention.KERNELS["ring_block_sparse"].distributed

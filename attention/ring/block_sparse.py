@@ -5,13 +5,15 @@ K/V of rank s = r - t (mod W), which s sends to r directly (P2P, posted one step
 rank knows the whole mask, so a (query rank, key rank) pair the mask drops entirely is neither
 computed nor sent, and inside a step only the kept block pairs are computed. The backward
 re-fetches the needed K/V the same way and returns each partial dK/dV straight to its owner.
-Layouts: contiguous or zigzag (shards of whole blocks); striped would split blocks across ranks.
+Layouts: contiguous and zigzag hold whole blocks; striped gives every rank 1/W of every block
+(block_size must divide by W), so local block a is global block a on every rank and the same
+block mask applies to local blocks of block_size / W rows, with a causal diagonal that is
+strict (key row < query row) when the held keys come from a later rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +42,8 @@ KV_TAGS, DKV_TAG = (10, 11), 12
 
 @dataclass(frozen=True)
 class RingBlockSparseParams(BlockSparseParams):
-    """`block_sparse`'s parameters plus layout (contiguous | zigzag; None: zigzag when causal,
-    else contiguous) and group (a torch.distributed process group; None: the world)."""
+    """`block_sparse`'s parameters plus layout (contiguous | zigzag | striped; None: zigzag when
+    causal, else contiguous) and group (a torch.distributed process group; None: the world)."""
 
     layout: str | None = None
     group: Any = dataclasses.field(default=None, compare=False)
@@ -50,11 +52,6 @@ class RingBlockSparseParams(BlockSparseParams):
         super().__post_init__()
         if self.layout is not None:
             check_layout(self.layout)
-            if self.layout == "striped":
-                raise ValueError(
-                    "params.layout: ring_block_sparse needs whole blocks on each rank; "
-                    "'striped' splits every block across ranks (use contiguous or zigzag)"
-                )
         check_group(self.group)
 
     def twin(self) -> BlockSparseParams:
@@ -65,6 +62,13 @@ class RingBlockSparseParams(BlockSparseParams):
 
 def _check_shards(params: RingBlockSparseParams, seq_len: int, world: int, layout: str) -> None:
     check_seq_len(seq_len, layout, world)
+    if layout == "striped":
+        if params.block_size % world:
+            raise ValueError(
+                f"params.block_size: {params.block_size} must divide by world_size {world} "
+                "for layout 'striped' (every rank holds 1/world_size of every block)"
+            )
+        return
     piece = seq_len // world // (2 if layout == "zigzag" else 1)
     if piece % params.block_size:
         what = "zigzag chunk" if layout == "zigzag" else "shard"
@@ -83,26 +87,30 @@ def check_ring_block_sparse(
     _check_shards(params, seq_len, world_size, params.layout or "zigzag")
 
 
+def local_block_size(block_size: int, layout: str, world: int) -> int:
+    """Rows of one block on one rank: all of it, or 1/W of it when striped."""
+    return block_size // world if layout == "striped" else block_size
+
+
 def _rank_blocks(seq_len: int, layout: str, rank: int, world: int, bs: int) -> torch.Tensor:
-    """Global block indices a rank holds, in its local order."""
-    return layout_positions(seq_len, layout, rank, world)[::bs] // bs
-
-
-@functools.lru_cache(maxsize=32)
-def _diag_keep(block_size: int, n_blocks: int) -> torch.Tensor:
-    """Keep (bs, n_blocks*bs): full key blocks, then a causal diagonal block last."""
-    keep = torch.ones(block_size, n_blocks * block_size, dtype=torch.bool)
-    keep[:, -block_size:] = torch.ones(block_size, block_size, dtype=torch.bool).tril()
-    return keep
+    """Global block indices of a rank's local blocks, in its local order."""
+    return (
+        layout_positions(seq_len, layout, rank, world)[:: local_block_size(bs, layout, world)] // bs
+    )
 
 
 class _Schedule:
     """Which block pairs every (rank, step) computes; from the global mask, same on all ranks."""
 
-    def __init__(self, mask: torch.Tensor, seq_len: int, layout: str, world: int, bs: int):
-        self.world, self.bs = world, bs
+    def __init__(
+        self, mask: torch.Tensor, seq_len: int, layout: str, world: int, bs: int, causal: bool
+    ):
+        self.world, self.bs, self.causal = world, bs, causal
+        self.rows = local_block_size(bs, layout, world)  # rows of a block on one rank
+        self.striped = layout == "striped"
         self.blocks = [_rank_blocks(seq_len, layout, r, world, bs) for r in range(world)]
         self.mask = mask
+        self._plans: dict[tuple[int, int], list[Block]] = {}
 
     def sub_mask(self, rank: int, t: int) -> torch.Tensor:
         src = (rank - t) % self.world
@@ -110,12 +118,19 @@ class _Schedule:
 
     def needs(self, rank: int, t: int) -> bool:
         """Whether `rank` computes anything at step t (else nothing is sent to it)."""
-        return bool(self.sub_mask(rank % self.world, t).any())
+        return bool(self.plan(rank % self.world, t))
 
-    def plan(self, rank: int, t: int, causal: bool) -> list[Block]:
+    def plan(self, rank: int, t: int) -> list[Block]:
         """Block pairs of step t: per local query block, runs of consecutive kept key blocks."""
-        bs, sub = self.bs, self.sub_mask(rank, t)
-        q_ids, k_ids = self.blocks[rank], self.blocks[(rank - t) % self.world]
+        if (rank, t) not in self._plans:
+            self._plans[rank, t] = self._make_plan(rank, t)
+        return self._plans[rank, t]
+
+    def _make_plan(self, rank: int, t: int) -> list[Block]:
+        causal, bs, sub = self.causal, self.rows, self.sub_mask(rank, t)
+        src = (rank - t) % self.world
+        q_ids, k_ids = self.blocks[rank], self.blocks[src]
+        strict = self.striped and src > rank
         out = []
         for a in range(sub.shape[0]):
             cols = sub[a].nonzero().flatten().tolist()
@@ -127,9 +142,22 @@ class _Schedule:
                     runs.append([j, j + 1])
             for j0, j1 in runs:
                 diag = causal and int(k_ids[j1 - 1]) == int(q_ids[a])
-                mask = _diag_keep(bs, j1 - j0) if diag else None
-                out.append(Block(a * bs, (a + 1) * bs, j0 * bs, j1 * bs, mask=mask))
+                out += _run_blocks(a, j0, j1, bs, diag, strict)
         return out
+
+
+def _run_blocks(a: int, j0: int, j1: int, bs: int, diag: bool, strict: bool) -> list[Block]:
+    """Query block a against the kept key blocks [j0, j1): one full rectangle, and when the run
+    ends on the causal diagonal that block as a top-left causal one (shifted one row and key
+    when `strict`), so no call needs an explicit mask."""
+    q0, q1 = a * bs, (a + 1) * bs
+    end = j1 - 1 if diag else j1
+    blocks = [Block(q0, q1, j0 * bs, end * bs)] if j0 < end else []
+    if diag and not strict:
+        blocks.append(Block(q0, q1, end * bs, j1 * bs, causal=True))
+    elif diag and bs > 1:
+        blocks.append(Block(q0 + 1, q1, end * bs, j1 * bs - 1, causal=True))
+    return blocks
 
 
 def _exchange(comm: RingComm, sched: _Schedule, rank: int, t: int, send, recv) -> None:
@@ -141,35 +169,35 @@ def _exchange(comm: RingComm, sched: _Schedule, rank: int, t: int, send, recv) -
     )
 
 
-def _forward(q, k, v, sched: _Schedule, group, causal: bool, scale: float):
+def _forward(q, k, v, sched: _Schedule, group, scale: float):
     rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
     bsz, n, heads, dim = q.shape
     out = torch.zeros(bsz, n, heads, dim, dtype=torch.float32, device=q.device)
     lse = torch.full((bsz, heads, n), float("-inf"), dtype=torch.float32, device=q.device)
     if world == 1:
-        step_forward(q, k, v, sched.plan(rank, 0, causal), out, lse, scale, True)
+        step_forward(q, k, v, sched.plan(rank, 0), out, lse, scale, True)
         return out, lse
     mine = torch.stack((k, v))
     bufs = [torch.empty_like(mine), torch.empty_like(mine)]
     comms = [RingComm(group, tag) for tag in KV_TAGS]
     _exchange(comms[1], sched, rank, 1, mine, bufs[1])  # travels while step 0 computes
-    fresh = step_forward(q, k, v, sched.plan(rank, 0, causal), out, lse, scale, True)
+    fresh = step_forward(q, k, v, sched.plan(rank, 0), out, lse, scale, True)
     for t in range(1, world):
         if t + 1 < world:  # post the next step's transfer before this step computes
             _exchange(comms[(t + 1) % 2], sched, rank, t + 1, mine, bufs[(t + 1) % 2])
         comms[t % 2].wait()
         kv = bufs[t % 2]
-        fresh = step_forward(q, kv[0], kv[1], sched.plan(rank, t, causal), out, lse, scale, fresh)
+        fresh = step_forward(q, kv[0], kv[1], sched.plan(rank, t), out, lse, scale, fresh)
     return out, lse
 
 
-def _backward(dout, q, k, v, out, lse, sched: _Schedule, group, causal: bool, scale: float):
+def _backward(dout, q, k, v, out, lse, sched: _Schedule, group, scale: float):
     rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
 
     def local_step() -> None:
-        plan = sched.plan(rank, 0, causal)
+        plan = sched.plan(rank, 0)
         add_kv_grads(dkv, step_backward(dout, q, k, v, out, lse, plan, dq, scale))
 
     if world == 1:
@@ -198,7 +226,7 @@ def _backward(dout, q, k, v, out, lse, sched: _Schedule, group, causal: bool, sc
             _exchange(comms[(t + 1) % 2], sched, rank, t + 1, mine, bufs[(t + 1) % 2])
         comms[t % 2].wait()
         kv = bufs[t % 2]
-        plan = sched.plan(rank, t, causal)
+        plan = sched.plan(rank, t)
         partial = None
         if plan:
             partial = partials[t % 2].zero_()
@@ -217,10 +245,10 @@ class _RingBlockSparseFunction(torch.autograd.Function):
     """Autograd wrapper: direct K/V transfers of the needed steps; partial dK/dV go home."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sched, group, causal):  # type: ignore[override]
+    def forward(ctx, q, k, v, sched, group):  # type: ignore[override]
         scale = q.shape[-1] ** -0.5
-        out, lse = _forward(q, k, v, sched, group, causal, scale)
-        ctx.sched, ctx.group, ctx.causal = sched, group, causal
+        out, lse = _forward(q, k, v, sched, group, scale)
+        ctx.sched, ctx.group = sched, group
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
 
@@ -228,10 +256,8 @@ class _RingBlockSparseFunction(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         scale = q.shape[-1] ** -0.5
-        dq, dk, dv = _backward(
-            dout.contiguous(), q, k, v, out, lse, ctx.sched, ctx.group, ctx.causal, scale
-        )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, ctx.sched, ctx.group, scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 class RingBlockSparseAttention(Kernel):
@@ -260,7 +286,7 @@ class RingBlockSparseAttention(Kernel):
         layout = default_layout(self.layout, causal)
         _check_shards(self.params, seq_len, world, layout)
         mask = self._twin.block_mask(seq_len, causal=causal)
-        return _Schedule(mask, seq_len, layout, world, self.params.block_size)
+        return _Schedule(mask, seq_len, layout, world, self.params.block_size, causal)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
@@ -270,9 +296,9 @@ class RingBlockSparseAttention(Kernel):
         check_same_call(group, q, causal, self.params, local_check=lambda: check_qkv(q, k, v))
         world = dist.get_world_size(group)
         sched = self._schedule(q.shape[1] * world, world, causal)
-        self.backend = primitive.backend_for(q.device, q.dtype, has_mask=causal)
+        self.backend = primitive.backend_for(q.device, q.dtype)
         q, k, v = (t.contiguous() for t in (q, k, v))
-        return _RingBlockSparseFunction.apply(q, k, v, sched, group if world > 1 else None, causal)
+        return _RingBlockSparseFunction.apply(q, k, v, sched, group if world > 1 else None)
 
     def flops(
         self,
@@ -286,7 +312,7 @@ class RingBlockSparseAttention(Kernel):
         """FLOPs of this rank for a local shard of `seq_len` tokens: its kept block pairs."""
         rank, world = rank_and_world(self.params.group)
         sched = self._schedule(seq_len * world, world, causal)
-        pairs = sum(b.pairs() for t in range(world) for b in sched.plan(rank, t, causal))
+        pairs = sum(b.pairs() for t in range(world) for b in sched.plan(rank, t))
         return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
 
 
