@@ -1,5 +1,6 @@
 """`ring_dilated` in real gloo processes equals `dilated` on the full tensors (out and grads),
-for W in {1, 2, 4}, local and rank-spanning segments, causal or not, natural or Hilbert order."""
+for W in {1, 2, 4}, local and rank-spanning segments, every layout, causal or not, natural or
+Hilbert order."""
 
 from __future__ import annotations
 
@@ -22,7 +23,12 @@ CONFIGS = [
     ((4, 64), (2, 8), "natural"),
     ((8, 32, 64), (1, 2, 4), "hilbert"),
 ]
-CASES = [(cfg, causal) for cfg in CONFIGS for causal in (False, True)]
+CASES = [
+    (cfg, layout, causal)
+    for cfg in CONFIGS
+    for layout in ("contiguous", "zigzag", "striped")
+    for causal in (False, True)
+]
 
 
 def full_inputs(seed: int) -> tuple[torch.Tensor, ...]:
@@ -32,9 +38,9 @@ def full_inputs(seed: int) -> tuple[torch.Tensor, ...]:
 
 def rank_cases(rank: int, world: int) -> list[dict]:
     results = []
-    for i, ((ws, rs, ordering), causal) in enumerate(CASES):
+    for i, ((ws, rs, ordering), layout, causal) in enumerate(CASES):
         module = attention.build(
-            "ring_dilated", segment_lengths=ws, dilation_rates=rs, ordering=ordering
+            "ring_dilated", segment_lengths=ws, dilation_rates=rs, ordering=ordering, layout=layout
         )
         pos = module.local_positions(SHAPE[1], rank, world)
         q, k, v, dout = (t[:, pos].clone() for t in full_inputs(i))
@@ -61,14 +67,14 @@ def twin_reference(i: int, ws, rs, ordering: str, causal: bool) -> dict:
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_ring_dilated_equals_dilated(world):
     per_rank = run_ranks(rank_cases, world)
-    for i, ((ws, rs, ordering), causal) in enumerate(CASES):
+    for i, ((ws, rs, ordering), layout, causal) in enumerate(CASES):
         ref = twin_reference(i, ws, rs, ordering, causal)
         perm = hilbert_permutation(SHAPE[1]) if ordering == "hilbert" else torch.arange(SHAPE[1])
         for name in ("out", "dq", "dk", "dv"):
-            got = layouts.unshard([r[i][name] for r in per_rank], "contiguous")
+            got = layouts.unshard([r[i][name] for r in per_rank], layout)
             torch.testing.assert_close(
                 got, ref[name][:, perm], atol=1e-5, rtol=1e-5,
-                msg=lambda m, n=name, c=(ws, rs, ordering, causal): f"{n} {c}: {m}",
+                msg=lambda m, n=name, c=(ws, rs, ordering, layout, causal): f"{n} {c}: {m}",
             )  # fmt: skip
         assert sum(r[i]["flops"] for r in per_rank) == ref["flops"], (ws, rs, causal)
 
@@ -85,8 +91,12 @@ def test_validate_names_the_shard_rules():
         attention.validate("ring_dilated", bad_rate, seq_len=64, world_size=8)
     with pytest.raises(ValueError, match=r"seq_len: 48 must divide by every segment length"):
         attention.validate("ring_dilated", params, seq_len=48, world_size=2)
-    with pytest.raises(ValueError, match=r"params.layout: ring_dilated shards contiguously"):
-        attention.build("ring_dilated", layout="zigzag")
+    zigzag = {**params, "layout": "zigzag"}
+    attention.validate("ring_dilated", zigzag, seq_len=64, world_size=4)
+    with pytest.raises(ValueError, match=r"seq_len: 96 must divide by 2 x world_size = 64"):
+        attention.validate("ring_dilated", {**one, "layout": "zigzag"}, seq_len=96, world_size=32)
+    with pytest.raises(ValueError, match=r"params.layout: must be one of"):
+        attention.build("ring_dilated", layout="diagonal")
     assert attention.KERNELS["ring_dilated"].distributed
 
 

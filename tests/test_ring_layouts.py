@@ -46,3 +46,35 @@ def test_errors_name_the_numbers():
         layouts.unshard([torch.zeros(1, 4), torch.zeros(1, 3)], "contiguous")
     with pytest.raises(ValueError, match=r"local seq 3 is odd"):
         layouts.unshard([torch.zeros(1, 3), torch.zeros(1, 3)], "zigzag")
+
+
+def rank_relayout(rank: int, world: int) -> list[dict]:
+    """Every (src, dst) pair: the moved shard, and the gradient that flowed back through it."""
+    from attention.ring.relayout import relayout
+
+    full = torch.randn(2, 24, 3, generator=torch.Generator().manual_seed(0))
+    weight = torch.randn(2, 24, 3, generator=torch.Generator().manual_seed(1))
+    results = []
+    for src in layouts.LAYOUTS:
+        for dst in layouts.LAYOUTS:
+            x = layouts.shard(full, src, rank, world).requires_grad_()
+            moved = relayout(x, src, dst, None)
+            (moved * layouts.shard(weight, dst, rank, world)).sum().backward()
+            results.append({"moved": moved.detach(), "grad": x.grad})
+    return results
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_relayout_moves_shards_and_gradients_between_every_pair(world):
+    from _dist_helpers import run_ranks
+
+    per_rank = run_ranks(rank_relayout, world)
+    full = torch.randn(2, 24, 3, generator=torch.Generator().manual_seed(0))
+    weight = torch.randn(2, 24, 3, generator=torch.Generator().manual_seed(1))
+    pairs = [(s, d) for s in layouts.LAYOUTS for d in layouts.LAYOUTS]
+    for i, (src, dst) in enumerate(pairs):
+        moved = layouts.unshard([r[i]["moved"] for r in per_rank], dst)
+        torch.testing.assert_close(moved, full, rtol=0, atol=0, msg=f"{src} -> {dst}")
+        grad = layouts.unshard([r[i]["grad"] for r in per_rank], src)
+        torch.testing.assert_close(grad, weight, rtol=0, atol=0, msg=f"grad {src} -> {dst}")

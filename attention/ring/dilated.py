@@ -1,4 +1,4 @@
-"""`ring_dilated`: LongNet dilated attention over a sequence sharded contiguously across ranks.
+"""`ring_dilated`: LongNet dilated attention over a sequence sharded across ranks.
 
 LongNet's distributed algorithm: a branch (w, r) whose segments fit in a rank's shard (w <= n,
 n = seq / W) runs locally with no communication (the single-process `dilated` code on the
@@ -7,8 +7,12 @@ dilated K/V rows (w / r rows, independent of the total length) in a subgroup of 
 Each rank attends its own dilated query rows to the gathered keys; the backward all-reduces the
 segment's dK/dV rows in the same subgroup and keeps its own. Branches merge per (head, position)
 through the primitive's log-sum-exp merge, as in `dilated`; the result equals `dilated` on the
-full sequence. Only the contiguous layout: segments are contiguous, and causal segments all cost
-the same, so no zigzag rebalancing is needed.
+full sequence.
+
+The computation runs on contiguous shards, where the segments are: every causal segment costs the
+same, so a contiguous split is already balanced and zigzag or striped buy nothing here. Shards
+given in zigzag or striped layout (a model sharded for `ring`) are moved to contiguous on entry
+and the output back on exit, one P2P all-to-all each way (`relayout`; O(seq / W) per rank).
 """
 
 from __future__ import annotations
@@ -26,29 +30,28 @@ from attention import primitive
 from attention.base import Kernel, attention_flops, causal_pairs, check_qkv
 from attention.dilated import DilatedParams, check_dilated, dilated_backward, dilated_forward
 from attention.hilbert import hilbert_permutation
-from attention.layouts import check_seq_len
+from attention.layouts import check_layout, check_seq_len
 from attention.layouts import positions as layout_positions
 from attention.primitive import block_backward, block_forward, merge_
 from attention.registry import KernelSpec, register
 from attention.ring.comm import check_backend, check_same_call, rank_and_world, resolve_group
 from attention.ring.dense import check_group
+from attention.ring.relayout import relayout
 
 
 @dataclass(frozen=True)
 class RingDilatedParams(DilatedParams):
-    """`dilated`'s parameters plus layout (only 'contiguous'; None means contiguous) and group
-    (a torch.distributed process group; None: the world)."""
+    """`dilated`'s parameters plus layout (contiguous | zigzag | striped; None means contiguous,
+    causal or not, since contiguous shards are already balanced) and group (a torch.distributed
+    process group; None: the world)."""
 
     layout: str | None = None
     group: Any = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.layout not in (None, "contiguous"):
-            raise ValueError(
-                f"params.layout: ring_dilated shards contiguously (dilated segments are "
-                f"contiguous and every causal segment costs the same), got {self.layout!r}"
-            )
+        if self.layout is not None:
+            check_layout(self.layout)
         check_group(self.group)
 
     def twin(self) -> DilatedParams:
@@ -59,10 +62,11 @@ class RingDilatedParams(DilatedParams):
 def check_ring_dilated(
     params: RingDilatedParams, *, seq_len: int, world_size: int = 1, num_heads: int = 1
 ) -> None:
-    """`dilated`'s rules on the full length, then per shard of n = seq_len / world_size: a
-    segment w <= n must divide n; a longer one must be a multiple of n, and n must divide by r."""
+    """`dilated`'s rules on the full length, the layout's split, then per contiguous shard of
+    n = seq_len / world_size: a segment w <= n must divide n; a longer one must be a multiple of
+    n, and n must divide by r."""
     check_dilated(params.twin(), seq_len=seq_len, world_size=1, num_heads=num_heads)
-    check_seq_len(seq_len, "contiguous", world_size)
+    check_seq_len(seq_len, params.layout or "contiguous", world_size)
     n = seq_len // world_size
     for w, r in zip(params.segment_lengths, params.dilation_rates, strict=True):
         if w <= n and n % w:
@@ -193,7 +197,7 @@ class _RingDilatedFunction(torch.autograd.Function):
 
 
 class RingDilatedAttention(Kernel):
-    """Dilated attention on this rank's contiguous shard: `module(q, k, v, *, causal=False)`.
+    """Dilated attention on this rank's shard: `module(q, k, v, *, causal=False)`.
 
     Under ordering='hilbert' a rank holds its shard of the Hilbert-ordered sequence (see
     `local_positions`) and its output comes back in that order.
@@ -202,7 +206,7 @@ class RingDilatedAttention(Kernel):
     def __init__(self, params: RingDilatedParams | None = None) -> None:
         super().__init__()
         self.params = params or RingDilatedParams()
-        self.layout = "contiguous"
+        self.layout = self.params.layout or "contiguous"
         self._subgroups: dict[tuple[int, int], Any] = {}
 
     def local_positions(
@@ -210,10 +214,10 @@ class RingDilatedAttention(Kernel):
     ) -> torch.Tensor:
         """Global (natural) positions of the tokens rank `rank` must pass, in its local order.
 
-        `causal` is taken for the ring kernels' common signature; this kernel's shards are
-        contiguous whether causal or not.
+        `causal` is taken for the ring kernels' common signature; this kernel's default layout
+        is contiguous whether causal or not.
         """
-        pos = layout_positions(seq_len, "contiguous", rank, world_size)
+        pos = layout_positions(seq_len, self.layout, rank, world_size)
         if self.params.ordering == "hilbert":
             return hilbert_permutation(seq_len)[pos]
         return pos
@@ -245,9 +249,14 @@ class RingDilatedAttention(Kernel):
                 span = w // n
                 sub = self._subgroup(group, rank, world, span)
                 fars.append(_Far(w, r, span, rank % span, sub))
-        q, k, v = (t.contiguous() for t in (q, k, v))
         local = _local_params(self.params, n)
-        return _RingDilatedFunction.apply(q, k, v, local, tuple(fars), causal)
+        if self.layout == "contiguous" or world == 1:
+            q, k, v = (t.contiguous() for t in (q, k, v))
+            return _RingDilatedFunction.apply(q, k, v, local, tuple(fars), causal)
+        qkv = relayout(torch.stack((q, k, v), dim=2), self.layout, "contiguous", group)
+        q, k, v = (t.contiguous() for t in qkv.unbind(2))
+        out = _RingDilatedFunction.apply(q, k, v, local, tuple(fars), causal)
+        return relayout(out, "contiguous", self.layout, group)
 
     def flops(
         self,
@@ -277,7 +286,8 @@ register(
         name="ring_dilated",
         description=(
             "LongNet dilated attention across ranks: segments inside a shard run locally, "
-            "longer ones all-gather only their dilated K/V rows among the ranks they span."
+            "longer ones all-gather only their dilated K/V rows among the ranks they span; "
+            "zigzag or striped shards are moved to contiguous and back."
         ),
         params=RingDilatedParams,
         factory=RingDilatedAttention,
