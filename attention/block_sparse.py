@@ -164,7 +164,12 @@ def _cached_block_mask(params: BlockSparseParams, seq_len: int) -> torch.Tensor:
 
 
 def check_block_sparse(
-    params: BlockSparseParams, *, seq_len: int, world_size: int = 1, num_heads: int = 1
+    params: BlockSparseParams,
+    *,
+    seq_len: int,
+    world_size: int = 1,
+    num_heads: int = 1,
+    causal: bool | None = None,
 ) -> None:
     """Raise ValueError unless seq_len divides into blocks (power of 4 under hilbert) and the
     sparsity_ratio is reachable at that length."""

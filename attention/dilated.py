@@ -77,7 +77,12 @@ class DilatedParams:
 
 
 def check_dilated(
-    params: DilatedParams, *, seq_len: int, world_size: int = 1, num_heads: int = 1
+    params: DilatedParams,
+    *,
+    seq_len: int,
+    world_size: int = 1,
+    num_heads: int = 1,
+    causal: bool | None = None,
 ) -> None:
     """Raise ValueError unless seq_len divides by every segment length (and is a power of 4
     under hilbert ordering)."""

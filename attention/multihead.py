@@ -72,7 +72,12 @@ class MultiheadParams:
 
 
 def check_multihead(
-    params: MultiheadParams, *, seq_len: int, world_size: int = 1, num_heads: int = 1
+    params: MultiheadParams,
+    *,
+    seq_len: int,
+    world_size: int = 1,
+    num_heads: int = 1,
+    causal: bool | None = None,
 ) -> None:
     """The inner kernel's shape rules, with the layer's own head count."""
     spec = KERNELS[params.kernel]
@@ -82,6 +87,7 @@ def check_multihead(
             seq_len=seq_len,
             world_size=world_size,
             num_heads=params.num_heads,
+            causal=causal,
         )
 
 

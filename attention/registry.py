@@ -18,8 +18,9 @@ from torch import nn
 class KernelSpec:
     """One kernel: its parameter schema (a dataclass that validates itself) and how to build it.
 
-    `check(params, seq_len=, world_size=, num_heads=)` raises ValueError when a shape does not
-    fit the kernel (e.g. seq_len not divisible by a segment length at that world size).
+    `check(params, seq_len=, world_size=, num_heads=, causal=)` raises ValueError when a run's
+    shape does not fit the kernel (e.g. seq_len not divisible by a segment length at that world
+    size; a ring's default layout depends on causal, None meaning not known).
     """
 
     name: str
@@ -80,8 +81,10 @@ def validate(
     seq_len: int,
     world_size: int = 1,
     num_heads: int = 1,
+    causal: bool | None = None,
 ) -> None:
-    """Raise ValueError unless `kernel(params)` can run `seq_len` tokens on `world_size` ranks.
+    """Raise ValueError unless `kernel(params)` can run `seq_len` tokens on `world_size` ranks
+    (`causal` None: the rules of either, e.g. a ring's stricter default-layout rule).
 
     A single-process kernel needs world_size 1 (run it on several ranks with parallel=data, or
     use its ring twin); the kernel's own `check` adds its divisibility rules.
@@ -101,4 +104,6 @@ def validate(
     if seq_len % world_size:
         raise ValueError(f"seq_len: {seq_len} must divide by world_size {world_size}")
     if spec.check is not None:
-        spec.check(parsed, seq_len=seq_len, world_size=world_size, num_heads=num_heads)
+        spec.check(
+            parsed, seq_len=seq_len, world_size=world_size, num_heads=num_heads, causal=causal
+        )

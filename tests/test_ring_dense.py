@@ -140,7 +140,10 @@ def test_params_and_validate():
     with pytest.raises(ValueError, match=r"seq_len: 12 must divide by 2 x world_size = 8"):
         attention.validate("ring", {"layout": "zigzag"}, seq_len=12, world_size=4)
     with pytest.raises(ValueError, match=r"seq_len: 12 must divide by 2 x world_size = 8"):
-        attention.validate("ring", {}, seq_len=12, world_size=4)
+        attention.validate("ring", {}, seq_len=12, world_size=4)  # causal unknown: zigzag rule
+    with pytest.raises(ValueError, match=r"seq_len: 12 must divide by 2 x world_size = 8"):
+        attention.validate("ring", {}, seq_len=12, world_size=4, causal=True)
+    attention.validate("ring", {}, seq_len=12, world_size=4, causal=False)  # contiguous default
     attention.validate("ring", {"layout": "contiguous"}, seq_len=12, world_size=4)
     attention.validate("ring", {"layout": "striped"}, seq_len=12, world_size=4)
     assert attention.KERNELS["ring"].distributed

@@ -27,7 +27,9 @@ class BlockParams:
             raise ValueError(f"params.block_size: must be a power of two, got {self.block_size}")
 
 
-def _check(params: BlockParams, *, seq_len: int, world_size: int, num_heads: int) -> None:
+def _check(
+    params: BlockParams, *, seq_len: int, world_size: int, num_heads: int, causal: bool | None
+) -> None:
     if (seq_len // world_size) % params.block_size:
         raise ValueError(
             f"seq_len: {seq_len} tokens on {world_size} ranks do not split into blocks of "
@@ -155,6 +157,18 @@ def test_unknown_kernel_and_world_size_errors_name_the_field() -> None:
     )
     assert errs[0]["loc"] == ["grid", "world_size", 1]
     assert "parallel=data" in errs[0]["msg"]
+
+
+def test_ring_default_layout_rule_follows_causal() -> None:
+    """Without a layout a ring shards zigzag when causal (seq_len % 2W), contiguous when not."""
+    base = {"kernel": "ring", "seq_len": 12, "world_size": 4}
+    assert len(expand(SweepSpec(name="r", base=base))) == 1  # non-causal: contiguous
+    errs = errors_of({"name": "r", "base": base, "grid": {"causal": [False, True]}})
+    assert errs[0]["loc"] == ["base", "seq_len"]  # the field the rule names
+    assert (
+        "12 must divide by 2 x world_size = 8 for layout 'zigzag' (cell causal=True)"
+        in errs[0]["msg"]
+    )
 
 
 def test_data_parallel_rules_come_from_run_config() -> None:

@@ -102,6 +102,7 @@ class RunConfig(BaseModel):
             seq_len=self.seq_len,
             world_size=shard_world,
             num_heads=self.num_heads,
+            causal=self.causal,
         )
         return self
 

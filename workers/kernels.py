@@ -95,6 +95,7 @@ def is_valid_length(config: RunConfig, seq_len: int) -> bool:
             seq_len=seq_len,
             world_size=shard_world(config),
             num_heads=config.num_heads,
+            causal=config.causal,
         )
     except ValueError:
         return False

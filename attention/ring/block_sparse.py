@@ -34,7 +34,7 @@ from attention.ring.comm import (
     rank_and_world,
     resolve_group,
 )
-from attention.ring.dense import check_group, default_layout
+from attention.ring.dense import check_group, checked_layout, default_layout
 from attention.ring.engine import Block, add_kv_grads, step_backward, step_forward
 
 KV_TAGS, DKV_TAG = (10, 11), 12
@@ -79,12 +79,17 @@ def _check_shards(params: RingBlockSparseParams, seq_len: int, world: int, layou
 
 
 def check_ring_block_sparse(
-    params: RingBlockSparseParams, *, seq_len: int, world_size: int = 1, num_heads: int = 1
+    params: RingBlockSparseParams,
+    *,
+    seq_len: int,
+    world_size: int = 1,
+    num_heads: int = 1,
+    causal: bool | None = None,
 ) -> None:
-    """`block_sparse`'s rules on the full length, then whole blocks in every shard (in every
-    zigzag chunk; without an explicit layout the zigzag rule applies, as for causal runs)."""
+    """`block_sparse`'s rules on the full length, then whole blocks in every shard or zigzag
+    chunk, or 1/W of a block per rank when striped (layout in force: see `checked_layout`)."""
     check_block_sparse(params.twin(), seq_len=seq_len, world_size=1, num_heads=num_heads)
-    _check_shards(params, seq_len, world_size, params.layout or "zigzag")
+    _check_shards(params, seq_len, world_size, checked_layout(params.layout, causal))
 
 
 def local_block_size(block_size: int, layout: str, world: int) -> int:

@@ -52,13 +52,26 @@ class RingParams:
         check_group(self.group)
 
 
-def check_ring(params: Any, *, seq_len: int, world_size: int = 1, num_heads: int = 1) -> None:
-    """Raise ValueError unless seq_len splits over world_size ranks in the layout.
+def check_ring(
+    params: Any,
+    *,
+    seq_len: int,
+    world_size: int = 1,
+    num_heads: int = 1,
+    causal: bool | None = None,
+) -> None:
+    """Raise ValueError unless seq_len splits over world_size ranks in the layout in force.
 
-    Without an explicit layout the zigzag rule (seq_len % (2 x world_size)) applies, since the
-    default is zigzag for causal runs; set layout='contiguous' to need only seq_len % world_size.
+    Without an explicit layout that is zigzag when causal, contiguous when not, and the zigzag
+    rule (seq_len % (2 x world_size)) when `causal` is not known (None).
     """
-    check_seq_len(seq_len, params.layout or "zigzag", world_size)
+    check_seq_len(seq_len, checked_layout(params.layout, causal), world_size)
+
+
+def checked_layout(layout: str | None, causal: bool | None) -> str:
+    """The layout whose split rule applies: `layout`, else the default for `causal`, else
+    (causal unknown) zigzag, the stricter of the two defaults."""
+    return default_layout(layout, True if causal is None else causal)
 
 
 def dense_plan(layout: str, causal: bool, rank: int, world: int, n: int) -> list[list[Block]]:

@@ -60,7 +60,12 @@ class RingDilatedParams(DilatedParams):
 
 
 def check_ring_dilated(
-    params: RingDilatedParams, *, seq_len: int, world_size: int = 1, num_heads: int = 1
+    params: RingDilatedParams,
+    *,
+    seq_len: int,
+    world_size: int = 1,
+    num_heads: int = 1,
+    causal: bool | None = None,
 ) -> None:
     """`dilated`'s rules on the full length, the layout's split, then per contiguous shard of
     n = seq_len / world_size: a segment w <= n must divide n; a longer one must be a multiple of
