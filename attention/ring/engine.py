@@ -13,12 +13,23 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.primitive import block_backward, block_forward, merge_
+from attention.primitive import block_backward, block_forward
 from attention.ring.comm import RingComm
 
-KV_TAG, DKV_TAG = 0, 1
+KV_TAG, DKV_TAG, V_TAG = 0, 1, 2
+"""K travels on KV_TAG and V on V_TAG: two messages, so no stacked copy of a piece is made."""
 PIECE_TOKENS = 1024
 """Largest K/V piece and query chunk on CPU (rows of this rank's shard)."""
+PIECE_BYTES = 1 << 19
+"""CPU bound, in bytes, on the backward's K (or V) piece and on a forward block's fp32 partial
+output. The backward holds four pieces of K/V or dK/dV (two receive buffers, two travelling
+accumulators) and one block's gradients, so its memory beyond inputs, output and gradients is a
+few MiB at any shard size. The forward, whose peak is well below the backward's, keeps
+PIECE_TOKENS pieces (every piece costs a merge of each query row) and instead computes a
+block a group of heads at a time. Small transients also keep glibc's heap from growing: freed
+blocks of a few MiB stay resident and count in the process's peak."""
+MIN_PIECE_TOKENS = 64
+"""PIECE_BYTES never cuts pieces below this many rows (wide rows would make blocks too thin)."""
 
 
 @dataclass(frozen=True)
@@ -52,10 +63,6 @@ Plan = Sequence[Sequence[Block]]
 """plan[t]: the blocks of step t (K/V of rank (rank - t) mod W)."""
 
 
-def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return torch.stack((k, v))
-
-
 def step_forward(
     q: torch.Tensor,
     kt: torch.Tensor,
@@ -65,26 +72,47 @@ def step_forward(
     lse: torch.Tensor,
     scale: float,
     fresh: bool,
+    head_group: int | None = None,
 ) -> bool:
     """Compute one step's blocks and merge them into (out, lse); returns whether (out, lse)
-    are still untouched (`fresh`: the first full-height block is copied instead of merged)."""
-    n = q.shape[1]
+    are still untouched (`fresh`: the first full-height block is copied instead of merged).
+    `head_group`: compute each block that many heads at a time (bounds its partial output)."""
+    n, heads = q.shape[1], q.shape[2]
+    g = head_group or heads
     for blk in blocks:
-        o_b, l_b = block_forward(
-            q[:, blk.q0 : blk.q1],
-            kt[:, blk.k0 : blk.k1],
-            vt[:, blk.k0 : blk.k1],
-            scale=scale,
-            causal=blk.causal,
-            mask=blk.mask,
-        )
-        if fresh and blk.q0 == 0 and blk.q1 == n:
-            out.copy_(o_b)
-            lse.copy_(l_b)
-        else:
-            merge_(out[:, blk.q0 : blk.q1], lse[:, :, blk.q0 : blk.q1], o_b, l_b)
+        for h0 in range(0, heads, g):
+            hs = slice(h0, h0 + g)
+            mask = blk.mask
+            if mask is not None and mask.dim() == 3:
+                mask = mask[hs]
+            o_b, l_b = block_forward(
+                q[:, blk.q0 : blk.q1, hs],
+                kt[:, blk.k0 : blk.k1, hs],
+                vt[:, blk.k0 : blk.k1, hs],
+                scale=scale,
+                causal=blk.causal,
+                mask=mask,
+            )
+            o, s_ = out[:, blk.q0 : blk.q1, hs], lse[:, hs, blk.q0 : blk.q1]
+            if fresh and blk.q0 == 0 and blk.q1 == n:
+                o.copy_(o_b)
+                s_.copy_(l_b)
+            else:
+                merge_into(o, s_, o_b, l_b)
+            del o_b, l_b
         fresh = False
     return fresh
+
+
+def merge_into(
+    out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> None:
+    """primitive.merge_ (bit for bit) without its two block-sized temporaries: out_b, a block's
+    fresh result, is used as the scratch and overwritten."""
+    diff = (lse_b - lse).nan_to_num_(nan=0.0)  # -inf - -inf: both empty, weight irrelevant
+    weight = torch.sigmoid_(diff).transpose(-1, -2).unsqueeze(-1)  # (..., S, H, 1)
+    out.add_(out_b.sub_(out).mul_(weight))  # out - w (out - out_b), the same roundings
+    lse.copy_(torch.logaddexp(lse, lse_b))
 
 
 def step_backward(
@@ -97,8 +125,11 @@ def step_backward(
     blocks: Sequence[Block],
     dq: torch.Tensor,
     scale: float,
+    dkv: torch.Tensor | None = None,
 ) -> list[tuple[Block, torch.Tensor, torch.Tensor]]:
-    """One step's block backward: adds into dq, returns each block's (dk, dv) to place."""
+    """One step's block backward: adds into dq; with `dkv` (2, B, keys, H, D) adds each block's
+    (dk, dv) into it at once and returns [], else returns each block's (dk, dv) to place (all of
+    them live together: a step's worth of key gradients per query chunk)."""
     grads = []
     for blk in blocks:
         dq_b, dk_b, dv_b = block_backward(
@@ -113,7 +144,11 @@ def step_backward(
             mask=blk.mask,
         )
         dq[:, blk.q0 : blk.q1] += dq_b
-        grads.append((blk, dk_b, dv_b))
+        del dq_b
+        if dkv is None:
+            grads.append((blk, dk_b, dv_b))
+        else:
+            add_kv_grads(dkv, [(blk, dk_b, dv_b)])
     return grads
 
 
@@ -149,15 +184,56 @@ def restrict(blk: Block, r0: int, r1: int, c0: int, c1: int) -> list[Block]:
     return parts
 
 
-def piece_size(n: int, device: torch.device) -> int:
-    """Rows of a K/V piece and of a query chunk: the largest divisor of n up to PIECE_TOKENS on
-    CPU (bounds buffers and temporaries to n / pieces), the whole shard on GPUs (big kernels)."""
+def piece_size(n: int, device: torch.device, row_bytes: int = 0) -> int:
+    """Rows of a K/V piece and of a query chunk: on CPU the largest divisor of n up to
+    PIECE_TOKENS rows and, given `row_bytes` (bytes of one row of K), up to PIECE_BYTES bytes
+    (but not under MIN_PIECE_TOKENS rows), which bounds buffers and temporaries; the whole shard
+    on GPUs (big kernels)."""
     if device.type != "cpu":
         return n
+    limit = PIECE_TOKENS
+    if row_bytes > 0:
+        limit = min(limit, max(MIN_PIECE_TOKENS, PIECE_BYTES // row_bytes))
     for pieces in range(1, n + 1):
-        if n % pieces == 0 and n // pieces <= PIECE_TOKENS:
+        if n % pieces == 0 and n // pieces <= limit:
             return n // pieces
     return n
+
+
+def _head_group(q: torch.Tensor, rows: int) -> int:
+    """Heads per forward block: on CPU the most (a divisor of H) whose fp32 partial output for
+    `rows` query rows fits in PIECE_BYTES (at least 1); all heads on GPUs."""
+    bsz, _, heads, dim = q.shape
+    if q.device.type != "cpu":
+        return heads
+    fits = [
+        g for g in range(1, heads + 1) if heads % g == 0 and rows * bsz * g * dim * 4 <= PIECE_BYTES
+    ]
+    return max(fits, default=1)
+
+
+def _row_bytes(k: torch.Tensor) -> int:
+    """Bytes of one token row of k (all batches and heads)."""
+    return k.shape[0] * k.shape[2] * k.shape[3] * k.element_size()
+
+
+KVComm = tuple[RingComm, RingComm]
+"""The exchanges of K (KV_TAG) and V (V_TAG) pieces."""
+
+
+def kv_comms(group) -> KVComm | None:  # type: ignore[no-untyped-def]
+    return (RingComm(group, KV_TAG), RingComm(group, V_TAG)) if group is not None else None
+
+
+def _send_kv(comm: KVComm, kt: torch.Tensor, vt: torch.Tensor, buf: torch.Tensor) -> None:
+    """Post K and V (as two messages: no stacked copy) to the next rank, receive into buf."""
+    comm[0].start(kt.contiguous(), buf[0])  # a copy only when batch > 1 makes a slice strided
+    comm[1].start(vt.contiguous(), buf[1])
+
+
+def _wait_kv(comm: KVComm) -> None:
+    comm[0].wait()
+    comm[1].wait()
 
 
 def _piece_blocks(plan_t: Sequence[Block], j: int, p: int, n: int) -> list[Block]:
@@ -175,30 +251,32 @@ def ring_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     plan: Plan,
-    comm: RingComm | None,
+    comm: KVComm | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merged (out fp32 (B,n,H,D), lse fp32 (B,H,n)) over all steps; no autograd graph.
 
     The shard's K/V are cut into pieces, each travelling its own ring in turn, so buffers and
     temporaries are a piece, not a shard; the transfer for step t+1 is posted before step t
-    computes, into one of two receive buffers allocated once.
+    computes, into one of two receive buffers allocated once. Step 0 computes on (and sends)
+    slices of k and v themselves; blocks run a group of heads at a time (see PIECE_BYTES).
     """
     bsz, n, heads, dim = q.shape
-    world = 1 if comm is None else comm.world_size
+    world = 1 if comm is None else comm[0].world_size
     p = piece_size(n, q.device)
+    g = _head_group(q, p)
     out = torch.zeros(bsz, n, heads, dim, dtype=torch.float32, device=q.device)
     lse = torch.full((bsz, heads, n), float("-inf"), dtype=torch.float32, device=q.device)
-    bufs = [torch.empty((2, bsz, p, heads, dim), dtype=k.dtype, device=k.device) for _ in "ab"]
+    bufs = torch.empty((2 * (world > 1), 2, bsz, p, heads, dim), dtype=k.dtype, device=k.device)
     for j in range(n // p):
-        cur = _pack(k[:, j * p : (j + 1) * p], v[:, j * p : (j + 1) * p])
+        kt, vt = k[:, j * p : (j + 1) * p], v[:, j * p : (j + 1) * p]
         for t in range(world):
             if comm is not None and t < world - 1:
-                comm.start(cur, bufs[t % 2])
-            step_forward(q, cur[0], cur[1], _piece_blocks(plan[t], j, p, n), out, lse, scale, False)
+                _send_kv(comm, kt, vt, bufs[t % 2])
+            step_forward(q, kt, vt, _piece_blocks(plan[t], j, p, n), out, lse, scale, False, g)
             if comm is not None and t < world - 1:
-                comm.wait()
-                cur = bufs[t % 2]
+                _wait_kv(comm)
+                kt, vt = bufs[t % 2][0], bufs[t % 2][1]
     return out, lse
 
 
@@ -210,51 +288,87 @@ def ring_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     plan: Plan,
-    kv_comm: RingComm | None,
+    kv_comm: KVComm | None,
     dkv_comm: RingComm | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 (dq, dk, dv) of this rank's shard.
 
     K/V pieces travel as in the forward; the dK/dV accumulator of the held piece travels with
-    it one step behind (its exchange overlaps the next step's compute) and arrives home after
-    W hops.
+    it one step behind and arrives home after W hops. Each exchange of accumulators completes
+    after the next step's first block, whose compute it overlaps; every block's (dk, dv) is
+    added into the accumulator as soon as it is computed, so beyond inputs, output and
+    gradients a rank holds two K/V receive buffers, two accumulators and one block's gradients.
     """
     bsz, n, heads, dim = q.shape
-    world = 1 if kv_comm is None else kv_comm.world_size
-    p = piece_size(n, q.device)
+    world = 1 if kv_comm is None else kv_comm[0].world_size
+    p = piece_size(n, q.device, _row_bytes(k))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    shape = (2, bsz, p, heads, dim)
-    bufs = [torch.empty(shape, dtype=k.dtype, device=k.device) for _ in "ab"]
-    acc = [torch.empty(shape, dtype=torch.float32, device=k.device) for _ in "ab"]
-    mine = torch.empty(shape, dtype=torch.float32, device=k.device)  # this step's share
+    shape = (2, bsz, p, heads, dim)  # one allocation for each pair of buffers
+    bufs = torch.empty((2 * (world > 1), *shape), dtype=k.dtype, device=k.device)
+    acc = torch.empty((1 + (world > 1), *shape), dtype=torch.float32, device=k.device)
+    held = 0  # acc[held]: the accumulator of the piece held now
+    home: slice | None = None  # rows of my piece whose sum is on its last hop, into acc[1 - held]
+
+    def arrive(t: int) -> None:
+        """Complete the accumulator exchange: at t > 0 the held piece's accumulator from the
+        previous rank; at t = 0 my previous piece's sum, which goes to dk, dv (and the
+        accumulator just sent is free for the new piece)."""
+        nonlocal held, home
+        dkv_comm.wait()  # type: ignore[union-attr]
+        if t > 0:
+            held = 1 - held
+        else:
+            dk[:, home], dv[:, home] = acc[1 - held][0], acc[1 - held][1]
+            home = None
+            acc[held].zero_()
+
     for j in range(n // p):
-        cur = _pack(k[:, j * p : (j + 1) * p], v[:, j * p : (j + 1) * p])
-        held = 0  # acc[held]: the accumulator of the piece held now
+        rows = slice(j * p, (j + 1) * p)
+        kt, vt = k[:, rows], v[:, rows]
+        if home is None:
+            acc[held].zero_()
         for t in range(world):
             if kv_comm is not None and t < world - 1:
-                kv_comm.start(cur, bufs[t % 2])
-            mine.zero_()
-            blocks = _piece_blocks(plan[t], j, p, n)
-            add_kv_grads(mine, step_backward(dout, q, cur[0], cur[1], out, lse, blocks, dq, scale))
-            if t == 0:
-                acc[held].copy_(mine)
-            else:
-                dkv_comm.wait()  # the held piece's accumulator, from the previous rank
-                held = 1 - held
-                acc[held].add_(mine)
+                _send_kv(kv_comm, kt, vt, bufs[t % 2])
+            # acc[held] ready for this step's shares? If not, the exchange completes after the
+            # step's first block, so that it overlaps that block's compute.
+            ready = dkv_comm is None or (t == 0 and home is None)
+            for blk in _piece_blocks(plan[t], j, p, n):
+                dq_b, dk_b, dv_b = block_backward(
+                    dout[:, blk.q0 : blk.q1],
+                    q[:, blk.q0 : blk.q1],
+                    kt[:, blk.k0 : blk.k1],
+                    vt[:, blk.k0 : blk.k1],
+                    out[:, blk.q0 : blk.q1],
+                    lse[:, :, blk.q0 : blk.q1],
+                    scale=scale,
+                    causal=blk.causal,
+                    mask=blk.mask,
+                )
+                dq[:, blk.q0 : blk.q1] += dq_b
+                del dq_b
+                if not ready:
+                    arrive(t)
+                    ready = True
+                acc[held][0, :, blk.k0 : blk.k1] += dk_b
+                acc[held][1, :, blk.k0 : blk.k1] += dv_b
+                del dk_b, dv_b
+            if not ready:
+                arrive(t)
             if dkv_comm is not None:
                 dkv_comm.start(acc[held], acc[1 - held])
             if kv_comm is not None and t < world - 1:
-                kv_comm.wait()
-                cur = bufs[t % 2]
-        if dkv_comm is not None:
-            dkv_comm.wait()  # after W hops: my own piece, every rank's share summed
-            held = 1 - held
-        dk[:, j * p : (j + 1) * p] = acc[held][0]
-        dv[:, j * p : (j + 1) * p] = acc[held][1]
+                _wait_kv(kv_comm)
+                kt, vt = bufs[t % 2][0], bufs[t % 2][1]
+        if dkv_comm is None:
+            dk[:, rows], dv[:, rows] = acc[held][0], acc[held][1]
+        else:  # after W hops my piece comes home, summed over every rank: collected in the
+            home = rows  # next piece's first step (or below), overlapping its first block
+    if home is not None:
+        arrive(0)
     return dq, dk, dv
 
 
@@ -263,8 +377,7 @@ class RingFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan, group, scale):  # type: ignore[override]
-        kv_comm = RingComm(group, KV_TAG) if group is not None else None
-        out, lse = ring_forward(q, k, v, plan, kv_comm, scale)
+        out, lse = ring_forward(q, k, v, plan, kv_comms(group), scale)
         ctx.plan, ctx.group, ctx.scale = plan, group, scale
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
@@ -273,9 +386,8 @@ class RingFunction(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
-        kv_comm = RingComm(group, KV_TAG) if group is not None else None
         dkv_comm = RingComm(group, DKV_TAG) if group is not None else None
         dq, dk, dv = ring_backward(
-            dout.contiguous(), q, k, v, out, lse, ctx.plan, kv_comm, dkv_comm, ctx.scale
+            dout.contiguous(), q, k, v, out, lse, ctx.plan, kv_comms(group), dkv_comm, ctx.scale
         )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
