@@ -157,15 +157,25 @@ def _math_forward(
 
 
 def merge_(
-    out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    *,
+    scratch_b: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge partial result b into (out, lse) in place; works on strided views.
 
     out, out_b: (..., S, H, D) fp32; lse, lse_b: (..., H, S) fp32. Returns (out, lse).
+    `scratch_b`: out_b is a fresh block result the caller drops, so it is overwritten instead of
+    allocating two block-sized temporaries (the same roundings either way).
     """
     diff = (lse_b - lse).nan_to_num_(nan=0.0)  # -inf - -inf: both empty, weight irrelevant
     weight = torch.sigmoid_(diff).transpose(-1, -2).unsqueeze(-1)  # (..., S, H, 1)
-    out.sub_(weight * (out - out_b))
+    if scratch_b:
+        out.sub_(out_b.sub_(out).neg_().mul_(weight))  # out - w (out - out_b)
+    else:
+        out.sub_(weight * (out - out_b))
     lse.copy_(torch.logaddexp(lse, lse_b))
     return out, lse
 

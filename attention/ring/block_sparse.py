@@ -35,7 +35,7 @@ from attention.ring.comm import (
     resolve_group,
 )
 from attention.ring.dense import check_group, checked_layout, default_layout
-from attention.ring.engine import Block, add_kv_grads, step_backward, step_forward
+from attention.ring.engine import Block, step_backward, step_forward
 
 KV_TAGS, DKV_TAG = (10, 11), 12
 
@@ -203,7 +203,7 @@ def _backward(dout, q, k, v, out, lse, sched: _Schedule, group, scale: float):
 
     def local_step() -> None:
         plan = sched.plan(rank, 0)
-        add_kv_grads(dkv, step_backward(dout, q, k, v, out, lse, plan, dq, scale))
+        step_backward(dout, q, k, v, out, lse, plan, dq, dkv, scale)
 
     if world == 1:
         local_step()
@@ -235,7 +235,7 @@ def _backward(dout, q, k, v, out, lse, sched: _Schedule, group, scale: float):
         partial = None
         if plan:
             partial = partials[t % 2].zero_()
-            add_kv_grads(partial, step_backward(dout, q, kv[0], kv[1], out, lse, plan, dq, scale))
+            step_backward(dout, q, kv[0], kv[1], out, lse, plan, dq, partial, scale)
         if pending is not None:
             finish_return()
         # my share of rank - t's dK/dV goes home; rank + t's share of mine comes in

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.primitive import block_backward, block_forward
+from attention.primitive import block_backward, block_forward, merge_
 from attention.ring.comm import RingComm
 
 KV_TAG, DKV_TAG, V_TAG = 0, 1, 2
@@ -98,21 +98,37 @@ def step_forward(
                 o.copy_(o_b)
                 s_.copy_(l_b)
             else:
-                merge_into(o, s_, o_b, l_b)
+                merge_(o, s_, o_b, l_b, scratch_b=True)
             del o_b, l_b
         fresh = False
     return fresh
 
 
-def merge_into(
-    out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> None:
-    """primitive.merge_ (bit for bit) without its two block-sized temporaries: out_b, a block's
-    fresh result, is used as the scratch and overwritten."""
-    diff = (lse_b - lse).nan_to_num_(nan=0.0)  # -inf - -inf: both empty, weight irrelevant
-    weight = torch.sigmoid_(diff).transpose(-1, -2).unsqueeze(-1)  # (..., S, H, 1)
-    out.add_(out_b.sub_(out).mul_(weight))  # out - w (out - out_b), the same roundings
-    lse.copy_(torch.logaddexp(lse, lse_b))
+def block_grads(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    kt: torch.Tensor,
+    vt: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    blk: Block,
+    dq: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's backward: adds its dq into `dq`, returns its (dk, dv) for the held keys."""
+    dq_b, dk_b, dv_b = block_backward(
+        dout[:, blk.q0 : blk.q1],
+        q[:, blk.q0 : blk.q1],
+        kt[:, blk.k0 : blk.k1],
+        vt[:, blk.k0 : blk.k1],
+        out[:, blk.q0 : blk.q1],
+        lse[:, :, blk.q0 : blk.q1],
+        scale=scale,
+        causal=blk.causal,
+        mask=blk.mask,
+    )
+    dq[:, blk.q0 : blk.q1] += dq_b
+    return dk_b, dv_b
 
 
 def step_backward(
@@ -124,37 +140,13 @@ def step_backward(
     lse: torch.Tensor,
     blocks: Sequence[Block],
     dq: torch.Tensor,
+    dkv: torch.Tensor,
     scale: float,
-    dkv: torch.Tensor | None = None,
-) -> list[tuple[Block, torch.Tensor, torch.Tensor]]:
-    """One step's block backward: adds into dq; with `dkv` (2, B, keys, H, D) adds each block's
-    (dk, dv) into it at once and returns [], else returns each block's (dk, dv) to place (all of
-    them live together: a step's worth of key gradients per query chunk)."""
-    grads = []
+) -> None:
+    """One step's backward: dq into `dq`, each block's (dk, dv) into `dkv` (2, B, keys, H, D)
+    as soon as it is computed (one block's gradients live at a time)."""
     for blk in blocks:
-        dq_b, dk_b, dv_b = block_backward(
-            dout[:, blk.q0 : blk.q1],
-            q[:, blk.q0 : blk.q1],
-            kt[:, blk.k0 : blk.k1],
-            vt[:, blk.k0 : blk.k1],
-            out[:, blk.q0 : blk.q1],
-            lse[:, :, blk.q0 : blk.q1],
-            scale=scale,
-            causal=blk.causal,
-            mask=blk.mask,
-        )
-        dq[:, blk.q0 : blk.q1] += dq_b
-        del dq_b
-        if dkv is None:
-            grads.append((blk, dk_b, dv_b))
-        else:
-            add_kv_grads(dkv, [(blk, dk_b, dv_b)])
-    return grads
-
-
-def add_kv_grads(dkv: torch.Tensor, grads: list[tuple[Block, torch.Tensor, torch.Tensor]]) -> None:
-    """Accumulate blocks' (dk, dv) into dkv (2, B, n, H, D) at their key rows."""
-    for blk, dk_b, dv_b in grads:
+        dk_b, dv_b = block_grads(dout, q, kt, vt, out, lse, blk, dq, scale)
         dkv[0, :, blk.k0 : blk.k1] += dk_b
         dkv[1, :, blk.k0 : blk.k1] += dv_b
 
@@ -337,19 +329,7 @@ def ring_backward(
             # step's first block, so that it overlaps that block's compute.
             ready = dkv_comm is None or (t == 0 and home is None)
             for blk in _piece_blocks(plan[t], j, p, n):
-                dq_b, dk_b, dv_b = block_backward(
-                    dout[:, blk.q0 : blk.q1],
-                    q[:, blk.q0 : blk.q1],
-                    kt[:, blk.k0 : blk.k1],
-                    vt[:, blk.k0 : blk.k1],
-                    out[:, blk.q0 : blk.q1],
-                    lse[:, :, blk.q0 : blk.q1],
-                    scale=scale,
-                    causal=blk.causal,
-                    mask=blk.mask,
-                )
-                dq[:, blk.q0 : blk.q1] += dq_b
-                del dq_b
+                dk_b, dv_b = block_grads(dout, q, kt, vt, out, lse, blk, dq, scale)
                 if not ready:
                     arrive(t)
                     ready = True
