@@ -192,6 +192,31 @@ def test_restrict_splits_a_block_exactly(blk):
     assert torch.equal(total, block_keep(blk, n).long())
 
 
+@pytest.mark.parametrize("fold", [False, True])
+def test_pieces_tile_the_shard_once(fold):
+    pieces = engine.cut_pieces(32, 8, fold)
+    rows = [i for piece in pieces for a, b in piece for i in range(a, b)]
+    assert sorted(rows) == list(range(32))
+    assert all(sum(b - a for a, b in piece) == 8 for piece in pieces)
+    assert all(len(piece) == (2 if fold else 1) for piece in pieces)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_folded_pieces_give_every_rank_the_same_work_per_step(world):
+    """Causal zigzag: with pieces from both halves every rank computes the same pairs at every
+    (piece, step), so no rank waits for a slower neighbour; contiguous pieces do not."""
+    n, p = 32, 8
+    for fold in (True, False):
+        pairs: dict[tuple[int, int], set[int]] = {}
+        for rank in range(world):
+            plan = dense_plan("zigzag", True, rank, world, n)
+            for j, piece in enumerate(engine.cut_pieces(n, p, fold)):
+                for t in range(world):
+                    blocks = engine.piece_blocks(plan[t], piece, p, n)
+                    pairs.setdefault((j, t), set()).add(sum(b.pairs() for b in blocks))
+        assert all(len(per_rank) == 1 for per_rank in pairs.values()) == fold
+
+
 # Each ring kernel with a rank-dependent parameter (differs between ranks), and its inputs.
 RING_KERNELS = {
     "ring": ({"layout": "contiguous"}, {"layout": "striped"}),

@@ -130,7 +130,9 @@ class RingAttention(Kernel):
         self.backend = primitive.backend_for(q.device, q.dtype)
         plan = dense_plan(layout, causal, rank, world, q.shape[1])
         q, k, v = (t.contiguous() for t in (q, k, v))
-        return RingFunction.apply(q, k, v, plan, group if world > 1 else None, q.shape[-1] ** -0.5)
+        group = group if world > 1 else None
+        fold = causal and layout == "zigzag"  # balanced work per K/V piece (cut_pieces)
+        return RingFunction.apply(q, k, v, plan, group, q.shape[-1] ** -0.5, fold)
 
     def flops(
         self,

@@ -8,6 +8,7 @@ A *plan* says, for each step t (holding the K/V of rank (rank - t) mod W), which
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -176,20 +177,60 @@ def restrict(blk: Block, r0: int, r1: int, c0: int, c1: int) -> list[Block]:
     return parts
 
 
-def piece_size(n: int, device: torch.device, row_bytes: int = 0) -> int:
+def piece_size(n: int, device: torch.device, row_bytes: int = 0, parts: int = 1) -> int:
     """Rows of a K/V piece and of a query chunk: on CPU the largest divisor of n up to
     PIECE_TOKENS rows and, given `row_bytes` (bytes of one row of K), up to PIECE_BYTES bytes
     (but not under MIN_PIECE_TOKENS rows), which bounds buffers and temporaries; the whole shard
-    on GPUs (big kernels)."""
+    on GPUs (big kernels). `parts`: the piece is that many equal runs, one from each
+    n / parts rows of the shard (see cut_pieces), so its size is parts x a divisor of n / parts."""
     if device.type != "cpu":
         return n
     limit = PIECE_TOKENS
     if row_bytes > 0:
         limit = min(limit, max(MIN_PIECE_TOKENS, PIECE_BYTES // row_bytes))
-    for pieces in range(1, n + 1):
-        if n % pieces == 0 and n // pieces <= limit:
-            return n // pieces
+    m = n // parts
+    for pieces in range(1, m + 1):
+        if m % pieces == 0 and parts * (m // pieces) <= limit:
+            return parts * (m // pieces)
     return n
+
+
+Piece = tuple[tuple[int, int], ...]
+"""Rows of the shard that make one K/V piece: [start, end) runs, concatenated in this order."""
+
+
+def cut_pieces(n: int, p: int, fold: bool) -> list[Piece]:
+    """The shard's n rows as pieces of p rows: contiguous runs, or with `fold` half a piece from
+    each half of the shard, rows [j h, (j+1) h) and [n/2 + j h, n/2 + (j+1) h) with h = p / 2.
+
+    Folding balances causal zigzag: its step t > 0 needs either every key of one held chunk
+    (the first half) or every query of one local chunk against all keys, so with contiguous
+    pieces ranks get unequal work per piece and the ring, which syncs every piece, runs at the
+    slower rank's pace; a folded piece gives every rank the same work at every step.
+    """
+    if not fold or p == n:
+        return [((j, j + p),) for j in range(0, n, p)]
+    h, c = p // 2, n // 2
+    return [((j, j + h), (c + j, c + j + h)) for j in range(0, c, h)]
+
+
+def _gather(x: torch.Tensor, piece: Piece, out: torch.Tensor | None) -> torch.Tensor:
+    """The rows of `piece` from x (B, n, ...): a view for one run, else copied into `out`."""
+    if len(piece) == 1 or out is None:
+        return x[:, piece[0][0] : piece[0][1]]
+    off = 0
+    for a, b in piece:
+        out[:, off : off + b - a].copy_(x[:, a:b])
+        off += b - a
+    return out
+
+
+def _scatter(x: torch.Tensor, piece: Piece, rows: torch.Tensor) -> None:
+    """Write `rows` (B, p, ...), the piece's rows in piece order, back into x (B, n, ...)."""
+    off = 0
+    for a, b in piece:
+        x[:, a:b] = rows[:, off : off + b - a]
+        off += b - a
 
 
 def _head_group(q: torch.Tensor, rows: int) -> int:
@@ -228,14 +269,30 @@ def _wait_kv(comm: KVComm) -> None:
     comm[1].wait()
 
 
-def _piece_blocks(plan_t: Sequence[Block], j: int, p: int, n: int) -> list[Block]:
-    """Blocks of one step restricted to key piece j (keys piece-local), split by query chunks."""
-    return [
-        part
-        for blk in plan_t
-        for r0 in range(0, n, p)
-        for part in restrict(blk, r0, r0 + p, j * p, (j + 1) * p)
-    ]
+def piece_blocks(plan_t: Sequence[Block], piece: Piece, p: int, n: int) -> list[Block]:
+    """Blocks of one step restricted to the keys of `piece` (keys piece-local), split by
+    query chunks of p rows."""
+    parts, off = [], 0
+    for a, b in piece:
+        parts += [
+            dataclasses.replace(part, k0=part.k0 + off, k1=part.k1 + off)
+            for blk in plan_t
+            for r0 in range(0, n, p)
+            for part in restrict(blk, r0, r0 + p, a, b)
+        ]
+        off += b - a
+    return parts
+
+
+def _buffers(
+    world: int, pieces: list[Piece], shape: tuple[int, ...], k: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Allocated once per call: the two K/V receive buffers (none when alone), and (K, V)
+    buffers for my own piece when it is two runs (else (None, None): slices of k, v serve)."""
+    folded = len(pieces[0]) > 1
+    bufs = torch.empty((2 * (world > 1) + folded, *shape), dtype=k.dtype, device=k.device)
+    own: list[torch.Tensor | None] = [bufs[-1][0], bufs[-1][1]] if folded else [None, None]
+    return bufs, own
 
 
 def ring_forward(
@@ -245,27 +302,30 @@ def ring_forward(
     plan: Plan,
     comm: KVComm | None,
     scale: float,
+    fold: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merged (out fp32 (B,n,H,D), lse fp32 (B,H,n)) over all steps; no autograd graph.
 
     The shard's K/V are cut into pieces, each travelling its own ring in turn, so buffers and
     temporaries are a piece, not a shard; the transfer for step t+1 is posted before step t
     computes, into one of two receive buffers allocated once. Step 0 computes on (and sends)
-    slices of k and v themselves; blocks run a group of heads at a time (see PIECE_BYTES).
+    slices of k and v themselves (a copy when `fold` makes a piece of two runs, cut_pieces);
+    blocks run a group of heads at a time (see PIECE_BYTES).
     """
     bsz, n, heads, dim = q.shape
     world = 1 if comm is None else comm[0].world_size
-    p = piece_size(n, q.device)
+    p = piece_size(n, q.device, parts=2 if fold else 1)
     g = _head_group(q, p)
+    pieces = cut_pieces(n, p, fold)
     out = torch.zeros(bsz, n, heads, dim, dtype=torch.float32, device=q.device)
     lse = torch.full((bsz, heads, n), float("-inf"), dtype=torch.float32, device=q.device)
-    bufs = torch.empty((2 * (world > 1), 2, bsz, p, heads, dim), dtype=k.dtype, device=k.device)
-    for j in range(n // p):
-        kt, vt = k[:, j * p : (j + 1) * p], v[:, j * p : (j + 1) * p]
+    bufs, own = _buffers(world, pieces, (2, bsz, p, heads, dim), k)
+    for piece in pieces:
+        kt, vt = _gather(k, piece, own[0]), _gather(v, piece, own[1])
         for t in range(world):
             if comm is not None and t < world - 1:
                 _send_kv(comm, kt, vt, bufs[t % 2])
-            step_forward(q, kt, vt, _piece_blocks(plan[t], j, p, n), out, lse, scale, False, g)
+            step_forward(q, kt, vt, piece_blocks(plan[t], piece, p, n), out, lse, scale, False, g)
             if comm is not None and t < world - 1:
                 _wait_kv(comm)
                 kt, vt = bufs[t % 2][0], bufs[t % 2][1]
@@ -283,26 +343,29 @@ def ring_backward(
     kv_comm: KVComm | None,
     dkv_comm: RingComm | None,
     scale: float,
+    fold: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 (dq, dk, dv) of this rank's shard.
 
-    K/V pieces travel as in the forward; the dK/dV accumulator of the held piece travels with
-    it one step behind and arrives home after W hops. Each exchange of accumulators completes
-    after the next step's first block, whose compute it overlaps; every block's (dk, dv) is
-    added into the accumulator as soon as it is computed, so beyond inputs, output and
-    gradients a rank holds two K/V receive buffers, two accumulators and one block's gradients.
+    K/V pieces travel as in the forward (`fold`: see cut_pieces); the dK/dV accumulator of the
+    held piece travels with it one step behind and arrives home after W hops. Each exchange of
+    accumulators completes after the next step's first block, whose compute it overlaps; every
+    block's (dk, dv) is added into the accumulator as soon as it is computed, so beyond inputs,
+    output and gradients a rank holds two K/V receive buffers (three with `fold`), two
+    accumulators and one block's gradients.
     """
     bsz, n, heads, dim = q.shape
     world = 1 if kv_comm is None else kv_comm[0].world_size
-    p = piece_size(n, q.device, _row_bytes(k))
+    p = piece_size(n, q.device, _row_bytes(k), parts=2 if fold else 1)
+    pieces = cut_pieces(n, p, fold)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     shape = (2, bsz, p, heads, dim)  # one allocation for each pair of buffers
-    bufs = torch.empty((2 * (world > 1), *shape), dtype=k.dtype, device=k.device)
+    bufs, own = _buffers(world, pieces, shape, k)
     acc = torch.empty((1 + (world > 1), *shape), dtype=torch.float32, device=k.device)
     held = 0  # acc[held]: the accumulator of the piece held now
-    home: slice | None = None  # rows of my piece whose sum is on its last hop, into acc[1 - held]
+    home: Piece | None = None  # my piece whose sum is on its last hop, into acc[1 - held]
 
     def arrive(t: int) -> None:
         """Complete the accumulator exchange: at t > 0 the held piece's accumulator from the
@@ -313,13 +376,13 @@ def ring_backward(
         if t > 0:
             held = 1 - held
         else:
-            dk[:, home], dv[:, home] = acc[1 - held][0], acc[1 - held][1]
+            _scatter(dk, home, acc[1 - held][0])  # type: ignore[arg-type]
+            _scatter(dv, home, acc[1 - held][1])  # type: ignore[arg-type]
             home = None
             acc[held].zero_()
 
-    for j in range(n // p):
-        rows = slice(j * p, (j + 1) * p)
-        kt, vt = k[:, rows], v[:, rows]
+    for piece in pieces:
+        kt, vt = _gather(k, piece, own[0]), _gather(v, piece, own[1])
         if home is None:
             acc[held].zero_()
         for t in range(world):
@@ -328,7 +391,7 @@ def ring_backward(
             # acc[held] ready for this step's shares? If not, the exchange completes after the
             # step's first block, so that it overlaps that block's compute.
             ready = dkv_comm is None or (t == 0 and home is None)
-            for blk in _piece_blocks(plan[t], j, p, n):
+            for blk in piece_blocks(plan[t], piece, p, n):
                 dk_b, dv_b = block_grads(dout, q, kt, vt, out, lse, blk, dq, scale)
                 if not ready:
                     arrive(t)
@@ -344,21 +407,23 @@ def ring_backward(
                 _wait_kv(kv_comm)
                 kt, vt = bufs[t % 2][0], bufs[t % 2][1]
         if dkv_comm is None:
-            dk[:, rows], dv[:, rows] = acc[held][0], acc[held][1]
+            _scatter(dk, piece, acc[held][0])
+            _scatter(dv, piece, acc[held][1])
         else:  # after W hops my piece comes home, summed over every rank: collected in the
-            home = rows  # next piece's first step (or below), overlapping its first block
+            home = piece  # next piece's first step (or below), overlapping its first block
     if home is not None:
         arrive(0)
     return dq, dk, dv
 
 
 class RingFunction(torch.autograd.Function):
-    """Autograd wrapper of the ring loop: saves (q, k, v, out, lse); backward rings dK/dV home."""
+    """Autograd wrapper of the ring loop: saves (q, k, v, out, lse); backward rings dK/dV home.
+    `fold`: cut K/V pieces from both halves of the shard (cut_pieces; for causal zigzag)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, group, scale):  # type: ignore[override]
-        out, lse = ring_forward(q, k, v, plan, kv_comms(group), scale)
-        ctx.plan, ctx.group, ctx.scale = plan, group, scale
+    def forward(ctx, q, k, v, plan, group, scale, fold=False):  # type: ignore[override]
+        out, lse = ring_forward(q, k, v, plan, kv_comms(group), scale, fold)
+        ctx.plan, ctx.group, ctx.scale, ctx.fold = plan, group, scale, fold
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
 
@@ -368,6 +433,16 @@ class RingFunction(torch.autograd.Function):
         group = ctx.group
         dkv_comm = RingComm(group, DKV_TAG) if group is not None else None
         dq, dk, dv = ring_backward(
-            dout.contiguous(), q, k, v, out, lse, ctx.plan, kv_comms(group), dkv_comm, ctx.scale
+            dout.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            ctx.plan,
+            kv_comms(group),
+            dkv_comm,
+            ctx.scale,
+            ctx.fold,
         )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
