@@ -2,14 +2,16 @@
 
 CPU (default): W gloo ranks with one thread each vs one process with W threads running the twin
 on all the tokens; forward and forward+backward times (median of --repeats after a short warm-up;
-a rank's time is the slowest rank's), the ratio ring/twin, and each process's peak memory above
+a rank's time is the slowest rank's), the ratio ring/twin (twin and ring run alternately for
+--rounds rounds and the median of the rounds' ratios is reported, so that a noisy machine's drift
+falls on both sides of a ratio), and each process's peak memory above
 its baseline (VmHWM after malloc_trim(0) and a clear_refs reset; inputs included). Also the
 peak per rank at --mem-world ranks against the single process. CUDA (--device cuda, one GPU per
 rank, NCCL): the same cases in bf16 with CUDA events, TFLOP/s per GPU and max_memory_allocated.
 Every ring case first passes a correctness gate (a short sequence vs the twin on full tensors).
 
     .venv/bin/python bench/ring.py [--seq 16384] [--world 2] [--mem-world 4] [--repeats 3]
-        [--kernel ring] [--params '{}'] [--device cpu]
+        [--rounds 3] [--kernel ring] [--params '{}'] [--device cpu] [--cases full,...]
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--world", type=int, default=2, help="ranks of the timed ring")
     ap.add_argument("--mem-world", type=int, default=4, help="ranks of the memory case (0: skip)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="twin and ring run alternately this many times per case; the ratio is the median "
+        "of the rounds' ratios (a shared, noisy machine drifts between runs taken far apart)",
+    )
     ap.add_argument("--kernel", default="ring", choices=sorted(TWINS))
     ap.add_argument("--params", default="{}", help="JSON params of the ring kernel")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -262,6 +271,39 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def print_case(a: argparse.Namespace, name: str, rounds: list[tuple[dict, list[dict]]]) -> None:
+    """One JSON line and one readable line for a case: per round the twin's and the ring's
+    median time and their ratio, and the median ratio over rounds; peaks of the last round."""
+    line: dict[str, Any] = {"case": name, "world": a.world}
+    for key in ("fwd_s", "fwd_bwd_s"):
+        t_ring = [_median_of_slowest(ring, key) for _, ring in rounds]
+        t_one = [statistics.median(single[key]) for single, _ in rounds]
+        ratios = [r / o for r, o in zip(t_ring, t_one, strict=True)]
+        line[f"{key}_ring"] = [round(t, 6) for t in t_ring]
+        line[f"{key}_twin"] = [round(t, 6) for t in t_one]
+        line[f"{key}_ratios"] = [round(r, 3) for r in ratios]
+        line[f"{key}_ratio"] = round(statistics.median(ratios), 3)
+    single, ring = rounds[-1]
+    line["peak_per_rank"] = [r["peak_bytes"] for r in ring]
+    line["peak_twin"] = single["peak_bytes"]
+    if a.device == "cuda":
+        line["tflops_per_gpu_fwd"] = [
+            round(r["flops_fwd"] / statistics.median(r["fwd_s"]) / 1e12, 2) for r in ring
+        ]
+    print(json.dumps(line))
+
+    def times(key: str) -> str:
+        pairs = zip(line[f"{key}_ring"], line[f"{key}_twin"], strict=True)
+        return ", ".join(f"{r:.3f}/{o:.3f}" for r, o in pairs)
+
+    print(
+        f"  {name:18s} ratio fwd {line['fwd_s_ratio']:.2f}, fwd+bwd {line['fwd_bwd_s_ratio']:.2f} "
+        f"(median of {len(rounds)} rounds; ring/twin s: fwd {times('fwd_s')}; fwd+bwd "
+        f"{times('fwd_bwd_s')}); peak per rank "
+        f"{', '.join(_mib(p) for p in line['peak_per_rank'])} vs twin {_mib(single['peak_bytes'])}"
+    )
+
+
 def main() -> None:
     a = parse()
     if a.device == "cuda" and torch.cuda.device_count() < a.world:
@@ -276,7 +318,8 @@ def main() -> None:
         f"setup: {a.kernel} vs {twin}, total seq {a.seq}, batch {a.batch}, heads {a.heads}, "
         f"head_dim {a.dim}, {'fp32 cpu' if a.device == 'cpu' else 'bf16 cuda'}; ring: {a.world} "
         f"ranks x 1 thread ({'gloo' if a.device == 'cpu' else 'nccl'}); twin: 1 process x "
-        f"{threads} threads; {a.repeats} repeats after a warm-up; os.cpu_count()={os.cpu_count()}"
+        f"{threads} threads; {a.repeats} repeats after a warm-up, {a.rounds} alternating rounds; "
+        f"os.cpu_count()={os.cpu_count()}"
     )
     cases = {
         "full": (False, "contiguous"),
@@ -284,13 +327,11 @@ def main() -> None:
         "causal-contiguous": (True, "contiguous"),
         "causal-striped": (True, "striped"),
     }
-    twin_cache: dict[bool, list[dict]] = {}
     for name in [c for c in a.cases.split(",") if c]:
         causal, layout = cases[name]
-        if causal not in twin_cache:
-            job = dict(kernel=twin, params=twin_params, layout=None, causal=causal, threads=threads)
-            twin_cache[causal] = run_job(args, {**job, "distributed": False}, 1)
-        single = twin_cache[causal][0]
+        twin_job = dict(
+            kernel=twin, params=twin_params, layout=None, causal=causal, threads=threads
+        )
         job = dict(
             kernel=a.kernel,
             params={**params, "layout": layout},
@@ -299,28 +340,12 @@ def main() -> None:
             threads=1,
             distributed=True,
         )
-        ring = run_job(args, job, a.world)
-        line = {"case": name, "world": a.world}
-        for key in ("fwd_s", "fwd_bwd_s"):
-            t_ring = _median_of_slowest(ring, key)
-            t_one = statistics.median(single[key])
-            line[f"{key}_ring"] = round(t_ring, 4)
-            line[f"{key}_twin"] = round(t_one, 4)
-            line[f"{key}_ratio"] = round(t_ring / t_one, 3)
-        line["peak_per_rank"] = [r["peak_bytes"] for r in ring]
-        line["peak_twin"] = single["peak_bytes"]
-        if a.device == "cuda":
-            line["tflops_per_gpu_fwd"] = [
-                round(r["flops_fwd"] / statistics.median(r["fwd_s"]) / 1e12, 2) for r in ring
-            ]
-        print(json.dumps(line))
-        print(
-            f"  {name:18s} fwd {line['fwd_s_ring']:.3f}s vs {line['fwd_s_twin']:.3f}s "
-            f"(ratio {line['fwd_s_ratio']:.2f}); fwd+bwd {line['fwd_bwd_s_ring']:.3f}s vs "
-            f"{line['fwd_bwd_s_twin']:.3f}s (ratio {line['fwd_bwd_s_ratio']:.2f}); peak per rank "
-            f"{', '.join(_mib(p) for p in line['peak_per_rank'])} vs twin "
-            f"{_mib(single['peak_bytes'])}"
-        )
+        rounds = []
+        for _ in range(a.rounds):
+            single = run_job(args, {**twin_job, "distributed": False}, 1)[0]
+            ring = run_job(args, job, a.world)
+            rounds.append((single, ring))
+        print_case(a, name, rounds)
     if a.mem_world:
         mem_args = {**args, "repeats": 0}
         job = dict(
