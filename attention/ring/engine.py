@@ -216,8 +216,10 @@ def cut_pieces(n: int, p: int, fold: bool) -> list[Piece]:
 
 def _gather(x: torch.Tensor, piece: Piece, out: torch.Tensor | None) -> torch.Tensor:
     """The rows of `piece` from x (B, n, ...): a view for one run, else copied into `out`."""
-    if len(piece) == 1 or out is None:
+    if len(piece) == 1:
         return x[:, piece[0][0] : piece[0][1]]
+    if out is None:
+        raise ValueError("_gather: a piece of several runs needs a buffer to copy into")
     off = 0
     for a, b in piece:
         out[:, off : off + b - a].copy_(x[:, a:b])
