@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +18,30 @@ def _on_sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
     # WAL lets readers run beside the one writer; busy_timeout waits instead of
     # failing with "database is locked"; SQLite leaves foreign keys off unless asked.
     cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode=WAL")
     cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    _set_wal(cur)
     cur.execute("PRAGMA foreign_keys=ON")
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.close()
+
+
+def _set_wal(cur: Any) -> None:
+    """Switch the database to WAL, retrying while another connection holds it locked.
+
+    Two connections that open a fresh (rollback-journal) file at once both read it and then
+    both need the exclusive lock to change its mode; SQLite answers one of them "database is
+    locked" at once, without its busy handler (waiting could deadlock). Once one switch has
+    landed the mode is stored in the file, so the retry is a no-op.
+    """
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:
