@@ -105,16 +105,19 @@ def store_result(
     run.status = status
     run.environment_id = env.id
     run.error = error
+    fits = [length for length, outcome, _ in probes if outcome == ProbeOutcome.fit]
+    measured = max(fits) if fits else run.seq_len  # a search's ranks measured its answer
     for rank, median in enumerate(medians):
         session.add(
             RankResult(
                 run_id=run_id,
                 rank=rank,
+                seq_len=measured,
                 times_s=[median * 0.9, median, median * 1.1],
                 median_s=median,
                 p10_s=median * 0.9,
                 p90_s=median * 1.1,
-                tokens_per_s=run.seq_len / median,
+                tokens_per_s=measured / median,
                 flops=flops,
                 flops_per_s=flops / median,
                 peak_memory_bytes=peak + rank,

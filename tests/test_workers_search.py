@@ -34,6 +34,7 @@ def _planted(limit: int, log: list[int]) -> Any:
             ]
         result = RankResult(
             rank=0,
+            seq_len=cfg.seq_len,
             times_s=[0.5],
             median_s=0.5,
             p10_s=0.5,

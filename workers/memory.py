@@ -79,6 +79,15 @@ class PeakMeter:
             release()
             _CLEAR_REFS.write_text("5")
 
+    def current(self) -> int:
+        """What is resident now above the baseline, in bytes (never negative)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            now = torch.cuda.memory_allocated(self.device)
+        else:
+            now = _status_kib("VmRSS") * 1024
+        return max(0, now - self._base)
+
     def peak(self) -> int:
         """Peak since reset() above the baseline, in bytes (never negative)."""
         if self.device.type == "cuda":

@@ -238,8 +238,10 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
 
     budget = config.memory_budget_bytes
     max_abs_error = None
+    checked_at = None
     if config.correctness_check or kind == "correctness":
         length = config.seq_len if kind == "correctness" else check_length(config)
+        checked_at = length
         try:
             with _memory_fraction(device, budget):
                 max_abs_error = check_correctness(config, rank, device, length)
@@ -294,6 +296,7 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
         with _memory_fraction(device, budget):
             for name in names:
                 inputs[name] = make_input(name, config, config.seq_len, positions, rows, device)
+            resident_inputs = meter.current()
             times, first_at, last_at = _timed_loop(module, inputs, config, meter, device)
             peak = meter.peak()
             backend = kernels.backend_of(module)
@@ -312,6 +315,7 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
     median = statistics.median(times)
     result = RankResult(
         rank=rank,
+        seq_len=config.seq_len,
         times_s=times,
         median_s=median,
         p10_s=_percentile(times, 0.1),
@@ -320,9 +324,11 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
         flops=flops,
         flops_per_s=flops / median,
         peak_memory_bytes=peak,
+        input_memory_bytes=resident_inputs,
         memory_budget_bytes=budget,
         backend=backend,
         max_abs_error=max_abs_error,
+        check_seq_len=checked_at,
     )
     timing = {"first_iteration_at": first_at, "last_iteration_at": last_at}
     if device.type == "cpu" and budget is not None and peak > budget:

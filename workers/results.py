@@ -18,6 +18,7 @@ ProbeOutcome = Literal["fit", "oom", "error"]
 
 RANK_RESULT_COLUMNS = (
     "rank",
+    "seq_len",
     "times_s",
     "median_s",
     "p10_s",
@@ -26,11 +27,22 @@ RANK_RESULT_COLUMNS = (
     "flops",
     "flops_per_s",
     "peak_memory_bytes",
+    "input_memory_bytes",
     "memory_budget_bytes",
     "backend",
     "max_abs_error",
+    "check_seq_len",
 )
-PROBE_COLUMNS = ("seq_len", "outcome", "peak_memory_bytes", "time_s", "error", "emulated")
+PROBE_COLUMNS = (
+    "seq_len",
+    "outcome",
+    "peak_memory_bytes",
+    "rank_peak_bytes",
+    "requested_bytes",
+    "time_s",
+    "error",
+    "emulated",
+)
 ENVIRONMENT_COLUMNS = (
     "hosts",
     "gpus",
@@ -51,6 +63,9 @@ class RankResult(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     rank: int = Field(ge=0)
+    seq_len: int = Field(
+        ge=1, description="The total length this measurement ran at (a search's answer)."
+    )
     times_s: list[float] = Field(description="Seconds of every timed iteration, in order.")
     median_s: float
     p10_s: float
@@ -59,9 +74,15 @@ class RankResult(BaseModel):
     flops: float = Field(description="FLOPs this rank computed per iteration (kernel.flops).")
     flops_per_s: float
     peak_memory_bytes: int = Field(ge=0, description="Peak above the pre-input baseline.")
+    input_memory_bytes: int | None = Field(
+        None, ge=0, description="Resident above the baseline once the inputs were allocated."
+    )
     memory_budget_bytes: int | None = None
     backend: str = Field(description="The kernel backend that ran (kernel.backend).")
     max_abs_error: float | None = Field(None, description="Correctness check vs the reference.")
+    check_seq_len: int | None = Field(
+        None, description="The length the correctness check ran at (it may be shorter)."
+    )
     emulated_oom: bool = Field(
         False, description="CPU: the peak exceeded memory_budget_bytes (an emulated OOM)."
     )
@@ -79,6 +100,12 @@ class ProbeResult(BaseModel):
     seq_len: int = Field(ge=1)
     outcome: ProbeOutcome
     peak_memory_bytes: int | None = Field(None, description="Max over ranks, when measured.")
+    rank_peak_bytes: list[int | None] = Field(
+        default_factory=list, description="Each rank's peak in rank order (None: not measured)."
+    )
+    requested_bytes: int | None = Field(
+        None, description="oom: the largest failed allocation over the ranks, when known."
+    )
     time_s: float | None = Field(None, description="Median iteration time (slowest rank).")
     error: str | None = None
     emulated: bool = Field(False, description="oom decided by the CPU memory budget.")

@@ -53,7 +53,9 @@ def snap_down(
 
 def probe_of(seq_len: int, cases: list[CaseOutcome]) -> ProbeResult:
     """One probe from its ranks' cases: error beats oom beats fit; peak and time are the worst."""
+    ordered = sorted(cases, key=lambda c: c.rank)
     peaks = [c.peak_memory_bytes for c in cases if c.peak_memory_bytes is not None]
+    requested = [c.requested_bytes for c in cases if c.requested_bytes is not None]
     times = [c.result.median_s for c in cases if c.result is not None]
     failed = [c for c in cases if c.status == "failed"]
     ooms = [c for c in cases if c.status == "oom"]
@@ -62,6 +64,8 @@ def probe_of(seq_len: int, cases: list[CaseOutcome]) -> ProbeResult:
         seq_len=seq_len,
         outcome="error" if failed else "oom" if ooms else "fit",
         peak_memory_bytes=max(peaks) if peaks else None,
+        rank_peak_bytes=[c.peak_memory_bytes for c in ordered],
+        requested_bytes=max(requested) if requested else None,
         time_s=max(times) if times else None,
         error="; ".join(f"rank {c.rank}: {c.error}" for c in bad) or None,
         emulated=bool(ooms) and not failed and all(c.emulated for c in ooms),

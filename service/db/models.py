@@ -173,6 +173,8 @@ class RankResult(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
     rank: Mapped[int] = mapped_column(Integer)
+    seq_len: Mapped[int] = mapped_column(BigInteger)
+    """The total length measured: run.seq_len, or for a max_seq_len run the search's answer."""
     times_s: Mapped[list[Any]]
     median_s: Mapped[float] = mapped_column(Float)
     p10_s: Mapped[float] = mapped_column(Float)
@@ -181,9 +183,11 @@ class RankResult(Base):
     flops: Mapped[float] = mapped_column(Float)
     flops_per_s: Mapped[float] = mapped_column(Float)
     peak_memory_bytes: Mapped[int] = mapped_column(BigInteger)
+    input_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     memory_budget_bytes: Mapped[int | None] = mapped_column(BigInteger)
     backend: Mapped[str] = mapped_column(String(64))
     max_abs_error: Mapped[float | None] = mapped_column(Float)
+    check_seq_len: Mapped[int | None] = mapped_column(BigInteger)
 
     run: Mapped[Run] = relationship(back_populates="rank_results")
 
@@ -198,6 +202,8 @@ class Probe(Base):
     seq_len: Mapped[int] = mapped_column(BigInteger)
     outcome: Mapped[ProbeOutcome] = mapped_column(_enum(ProbeOutcome, "probe_outcome"))
     peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    rank_peak_bytes: Mapped[list[Any] | None]
+    requested_bytes: Mapped[int | None] = mapped_column(BigInteger)
     time_s: Mapped[float | None] = mapped_column(Float)
     error: Mapped[str | None] = mapped_column(Text)
     emulated: Mapped[bool] = mapped_column(Boolean, default=False)
