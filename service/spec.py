@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
 
 from workers.config import RunConfig, SearchConfig
 
@@ -30,6 +37,85 @@ RUN_FIELDS = frozenset(RunConfig.model_fields) - {"search"}
 
 Loc = tuple[str | int, ...]
 Position = dict[str, tuple[str, int]]
+
+
+PivotValue = Literal[
+    "median_s",
+    "tokens_per_s",
+    "tflops_per_s",
+    "peak_memory_bytes",
+    "memory_per_token_bytes",
+    "max_seq_len",
+    "speedup",
+    "memory_ratio",
+    "max_len_gain",
+    "efficiency",
+]
+
+
+def _axis_name(name: str) -> str:
+    """A run config field or params.<name>, else ValueError naming what is allowed."""
+    if name.startswith("params.") and name.removeprefix("params.").isidentifier():
+        return name
+    if name in RUN_FIELDS and name != "params":
+        return name
+    raise ValueError(f"{name!r} is not a run config field or params.<name>")
+
+
+class PivotSpec(BaseModel):
+    """A pivot table: one metric for every (rows value, columns values) pair."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rows: str = Field("seq_len", description="A run config field, params.<name> or label.")
+    columns: list[str] = Field(
+        default_factory=lambda: ["world_size", "parallel"], min_length=1, max_length=4
+    )
+    value: PivotValue = "median_s"
+
+    @field_validator("rows")
+    @classmethod
+    def _rows(cls, value: str) -> str:
+        return value if value == "label" else _axis_name(value)
+
+    @field_validator("columns")
+    @classmethod
+    def _columns(cls, value: list[str]) -> list[str]:
+        return [v if v == "label" else _axis_name(v) for v in value]
+
+
+class AnalysisSpec(BaseModel):
+    """What each cell is compared against, and how the report pivots the results."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    baseline: dict[str, Any] | None = Field(
+        None,
+        description="Fields (or params.<name>) that turn a cell into its baseline, e.g. "
+        "{world_size: 1}, {kernel: dense} or {params.dilation_rates: [1]}. Default: world "
+        "size 1 of the same cell for W>1, dense of the same shape for sparse/dilated kernels.",
+    )
+    scaling: Literal["strong", "weak"] = Field(
+        "strong",
+        description="strong: the baseline does the same global work; weak: one rank's share.",
+    )
+    pivot: PivotSpec | None = None
+
+    @field_validator("baseline")
+    @classmethod
+    def _baseline(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("name at least one field that the baseline changes")
+        for key in value:
+            _axis_name(key)
+        world = value.get("world_size")
+        if "world_size" in value and (
+            isinstance(world, bool) or not isinstance(world, int) or world < 1
+        ):
+            raise ValueError(f"world_size: expected a positive integer, got {world!r}")
+        return value
 
 
 class SweepSpec(BaseModel):
@@ -57,6 +143,9 @@ class SweepSpec(BaseModel):
     )
     search: SearchConfig | None = Field(
         None, description="Maximum sequence length search; only for kind max_seq_len."
+    )
+    analysis: AnalysisSpec | None = Field(
+        None, description="Baselines, ratios and the pivot the report and dashboard derive."
     )
 
 

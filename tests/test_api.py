@@ -208,12 +208,14 @@ def test_run_detail_exports_and_report(database_url: str) -> None:
         assert report.headers["content-type"].startswith("text/markdown")
         md = report.text
         assert md.startswith("# small\n")
-        assert "## Results per kernel and sequence length" in md
-        assert "| dense | - | 128 | 2 | 2.50 ms |" in md
-        assert "2.00 MiB / 2.00 MiB" in md  # peak memory per rank
-        assert "## Scaling with world size" in md
-        assert "1.60x" in md and "80%" in md  # 4 ms -> 2.5 ms on 2 ranks
+        assert "## Results per run and sequence length" in md
+        # per-rank peaks in their own columns; 4 ms -> 2.5 ms on 2 ranks: 1.60x, 80% efficient.
+        assert "| dense · W=2 | 128 | 2 | 2.50 ms | 2.25 ms - 2.75 ms | 102,400 |" in md
+        assert "| 2.00 MiB | 2.00 MiB | 16.00 KiB | W=1 | 1.60x | 0.67x | 80% | ok |" in md
+        assert "## Time by seq len and world size" in md and "| 128 | 4.00 ms | 2.50 ms |" in md
         assert "## Environment" in md and "2.13.0+cpu" in md
+        # a sweep with failures shows its errors before its tables
+        assert md.index("## Errors") < md.index("## Results")
         assert "CUDA out of memory" in md and "| OOM |" in md
 
 
@@ -231,13 +233,18 @@ def test_report_max_seq_len_table(database_url: str) -> None:
         one, two = (r["id"] for r in runs["data"])
         fit, oom = ProbeOutcome.fit, ProbeOutcome.oom
         with client.app.state.sessionmaker() as s:
-            store_result(s, one, medians=(), probes=((1024, fit, 1 << 20), (2048, oom, None)))
-            store_result(s, two, medians=(), probes=((2048, fit, 1 << 21), (4096, oom, None)))
+            store_result(s, one, medians=(0.5,), probes=((1024, fit, 1 << 20), (2048, oom, None)))
+            store_result(
+                s, two, medians=(0.5, 0.6), probes=((2048, fit, 1 << 21), (4096, oom, None))
+            )
         md = client.get(f"{API}/sweeps/{sweep_id}/report.md").text
-        assert "## Maximum sequence length per kernel and world size" in md
-        assert "| dense | - | 1 | 1,024 | 1.00 MiB | 512 B |" in md  # 1 MiB / (2 x 1024 tokens)
-        assert "1,024 fit 1.00 MiB; 2,048 oom" in md
-        assert "max tokens 2,048 | 2.00x | 100%" in md
+        assert "## Maximum sequence length" in md
+        # Time and tokens/s at the answer (2 x 1024 tokens / 0.5 s), 1 MiB / (2 x 1024 tokens).
+        assert "| dense · W=1 | 1 | 1,024 | 500.00 ms | 4,096 | 1.00 MiB | - | 512 B |" in md
+        # W=2 vs W=1: 2x the maximum length on 2 ranks is 100% efficient.
+        assert "| 2,048 | 600.00 ms | 6,827 | 1.00 MiB | 1.00 MiB | 512 B | W=1 |" in md
+        assert "| 2.00x | 100% | ok |" in md
+        assert "| 1,024 | - | 1.00 MiB | fit | - |\n| 2,048 | - | - | OOM | - |" in md
         row = next(
             r
             for r in client.get(f"{API}/sweeps/{sweep_id}/results.json").json()

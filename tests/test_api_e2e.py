@@ -76,7 +76,7 @@ def test_tiny_cpu_sweep_runs_and_reports(tmp_path: Path, ray_session: Any) -> No
         assert detail["environment"]["torch"]
 
         md = client.get(f"{API}/sweeps/{sweep_id}/report.md").text
-        assert "## Results per kernel and sequence length" in md
-        assert "## Scaling with world size" in md and "## Environment" in md
-        assert "| ring | " in md and "| dense | " in md
+        assert "## Results per run and sequence length" in md and "## Environment" in md
+        assert "| ring · " in md and "| dense · " in md
+        assert "| W=1 | " in md or "| dense W=1 | " in md  # W=2 rows name their baseline
         assert md.count("| ok |") == 8

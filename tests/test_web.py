@@ -1,5 +1,6 @@
-"""Dashboard logic without a browser: memory floor, known peaks, scaling, compare verdicts, and
-the result rows read back from a database (SQLite and Postgres)."""
+"""The read model and the dashboard logic without a browser: memory floor, known peaks,
+baselines and scaling, labels, compare verdicts, and rows read back from a database (SQLite and
+Postgres)."""
 
 from __future__ import annotations
 
@@ -9,45 +10,75 @@ import pytest
 from _web_helpers import seed_sweeps
 from sqlalchemy.orm import Session
 
+from service import analysis, queries
+from service.api import store
 from service.db.engine import make_engine
+from service.db.models import Sweep
+from service.spec import AnalysisSpec
+from service.views import RankView, RunRow, config_key, local_tokens, memory_floor
 from service.web import charts, data
 from service.web.peaks import dense_peak_flops
-from service.web.rows import config_key, memory_floor_bytes
 
 
-def _row(**kw: Any) -> dict[str, Any]:
-    row = {
-        "run_id": 1,
+def _row(run_id: int = 1, median: float | None = 1.0, spread: float = 0.05, **cfg: Any) -> RunRow:
+    """A measured row the way service.views builds it, from a config and one median per rank."""
+    config: dict[str, Any] = {
         "kernel": "dense",
         "params": {},
-        "variant": "dense",
         "seq_len": 1024,
         "world_size": 1,
+        "batch_size": 1,
+        "num_heads": 8,
+        "head_dim": 64,
         "dtype": "float32",
         "mode": "forward",
         "causal": False,
         "parallel": "sequence",
-        "batch_size": 1,
-        "num_heads": 8,
-        "head_dim": 64,
-        "status": "succeeded",
-        "tokens_per_s": 1000.0,
-        "peak_memory_bytes": 100,
-        "max_seq_len": None,
-        "probes": [],
     }
-    row.update(kw)
+    config.update(cfg)
+    row = RunRow(
+        run_id=run_id,
+        sweep_id=1,
+        kernel=config["kernel"],
+        params=config["params"],
+        config=config,
+        seq_len=config["seq_len"],
+        world_size=config["world_size"],
+        batch_size=config["batch_size"],
+        num_heads=8,
+        head_dim=64,
+        dtype=config["dtype"],
+        causal=False,
+        mode="forward",
+        parallel=config["parallel"],
+        searched=False,
+        status="succeeded" if median is not None else "failed",
+        attempts=1,
+        error=None,
+        environment_id=None,
+        device="CPU",
+        ranks=[],
+        probes=[],
+    )
+    if median is not None:
+        row.measured_seq_len = row.seq_len
+        row.median_s, row.p10_s, row.p90_s = median, median * (1 - spread), median * (1 + spread)
+        row.tokens_per_s = row.batch_size * row.seq_len / median
+        row.peak_memory_bytes = 100
+        row.ranks = [
+            RankView(0, row.seq_len, [median], median, median, median, 1.0, 100, None, None,
+                     "x", None, None)
+        ]  # fmt: skip
     return row
 
 
 def test_memory_floor_matches_the_reference_figures() -> None:
     # h=8, d=64: 8.03 KiB/token in fp32 and 4.03 KiB in bf16 (q, k, v, out + fp32 lse).
-    assert memory_floor_bytes(_row(seq_len=1)) == 8 * 64 * 4 * 4 + 4 * 8 == 8224
-    assert memory_floor_bytes(_row(seq_len=1, dtype="bfloat16")) == 4128
+    assert memory_floor("float32", 8, 64, 1) == 8 * 64 * 4 * 4 + 4 * 8 == 8224
+    assert memory_floor("bfloat16", 8, 64, 1) == 4128
     # Sequence parallel: each rank holds seq/W tokens; data parallel: batch/W sequences.
-    assert memory_floor_bytes(_row(seq_len=4096, world_size=2)) == 8224 * 2048
-    row = _row(seq_len=4096, world_size=2, parallel="data", batch_size=2)
-    assert memory_floor_bytes(row) == 8224 * 4096
+    assert local_tokens("sequence", 2, 1, 4096) == 2048
+    assert local_tokens("data", 2, 2, 4096) == 4096
 
 
 def test_dense_peaks_known_devices_only() -> None:
@@ -60,47 +91,99 @@ def test_dense_peaks_known_devices_only() -> None:
 
 
 def test_peak_chart_says_no_reference_peak_on_cpu() -> None:
-    fig = charts.peak_fraction_figure([_row(device="CPU", flops_per_s_per_rank=1e11)])
+    row = _row()
+    row.flops_per_s_per_rank = 1e11
+    fig = charts.peak_fraction_figure([row.as_dict()])
     texts = [a["text"] for a in fig["layout"]["annotations"]]
     assert texts == ["no reference peak for CPU (float32) (achieved TFLOP/s is in the table)"]
     assert fig["data"] == []
 
 
-def test_scaling_uses_the_single_process_twin_as_baseline() -> None:
+def test_default_baselines_world_size_one_and_the_single_process_twin() -> None:
     rows = [
-        _row(run_id=1, tokens_per_s=1000.0),
-        _row(run_id=2, kernel="ring", variant="ring", world_size=2, tokens_per_s=1500.0),
-        _row(run_id=3, world_size=2, parallel="data", batch_size=2, tokens_per_s=1900.0),
-        _row(run_id=4, seq_len=2048, kernel="ring", variant="ring", world_size=2),  # no baseline
+        _row(1, median=1.0),
+        _row(2, median=1.0 / 1.5, kernel="ring", world_size=2),
+        _row(3, median=2.0 / 1.9, world_size=2, parallel="data", batch_size=2),
+        _row(4, median=0.5, world_size=1, batch_size=2),
+        _row(5, median=0.25, kernel="block_sparse", params={"block_size": 64}),
+        _row(6, seq_len=2048, kernel="ring", world_size=2),  # no W=1 run at 2048: weak
     ]
-    points = charts.scaling_points(rows)
-    assert points == {
-        "ring · seq 1,024 (vs dense W=1)": [(1, 1.0), (2, 0.75)],
-        "dense · data-parallel b=2 · seq 1,024": [(1, 1.0), (2, 0.95)],
-    }
+    analysis.apply(rows, None)
+    analysis.set_labels(rows)
+    by_id = {r.run_id: r for r in rows}
+    # ring W=2 -> its twin dense at W=1, strong scaling: 1.5x faster, 75% efficient.
+    assert (by_id[2].baseline_run_id, by_id[2].baseline) == (1, "dense W=1")
+    assert by_id[2].speedup == pytest.approx(1.5) and by_id[2].efficiency == pytest.approx(0.75)
+    # data parallel keeps the global batch (2): its baseline is W=1 with batch 2.
+    assert by_id[3].baseline_run_id == 4
+    assert by_id[3].speedup == pytest.approx(0.5 / (2.0 / 1.9))
+    # a sparse kernel is compared with dense of the same shape.
+    assert (by_id[5].baseline_run_id, by_id[5].speedup) == (1, pytest.approx(4.0))
+    # Without a W=1 run of the same global work, one rank's share (weak scaling), named so.
+    assert (by_id[6].baseline_run_id, by_id[6].baseline) == (1, "dense W=1 (weak)")
+    assert by_id[1].baseline_run_id is None
+    points = charts.scaling_points([r.as_dict() for r in rows])
+    ring = "ring · sequence-parallel · batch_size=1 · seq 1,024 (vs dense W=1)"
+    assert points[ring] == [(1, 1.0), (2, pytest.approx(0.75))]
 
 
-def test_compare_keys_ignore_timeouts_and_flag_regressions() -> None:
+def test_weak_scaling_and_a_named_baseline() -> None:
+    rows = [
+        _row(1, median=1.0, batch_size=1),
+        _row(2, median=1.25, world_size=2, parallel="data", batch_size=2),
+    ]
+    analysis.apply(rows, AnalysisSpec(scaling="weak"))
+    assert rows[1].baseline_run_id == 1 and rows[1].efficiency == pytest.approx(0.8)
+    rows = [
+        _row(1, median=4.0, kernel="dilated", params={"dilation_rates": [1]}),
+        _row(2, median=1.0, kernel="dilated", params={"dilation_rates": [2]}),
+    ]
+    analysis.apply(rows, AnalysisSpec(baseline={"params.dilation_rates": [1]}))
+    assert (rows[1].baseline, rows[1].speedup) == ("dilation_rates=[1]", pytest.approx(4.0))
+    assert rows[0].baseline is None  # a run is not its own baseline
+
+
+def test_labels_show_only_what_varies_and_never_unset_values() -> None:
+    bs = {"block_size": 128, "dilation": None, "num_global": None}
+    rows = [
+        _row(1, kernel="block_sparse", params={**bs, "sparsity_ratio": 0.1}),
+        _row(2, kernel="block_sparse", params={**bs, "sparsity_ratio": 0.05}),
+        _row(3, kernel="dense", world_size=2, parallel="data", batch_size=2),
+    ]
+    analysis.set_labels(rows)
+    assert [r.label for r in rows] == [
+        "block_sparse · block_size=128 · sparsity_ratio=0.1 · W=1 · batch_size=1",
+        "block_sparse · block_size=128 · sparsity_ratio=0.05 · W=1 · batch_size=1",
+        "dense · W=2 · data-parallel · batch_size=2",
+    ]
+    assert not any("None" in r.label for r in rows)
+
+
+def test_compare_flags_time_only_outside_the_spread_and_memory_beyond_tolerance() -> None:
     base = {"kernel": "dense", "seq_len": 1024, "timeout_s": 60.0, "max_attempts": 1}
     assert config_key(base) == config_key({**base, "timeout_s": 600.0, "max_attempts": 3})
     assert config_key(base) != config_key({**base, "seq_len": 2048})
-    a = [
-        _row(run_id=1, config_key="x", tokens_per_s=100.0),
-        _row(run_id=2, config_key="y", tokens_per_s=100.0, peak_memory_bytes=100),
-        _row(run_id=3, config_key="z"),
-        _row(run_id=4, config_key="only-a"),
-    ]
+    a = [_row(1, median=1.0), _row(2, median=1.0, seq_len=2048), _row(3, seq_len=4096)]
+    a.append(_row(4, seq_len=8192))
     b = [
-        _row(run_id=11, config_key="x", tokens_per_s=95.0),  # within the 10% tolerance
-        _row(run_id=12, config_key="y", tokens_per_s=80.0, peak_memory_bytes=150),
-        _row(run_id=13, config_key="z", status="failed", tokens_per_s=None),
+        _row(11, median=1.08),  # 8% slower but the spreads (+-5%) overlap: noise
+        _row(12, median=1.3, seq_len=2048),  # slower beyond both spreads
+        _row(13, median=None, seq_len=4096),  # failed
     ]
-    pairs = {p["a"]["run_id"]: p for p in data.compare_rows(a, b)}
+    b[1].peak_memory_bytes = 150
+    pairs = {p["a"].run_id: p for p in data.compare_rows(a, b)}
     assert sorted(pairs) == [1, 2, 3]
-    assert not pairs[1]["regression"] and pairs[1]["tps_ratio"] == pytest.approx(0.95)
+    assert not pairs[1]["regression"] and pairs[1]["time_change"] is None
     assert pairs[2]["reasons"] == ["slower", "more memory"]
     assert pairs[3]["reasons"] == ["B failed"]
     assert data.unmatched(a, b) == (1, 0)
+    # The chart is coloured by the metric it plots: a faster cell with more memory is green.
+    faster = _row(21, median=0.3, seq_len=2048)
+    faster.peak_memory_bytes = 300
+    pair = data.compare_rows([a[1]], [faster])
+    fig = charts.compare_figure(pair)
+    assert pair[0]["reasons"] == ["more memory"]
+    assert fig["data"][0]["marker"]["color"] == [charts.CHANGE_COLOURS["faster"]]
 
 
 def test_rows_read_back_from_the_database(database_url: str) -> None:
@@ -108,22 +191,28 @@ def test_rows_read_back_from_the_database(database_url: str) -> None:
     engine = make_engine(database_url)
     try:
         with Session(engine) as session:
-            sweeps, total = data.list_sweeps(session)
+            sweeps, total = store.list_sweeps(session, skip=0, limit=50, kind=None, name=None)
             assert total == 3 and [s.id for s in sweeps] == [3, 2, 1]
-            rerun = next(s for s in sweeps if s.id == seeded.rerun)
-            assert rerun.counts == {"succeeded": 16, "failed": 1} and rerun.finished
-            rows = data.sweep_rows(session, seeded.maxlen)
-            best = {(r["kernel"], r["world_size"], r["parallel"]): r["max_seq_len"] for r in rows}
+            maxlen = session.get(Sweep, seeded.maxlen)
+            assert maxlen is not None
+            rows = queries.sweep_rows(session, maxlen)
+            best = {(r.kernel, r.world_size, r.parallel): r.max_seq_len for r in rows}
             assert best == {
                 ("dense", 1, "sequence"): 1536,
                 ("block_sparse", 1, "sequence"): 2048,
                 ("ring", 2, "sequence"): 4096,
                 ("dense", 2, "data"): 1536,
             }
-            ring = next(r for r in data.sweep_rows(session, seeded.benchmark) if r["run_id"] == 3)
+            for r in rows:  # a search's numbers are those measured at its answer
+                assert r.measured_seq_len == r.max_seq_len
+                assert r.tokens_per_s == pytest.approx(r.batch_size * r.max_seq_len / r.median_s)
+            bench = session.get(Sweep, seeded.benchmark)
+            assert bench is not None
+            ring = next(r for r in queries.sweep_rows(session, bench) if r.run_id == 3)
             # tokens/s over the slowest rank's median; peak memory is the largest rank's.
-            assert ring["tokens_per_s"] == pytest.approx(2048 / ring["time_s"])
-            assert ring["device"] == "NVIDIA H100 80GB HBM3"
-            assert data.sweep_summary(session, 999) is None
+            assert ring.median_s == max(k.median_s for k in ring.ranks)
+            assert ring.tokens_per_s == pytest.approx(2048 / ring.median_s)
+            assert ring.peak_memory_bytes == max(ring.rank_peak_bytes)
+            assert ring.device == "NVIDIA H100 80GB HBM3"
     finally:
         engine.dispose()

@@ -165,15 +165,22 @@ def test_sweep_page_charts_table_and_screenshot(page: Page, service: tuple[str, 
     traces = pg.evaluate(
         "() => document.getElementById('chart-throughput').data.map(t => [t.name, t.x.length])"
     )
-    points = {name.split(" ")[0] + " " + name.split(" · ")[1]: n for name, n in traces}
-    assert points == {"dense W=1": 4, "dense W=2": 4, "dilated W=1": 4, "ring W=2": 5}, traces
+    points = dict(traces)
+    assert points == {
+        "dense · W=1 · batch_size=1": 4,
+        "dense · W=2 · data-parallel · batch_size=2": 4,
+        "dilated · dilation_rates=[1,2] · segment_lengths=[2048,4096] · W=1 · batch_size=1": 4,
+        "ring · layout=contiguous · W=2 · sequence-parallel · batch_size=1": 5,
+    }, traces
+    assert not any("None" in name for name in points)
     scaling = pg.evaluate(
         "() => document.getElementById('chart-scaling').data.map(t => [t.name, t.y])"
     )
     by_name = dict(scaling)
-    ring = by_name["ring layout=contiguous · seq 8,192 (vs dense W=1)"]
+    ring_name = "ring · layout=contiguous · sequence-parallel · batch_size=1 · seq 8,192"
+    ring = by_name[ring_name + " (vs dense W=1)"]
     assert ring[0] == 1.0 and 0.8 < ring[1] < 0.85, scaling  # 0.85 / 1.03 (rank 1 lags)
-    data = by_name["dense · data-parallel b=2 · seq 8,192"]
+    data = by_name["dense · data-parallel · batch_size=2 · seq 8,192"]
     assert data[0] == 1.0 and 0.93 < data[1] < 0.95, scaling  # weak scaling: 0.97 / 1.03
     names = pg.evaluate("() => document.getElementById('chart-memory').data.map(t => t.name)")
     assert any(n.startswith("floor h=8 d=64 bfloat16") for n in names), names
@@ -182,7 +189,7 @@ def test_sweep_page_charts_table_and_screenshot(page: Page, service: tuple[str, 
     # The table: 17 runs, sortable and filterable.
     body = pg.locator("#results tbody tr")
     assert body.count() == 17
-    pg.fill("#filter", "ring W=2")
+    pg.fill("#filter", "ring · layout")
     assert body.count() == 5
     assert pg.locator("#row-count").inner_text() == "5 of 17 runs"
     pg.locator('#results th[data-key="tokens_per_s"]').click()
@@ -200,7 +207,7 @@ def test_max_len_sweep_page_shows_probes(page: Page, service: tuple[str, Seeded]
         "() => document.getElementById('chart-maxlen').data.map(t => [t.name, t.x.length])"
     )
     assert dict(traces) == {"max length that fit": 4, "probe: fit": 9, "probe: oom": 6}, traces
-    bars = pg.evaluate("() => document.getElementById('chart-maxlen').data[0].y")
+    bars = pg.evaluate("() => document.getElementById('chart-maxlen').data[0].x")
     assert bars == [2048, 1536, 1536, 4096]  # block_sparse, dense, dense W=2 data, ring W=2
     note = pg.locator("#chart-peak").inner_text()
     assert "no reference peak for CPU (float32)" in note

@@ -86,6 +86,7 @@ class RankResultOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
     rank: int
+    seq_len: int
     times_s: list[float]
     median_s: float
     p10_s: float
@@ -94,9 +95,11 @@ class RankResultOut(BaseModel):
     flops: float
     flops_per_s: float
     peak_memory_bytes: int
+    input_memory_bytes: int | None
     memory_budget_bytes: int | None
     backend: str
     max_abs_error: float | None
+    check_seq_len: int | None
 
 
 class ProbeOut(BaseModel):
@@ -105,6 +108,8 @@ class ProbeOut(BaseModel):
     seq_len: int
     outcome: str
     peak_memory_bytes: int | None
+    rank_peak_bytes: list[int | None] | None
+    requested_bytes: int | None
     time_s: float | None
     error: str | None
     emulated: bool
@@ -128,10 +133,13 @@ class EnvironmentOut(BaseModel):
 
 
 class Headline(BaseModel):
-    """A run's headline numbers, derived from its per-rank results and probes."""
+    """A run's headline numbers (service.views defines each; None where nothing was measured)."""
 
+    measured_seq_len: int | None = Field(
+        description="The length the ranks measured: seq_len, or a search's answer."
+    )
     median_s: float | None = Field(description="Slowest rank's median time per iteration.")
-    tokens_per_s: float | None = Field(description="batch_size * seq_len / median_s.")
+    tokens_per_s: float | None = Field(description="batch_size * measured_seq_len / median_s.")
     tflops_per_s: float | None = Field(description="FLOPs summed over ranks / median_s / 1e12.")
     peak_memory_bytes: int | None = Field(description="Largest peak memory over the ranks.")
     max_seq_len: int | None = Field(description="max_seq_len runs: the longest length that fit.")
@@ -165,31 +173,54 @@ class HealthOut(BaseModel):
 
 
 class ResultRow(BaseModel):
-    """One run in results.json / results.csv: its cell, outcome and headline numbers."""
+    """One run in results.json / results.csv: its cell, outcome, numbers and ratios.
+
+    Every number is defined once in service.views (measurement) and service.analysis (ratios).
+    """
 
     run_id: int
     sweep_id: int
+    label: str = Field(description="The kernel and what varies within the sweep.")
     kernel: str
     params: str = Field(description="The kernel's parameters as canonical JSON.")
-    seq_len: int
+    seq_len: int = Field(description="The cell's length (a max_seq_len search's start).")
+    measured_seq_len: int | None = Field(
+        description="The length the ranks measured: seq_len, or a search's answer."
+    )
     world_size: int
-    batch_size: int | None
-    num_heads: int | None
-    head_dim: int | None
+    batch_size: int
+    num_heads: int
+    head_dim: int
     dtype: str
     causal: bool
     mode: str
-    parallel: str | None
+    parallel: str
     status: str
-    outcome: str = Field(description="ok (with the correctness error if checked), OOM, failed, ...")
+    outcome: str = Field(description="ok (with the correctness error and its length), OOM, ...")
     attempts: int
     median_s: float | None = Field(description="Slowest rank's median seconds per iteration.")
-    tokens_per_s: float | None = Field(description="batch_size * seq_len / median_s.")
+    p10_s: float | None = Field(description="That rank's 10th percentile.")
+    p90_s: float | None = Field(description="That rank's 90th percentile.")
+    tokens_per_s: float | None = Field(description="batch_size * measured_seq_len / median_s.")
     tflops_per_s: float | None = Field(description="FLOPs summed over ranks / median_s / 1e12.")
+    flops_per_s_per_rank: float | None = Field(description="FLOPs summed / median_s / ranks.")
+    peak_fraction: float | None = Field(description="Per-rank FLOP/s / the GPU's dense peak.")
     peak_memory_bytes: int | None = Field(description="Largest per-rank peak memory.")
+    rank_peak_bytes: list[int] = Field(description="Each rank's peak memory, in rank order.")
+    input_memory_bytes: int | None = Field(description="Largest memory after the inputs.")
+    floor_bytes: int | None = Field(description="q, k, v, out and lse for one rank's tokens.")
+    memory_per_token_bytes: float | None = Field(description="Peak / tokens one rank holds.")
     max_seq_len: int | None = Field(description="max_seq_len runs: the longest length that fit.")
-    backend: str | None
+    backend: str | None = Field(description="The backends the ranks ran, comma-separated.")
     max_abs_error: float | None
+    check_seq_len: int | None = Field(description="The length the correctness check ran at.")
+    baseline_run_id: int | None = Field(description="The run the ratios compare with.")
+    baseline: str | None = Field(description="What the baseline changes (e.g. W=1, dense).")
+    speedup: float | None = Field(description="tokens_per_s / the baseline's.")
+    memory_ratio: float | None = Field(description="peak_memory_bytes / the baseline's.")
+    max_len_gain: float | None = Field(description="max_seq_len / the baseline's.")
+    efficiency: float | None = Field(description="Gain / world-size ratio (W differs only).")
+    device: str | None
     environment_id: int | None
     error: str | None
 

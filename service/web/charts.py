@@ -1,4 +1,4 @@
-"""Chart builders: result rows (service.web.rows.run_row) in, Plotly figure JSON out.
+"""Chart builders: result rows (service.views.RunRow.as_dict) in, Plotly figure JSON out.
 
 Pure functions, so they are unit-tested on rows without a server. An empty chart says why it is
 empty; no number is drawn that was not measured (the memory floor is computed from the shape).
@@ -13,8 +13,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from service.web.peaks import dense_peak_flops
-from service.web.rows import SERIES_FIELDS, memory_floor_bytes
+from service.views import local_tokens, memory_floor
 
 Row = dict[str, Any]
 
@@ -35,7 +34,7 @@ def _layout(title: str, x: str, y: str, **extra: Any) -> dict[str, Any]:
         "xaxis": {"title": {"text": x}},
         "yaxis": {"title": {"text": y}},
         "margin": {"l": 70, "r": 20, "t": 50, "b": 60},
-        "legend": {"orientation": "h", "y": -0.25},
+        "legend": {"orientation": "h", "y": -0.25, "yanchor": "top"},
         "template": "plotly_white",
         **extra,
     }
@@ -51,32 +50,16 @@ def _empty(fig: go.Figure, message: str) -> dict[str, Any]:
     return _to_json(fig)
 
 
-def varying_fields(rows: Sequence[Row]) -> list[str]:
-    """The series fields (dtype, mode, ...) that take more than one value among rows."""
-    return [f for f in SERIES_FIELDS if len({r[f] for r in rows}) > 1]
-
-
-def series_name(row: Row, varying: Iterable[str], with_world: bool = True) -> str:
-    """A legend label: variant, world size, data parallelism, and the other fields that vary."""
-    parts = [row["variant"]]
-    if with_world:
-        parts.append(f"W={row['world_size']}")
-    if row["parallel"] == "data":
-        parts.append(f"data-parallel b={row['batch_size']}")
-    parts += [f"{f}={row[f]}" for f in varying if f not in ("parallel", "batch_size")]
-    return " · ".join(parts)
-
-
 def _succeeded(rows: Iterable[Row], metric: str) -> list[Row]:
     return [r for r in rows if r["status"] == "succeeded" and r.get(metric) is not None]
 
 
 def _grouped(rows: Sequence[Row], with_world: bool = True) -> dict[str, list[Row]]:
-    varying = varying_fields(rows)
+    """Rows by legend label (the row's label, or its series label without the world size)."""
     groups: dict[str, list[Row]] = defaultdict(list)
     for r in rows:
-        groups[series_name(r, varying, with_world)].append(r)
-    return {k: sorted(v, key=lambda r: r["seq_len"]) for k, v in sorted(groups.items())}
+        groups[r["label"] if with_world else r["series"]].append(r)
+    return {k: sorted(v, key=lambda r: r["length"]) for k, v in sorted(groups.items())}
 
 
 def throughput_figure(rows: Sequence[Row]) -> dict[str, Any]:
@@ -96,7 +79,7 @@ def throughput_figure(rows: Sequence[Row]) -> dict[str, Any]:
     for name, group in _grouped(ok).items():
         fig.add_trace(
             go.Scatter(
-                x=[r["seq_len"] for r in group],
+                x=[r["length"] for r in group],
                 y=[r["tokens_per_s"] for r in group],
                 mode="lines+markers",
                 name=name,
@@ -125,7 +108,7 @@ def memory_figure(rows: Sequence[Row]) -> dict[str, Any]:
     for name, group in _grouped(ok).items():
         fig.add_trace(
             go.Scatter(
-                x=[r["seq_len"] for r in group],
+                x=[r["length"] for r in group],
                 y=[r["peak_memory_bytes"] for r in group],
                 mode="lines+markers",
                 name=name,
@@ -144,7 +127,7 @@ def memory_figure(rows: Sequence[Row]) -> dict[str, Any]:
             )
         )
     floor_rows = list(ok) + [
-        {**r, "seq_len": p["seq_len"]}
+        {**r, "length": p["seq_len"]}
         for r in rows
         for p in r["probes"]
         if p["outcome"] == "fit" and p["peak_memory_bytes"] is not None
@@ -165,70 +148,64 @@ def memory_figure(rows: Sequence[Row]) -> dict[str, Any]:
 
 def probe_memory_points(rows: Sequence[Row]) -> dict[str, tuple[list[tuple[int, int]], int]]:
     """Peak memory of every probe that fit, (seq_len, bytes) per searched run, by legend label."""
-    searched = [r for r in rows if r["probes"]]
-    varying = varying_fields(searched)
     out: dict[str, tuple[list[tuple[int, int]], int]] = {}
-    for r in sorted(searched, key=lambda r: r["run_id"]):
+    for r in sorted((r for r in rows if r["probes"]), key=lambda r: r["run_id"]):
         points = sorted(
             (p["seq_len"], p["peak_memory_bytes"])
             for p in r["probes"]
             if p["outcome"] == "fit" and p["peak_memory_bytes"] is not None
         )
         if points:
-            out[series_name(r, varying)] = (points, r["run_id"])
+            out[r["label"]] = (points, r["run_id"])
     return out
 
 
 def floor_lines(rows: Sequence[Row]) -> dict[str, list[tuple[int, int]]]:
-    """The forward floor per rank, (seq_len, bytes) points, per distinct shape in rows."""
+    """The forward floor per rank, (length, bytes) points, per distinct shape in rows."""
     keyed: dict[tuple[Any, ...], set[int]] = defaultdict(set)
     for r in rows:
-        if memory_floor_bytes(r) is None:
-            continue
         key = (r["num_heads"], r["head_dim"], r["dtype"], r["world_size"], r["parallel"])
-        keyed[(*key, r["batch_size"])].add(r["seq_len"])
+        keyed[(*key, r["batch_size"])].add(r["length"])
     lines: dict[str, list[tuple[int, int]]] = {}
-    for (h, d, dtype, w, parallel, batch), seqs in sorted(keyed.items()):
+    for (h, d, dtype, w, parallel, batch), lengths in sorted(keyed.items()):
         name = f"floor h={h} d={d} {dtype} W={w}"
         if parallel == "data":
             name += " data"
         if batch != 1:
             name += f" b={batch}"
-        proto = {
-            "num_heads": h,
-            "head_dim": d,
-            "dtype": dtype,
-            "world_size": w,
-            "parallel": parallel,
-            "batch_size": batch,
-        }
-        lines[name] = [(s, memory_floor_bytes({**proto, "seq_len": s}) or 0) for s in sorted(seqs)]
+        points = []
+        for s in sorted(lengths):
+            floor = memory_floor(dtype, h, d, local_tokens(parallel, w, batch, s))
+            if floor is not None:
+                points.append((s, floor))
+        if points:
+            lines[name] = points
     return lines
 
 
 def max_len_figure(rows: Sequence[Row]) -> dict[str, Any]:
-    """Largest length that fit per kernel variant x world size (bars), every probe as a marker."""
+    """Largest length that fit per run (horizontal bars: long labels stay readable), every probe
+    as a marker on the same row."""
+    searched = sorted((r for r in rows if r["probes"]), key=lambda r: (r["label"], r["run_id"]))
     fig = go.Figure(
         layout=_layout(
             "Maximum sequence length",
-            "kernel · world size",
             "tokens",
-            yaxis={"type": "log", "title": {"text": "sequence length (tokens)"}},
+            "",
+            xaxis={"type": "log", "title": {"text": "sequence length (tokens)"}},
+            yaxis={"automargin": True, "autorange": "reversed"},
             barmode="overlay",
+            height=max(320, 140 + 40 * len(searched)),
         )
     )
-    searched = [r for r in rows if r["probes"]]
     if not searched:
         return _empty(fig, "No maximum-length searches in this sweep")
-    varying = varying_fields(searched)
-    cats, best = [], []
+    cats = [r["label"] for r in searched]
+    best = [r["max_seq_len"] for r in searched]
     probe_pts: dict[str, tuple[list[str], list[int], list[str]]] = {
         k: ([], [], []) for k in PROBE_STYLE
     }
-    for r in sorted(searched, key=lambda r: (r["variant"], r["world_size"], r["run_id"])):
-        cat = series_name(r, varying)
-        cats.append(cat)
-        best.append(r["max_seq_len"])
+    for cat, r in zip(cats, searched, strict=True):
         for p in r["probes"]:
             xs, ys, texts = probe_pts.setdefault(p["outcome"], ([], [], []))
             xs.append(cat)
@@ -236,85 +213,48 @@ def max_len_figure(rows: Sequence[Row]) -> dict[str, Any]:
             texts.append(p["outcome"] + (" (emulated budget)" if p.get("emulated") else ""))
     fig.add_trace(
         go.Bar(
-            x=cats,
-            y=best,
+            y=cats,
+            x=best,
+            orientation="h",
             name="max length that fit",
             marker={"color": "#9ecae1"},
             text=[f"{b:,}" if b else "none fit" for b in best],
-            textposition="outside",
+            textposition="inside",
+            insidetextanchor="end",
         )
     )
-    for outcome, (xs, ys, texts) in probe_pts.items():
-        if not xs:
+    for outcome, (cs, lengths, texts) in probe_pts.items():
+        if not cs:
             continue
         style = PROBE_STYLE.get(outcome, {"color": "#333", "symbol": "square"})
         fig.add_trace(
             go.Scatter(
-                x=xs,
-                y=ys,
+                y=cs,
+                x=lengths,
                 mode="markers",
                 name=f"probe: {outcome}",
                 marker={"color": style["color"], "symbol": style["symbol"], "size": 10},
                 text=texts,
-                hovertemplate="%{x}<br>probe %{y:,}: %{text}<extra></extra>",
+                hovertemplate="%{y}<br>probe %{x:,}: %{text}<extra></extra>",
             )
         )
     return _to_json(fig)
 
 
-# A ring kernel's single-process twin: its W=1 baseline when the sweep has no ring run at W=1.
-RING_TWINS = {"ring": "dense", "ring_dilated": "dilated", "ring_block_sparse": "block_sparse"}
-RING_ONLY_PARAMS = ("layout", "group")
-
-
-def _baseline_key(r: Row) -> tuple[Any, ...]:
-    """What must match between a run and its W=1 baseline: the problem one rank's share of
-    the work scales from (same kernel family and parameters, length, per-rank batch, shape)."""
-    kernel = RING_TWINS.get(r["kernel"], r["kernel"])
-    params = {k: v for k, v in r["params"].items() if k not in RING_ONLY_PARAMS}
-    per_rank_batch = (
-        r["batch_size"] // r["world_size"] if r["parallel"] == "data" else r["batch_size"]
-    )
-    return (
-        kernel,
-        json.dumps(params, sort_keys=True),
-        r["seq_len"],
-        per_rank_batch,
-        r["dtype"],
-        r["mode"],
-        r["causal"],
-        r["num_heads"],
-        r["head_dim"],
-    )
-
-
 def scaling_points(rows: Sequence[Row]) -> dict[str, list[tuple[int, float]]]:
-    """Scaling efficiency tokens/s(W) / (W * tokens/s(1)) per series with a W=1 baseline.
-
-    Sequence parallel (ring) is strong scaling at a fixed length: its baseline is the same
-    kernel at W=1, else its single-process twin (ring -> dense). Data parallel is weak scaling:
-    the baseline runs one rank's share of the batch on one process.
-    """
-    ok = _succeeded(rows, "tokens_per_s")
-    baselines: dict[tuple[Any, ...], Row] = {}
-    for r in ok:
-        if r["world_size"] == 1:
-            key = _baseline_key(r)
-            # The kernel itself at W=1 wins over its twin.
-            if key not in baselines or r["kernel"] not in RING_TWINS.values():
-                baselines[key] = r
-    varying = varying_fields(ok)
+    """Scaling efficiency (service.analysis) per series and length: (world size, efficiency),
+    starting at the baseline's world size with 1.0."""
+    by_id = {r["run_id"]: r for r in rows}
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    for r in ok:
-        base = baselines.get(_baseline_key(r))
-        if base is None or r["world_size"] == 1:
-            continue
-        name = f"{series_name(r, varying, with_world=False)} · seq {r['seq_len']:,}"
+    for r in _succeeded(rows, "efficiency"):
+        base = by_id[r["baseline_run_id"]]
+        name = f"{r['series']} · seq {r['length']:,}"
         if base["kernel"] != r["kernel"]:
-            name += f" (vs {base['kernel']} W=1)"
-        w = r["world_size"]
-        series[name].append((w, r["tokens_per_s"] / (w * base["tokens_per_s"])))
-    return {name: [(1, 1.0), *sorted(line)] for name, line in sorted(series.items())}
+            name += f" (vs {base['kernel']} W={base['world_size']})"
+        if not series[name]:
+            series[name].append((base["world_size"], 1.0))
+        series[name].append((r["world_size"], r["efficiency"]))
+    return {name: sorted(set(line)) for name, line in sorted(series.items())}
 
 
 def scaling_figure(rows: Sequence[Row]) -> dict[str, Any]:
@@ -369,18 +309,17 @@ def peak_fraction_figure(rows: Sequence[Row]) -> dict[str, Any]:
     ok = _succeeded(rows, "flops_per_s_per_rank")
     if not ok:
         return _empty(fig, "No succeeded runs with measured FLOP/s yet")
-    known, unknown = [], set()
-    for r in ok:
-        peak = dense_peak_flops(r["device"], r["dtype"])
-        if peak is None:
-            unknown.add(f"{r['device'] or 'unrecorded device'} ({r['dtype']})")
-        else:
-            known.append({**r, "_fraction": r["flops_per_s_per_rank"] / peak})
+    known = [r for r in ok if r["peak_fraction"] is not None]
+    unknown = {
+        f"{r['device'] or 'unrecorded device'} ({r['dtype']})"
+        for r in ok
+        if r["peak_fraction"] is None
+    }
     for name, group in _grouped(known).items():
         fig.add_trace(
             go.Scatter(
-                x=[r["seq_len"] for r in group],
-                y=[r["_fraction"] for r in group],
+                x=[r["length"] for r in group],
+                y=[r["peak_fraction"] for r in group],
                 mode="lines+markers",
                 name=f"{name} · {group[0]['device']}",
                 customdata=[r["flops_per_s_per_rank"] / 1e12 for r in group],
@@ -399,26 +338,34 @@ def peak_fraction_figure(rows: Sequence[Row]) -> dict[str, Any]:
     return _to_json(fig)
 
 
+CHANGE_COLOURS = {"slower": "#d62728", "faster": "#2ca02c", None: "#8c8c8c"}
+
+
 def compare_figure(pairs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Tokens/s ratio B/A per matching cell; below 1 means B is slower."""
+    """Tokens/s ratio B/A per matching cell, coloured by that metric alone: red where B is slower
+    and green where it is faster outside both runs' p10-p90 spread, grey within the noise."""
+    with_ratio = [p for p in pairs if p.get("tps_ratio") is not None]
     fig = go.Figure(
         layout=_layout(
-            "Throughput ratio B / A per matching cell",
-            "cell",
-            "ratio",
-            yaxis={"type": "log", "title": {"text": "tokens/s B / A"}},
+            "Throughput ratio B / A per matching cell (red: slower, green: faster, beyond the "
+            "p10-p90 spread)",
+            "tokens/s B / A",
+            "",
+            xaxis={"type": "log", "title": {"text": "tokens/s B / A"}},
+            yaxis={"automargin": True, "autorange": "reversed"},
+            height=max(320, 140 + 32 * len(with_ratio)),
         )
     )
-    with_ratio = [p for p in pairs if p.get("tps_ratio") is not None]
     if not with_ratio:
         return _empty(fig, "No matching cells with a throughput in both sweeps")
     fig.add_trace(
         go.Bar(
-            x=[p["label"] for p in with_ratio],
-            y=[p["tps_ratio"] for p in with_ratio],
-            marker={"color": ["#d62728" if p["regression"] else "#1f77b4" for p in with_ratio]},
+            y=[p["label"] for p in with_ratio],
+            x=[p["tps_ratio"] for p in with_ratio],
+            orientation="h",
+            marker={"color": [CHANGE_COLOURS[p["time_change"]] for p in with_ratio]},
             name="tokens/s B / A",
-            hovertemplate="%{x}<br>%{y:.3f}<extra></extra>",
+            hovertemplate="%{y}<br>%{x:.3f}<extra></extra>",
         )
     )
     return _to_json(fig)

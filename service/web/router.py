@@ -15,11 +15,13 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.templating import Jinja2Templates
 
+from service import queries
+from service.api import store
 from service.api.deps import MAX_ID, RunId, SessionDep, SweepId, require_read
-from service.db.models import TERMINAL_STATUSES
+from service.api.schemas import SweepOut
+from service.db.models import TERMINAL_STATUSES, Sweep
+from service.views import RunRow
 from service.web import charts, data
-from service.web.peaks import dense_peak_flops
-from service.web.rows import memory_floor_bytes, run_row
 
 HERE = Path(__file__).resolve().parent
 PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
@@ -87,6 +89,35 @@ def static_file(name: str) -> FileResponse:
     return FileResponse(HERE / "static" / name, media_type=STATIC_FILES[name])
 
 
+def _summary(s: SweepOut) -> dict[str, Any]:
+    """A sweep as the pages show it: counts of the states it has runs in, progress."""
+    return {
+        "id": s.id,
+        "name": s.name,
+        "kind": s.kind,
+        "created_at": s.created_at,
+        "counts": {state: n for state, n in s.counts.items() if n},
+        "total": s.total,
+        "done": s.finished,
+        "finished": s.done,
+        "progress": s.progress,
+    }
+
+
+def _summary_or_404(session: SessionDep, sweep_id: int) -> dict[str, Any]:
+    out = store.load_sweep_out(session, sweep_id)
+    if out is None:
+        raise HTTPException(404, f"no sweep {sweep_id}")
+    return _summary(out)
+
+
+def _sweep_rows(session: SessionDep, sweep_id: int) -> list[RunRow]:
+    sweep = session.get(Sweep, sweep_id)
+    if sweep is None:
+        raise HTTPException(404, f"no sweep {sweep_id}")
+    return queries.sweep_rows(session, sweep)
+
+
 @router.get("/", response_class=HTMLResponse)
 def sweeps_page(
     request: Request,
@@ -95,11 +126,13 @@ def sweeps_page(
     per_page: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> HTMLResponse:
     """Every sweep, newest first: kind, created, progress and run counts by state."""
-    sweeps, total = data.list_sweeps(session, (page - 1) * per_page, per_page)
+    sweeps, total = store.list_sweeps(
+        session, skip=(page - 1) * per_page, limit=per_page, kind=None, name=None
+    )
     return _page(
         request,
         "sweeps.html",
-        sweeps=sweeps,
+        sweeps=[_summary(s) for s in sweeps],
         total=total,
         page=page,
         per_page=per_page,
@@ -108,17 +141,10 @@ def sweeps_page(
 
 
 def _sweep_payload(session: SessionDep, sweep_id: int) -> dict[str, Any]:
-    summary = data.sweep_summary(session, sweep_id)
-    if summary is None:
-        raise HTTPException(404, f"no sweep {sweep_id}")
-    rows = data.sweep_rows(session, sweep_id)
-    for r in rows:
-        r["floor_bytes"] = memory_floor_bytes(r)
-        peak = dense_peak_flops(r["device"], r["dtype"])
-        fps = r["flops_per_s_per_rank"]
-        r["peak_fraction"] = fps / peak if peak and fps is not None else None
-        r.pop("config_key")
-    return {"sweep": summary.as_dict(), "rows": rows, "figures": charts.sweep_figures(rows)}
+    summary = {**_summary_or_404(session, sweep_id)}
+    summary["created_at"] = summary["created_at"].isoformat()
+    rows = [r.as_dict() for r in _sweep_rows(session, sweep_id)]
+    return {"sweep": summary, "rows": rows, "figures": charts.sweep_figures(rows)}
 
 
 @router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
@@ -137,34 +163,16 @@ def sweep_data(session: SessionDep, sweep_id: SweepId) -> JSONResponse:
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
 def run_page(request: Request, session: SessionDep, run_id: RunId) -> HTMLResponse:
     """One run: config, per-rank timings and memory, probes, environment, error."""
-    run = data.get_run(session, run_id)
-    if run is None:
+    found = queries.one_run(session, run_id)
+    if found is None:
         raise HTTPException(404, f"no run {run_id}")
-    row = run_row(run)
-    ranks = [
-        {
-            "rank": r.rank,
-            "median_s": r.median_s,
-            "p10_s": r.p10_s,
-            "p90_s": r.p90_s,
-            "tokens_per_s": r.tokens_per_s,
-            "flops_per_s": r.flops_per_s,
-            "peak_memory_bytes": r.peak_memory_bytes,
-            "memory_budget_bytes": r.memory_budget_bytes,
-            "backend": r.backend,
-            "max_abs_error": r.max_abs_error,
-            "times_s": r.times_s,
-        }
-        for r in run.rank_results
-    ]
-    figure = charts.rank_times_figure(ranks)
+    run, row = found
+    figure = charts.rank_times_figure([{"rank": r.rank, "times_s": r.times_s} for r in row.ranks])
     return _page(
         request,
         "run.html",
         run=run,
         row=row,
-        ranks=ranks,
-        floor=memory_floor_bytes(row),
         terminal=run.status in TERMINAL_STATUSES,
         figure=figure,
         env=run.environment,
@@ -181,13 +189,12 @@ def compare_page(
     ] = None,
 ) -> HTMLResponse:
     """Two sweeps side by side: B/A for every cell with the same config; regressions marked."""
-    sweeps, _ = data.list_sweeps(session, 0, 500)
-    context: dict[str, Any] = {"sweeps": sweeps, "a": a, "b": b, "pairs": None}
+    sweeps, _ = store.list_sweeps(session, skip=0, limit=500, kind=None, name=None)
+    context: dict[str, Any] = {"sweeps": [_summary(s) for s in sweeps], "a": a, "b": b}
+    context["pairs"] = None
     if a is not None and b is not None:
-        sa, sb = data.sweep_summary(session, a), data.sweep_summary(session, b)
-        if sa is None or sb is None:
-            raise HTTPException(404, f"no sweep {a if sa is None else b}")
-        a_rows, b_rows = data.sweep_rows(session, a), data.sweep_rows(session, b)
+        sa, sb = _summary_or_404(session, a), _summary_or_404(session, b)
+        a_rows, b_rows = _sweep_rows(session, a), _sweep_rows(session, b)
         pairs = data.compare_rows(a_rows, b_rows)
         only_a, only_b = data.unmatched(a_rows, b_rows)
         context.update(
@@ -197,6 +204,6 @@ def compare_page(
             sb=sb,
             pairs=pairs,
             figure=charts.compare_figure(pairs),
-            tolerance=data.REGRESSION_TOLERANCE,
+            tolerance=data.MEMORY_TOLERANCE,
         )
     return _page(request, "compare.html", **context)

@@ -7,10 +7,12 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Response, status
 
-from service.api import results, store
+from service.api import store
 from service.api.deps import MAX_BIGINT, MAX_ID, NO_NUL, RunId, SessionDep, require_read
+from service.api.results import headline
 from service.api.schemas import Message, RunDetail, RunList, RunOut
 from service.db.models import RunStatus
+from service.views import run_row
 
 router = APIRouter(prefix="/runs", tags=["runs"], dependencies=[Depends(require_read)])
 
@@ -77,7 +79,7 @@ def get_run(run_id: RunId, session: SessionDep) -> RunDetail:
             "rank_results": run.rank_results,
             "probes": run.probes,
             "environment": run.environment,
-            "headline": results.headline(run, run.rank_results, run.probes),
+            "headline": headline(run_row(run, run.rank_results, run.probes, run.environment)),
         },
         from_attributes=True,
     )

@@ -7,13 +7,16 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
+from pydantic import ValidationError
 
+from service import analysis, queries
 from service.api import results, store
 from service.api.deps import NO_NUL, SessionDep, SweepId, require_read, require_write
 from service.api.events import sweep_events
 from service.api.schemas import Message, ResultRow, SweepAction, SweepList, SweepOut
 from service.db.models import RunStatus, Sweep
-from service.spec import SpecError, SweepSpec, expand, nul_characters
+from service.spec import PivotSpec, PivotValue, SpecError, SweepSpec, expand, nul_characters
+from service.views import RunRow
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
 read = [Depends(require_read)]
@@ -159,16 +162,20 @@ def delete_sweep(sweep_id: SweepId, session: SessionDep) -> Response:
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
+def _sweep_rows(session: SessionDep, sweep_id: int) -> tuple[Sweep, list[RunRow]]:
+    sweep = session.get(Sweep, sweep_id)
+    if sweep is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"sweep {sweep_id} not found")
+    return sweep, queries.sweep_rows(session, sweep)
+
+
 def _rows(session: SessionDep, sweep_id: int) -> list[dict[str, Any]]:
-    _sweep_or_404(session, sweep_id)
-    runs = store.sweep_runs(session, sweep_id)
-    ranks, probes = store.results_for_sweep(session, sweep_id)
-    return [results.result_row(r, ranks.get(r.id, []), probes.get(r.id, [])) for r in runs]
+    return [results.result_row(r) for r in _sweep_rows(session, sweep_id)[1]]
 
 
 @router.get("/{sweep_id}/results.json", dependencies=read, responses={**NOT_FOUND, **AUTH})
 def results_json(sweep_id: SweepId, session: SessionDep) -> list[ResultRow]:
-    """One row per run with its headline metrics (see the report for the conventions)."""
+    """One row per run with its numbers and its ratios to its baseline (see report.md)."""
     return [ResultRow(**row) for row in _rows(session, sweep_id)]
 
 
@@ -189,6 +196,39 @@ def results_csv(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
 
 
 @router.get(
+    "/{sweep_id}/pivot.csv",
+    dependencies=read,
+    response_model=None,
+    response_class=Response,
+    responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}, **NOT_FOUND, **AUTH},
+)
+def pivot_csv(
+    sweep_id: SweepId,
+    session: SessionDep,
+    rows: Annotated[str | None, Query(max_length=100, pattern=NO_NUL)] = None,
+    columns: Annotated[list[str] | None, Query(max_length=4)] = None,
+    value: Annotated[PivotValue | None, Query()] = None,
+) -> PlainTextResponse:
+    """One metric as a table: rows x columns (the sweep's analysis.pivot unless overridden)."""
+    sweep, run_rows = _sweep_rows(session, sweep_id)
+    spec = analysis.pivot_spec(queries.analysis_of(sweep), run_rows) or PivotSpec()
+    changes: dict[str, Any] = {}
+    if rows is not None:
+        changes["rows"] = rows
+    if columns:
+        changes["columns"] = columns
+    if value is not None:
+        changes["value"] = value
+    try:
+        spec = PivotSpec.model_validate({**spec.model_dump(), **changes})
+    except ValidationError as e:
+        raise RequestValidationError(
+            [{**err, "loc": ["query", *err["loc"]]} for err in e.errors()]
+        ) from e
+    return PlainTextResponse(results.pivot_csv(run_rows, spec), media_type="text/csv")
+
+
+@router.get(
     "/{sweep_id}/report.md",
     dependencies=read,
     response_model=None,
@@ -200,14 +240,16 @@ def results_csv(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
     },
 )
 def report_md(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
-    """A markdown report: results per kernel and length, maximum lengths, scaling, environment."""
+    """A markdown report: errors, results with ratios, the pivot, maximum lengths, probes,
+    environment."""
     sweep_view = _sweep_or_404(session, sweep_id)
-    sweep = session.get(Sweep, sweep_id)
-    assert sweep is not None  # checked just above
-    runs = store.sweep_runs(session, sweep_id)
-    ranks, probes = store.results_for_sweep(session, sweep_id)
+    sweep, run_rows = _sweep_rows(session, sweep_id)
     text = results.report_markdown(
-        sweep, runs, ranks, probes, store.sweep_environments(session, sweep_id), sweep_view.counts
+        sweep,
+        run_rows,
+        store.sweep_environments(session, sweep_id),
+        sweep_view.counts,
+        analysis.pivot_spec(queries.analysis_of(sweep), run_rows),
     )
     return PlainTextResponse(text, media_type="text/markdown")
 

@@ -58,31 +58,40 @@ const ringlab = (() => {
   }
 
   // Columns of the results table: key, header, how to show a value, sort key.
+  function ratio(v) {
+    return v === null || v === undefined ? "—" : `${v.toFixed(2)}x`;
+  }
+
+  function perRank(list) {
+    return list && list.length ? list.map(nbytes).join(" / ") : "—";
+  }
+
   const COLUMNS = [
     ["run_id", "run", (r) => `<a href="/runs/${r.run_id}">${r.run_id}</a>`],
-    ["variant", "kernel", (r) => esc(r.variant)],
-    ["seq_len", "seq_len", (r) => int(r.seq_len)],
+    ["label", "configuration", (r) => esc(r.label)],
+    ["length", "length", (r) => int(r.length) + (r.searched ? " (max)" : "")],
     ["world_size", "W", (r) => r.world_size],
-    ["parallel", "parallel", (r) => esc(r.parallel)],
-    ["dtype", "dtype", (r) => esc(r.dtype)],
-    ["mode", "mode", (r) => esc(r.mode) + (r.causal ? " causal" : "")],
     ["status", "status", (r) => `<span class="state state-${esc(r.status)}">${esc(r.status)}</span>`],
-    ["time_s", "time", (r) => secs(r.time_s)],
+    ["median_s", "time (p10-p90)", (r) => (r.median_s === null ? "—"
+      : `${secs(r.median_s)} <span class="muted">(${secs(r.p10_s)}-${secs(r.p90_s)})</span>`)],
     ["tokens_per_s", "tokens/s", (r) => si(r.tokens_per_s)],
-    ["flops_per_s_per_rank", "TFLOP/s per rank",
-      (r) => (r.flops_per_s_per_rank === null ? "—" : (r.flops_per_s_per_rank / 1e12).toFixed(3))],
+    ["tflops_per_s", "TFLOP/s", (r) => (r.tflops_per_s === null ? "—" : r.tflops_per_s.toFixed(4))],
     ["peak_fraction", "of dense peak",
       (r) => (r.peak_fraction === null ? (r.status === "succeeded" ? "no reference peak" : "—")
         : pct(r.peak_fraction))],
-    ["peak_memory_bytes", "peak mem / rank", (r) => nbytes(r.peak_memory_bytes)],
+    ["peak_memory_bytes", "peak mem per rank", (r) => perRank(r.rank_peak_bytes)],
     ["floor_bytes", "floor / rank", (r) => nbytes(r.floor_bytes)],
     ["max_seq_len", "max len", (r) => int(r.max_seq_len)],
-    ["device", "device", (r) => esc(r.device || "—")],
+    ["baseline", "baseline", (r) => (r.baseline ? `<a href="/runs/${r.baseline_run_id}">${esc(r.baseline)}</a>` : "—")],
+    ["speedup", "speedup", (r) => ratio(r.speedup)],
+    ["memory_ratio", "memory ratio", (r) => ratio(r.memory_ratio)],
+    ["efficiency", "efficiency", (r) => pct(r.efficiency)],
+    ["outcome", "outcome", (r) => esc(r.outcome)],
     ["error", "error", (r) => (r.error ? `<span class="err" title="${esc(r.error)}">${esc(r.error.split("\n")[0].slice(0, 80))}</span>` : "")],
   ];
 
   function searchText(r) {
-    return [r.run_id, r.variant, `seq=${r.seq_len}`, r.seq_len, `W=${r.world_size}`, r.parallel,
+    return [r.run_id, r.label, `seq=${r.length}`, r.length, `W=${r.world_size}`, r.parallel,
       r.dtype, r.mode, r.causal ? "causal" : "", r.status, r.device || "", r.error || ""]
       .join(" ").toLowerCase();
   }

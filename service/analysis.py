@@ -1,0 +1,299 @@
+"""What a sweep's rows are compared against: baselines and ratios, readable labels, the pivot.
+
+A run's baseline is another run of the same sweep: the one the spec's `analysis.baseline` names
+(the run's own config with those fields replaced), else by default world size 1 of the same cell
+for a W>1 cell (a ring kernel falls back to its single-process twin), else dense attention of
+the same shape for a sparse or dilated cell. The ratios against it:
+
+- speedup = tokens/s / baseline tokens/s (= baseline time / time when both process the same
+  tokens; a max_seq_len run compares the throughput at each one's maximum length);
+- memory ratio = peak memory per rank / baseline peak memory per rank;
+- max-length gain = maximum length / baseline maximum length;
+- scaling efficiency (only where the world sizes differ) = speedup (or the max-length gain for a
+  search) / (world size / baseline world size): strong scaling keeps the global batch and length,
+  weak scaling (`analysis.scaling: weak`) gives the baseline one rank's share of them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from service.spec import AnalysisSpec, PivotSpec
+from service.views import RunRow
+
+RING_TWINS = {"ring": "dense", "ring_dilated": "dilated", "ring_block_sparse": "block_sparse"}
+RING_ONLY_PARAMS = ("layout", "group")
+DENSE_KERNELS = frozenset({"dense", "ring", "multihead"})
+
+IGNORED_FOR_MATCHING = frozenset(
+    {
+        "name", "tags", "label", "timeout_s", "dist_timeout_s", "max_attempts", "warmup",
+        "iterations", "placement", "fresh_processes", "env", "correctness_check", "search",
+        "seed",
+    }
+)  # fmt: skip
+"""Fields that do not change what a run computes: a baseline matches whatever their values."""
+
+LABEL_FIELDS = (
+    "world_size", "parallel", "dtype", "mode", "causal", "batch_size", "num_heads", "head_dim",
+    "memory_budget_bytes",
+)  # fmt: skip
+"""Config fields a label shows when they vary within the sweep (after the kernel and params)."""
+
+
+def _match_key(config: dict[str, Any]) -> str:
+    kept = {k: v for k, v in config.items() if k not in IGNORED_FOR_MATCHING}
+    if kept.get("world_size", 1) == 1:
+        kept["parallel"] = "sequence"  # one rank: data and sequence parallel are the same run
+    return json.dumps(kept, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _with(config: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """The config with fields (or `params.<name>`) replaced."""
+    out = dict(config)
+    params = dict(out.get("params") or {})
+    for key, value in changes.items():
+        if key.startswith("params."):
+            params[key.removeprefix("params.")] = value
+        elif key == "params":
+            params = dict(value)
+        else:
+            out[key] = value
+    out["params"] = params
+    return out
+
+
+def _world_change(config: dict[str, Any], world: int, scaling: str) -> dict[str, Any]:
+    """The config at another world size: the same global work (strong), or one rank's (weak)."""
+    out = {**config, "world_size": world}
+    if scaling == "weak":
+        ratio = config["world_size"] // world
+        if config.get("parallel") == "data":
+            out["batch_size"] = config.get("batch_size", 1) // ratio
+        else:
+            out["seq_len"] = config["seq_len"] // ratio
+    return out
+
+
+def _targets(row: RunRow, spec: AnalysisSpec) -> list[tuple[dict[str, Any], str]]:
+    """The configs that would be this run's baseline, best first, each with its name.
+
+    A world-size baseline is looked for with the sweep's scaling first; under strong scaling a
+    sweep that only has one rank's share at W=1 (weak scaling) falls back to it, named so.
+    """
+    cfg = row.config
+    changes = spec.baseline
+    if changes is None:
+        if row.world_size > 1:
+            changes = {"world_size": 1}
+        elif row.kernel not in DENSE_KERNELS:
+            changes = {"kernel": "dense", "params": {}}
+        else:
+            return []
+    world = changes.get("world_size")
+    rest = {k: v for k, v in changes.items() if k != "world_size"}
+    name = ", ".join(
+        f"{k.removeprefix('params.')}={_text(v)}" for k, v in changes.items() if k != "params"
+    )
+    if "kernel" in changes and "params" in changes and len(changes) == 2:
+        name = str(changes["kernel"])
+    if world is None:
+        found = [(_with(cfg, rest), name)]
+    else:
+        name = name.replace("world_size=", "W=")
+        scalings = [spec.scaling] + (["weak"] if spec.scaling == "strong" else [])
+        found = [
+            (
+                _world_change(_with(cfg, rest), world, s),
+                name + (" (weak)" if s != spec.scaling else ""),
+            )
+            for s in scalings
+        ]
+    if any(_match_key(t) == _match_key(cfg) for t, _ in found):
+        return []  # the run is its own baseline
+    out = []
+    for target, tname in found:
+        out.append((target, tname))
+        twin = RING_TWINS.get(str(target.get("kernel")))
+        if twin is not None and target.get("world_size") == 1:
+            params = {k: v for k, v in target["params"].items() if k not in RING_ONLY_PARAMS}
+            out.append(({**target, "kernel": twin, "params": params}, f"{twin} {tname}"))
+    return out
+
+
+def _ratio(a: float | int | None, b: float | int | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def apply(rows: Sequence[RunRow], spec: AnalysisSpec | None) -> None:
+    """Fill every row's baseline and ratios (in place); rows without a baseline keep None."""
+    spec = spec or AnalysisSpec()
+    index: dict[str, RunRow] = {}
+    for r in rows:
+        index.setdefault(_match_key(r.config), r)
+    for r in rows:
+        found = [(index[k], name) for t, name in _targets(r, spec) if (k := _match_key(t)) in index]
+        if not found:
+            continue
+        base, name = found[0]
+        r.baseline_run_id, r.baseline = base.run_id, name
+        r.speedup = _ratio(r.tokens_per_s, base.tokens_per_s)
+        r.memory_ratio = _ratio(r.peak_memory_bytes, base.peak_memory_bytes)
+        r.max_len_gain = _ratio(r.max_seq_len, base.max_seq_len)
+        gain = r.max_len_gain if r.searched else r.speedup
+        if base.world_size != r.world_size and gain is not None:
+            r.efficiency = gain / (r.world_size / base.world_size)
+
+
+# ---------------------------------------------------------------- labels
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return str(value)
+
+
+def _field_text(name: str, value: Any) -> str | None:
+    """One label part; None for a value that is unset (the kernel's own choice)."""
+    if value is None:
+        return None
+    if name == "world_size":
+        return f"W={value}"
+    if name == "parallel":
+        return f"{value}-parallel"
+    if name == "causal":
+        return "causal" if value else "non-causal"
+    if name in ("dtype", "mode"):
+        return str(value)
+    return f"{name}={_text(value)}"
+
+
+def varying(rows: Sequence[RunRow]) -> tuple[list[str], list[str]]:
+    """(params, config fields) whose value differs between the rows."""
+    params = sorted({k for r in rows for k in r.params})
+    vary_params = [p for p in params if len({_text(r.params.get(p)) for r in rows}) > 1]
+    vary_fields = [f for f in LABEL_FIELDS if len({_text(r.config.get(f)) for r in rows}) > 1]
+    return vary_params, vary_fields
+
+
+def label(row: RunRow, vary_params: Sequence[str], vary_fields: Sequence[str]) -> str:
+    """The kernel and only what varies within the sweep (never an unset parameter)."""
+    parts = [row.kernel]
+    parts += [t for p in vary_params if (t := _field_text(p, row.params.get(p))) is not None]
+    for f in vary_fields:
+        if f == "parallel" and row.world_size == 1:
+            continue  # one rank: data and sequence parallel are the same run
+        if (text := _field_text(f, row.config.get(f))) is not None:
+            parts.append(text)
+    return " · ".join(parts)
+
+
+def series_label(row: RunRow, vary_params: Sequence[str], vary_fields: Sequence[str]) -> str:
+    """A label without the world size (for charts whose x axis is the world size)."""
+    return label(row, vary_params, [f for f in vary_fields if f != "world_size"])
+
+
+def set_labels(rows: Sequence[RunRow]) -> None:
+    """Label every row with what tells it apart within these rows."""
+    vp, vf = varying(rows)
+    for r in rows:
+        r.label = label(r, vp, vf)
+        r.series = series_label(r, vp, vf)
+
+
+# ---------------------------------------------------------------- pivot
+
+PIVOT_VALUES: dict[str, str] = {
+    "median_s": "time",
+    "tokens_per_s": "tokens/s",
+    "tflops_per_s": "TFLOP/s",
+    "peak_memory_bytes": "peak memory per rank",
+    "memory_per_token_bytes": "memory per token",
+    "max_seq_len": "max tokens",
+    "speedup": "speedup",
+    "memory_ratio": "memory ratio",
+    "max_len_gain": "max-length gain",
+    "efficiency": "scaling efficiency",
+}
+
+
+@dataclass(frozen=True)
+class Pivot:
+    """rows x columns of one metric; None where no run (or no measurement) falls in a cell."""
+
+    value: str
+    row_header: str
+    columns: list[str]
+    rows: list[tuple[str, list[float | None]]]
+
+
+def _axis_value(row: RunRow, name: str) -> Any:
+    if name == "label":
+        return row.label
+    if name == "seq_len":
+        return row.length
+    if name.startswith("params."):
+        return row.params.get(name.removeprefix("params."))
+    return row.config.get(name)
+
+
+def _sort_key(value: Any) -> tuple[int, Any]:
+    return (0, value) if isinstance(value, int | float) else (1, _text(value))
+
+
+def default_pivot(rows: Sequence[RunRow]) -> PivotSpec | None:
+    """Time per length (rows) x world size and parallel mode (columns), where those vary."""
+    bench = [r for r in rows if not r.searched]
+    if len({r.seq_len for r in bench}) < 2:
+        return None
+    columns = [f for f in ("world_size", "parallel") if len({r.config.get(f) for r in bench}) > 1]
+    return PivotSpec(rows="seq_len", columns=columns or ["label"], value="median_s")
+
+
+def pivot_spec(spec: AnalysisSpec | None, rows: Sequence[RunRow]) -> PivotSpec | None:
+    """The sweep's own pivot, else the default one (None when nothing is worth pivoting)."""
+    if spec is not None and spec.pivot is not None:
+        return spec.pivot
+    return default_pivot(rows)
+
+
+def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
+    """The metric spec.value for every (row value, column values) pair of the rows."""
+    vp, vf = varying(rows)
+    used = {spec.rows, *spec.columns}
+    # What else varies stays in the row name, so two runs never share one cell.
+    other_params = [] if "label" in used else [p for p in vp if f"params.{p}" not in used]
+    other_fields = [] if "label" in used else [f for f in vf if f not in used]
+    with_kernel = not used & {"kernel", "label"} and len({r.kernel for r in rows}) > 1
+    cells: dict[tuple[Any, str], dict[str, float | None]] = {}
+    col_keys: dict[str, tuple[Any, ...]] = {}
+    for r in rows:
+        name = label(r, other_params, other_fields)
+        if not with_kernel:
+            name = name.removeprefix(r.kernel).removeprefix(" · ")
+        rkey = (_axis_value(r, spec.rows), name)
+        cvals = tuple(_axis_value(r, c) for c in spec.columns)
+        ctext = " · ".join(
+            t
+            for c, v in zip(spec.columns, cvals, strict=True)
+            if (t := _field_text(c.removeprefix("params."), v) if c != "label" else str(v))
+        )
+        col_keys[ctext] = tuple(_sort_key(v) for v in cvals)
+        cells.setdefault(rkey, {})[ctext] = getattr(r, spec.value)
+    columns = sorted(col_keys, key=lambda c: col_keys[c])
+    ordered = sorted(cells, key=lambda k: (k[1], _sort_key(k[0])))
+    body = [
+        (
+            f"{k[1]} · {_text(k[0])}" if k[1] else _text(k[0]),
+            [cells[k].get(c) for c in columns],
+        )
+        for k in ordered
+    ]
+    header = spec.rows.removeprefix("params.").replace("_", " ")
+    return Pivot(value=spec.value, row_header=header, columns=columns, rows=body)

@@ -1,0 +1,306 @@
+"""The one read model of results: a typed row per run, built from the run, its rank results and
+its probes. results.json, results.csv, report.md, the dashboard and the compare page all read
+these rows, so every number has exactly one definition, here:
+
+- measured length: the length the ranks measured (``RankResult.seq_len``): the cell's length for
+  a benchmark, the search's answer for a max_seq_len run;
+- time: the slowest rank's median per iteration (a ring step ends when its last rank does), with
+  that rank's p10-p90 as the spread;
+- tokens/s: batch_size x measured length / time;
+- FLOP/s: the FLOPs of every rank summed, over the time; per rank: that sum / world size;
+- peak memory: each rank's own peak (reset for the case); the headline is the largest;
+- memory floor: q, k, v, out in the input dtype plus the fp32 lse, for the tokens one rank holds;
+- memory per token: the largest rank peak over the tokens that rank holds;
+- maximum length: the longest probe that fit.
+
+Raw units only (bytes, seconds, FLOP/s); formatting is the caller's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from service.db.models import Environment, Probe, ProbeOutcome, RankResult, Run, RunStatus
+from service.web.peaks import dense_peak_flops
+
+BYTES_PER_ELEMENT = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+NOT_MEASURED_FIELDS = frozenset(
+    {"name", "tags", "label", "timeout_s", "dist_timeout_s", "max_attempts"}
+)
+"""Fields that name or bound a run without changing what it measures: two sweeps' cells match
+(compare page) when their configs are equal once these are dropped."""
+
+
+def config_key(config: dict[str, Any]) -> str:
+    """The canonical JSON of a config without NOT_MEASURED_FIELDS: the compare page's cell key."""
+    kept = {k: v for k, v in config.items() if k not in NOT_MEASURED_FIELDS}
+    return json.dumps(kept, sort_keys=True, separators=(",", ":"))
+
+
+def local_tokens(parallel: str, world_size: int, batch_size: int, seq_len: int) -> int:
+    """Tokens one rank holds: its share of the batch (data) or of the sequence (sequence)."""
+    w = max(world_size, 1)
+    if parallel == "data":
+        return max(batch_size // w, 1) * seq_len
+    return batch_size * max(seq_len // w, 1)
+
+
+def memory_floor(dtype: str, num_heads: int, head_dim: int, tokens: int) -> int | None:
+    """Forward floor for `tokens` on one rank: q, k, v, out (4*h*d*bytes) + fp32 lse (4*h)."""
+    bpe = BYTES_PER_ELEMENT.get(dtype)
+    if bpe is None:
+        return None
+    return (4 * num_heads * head_dim * bpe + 4 * num_heads) * tokens
+
+
+def device_name(env: Environment | None) -> str | None:
+    """The device a run ran on: the first GPU's name, 'CPU' for a run without GPUs, else None."""
+    if env is None:
+        return None
+    if env.gpus:
+        first = env.gpus[0]
+        if isinstance(first, dict):
+            return str(first.get("name") or first.get("model") or "unknown GPU")
+        return str(first)
+    return "CPU"
+
+
+@dataclass(frozen=True)
+class ProbeView:
+    """One tried length of a search, as measured (None where nothing was measured)."""
+
+    seq_len: int
+    outcome: str
+    peak_memory_bytes: int | None
+    rank_peak_bytes: list[int | None]
+    requested_bytes: int | None
+    time_s: float | None
+    error: str | None
+    emulated: bool
+
+
+@dataclass(frozen=True)
+class RankView:
+    """What one rank measured, as stored."""
+
+    rank: int
+    seq_len: int
+    times_s: list[float]
+    median_s: float
+    p10_s: float
+    p90_s: float
+    flops: float
+    peak_memory_bytes: int
+    input_memory_bytes: int | None
+    memory_budget_bytes: int | None
+    backend: str
+    max_abs_error: float | None
+    check_seq_len: int | None
+
+
+@dataclass
+class RunRow:
+    """One run with every number a table or chart shows for it (see the module docstring)."""
+
+    run_id: int
+    sweep_id: int
+    kernel: str
+    params: dict[str, Any]
+    config: dict[str, Any]
+    seq_len: int = field(metadata={"doc": "The cell's length (a search's start)."})
+    world_size: int
+    batch_size: int
+    num_heads: int
+    head_dim: int
+    dtype: str
+    causal: bool
+    mode: str
+    parallel: str
+    searched: bool
+    status: str
+    attempts: int
+    error: str | None
+    environment_id: int | None
+    device: str | None
+    ranks: list[RankView]
+    probes: list[ProbeView]
+    measured_seq_len: int | None = None
+    median_s: float | None = None
+    p10_s: float | None = None
+    p90_s: float | None = None
+    tokens_per_s: float | None = None
+    flops_per_s: float | None = None
+    flops_per_s_per_rank: float | None = None
+    peak_fraction: float | None = None
+    peak_memory_bytes: int | None = None
+    rank_peak_bytes: list[int] = field(default_factory=list)
+    input_memory_bytes: int | None = None
+    floor_bytes: int | None = None
+    memory_per_token_bytes: float | None = None
+    max_seq_len: int | None = None
+    backend: str | None = None
+    max_abs_error: float | None = None
+    check_seq_len: int | None = None
+    outcome: str = ""
+    label: str = ""
+    series: str = ""
+    # Filled by service.analysis.apply: the baseline and the ratios against it.
+    baseline_run_id: int | None = None
+    baseline: str | None = None
+    speedup: float | None = None
+    memory_ratio: float | None = None
+    max_len_gain: float | None = None
+    efficiency: float | None = None
+
+    @property
+    def tflops_per_s(self) -> float | None:
+        return None if self.flops_per_s is None else self.flops_per_s / 1e12
+
+    @property
+    def length(self) -> int:
+        """Where the run sits on a length axis: the measured length, else the cell's."""
+        return self.measured_seq_len or self.seq_len
+
+    @property
+    def cell_key(self) -> str:
+        return config_key(self.config)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field as plain JSON values (the dashboard's payload row)."""
+        out = asdict(self)
+        out.pop("config")
+        out["tflops_per_s"] = self.tflops_per_s
+        out["length"] = self.length
+        return out
+
+
+def _outcome(status: str, max_abs_error: float | None, check_seq_len: int | None) -> str:
+    """A short outcome: ok (with the correctness error and the length it was checked at)."""
+    if status == "succeeded":
+        if max_abs_error is None:
+            return "ok"
+        at = f" at {check_seq_len:,}" if check_seq_len is not None else ""
+        return f"ok (max abs err {max_abs_error:.1e}{at})"
+    return {"oom": "OOM", "timed_out": "timed out"}.get(status, status)
+
+
+def run_row(
+    run: Run,
+    ranks: Sequence[RankResult],
+    probes: Sequence[Probe],
+    environment: Environment | None = None,
+) -> RunRow:
+    """The row of one run: its cell and every derived number (None where nothing was measured)."""
+    cfg = run.config or {}
+    status = str(RunStatus(run.status).value)
+    row = RunRow(
+        run_id=run.id,
+        sweep_id=run.sweep_id,
+        kernel=run.kernel,
+        params=dict(cfg.get("params") or {}),
+        config=cfg,
+        seq_len=run.seq_len,
+        world_size=run.world_size,
+        batch_size=int(cfg.get("batch_size", 1)),
+        num_heads=int(cfg.get("num_heads", 8)),
+        head_dim=int(cfg.get("head_dim", 64)),
+        dtype=run.dtype,
+        causal=run.causal,
+        mode=run.mode,
+        parallel=str(cfg.get("parallel", "sequence")),
+        searched=cfg.get("search") is not None,
+        status=status,
+        attempts=run.attempts,
+        error=run.error,
+        environment_id=run.environment_id,
+        device=device_name(environment),
+        ranks=[
+            RankView(
+                rank=r.rank,
+                seq_len=r.seq_len,
+                times_s=list(r.times_s),
+                median_s=r.median_s,
+                p10_s=r.p10_s,
+                p90_s=r.p90_s,
+                flops=r.flops,
+                peak_memory_bytes=r.peak_memory_bytes,
+                input_memory_bytes=r.input_memory_bytes,
+                memory_budget_bytes=r.memory_budget_bytes,
+                backend=r.backend,
+                max_abs_error=r.max_abs_error,
+                check_seq_len=r.check_seq_len,
+            )
+            for r in sorted(ranks, key=lambda r: r.rank)
+        ],
+        probes=[
+            ProbeView(
+                seq_len=p.seq_len,
+                outcome=str(ProbeOutcome(p.outcome).value),
+                peak_memory_bytes=p.peak_memory_bytes,
+                rank_peak_bytes=list(p.rank_peak_bytes or []),
+                requested_bytes=p.requested_bytes,
+                time_s=p.time_s,
+                error=p.error,
+                emulated=p.emulated,
+            )
+            for p in probes
+        ],
+    )
+    fits = [p.seq_len for p in row.probes if p.outcome == "fit"]
+    row.max_seq_len = max(fits) if fits else None
+    if row.ranks:
+        _measured(row)
+    tokens = local_tokens(row.parallel, row.world_size, row.batch_size, row.length)
+    row.floor_bytes = memory_floor(row.dtype, row.num_heads, row.head_dim, tokens)
+    if row.peak_memory_bytes is not None:
+        row.memory_per_token_bytes = row.peak_memory_bytes / tokens
+    row.outcome = _outcome(status, row.max_abs_error, row.check_seq_len)
+    return row
+
+
+def _measured(row: RunRow) -> None:
+    """Fill the numbers derived from the ranks' measurement."""
+    ranks = row.ranks
+    lengths = {r.seq_len for r in ranks}
+    if len(lengths) != 1:
+        raise ValueError(f"run {row.run_id}: its ranks measured different lengths {lengths}")
+    row.measured_seq_len = lengths.pop()
+    slow = max(ranks, key=lambda r: r.median_s)
+    row.median_s, row.p10_s, row.p90_s = slow.median_s, slow.p10_s, slow.p90_s
+    if slow.median_s > 0:
+        row.tokens_per_s = row.batch_size * row.measured_seq_len / slow.median_s
+        row.flops_per_s = sum(r.flops for r in ranks) / slow.median_s
+        row.flops_per_s_per_rank = row.flops_per_s / row.world_size
+        peak = dense_peak_flops(row.device, row.dtype)
+        row.peak_fraction = row.flops_per_s_per_rank / peak if peak else None
+    row.rank_peak_bytes = [r.peak_memory_bytes for r in ranks]
+    row.peak_memory_bytes = max(row.rank_peak_bytes)
+    inputs = [r.input_memory_bytes for r in ranks if r.input_memory_bytes is not None]
+    row.input_memory_bytes = max(inputs) if inputs else None
+    row.backend = ",".join(sorted({r.backend for r in ranks}))
+    errors = [r.max_abs_error for r in ranks if r.max_abs_error is not None]
+    row.max_abs_error = max(errors) if errors else None
+    checked = [r.check_seq_len for r in ranks if r.check_seq_len is not None]
+    row.check_seq_len = min(checked) if checked else None
+
+
+def rows_of(
+    runs: Iterable[Run],
+    ranks: dict[int, list[RankResult]],
+    probes: dict[int, list[Probe]],
+    environments: dict[int, Environment],
+) -> list[RunRow]:
+    """Rows for runs whose results were read in bulk (service.queries)."""
+    return [
+        run_row(
+            r,
+            ranks.get(r.id, []),
+            probes.get(r.id, []),
+            environments.get(r.environment_id) if r.environment_id is not None else None,
+        )
+        for r in runs
+    ]
