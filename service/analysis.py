@@ -288,9 +288,15 @@ def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
         cells.setdefault(rkey, {})[ctext] = getattr(r, spec.value)
     columns = sorted(col_keys, key=lambda c: col_keys[c])
     ordered = sorted(cells, key=lambda k: (k[1], _sort_key(k[0])))
+
+    def shown(value: Any) -> str:
+        return (
+            f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else _text(value)
+        )
+
     body = [
         (
-            f"{k[1]} · {_text(k[0])}" if k[1] else _text(k[0]),
+            f"{k[1]} · {shown(k[0])}" if k[1] else shown(k[0]),
             [cells[k].get(c) for c in columns],
         )
         for k in ordered

@@ -76,6 +76,7 @@ class ProbeView:
     seq_len: int
     outcome: str
     peak_memory_bytes: int | None
+    input_memory_bytes: int | None
     rank_peak_bytes: list[int | None]
     requested_bytes: int | None
     time_s: float | None
@@ -241,6 +242,7 @@ def run_row(
                 seq_len=p.seq_len,
                 outcome=str(ProbeOutcome(p.outcome).value),
                 peak_memory_bytes=p.peak_memory_bytes,
+                input_memory_bytes=p.input_memory_bytes,
                 rank_peak_bytes=list(p.rank_peak_bytes or []),
                 requested_bytes=p.requested_bytes,
                 time_s=p.time_s,

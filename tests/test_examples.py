@@ -18,6 +18,8 @@ GPU_EXPERIMENTS = [
     "dp-vs-ring-2gpu.yaml",
     "dilated-1-2gpu.yaml",
     "memory-per-token.yaml",
+    "sparsity-1gpu.yaml",
+    "dilated-max-len-1-2gpu.yaml",
 ]
 DOCS = [(name, i) for name in EXAMPLES for i in range(len(load_specs(name)))]
 

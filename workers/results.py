@@ -37,6 +37,7 @@ PROBE_COLUMNS = (
     "seq_len",
     "outcome",
     "peak_memory_bytes",
+    "input_memory_bytes",
     "rank_peak_bytes",
     "requested_bytes",
     "time_s",
@@ -100,6 +101,9 @@ class ProbeResult(BaseModel):
     seq_len: int = Field(ge=1)
     outcome: ProbeOutcome
     peak_memory_bytes: int | None = Field(None, description="Max over ranks, when measured.")
+    input_memory_bytes: int | None = Field(
+        None, description="Largest memory over the ranks once the inputs were allocated."
+    )
     rank_peak_bytes: list[int | None] = Field(
         default_factory=list, description="Each rank's peak in rank order (None: not measured)."
     )

@@ -56,6 +56,11 @@ def probe_of(seq_len: int, cases: list[CaseOutcome]) -> ProbeResult:
     ordered = sorted(cases, key=lambda c: c.rank)
     peaks = [c.peak_memory_bytes for c in cases if c.peak_memory_bytes is not None]
     requested = [c.requested_bytes for c in cases if c.requested_bytes is not None]
+    inputs = [
+        c.result.input_memory_bytes
+        for c in cases
+        if c.result is not None and c.result.input_memory_bytes is not None
+    ]
     times = [c.result.median_s for c in cases if c.result is not None]
     failed = [c for c in cases if c.status == "failed"]
     ooms = [c for c in cases if c.status == "oom"]
@@ -64,6 +69,7 @@ def probe_of(seq_len: int, cases: list[CaseOutcome]) -> ProbeResult:
         seq_len=seq_len,
         outcome="error" if failed else "oom" if ooms else "fit",
         peak_memory_bytes=max(peaks) if peaks else None,
+        input_memory_bytes=max(inputs) if inputs else None,
         rank_peak_bytes=[c.peak_memory_bytes for c in ordered],
         requested_bytes=max(requested) if requested else None,
         time_s=max(times) if times else None,

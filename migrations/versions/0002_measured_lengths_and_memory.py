@@ -34,6 +34,7 @@ def upgrade() -> None:
     with op.batch_alter_table("rank_result") as batch:
         batch.alter_column("seq_len", existing_type=sa.BigInteger(), nullable=False)
     with op.batch_alter_table("probe") as batch:
+        batch.add_column(sa.Column("input_memory_bytes", sa.BigInteger(), nullable=True))
         batch.add_column(sa.Column("rank_peak_bytes", sa.JSON(), nullable=True))
         batch.add_column(sa.Column("requested_bytes", sa.BigInteger(), nullable=True))
 
@@ -42,6 +43,7 @@ def downgrade() -> None:
     with op.batch_alter_table("probe") as batch:
         batch.drop_column("requested_bytes")
         batch.drop_column("rank_peak_bytes")
+        batch.drop_column("input_memory_bytes")
     with op.batch_alter_table("rank_result") as batch:
         batch.drop_column("check_seq_len")
         batch.drop_column("input_memory_bytes")

@@ -241,6 +241,7 @@ def report_markdown(
     bench = [r for r in ordered if not r.searched]
     if bench:
         lines += _results_section(bench)
+    lines += _baseline_section(ordered)
     if pivot_spec is not None:
         lines += _pivot_section(rows, pivot_spec)
     searched = [r for r in ordered if r.searched]
@@ -301,6 +302,73 @@ def _results_section(rows: Sequence[RunRow]) -> list[str]:
     return ["## Results per run and sequence length", "", *_table(header, body), ""]
 
 
+def _baseline_section(rows: Sequence[RunRow]) -> list[str]:
+    """Each run beside its baseline: the seeds' 'single GPU | multi-GPU | speedup' and
+    'dilation impact' tables, with both measurements shown so every ratio can be checked."""
+    by_id = {r.run_id: r for r in rows}
+    pairs = [(r, by_id[r.baseline_run_id]) for r in rows if r.baseline_run_id in by_id]
+    lines: list[str] = []
+    bench = [(r, b) for r, b in pairs if not r.searched]
+    if bench:
+        body = [
+            [
+                r.label,
+                f"{r.length:,}",
+                r.baseline or "-",
+                fmt_ms(b.median_s),
+                fmt_ms(r.median_s),
+                fmt_x(r.speedup),
+                fmt_bytes(b.peak_memory_bytes),
+                fmt_bytes(r.peak_memory_bytes),
+                fmt_x(r.memory_ratio),
+                fmt_pct(r.efficiency),
+            ]
+            for r, b in bench
+        ]
+        header = [
+            "Run",
+            "Seq len",
+            "Baseline",
+            "Baseline time",
+            "Time",
+            "Speedup",
+            "Baseline peak",
+            "Peak",
+            "Memory ratio",
+            "Scaling efficiency",
+        ]
+        lines += ["## Against the baseline", "", *_table(header, body), ""]
+    searched = [(r, b) for r, b in pairs if r.searched]
+    if searched:
+        body = [
+            [
+                r.label,
+                r.baseline or "-",
+                fmt_num(b.max_seq_len),
+                fmt_num(r.max_seq_len),
+                fmt_x(r.max_len_gain),
+                fmt_num(b.tokens_per_s),
+                fmt_num(r.tokens_per_s),
+                fmt_x(r.speedup),
+                fmt_pct(r.efficiency),
+            ]
+            for r, b in searched
+        ]
+        header = [
+            "Run",
+            "Baseline",
+            "Baseline max tokens",
+            "Max tokens",
+            "Max-length gain",
+            "Baseline tokens/s at max",
+            "Tokens/s at max",
+            "Speedup",
+            "Scaling efficiency",
+        ]
+        lines += ["## Maximum length against the baseline", "", *_table(header, body), ""]
+    return lines
+
+
 def _pivot_section(rows: Sequence[RunRow], spec: PivotSpec) -> list[str]:
     table = analysis.pivot(rows, spec)
     if not table.columns or not table.rows:
@@ -310,7 +378,7 @@ def _pivot_section(rows: Sequence[RunRow], spec: PivotSpec) -> list[str]:
     title = analysis.PIVOT_VALUES[spec.value]
     return [
         f"## {title[0].upper() + title[1:]} by {table.row_header} and "
-        + " x ".join(c.replace("_", " ") for c in spec.columns),
+        + " x ".join(c.removeprefix("params.").replace("_", " ") for c in spec.columns),
         "",
         *_table([table.row_header.capitalize(), *table.columns], body),
         "",
@@ -377,13 +445,15 @@ def _probe_sections(rows: Sequence[RunRow]) -> list[str]:
                 [
                     f"{p.seq_len:,}",
                     fmt_ms(p.time_s),
+                    fmt_bytes(p.input_memory_bytes),
                     *(fmt_bytes(v) for v in (list(per_rank) + [None] * most)[: len(peaks)]),
                     {"fit": "fit", "oom": "OOM", "error": "error"}[p.outcome],
                     note.strip() or "-",
                 ]
             )
         lines += [f"### Run {r.run_id}: {r.label}", ""]
-        lines += _table(["Seq len", "Time", *peaks, "Result", "Notes"], body)
+        header = ["Seq len", "Time", "Memory after inputs", *peaks, "Result", "Notes"]
+        lines += _table(header, body)
         lines.append("")
     return lines if len(lines) > 2 else []
 

@@ -108,6 +108,7 @@ class ProbeOut(BaseModel):
     seq_len: int
     outcome: str
     peak_memory_bytes: int | None
+    input_memory_bytes: int | None
     rank_peak_bytes: list[int | None] | None
     requested_bytes: int | None
     time_s: float | None

@@ -202,6 +202,7 @@ class Probe(Base):
     seq_len: Mapped[int] = mapped_column(BigInteger)
     outcome: Mapped[ProbeOutcome] = mapped_column(_enum(ProbeOutcome, "probe_outcome"))
     peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    input_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     rank_peak_bytes: Mapped[list[Any] | None]
     requested_bytes: Mapped[int | None] = mapped_column(BigInteger)
     time_s: Mapped[float | None] = mapped_column(Float)
