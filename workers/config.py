@@ -96,9 +96,14 @@ class RunConfig(BaseModel):
             shard_world = 1
         else:
             shard_world = self.world_size
+        # A layer kernel's embed_dim / num_heads come from this cell's num_heads x head_dim;
+        # params that contradict them are refused here (`params.embed_dim: ...`).
+        params = attention.shape_params(
+            self.kernel, self.params, num_heads=self.num_heads, head_dim=self.head_dim
+        )
         attention.validate(
             self.kernel,
-            self.params,
+            params,
             seq_len=self.seq_len,
             world_size=shard_world,
             num_heads=self.num_heads,
