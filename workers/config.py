@@ -65,7 +65,12 @@ class RunConfig(BaseModel):
     placement: Placement = "pack"
     fresh_processes: bool = False
     correctness_check: bool = False
-    seed: int = Field(0, ge=0, le=2**30 - 1, description="Seeds the inputs of every rank.")
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**30 - 1,
+        description="Seeds the inputs of every rank, and a layer kernel's weights (multihead).",
+    )
     env: dict[str, str] = Field(default_factory=dict, description="NCCL_* variables for the ranks.")
     search: SearchConfig | None = None
 
