@@ -4,12 +4,16 @@ Call difference: inputs are (batch, seq, embed_dim), not (batch, seq, heads, hea
 `module(q, k=None, v=None, *, causal=False) -> (batch, seq, embed_dim)`; k and v default to q
 (self-attention). q, k, v are projected, split into num_heads heads of embed_dim / num_heads,
 run through the inner kernel and projected back. `input_layout = "bse"` tells harnesses so.
+
+embed_dim and num_heads are the run's shape: a benchmark run (workers) sets them to its
+num_heads x head_dim with `attention.shape_params`, which refuses params that contradict it;
+building the layer directly needs both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -23,20 +27,30 @@ LINEAR_BACKWARD_FACTOR = 2
 
 @dataclass(frozen=True)
 class MultiheadParams:
-    """The inner kernel and its parameters; embed_dim split into num_heads heads; linear bias."""
+    """The inner kernel and its parameters; embed_dim split into num_heads heads; linear bias.
+
+    embed_dim / num_heads None: not given, the run's num_heads x head_dim sets them
+    (`attention.shape_params`); given, they must agree with it. Building needs both.
+    """
 
     kernel: str = "dense"
     kernel_params: dict[str, Any] = field(default_factory=dict)
-    embed_dim: int = 512
-    num_heads: int = 8
+    embed_dim: int | None = None
+    num_heads: int | None = None
     bias: bool = True
 
     def __post_init__(self) -> None:
         for name in ("embed_dim", "num_heads"):
             value = getattr(self, name)
+            if value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"params.{name}: expected a positive integer, got {value!r}")
-        if self.embed_dim % self.num_heads:
+        if (
+            self.embed_dim is not None
+            and self.num_heads is not None
+            and (self.embed_dim % self.num_heads)
+        ):
             raise ValueError(
                 f"params.embed_dim: {self.embed_dim} must divide by params.num_heads "
                 f"{self.num_heads}"
@@ -71,6 +85,18 @@ class MultiheadParams:
             raise ValueError(msg) from exc
 
 
+def _require_shape(params: MultiheadParams) -> tuple[int, int]:
+    """(embed_dim, num_heads), both set; ValueError naming the unset one otherwise."""
+    embed_dim, num_heads = params.embed_dim, params.num_heads
+    if embed_dim is None or num_heads is None:
+        name = "embed_dim" if embed_dim is None else "num_heads"
+        raise ValueError(
+            f"params.{name}: not set; give it, or let a run set it from its num_heads x "
+            "head_dim (attention.shape_params)"
+        )
+    return embed_dim, num_heads
+
+
 def check_multihead(
     params: MultiheadParams,
     *,
@@ -79,14 +105,20 @@ def check_multihead(
     num_heads: int = 1,
     causal: bool | None = None,
 ) -> None:
-    """The inner kernel's shape rules, with the layer's own head count."""
+    """The inner kernel's shape rules, with the layer's head count, which must be the run's."""
+    heads = _require_shape(params)[1]
+    if heads != num_heads:
+        raise ValueError(
+            f"num_heads: the layer has params.num_heads {heads}, the run {num_heads}; "
+            "attention.shape_params sets the layer's from the run's"
+        )
     spec = KERNELS[params.kernel]
     if spec.check is not None:
         spec.check(
             params.inner_params(),
             seq_len=seq_len,
             world_size=world_size,
-            num_heads=params.num_heads,
+            num_heads=heads,
             causal=causal,
         )
 
@@ -94,12 +126,13 @@ def check_multihead(
 class MultiheadAttention(Kernel):
     """Projections q/k/v/out (embed_dim x embed_dim) around the kernel `params.kernel`."""
 
-    input_layout = "bse"
+    input_layout: Literal["bse"] = "bse"
 
-    def __init__(self, params: MultiheadParams | None = None) -> None:
+    def __init__(self, params: MultiheadParams) -> None:
         super().__init__()
-        self.params = params or MultiheadParams()
-        e, bias = self.params.embed_dim, self.params.bias
+        self.params = params
+        self.embed_dim, self.num_heads = _require_shape(params)
+        e, bias = self.embed_dim, params.bias
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
             nn.Linear(e, e, bias=bias) for _ in range(4)
         )
@@ -107,8 +140,8 @@ class MultiheadAttention(Kernel):
 
     def _heads(self, x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
         b, s, _ = x.shape
-        h = self.params.num_heads
-        return proj(x).view(b, s, h, self.params.embed_dim // h)
+        h = self.num_heads
+        return proj(x).view(b, s, h, self.embed_dim // h)
 
     def forward(
         self,
@@ -120,7 +153,7 @@ class MultiheadAttention(Kernel):
     ) -> torch.Tensor:
         k = q if k is None else k
         v = q if v is None else v
-        e = self.params.embed_dim
+        e = self.embed_dim
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dim() != 3 or t.shape[-1] != e:
                 raise ValueError(
@@ -150,12 +183,12 @@ class MultiheadAttention(Kernel):
         backward: bool = False,
     ) -> int:
         """Four embed_dim^2 projections (2 FLOPs a multiply-add) plus the inner kernel's FLOPs."""
-        if num_heads != self.params.num_heads or num_heads * head_dim != self.params.embed_dim:
+        if num_heads != self.num_heads or num_heads * head_dim != self.embed_dim:
             raise ValueError(
-                f"num_heads, head_dim: this layer has {self.params.num_heads} heads of "
-                f"{self.params.embed_dim // self.params.num_heads}, got {num_heads} x {head_dim}"
+                f"num_heads, head_dim: this layer has {self.num_heads} heads of "
+                f"{self.embed_dim // self.num_heads}, got {num_heads} x {head_dim}"
             )
-        proj = 4 * 2 * batch * seq_len * self.params.embed_dim**2
+        proj = 4 * 2 * batch * seq_len * self.embed_dim**2
         if backward:
             proj *= 1 + LINEAR_BACKWARD_FACTOR
         inner = self.inner.flops(batch, seq_len, num_heads, head_dim, causal, backward)
@@ -166,11 +199,13 @@ register(
     KernelSpec(
         name="multihead",
         description=(
-            "Input/output projections (embed_dim, num_heads, bias) around any single-process "
-            "kernel; called with (batch, seq, embed_dim) tensors."
+            "Input/output projections (bias) around any single-process kernel; called with "
+            "(batch, seq, embed_dim) tensors, embed_dim and num_heads set from the run's "
+            "num_heads x head_dim."
         ),
         params=MultiheadParams,
         factory=MultiheadAttention,
         check=check_multihead,
+        input_layout=MultiheadAttention.input_layout,
     )
 )

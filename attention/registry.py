@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
@@ -21,6 +21,10 @@ class KernelSpec:
     `check(params, seq_len=, world_size=, num_heads=, causal=)` raises ValueError when a run's
     shape does not fit the kernel (e.g. seq_len not divisible by a segment length at that world
     size; a ring's default layout depends on causal, None meaning not known).
+
+    `input_layout` "bshd": the module takes (batch, seq, heads, head_dim) tensors; "bse": a layer
+    taking (batch, seq, embed_dim) tensors, whose params have `embed_dim` and `num_heads` fields
+    that a run sets from its own num_heads x head_dim (`shape_params`).
     """
 
     name: str
@@ -29,6 +33,7 @@ class KernelSpec:
     factory: Callable[[Any], nn.Module]
     distributed: bool = False
     check: Callable[..., None] | None = None
+    input_layout: Literal["bshd", "bse"] = "bshd"
 
 
 KERNELS: dict[str, KernelSpec] = {}
@@ -67,6 +72,34 @@ def make_params(name: str, params: dict[str, Any]) -> Any:
         return spec.params(**params)
     except TypeError as exc:  # a missing required field
         raise ValueError(f"params: {exc}") from exc
+
+
+def shape_params(
+    kernel: str, params: dict[str, Any], *, num_heads: int, head_dim: int
+) -> dict[str, Any]:
+    """`params` for a run of `num_heads` heads of `head_dim`: a layer kernel's (input_layout
+    "bse") embed_dim and num_heads are set to num_heads * head_dim and num_heads.
+
+    A layer's own embed_dim / num_heads, when given (not None), must agree with the run's shape:
+    a contradiction raises ValueError `params.embed_dim: ...` (or `params.num_heads: ...`)
+    instead of one of the two silently winning. Other kernels' params come back unchanged.
+    """
+    if _spec(kernel).input_layout != "bse":
+        return dict(params)
+    make_params(kernel, params)  # a malformed value is reported as such, not as a contradiction
+    embed_dim = num_heads * head_dim
+    given_dim, given_heads = params.get("embed_dim"), params.get("num_heads")
+    if given_dim is not None and given_dim != embed_dim:
+        raise ValueError(
+            f"params.embed_dim: {given_dim} contradicts the run's num_heads x head_dim = "
+            f"{num_heads} x {head_dim} = {embed_dim}; leave it unset, the run sets it"
+        )
+    if given_heads is not None and given_heads != num_heads:
+        raise ValueError(
+            f"params.num_heads: {given_heads} contradicts the run's num_heads {num_heads}; "
+            "leave it unset, the run sets it"
+        )
+    return {**params, "embed_dim": embed_dim, "num_heads": num_heads}
 
 
 def build(name: str, **params: Any) -> nn.Module:

@@ -127,9 +127,48 @@ def test_invalid_parameters_raise_named_errors(params, match) -> None:
 def test_shape_rules_come_from_the_inner_kernel_and_inputs_are_checked() -> None:
     params = {"kernel": "dilated", "kernel_params": {"segment_lengths": [8], "dilation_rates": [2]}}
     with pytest.raises(ValueError, match=r"^seq_len: 12 must divide by every segment length"):
-        attention.validate("multihead", {**params, "embed_dim": 8, "num_heads": 2}, seq_len=12)
+        attention.validate(
+            "multihead", {**params, "embed_dim": 8, "num_heads": 2}, seq_len=12, num_heads=2
+        )
     module = attention.build("multihead", embed_dim=8, num_heads=2)
     with pytest.raises(ValueError, match=r"^q: expected \(batch, seq, embed_dim=8\)"):
         module(torch.randn(1, 4, 2, 4))
     with pytest.raises(ValueError, match=r"^q, k, v: shapes must match"):
         module(torch.randn(1, 4, 8), torch.randn(1, 5, 8), torch.randn(1, 5, 8))
+
+
+def test_shape_params_set_the_layer_from_the_run_and_refuse_contradictions() -> None:
+    """embed_dim / num_heads come from the run's num_heads x head_dim; given ones must agree."""
+    set_by_run = attention.shape_params("multihead", {"kernel": "dense"}, num_heads=2, head_dim=16)
+    assert set_by_run == {"kernel": "dense", "embed_dim": 32, "num_heads": 2}
+    agreeing = {"embed_dim": 32, "num_heads": 2}
+    assert attention.shape_params("multihead", agreeing, num_heads=2, head_dim=16) == agreeing
+    unset = {"embed_dim": None, "num_heads": None}  # what a sweep's normalized params hold
+    assert attention.shape_params("multihead", unset, num_heads=4, head_dim=8) == {
+        "embed_dim": 32,
+        "num_heads": 4,
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"^params\.embed_dim: 512 contradicts the run's num_heads x head_dim = 2 x 16 = 32",
+    ):
+        attention.shape_params("multihead", {"embed_dim": 512}, num_heads=2, head_dim=16)
+    with pytest.raises(
+        ValueError, match=r"^params\.num_heads: 4 contradicts the run's num_heads 2"
+    ):
+        attention.shape_params("multihead", {"num_heads": 4}, num_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match=r"^params\.embed_dim: expected a positive integer"):
+        attention.shape_params("multihead", {"embed_dim": "32"}, num_heads=2, head_dim=16)
+    block = {"block_size": 4, "window": 1}
+    assert attention.shape_params("block_sparse", block, num_heads=2, head_dim=16) == block
+
+
+def test_the_layer_needs_its_shape_and_the_run_s_head_count() -> None:
+    with pytest.raises(ValueError, match=r"^params\.embed_dim: not set"):
+        attention.build("multihead", num_heads=2)
+    with pytest.raises(ValueError, match=r"^params\.num_heads: not set"):
+        attention.build("multihead", embed_dim=8)
+    with pytest.raises(
+        ValueError, match=r"^num_heads: the layer has params\.num_heads 2, the run 4"
+    ):
+        attention.validate("multihead", {"embed_dim": 8, "num_heads": 2}, seq_len=8, num_heads=4)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import statistics
 
 import pytest
+import torch
 from _workers_helpers import config
 
 import attention
 from attention.dense import DenseAttention
 from attention.registry import KernelSpec
-from workers import protocol, references
+from workers import kernels, protocol, references
 
 FP32 = 4
 
@@ -136,9 +137,108 @@ def test_sparse_kernels_are_checked_against_their_explicit_masks(kernel: str, pa
     assert 0 < case.result.max_abs_error <= 1e-4
 
 
-def test_a_kernel_without_a_reference_is_refused() -> None:
-    with pytest.raises(ValueError, match="correctness_check: no exact reference for kernel"):
+def test_a_kernel_without_a_reference_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every registered kernel has a reference now; one without is refused, alone and as a
+    layer's inner kernel. A layer's reference needs its built weights, not just its params."""
+    spec = KernelSpec(
+        name="_unchecked",
+        description="test",
+        params=attention.KERNELS["dense"].params,
+        factory=DenseAttention,
+    )
+    monkeypatch.setitem(attention.KERNELS, spec.name, spec)
+    refused = "correctness_check: no exact reference for kernel '_unchecked'"
+    with pytest.raises(ValueError, match=refused):
+        references.check_available("_unchecked", {})
+    with pytest.raises(ValueError, match=refused):
+        references.check_available("multihead", {"kernel": "_unchecked"})
+    references.check_available("multihead", {"kernel": "dilated", "kernel_params": DILATED})
+    with pytest.raises(ValueError, match=r"'multihead' is checked with the built layer's weights"):
         references.reference_for("multihead", {})
+    assert references.describe("multihead", {}) == (
+        "torch.nn.MultiheadAttention with the layer's weights"
+    )
+    assert references.describe("multihead", {"kernel": "dilated", "kernel_params": DILATED}) == (
+        "the layer's projections around dense attention on the explicit masks of 'dilated'"
+    )
+
+
+DILATED = {"segment_lengths": [32, 64], "dilation_rates": [1, 2]}
+LAYERS = {
+    "dense": {"kernel": "dense"},
+    "dense-no-bias": {"kernel": "dense", "bias": False},
+    "dilated": {"kernel": "dilated", "kernel_params": DILATED},
+}
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+@pytest.mark.parametrize("mode", ["forward", "train"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_multihead_runs_as_a_layer_and_passes_the_gate(layer: str, mode: str, causal: bool) -> None:
+    """A multihead cell runs on (batch, seq, num_heads x head_dim) inputs; its check compares
+    output (and dq, dk, dv) with nn.MultiheadAttention (dense) or explicit projections around
+    the inner kernel's reference; its FLOPs are the layer's own count, projections included."""
+    params = LAYERS[layer]
+    cfg = config(
+        kernel="multihead",
+        params=params,
+        seq_len=256,
+        mode=mode,
+        causal=causal,
+        correctness_check=True,
+    )
+    case = protocol.run_case(cfg)
+    assert case.status == "ok", case.error
+    result = case.result
+    assert 0 < result.max_abs_error <= protocol.CHECK_ATOL["float32"]
+    assert result.check_seq_len == 128
+    train = mode == "train"
+    module = attention.build("multihead", **params, embed_dim=32, num_heads=2)
+    assert result.flops == module.flops(1, 256, 2, 16, causal, backward=train)
+    inner = attention.build(params["kernel"], **params.get("kernel_params", {}))
+    projections = 4 * 2 * 256 * 32 * 32 * (3 if train else 1)
+    assert result.flops == projections + inner.flops(1, 256, 2, 16, causal, backward=train)
+
+
+def test_layer_inputs_are_the_heads_inputs_flattened() -> None:
+    """Same seeded values as a (batch, seq, heads, dim) cell, seen as (batch, seq, embed_dim)."""
+    heads = config(seq_len=256, batch_size=2)
+    layer = config(kernel="multihead", seq_len=256, batch_size=2)
+    positions = torch.arange(256)
+    for name in ("q", "dout"):
+        want = protocol.make_input(name, heads, 256, positions, slice(None), CPU)
+        got = protocol.make_input(name, layer, 256, positions, slice(None), CPU)
+        assert got.shape == (2, 256, 32)
+        assert torch.equal(got, want.flatten(2))
+
+
+def test_layer_weights_are_seeded_by_the_config() -> None:
+    """Every build of a cell (every rank, the check, the timed run) gets the same weights, from
+    config.seed; the caller's random state is untouched."""
+    cfg = config(kernel="multihead", seq_len=256)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    first, second = kernels.build(cfg, CPU), kernels.build(cfg, CPU)
+    assert torch.equal(torch.get_rng_state(), state)
+    pairs = zip(first.parameters(), second.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    other = kernels.build(cfg.model_copy(update={"seed": 1}), CPU)
+    assert not torch.equal(first.q_proj.weight, other.q_proj.weight)
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_the_layer_gate_sees_a_changed_weight(layer: str) -> None:
+    """The reference holds its own copy of the weights: a layer whose out_proj weight is
+    transposed after the reference was taken fails by far, so the gate is not vacuous."""
+    cfg = config(kernel="multihead", params=LAYERS[layer], seq_len=128, mode="train", causal=True)
+    module = kernels.build(cfg, CPU)
+    reference = references.layer_reference(module)
+    assert protocol.max_error(cfg, module, reference, 0, CPU) <= protocol.CHECK_ATOL["float32"]
+    with torch.no_grad():
+        module.out_proj.weight.copy_(module.out_proj.weight.T.clone())
+    error = protocol.max_error(cfg, module, reference, 0, CPU)
+    assert error > 1000 * protocol.CHECK_ATOL["float32"], error
 
 
 def test_check_length_is_the_smallest_valid_divisor() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from _scheduler_helpers import (
+    TINY,
     RecordingPool,
     add_sweep,
     live_placement_groups,
@@ -29,10 +30,12 @@ from _scheduler_helpers import (
 from sqlalchemy import Engine, update
 from sqlalchemy.orm import Session, sessionmaker
 
+import attention
 from service.db.engine import make_engine, make_sessionmaker
 from service.db.migrate import upgrade
 from service.db.models import TERMINAL_STATUSES, Run, RunStatus, SweepKind, utcnow
 from service.scheduler import Scheduler
+from service.spec import SweepSpec, expand
 
 pytestmark = pytest.mark.ray
 
@@ -114,6 +117,29 @@ def test_sweep_runs_on_real_gangs(
         for rr in run.rank_results:
             assert rr.median_s > 0 and rr.tokens_per_s > 0 and rr.peak_memory_bytes >= 0
             assert len(rr.times_s) == 2 and rr.backend
+
+
+@pytest.mark.timeout(60)
+def test_multihead_cell_runs_on_a_real_gang(
+    sqlite_sm: sessionmaker[Session], gang_pool: RecordingPool
+) -> None:
+    """A multihead cell as a sweep stores it (embed_dim and num_heads unset: the rank sets them
+    from num_heads x head_dim) runs, passes the gate against nn.MultiheadAttention in train mode
+    and records the layer's FLOPs, projections included."""
+    base = {**TINY, "kernel": "multihead", "params": {"kernel": "dense"}, "seq_len": 128}
+    base |= {"mode": "train", "causal": True}
+    (cell,) = expand(SweepSpec(name="mh", kind="correctness", base=base))
+    assert (cell.config.params["embed_dim"], cell.config.params["num_heads"]) == (None, None)
+    (run_id,) = add_sweep(sqlite_sm, [cell.config], kind=SweepKind.correctness)
+    assert scheduler(sqlite_sm, gang_pool).run_once()
+    with sqlite_sm() as session:
+        run = session.get(Run, run_id)
+        assert run is not None
+        assert (run.status, run.error) == (RunStatus.succeeded, None)
+        (rank,) = run.rank_results
+        assert 0 < (rank.max_abs_error or 0) <= 1e-4 and rank.check_seq_len == 128
+        layer = attention.build("multihead", kernel="dense", embed_dim=32, num_heads=2)
+        assert rank.flops == layer.flops(1, 128, 2, 16, causal=True, backward=True)
 
 
 @pytest.mark.timeout(60)

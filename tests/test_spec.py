@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 from torch import nn
 
 import attention
@@ -261,3 +262,38 @@ def test_correctness_kind_checks_every_cell() -> None:
         }
     )
     assert errs[0]["loc"] == ["base", "correctness_check"]
+
+
+def test_multihead_layer_shape_comes_from_the_cell() -> None:
+    """A multihead cell's embed_dim / num_heads are its num_heads x head_dim: unset, they stay
+    None in the stored config (the worker sets them); a contradicting value is refused at the
+    param, by RunConfig and by the sweep's expansion."""
+    cells = expand(
+        SweepSpec(
+            name="mh",
+            base={"kernel": "multihead", "seq_len": 64, "num_heads": 2},
+            grid={"head_dim": [16, 32]},
+        )
+    )
+    assert [(c.config.params["embed_dim"], c.config.params["num_heads"]) for c in cells] == [
+        (None, None),
+        (None, None),
+    ]
+    with pytest.raises(ValidationError) as info:
+        RunConfig(
+            kernel="multihead", params={"embed_dim": 512}, seq_len=64, num_heads=2, head_dim=16
+        )
+    (error,) = info.value.errors()
+    assert str(error["ctx"]["error"]).startswith(
+        "params.embed_dim: 512 contradicts the run's num_heads x head_dim = 2 x 16 = 32"
+    )
+
+    base = {"kernel": "multihead", "seq_len": 64, "num_heads": 2, "head_dim": 16}
+    errs = errors_of({"name": "mh", "base": base, "grid": {"params.embed_dim": [32, 64]}})
+    assert [e["loc"] for e in errs] == [["grid", "params.embed_dim", 1]]
+    assert errs[0]["msg"].startswith("64 contradicts the run's num_heads x head_dim = 2 x 16 = 32")
+    assert errs[0]["msg"].endswith("(cell params.embed_dim=64)")
+
+    errs = errors_of({"name": "mh", "base": {**base, "params": {"num_heads": 8}}})
+    assert [e["loc"] for e in errs] == [["base", "params", "num_heads"]]
+    assert errs[0]["msg"].startswith("8 contradicts the run's num_heads 2")

@@ -65,7 +65,12 @@ class RunConfig(BaseModel):
     placement: Placement = "pack"
     fresh_processes: bool = False
     correctness_check: bool = False
-    seed: int = Field(0, ge=0, le=2**30 - 1, description="Seeds the inputs of every rank.")
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**30 - 1,
+        description="Seeds the inputs of every rank, and a layer kernel's weights (multihead).",
+    )
     env: dict[str, str] = Field(default_factory=dict, description="NCCL_* variables for the ranks.")
     search: SearchConfig | None = None
 
@@ -96,9 +101,14 @@ class RunConfig(BaseModel):
             shard_world = 1
         else:
             shard_world = self.world_size
+        # A layer kernel's embed_dim / num_heads come from this cell's num_heads x head_dim;
+        # params that contradict them are refused here (`params.embed_dim: ...`).
+        params = attention.shape_params(
+            self.kernel, self.params, num_heads=self.num_heads, head_dim=self.head_dim
+        )
         attention.validate(
             self.kernel,
-            self.params,
+            params,
             seq_len=self.seq_len,
             world_size=shard_world,
             num_heads=self.num_heads,

@@ -413,7 +413,8 @@ class GangPool:
         """Start `config` as a run of `kind`; returns at once (after on_waiting, if it waits).
 
         Raises Infeasible when the cluster can never hold the gang, ValueError for a
-        max_seq_len run without `search`.
+        max_seq_len run without `search` or a correctness check with no reference to check
+        against.
         """
         if kind not in ("benchmark", "max_seq_len", "correctness"):
             raise ValueError(f"kind: must be benchmark, max_seq_len or correctness, got {kind!r}")
@@ -421,7 +422,7 @@ class GangPool:
             raise ValueError("search: a max_seq_len run needs a search config")
         kernels.check_mode(config)
         if config.correctness_check or kind == "correctness":
-            references.reference_for(config.kernel, config.params)  # ValueError if none
+            references.check_available(config.kernel, config.params)
         cluster = describe()
         check_feasible(config, cluster)
         device = device_kind(config, cluster)

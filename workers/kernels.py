@@ -10,6 +10,8 @@ import torch
 import attention
 from workers.config import RunConfig
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
 # Single-process twin of each ring kernel: the correctness check's reference when the kernel
 # is not dense attention itself.
 RING_TWINS = {"ring": "dense", "ring_dilated": "dilated", "ring_block_sparse": "block_sparse"}
@@ -37,9 +39,33 @@ def check_mode(config: RunConfig) -> None:
         raise ValueError(f"parallel: data runs single-process kernels; {config.kernel!r} is a ring")
 
 
-def build(config: RunConfig) -> torch.nn.Module:
-    """The kernel module for this rank (ring kernels use the default process group)."""
-    return attention.build(config.kernel, **config.params)
+def is_layer(name: str) -> bool:
+    """Whether the kernel is a layer called with (batch, seq, embed_dim) tensors (multihead),
+    embed_dim being the run's num_heads x head_dim; other kernels take (batch, seq, heads, dim).
+    """
+    return attention.KERNELS[name].input_layout == "bse"
+
+
+def kernel_params(config: RunConfig) -> dict[str, Any]:
+    """The params the kernel is built and validated with: config.params, plus a layer kernel's
+    embed_dim = num_heads x head_dim and num_heads from the config (attention.shape_params)."""
+    return attention.shape_params(
+        config.kernel, config.params, num_heads=config.num_heads, head_dim=config.head_dim
+    )
+
+
+def build(config: RunConfig, device: torch.device) -> torch.nn.Module:
+    """The kernel module for this rank on `device` in config.dtype (ring kernels use the default
+    process group).
+
+    Weights (a layer kernel's projections) are drawn from torch's CPU generator seeded with
+    config.seed, inside fork_rng so the caller's random state is untouched: every rank and every
+    build of a config gets the same weights, in float32, then cast to config.dtype.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        module = attention.build(config.kernel, **kernel_params(config))
+    return module.to(device=device, dtype=DTYPES[config.dtype])
 
 
 def params_for(kernel: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +96,9 @@ def flops(
 ) -> float:
     """FLOPs this rank computes per iteration, from the kernel's own accounting.
 
-    kernel.flops(..., backward=True) counts forward plus backward (3.5x forward).
+    kernel.flops(..., backward=True) counts forward plus backward (3.5x forward). A layer
+    kernel (multihead) adds its projections; its embed_dim is config.num_heads x head_dim by
+    construction (build), and it refuses any other shape.
     """
     args = (batch, seq_len, config.num_heads, config.head_dim, config.causal)
     return float(module.flops(*args, backward=train))
@@ -91,7 +119,7 @@ def is_valid_length(config: RunConfig, seq_len: int) -> bool:
     try:
         attention.validate(
             config.kernel,
-            config.params,
+            kernel_params(config),
             seq_len=seq_len,
             world_size=shard_world(config),
             num_heads=config.num_heads,

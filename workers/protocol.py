@@ -20,10 +20,10 @@ import torch.distributed as dist
 from workers import kernels, references
 from workers.config import RunConfig
 from workers.environment import collect
+from workers.kernels import DTYPES
 from workers.memory import PeakMeter, is_oom, release, requested_bytes
 from workers.results import CaseOutcome, RankResult
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Max abs error allowed by the correctness check, against a float32 reference.
 CHECK_ATOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
 CHECK_MIN_LEN = 128  # the check runs at the smallest valid length >= this (or seq_len if smaller)
@@ -52,6 +52,8 @@ def make_input(
 
     Every block of BLOCK positions has its own seed, so a rank materializes only the rows and
     positions it holds, and the global tensor is the same at every world size and layout.
+    A layer kernel (kernels.is_layer) gets the same values as (batch, seq, embed_dim), embed_dim
+    = heads x dim: a view of the same memory, so inputs and input bytes match the heads layout.
     """
     dtype = DTYPES[config.dtype]
     h, d = config.num_heads, config.head_dim
@@ -71,7 +73,7 @@ def make_input(
         src = (sorted_pos[lo:hi] - lo_pos).to(device)
         out[:, order[lo:hi].to(device)] = values[:, src]
         del values
-    return out
+    return out.flatten(2) if kernels.is_layer(config.kernel) else out
 
 
 def _rows(config: RunConfig, rank: int) -> slice:
@@ -197,7 +199,7 @@ def _prime(config: RunConfig, rank: int, device: torch.device) -> None:
         return
     small = config.model_copy(update={"seq_len": min(config.seq_len, check_length(config))})
     sworld = kernels.shard_world(config)
-    module = kernels.build(small)
+    module = kernels.build(small, device)
     positions = kernels.local_positions(
         module, small, small.seq_len, rank if sworld > 1 else 0, sworld
     )
@@ -257,12 +259,13 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
                 status="failed",
                 error=f"correctness check failed: max abs error {max_abs_error:.3g} at "
                 f"seq_len {length} exceeds {tol:g} ({config.kernel} vs "
-                f"{references.describe(config.kernel)}, {config.dtype}, {config.mode})",
+                f"{references.describe(config.kernel, config.params)}, {config.dtype}, "
+                f"{config.mode})",
             )
 
     sworld = kernels.shard_world(config)
     srank = rank if sworld > 1 else 0
-    module = kernels.build(config)
+    module = kernels.build(config, device)
     positions = kernels.local_positions(module, config, config.seq_len, srank, sworld)
     rows = _rows(config, rank)
     train = config.mode == "train"
@@ -364,18 +367,37 @@ def check_length(config: RunConfig) -> int:
 def check_correctness(config: RunConfig, rank: int, device: torch.device, length: int) -> float:
     """Max abs error of the kernel at `length` against its float32 reference (output, and grads
     in train mode); the maximum over all ranks.
+
+    A layer kernel's reference holds a float32 copy of the built module's weights
+    (references.layer_reference); other kernels' references need only their params.
     """
     small = config.model_copy(update={"seq_len": length})
+    module = kernels.build(small, device)
+    if kernels.is_layer(config.kernel):
+        reference = references.layer_reference(module)
+    else:
+        reference = references.reference_for(config.kernel, config.params)
+    return max_error(small, module, reference, rank, device)
+
+
+def max_error(
+    config: RunConfig,
+    module: torch.nn.Module,
+    reference: references.Reference,
+    rank: int,
+    device: torch.device,
+) -> float:
+    """Max abs difference of `module` and `reference` at config.seq_len on the seeded inputs:
+    output, and in train mode the gradients of q, k and v; the maximum over all ranks."""
+    length = config.seq_len
     sworld = kernels.shard_world(config)
     srank = rank if sworld > 1 else 0
-    module = kernels.build(small)
-    reference = references.reference_for(config.kernel, config.params)
     rows = _rows(config, rank)
     full_pos = torch.arange(length)
-    local_pos = kernels.local_positions(module, small, length, srank, sworld).to(device)
+    local_pos = kernels.local_positions(module, config, length, srank, sworld).to(device)
     train = config.mode == "train"
     names = ["q", "k", "v", "dout"] if train else ["q", "k", "v"]
-    full = {n: make_input(n, small, length, full_pos, rows, device) for n in names}
+    full = {n: make_input(n, config, length, full_pos, rows, device) for n in names}
     ref = {n: t.float().requires_grad_(n != "dout") for n, t in full.items()}
     loc = {n: t[:, local_pos].detach().requires_grad_(n != "dout") for n, t in full.items()}
 

@@ -2,7 +2,10 @@
 
 Plain einsum softmax attention for dense; for sparse kernels the same, restricted to the
 kernel's explicit token masks (attention.masks, as in the attention tests); a ring kernel is
-checked against the reference of its single-process twin. Kernels without one are refused.
+checked against the reference of its single-process twin. A layer kernel (multihead) is checked
+with a float32 copy of the built layer's weights (`layer_reference`): torch.nn.MultiheadAttention
+around dense attention, explicit projections around the inner kernel's reference otherwise.
+Kernels without a reference are refused.
 """
 
 from __future__ import annotations
@@ -11,8 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
+from torch.nn import functional as F
 
 import attention
+from attention.multihead import MultiheadAttention
 from workers import kernels
 
 Reference = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
@@ -69,21 +75,113 @@ def _as_dict(params: Any) -> dict[str, Any]:
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
 
 
-def describe(kernel: str) -> str:
-    """What `kernel` is checked against, in words (for error messages)."""
+def describe(kernel: str, params: dict[str, Any]) -> str:
+    """What `kernel(params)` is checked against, in words (for error messages)."""
     if kernel in kernels.RING_TWINS:
         return f"the reference of its single-process twin {kernels.RING_TWINS[kernel]!r}"
     if kernel == "dense":
         return "einsum softmax attention"
+    if kernels.is_layer(kernel):
+        inner = attention.make_params(kernel, params).kernel
+        if inner == "dense":
+            return "torch.nn.MultiheadAttention with the layer's weights"
+        return f"the layer's projections around {describe(inner, {})}"
     return f"dense attention on the explicit masks of {kernel!r}"
 
 
+def _mha_reference(layer: MultiheadAttention) -> Reference:
+    """torch.nn.MultiheadAttention (batch_first, float32) holding a copy of the layer's weights.
+
+    need_weights=True makes it compute softmax(QK^T)V with explicit matmuls, not SDPA (which
+    the dense kernel under test runs); a causal call passes an explicit causal attn_mask.
+    """
+    device = layer.q_proj.weight.device
+    mha = nn.MultiheadAttention(
+        layer.embed_dim,
+        layer.num_heads,
+        bias=layer.params.bias,
+        batch_first=True,
+        device=device,
+        dtype=torch.float32,
+    )
+    projections = (layer.q_proj, layer.k_proj, layer.v_proj)
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(torch.cat([p.weight.float() for p in projections]))
+        mha.out_proj.weight.copy_(layer.out_proj.weight.float())
+        if layer.params.bias:
+            mha.in_proj_bias.copy_(torch.cat([p.bias.float() for p in projections]))
+            mha.out_proj.bias.copy_(layer.out_proj.bias.float())
+
+    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        seq_len = q.shape[1]
+        mask = None
+        if causal:  # True: the key is masked out, i.e. every key after the query
+            mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
+        out, _ = mha(q, k, v, attn_mask=mask, need_weights=True)
+        return out
+
+    return reference
+
+
+def _projected_reference(layer: MultiheadAttention) -> Reference:
+    """Explicit float32 projections with a copy of the layer's weights around the reference of
+    its inner kernel (for inner kernels other than dense)."""
+    inner = reference_for(layer.params.kernel, layer.params.kernel_params)
+    linears = (layer.q_proj, layer.k_proj, layer.v_proj, layer.out_proj)
+    weights = [lin.weight.detach().float().clone() for lin in linears]
+    biases = [None if lin.bias is None else lin.bias.detach().float().clone() for lin in linears]
+    heads = layer.num_heads
+
+    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        b, s, e = q.shape
+        split = [
+            F.linear(x, w, bias).view(b, s, heads, e // heads)
+            for x, w, bias in zip((q, k, v), weights[:3], biases[:3], strict=True)
+        ]
+        out = inner(*split, causal).reshape(b, s, e)
+        return F.linear(out, weights[3], biases[3])
+
+    return reference
+
+
+def layer_reference(layer: nn.Module) -> Reference:
+    """The float32 reference of a built layer kernel, on a copy of its weights taken now.
+
+    A dense inner kernel: torch.nn.MultiheadAttention; any other: explicit projections around
+    the inner kernel's own reference. The copy makes the reference independent of the module:
+    a weight changed after this call shows as an error.
+    """
+    if not isinstance(layer, MultiheadAttention):
+        raise TypeError(f"layer_reference: expected a multihead layer, got {type(layer).__name__}")
+    if layer.params.kernel == "dense":
+        return _mha_reference(layer)
+    return _projected_reference(layer)
+
+
+def check_available(kernel: str, params: dict[str, Any]) -> None:
+    """Raise ValueError unless the correctness gate can check `kernel(params)` (for a layer
+    kernel: unless its inner kernel has a reference)."""
+    if kernels.is_layer(kernel):
+        inner = attention.make_params(kernel, params)
+        reference_for(inner.kernel, inner.kernel_params)
+        return
+    reference_for(kernel, params)
+
+
 def reference_for(kernel: str, params: dict[str, Any]) -> Reference:
-    """The exact float32-capable reference of `kernel(params)`; ValueError if there is none."""
+    """The exact float32-capable reference of `kernel(params)`; ValueError if there is none.
+
+    A layer kernel's reference needs the built layer's weights: `layer_reference(module)`.
+    """
     if kernel in kernels.RING_TWINS:
         twin = kernels.RING_TWINS[kernel]
         return reference_for(twin, kernels.params_for(twin, params))
     parsed = attention.make_params(kernel, params)
+    if kernels.is_layer(kernel):
+        raise ValueError(
+            f"correctness_check: {kernel!r} is checked with the built layer's weights: "
+            "use references.layer_reference(module)"
+        )
     if kernel == "dense":
         return _dense
     if kernel == "dilated":
