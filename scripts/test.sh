@@ -8,6 +8,7 @@ BIN=$VENV/bin
 
 "$BIN/ruff" check .
 "$BIN/ruff" format --check .
+"$BIN/mypy"  # service/ (pyproject's [tool.mypy] files), pydantic plugin
 
 # Postgres: start the local cluster if it is down, and use it when it answers.
 if command -v pg_ctlcluster >/dev/null 2>&1 && ! pg_isready -q -h 127.0.0.1 -p 5432; then

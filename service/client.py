@@ -128,7 +128,7 @@ class Client:
                         f"GET {API}/sweeps/{sweep_id}/events -> {response.status_code}: "
                         f"{_detail(response)}"
                     )
-                event, data = "message", []
+                event, data = "message", list[str]()
                 for line in response.iter_lines():
                     if not line:
                         if data:

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, cast
 
-from sqlalchemy import CursorResult, or_, select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.db.engine import rowcount
 from service.db.models import Environment, Probe, RankResult, Run, RunStatus, Sweep, utcnow
 
 ACTIVE_STATUSES = (RunStatus.running, RunStatus.waiting_resources)
@@ -48,11 +49,6 @@ class Completion:
 def new_token(owner: str) -> str:
     """A lease token unique to one claim: the owner plus a nonce (fits lease_owner's 128)."""
     return f"{owner[:100]}/{uuid.uuid4().hex[:16]}"
-
-
-def _rowcount(result: Any) -> int:
-    # UPDATE statements return a CursorResult; Session.execute is typed as plain Result.
-    return cast(CursorResult[Any], result).rowcount
 
 
 def _holding(claim: Claim) -> Any:
@@ -114,7 +110,7 @@ def claim_next(sm: sessionmaker[Session], owner: str, lease_s: float) -> Claim |
                 .values(**values)
                 .execution_options(synchronize_session=False)
             )
-            if _rowcount(result) != 1:
+            if rowcount(result) != 1:
                 return None
         row = session.execute(
             select(Run.id, Run.config, Run.attempts, Sweep.kind)
@@ -153,7 +149,7 @@ def heartbeat(
             .values(**values)
             .execution_options(synchronize_session=False)
         )
-        return _rowcount(result) == 1
+        return rowcount(result) == 1
 
 
 def requeue(
@@ -180,7 +176,7 @@ def requeue(
             .values(**values)
             .execution_options(synchronize_session=False)
         )
-        return _rowcount(result) == 1
+        return rowcount(result) == 1
 
 
 def _environment_id(session: Session, env: dict[str, Any]) -> int:
@@ -220,7 +216,7 @@ def finish(sm: sessionmaker[Session], claim: Claim, completion: Completion) -> b
             )
             .execution_options(synchronize_session=False)
         )
-        if _rowcount(result) != 1:
+        if rowcount(result) != 1:
             session.rollback()
             return False
         if completion.environment is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from service import analysis
@@ -135,7 +135,7 @@ def fmt_pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
-FORMATS = {
+FORMATS: dict[str, Callable[[Any], str]] = {
     "median_s": fmt_ms,
     "tokens_per_s": fmt_num,
     "tflops_per_s": lambda x: fmt_num(x, 4),

@@ -12,6 +12,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, joinedload, selectinload
 
 from service.api.schemas import SweepOut
+from service.db.engine import rowcount
 from service.db.models import (
     TERMINAL_STATUSES,
     Environment,
@@ -120,7 +121,7 @@ def create_sweep(
     try:
         session.flush()
         # Core executemany on the table: no ORM unit-of-work bookkeeping for 10,000s of rows.
-        session.execute(insert(Run.__table__), [_run_row(sweep.id, cell, now) for cell in cells])
+        session.execute(insert(Run), [_run_row(sweep.id, cell, now) for cell in cells])
         session.commit()
     except IntegrityError:
         session.rollback()
@@ -156,7 +157,7 @@ def cancel_sweep(session: Session, sweep_id: int) -> int:
         .execution_options(synchronize_session=False)
     )
     session.commit()
-    return result.rowcount
+    return rowcount(result)
 
 
 def retry_sweep(
@@ -191,7 +192,7 @@ def retry_sweep(
         .execution_options(synchronize_session=False)
     )
     session.commit()
-    return result.rowcount
+    return rowcount(result)
 
 
 def delete_sweep(session: Session, sweep_id: int) -> bool:
@@ -206,7 +207,7 @@ def delete_sweep(session: Session, sweep_id: int) -> bool:
         .execution_options(synchronize_session=False)
     )
     session.commit()
-    return result.rowcount == 1
+    return rowcount(result) == 1
 
 
 def results_for_sweep(
@@ -314,7 +315,7 @@ def list_runs(
     column = RUN_SORT_KEYS[sort.removeprefix("-")]
     where = filters.clauses()
     total = session.scalar(select(func.count()).select_from(Run).where(*where)) or 0
-    order = [column.desc(), Run.id.desc()] if desc else [column.asc(), Run.id.asc()]
+    order: list[Any] = [column.desc(), Run.id.desc()] if desc else [column.asc(), Run.id.asc()]
     rows = session.execute(
         select(*RUN_LIST_COLUMNS).where(*where).order_by(*order).offset(skip).limit(limit)
     )

@@ -5,9 +5,9 @@ from __future__ import annotations
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import CursorResult, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -63,3 +63,8 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     """Sessions that keep loaded attributes after commit (results are read after writes)."""
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def rowcount(result: Any) -> int:
+    """Rows an UPDATE or DELETE changed (Session.execute is typed as a plain Result)."""
+    return cast(CursorResult[Any], result).rowcount

@@ -28,7 +28,7 @@ def _database(request: Request) -> str | None:
     return None
 
 
-def _scheduler(request: Request) -> str | None:
+def _scheduler(request: Request) -> str:
     state = request.app.state
     thread = getattr(state, "scheduler_thread", None)
     if thread is None:

@@ -21,8 +21,9 @@ from service.views import RunRow
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
 read = [Depends(require_read)]
 write = [Depends(require_write)]
-NOT_FOUND = {404: {"model": Message, "description": "No sweep with this id."}}
-AUTH = {401: {"model": Message, "description": "Missing or wrong bearer token."}}
+Responses = dict[int | str, dict[str, Any]]
+NOT_FOUND: Responses = {404: {"model": Message, "description": "No sweep with this id."}}
+AUTH: Responses = {401: {"model": Message, "description": "Missing or wrong bearer token."}}
 
 
 def _sweep_or_404(session: SessionDep, sweep_id: int) -> SweepOut:
