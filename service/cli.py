@@ -374,8 +374,8 @@ def show(sweep_id: Annotated[int, typer.Argument(help="Sweep id.")]) -> None:
 
 RESULT_COLUMNS = (
     ("run_id", "run"),
-    ("kernel", "kernel"),
-    ("seq_len", "seq_len"),
+    ("label", "configuration"),
+    ("length", "length"),
     ("world_size", "W"),
     ("parallel", "parallel"),
     ("dtype", "dtype"),
@@ -385,12 +385,16 @@ RESULT_COLUMNS = (
     ("tflops_per_s", "TFLOP/s"),
     ("peak_memory_bytes", "peak mem"),
     ("max_seq_len", "max len"),
+    ("baseline", "vs"),
+    ("speedup", "speedup"),
 )
 
 
 def _cell(key: str, value: Any) -> str:
     if value is None:
         return "—"
+    if key == "speedup":
+        return f"{value:.2f}x"
     if key == "peak_memory_bytes":
         return f"{value / 2**20:,.1f} MiB"
     if key == "median_s":
@@ -425,6 +429,7 @@ def results(
         return
     table = Table(*(title for _, title in RESULT_COLUMNS), box=None)
     for row in rows:
+        row["length"] = row["measured_seq_len"] or row["seq_len"]  # a search: its answer
         table.add_row(*(_cell(key, row.get(key)) for key, _ in RESULT_COLUMNS))
     out.print(table)
 

@@ -87,6 +87,7 @@ def fake_outcome(config: RunConfig, host: str = "testhost") -> RunOutcome:
     ranks = [
         RankMeasure(
             rank=r,
+            seq_len=config.seq_len,
             times_s=[0.01, 0.011],
             median_s=0.0105,
             p10_s=0.01,
