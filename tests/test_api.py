@@ -244,7 +244,7 @@ def test_report_max_seq_len_table(database_url: str) -> None:
         # W=2 vs W=1: 2x the maximum length on 2 ranks is 100% efficient.
         assert "| 2,048 | 600.00 ms | 6,827 | 1.00 MiB | 1.00 MiB | 512 B | W=1 |" in md
         assert "| 2.00x | 100% | ok |" in md
-        assert "| 1,024 | - | 1.00 MiB | fit | - |\n| 2,048 | - | - | OOM | - |" in md
+        assert "| 1,024 | - | - | 1.00 MiB | fit | - |\n| 2,048 | - | - | - | OOM | - |" in md
         row = next(
             r
             for r in client.get(f"{API}/sweeps/{sweep_id}/results.json").json()

@@ -327,3 +327,33 @@ def test_results_json_csv_report_and_dashboard_show_the_same_numbers(database_ur
     assert searched["measured_seq_len"] == searched["max_seq_len"] == 5120
     assert searched["tokens_per_s"] == pytest.approx(1 * 5120 / 0.05)
     assert searched["seq_len"] == 1024  # the start, kept as the cell's length
+
+
+def test_seed_003_time_throughput_and_memory_per_gpu_at_two_ranks(database_url: str) -> None:
+    """Seed 003, table 2: sequence | configuration | time | throughput | memory per GPU, at W=2,
+    with the correctness check's error and the length it ran at beside the outcome."""
+    with client_for(database_url) as client:
+        runs = submit(client, "cpu-dilated-1-2gpu.yaml")
+        two = [r for r in runs if r["world_size"] == 2]
+        for r in two:
+            t = r["seq_len"] / 2048 * 0.01
+            put(client, r["id"], medians=[t, 0.9 * t], peaks=[20 * MiB, 19 * MiB], inputs=MiB)
+        sm = client.app.state.sessionmaker  # type: ignore[attr-defined]
+        with sm() as session:
+            for rr in session.query(RankResult).all():
+                rr.max_abs_error, rr.check_seq_len = 3e-6, 128
+            session.commit()
+        md = report(client, two[0]["sweep_id"])
+    results = section(md, "## Results per run and sequence length")
+    label = "ring_dilated · dilation_rates=[2] · segment_lengths=[2048] · W=2"
+    t = 4096 / 2048 * 0.01
+    assert (
+        f"| {label} | 4,096 | 2 | {fmt_ms(t)} | {fmt_ms(0.95 * t)} - {fmt_ms(1.05 * t)} | "
+        f"{fmt_num(4096 / t)} |" in results
+    ), results
+    line = next(x for x in results.splitlines() if x.startswith(f"| {label} | 4,096 |"))
+    per_token = 20 * MiB / 2048  # the largest rank's peak over the 2,048 tokens it holds
+    assert line.endswith(
+        f"| 1.00 MiB | 20.00 MiB | 19.00 MiB | {fmt_bytes(per_token)} | "
+        "ok (max abs err 3.0e-06 at 128) |"
+    ), line

@@ -175,6 +175,30 @@ def _rank_peak_cells(values: Sequence[int | None], columns: int, joined: bool) -
     return [fmt_bytes(values[i]) if i < len(values) else "-" for i in range(columns)]
 
 
+def _tail_header(peaks: Sequence[str], ratios: Sequence[tuple[str, str]]) -> list[str]:
+    """The columns the results and maximum-length tables end with."""
+    return [
+        *peaks,
+        "Memory/token",
+        *(["Baseline"] if ratios else []),
+        *(h for h, _ in ratios),
+        "Outcome",
+    ]
+
+
+def _tail_cells(
+    r: RunRow, columns: int, joined: bool, ratios: Sequence[tuple[str, str]]
+) -> list[str]:
+    """One row's cells under _tail_header: per-rank peaks, memory per token, ratios, outcome."""
+    return [
+        *_rank_peak_cells(r.rank_peak_bytes, columns, joined),
+        fmt_bytes(r.memory_per_token_bytes),
+        *([r.baseline or "-"] if ratios else []),
+        *(FORMATS[f](getattr(r, f)) for _, f in ratios),
+        r.outcome,
+    ]
+
+
 def _ratio_columns(rows: Sequence[RunRow]) -> list[tuple[str, str]]:
     """(header, field) of the ratio columns any of these rows has a value for."""
     wanted = [
@@ -277,11 +301,7 @@ def _results_section(rows: Sequence[RunRow]) -> list[str]:
                 fmt_num(r.tokens_per_s),
                 fmt_num(r.tflops_per_s, 4),
                 fmt_bytes(r.input_memory_bytes),
-                *_rank_peak_cells(r.rank_peak_bytes, len(peaks), joined),
-                fmt_bytes(r.memory_per_token_bytes),
-                *([r.baseline or "-"] if ratios else []),
-                *(FORMATS[f](getattr(r, f)) for _, f in ratios),
-                r.outcome,
+                *_tail_cells(r, len(peaks), joined, ratios),
             ]
         )
     header = [
@@ -293,11 +313,7 @@ def _results_section(rows: Sequence[RunRow]) -> list[str]:
         "Tokens/s",
         "TFLOP/s",
         "Memory after inputs",
-        *peaks,
-        "Memory/token",
-        *(["Baseline"] if ratios else []),
-        *(h for h, _ in ratios),
-        "Outcome",
+        *_tail_header(peaks, ratios),
     ]
     return ["## Results per run and sequence length", "", *_table(header, body), ""]
 
@@ -398,11 +414,7 @@ def _max_len_section(rows: Sequence[RunRow]) -> list[str]:
                 fmt_num(r.max_seq_len) if r.max_seq_len else "none fit",
                 fmt_ms(r.median_s),
                 fmt_num(r.tokens_per_s),
-                *_rank_peak_cells(r.rank_peak_bytes, len(peaks), joined),
-                fmt_bytes(r.memory_per_token_bytes),
-                *([r.baseline or "-"] if ratios else []),
-                *(FORMATS[f](getattr(r, f)) for _, f in ratios),
-                r.outcome,
+                *_tail_cells(r, len(peaks), joined, ratios),
             ]
         )
     header = [
@@ -411,11 +423,7 @@ def _max_len_section(rows: Sequence[RunRow]) -> list[str]:
         "Max tokens",
         "Time at max",
         "Tokens/s at max",
-        *(f"{p} at max" for p in peaks),
-        "Memory/token",
-        *(["Baseline"] if ratios else []),
-        *(h for h, _ in ratios),
-        "Outcome",
+        *_tail_header([f"{p} at max" for p in peaks], ratios),
     ]
     return ["## Maximum sequence length", "", *_table(header, body), ""]
 
