@@ -82,7 +82,8 @@ def _targets(row: RunRow, spec: AnalysisSpec) -> list[tuple[dict[str, Any], str]
     """The configs that would be this run's baseline, best first, each with its name.
 
     A world-size baseline is looked for with the sweep's scaling first; under strong scaling a
-    sweep that only has one rank's share at W=1 (weak scaling) falls back to it, named so.
+    data-parallel cell whose sweep only has one rank's share at W=1 (weak scaling) falls back
+    to it, named so.
     """
     cfg = row.config
     changes = spec.baseline
@@ -104,7 +105,10 @@ def _targets(row: RunRow, spec: AnalysisSpec) -> list[tuple[dict[str, Any], str]
         found = [(_with(cfg, rest), name)]
     else:
         name = name.replace("world_size=", "W=")
-        scalings = [spec.scaling] + (["weak"] if spec.scaling == "strong" else [])
+        # Only data parallelism falls back to weak scaling: its ranks then do equal work, where a
+        # ring's share of a longer sequence costs more per rank (attention is quadratic).
+        fallback = spec.scaling == "strong" and cfg.get("parallel") == "data"
+        scalings = [spec.scaling] + (["weak"] if fallback else [])
         found = [
             (
                 _world_change(_with(cfg, rest), world, s),

@@ -106,7 +106,8 @@ def test_default_baselines_world_size_one_and_the_single_process_twin() -> None:
         _row(3, median=2.0 / 1.9, world_size=2, parallel="data", batch_size=2),
         _row(4, median=0.5, world_size=1, batch_size=2),
         _row(5, median=0.25, kernel="block_sparse", params={"block_size": 64}),
-        _row(6, seq_len=2048, kernel="ring", world_size=2),  # no W=1 run at 2048: weak
+        _row(6, seq_len=2048, kernel="ring", world_size=2),  # no W=1 run at 2048
+        _row(7, median=1.0, seq_len=2048, world_size=2, parallel="data", batch_size=2),
     ]
     analysis.apply(rows, None)
     analysis.set_labels(rows)
@@ -119,9 +120,10 @@ def test_default_baselines_world_size_one_and_the_single_process_twin() -> None:
     assert by_id[3].speedup == pytest.approx(0.5 / (2.0 / 1.9))
     # a sparse kernel is compared with dense of the same shape.
     assert (by_id[5].baseline_run_id, by_id[5].speedup) == (1, pytest.approx(4.0))
-    # Without a W=1 run of the same global work, one rank's share (weak scaling), named so.
-    assert (by_id[6].baseline_run_id, by_id[6].baseline) == (1, "dense W=1 (weak)")
-    assert by_id[1].baseline_run_id is None
+    # Without a W=1 run of the same global work, data parallelism falls back to one rank's
+    # share (weak scaling, equal work per rank), named so; a ring does not (quadratic cost).
+    assert by_id[6].baseline_run_id is None and by_id[1].baseline_run_id is None
+    assert by_id[7].baseline is None  # no W=1 run at 2048 either
     points = charts.scaling_points([r.as_dict() for r in rows])
     ring = "ring · sequence-parallel · batch_size=1 · seq 1,024 (vs dense W=1)"
     assert points[ring] == [(1, 1.0), (2, pytest.approx(0.75))]
