@@ -376,18 +376,17 @@ RESULT_COLUMNS = (
     ("run_id", "run"),
     ("label", "configuration"),
     ("length", "length"),
-    ("world_size", "W"),
-    ("parallel", "parallel"),
-    ("dtype", "dtype"),
-    ("status", "status"),
-    ("median_s", "median s"),
+    ("median_s", "time"),
     ("tokens_per_s", "tokens/s"),
-    ("tflops_per_s", "TFLOP/s"),
     ("peak_memory_bytes", "peak mem"),
     ("max_seq_len", "max len"),
     ("baseline", "vs"),
     ("speedup", "speedup"),
 )
+"""The terminal table: the label already names the world size, parallel mode and dtype where
+they vary; a run without a time shows its status there; every other number is in
+--format csv/json. A column no row has a value for is left
+out, so the table fits an 80-column terminal."""
 
 
 def _cell(key: str, value: Any) -> str:
@@ -398,7 +397,10 @@ def _cell(key: str, value: Any) -> str:
     if key == "peak_memory_bytes":
         return f"{value / 2**20:,.1f} MiB"
     if key == "median_s":
-        return f"{value:.4g}"
+        return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
+    if key == "tokens_per_s":
+        steps = ((1e9, "G"), (1e6, "M"), (1e3, "k"))
+        return next((f"{value / f:.3g} {p}" for f, p in steps if value >= f), f"{value:.3g}")
     if isinstance(value, float):
         return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
     if isinstance(value, int) and not isinstance(value, bool) and key != "run_id":
@@ -427,10 +429,18 @@ def results(
     if format_ == "json":
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
-    table = Table(*(title for _, title in RESULT_COLUMNS), box=None)
     for row in rows:
         row["length"] = row["measured_seq_len"] or row["seq_len"]  # a search: its answer
-        table.add_row(*(_cell(key, row.get(key)) for key, _ in RESULT_COLUMNS))
+    shown = [(k, t) for k, t in RESULT_COLUMNS if any(row.get(k) is not None for row in rows)]
+    table = Table(box=None, pad_edge=False, collapse_padding=True)
+    for key, title in shown:
+        wraps = key == "label"
+        table.add_column(title, no_wrap=not wraps, overflow="fold", min_width=16 if wraps else None)
+    for row in rows:
+        cells = [_cell(key, row.get(key)) for key, _ in shown]
+        if row.get("median_s") is None and ("median_s", "time") in shown:
+            cells[shown.index(("median_s", "time"))] = row["status"]
+        table.add_row(*cells)
     out.print(table)
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,7 +72,20 @@ def test_results_in_three_formats(base: str, service: tuple[str, Seeded]) -> Non
     assert [int(r["run_id"]) for r in parsed] == [r["run_id"] for r in rows]
     table = ringlab("results", sweep).stdout
     assert "block_sparse" in table and "4,096" in table
+    assert "None" not in table and "max len" in table and "speedup" in table
     assert "--format" in one_error_line(ringlab("results", sweep, "--format", "xml"))
+
+
+def test_results_table_fits_80_columns(base: str, service: tuple[str, Seeded]) -> None:
+    """In an 80-column terminal the label wraps instead of every column being cut short."""
+    command = [str(Path(sys.executable).parent / "ringlab"), "results", str(service[1].benchmark)]
+    env = {**os.environ, "RINGLAB_URL": base, "COLUMNS": "80"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    table = done.stdout
+    assert max(len(line) for line in table.splitlines()) <= 80
+    assert "configuration" in table and "tokens/s" in table and "W=1 (weak)" in table
+    assert "0.0474 ms" in table  # run 1's median, whole (synthetic H100 numbers)
 
 
 def test_report_is_markdown(base: str, service: tuple[str, Seeded]) -> None:
