@@ -1,6 +1,8 @@
-"""What every kernel shares: the call signature, input checks and FLOP accounting."""
+"""What every kernel shares: the call signature, input checks, FLOP and memory accounting."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -40,6 +42,28 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q, k, v: expected a floating dtype, got {q.dtype}")
 
 
+@dataclass(frozen=True)
+class KernelMemory:
+    """Bytes one training call of a kernel holds, from its shapes alone (memory_model()).
+
+    saved: what autograd keeps from the forward to the backward, the q, k, v it saves included;
+    output_saved: whether the returned output is one of those saved tensors (else a caller that
+    saves the output for its own backward adds it); forward_transient / backward_transient: the
+    largest extra bytes the call allocates and frees within its forward / its backward (the
+    backward's includes the returned dq, dk, dv).
+    """
+
+    saved: int
+    output_saved: bool
+    forward_transient: int
+    backward_transient: int
+
+
+def qkv_bytes(batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of one (batch, seq_len, num_heads, head_dim) tensor."""
+    return batch * seq_len * num_heads * head_dim * dtype_bytes
+
+
 class Kernel(nn.Module):
     """Base of every kernel: `module(q, k, v, *, causal=False) -> out` with q's shape and dtype.
 
@@ -60,3 +84,12 @@ class Kernel(nn.Module):
     ) -> int:
         """FLOPs of one call on (batch, seq_len, num_heads, head_dim) inputs of this rank."""
         raise NotImplementedError
+
+    def memory_model(
+        self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int
+    ) -> KernelMemory:
+        """What one training call on this rank's (batch, seq_len, heads, head_dim) inputs of
+        `dtype_bytes` per element keeps for backward and allocates on the way (KernelMemory).
+
+        A kernel without a model raises NotImplementedError; a prediction then says so."""
+        raise NotImplementedError(f"{type(self).__name__} has no memory model")

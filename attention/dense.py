@@ -7,7 +7,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attention.base import Kernel, attention_flops, causal_pairs, check_qkv
+from attention.base import (
+    Kernel,
+    KernelMemory,
+    attention_flops,
+    causal_pairs,
+    check_qkv,
+    qkv_bytes,
+)
 from attention.registry import KernelSpec, register
 
 
@@ -45,6 +52,17 @@ class DenseAttention(Kernel):
     ) -> int:
         pairs = causal_pairs(seq_len) if causal else seq_len * seq_len
         return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
+
+    def memory_model(
+        self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int
+    ) -> KernelMemory:
+        """SDPA (fused) saves q, k, v, its output and the fp32 log-sum-exp; the output it
+        returns is the saved one. Backward allocates dq, dk, dv in the input dtype."""
+        one = qkv_bytes(batch, seq_len, num_heads, head_dim, dtype_bytes)
+        lse = 4 * batch * num_heads * seq_len
+        return KernelMemory(
+            saved=4 * one + lse, output_saved=True, forward_transient=0, backward_transient=3 * one
+        )
 
 
 register(

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from service.spec import AnalysisSpec, PivotSpec
+from service.spec import NESTED, AnalysisSpec, PivotSpec, nested_axis
 from service.views import RunRow
 
 RING_TWINS = {"ring": "dense", "ring_dilated": "dilated", "ring_block_sparse": "block_sparse"}
@@ -52,17 +52,18 @@ def _match_key(config: dict[str, Any]) -> str:
 
 
 def _with(config: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    """The config with fields (or `params.<name>`) replaced."""
+    """The config with fields (or `params.<name>`, `model.<name>`, `training.<name>`) replaced."""
     out = dict(config)
-    params = dict(out.get("params") or {})
+    out["params"] = dict(out.get("params") or {})
     for key, value in changes.items():
-        if key.startswith("params."):
-            params[key.removeprefix("params.")] = value
-        elif key == "params":
-            params = dict(value)
+        nested = nested_axis(key)
+        if nested is not None:
+            head, name = nested
+            out[head] = {**(out.get(head) or {}), name: value}
+        elif key in NESTED:
+            out[key] = dict(value) if isinstance(value, dict) else value
         else:
             out[key] = value
-    out["params"] = params
     return out
 
 
@@ -173,16 +174,40 @@ def _field_text(name: str, value: Any) -> str | None:
         return f"{value}-parallel"
     if name == "causal":
         return "causal" if value else "non-causal"
-    if name in ("dtype", "mode"):
+    if name in ("dtype", "mode", "training.optimizer", "training.precision"):
         return str(value)
-    return f"{name}={_text(value)}"
+    if name == "model":
+        return model_text(value)
+    if name == "training.checkpointing":
+        return f"checkpoint {value}"
+    return f"{name.removeprefix('training.')}={_text(value)}"
+
+
+TRAINING_FIELDS = ("optimizer", "precision", "checkpointing", "checkpoint_every",
+                   "loss_chunk_tokens")  # fmt: skip
+"""A model cell's training settings a label shows when they vary (as training.<name>)."""
+
+
+def model_text(model: dict[str, Any] | None) -> str | None:
+    """A model's name, else its shape d x heads x layers (None for an attention-only cell)."""
+    if not model:
+        return None
+    if model.get("name"):
+        return str(model["name"])
+    return f"{model.get('d_model')}d×{model.get('n_heads')}h×{model.get('n_layers')}L"
 
 
 def varying(rows: Sequence[RunRow]) -> tuple[list[str], list[str]]:
-    """(params, config fields) whose value differs between the rows."""
+    """(params, config fields) whose value differs between the rows; a differing model is the
+    field `model`, a differing training setting `training.<name>`."""
     params = sorted({k for r in rows for k in r.params})
     vary_params = [p for p in params if len({_text(r.params.get(p)) for r in rows}) > 1]
-    vary_fields = [f for f in LABEL_FIELDS if len({_text(r.config.get(f)) for r in rows}) > 1]
+    fields = ["model", *LABEL_FIELDS, *(f"training.{t}" for t in TRAINING_FIELDS)]
+    vary_fields = [f for f in fields if len({_text(_axis_value(r, f)) for r in rows}) > 1]
+    if "model" in vary_fields:  # the model implies its heads and head size
+        vary_fields = [f for f in vary_fields if f not in ("num_heads", "head_dim")]
+    if any(f.startswith("training.precision") for f in vary_fields):
+        vary_fields = [f for f in vary_fields if f != "dtype"]  # the precision implies it
     return vary_params, vary_fields
 
 
@@ -193,7 +218,7 @@ def label(row: RunRow, vary_params: Sequence[str], vary_fields: Sequence[str]) -
     for f in vary_fields:
         if f == "parallel" and row.world_size == 1:
             continue  # one rank: data and sequence parallel are the same run
-        if (text := _field_text(f, row.config.get(f))) is not None:
+        if (text := _field_text(f, _axis_value(row, f))) is not None:
             parts.append(text)
     return " · ".join(parts)
 
@@ -242,8 +267,9 @@ def _axis_value(row: RunRow, name: str) -> Any:
         return row.label
     if name == "seq_len":
         return row.length
-    if name.startswith("params."):
-        return row.params.get(name.removeprefix("params."))
+    nested = nested_axis(name)
+    if nested is not None:
+        return (row.config.get(nested[0]) or {}).get(nested[1])
     return row.config.get(name)
 
 

@@ -18,7 +18,16 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.engine import rowcount
-from service.db.models import Environment, Probe, RankResult, Run, RunStatus, Sweep, utcnow
+from service.db.models import (
+    Environment,
+    MemoryComponent,
+    Probe,
+    RankResult,
+    Run,
+    RunStatus,
+    Sweep,
+    utcnow,
+)
 
 ACTIVE_STATUSES = (RunStatus.running, RunStatus.waiting_resources)
 Kind = Literal["benchmark", "max_seq_len", "correctness"]  # workers.gang.Kind (SweepKind values)
@@ -44,6 +53,7 @@ class Completion:
     ranks: Sequence[dict[str, Any]] = field(default_factory=tuple)
     probes: Sequence[dict[str, Any]] = field(default_factory=tuple)
     environment: dict[str, Any] | None = None  # Environment columns, "hash" included
+    components: Sequence[dict[str, Any]] = field(default_factory=tuple)  # rank included
 
 
 def new_token(owner: str) -> str:
@@ -231,6 +241,8 @@ def finish(sm: sessionmaker[Session], claim: Claim, completion: Completion) -> b
             session.add(RankResult(run_id=claim.run_id, **rank))
         for probe in completion.probes:
             session.add(Probe(run_id=claim.run_id, **probe))
+        for component in completion.components:
+            session.add(MemoryComponent(run_id=claim.run_id, **component))
         session.flush()
     return True
 

@@ -88,6 +88,7 @@ def completion_from_outcome(outcome: RunOutcome) -> Completion:
         ranks=[r.row() for r in outcome.ranks],
         probes=[p.row() for p in outcome.probes],
         environment=None if outcome.environment is None else outcome.environment.row(),
+        components=[{"rank": r.rank, **c.row()} for r in outcome.ranks for c in r.components],
     )
 
 

@@ -53,13 +53,29 @@ PivotValue = Literal[
 ]
 
 
+NESTED = ("params", "model", "training")
+"""Config fields that are objects: an axis or baseline change names one of their fields as
+`<field>.<name>` (params.block_size, model.d_model, training.precision)."""
+
+
+def nested_axis(name: str) -> tuple[str, str] | None:
+    """'model.d_model' -> ('model', 'd_model'); None for a plain field name."""
+    head, dot, rest = name.partition(".")
+    if dot and head in NESTED and rest.isidentifier():
+        return head, rest
+    return None
+
+
 def _axis_name(name: str) -> str:
-    """A run config field or params.<name>, else ValueError naming what is allowed."""
-    if name.startswith("params.") and name.removeprefix("params.").isidentifier():
+    """A run config field or <params|model|training>.<name>, else ValueError naming what is
+    allowed."""
+    if nested_axis(name) is not None:
         return name
-    if name in RUN_FIELDS and name != "params":
+    if name in RUN_FIELDS and name not in NESTED:
         return name
-    raise ValueError(f"{name!r} is not a run config field or params.<name>")
+    raise ValueError(
+        f"{name!r} is not a run config field, params.<name>, model.<name> or training.<name>"
+    )
 
 
 class PivotSpec(BaseModel):
@@ -234,18 +250,29 @@ def split_message(msg: str) -> tuple[tuple[str, ...], str] | None:
 
 
 def _check_axis(where: str, axis: str) -> dict[str, Any] | None:
-    if axis.startswith("params."):
-        name = axis.removeprefix("params.")
+    head, dot, name = axis.partition(".")
+    if dot and head in NESTED:
         if not name.isidentifier():
-            return _err((where, axis), f"{name!r} is not a parameter name")
+            return _err((where, axis), f"{name!r} is not a field name of {head}")
+        if head != "params":
+            from workers.config import ModelConfig, TrainingConfig
+
+            fields = (ModelConfig if head == "model" else TrainingConfig).model_fields
+            if name not in fields:
+                valid = ", ".join(sorted(fields))
+                return _err((where, axis), f"unknown field of {head}: {name!r}; valid: {valid}")
         return None
     if axis == "search":
         return _err((where, axis), "search is not an axis; use the sweep's search block")
-    if axis == "params":
-        return _err((where, axis), "vary single parameters with axes named params.<name>")
+    if axis in NESTED:
+        return _err((where, axis), f"vary single fields with axes named {axis}.<name>")
     if axis not in RUN_FIELDS:
-        valid = ", ".join(sorted(RUN_FIELDS))
-        return _err((where, axis), f"unknown axis {axis!r}; valid: {valid} or params.<name>")
+        valid = ", ".join(sorted(RUN_FIELDS - set(NESTED)))
+        return _err(
+            (where, axis),
+            f"unknown axis {axis!r}; valid: {valid}, or params.<name>, model.<name>, "
+            "training.<name>",
+        )
     return None
 
 
@@ -384,13 +411,15 @@ class _Expander:
     def locate(self, pos: Position, path: tuple[str | int, ...]) -> Loc:
         """Where the user wrote the value at `path` (('seq_len',), ('params', 'block_size'))."""
         head = str(path[0])
-        if head == "params" and len(path) > 1:
-            axis = f"params.{path[1]}"
+        if head in NESTED and len(path) > 1:
+            axis = f"{head}.{path[1]}"
             if axis in pos:
                 where, i = pos[axis]
                 return (where, axis, i, *path[2:])
-            params = self.spec.base.get("params")
-            if isinstance(params, dict) and path[1] in params:
+            given = self.spec.base.get(head)
+            if isinstance(given, dict) and path[1] in given:
+                return ("base", *path)
+            if head != "params":
                 return ("base", *path)
             kernel_at = self.locate(pos, ("kernel",))
             return kernel_at if kernel_at != ("base",) else ("base", "params")
@@ -425,15 +454,20 @@ class _Expander:
         """The raw (unvalidated) run config of one cell and its axis values."""
         axes = {name: values[i] for (name, _, values), i in zip(self.axes, idx, strict=True)}
         raw = dict(self.spec.base)
-        base_params = raw.get("params", {})
-        params = dict(base_params) if isinstance(base_params, dict) else base_params
+        raw.setdefault("params", {})
+        for head in NESTED:  # copies: an axis value never changes the base another cell reads
+            if isinstance(raw.get(head), dict):
+                raw[head] = dict(raw[head])
         for axis, value in axes.items():
-            if axis.startswith("params."):
-                if isinstance(params, dict):
-                    params[axis.removeprefix("params.")] = value
-            else:
+            nested = nested_axis(axis)
+            if nested is None:
                 raw[axis] = value
-        raw["params"] = params
+                continue
+            head, name = nested
+            if head not in raw or raw[head] is None:
+                raw[head] = {}
+            if isinstance(raw[head], dict):
+                raw[head][name] = value
         if self.search is not None:
             raw["search"] = self.search
             raw["seq_len"] = self.search["start"]
@@ -481,8 +515,12 @@ class _Expander:
             pos = self.position(idx)
             for d in e.errors():
                 msg = d["msg"].removeprefix("Value error, ")
-                if d["loc"]:
-                    target = self.locate(pos, tuple(d["loc"]))
+                loc = tuple(d["loc"])
+                head, sep, reason = msg.partition(": ")
+                if loc and loc[-1] in NESTED and sep and head.isidentifier():
+                    loc, msg = (*loc, head), reason  # a sub-model's own field (model.d_model)
+                if loc:
+                    target = self.locate(pos, loc)
                 elif (split := split_message(msg)) is not None:
                     target, msg = self.locate(pos, split[0]), split[1]
                 else:

@@ -15,6 +15,111 @@ Mode = Literal["forward", "train"]
 Parallel = Literal["sequence", "data"]
 Device = Literal["auto", "cuda", "cpu"]
 Placement = Literal["pack", "spread", "strict_spread"]
+Workload = Literal["attention", "model"]
+Optimizer = Literal["adamw", "sgd", "adamw8bit"]
+Precision = Literal["fp32", "bf16_autocast", "fp16_autocast", "bf16"]
+Checkpointing = Literal["none", "blocks", "attention", "every_k"]
+
+PRECISION_DTYPES: dict[str, Dtype] = {
+    "fp32": "float32",
+    "bf16_autocast": "bfloat16",
+    "fp16_autocast": "float16",
+    "bf16": "bfloat16",
+}
+"""The dtype the attention kernel computes in under each training precision."""
+
+
+class ModelConfig(BaseModel):
+    """A GPT-style decoder: pre-norm blocks, rotary positions (no learned position table),
+    GELU MLP, LM head tied to the embedding or not. Its attention is the run's kernel."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str | None = Field(
+        None, max_length=40, description="A label for reports (e.g. 125M); changes nothing."
+    )
+    d_model: int = Field(ge=8, le=65536)
+    n_layers: int = Field(ge=1, le=1024)
+    n_heads: int = Field(ge=1, le=1024)
+    num_kv_heads: int | None = Field(
+        None, ge=1, description="Key/value heads (grouped-query attention); default n_heads."
+    )
+    ffn_multiplier: float = Field(4.0, gt=0, le=64, description="MLP width / d_model.")
+    vocab_size: int = Field(50304, ge=2, le=1 << 24)
+    tied_embeddings: bool = Field(True, description="The LM head reuses the embedding matrix.")
+
+    @model_validator(mode="after")
+    def _shape(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model: {self.d_model} must divide by n_heads {self.n_heads} (head_dim)"
+            )
+        kv = self.kv_heads
+        if kv > self.n_heads or self.n_heads % kv:
+            raise ValueError(
+                f"num_kv_heads: {kv} must divide n_heads {self.n_heads} (each key/value head "
+                "serves an equal group of query heads)"
+            )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        """d_model / n_heads."""
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """num_kv_heads, or n_heads when unset (plain multi-head attention)."""
+        return self.num_kv_heads or self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        """The MLP's hidden width: round(ffn_multiplier x d_model)."""
+        return max(1, round(self.ffn_multiplier * self.d_model))
+
+
+class TrainingConfig(BaseModel):
+    """How a model cell trains: optimizer, precision, activation checkpointing, chunked loss.
+
+    A model run takes one measured step (the memory components), then the run's `warmup`
+    steps, then `iterations` timed steps: the step count is the run's own warmup + iterations.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    optimizer: Optimizer = Field(
+        "adamw", description="adamw (fused), sgd (momentum 0.9), adamw8bit (bitsandbytes, CUDA)."
+    )
+    precision: Precision = Field(
+        "fp32",
+        description="fp32; bf16_autocast / fp16_autocast (fp32 weights, fp16 with a grad "
+        "scaler); bf16: weights, gradients and optimizer states in bfloat16.",
+    )
+    checkpointing: Checkpointing = Field(
+        "none",
+        description="none; blocks: every block recomputed in backward; attention: only the "
+        "attention sublayer; every_k: every checkpoint_every-th block.",
+    )
+    checkpoint_every: int | None = Field(
+        None, ge=1, description="k for checkpointing every_k (blocks 0, k, 2k, ...)."
+    )
+    loss_chunk_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Compute the LM head and loss over chunks of this many tokens, each "
+        "recomputed in backward, so the (tokens x vocab) logits never exist at once.",
+    )
+    lr: float = Field(1e-4, gt=0, le=10)
+
+    @model_validator(mode="after")
+    def _every_k(self) -> TrainingConfig:
+        if self.checkpointing == "every_k" and self.checkpoint_every is None:
+            raise ValueError("checkpoint_every: checkpointing every_k needs checkpoint_every")
+        if self.checkpointing != "every_k" and self.checkpoint_every is not None:
+            raise ValueError(
+                f"checkpoint_every: only for checkpointing every_k, not {self.checkpointing}"
+            )
+        return self
 
 
 class SearchConfig(BaseModel):
@@ -42,6 +147,11 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    workload: Workload = Field(
+        "attention",
+        description="attention: time the kernel alone on random q, k, v; model: train a "
+        "decoder (`model`, `training`) whose attention is the kernel.",
+    )
     kernel: str = Field(description="A name from attention.KERNELS.")
     params: dict[str, Any] = Field(default_factory=dict, description="The kernel's parameters.")
     seq_len: int = Field(ge=1, description="Total tokens per sequence (across all ranks).")
@@ -73,6 +183,31 @@ class RunConfig(BaseModel):
     )
     env: dict[str, str] = Field(default_factory=dict, description="NCCL_* variables for the ranks.")
     search: SearchConfig | None = None
+    model: ModelConfig | None = Field(None, description="workload model: the decoder trained.")
+    training: TrainingConfig | None = Field(None, description="workload model: how it trains.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_shape(cls, data: Any) -> Any:
+        """A model cell's heads, head_dim, dtype, mode and causality follow from its model and
+        precision: filled in when left out, refused below when they contradict."""
+        if not isinstance(data, dict) or data.get("workload") != "model":
+            return data
+        model = data.get("model")
+        if isinstance(model, dict):
+            try:
+                parsed = ModelConfig.model_validate(model)
+            except ValueError:
+                return data  # the field's own errors are reported
+            data = {"num_heads": parsed.n_heads, "head_dim": parsed.head_dim, **data}
+        training = data.get("training")
+        if training is None:
+            data = {**data, "training": {}}
+            training = {}
+        precision = training.get("precision", "fp32") if isinstance(training, dict) else None
+        if precision in PRECISION_DTYPES:
+            data = {"dtype": PRECISION_DTYPES[precision], **data}
+        return {"mode": "train", "causal": True, **data}
 
     @field_validator("env")
     @classmethod
@@ -81,6 +216,53 @@ class RunConfig(BaseModel):
         if bad:
             raise ValueError(f"only NCCL_* variables pass through, got {', '.join(bad)}")
         return value
+
+    @model_validator(mode="after")
+    def _workload(self) -> RunConfig:
+        if self.workload == "attention":
+            for name in ("model", "training"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only a workload: model cell takes {name}")
+            return self
+        if self.model is None:
+            raise ValueError("model: a workload: model cell needs a model (d_model, n_layers, ...)")
+        if self.training is None:
+            raise ValueError("training: a workload: model cell needs its training settings")
+        model, training = self.model, self.training
+        for name, want in (
+            ("num_heads", model.n_heads),
+            ("head_dim", model.head_dim),
+            ("dtype", PRECISION_DTYPES[training.precision]),
+            ("mode", "train"),
+            ("causal", True),
+        ):
+            if getattr(self, name) != want:
+                raise ValueError(
+                    f"{name}: a model cell's {name} is {want!r} (from its model and "
+                    f"training.precision), not {getattr(self, name)!r}; leave it out"
+                )
+        import attention
+
+        spec = attention.KERNELS.get(self.kernel)
+        if spec is not None and spec.input_layout != "bshd":
+            raise ValueError(
+                f"kernel: {self.kernel} is a whole layer with its own projections; a model cell "
+                "needs an attention kernel (dense, dilated, block_sparse, ring, ...)"
+            )
+        if training.optimizer == "adamw8bit":
+            import importlib.util
+
+            if self.device != "cuda":
+                raise ValueError(
+                    "training.optimizer: adamw8bit (bitsandbytes) runs on CUDA only; set "
+                    f"device: cuda (this cell has device {self.device})"
+                )
+            if importlib.util.find_spec("bitsandbytes") is None:
+                raise ValueError(
+                    "training.optimizer: adamw8bit needs bitsandbytes, which is not installed "
+                    "(pip install 'ringlab[gpu]')"
+                )
+        return self
 
     @model_validator(mode="after")
     def _kernel_fits(self) -> RunConfig:

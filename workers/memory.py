@@ -51,14 +51,36 @@ def release(collect_cycles: bool = False) -> None:
         libc.malloc_trim(0)
 
 
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+HEAP_MMAP_THRESHOLD = 64 * 1024
+
+
+@functools.cache
+def heap_follows_tensors() -> bool:
+    """Make glibc serve every allocation of 64 KiB or more by its own mmap, returned to the
+    system when freed (process-wide, once). glibc's default threshold grows to 32 MiB, so
+    freed tensors below it stay in the heap and the resident set (what the CPU meter reads)
+    counts fragmentation as if it were tensors: measured here, a model's forward transient
+    read 1.33x its logits with the default and 1.00x with this. Returns whether it applied."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD))
+
+
 class PeakMeter:
-    """Measures the peak above a baseline on one device: `baseline()`, `reset()`, then `peak()`."""
+    """Measures the peak above a baseline on one device: `baseline()`, `reset()`, then `peak()`.
+
+    On CPU it reads the resident set, with glibc's heap set to follow the tensors
+    (heap_follows_tensors)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._base = 0
-        if device.type == "cpu" and not cpu_peak_supported():
-            raise RuntimeError("CPU peak memory needs Linux /proc/self/clear_refs")
+        if device.type == "cpu":
+            if not cpu_peak_supported():
+                raise RuntimeError("CPU peak memory needs Linux /proc/self/clear_refs")
+            heap_follows_tensors()
 
     def baseline(self) -> int:
         """Record what is resident before the inputs exist; returns it in bytes."""

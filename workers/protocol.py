@@ -263,6 +263,17 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
                 f"{config.mode})",
             )
 
+    if config.workload == "model":
+        from workers.training import run_model_case
+
+        outcome = run_model_case(config, rank, case)
+        if outcome.result is not None and max_abs_error is not None:
+            checked = {"max_abs_error": max_abs_error, "check_seq_len": checked_at}
+            outcome = outcome.model_copy(
+                update={"result": outcome.result.model_copy(update=checked)}
+            )
+        return outcome
+
     sworld = kernels.shard_world(config)
     srank = rank if sworld > 1 else 0
     module = kernels.build(config, device)

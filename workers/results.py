@@ -32,7 +32,12 @@ RANK_RESULT_COLUMNS = (
     "backend",
     "max_abs_error",
     "check_seq_len",
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
+    "predicted_max_seq_len",
 )
+COMPONENT_COLUMNS = ("component", "predicted_bytes", "measured_bytes")
 PROBE_COLUMNS = (
     "seq_len",
     "outcome",
@@ -56,6 +61,20 @@ ENVIRONMENT_COLUMNS = (
     "git_sha",
     "git_dirty",
 )
+
+
+class MemoryComponent(BaseModel):
+    """One memory component of a model run on one rank: predicted before, measured during."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    component: str = Field(description="A name of workers.model_memory.COMPONENTS.")
+    predicted_bytes: int | None = Field(None, description="None: no prediction for it.")
+    measured_bytes: int | None = Field(None, description="None: not measurable here.")
+
+    def row(self) -> dict[str, Any]:
+        """The columns of the memory_component table (without run and rank)."""
+        return self.model_dump(include=set(COMPONENT_COLUMNS))
 
 
 class RankResult(BaseModel):
@@ -86,6 +105,17 @@ class RankResult(BaseModel):
     )
     emulated_oom: bool = Field(
         False, description="CPU: the peak exceeded memory_budget_bytes (an emulated OOM)."
+    )
+    forward_s: float | None = Field(None, description="Model runs: median forward seconds.")
+    backward_s: float | None = Field(
+        None, description="Model runs: median backward seconds (gradient all-reduce included)."
+    )
+    optimizer_s: float | None = Field(None, description="Model runs: median optimizer step.")
+    predicted_max_seq_len: int | None = Field(
+        None, description="Model runs with a memory budget: the longest length predicted to fit."
+    )
+    components: list[MemoryComponent] = Field(
+        default_factory=list, description="Model runs: memory per component (memory_component)."
     )
 
     def row(self) -> dict[str, Any]:

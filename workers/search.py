@@ -1,5 +1,8 @@
 """Maximum sequence length search: double from `start` to the first OOM, then bisect.
 
+A model cell with a memory budget starts from its predicted maximum instead and grows or
+shrinks by BRACKET_FACTOR until one length fits and the next does not, then bisects.
+
 Every probed length is one the kernel accepts at the run's world size (attention.validate);
 every probe is returned with its outcome, peak memory and time; the answer is the largest
 length that fit.
@@ -19,6 +22,22 @@ from workers.results import CaseOutcome, ProbeResult, RunOutcome
 _FACTORS = (1, 3, 5, 7)
 
 ProbeRunner = Callable[[RunConfig, bool], list[CaseOutcome]]
+BRACKET_FACTOR = 1.125
+"""A search from a predicted maximum grows (or shrinks) by this factor until it brackets it."""
+
+
+def predicted_start(config: RunConfig) -> int | None:
+    """Where a model cell's search starts: its predicted maximum length under its memory
+    budget (workers.model_memory), None when there is no budget or no prediction (the search
+    then doubles from search.start)."""
+    if config.workload != "model" or config.memory_budget_bytes is None:
+        return None
+    from workers import model_memory
+
+    try:
+        return model_memory.max_seq_len(config, config.memory_budget_bytes)
+    except NotImplementedError:
+        return None  # the kernel has no memory model; its runs say so
 
 
 def _divisors(n: int) -> list[int]:
@@ -112,24 +131,38 @@ def run_search(
             return True
         return False
 
-    length = snap_down(config, min(search.start, search.max))
+    predicted = predicted_start(config)
+    first = search.start if predicted is None else predicted
+    factor = 2.0 if predicted is None else BRACKET_FACTOR
+    length = snap_down(config, min(first, search.max))
     if length is None:
         raise ValueError(
-            f"search.start: no length <= {search.start} fits kernel {config.kernel!r} at "
+            f"search.start: no length <= {first} fits kernel {config.kernel!r} at "
             f"world_size {config.world_size}"
         )
     try:
-        while True:  # doubling
-            if not probe(length):
-                hi = length
-                break
+        if probe(length):
             lo = length
-            nxt = snap_down(
-                config, min(2 * length, search.max), floor=length + 1, anchors=(length,)
-            )
-            if nxt is None:
-                break
-            length = nxt
+            while True:  # growing by `factor` until a length does not fit
+                grown = min(max(int(length * factor), length + 1), search.max)
+                nxt = snap_down(config, grown, floor=length + 1, anchors=(length,))
+                if nxt is None:
+                    break
+                if not probe(nxt):
+                    hi = nxt
+                    break
+                lo = length = nxt
+        else:
+            hi = length
+            while predicted is not None:  # from a prediction: shrinking until one fits
+                nxt = snap_down(config, int(length / factor), anchors=(length,))
+                if nxt is None or nxt >= length:
+                    break
+                length = nxt
+                if probe(length):
+                    lo = length
+                    break
+                hi = length
         if lo is not None and hi is not None:  # bisection
             while hi - lo > search.granularity:
                 # The valid length nearest the middle; else the largest one below hi. None of

@@ -188,8 +188,28 @@ class RankResult(Base):
     backend: Mapped[str] = mapped_column(String(64))
     max_abs_error: Mapped[float | None] = mapped_column(Float)
     check_seq_len: Mapped[int | None] = mapped_column(BigInteger)
+    forward_s: Mapped[float | None] = mapped_column(Float)
+    backward_s: Mapped[float | None] = mapped_column(Float)
+    optimizer_s: Mapped[float | None] = mapped_column(Float)
+    predicted_max_seq_len: Mapped[int | None] = mapped_column(BigInteger)
 
     run: Mapped[Run] = relationship(back_populates="rank_results")
+
+
+class MemoryComponent(Base):
+    """One memory component of a model run on one rank: predicted and measured bytes."""
+
+    __tablename__ = "memory_component"
+    __table_args__ = (
+        UniqueConstraint("run_id", "rank", "component", name="uq_memory_component_run_rank"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    component: Mapped[str] = mapped_column(String(32))
+    predicted_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    measured_bytes: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Probe(Base):

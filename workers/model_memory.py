@@ -1,0 +1,268 @@
+"""Memory of a `workload: model` cell predicted before it runs: a pure function of the cell.
+
+Per rank, by component (bytes):
+- parameters: the exact count of the model built on the meta device x bytes per weight
+  (2 for pure bf16, else 4: autocast keeps fp32 weights);
+- gradients: the same bytes (gradients take their parameter's dtype);
+- optimizer_states: adamw two moments like each parameter plus a 4-byte step per tensor; sgd
+  one momentum buffer; adamw8bit (bitsandbytes) one byte per moment per element with a fp32
+  absmax per 256-element block, 32-bit moments for tensors under 4096 elements;
+- activations: what the forward keeps for backward, tensor by tensor (`block_saved`), the
+  attention kernel's own share from its `memory_model()`, autocast's low-precision weight
+  copies included (the graph keeps them);
+- forward_transient: the largest extra the forward allocates above the kept activations (the
+  logits and their fp32 copy, or one loss chunk's);
+- backward_peak: the peak of the backward above what is resident before the forward;
+- step_peak: the whole step's peak above the pre-model baseline, the number a memory budget
+  is held against; `max_seq_len` solves step_peak(L) <= budget.
+
+Every saved tensor of workers/model.py is named here; tests/test_model_memory.py counts them
+with saved-tensor hooks and holds the two to each other.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+
+import torch
+
+from workers.config import ModelConfig, RunConfig, TrainingConfig
+
+COMPONENTS = (
+    "parameters",
+    "gradients",
+    "optimizer_states",
+    "activations",
+    "forward_transient",
+    "backward_peak",
+    "step_peak",
+    "allocator_overhead",
+)
+"""The components stored per rank (allocator_overhead is measured on CUDA only)."""
+
+
+@dataclass(frozen=True)
+class Widths:
+    """Bytes per element of a precision: weights, matmul activations, the residual stream."""
+
+    weight: int
+    compute: int
+    residual: int
+
+
+def widths(training: TrainingConfig) -> Widths:
+    """fp32: all 4; autocast: fp32 weights and residual stream, 2-byte matmul outputs; pure
+    bf16: all 2."""
+    if training.precision == "fp32":
+        return Widths(4, 4, 4)
+    if training.precision == "bf16":
+        return Widths(2, 2, 2)
+    return Widths(4, 2, 4)
+
+
+def _autocast(training: TrainingConfig) -> bool:
+    return training.precision.endswith("_autocast")
+
+
+@functools.lru_cache(maxsize=256)
+def parameter_counts(model: ModelConfig, training: TrainingConfig) -> tuple[int, int, int]:
+    """(parameters, parameter tensors, elements of linear weights autocast copies) of the
+    model built on the meta device: exact, whatever the shape, without allocating it."""
+    from workers.model import Decoder
+
+    with torch.device("meta"):
+        net = Decoder(model, training, lambda: torch.nn.Identity())
+    params = list(net.parameters())  # a tied weight once
+    linear = sum(
+        m.weight.numel() for m in net.modules() if isinstance(m, torch.nn.Linear)
+    )  # the tied head's weight too: autocast casts it for the head matmul
+    return sum(p.numel() for p in params), len(params), linear
+
+
+def optimizer_bytes(model: ModelConfig, training: TrainingConfig) -> int:
+    """The optimizer's state after its first step."""
+    from workers.model import Decoder
+
+    w = widths(training).weight
+    n, tensors, _ = parameter_counts(model, training)
+    if training.optimizer == "adamw":
+        return 2 * n * w + 4 * tensors
+    if training.optimizer == "sgd":
+        return n * w
+    with torch.device("meta"):
+        net = Decoder(model, training, lambda: torch.nn.Identity())
+    total = 0
+    for p in net.parameters():
+        if p.numel() < 4096:
+            total += 2 * 4 * p.numel()
+        else:
+            total += 2 * (p.numel() + 4 * -(-p.numel() // 256))
+    return total
+
+
+def _kernel_memory(config: RunConfig, tokens_local: int) -> object:
+    """The kernel's memory_model at this rank's shard (raises NotImplementedError if none)."""
+    import attention
+    from workers import kernels
+
+    model = config.model
+    assert model is not None
+    module = attention.build(config.kernel, **kernels.kernel_params(config))
+    return module.memory_model(  # type: ignore[operator]
+        config.local_batch,
+        tokens_local // config.local_batch,
+        model.n_heads,
+        model.head_dim,
+        widths(config.training or TrainingConfig()).compute,
+    )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted bytes per component for one rank at one total length (see the module doc)."""
+
+    seq_len: int
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    forward_transient: int
+    backward_peak: int
+    step_peak: int
+
+    def components(self) -> dict[str, int | None]:
+        """Every component of COMPONENTS (allocator_overhead is not predicted: None)."""
+        out: dict[str, int | None] = {k: v for k, v in asdict(self).items() if k != "seq_len"}
+        out["allocator_overhead"] = None
+        return out
+
+
+def predict(config: RunConfig, seq_len: int | None = None) -> Prediction:
+    """Predicted memory of one rank of this model cell at `seq_len` (default its own).
+
+    Raises NotImplementedError when the kernel has no memory_model(), ValueError for an
+    attention-only cell.
+    """
+    if config.model is None or config.training is None:
+        raise ValueError("workload: only a model cell has a model memory prediction")
+    model, training = config.model, config.training
+    length = config.seq_len if seq_len is None else seq_len
+    at = config if length == config.seq_len else config.model_copy(update={"seq_len": length})
+    s_local = at.local_seq_len
+    t = at.local_batch * s_local
+    wd = widths(training)
+    n_params, _, linear = parameter_counts(model, training)
+    params = n_params * wd.weight
+    grads = params
+    optim = optimizer_bytes(model, training)
+
+    km = _kernel_memory(at, t)
+    d, f, v = model.d_model, model.ffn_dim, model.vocab_size
+    c, r = wd.compute, wd.residual
+    heads_dim = model.n_heads * model.head_dim
+    attention_saved = (
+        t * d * c  # the q/k/v projection's input (autocast: its low-precision copy)
+        + km.saved  # type: ignore[attr-defined]
+        + (0 if km.output_saved else t * heads_dim * c)  # type: ignore[attr-defined]
+    )
+    mlp_saved = t * d * c + 2 * t * f * c  # fc1's input, GELU's input, fc2's input
+    norm = t * d * r + t * 2 * r  # each LayerNorm keeps its input, its mean and rstd
+    full_block = norm + attention_saved + norm + mlp_saved
+    block_input = t * d * r
+    from workers.model import checkpointed_blocks
+
+    recompute = checkpointed_blocks(training, model.n_layers)
+    per_block = []
+    for whole in recompute:
+        if whole:
+            per_block.append(block_input)
+        elif training.checkpointing == "attention":
+            per_block.append(block_input + norm + mlp_saved)
+        else:
+            per_block.append(full_block)
+    weight_copies = 0
+    if _autocast(training):
+        n_recomputed = sum(recompute) if training.checkpointing != "attention" else 0
+        block_linear = (linear - v * d) // model.n_layers
+        kept_blocks = model.n_layers - n_recomputed
+        if training.checkpointing == "attention":  # the attention projections are recomputed
+            block_linear -= d * (model.n_heads + 2 * model.kv_heads) * model.head_dim
+            block_linear -= heads_dim * d
+        weight_copies = 2 * (block_linear * kept_blocks)
+        if training.loss_chunk_tokens is None:
+            weight_copies += 2 * v * d  # the head's copy (chunks recompute theirs)
+    rotary = s_local * model.head_dim * c  # cos and sin tables, shared by every block
+    final_norm = t * d * r + t * 2 * r
+    chunk = training.loss_chunk_tokens
+    if chunk is None:
+        head_saved = t * d * c  # the head's input: the norm output (autocast: its copy)
+        loss_saved = 4 * t * v  # log_softmax's fp32 output
+        lt = t  # tokens whose logits exist at once
+    else:
+        head_saved = t * d * r  # the final norm's output: every chunk's input
+        loss_saved = 0
+        lt = min(chunk, t)
+    activations = sum(per_block) + weight_copies + rotary + final_norm + head_saved + loss_saved
+    # forward: the logits, their fp32 copy (when not fp32) and, for a chunk, log_softmax's
+    # output (unchunked it stays: it is in the activations)
+    forward_transient = lt * v * (c + (4 if c != 4 else 0) + (4 if chunk is not None else 0))
+    forward_transient = max(forward_transient, km.forward_transient)  # type: ignore[attr-defined]
+    # backward: first the loss's fp32 gradient, twice while log_softmax's backward runs (a
+    # chunk recomputes its log_softmax output first) and the head's weight gradient; then
+    # block by block the kept activations shrink while the gradients grow, one block's
+    # transient (and a recomputed block's tensors) on top; last the embedding's gradient.
+    head_grad = v * d * wd.weight
+    head_transient = 8 * lt * v + (4 * lt * v if chunk is not None else 0)
+    untied = 0 if model.tied_embeddings else v * d * wd.weight
+    block_grads = (grads - untied - head_grad) // model.n_layers
+    block_transient = km.backward_transient + 2 * t * f * c + 3 * t * d * r  # type: ignore[attr-defined]
+    if training.checkpointing == "attention":
+        recompute_extra = t * 2 * r + attention_saved
+    else:
+        recompute_extra = full_block - block_input if any(recompute) else 0
+    blocks_kept = sum(per_block)
+    below_blocks = activations - loss_saved - head_saved - final_norm - blocks_kept
+    at_top = activations + head_grad + head_transient
+    at_last_block = activations - loss_saved + head_grad + block_grads + block_transient
+    at_first_block = below_blocks + per_block[0] + grads + block_transient
+    at_end = grads + v * d * wd.weight
+    backward_peak = max(
+        at_top, at_last_block + recompute_extra, at_first_block + recompute_extra, at_end
+    )
+    step_peak = params + optim + max(activations + forward_transient, backward_peak)
+    return Prediction(
+        seq_len=length,
+        parameters=params,
+        gradients=grads,
+        optimizer_states=optim,
+        activations=activations,
+        forward_transient=forward_transient,
+        backward_peak=backward_peak,
+        step_peak=step_peak + input_bytes(at),
+    )
+
+
+def input_bytes(config: RunConfig) -> int:
+    """The rank's token ids, targets and positions (int64 each)."""
+    return 3 * 8 * config.local_batch * config.local_seq_len
+
+
+def max_seq_len(config: RunConfig, budget: int) -> int | None:
+    """The longest total length whose predicted step_peak fits `budget` bytes (None when not
+    even one token per rank does); a power-of-two search then bisection on the length."""
+    world = config.world_size if config.parallel == "sequence" else 1
+    lo, hi = 0, world
+    while predict(config, hi).step_peak <= budget:
+        lo, hi = hi, hi * 2
+        if hi > 1 << 40:
+            return lo
+    while hi - lo > world:
+        mid = (lo + hi) // 2 // world * world
+        if mid <= lo:
+            break
+        if predict(config, mid).step_peak <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo or None
