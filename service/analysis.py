@@ -23,6 +23,7 @@ from typing import Any
 
 from service.spec import NESTED, AnalysisSpec, PivotSpec, nested_axis
 from service.views import RunRow
+from workers.config import PRECISION_DTYPES
 
 RING_TWINS = {"ring": "dense", "ring_dilated": "dilated", "ring_block_sparse": "block_sparse"}
 RING_ONLY_PARAMS = ("layout", "group")
@@ -64,6 +65,13 @@ def _with(config: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
             out[key] = dict(value) if isinstance(value, dict) else value
         else:
             out[key] = value
+    if out.get("workload") == "model":  # what a model cell derives from its model and precision
+        model, training = out.get("model") or {}, out.get("training") or {}
+        if model.get("n_heads") and model.get("d_model"):
+            out["num_heads"] = model["n_heads"]
+            out["head_dim"] = model["d_model"] // model["n_heads"]
+        if training.get("precision") in PRECISION_DTYPES:
+            out["dtype"] = PRECISION_DTYPES[training["precision"]]
     return out
 
 
@@ -151,6 +159,16 @@ def apply(rows: Sequence[RunRow], spec: AnalysisSpec | None) -> None:
         gain = r.max_len_gain if r.searched else r.speedup
         if base.world_size != r.world_size and gain is not None:
             r.efficiency = gain / (r.world_size / base.world_size)
+    for r in rows:  # the step-time cost of checkpointing: against the same cell without it
+        checkpointing = (r.config.get("training") or {}).get("checkpointing")
+        if r.workload != "model" or checkpointing in (None, "none"):
+            continue
+        plain = _with(
+            r.config, {"training.checkpointing": "none", "training.checkpoint_every": None}
+        )
+        without = index.get(_match_key(plain))
+        if without is not None and not r.searched and r.median_s and without.median_s:
+            r.checkpoint_time_ratio = r.median_s / without.median_s
 
 
 # ---------------------------------------------------------------- labels
@@ -177,7 +195,7 @@ def _field_text(name: str, value: Any) -> str | None:
     if name in ("dtype", "mode", "training.optimizer", "training.precision"):
         return str(value)
     if name == "model":
-        return model_text(value)
+        return str(value)
     if name == "training.checkpointing":
         return f"checkpoint {value}"
     return f"{name.removeprefix('training.')}={_text(value)}"
@@ -186,15 +204,6 @@ def _field_text(name: str, value: Any) -> str | None:
 TRAINING_FIELDS = ("optimizer", "precision", "checkpointing", "checkpoint_every",
                    "loss_chunk_tokens")  # fmt: skip
 """A model cell's training settings a label shows when they vary (as training.<name>)."""
-
-
-def model_text(model: dict[str, Any] | None) -> str | None:
-    """A model's name, else its shape d x heads x layers (None for an attention-only cell)."""
-    if not model:
-        return None
-    if model.get("name"):
-        return str(model["name"])
-    return f"{model.get('d_model')}d×{model.get('n_heads')}h×{model.get('n_layers')}L"
 
 
 def varying(rows: Sequence[RunRow]) -> tuple[list[str], list[str]]:
@@ -270,6 +279,8 @@ def _axis_value(row: RunRow, name: str) -> Any:
     nested = nested_axis(name)
     if nested is not None:
         return (row.config.get(nested[0]) or {}).get(nested[1])
+    if name == "model":
+        return row.model
     return row.config.get(name)
 
 

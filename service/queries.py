@@ -1,5 +1,5 @@
 """Reads behind every results page and export: a sweep's rows (service.views) with their
-baselines, ratios and labels (service.analysis), in three queries whatever the sweep's size.
+baselines, ratios and labels (service.analysis), in four queries whatever the sweep's size.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
 from service import analysis
-from service.api.store import results_for_sweep, sweep_runs
+from service.api.store import components_for_sweep, results_for_sweep, sweep_runs
 from service.db.models import Environment, Run, Sweep
 from service.spec import AnalysisSpec
 from service.views import RunRow, rows_of, run_row
@@ -28,7 +28,7 @@ def sweep_rows(session: Session, sweep: Sweep) -> list[RunRow]:
     envs = {
         e.id: e for e in session.scalars(select(Environment).where(Environment.id.in_(env_ids)))
     }
-    rows = rows_of(runs, ranks, probes, envs)
+    rows = rows_of(runs, ranks, probes, envs, components_for_sweep(session, sweep.id))
     analysis.apply(rows, analysis_of(sweep))
     analysis.set_labels(rows)
     return rows
@@ -50,4 +50,7 @@ def one_run(session: Session, run_id: int) -> tuple[Run, RunRow] | None:
     if run is None:
         return None
     row = next((r for r in sweep_rows(session, run.sweep) if r.run_id == run_id), None)
-    return run, row or run_row(run, run.rank_results, run.probes, run.environment)
+    if row is None:
+        components = components_for_sweep(session, run.sweep_id).get(run.id, [])
+        row = run_row(run, run.rank_results, run.probes, run.environment, components)
+    return run, row

@@ -71,7 +71,7 @@ def _axis_name(name: str) -> str:
     allowed."""
     if nested_axis(name) is not None:
         return name
-    if name in RUN_FIELDS and name not in NESTED:
+    if name in RUN_FIELDS and name != "params":
         return name
     raise ValueError(
         f"{name!r} is not a run config field, params.<name>, model.<name> or training.<name>"
@@ -151,7 +151,8 @@ class SweepSpec(BaseModel):
     grid: dict[str, list[Any]] = Field(
         default_factory=dict,
         description="Axis -> values; the cells are their cartesian product. Axes are run config "
-        "fields or `params.<name>`.",
+        "fields, `params.<name>`, `model.<name>`, `training.<name>`, or `model` / `training` "
+        "with whole objects as values (merged over the base's).",
     )
     zip: dict[str, list[Any]] = Field(
         default_factory=dict,
@@ -264,8 +265,8 @@ def _check_axis(where: str, axis: str) -> dict[str, Any] | None:
         return None
     if axis == "search":
         return _err((where, axis), "search is not an axis; use the sweep's search block")
-    if axis in NESTED:
-        return _err((where, axis), f"vary single fields with axes named {axis}.<name>")
+    if axis == "params":
+        return _err((where, axis), "vary single parameters with axes named params.<name>")
     if axis not in RUN_FIELDS:
         valid = ", ".join(sorted(RUN_FIELDS - set(NESTED)))
         return _err(
@@ -460,6 +461,9 @@ class _Expander:
                 raw[head] = dict(raw[head])
         for axis, value in axes.items():
             nested = nested_axis(axis)
+            if axis in NESTED and isinstance(value, dict) and isinstance(raw.get(axis), dict):
+                raw[axis] = {**raw[axis], **value}  # a whole model / training over the base's
+                continue
             if nested is None:
                 raw[axis] = value
                 continue

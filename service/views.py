@@ -13,6 +13,13 @@ these rows, so every number has exactly one definition, here:
 - memory per token: the largest rank peak over the tokens that rank holds;
 - maximum length: the longest probe that fit.
 
+A model cell (`workload: model`) adds, from its limiting rank (the largest measured step peak):
+its memory components predicted and measured (ComponentView, ratio = measured / predicted);
+fixed memory = parameters + gradients + optimizer states (measured); memory per token = (step
+peak - fixed) / the tokens the rank holds; the predicted maximum length; the step's forward,
+backward and optimizer times of the slowest rank; MFU = per-rank FLOP/s (6 x parameters per
+token plus the kernel's attention FLOPs) over the device's dense peak (peak_fraction).
+
 Raw units only (bytes, seconds, FLOP/s); formatting is the caller's.
 """
 
@@ -23,7 +30,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from service.db.models import Environment, Probe, ProbeOutcome, RankResult, Run, RunStatus
+from service.db.models import (
+    Environment,
+    MemoryComponent,
+    Probe,
+    ProbeOutcome,
+    RankResult,
+    Run,
+    RunStatus,
+)
 from service.web.peaks import dense_peak_flops
 
 BYTES_PER_ELEMENT = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -85,6 +100,39 @@ class ProbeView:
 
 
 @dataclass(frozen=True)
+class ComponentView:
+    """One memory component of a model run's rank: predicted and measured bytes."""
+
+    rank: int
+    component: str
+    predicted_bytes: int | None
+    measured_bytes: int | None
+
+    @property
+    def ratio(self) -> float | None:
+        """measured / predicted (None when either is missing or the prediction is 0)."""
+        if self.measured_bytes is None or not self.predicted_bytes:
+            return None
+        return self.measured_bytes / self.predicted_bytes
+
+
+FIXED_COMPONENTS = ("parameters", "gradients", "optimizer_states")
+"""What a model holds whatever the length: the seed's 'fixed' memory."""
+
+
+def model_text(model: dict[str, Any] | None) -> str | None:
+    """A model's name, else its shape (None for an attention-only cell)."""
+    if not model:
+        return None
+    return str(model["name"]) if model.get("name") else model_shape(model)
+
+
+def model_shape(model: dict[str, Any]) -> str:
+    """d_model x heads x layers, as the seed writes it (768d×12h×12L)."""
+    return f"{model.get('d_model')}d×{model.get('n_heads')}h×{model.get('n_layers')}L"
+
+
+@dataclass(frozen=True)
 class RankView:
     """What one rank measured, as stored."""
 
@@ -101,6 +149,10 @@ class RankView:
     backend: str
     max_abs_error: float | None
     check_seq_len: int | None
+    forward_s: float | None = None
+    backward_s: float | None = None
+    optimizer_s: float | None = None
+    predicted_max_seq_len: int | None = None
 
 
 @dataclass
@@ -156,6 +208,28 @@ class RunRow:
     memory_ratio: float | None = None
     max_len_gain: float | None = None
     efficiency: float | None = None
+    # Model cells (workload: model); None / empty for attention-only cells.
+    workload: str = "attention"
+    model: str | None = None
+    model_shape: str | None = None
+    optimizer: str | None = None
+    precision: str | None = None
+    checkpointing: str | None = None
+    components: list[ComponentView] = field(default_factory=list)
+    fixed_bytes: int | None = None
+    predicted_fixed_bytes: int | None = None
+    bytes_per_token: float | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_max_seq_len: int | None = None
+    forward_s: float | None = None
+    backward_s: float | None = None
+    optimizer_s: float | None = None
+    checkpoint_time_ratio: float | None = None  # filled by analysis: time / no checkpointing
+    predicted_peaks: list[tuple[int, int]] = field(default_factory=list)
+
+    def component(self, name: str) -> ComponentView | None:
+        """The limiting rank's component `name`, if stored."""
+        return next((c for c in self.components if c.component == name), None)
 
     @property
     def tflops_per_s(self) -> float | None:
@@ -175,6 +249,8 @@ class RunRow:
         out = asdict(self)
         out.pop("config")
         out["tflops_per_s"] = self.tflops_per_s
+        for c, view in zip(out["components"], self.components, strict=True):
+            c["ratio"] = view.ratio
         out["length"] = self.length
         return out
 
@@ -194,6 +270,7 @@ def run_row(
     ranks: Sequence[RankResult],
     probes: Sequence[Probe],
     environment: Environment | None = None,
+    components: Sequence[MemoryComponent] = (),
 ) -> RunRow:
     """The row of one run: its cell and every derived number (None where nothing was measured)."""
     cfg = run.config or {}
@@ -234,6 +311,10 @@ def run_row(
                 backend=r.backend,
                 max_abs_error=r.max_abs_error,
                 check_seq_len=r.check_seq_len,
+                forward_s=r.forward_s,
+                backward_s=r.backward_s,
+                optimizer_s=r.optimizer_s,
+                predicted_max_seq_len=r.predicted_max_seq_len,
             )
             for r in sorted(ranks, key=lambda r: r.rank)
         ],
@@ -261,7 +342,69 @@ def run_row(
     if row.peak_memory_bytes is not None:
         row.memory_per_token_bytes = row.peak_memory_bytes / tokens
     row.outcome = _outcome(status, row.max_abs_error, row.check_seq_len)
+    if cfg.get("workload") == "model":
+        _model(row, components, tokens)
     return row
+
+
+def _model(row: RunRow, components: Sequence[MemoryComponent], tokens: int) -> None:
+    """Fill a model cell's fields: its training setup, and the limiting rank's components."""
+    model = row.config.get("model") or {}
+    training = row.config.get("training") or {}
+    row.workload = "model"
+    row.model, row.model_shape = model_text(model), model_shape(model)
+    row.optimizer = training.get("optimizer")
+    row.precision = training.get("precision")
+    checkpointing = training.get("checkpointing")
+    if checkpointing == "every_k":
+        checkpointing = f"every {training.get('checkpoint_every')}"
+    row.checkpointing = checkpointing
+    by_rank: dict[int, list[ComponentView]] = {}
+    for c in components:
+        view = ComponentView(c.rank, c.component, c.predicted_bytes, c.measured_bytes)
+        by_rank.setdefault(c.rank, []).append(view)
+    if by_rank:
+
+        def peak_of(rank: int) -> int:
+            step = next((c for c in by_rank[rank] if c.component == "step_peak"), None)
+            return -1 if step is None or step.measured_bytes is None else step.measured_bytes
+
+        limiting = max(sorted(by_rank), key=peak_of)
+        row.components = by_rank[limiting]
+        fixed = [row.component(n) for n in FIXED_COMPONENTS]
+        if all(c is not None and c.measured_bytes is not None for c in fixed):
+            row.fixed_bytes = sum(c.measured_bytes for c in fixed)  # type: ignore[union-attr,misc]
+        if all(c is not None and c.predicted_bytes is not None for c in fixed):
+            row.predicted_fixed_bytes = sum(c.predicted_bytes for c in fixed)  # type: ignore[union-attr,misc]
+        step = row.component("step_peak")
+        row.predicted_peak_bytes = None if step is None else step.predicted_bytes
+        if row.peak_memory_bytes is not None and row.fixed_bytes is not None:
+            row.bytes_per_token = (row.peak_memory_bytes - row.fixed_bytes) / tokens
+    if row.ranks:
+        slow = max(row.ranks, key=lambda r: r.median_s)
+        row.forward_s, row.backward_s, row.optimizer_s = (
+            slow.forward_s,
+            slow.backward_s,
+            slow.optimizer_s,
+        )
+        predicted = [r.predicted_max_seq_len for r in row.ranks if r.predicted_max_seq_len]
+        row.predicted_max_seq_len = min(predicted) if predicted else None
+    if row.probes:
+        row.predicted_peaks = predicted_peaks(row.config, [p.seq_len for p in row.probes])
+
+
+def predicted_peaks(config: dict[str, Any], lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """(length, predicted step peak) of a model cell at each length (its searched probes):
+    the same pure function the run stored its prediction from; empty when the cell's kernel
+    has no memory model."""
+    from workers import model_memory
+    from workers.config import RunConfig
+
+    cell = RunConfig.model_validate(config)
+    try:
+        return [(n, model_memory.predict(cell, n).step_peak) for n in sorted(set(lengths))]
+    except NotImplementedError:
+        return []
 
 
 def _measured(row: RunRow) -> None:
@@ -295,14 +438,17 @@ def rows_of(
     ranks: dict[int, list[RankResult]],
     probes: dict[int, list[Probe]],
     environments: dict[int, Environment],
+    components: dict[int, list[MemoryComponent]] | None = None,
 ) -> list[RunRow]:
     """Rows for runs whose results were read in bulk (service.queries)."""
+    components = components or {}
     return [
         run_row(
             r,
             ranks.get(r.id, []),
             probes.get(r.id, []),
             environments.get(r.environment_id) if r.environment_id is not None else None,
+            components.get(r.id, []),
         )
         for r in runs
     ]

@@ -373,3 +373,75 @@ def test_placement_deadline_fails_the_run_with_what_is_free(
     assert run.status == RunStatus.failed
     assert "attempt 1/1: the 2 bundles of {'CPU': 1.0}" in (run.error or "")
     assert "were not ready within 2 s; free now: 1 CPU" in (run.error or "")
+
+
+@pytest.mark.timeout(120)
+def test_model_search_runs_on_a_real_gang_and_stores_its_components(
+    sqlite_sm: sessionmaker[Session], gang_pool: RecordingPool
+) -> None:
+    """A workload: model max_seq_len cell, as a sweep stores it, runs on a real gang: its search
+    starts from the predicted maximum, and the answer's memory components are stored predicted
+    and measured, with the prediction the read model and the report show beside the finding."""
+    from service import queries
+    from service.api.results import report_markdown
+    from service.db.models import Sweep
+    from workers import model_memory
+    from workers.search import predicted_start
+
+    spec = SweepSpec(
+        name="model",
+        kind="max_seq_len",
+        base={
+            "workload": "model",
+            "kernel": "dense",
+            "device": "cpu",
+            "model": {
+                "name": "tiny",
+                "d_model": 128,
+                "n_layers": 2,
+                "n_heads": 4,
+                "vocab_size": 4096,
+            },
+            "memory_budget_bytes": 256 << 20,
+            "warmup": 1,
+            "iterations": 1,
+        },
+        search={"start": 1024, "max": 65536, "granularity": 256},
+    )
+    (cell,) = expand(spec)
+    predicted = predicted_start(cell.config)
+    assert predicted == model_memory.max_seq_len(cell.config, 256 << 20) and predicted > 1024
+    (run_id,) = add_sweep(sqlite_sm, [cell.config], kind=SweepKind.max_seq_len)
+    assert scheduler(sqlite_sm, gang_pool).run_once()
+    with sqlite_sm() as session:
+        run = session.get(Run, run_id)
+        assert run is not None
+        assert (run.status, run.error) == (RunStatus.succeeded, None)
+        assert run.probes[0].seq_len == predicted  # dense accepts any length: no snapping
+        fits = [p.seq_len for p in run.probes if p.outcome == "fit"]
+        (rank,) = run.rank_results
+        assert rank.seq_len == max(fits) and rank.predicted_max_seq_len == predicted
+        assert abs(rank.seq_len / predicted - 1) <= 0.10
+        assert 0 < rank.forward_s < rank.median_s and 0 < rank.backward_s < rank.median_s
+        sweep = session.get(Sweep, run.sweep_id)
+        assert sweep is not None
+        (row,) = queries.sweep_rows(session, sweep)
+        stored = {c.component: c for c in row.components}
+        assert set(stored) == {*model_memory.COMPONENTS, "optimizer_state_tensors"}
+        at_answer = model_memory.predict(cell.config, rank.seq_len)
+        assert stored["parameters"].predicted_bytes == at_answer.parameters
+        assert stored["activations"].predicted_bytes == at_answer.activations
+        assert stored["step_peak"].measured_bytes == rank.peak_memory_bytes
+        state = stored["optimizer_state_tensors"]
+        assert state.measured_bytes == state.predicted_bytes  # AdamW: 2 moments + steps, exact
+        act = stored["activations"]
+        assert act.ratio is not None and abs(act.ratio - 1) <= 0.15
+        fixed = sum(stored[n].measured_bytes or 0 for n in model_memory.COMPONENTS[:3])
+        assert row.fixed_bytes == fixed
+        assert row.bytes_per_token == (rank.peak_memory_bytes - fixed) / rank.seq_len
+        report = report_markdown(sweep, [row], [], {"succeeded": 1}, None)
+    line = next(x for x in report.splitlines() if x.startswith("| tiny |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:5] == ["tiny", "128d×4h×2L", "adamw", "fp32", "none"]
+    assert cells[6:8] == [f"{rank.seq_len:,}", f"{predicted:,}"]
+    assert cells[9] == f"{(rank.peak_memory_bytes - fixed) / rank.seq_len / 1e3:,.1f}"

@@ -59,9 +59,34 @@ CSV_COLUMNS = (
     "memory_ratio",
     "max_len_gain",
     "efficiency",
+    "workload",
+    "model",
+    "model_shape",
+    "optimizer",
+    "precision",
+    "checkpointing",
+    "fixed_bytes",
+    "predicted_fixed_bytes",
+    "bytes_per_token",
+    "predicted_peak_bytes",
+    "predicted_max_seq_len",
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
+    "checkpoint_time_ratio",
     "device",
     "environment_id",
     "error",
+)
+COMPONENT_CSV_COLUMNS = (
+    "run_id",
+    "label",
+    "measured_seq_len",
+    "rank",
+    "component",
+    "predicted_bytes",
+    "measured_bytes",
+    "ratio",
 )
 
 
@@ -69,7 +94,40 @@ def result_row(row: RunRow) -> dict[str, Any]:
     """One flat row of results.json / results.csv."""
     out = {k: getattr(row, k) for k in CSV_COLUMNS if k != "params"}
     out["params"] = canonical_json(row.params)
+    out["components"] = [
+        {
+            "rank": c.rank,
+            "component": c.component,
+            "predicted_bytes": c.predicted_bytes,
+            "measured_bytes": c.measured_bytes,
+            "ratio": c.ratio,
+        }
+        for c in row.components
+    ]
     return out
+
+
+def components_csv(rows: Sequence[RunRow]) -> str:
+    """Every model run's memory components (its limiting rank), one line each: the seed's
+    per-component table with raw bytes."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COMPONENT_CSV_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        for c in r.components:
+            writer.writerow(
+                {
+                    "run_id": r.run_id,
+                    "label": r.label,
+                    "measured_seq_len": _csv_cell(r.measured_seq_len),
+                    "rank": c.rank,
+                    "component": c.component,
+                    "predicted_bytes": _csv_cell(c.predicted_bytes),
+                    "measured_bytes": _csv_cell(c.measured_bytes),
+                    "ratio": _csv_cell(c.ratio),
+                }
+            )
+    return buf.getvalue()
 
 
 def headline(row: RunRow) -> Headline:
@@ -266,6 +324,9 @@ def report_markdown(
     if bench:
         lines += _results_section(bench)
     lines += _baseline_section(ordered)
+    models = [r for r in ordered if r.workload == "model"]
+    if models:
+        lines += model_sections(models)
     if pivot_spec is not None:
         lines += _pivot_section(rows, pivot_spec)
     searched = [r for r in ordered if r.searched]
@@ -500,3 +561,146 @@ def _environment_section(environments: Sequence[Environment]) -> list[str]:
     ]
     header = ["Env", "Hosts", "GPUs", "Driver", "torch", "CUDA", "NCCL", "Ray", "Python", "git"]
     return ["## Environment", "", *_table(header, rows), ""]
+
+
+# ---------------------------------------------------------------- training memory (seed 004)
+
+COMPONENT_TITLES = {
+    "parameters": "Parameters",
+    "gradients": "Gradients",
+    "optimizer_states": "Optimizer states",
+    "optimizer_state_tensors": "Optimizer states (bytes in optimizer.state)",
+    "activations": "Activations saved for backward",
+    "forward_transient": "Forward transient peak",
+    "backward_peak": "Backward peak",
+    "step_peak": "Step peak",
+    "allocator_overhead": "Allocator overhead (reserved - allocated)",
+}
+"""How the report and the dashboard name each memory component."""
+
+
+def fmt_gb(n: float | None) -> str:
+    """Decimal gigabytes, as the seed writes them ('0.7GB')."""
+    return "-" if n is None else f"{n / 1e9:.2f} GB" if n >= 1e7 else f"{n / 1e6:.2f} MB"
+
+
+def fmt_ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def model_sections(rows: Sequence[RunRow]) -> list[str]:
+    """Seed 004's tables: training memory per model cell (max tokens found and predicted,
+    fixed memory, memory per token, against the baseline), memory per component predicted
+    and measured, and the step time by phase with the cost of checkpointing."""
+    lines = [
+        "## Training memory",
+        "",
+        "Per model cell, on its limiting rank: fixed = parameters + gradients + optimizer "
+        "states (measured); KB per token = (step peak - fixed) / tokens the rank holds; "
+        "predicted values come from the cell alone (workers/model_memory.py) before it ran.",
+        "",
+    ]
+    searched = any(r.searched for r in rows)
+    gain_title = "Max-length gain" if searched else "Memory ratio"
+    body = []
+    for r in rows:
+        found = r.max_seq_len if r.searched else None
+        gain = r.max_len_gain if r.searched else r.memory_ratio
+        body.append(
+            [
+                r.model or "-",
+                r.model_shape or "-",
+                r.optimizer or "-",
+                r.precision or "-",
+                r.checkpointing or "-",
+                f"{r.length:,}",
+                fmt_num(found),
+                fmt_num(r.predicted_max_seq_len),
+                fmt_gb(r.fixed_bytes),
+                "-" if r.bytes_per_token is None else f"{r.bytes_per_token / 1e3:,.1f}",
+                fmt_bytes(r.peak_memory_bytes),
+                fmt_bytes(r.predicted_peak_bytes),
+                f"{fmt_x(gain)} vs {r.baseline}" if gain is not None else "-",
+            ]
+        )
+    header = [
+        "Model",
+        "d × heads × layers",
+        "Optimizer",
+        "Precision",
+        "Checkpointing",
+        "Tokens measured",
+        "Max tokens found",
+        "Max tokens predicted",
+        "Fixed",
+        "KB per token",
+        "Step peak",
+        "Step peak predicted",
+        gain_title,
+    ]
+    lines += [*_table(header, body), ""]
+    lines += ["### Memory per component, predicted and measured", ""]
+    comp_body = []
+    for r in rows:
+        for c in r.components:
+            comp_body.append(
+                [
+                    r.label,
+                    f"{r.length:,}",
+                    str(c.rank),
+                    COMPONENT_TITLES.get(c.component, c.component),
+                    fmt_bytes(c.predicted_bytes),
+                    fmt_bytes(c.measured_bytes),
+                    fmt_ratio(c.ratio),
+                ]
+            )
+    if comp_body:
+        header = [
+            "Run",
+            "Tokens",
+            "Rank",
+            "Component",
+            "Predicted",
+            "Measured",
+            "Measured / predicted",
+        ]
+        lines += [*_table(header, comp_body), ""]
+    else:
+        lines += ["No model run has stored its components yet.", ""]
+    timed = [r for r in rows if r.median_s is not None]
+    if timed:
+        lines += [
+            "### Step time by phase",
+            "",
+            "The slowest rank's medians; MFU = model FLOP/s per rank (6 x parameters per token "
+            "plus the kernel's attention FLOPs) / the device's dense peak; checkpointing cost "
+            "= step time / the same cell's without checkpointing.",
+            "",
+        ]
+        time_body = [
+            [
+                r.label,
+                f"{r.length:,}",
+                fmt_ms(r.forward_s),
+                fmt_ms(r.backward_s),
+                fmt_ms(r.optimizer_s),
+                fmt_ms(r.median_s),
+                fmt_num(r.tokens_per_s),
+                fmt_pct(r.peak_fraction),
+                fmt_x(r.checkpoint_time_ratio),
+            ]
+            for r in timed
+        ]
+        header = [
+            "Run",
+            "Tokens",
+            "Forward",
+            "Backward",
+            "Optimizer",
+            "Step",
+            "Tokens/s",
+            "MFU",
+            "Checkpointing cost",
+        ]
+        lines += [*_table(header, time_body), ""]
+    return lines

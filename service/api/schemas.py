@@ -173,6 +173,16 @@ class HealthOut(BaseModel):
     checks: dict[str, str] = Field(default_factory=dict)
 
 
+class ComponentOut(BaseModel):
+    """One memory component of a model run's rank, predicted and measured."""
+
+    rank: int
+    component: str
+    predicted_bytes: int | None
+    measured_bytes: int | None
+    ratio: float | None = Field(description="measured / predicted.")
+
+
 class ResultRow(BaseModel):
     """One run in results.json / results.csv: its cell, outcome, numbers and ratios.
 
@@ -221,6 +231,28 @@ class ResultRow(BaseModel):
     memory_ratio: float | None = Field(description="peak_memory_bytes / the baseline's.")
     max_len_gain: float | None = Field(description="max_seq_len / the baseline's.")
     efficiency: float | None = Field(description="Gain / world-size ratio (W differs only).")
+    workload: str = Field(description="attention (the kernel alone) or model (training).")
+    model: str | None = Field(description="Model cells: the model's name, else its shape.")
+    model_shape: str | None = Field(description="Model cells: d_model x heads x layers.")
+    optimizer: str | None
+    precision: str | None
+    checkpointing: str | None
+    fixed_bytes: int | None = Field(description="Parameters + gradients + optimizer states.")
+    predicted_fixed_bytes: int | None
+    bytes_per_token: float | None = Field(description="(Step peak - fixed) / rank tokens.")
+    predicted_peak_bytes: int | None = Field(description="The predicted step peak.")
+    predicted_max_seq_len: int | None = Field(
+        description="The longest length predicted to fit the memory budget."
+    )
+    forward_s: float | None = Field(description="Model cells: median forward seconds.")
+    backward_s: float | None = Field(description="Model cells: median backward seconds.")
+    optimizer_s: float | None = Field(description="Model cells: median optimizer seconds.")
+    checkpoint_time_ratio: float | None = Field(
+        description="Step time / the same cell's without checkpointing."
+    )
+    components: list[ComponentOut] = Field(
+        description="Model cells: the limiting rank's memory components."
+    )
     device: str | None
     environment_id: int | None
     error: str | None

@@ -16,6 +16,7 @@ from service.db.engine import rowcount
 from service.db.models import (
     TERMINAL_STATUSES,
     Environment,
+    MemoryComponent,
     Probe,
     RankResult,
     Run,
@@ -231,6 +232,19 @@ def results_for_sweep(
     ):
         probes[p.run_id].append(p)
     return ranks, probes
+
+
+def components_for_sweep(session: Session, sweep_id: int) -> dict[int, list[MemoryComponent]]:
+    """Memory components of a sweep's model runs, grouped by run id (one joined query)."""
+    found: dict[int, list[MemoryComponent]] = defaultdict(list)
+    for c in session.scalars(
+        select(MemoryComponent)
+        .join(Run, Run.id == MemoryComponent.run_id)
+        .where(Run.sweep_id == sweep_id)
+        .order_by(MemoryComponent.run_id, MemoryComponent.rank, MemoryComponent.id)
+    ):
+        found[c.run_id].append(c)
+    return found
 
 
 def list_sweeps(

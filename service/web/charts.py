@@ -372,14 +372,184 @@ def compare_figure(pairs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def sweep_figures(rows: Sequence[Row]) -> dict[str, dict[str, Any]]:
-    """Every chart of the sweep page, keyed by the element id that draws it."""
-    return {
+    """Every chart of the sweep page, keyed by the element id that draws it; a sweep with
+    model cells adds seed 004's three."""
+    figures = {
         "chart-throughput": throughput_figure(rows),
         "chart-memory": memory_figure(rows),
         "chart-maxlen": max_len_figure(rows),
         "chart-scaling": scaling_figure(rows),
         "chart-peak": peak_fraction_figure(rows),
     }
+    models = [r for r in rows if r.get("workload") == "model"]
+    if models:
+        figures["chart-components"] = components_figure(models)
+        figures["chart-model-peak"] = model_peak_figure(models)
+        figures["chart-step-time"] = step_time_figure(models)
+    return figures
+
+
+# ---------------------------------------------------------------- training memory (seed 004)
+
+STACKED_COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations")
+COMPONENT_COLOURS = {
+    "parameters": "#1f77b4",
+    "gradients": "#ff7f0e",
+    "optimizer_states": "#2ca02c",
+    "activations": "#9467bd",
+    "transient": "#8c564b",
+}
+PHASE_COLOURS = {"forward": "#1f77b4", "backward": "#ff7f0e", "optimizer": "#2ca02c"}
+GIB = float(1 << 30)
+
+
+def _component_values(row: Row, key: str) -> dict[str, float | None]:
+    """Stacked segments in GiB: parameters, gradients, optimizer states, activations, then
+    the rest of the step peak (transients), from `key` (measured_bytes / predicted_bytes)."""
+    by_name = {c["component"]: c.get(key) for c in row.get("components") or []}
+    values: dict[str, float | None] = {}
+    for name in STACKED_COMPONENTS:
+        v = by_name.get(name)
+        values[name] = None if v is None else v / GIB
+    peak = by_name.get("step_peak")
+    parts = [v for v in values.values() if v is not None]
+    values["transient"] = None if peak is None else max(peak / GIB - sum(parts), 0.0)
+    return values
+
+
+def components_figure(rows: Sequence[Row]) -> dict[str, Any]:
+    """Each model run's step peak split into parameters, gradients, optimizer states,
+    activations and the transient rest: measured (filled, left) beside predicted (outlined,
+    right), in GiB."""
+    fig = go.Figure(
+        layout=_layout(
+            "Training memory per component: measured (filled) and predicted (outlined)",
+            "run",
+            "GiB per rank",
+            barmode="overlay",
+        )
+    )
+    stored = [r for r in rows if r.get("components")]
+    if not stored:
+        return _empty(fig, "No model run has stored its memory components yet")
+    labels = [f"{r['label']} @ {r['length']:,}" for r in stored]
+    for side, key, offset in (
+        ("measured", "measured_bytes", -0.4),
+        ("predicted", "predicted_bytes", 0.0),
+    ):
+        bottoms = [0.0] * len(stored)
+        values = [_component_values(r, key) for r in stored]
+        for name in (*STACKED_COMPONENTS, "transient"):
+            heights = [v[name] or 0.0 for v in values]
+            colour = COMPONENT_COLOURS[name]
+            marker: dict[str, Any] = (
+                {"color": colour}
+                if side == "measured"
+                else {"color": "rgba(0,0,0,0)", "line": {"color": colour, "width": 2}}
+            )
+            fig.add_trace(
+                go.Bar(
+                    x=labels,
+                    y=heights,
+                    base=list(bottoms),
+                    offset=offset,
+                    width=0.4,
+                    name=f"{name.replace('_', ' ')} ({side})",
+                    legendgroup=name,
+                    marker=marker,
+                    hovertemplate="%{x}<br>" + f"{name} {side}: " + "%{y:.3f} GiB<extra></extra>",
+                )
+            )
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    return _to_json(fig)
+
+
+def model_peak_figure(rows: Sequence[Row]) -> dict[str, Any]:
+    """Step peak memory vs length for each model series: measured points (a search's probes,
+    or the runs), the predicted step peak as a dashed line through the same lengths, and the
+    memory budget where one is set."""
+    fig = go.Figure(
+        layout=_layout(
+            "Step peak memory vs length: measured (points) and predicted (dashed)",
+            "sequence length (tokens)",
+            "GiB per rank",
+        )
+    )
+    drawn = False
+    for name, group in _grouped([r for r in rows if r["status"] != "queued"], False).items():
+        measured: list[tuple[int, float]] = []
+        predicted: list[tuple[int, float]] = []
+        for r in group:
+            for p in r.get("probes") or []:
+                if p.get("peak_memory_bytes") is not None:
+                    measured.append((p["seq_len"], p["peak_memory_bytes"] / GIB))
+            if not r.get("probes") and r.get("peak_memory_bytes") is not None:
+                measured.append((r["length"], r["peak_memory_bytes"] / GIB))
+            predicted += [(n, b / GIB) for n, b in r.get("predicted_peaks") or []]
+            if not r.get("probes") and r.get("predicted_peak_bytes") is not None:
+                predicted.append((r["length"], r["predicted_peak_bytes"] / GIB))
+        if measured:
+            measured.sort()
+            fig.add_trace(
+                go.Scatter(
+                    x=[m[0] for m in measured],
+                    y=[m[1] for m in measured],
+                    mode="markers",
+                    name=f"{name} measured",
+                    legendgroup=name,
+                )
+            )
+            drawn = True
+        if predicted:
+            predicted = sorted(set(predicted))
+            fig.add_trace(
+                go.Scatter(
+                    x=[q[0] for q in predicted],
+                    y=[q[1] for q in predicted],
+                    mode="lines",
+                    line={"dash": "dash"},
+                    name=f"{name} predicted",
+                    legendgroup=name,
+                )
+            )
+            drawn = True
+    budgets = {
+        b
+        for r in rows
+        for rank in r.get("ranks") or []
+        if (b := rank.get("memory_budget_bytes")) is not None
+    }
+    for budget in sorted(budgets):
+        fig.add_hline(
+            y=budget / GIB,
+            line={"dash": "dot", "color": "#d62728"},
+            annotation_text=f"budget {budget / GIB:.2f} GiB",
+        )
+    if not drawn:
+        return _empty(fig, "No model run has measured a step peak yet")
+    return _to_json(fig)
+
+
+def step_time_figure(rows: Sequence[Row]) -> dict[str, Any]:
+    """Each model run's step split into forward, backward and optimizer (slowest rank's
+    medians): the step-time cost of checkpointing shows as the longer backward."""
+    fig = go.Figure(
+        layout=_layout("Step time by phase", "run", "seconds per step", barmode="stack")
+    )
+    timed = [r for r in rows if r.get("forward_s") is not None]
+    if not timed:
+        return _empty(fig, "No model run has measured a step yet")
+    labels = [f"{r['label']} @ {r['length']:,}" for r in timed]
+    for phase in ("forward", "backward", "optimizer"):
+        fig.add_trace(
+            go.Bar(
+                x=labels,
+                y=[r[f"{phase}_s"] for r in timed],
+                name=phase,
+                marker={"color": PHASE_COLOURS[phase]},
+            )
+        )
+    return _to_json(fig)
 
 
 def rank_times_figure(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:

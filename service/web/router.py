@@ -18,6 +18,7 @@ from fastapi.templating import Jinja2Templates
 from service import queries
 from service.api import store
 from service.api.deps import MAX_ID, RunId, SessionDep, SweepId, require_read
+from service.api.results import COMPONENT_TITLES
 from service.api.schemas import SweepOut
 from service.db.models import TERMINAL_STATUSES, Sweep
 from service.views import RunRow
@@ -60,6 +61,7 @@ def _fmt_s(value: float | None) -> str:
 templates.env.filters["si"] = _fmt_si
 templates.env.filters["nbytes"] = _fmt_bytes
 templates.env.filters["secs"] = _fmt_s
+templates.env.globals["component_titles"] = COMPONENT_TITLES
 templates.env.filters["tojson_pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True)
 
 

@@ -197,6 +197,22 @@ def results_csv(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
 
 
 @router.get(
+    "/{sweep_id}/components.csv",
+    dependencies=read,
+    response_model=None,
+    response_class=Response,
+    responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}, **NOT_FOUND, **AUTH},
+)
+def components_csv(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
+    """Model runs' memory per component (limiting rank): predicted, measured, ratio."""
+    return PlainTextResponse(
+        results.components_csv(_sweep_rows(session, sweep_id)[1]),
+        media_type="text/csv",
+        headers={"Content-Disposition": f'attachment; filename="sweep-{sweep_id}-components.csv"'},
+    )
+
+
+@router.get(
     "/{sweep_id}/pivot.csv",
     dependencies=read,
     response_model=None,
