@@ -420,6 +420,9 @@ class _Expander:
             given = self.spec.base.get(head)
             if isinstance(given, dict) and path[1] in given:
                 return ("base", *path)
+            if head in pos:  # a whole model / training object on an axis
+                where, i = pos[head]
+                return (where, head, i, *path[1:])
             if head != "params":
                 return ("base", *path)
             kernel_at = self.locate(pos, ("kernel",))

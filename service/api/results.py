@@ -581,7 +581,9 @@ COMPONENT_TITLES = {
 
 def fmt_gb(n: float | None) -> str:
     """Decimal gigabytes, as the seed writes them ('0.7GB')."""
-    return "-" if n is None else f"{n / 1e9:.2f} GB" if n >= 1e7 else f"{n / 1e6:.2f} MB"
+    if n is None:
+        return "-"
+    return f"{n / 1e9:.2f} GB" if abs(n) >= 1e9 else f"{n / 1e6:.2f} MB"
 
 
 def fmt_ratio(x: float | None) -> str:
