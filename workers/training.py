@@ -171,7 +171,7 @@ def _prime(config: RunConfig, rank: int, device: torch.device) -> None:
     so that one-time allocations (thread pools, autograd engine, library workspaces) are not
     counted in the first measured phase."""
     assert config.model is not None
-    key = config.model_dump_json(include={"kernel", "params", "training", "world_size"})
+    key = config.model_dump_json(include={"kernel", "params", "model", "training", "world_size"})
     key += f"{device}|{config.parallel}"
     if key in _PRIMED:
         return
@@ -369,10 +369,14 @@ def _measure(
 
 def model_flops(config: RunConfig) -> float:
     """FLOPs of one training step on this rank: 6 x parameters per token (forward and
-    backward of every matmul weight) plus the kernel's own attention FLOPs in every block
-    (forward and backward); recomputation under checkpointing is not counted (model FLOPs)."""
+    backward of every matmul weight: an untied embedding table is a lookup, not counted) plus
+    the kernel's own attention FLOPs in every block (forward and backward); recomputation
+    under checkpointing is not counted (model FLOPs)."""
     assert config.model is not None and config.training is not None
-    n_params, _, _ = model_memory.parameter_counts(config.model, config.training)
+    model = config.model
+    n_params, _, _ = model_memory.parameter_counts(model, config.training)
+    if not model.tied_embeddings:
+        n_params -= model.vocab_size * model.d_model
     tokens = config.local_batch * config.local_seq_len
     module = kernels.build(config, torch.device("cpu"))
     attention = kernels.flops(module, config, config.local_batch, config.local_seq_len, True)
