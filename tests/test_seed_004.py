@@ -155,7 +155,7 @@ def test_seed_004_training_memory_tables_from_a_stored_sweep(database_url: str) 
         assert ckpt[6:8] == ["7,168", "7,400"]
         assert ckpt[8] == f"{fixed_total / 1e6:.2f} MB"
         assert ckpt[9] == f"{(240 * MB - fixed_total) / 7168 / 1e3:,.1f}"
-        assert ckpt[12].startswith(f"{7168 / 3584:.2f}x vs ")  # 2.00x the baseline cell's
+        assert ckpt[12] == f"{7168 / 3584:.2f}x vs run {baseline['id']}"  # the baseline cell
         assert rows["none"][12] == "-"  # the baseline itself
 
         comps = section(md, "### Memory per component, predicted and measured").splitlines()

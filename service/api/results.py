@@ -599,7 +599,8 @@ def model_sections(rows: Sequence[RunRow]) -> list[str]:
         "",
         "Per model cell, on its limiting rank: fixed = parameters + gradients + optimizer "
         "states (measured); KB per token = (step peak - fixed) / tokens the rank holds; "
-        "predicted values come from the cell alone (workers/model_memory.py) before it ran.",
+        "predicted values come from the cell alone (workers/model_memory.py) before it ran; "
+        "the last column compares with the baseline run named (see Against the baseline).",
         "",
     ]
     searched = any(r.searched for r in rows)
@@ -608,21 +609,25 @@ def model_sections(rows: Sequence[RunRow]) -> list[str]:
     for r in rows:
         found = r.max_seq_len if r.searched else None
         gain = r.max_len_gain if r.searched else r.memory_ratio
+        chunk = (r.config.get("training") or {}).get("loss_chunk_tokens")
+        checkpointing = r.checkpointing or "-"
+        if chunk is not None:
+            checkpointing += f" · loss in chunks of {chunk:,}"
         body.append(
             [
                 r.model or "-",
                 r.model_shape or "-",
                 r.optimizer or "-",
                 r.precision or "-",
-                r.checkpointing or "-",
-                f"{r.length:,}",
+                checkpointing,
+                fmt_num(r.measured_seq_len),
                 fmt_num(found),
                 fmt_num(r.predicted_max_seq_len),
                 fmt_gb(r.fixed_bytes),
                 "-" if r.bytes_per_token is None else f"{r.bytes_per_token / 1e3:,.1f}",
                 fmt_bytes(r.peak_memory_bytes),
                 fmt_bytes(r.predicted_peak_bytes),
-                f"{fmt_x(gain)} vs {r.baseline}" if gain is not None else "-",
+                f"{fmt_x(gain)} vs run {r.baseline_run_id}" if gain is not None else "-",
             ]
         )
     header = [
