@@ -64,6 +64,35 @@ def qkv_bytes(batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_byt
     return batch * seq_len * num_heads * head_dim * dtype_bytes
 
 
+def merged_memory(
+    batch: int,
+    seq_len: int,
+    num_heads: int,
+    head_dim: int,
+    dtype_bytes: int,
+    *,
+    natural: bool,
+    chunk_tokens: int,
+) -> KernelMemory:
+    """The memory of a kernel that merges primitive calls into fp32 (out, lse) (dilated,
+    block_sparse): it saves q, k, v (hilbert order: their permuted copies and the two int64
+    index vectors), the fp32 merged output and lse. The returned output is that fp32 tensor
+    itself only for fp32 inputs in natural order; otherwise a new tensor in the input dtype.
+    The forward's transient is one primitive call's fp32 block output (`chunk_tokens` rows);
+    the backward's, the fp32 dq, dk, dv accumulators plus their copies in the input dtype
+    when it is not fp32."""
+    one = qkv_bytes(batch, seq_len, num_heads, head_dim, dtype_bytes)
+    fp32 = qkv_bytes(batch, seq_len, num_heads, head_dim, 4)
+    lse = 4 * batch * num_heads * seq_len
+    index = 0 if natural else 2 * 8 * seq_len
+    return KernelMemory(
+        saved=3 * one + fp32 + lse + index,
+        output_saved=natural and dtype_bytes == 4,
+        forward_transient=min(seq_len, chunk_tokens) * num_heads * head_dim * 4,
+        backward_transient=3 * fp32 + (0 if dtype_bytes == 4 else 3 * one),
+    )
+
+
 class Kernel(nn.Module):
     """Base of every kernel: `module(q, k, v, *, causal=False) -> out` with q's shape and dtype.
 

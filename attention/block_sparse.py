@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from attention import primitive
-from attention.base import Kernel, KernelMemory, attention_flops, check_qkv, qkv_bytes
+from attention.base import Kernel, KernelMemory, attention_flops, check_qkv, merged_memory
 from attention.hilbert import (
     check_hilbert_length,
     check_ordering,
@@ -476,23 +476,15 @@ class BlockSparseAttention(Kernel):
     def memory_model(
         self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int
     ) -> KernelMemory:
-        """Saves q, k, v (hilbert: their permuted copies and the two index vectors), the fp32
-        merged output and lse.
-        The returned output is that fp32 tensor itself only for fp32 inputs in natural order;
-        otherwise it is a new tensor in the input dtype. The forward's transient is one
-        primitive call's fp32 block output; the backward's, the fp32 dq, dk, dv accumulators
-        plus their copies in the input dtype when it is not fp32."""
-        one = qkv_bytes(batch, seq_len, num_heads, head_dim, dtype_bytes)
-        fp32 = qkv_bytes(batch, seq_len, num_heads, head_dim, 4)
-        lse = 4 * batch * num_heads * seq_len
-        natural = self.params.ordering != "hilbert"
-        chunk = min(seq_len, CHUNK_TOKENS) * num_heads * head_dim * 4
-        index = 0 if natural else 2 * 8 * seq_len  # the int64 permutation and its inverse
-        return KernelMemory(
-            saved=3 * one + fp32 + lse + index,
-            output_saved=natural and dtype_bytes == 4,
-            forward_transient=chunk,
-            backward_transient=3 * fp32 + (0 if dtype_bytes == 4 else 3 * one),
+        """See attention.base.merged_memory (q, k, v, the fp32 merged out and lse)."""
+        return merged_memory(
+            batch,
+            seq_len,
+            num_heads,
+            head_dim,
+            dtype_bytes,
+            natural=self.params.ordering != "hilbert",
+            chunk_tokens=CHUNK_TOKENS,
         )
 
 

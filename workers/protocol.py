@@ -344,7 +344,20 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
         max_abs_error=max_abs_error,
         check_seq_len=checked_at,
     )
-    timing = {"first_iteration_at": first_at, "last_iteration_at": last_at}
+    return measured_case(case, result, device, (first_at, last_at))
+
+
+def measured_case(
+    case: dict[str, Any],
+    result: RankResult,
+    device: torch.device,
+    timed: tuple[float, float],
+) -> CaseOutcome:
+    """A case that measured `result`: ok, or on CPU an emulated oom when its peak is over
+    the memory budget (the measurement kept, flagged emulated_oom). `timed` holds the unix
+    times of the first timed iteration's start and the last one's end."""
+    timing = {"first_iteration_at": timed[0], "last_iteration_at": timed[1]}
+    peak, budget = result.peak_memory_bytes, result.memory_budget_bytes
     if device.type == "cpu" and budget is not None and peak > budget:
         return CaseOutcome(
             **case,

@@ -352,19 +352,9 @@ def _measure(
         predicted_max_seq_len=predicted_max,
         components=components,
     )
-    timing = {"first_iteration_at": first_at, "last_iteration_at": last_at}
-    budget = config.memory_budget_bytes
-    if device.type == "cpu" and budget is not None and peak > budget:
-        return CaseOutcome(
-            **case,
-            **timing,
-            status="oom",
-            emulated=True,
-            peak_memory_bytes=peak,
-            result=result.model_copy(update={"emulated_oom": True}),
-            error=f"peak {peak} bytes over the {budget}-byte CPU memory budget",
-        )
-    return CaseOutcome(**case, **timing, status="ok", peak_memory_bytes=peak, result=result)
+    from workers.protocol import measured_case
+
+    return measured_case(case, result, device, (first_at, last_at))
 
 
 def model_flops(config: RunConfig) -> float:
