@@ -204,32 +204,61 @@ def predict(config: RunConfig, seq_len: int | None = None) -> Prediction:
         loss_saved = 0
         lt = min(chunk, t)
     activations = sum(per_block) + weight_copies + rotary + final_norm + head_saved + loss_saved
-    # forward: the logits, their fp32 copy (when not fp32) and, for a chunk, log_softmax's
-    # output (unchunked it stays: it is in the activations)
-    forward_transient = lt * v * (c + (4 if c != 4 else 0) + (4 if chunk is not None else 0))
-    forward_transient = max(forward_transient, km.forward_transient)  # type: ignore[attr-defined]
-    # backward: first the loss's fp32 gradient, twice while log_softmax's backward runs (a
-    # chunk recomputes its log_softmax output first) and the head's weight gradient; then
-    # block by block the kept activations shrink while the gradients grow, one block's
-    # transient (and a recomputed block's tensors) on top; last the embedding's gradient.
+    below = weight_copies + rotary  # kept from the first block's forward to the end
+
+    # The forward, block by block: what a block holds while it runs above what it keeps.
+    # q/k/v projection output (until q, k, v are copied out of it) plus rotary's temporaries;
+    # the kernel's own; autocast's fp32 norm output before its low-precision copy.
+    qkv_out = t * (model.n_heads + 2 * model.kv_heads) * model.head_dim * c
+    rope_tmp = t * heads_dim * c
+    ln_tmp = t * d * 4 if _autocast(training) else 0
+    kernel_fwd = km.forward_transient  # type: ignore[attr-defined]
+    block_fwd = max(qkv_out + rope_tmp, kernel_fwd, ln_tmp)
+    attention_part = t * 2 * r + attention_saved  # what recomputing the attention sublayer makes
+    forward_peak = 0
+    kept = below
+    for whole, held in zip(recompute, per_block, strict=True):
+        if whole:  # a checkpointed forward saves nothing: only its running temporaries
+            extra = max(block_fwd, 2 * t * f * c)
+        elif training.checkpointing == "attention":
+            extra = max(block_fwd, held - block_input)
+        else:
+            extra = held - block_input + block_fwd
+        forward_peak = max(forward_peak, kept + block_input + extra)
+        kept += held
+    # then the head: the logits, their fp32 copy (when not fp32) and log_softmax's output
+    # (unchunked it stays: it is in the activations; a chunk's is dropped with the chunk)
+    logits = lt * v * (c + (4 if c != 4 else 0) + 4)
+    forward_peak = max(forward_peak, activations - loss_saved + logits)
+    forward_transient = max(0, forward_peak - activations)
+
+    # The backward: first the loss's fp32 gradient twice (log_softmax's backward; a chunk
+    # recomputes its log_softmax output first) beside the head's weight gradient; then block
+    # by block, last first: the blocks below keep their tensors, the gradients of the blocks
+    # above exist, and the block holds its MLP's or its attention's backward working set (a
+    # recomputed block its recomputed tensors too); last the embedding's dense gradient.
     head_grad = v * d * wd.weight
-    head_transient = 8 * lt * v + (4 * lt * v if chunk is not None else 0)
     untied = 0 if model.tied_embeddings else v * d * wd.weight
     block_grads = (grads - untied - head_grad) // model.n_layers
-    block_transient = km.backward_transient + 2 * t * f * c + 3 * t * d * r  # type: ignore[attr-defined]
-    if training.checkpointing == "attention":
-        recompute_extra = t * 2 * r + attention_saved
-    else:
-        recompute_extra = full_block - block_input if any(recompute) else 0
-    blocks_kept = sum(per_block)
-    below_blocks = activations - loss_saved - head_saved - final_norm - blocks_kept
+    head_transient = 8 * lt * v + (4 * lt * v if chunk is not None else 0)
     at_top = activations + head_grad + head_transient
-    at_last_block = activations - loss_saved + head_grad + block_grads + block_transient
-    at_first_block = below_blocks + per_block[0] + grads + block_transient
+    grad_in = t * d * r
+    mlp_bwd = 2 * t * f * c + grad_in
+    attn_bwd = km.backward_transient + grad_in + t * heads_dim * c  # type: ignore[attr-defined]
+    mlp_part = t * 2 * r + t * d * r + mlp_saved  # norm2 (input, stats) and the MLP's tensors
+    backward_peak = at_top
+    for k in reversed(range(model.n_layers)):
+        below_k = below + sum(per_block[:k])
+        grads_k = head_grad + untied + (model.n_layers - k) * block_grads
+        if recompute[k]:  # recomputed whole, then its MLP and its attention run backward
+            inside = max(full_block - block_input + mlp_bwd, attention_part + attn_bwd)
+        elif training.checkpointing == "attention":
+            inside = max(mlp_part + mlp_bwd, attention_part + attn_bwd)
+        else:
+            inside = max(full_block - block_input + mlp_bwd, attention_part + attn_bwd)
+        backward_peak = max(backward_peak, below_k + block_input + inside + grads_k)
     at_end = grads + v * d * wd.weight
-    backward_peak = max(
-        at_top, at_last_block + recompute_extra, at_first_block + recompute_extra, at_end
-    )
+    backward_peak = max(backward_peak, at_end)
     step_peak = params + optim + max(activations + forward_transient, backward_peak)
     return Prediction(
         seq_len=length,
