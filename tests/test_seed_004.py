@@ -68,7 +68,7 @@ def store(
                 flops_per_s=1e9 / step,
                 peak_memory_bytes=measured["step_peak"],
                 input_memory_bytes=24 * answer,
-                memory_budget_bytes=268435456,
+                memory_budget_bytes=134217728,
                 backend="cpu_flash",
                 forward_s=fwd,
                 backward_s=bwd,
