@@ -6,6 +6,7 @@ run is checked here before its placement group is created.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import ray
@@ -16,10 +17,34 @@ from workers.errors import Infeasible
 DeviceKind = Literal["cuda", "cpu"]
 
 
+KNOWN_RAY_NOTICES = (
+    # ringlab connects from a scheduler thread and handles SIGTERM itself (service/cli.py)
+    "SIGTERM handler is not set because current thread is not the main thread",
+    # the local head ringlab starts uses Ray's default token auth, as it should
+    "Token authentication is enabled for this Ray cluster",
+)
+
+
+class _KnownNotices(logging.Filter):
+    """Drops Ray's start-up notices that are expected under ringlab (KNOWN_RAY_NOTICES)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(notice in message for notice in KNOWN_RAY_NOTICES)
+
+
+def quiet_known_notices() -> None:
+    """Keep Ray's expected start-up notices off the console (real warnings still show)."""
+    for handler in logging.getLogger("ray").handlers:
+        if not any(isinstance(f, _KnownNotices) for f in handler.filters):
+            handler.addFilter(_KnownNotices())
+
+
 def connect(address: str | None = None) -> None:
     """Join the cluster at `address`, or start a local Ray when None and none is running."""
     if ray.is_initialized():
         return
+    quiet_known_notices()
     if address is None:
         ray.init(log_to_driver=False, include_dashboard=False)
     else:

@@ -29,10 +29,12 @@ def problem(settings: Settings, *, may_connect: bool) -> str | None:
                 "not connected: this process runs no scheduler and RINGLAB_RAY_ADDRESS is unset "
                 "(run `ringlab serve` with its scheduler, or set the address)"
             )
+        from workers import cluster
+
         with _connect_lock:
             if not ray.is_initialized():
                 try:
-                    ray.init(address=settings.ray_address, log_to_driver=False)
+                    cluster.connect(settings.ray_address)
                 except (ConnectionError, RuntimeError, ValueError) as e:
                     return f"cannot connect to {settings.ray_address}: {e}"
     try:
