@@ -233,7 +233,7 @@ def predict(config: RunConfig, seq_len: int | None = None) -> Prediction:
     forward_transient = max(0, forward_peak - activations)
 
     # The backward: first the loss's fp32 gradient twice (log_softmax's backward; a chunk
-    # recomputes its log_softmax output first) beside the head's weight gradient; then block
+    # recomputes its log_softmax output first); then block
     # by block, last first: the blocks below keep their tensors, the gradients of the blocks
     # above exist, and the block holds its MLP's or its attention's backward working set (a
     # recomputed block its recomputed tensors too); last the embedding's dense gradient.
@@ -241,7 +241,9 @@ def predict(config: RunConfig, seq_len: int | None = None) -> Prediction:
     untied = 0 if model.tied_embeddings else v * d * wd.weight
     block_grads = (grads - untied - head_grad) // model.n_layers
     head_transient = 8 * lt * v + (4 * lt * v if chunk is not None else 0)
-    at_top = activations + head_grad + head_transient
+    # unchunked, the head's weight gradient comes once the loss's buffers are freed; chunked,
+    # it exists from the first chunk on
+    at_top = activations + head_transient + (head_grad if chunk is not None else 0)
     grad_in = t * d * r
     mlp_bwd = 2 * t * f * c + grad_in
     attn_bwd = km.backward_transient + grad_in + t * heads_dim * c  # type: ignore[attr-defined]

@@ -28,16 +28,17 @@ BRACKET_FACTOR = 1.125
 
 def predicted_start(config: RunConfig) -> int | None:
     """Where a model cell's search starts: its predicted maximum length under its memory
-    budget (workers.model_memory), None when there is no budget or no prediction (the search
-    then doubles from search.start)."""
+    budget (workers.model_memory), rounded down to a length the kernel accepts; None when
+    there is no budget or no prediction (the search then doubles from search.start)."""
     if config.workload != "model" or config.memory_budget_bytes is None:
         return None
     from workers import model_memory
 
     try:
-        return model_memory.max_seq_len(config, config.memory_budget_bytes)
+        longest = model_memory.max_seq_len(config, config.memory_budget_bytes)
     except NotImplementedError:
         return None  # the kernel has no memory model; its runs say so
+    return None if longest is None else snap_down(config, longest)
 
 
 def _divisors(n: int) -> list[int]:

@@ -203,7 +203,9 @@ def _predictions(config: RunConfig) -> tuple[dict[str, int | None], int | None, 
         return dict.fromkeys(model_memory.COMPONENTS), None, str(exc)
     longest = None
     if config.memory_budget_bytes is not None:
-        longest = model_memory.max_seq_len(config, config.memory_budget_bytes)
+        from workers.search import predicted_start
+
+        longest = predicted_start(config)  # a length the kernel accepts, as the search's
     return predicted.components(), longest, None
 
 
