@@ -114,7 +114,7 @@ class Decoder(nn.Module):
         self, cfg: ModelConfig, training: TrainingConfig, make_kernel: Callable[[], nn.Module]
     ) -> None:
         super().__init__()
-        self.cfg, self.training = cfg, training
+        self.cfg, self.train_config = cfg, training  # nn.Module's `training` is its mode
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(
             Block(cfg, make_kernel(), training.checkpointing == "attention")
@@ -131,6 +131,13 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
                 nn.init.normal_(module.weight, std=0.02)
+
+    @property
+    def kernel(self) -> nn.Module:
+        """The first block's attention kernel (every block has its own of the same config)."""
+        attn = self.blocks[0].attn
+        assert isinstance(attn, Attention)
+        return attn.kernel
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The final-norm hidden states (B, S, d_model) of these tokens at these positions."""
@@ -158,7 +165,7 @@ class Decoder(nn.Module):
         """Summed next-token loss of this rank's tokens / n_tokens (the global count, so the
         ranks' gradients add up to the full batch's)."""
         h = self.hidden(tokens, positions)
-        chunk = self.training.loss_chunk_tokens
+        chunk = self.train_config.loss_chunk_tokens
         if chunk is None:
             return self._token_loss(h, targets) / n_tokens
         flat_h, flat_t = h.flatten(0, 1), targets.flatten()

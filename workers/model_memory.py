@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from attention.base import KernelMemory
 from workers.config import ModelConfig, RunConfig, TrainingConfig
 
 COMPONENTS = (
@@ -101,19 +102,21 @@ def optimizer_bytes(model: ModelConfig, training: TrainingConfig) -> int:
     return total
 
 
-def _kernel_memory(config: RunConfig, tokens_local: int) -> object:
-    """The kernel's memory_model at this rank's shard (raises NotImplementedError if none)."""
+def _kernel_memory(config: RunConfig, tokens_local: int) -> KernelMemory:
+    """The kernel's memory_model at this rank's shard (NotImplementedError if it has none)."""
     import attention
+    from attention.base import Kernel
     from workers import kernels
 
-    model = config.model
-    assert model is not None
+    assert config.model is not None
     module = attention.build(config.kernel, **kernels.kernel_params(config))
-    return module.memory_model(  # type: ignore[operator]
+    if not isinstance(module, Kernel):
+        raise NotImplementedError(f"kernel {config.kernel!r} has no memory model")
+    return module.memory_model(
         config.local_batch,
         tokens_local // config.local_batch,
-        model.n_heads,
-        model.head_dim,
+        config.model.n_heads,
+        config.model.head_dim,
         widths(config.training or TrainingConfig()).compute,
     )
 
@@ -163,8 +166,8 @@ def predict(config: RunConfig, seq_len: int | None = None) -> Prediction:
     heads_dim = model.n_heads * model.head_dim
     attention_saved = (
         t * d * c  # the q/k/v projection's input (autocast: its low-precision copy)
-        + km.saved  # type: ignore[attr-defined]
-        + (0 if km.output_saved else t * heads_dim * c)  # type: ignore[attr-defined]
+        + km.saved
+        + (0 if km.output_saved else t * heads_dim * c)
     )
     mlp_saved = t * d * c + 2 * t * f * c  # fc1's input, GELU's input, fc2's input
     norm = t * d * r + t * 2 * r  # each LayerNorm keeps its input, its mean and rstd
@@ -212,7 +215,7 @@ def predict(config: RunConfig, seq_len: int | None = None) -> Prediction:
     qkv_out = t * (model.n_heads + 2 * model.kv_heads) * model.head_dim * c
     rope_tmp = t * heads_dim * c
     ln_tmp = t * d * 4 if _autocast(training) else 0
-    kernel_fwd = km.forward_transient  # type: ignore[attr-defined]
+    kernel_fwd = km.forward_transient
     block_fwd = max(qkv_out + rope_tmp, kernel_fwd, ln_tmp)
     attention_part = t * 2 * r + attention_saved  # what recomputing the attention sublayer makes
     forward_peak = 0
@@ -246,7 +249,7 @@ def predict(config: RunConfig, seq_len: int | None = None) -> Prediction:
     at_top = activations + head_transient + (head_grad if chunk is not None else 0)
     grad_in = t * d * r
     mlp_bwd = 2 * t * f * c + grad_in
-    attn_bwd = km.backward_transient + grad_in + t * heads_dim * c  # type: ignore[attr-defined]
+    attn_bwd = km.backward_transient + grad_in + t * heads_dim * c
     mlp_part = t * 2 * r + t * d * r + mlp_saved  # norm2 (input, stats) and the MLP's tensors
     backward_peak = at_top
     for k in reversed(range(model.n_layers)):

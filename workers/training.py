@@ -15,6 +15,7 @@ summed over the ranks after backward, the loss being divided by the global token
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -56,7 +57,7 @@ def make_optimizer(config: RunConfig, net: Decoder, device: torch.device) -> tor
         return torch.optim.SGD(params, lr=training.lr, momentum=0.9)
     if device.type != "cuda":
         raise ValueError("training.optimizer: adamw8bit (bitsandbytes) runs on CUDA only")
-    import bitsandbytes as bnb  # an optional extra: ringlab[gpu]
+    import bitsandbytes as bnb  # type: ignore[import-not-found]  # optional: ringlab[gpu]
 
     optimizer: torch.optim.Optimizer = bnb.optim.AdamW8bit(params, lr=training.lr)
     return optimizer
@@ -101,7 +102,7 @@ class _Trainer:
         self.training = config.training
         self.world = config.world_size
         self.net = build_model(config, device)
-        self.kernel = self.net.blocks[0].attn.kernel
+        self.kernel = self.net.kernel
         sworld = kernels.shard_world(config)
         srank = rank if sworld > 1 else 0
         self.positions = kernels.local_positions(
@@ -220,8 +221,12 @@ def run_model_case(config: RunConfig, rank: int, case: dict[str, Any]) -> CaseOu
     budget = config.memory_budget_bytes
     predicted, predicted_max, no_prediction = _predictions(config)
     peak_guess = predicted["step_peak"]
-    guarded = device.type == "cpu" and budget is not None and peak_guess is not None
-    if guarded and peak_guess > PREDICTION_GUARD * budget:  # type: ignore[operator]
+    if (
+        device.type == "cpu"
+        and budget is not None
+        and peak_guess is not None
+        and peak_guess > PREDICTION_GUARD * budget
+    ):
         return CaseOutcome(
             **case,
             status="oom",
@@ -298,7 +303,7 @@ def _measure(
         if world > 1:
             dist.barrier()
         loss, t_fwd = _timed(device, trainer.forward)
-        _, t_bwd = _timed(device, lambda loss=loss, trainer=trainer: trainer.backward(loss))
+        _, t_bwd = _timed(device, functools.partial(trainer.backward, loss))
         del loss
         _, t_opt = _timed(device, trainer.step)
         phases["forward"].append(t_fwd)
