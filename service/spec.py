@@ -159,7 +159,9 @@ class SweepSpec(BaseModel):
         description="Axis -> values of equal length that vary together (one extra grid dimension).",
     )
     search: SearchConfig | None = Field(
-        None, description="Maximum sequence length search; only for kind max_seq_len."
+        None,
+        description="Maximum sequence length search (start, max, granularity): required for "
+        "kind max_seq_len, refused for the other kinds.",
     )
     analysis: AnalysisSpec | None = Field(
         None, description="Baselines, ratios and the pivot the report and dashboard derive."
@@ -316,6 +318,15 @@ def _check_structure(spec: SweepSpec) -> None:
                         "a max_seq_len sweep searches seq_len; set search.start and search.max",
                     )
                 )
+        if spec.search is None:  # no silent default: a search up to 16M tokens is rarely meant
+            errors.append(
+                _err(
+                    ("search",),
+                    "a max_seq_len sweep needs a search block (start, max, granularity), e.g. "
+                    "search: {start: 1024, max: 65536, granularity: 1024}",
+                    "missing",
+                )
+            )
     elif spec.search is not None:
         errors.append(_err(("search",), f"a search block needs kind max_seq_len, not {spec.kind}"))
     if errors:
@@ -393,8 +404,11 @@ class _Expander:
         self.errors: list[dict[str, Any]] = []
         self.params_cache: dict[tuple[int, ...], ParamsCheck] = {}
         self.reported: set[tuple[Loc, str]] = set()
+        # _check_structure refuses a max_seq_len sweep without its search block
         self.search = (
-            (spec.search or SearchConfig()).model_dump() if spec.kind == "max_seq_len" else None
+            spec.search.model_dump()
+            if spec.kind == "max_seq_len" and spec.search is not None
+            else None
         )
 
     def indices(self) -> Iterator[tuple[int, ...]]:
@@ -410,7 +424,11 @@ class _Expander:
         return {name: (where, i) for (name, where, _), i in zip(self.axes, idx, strict=True)}
 
     def locate(self, pos: Position, path: tuple[str | int, ...]) -> Loc:
-        """Where the user wrote the value at `path` (('seq_len',), ('params', 'block_size'))."""
+        """Where the user wrote the value at `path` (('seq_len',), ('params', 'block_size')).
+
+        A run config field the spec leaves out (missing, or refused at its default) is named
+        where it would be written: ('base', field, ...).
+        """
         head = str(path[0])
         if head in NESTED and len(path) > 1:
             axis = f"{head}.{path[1]}"
@@ -425,8 +443,9 @@ class _Expander:
                 return (where, head, i, *path[1:])
             if head != "params":
                 return ("base", *path)
-            kernel_at = self.locate(pos, ("kernel",))
-            return kernel_at if kernel_at != ("base",) else ("base", "params")
+            if "kernel" in pos or "kernel" in self.spec.base:  # params are the kernel's defaults
+                return self.locate(pos, ("kernel",))
+            return ("base", "params")
         if head in pos:
             where, i = pos[head]
             return (where, head, i, *path[1:])
@@ -434,6 +453,8 @@ class _Expander:
             return ("base", *path)
         if head == "seq_len" and self.search is not None:
             return ("search", "start")
+        if head in RUN_FIELDS:
+            return ("base", *path)
         return ("base",)
 
     def blame(self, pos: Position, msg: str) -> Loc:

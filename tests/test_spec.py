@@ -249,6 +249,23 @@ def test_max_seq_len_search_block() -> None:
     assert errs[0]["loc"] == ["search"]
 
 
+def test_max_seq_len_without_a_search_block_is_refused() -> None:
+    """No silent default search (up to 16,777,216 tokens): the block is required."""
+    (err,) = errors_of({"name": "m", "kind": "max_seq_len", "base": {"kernel": "dense"}})
+    assert (err["loc"], err["type"]) == (["search"], "missing")
+    assert err["msg"].startswith(
+        "a max_seq_len sweep needs a search block (start, max, granularity)"
+    )
+
+
+def test_a_missing_field_is_named_where_it_would_be_written() -> None:
+    errs = errors_of({"name": "n", "base": {"kernel": "dense"}})
+    assert [(e["loc"], e["msg"]) for e in errs] == [(["base", "seq_len"], "Field required")]
+    errs = errors_of({"name": "n", "base": {}, "zip": {"seq_len": [64, 128]}})
+    assert [e["loc"] for e in errs] == [["base", "kernel"]]
+    assert errs[0]["msg"] == "Field required (cell seq_len=64)"
+
+
 def test_correctness_kind_checks_every_cell() -> None:
     (cell,) = expand(
         SweepSpec(name="c", kind="correctness", base={"kernel": "dense", "seq_len": 64})

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import plotly
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 
 from service import queries
@@ -140,6 +140,17 @@ def sweeps_page(
         per_page=per_page,
         pages=max(1, -(-total // per_page)),
     )
+
+
+@router.get("/sweeps")
+def sweeps_redirect(request: Request) -> RedirectResponse:
+    """/sweeps typed into the browser: the list lives at /; the query (?page=2) goes along.
+
+    No clash with the API: its list is /api/v1/sweeps. 307 keeps the method and is not cached
+    for good, so / can move later.
+    """
+    query = request.url.query
+    return RedirectResponse(f"/?{query}" if query else "/", status_code=307)
 
 
 def _sweep_payload(session: SessionDep, sweep_id: int) -> dict[str, Any]:
