@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import sys
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 
 from service.client import ClientError
@@ -34,7 +36,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class CliError(Exception):
-    """An error to show the user as one line."""
+    """An error to show the user as one line (and, for a file, the offending line below it)."""
+
+    def __init__(self, message: str, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail
 
 
 def _one_line(exc: BaseException) -> str:
@@ -67,7 +73,9 @@ def friendly_errors(fn: F) -> F:
             ArgumentError,
             ConnectionError,  # Ray: no cluster at RINGLAB_RAY_ADDRESS
         ) as e:
-            err.print(f"[red]error:[/red] {_one_line(e)}")
+            err.print(f"[red]error:[/red] {escape(_one_line(e))}")
+            if isinstance(e, CliError) and e.detail:
+                err.print(e.detail, markup=False)
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
@@ -117,7 +125,79 @@ def db_current() -> None:
 # ---- processes: the service, a scheduler alone, the demo ----
 
 
-@app.command()
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why uvicorn could not listen on host:port now (None: it could), found by binding the
+    way asyncio does (SO_REUSEADDR, v6-only) and letting go at once."""
+    import socket
+
+    try:
+        addresses = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        return e
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPV6_V6ONLY"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                return e
+    return None
+
+
+def check_port(host: str, port: int, how: str) -> None:
+    """One line and exit 1 if host:port cannot be listened on, before anything heavy starts.
+
+    `how` says how to pick another port; {port} in it becomes a free one near `port`.
+    """
+    import errno
+
+    problem = _bind_error(host, port)
+    if problem is None:
+        return
+    if problem.errno != errno.EADDRINUSE:
+        reason = problem.strerror or str(problem)
+        raise CliError(f"cannot listen on {host}:{port}: {reason}; {how.format(port='PORT')}")
+    free = next(
+        (p for p in range(port + 1, min(port + 50, 65536)) if _bind_error(host, p) is None),
+        None,
+    )
+    raise CliError(
+        f"port {port} on {host} is in use (another ringlab or server is listening there); "
+        + how.format(port=free or "PORT")
+    )
+
+
+def _url(host: str, port: int) -> str:
+    """The address a browser on this machine uses for a server bound to host:port."""
+    shown = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+
+
+def _start_serving(settings: Settings, host: str, port: int, how: str) -> None:
+    """What serve and demo do before uvicorn: the port check, the database URL (password
+    hidden) and dashboard URL printed, the database migrated (unreachable: one line)."""
+    from service.db.migrate import upgrade
+
+    check_port(host, port, how)
+    out.print(f"dashboard: {_url(host, port)}/")
+    out.print(f"database:  {_safe(settings)}")
+    upgrade(settings.database_url)
+
+
+DATABASE_RULE = (
+    "Database: RINGLAB_DATABASE_URL, by default SQLite ringlab.db in the user's data dir; "
+    "`ringlab serve` and `ringlab demo` use the same one."
+)
+
+
+@app.command(
+    help=f"Serve the API and the dashboard; unless --no-scheduler, run the scheduler "
+    f"in-process. Prints the dashboard and database URLs first. {DATABASE_RULE}"
+)
 @friendly_errors
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address (RINGLAB_HOST).")] = None,
@@ -126,10 +206,13 @@ def serve(
         bool, typer.Option("--no-scheduler", help="Serve the API only; run `ringlab scheduler`.")
     ] = False,
 ) -> None:
-    """Serve the API and the dashboard; unless --no-scheduler, run the scheduler in-process."""
+    settings = load_settings()
+    host = settings.host if host is None else host
+    port = port or settings.port
+    _start_serving(settings, host, port, "pick another: ringlab serve --port {port}")
     from service.app import run_server
 
-    run_server(load_settings(), host=host, port=port, with_scheduler=not no_scheduler)
+    run_server(settings, host=host, port=port, with_scheduler=not no_scheduler)
 
 
 @app.command()
@@ -156,27 +239,30 @@ def scheduler() -> None:
 DEMO_EXAMPLE = "cpu-quick.yaml"
 
 
-@app.command()
+@app.command(
+    help="Start the service with a local CPU Ray, submit cpu-quick.yaml, keep serving until "
+    f"Ctrl-C. Prints the dashboard and database URLs first. {DATABASE_RULE}"
+)
 @friendly_errors
 def demo(
-    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to serve on.")] = 8000,
+    port: Annotated[
+        int, typer.Option(min=1, max=65535, help="Port to serve on (make run: PORT=8001).")
+    ] = 8000,
     database_url: Annotated[
         str | None,
-        typer.Option(help="Database (default: demo.db, SQLite, in the user's data dir)."),
+        typer.Option(help="Database (default: RINGLAB_DATABASE_URL or ringlab.db, as serve)."),
     ] = None,
 ) -> None:
-    """Start the service on SQLite with a local CPU Ray, submit cpu-quick.yaml, keep serving."""
     import os
     import signal
     import threading
 
-    from platformdirs import user_data_dir
-
-    from service.app import run_server
     from service.client import Client
 
-    url = database_url or f"sqlite:///{Path(user_data_dir('ringlab')) / 'demo.db'}"
-    settings = Settings(database_url=url, ray_address=None, host="127.0.0.1", port=port)
+    overrides: dict[str, Any] = {"ray_address": None, "host": "127.0.0.1", "port": port}
+    if database_url:
+        overrides["database_url"] = database_url
+    settings = Settings(**overrides)
     (spec,) = load_specs(DEMO_EXAMPLE)
     base = f"http://127.0.0.1:{port}"
 
@@ -208,7 +294,11 @@ def demo(
                 "Ctrl-C stops the service."
             )
 
-    out.print(f"starting ringlab on {base} (database {_safe(settings)}, local Ray on CPU)")
+    how = "pick another: PORT={port} make run, or ringlab demo --port {port}"
+    _start_serving(settings, "127.0.0.1", port, how)
+    out.print(f"starting ringlab on {base} with a local Ray on CPU")
+    from service.app import run_server
+
     threading.Thread(target=submit_when_ready, name="demo-submit", daemon=True).start()
     run_server(settings, host="127.0.0.1", port=port, with_scheduler=True)
     if failure:
@@ -225,97 +315,209 @@ def client() -> Any:
     return Client()
 
 
+def bundled_examples() -> dict[str, Any]:
+    """The example sweeps shipped in the package (service.examples = examples/*.yaml), by name."""
+    from importlib.resources import files
+
+    folder = files("service.examples")
+    found = (f for f in folder.iterdir() if f.name.endswith(".yaml") and f.is_file())
+    return {f.name.removesuffix(".yaml"): f for f in sorted(found, key=lambda f: f.name)}
+
+
+def _bundled(file: str) -> tuple[str, str]:
+    """(label, text) of the bundled example `file` names: `cpu-quick` or `cpu-quick.yaml`."""
+    import difflib
+
+    examples = bundled_examples()
+    path = Path(file)
+    name = path.name.removesuffix(".yaml").removesuffix(".yml")
+    # `examples/x.yaml` as the README writes it also works outside a checkout.
+    if str(path.parent) in (".", "examples") and name in examples:
+        return f"{name}.yaml (bundled)", examples[name].read_text()
+    close = difflib.get_close_matches(name, examples, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    raise CliError(
+        f"{file}: no such file, nor a bundled example of that name; {hint}"
+        f"bundled examples: {', '.join(examples)}"
+    )
+
+
+def _yaml_error(label: str, text: str, e: Exception) -> CliError:
+    """`file:line:column: problem` and the offending line, from a PyYAML error."""
+    import yaml
+
+    if not isinstance(e, yaml.MarkedYAMLError) or e.problem_mark is None:
+        return CliError(f"{label}: not valid YAML: {str(e).splitlines()[0]}")
+    mark, context = e.problem_mark, e.context_mark
+    message = f"{label}:{mark.line + 1}:{mark.column + 1}: not valid YAML: {e.problem}"
+    if e.context and context is not None:
+        message += f" ({e.context} at line {context.line + 1}, column {context.column + 1})"
+    # The line to look at: where the unclosed bracket or quote opened, else where parsing stopped.
+    lines = text.splitlines()
+    at = context if context is not None and context.line < len(lines) else mark
+    shown = lines[at.line] if at.line < len(lines) else ""
+    return CliError(message, detail=f"  {at.line + 1} | {shown}" if shown.strip() else None)
+
+
 def load_specs(file: str) -> list[dict[str, Any]]:
-    """The sweep specs of a YAML file (one per document), or of a bundled example by name."""
+    """The sweep specs of a YAML file (one per document), or of a bundled example by name
+    (`cpu-quick` or `cpu-quick.yaml`)."""
     import yaml
 
     path = Path(file)
     if path.is_file():
-        text = path.read_text()
+        label, text = file, path.read_text()
     else:
-        from importlib.resources import files
-
-        bundled = files("service.examples").joinpath(path.name)
-        if path.parent != Path(".") or not bundled.is_file():
-            raise CliError(f"{file}: no such file (nor a bundled example of that name)")
-        text = bundled.read_text()
+        label, text = _bundled(file)
     try:
         specs = [doc for doc in yaml.safe_load_all(text) if doc is not None]
     except yaml.YAMLError as e:
-        raise CliError(f"{file}: not valid YAML: {str(e).splitlines()[0]}") from None
+        raise _yaml_error(label, text, e) from None
     if not specs:
-        raise CliError(f"{file}: no sweep spec in it")
+        raise CliError(f"{label}: no sweep spec in it")
     for i, spec in enumerate(specs):
         if not isinstance(spec, dict):
-            raise CliError(f"{file}: document {i + 1} is not a mapping (name, kind, base, grid...)")
+            raise CliError(
+                f"{label}: document {i + 1} is not a mapping (name, kind, base, grid...)"
+            )
     return specs
 
 
 @app.command()
 @friendly_errors
 def submit(
-    file: Annotated[str, typer.Argument(help="Sweep spec (YAML), or a bundled example's name.")],
-    watch_: Annotated[bool, typer.Option("--watch", help="Follow it until it ends.")] = False,
+    file: Annotated[
+        str,
+        typer.Argument(
+            help="Sweep spec (YAML), or a bundled example's name (e.g. cpu-quick; a wrong "
+            "name lists them)."
+        ),
+    ],
+    watch_: Annotated[
+        bool,
+        typer.Option(
+            "--watch", help="Follow every sweep of the file until all end; exit 1 if a run failed."
+        ),
+    ] = False,
     idempotency_key: Annotated[
         str | None, typer.Option(help="Submitting again with the same key returns the same sweep.")
     ] = None,
 ) -> None:
     """Submit a sweep (one per YAML document); print each id and dashboard URL."""
     specs = load_specs(file)
-    if watch_ and len(specs) > 1:
-        raise CliError(f"{file}: --watch follows one sweep; this file holds {len(specs)}")
     with client() as c:
+        ids = []
         for i, spec in enumerate(specs):
             key = (
                 f"{idempotency_key}-{i}" if idempotency_key and len(specs) > 1 else idempotency_key
             )
             sweep = c.submit(spec, idempotency_key=key)
+            ids.append(sweep["id"])
             out.print(f"sweep {sweep['id']} ({sweep['name']}): {sweep['total']} runs")
             out.print(f"dashboard: {c.dashboard_url(sweep['id'])}")
         if watch_:
-            _watch(c, sweep["id"])
+            _watch(c, ids)
 
 
 FAILED_STATES = ("failed", "timed_out")
 
 
-def _watch(c: Any, sweep_id: int) -> None:
-    """A progress bar from the sweep's events until it ends; exit 1 if any run failed."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    sweep = c.sweep(sweep_id)
-    columns = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[counts]}"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=err, transient=False) as progress:
-        task = progress.add_task(
-            f"sweep {sweep_id}", total=sweep["total"], completed=sweep["finished"], counts=""
-        )
-        ended = False
+def _follow(c: Any, sweep_id: int, events: queue.Queue[tuple[int, str, dict[str, Any]]]) -> None:
+    """Put the sweep's events on `events` (a thread per sweep), then `closed` or `error`."""
+    try:
         for event, data in c.events(sweep_id):
-            if event == "end" and data.get("deleted"):
-                raise CliError(f"sweep {sweep_id} was deleted while watching")
-            if event in ("progress", "end") and "counts" in data:
-                sweep = data
-                progress.update(task, completed=data["finished"], counts=_counts(data["counts"]))
+            events.put((sweep_id, event, data))
             if event == "end":
-                ended = True
-                break
-    if not ended:  # the stream closed early (a restart, a proxy): ask where the sweep is
-        sweep = c.sweep(sweep_id)
-        if not sweep["done"]:
-            raise CliError(
-                f"the event stream of sweep {sweep_id} closed before the sweep ended "
-                f"({sweep['finished']}/{sweep['total']} finished); watch it again"
+                return
+        events.put((sweep_id, "closed", {}))
+    except Exception as e:  # shown as the sweep's one-line problem by the watching thread
+        events.put((sweep_id, "error", {"message": _one_line(e)}))
+
+
+def _live_counts(counts: dict[str, int]) -> str:
+    """A progress line's counts: running and failed always, other unusual states when any."""
+    failed = sum(counts.get(s, 0) for s in FAILED_STATES)
+    parts = [f"running {counts.get('running', 0)}", f"failed {failed}"]
+    unusual = ("waiting_resources", "oom", "cancelled")
+    parts += [f"{state} {counts[state]}" for state in unusual if counts.get(state)]
+    return ", ".join(parts)
+
+
+def _watch(c: Any, sweep_ids: list[int]) -> None:
+    """One progress display with a line per sweep (runs done/total, running, failed), fed by
+    each sweep's event stream, until every sweep ends; exit 1 if any run failed or timed out."""
+    import threading
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Column
+
+    sweeps = {sweep_id: c.sweep(sweep_id) for sweep_id in dict.fromkeys(sweep_ids)}
+    events: queue.Queue[tuple[int, str, dict[str, Any]]] = queue.Queue()
+    for sweep_id in sweeps:
+        threading.Thread(
+            target=_follow, args=(c, sweep_id, events), name=f"watch-{sweep_id}", daemon=True
+        ).start()
+    # The numbers keep their width in an 80-column terminal; a long sweep name gets cut ("…").
+    bar = 10 if err.width < 100 else 30
+    name = Column(no_wrap=True, overflow="ellipsis", max_width=max(16, err.width - bar - 40))
+    columns = (
+        TextColumn("[bold]{task.description}", table_column=name),
+        BarColumn(bar_width=bar),
+        MofNCompleteColumn(table_column=Column(no_wrap=True)),
+        TextColumn("{task.fields[counts]}", table_column=Column(no_wrap=True)),
+        TimeElapsedColumn(table_column=Column(no_wrap=True)),
+    )
+    problems: dict[int, str] = {}
+    ended: list[int] = []
+    with Progress(*columns, console=err, transient=False) as progress:
+        tasks = {
+            sweep_id: progress.add_task(
+                escape(f"sweep {sweep_id} {s['name']}" if len(sweeps) > 1 else f"sweep {sweep_id}"),
+                total=s["total"],
+                completed=s["finished"],
+                counts=_live_counts(s["counts"]),
             )
-    out.print(f"sweep {sweep_id} ended: {_counts(sweep['counts'])}")
-    bad = sum(sweep["counts"].get(s, 0) for s in FAILED_STATES)
-    if bad:
-        err.print(f"[red]{bad} run(s) failed or timed out[/red]: ringlab results {sweep_id}")
+            for sweep_id, s in sweeps.items()
+        }
+        while len(ended) + len(problems) < len(sweeps):
+            sweep_id, event, data = events.get()
+            if event == "end" and data.get("deleted"):
+                problems[sweep_id] = f"sweep {sweep_id} was deleted while watching"
+                continue
+            if event == "closed":  # the stream closed early (a restart, a proxy): ask
+                data = c.sweep(sweep_id)
+                if not data["done"]:
+                    problems[sweep_id] = (
+                        f"the event stream of sweep {sweep_id} closed before the sweep ended "
+                        f"({data['finished']}/{data['total']} finished); watch it again: "
+                        f"ringlab watch {sweep_id}"
+                    )
+                    continue
+                event = "end"
+            if event == "error":
+                problems[sweep_id] = data["message"]
+                continue
+            if event in ("progress", "end") and "counts" in data:
+                sweeps[sweep_id] = data
+                progress.update(
+                    tasks[sweep_id],
+                    total=data["total"],
+                    completed=data["finished"],
+                    counts=_live_counts(data["counts"]),
+                )
+            if event == "end":
+                ended.append(sweep_id)
+    for sweep_id in sweeps:
+        if sweep_id in ended:
+            out.print(f"sweep {sweep_id} ended: {_counts(sweeps[sweep_id]['counts'])}")
+    bad = {i: sum(sweeps[i]["counts"].get(s, 0) for s in FAILED_STATES) for i in ended}
+    failing = [i for i, n in bad.items() if n]
+    if failing:
+        how = "; ".join(f"ringlab results {i}" for i in failing)
+        err.print(f"[red]{sum(bad.values())} run(s) failed or timed out[/red]: {how}")
+    if problems:
+        raise CliError("; ".join(problems[i] for i in sweeps if i in problems))
+    if failing:
         raise typer.Exit(1)
 
 
@@ -325,10 +527,15 @@ def _counts(counts: dict[str, int]) -> str:
 
 @app.command()
 @friendly_errors
-def watch(sweep_id: Annotated[int, typer.Argument(help="Sweep id.")]) -> None:
-    """Follow a sweep with a progress bar until it ends; exit 1 if any run failed or timed out."""
+def watch(
+    sweep_ids: Annotated[
+        list[int], typer.Argument(metavar="SWEEP_ID", help="Sweep ids (one or more).")
+    ],
+) -> None:
+    """Follow sweeps with a progress line each until all end; exit 1 if any run failed or
+    timed out."""
     with client() as c:
-        _watch(c, sweep_id)
+        _watch(c, sweep_ids)
 
 
 @app.command("ls")
@@ -468,11 +675,50 @@ def retry(
     include_oom: Annotated[
         bool, typer.Option(help="Also requeue runs that ran out of memory.")
     ] = False,
+    cancelled: Annotated[
+        bool,
+        typer.Option(
+            "--cancelled/--no-cancelled",
+            help="Requeue cancelled runs too, so `ringlab cancel N; ringlab retry N` resumes "
+            "a sweep; --no-cancelled leaves them cancelled.",
+        ),
+    ] = True,
 ) -> None:
-    """Put the sweep's failed and timed-out runs back in the queue."""
+    """Put the sweep's failed, timed-out and cancelled runs back in the queue (oom ones with
+    --include-oom); their partial results are removed."""
     with client() as c:
-        answer = c.retry(sweep_id, include_oom=include_oom)
+        answer = c.retry(sweep_id, include_oom=include_oom, include_cancelled=cancelled)
     out.print(f"sweep {sweep_id}: {answer['changed']} run(s) requeued")
+
+
+@app.command()
+@friendly_errors
+def delete(
+    sweep_id: Annotated[int, typer.Argument(help="Sweep id.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
+) -> None:
+    """Delete a sweep with its runs and results (asks first unless --yes). A sweep with runs
+    still running must be cancelled first (`ringlab cancel N`)."""
+    with client() as c:
+        sweep = c.sweep(sweep_id)
+        what = f"sweep {sweep_id} ({sweep['name']}, {sweep['total']} run(s))"
+        if not yes:
+            err.print(f"Delete {what} and its results? [y/N] ", end="", markup=False)
+            answer = sys.stdin.readline()  # "" at end of input: no
+            if not sys.stdin.isatty():  # a piped answer is not echoed: end the question's line
+                err.print()
+            if answer.strip().lower() not in ("y", "yes"):
+                raise CliError(f"sweep {sweep_id} not deleted; answer y, or pass --yes")
+        try:
+            c.delete(sweep_id)
+        except ClientError as e:
+            if e.status == 409:
+                raise CliError(
+                    f"sweep {sweep_id} has running or waiting runs; cancel it first: "
+                    f"ringlab cancel {sweep_id}"
+                ) from None
+            raise
+    out.print(f"deleted {what}")
 
 
 @app.command()

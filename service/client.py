@@ -18,7 +18,14 @@ API = "/api/v1"
 
 
 class ClientError(Exception):
-    """A request that failed: the service is unreachable or answered with an error."""
+    """A request that failed: the service is unreachable or answered with an error.
+
+    `status` is the HTTP status of an error answer (None when the service was unreachable).
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _detail(response: httpx.Response) -> str:
@@ -75,7 +82,8 @@ class Client:
             raise self._unreachable(exc) from exc
         if response.status_code >= 400:
             raise ClientError(
-                f"{method} {API}{path} -> {response.status_code}: {_detail(response)}"
+                f"{method} {API}{path} -> {response.status_code}: {_detail(response)}",
+                status=response.status_code,
             )
         return response
 
@@ -93,9 +101,18 @@ class Client:
     def cancel(self, sweep_id: int) -> dict[str, Any]:
         return self.request("POST", f"/sweeps/{sweep_id}/cancel").json()
 
-    def retry(self, sweep_id: int, include_oom: bool = False) -> dict[str, Any]:
+    def retry(
+        self, sweep_id: int, include_oom: bool = False, include_cancelled: bool = False
+    ) -> dict[str, Any]:
+        """Requeue failed and timed-out runs (and oom / cancelled ones when asked)."""
         params = {"include_oom": "true"} if include_oom else {}
+        if include_cancelled:
+            params["include_cancelled"] = "true"
         return self.request("POST", f"/sweeps/{sweep_id}/retry", params=params).json()
+
+    def delete(self, sweep_id: int) -> None:
+        """Delete the sweep with its runs and results (409 while runs are running)."""
+        self.request("DELETE", f"/sweeps/{sweep_id}")
 
     def results(self, sweep_id: int) -> list[dict[str, Any]]:
         return self.request("GET", f"/sweeps/{sweep_id}/results.json").json()
@@ -126,7 +143,8 @@ class Client:
                     response.read()
                     raise ClientError(
                         f"GET {API}/sweeps/{sweep_id}/events -> {response.status_code}: "
-                        f"{_detail(response)}"
+                        f"{_detail(response)}",
+                        status=response.status_code,
                     )
                 event, data = "message", list[str]()
                 for line in response.iter_lines():

@@ -153,7 +153,12 @@ def test_client_errors_are_one_line(
     assert "404" in one_error_line(ringlab("show", "9999"))
     assert "no such file" in one_error_line(ringlab("submit", str(tmp_path / "missing.yaml")))
     (tmp_path / "broken.yaml").write_text("name: [unclosed\n")
-    assert "not valid YAML" in one_error_line(ringlab("submit", str(tmp_path / "broken.yaml")))
+    broken = ringlab("submit", str(tmp_path / "broken.yaml"))
+    assert broken.exit_code == 1 and broken.stderr.splitlines() == [  # the place, then the line
+        f"error: {tmp_path / 'broken.yaml'}:2:1: not valid YAML: expected ',' or ']', but got "
+        "'<stream end>' (while parsing a flow sequence at line 1, column 7)",
+        "  1 | name: [unclosed",
+    ]
     monkeypatch.setenv("RINGLAB_URL", "http://127.0.0.1:9")  # discard port: nothing listens
     line = one_error_line(ringlab("ls"))
     assert "cannot reach the ringlab service at http://127.0.0.1:9" in line

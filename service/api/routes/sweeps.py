@@ -131,7 +131,9 @@ def retry_sweep(
 ) -> SweepAction:
     """Failed and timed-out runs back to queued with attempts reset (their results removed).
 
-    oom is a measured outcome, not an accident, so it is retried only with include_oom=true.
+    oom is a measured outcome, not an accident, so it is retried only with include_oom=true;
+    cancelled runs only with include_cancelled=true (`ringlab retry` sends it unless
+    --no-cancelled, so that cancel then retry resumes a sweep).
     """
     _sweep_or_404(session, sweep_id)
     changed = store.retry_sweep(
