@@ -1,0 +1,136 @@
+"""Every command of the README's Quick start and CLI blocks, run as written against a live
+`make run` (the demo: service, scheduler and dashboard, joined to the tests' Ray).
+
+`make test` is the one command not run here: it is the command running this test.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from _api_helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def bash_block(section: str) -> str:
+    """The first ```bash block under the README heading `section`."""
+    text = README.read_text()
+    start = text.index(f"\n## {section}\n")
+    block = re.search(r"```bash\n(.*?)```", text[start:], re.S)
+    assert block is not None, f"no bash block under {section}"
+    return block.group(1)
+
+
+def test_quick_start_block_is_make_run_and_make_test() -> None:
+    commands = [line.split("#")[0].strip() for line in bash_block("Quick start").splitlines()]
+    assert commands == ["make run", "make test"]
+
+
+def _read_line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> tuple[str, str]:
+    """The first output line starting with `prefix`, and everything seen up to it."""
+    assert proc.stdout is not None
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                break
+            continue
+        seen += line
+        if line.startswith(prefix):
+            return line, seen
+    raise AssertionError(f"no {prefix!r} line from make run (exit {proc.poll()}):\n{seen}")
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_readme_commands_run_as_written(tmp_path: Path, ray_session: Any) -> None:
+    """`make run`, then the CLI block line by line in one shell, from a folder holding the
+    repository's .venv and examples (so report.md lands there, not in the checkout)."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "PORT": str(port),
+        "RINGLAB_DATABASE_URL": f"sqlite:///{tmp_path / 'ringlab.db'}",
+        "RINGLAB_URL": f"http://127.0.0.1:{port}",
+        "XDG_DATA_HOME": str(tmp_path / "data"),
+        "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address,
+    }
+    demo = subprocess.Popen(
+        ["make", "run"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        line, seen = _read_line(demo, "Dashboard: ", timeout=180)
+        dashboard = line.removeprefix("Dashboard: ").strip()
+        assert dashboard == f"http://127.0.0.1:{port}/sweeps/1", seen
+        assert httpx.get(dashboard, timeout=10).status_code == 200
+
+        work = tmp_path / "work"
+        work.mkdir()
+        (work / ".venv").symlink_to(ROOT / ".venv")
+        (work / "examples").symlink_to(ROOT / "examples")
+        block = bash_block("Dashboard and CLI")
+        run = subprocess.run(
+            ["bash", "-e", "-c", block],
+            cwd=work,
+            env={**env, "COLUMNS": "100"},
+            capture_output=True,
+            text=True,
+            timeout=420,
+        )
+        out = run.stdout + run.stderr
+        assert run.returncode == 0, out
+        # submit --watch: the file's three sweeps, each followed to its end
+        assert re.search(r"sweep 2 \(cpu max-seq-len 1 rank - dense\)", out), out
+        assert len(re.findall(r"sweep [234] ended", out)) == 3, out
+        # the bundled example by name: the fifth sweep
+        assert "sweep 5 (cpu-quick" in out or "sweep 5 (cpu quick" in out, out
+        # results as CSV: a header and the sweep's runs (sweep 3: block_sparse x 2 ratios)
+        header = next(x for x in out.splitlines() if x.startswith("run_id,"))
+        rows = list(csv.DictReader(io.StringIO("\n".join([header, *_csv_lines(out, header)]))))
+        assert {r["kernel"] for r in rows} == {"block_sparse"} and len(rows) == 2, rows
+        report = (work / "report.md").read_text()
+        assert report.startswith("# cpu max-seq-len 1 rank - block_sparse")
+        assert "## Maximum sequence length" in report
+        # delete 3 --yes: gone
+        base = env["RINGLAB_URL"]
+        assert httpx.get(f"{base}/api/v1/sweeps/3", timeout=10).status_code == 404
+        assert httpx.get(f"{base}/api/v1/sweeps/2", timeout=10).status_code == 200
+    finally:
+        os.killpg(demo.pid, signal.SIGTERM)
+        try:
+            demo.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+
+
+def _csv_lines(out: str, header: str) -> list[str]:
+    """The CSV rows printed right after `header` (up to the first line that is not one)."""
+    lines = out.splitlines()
+    at = lines.index(header)
+    rows = []
+    for line in lines[at + 1 :]:
+        if not re.match(r"\d+,", line):
+            break
+        rows.append(line)
+    return rows
