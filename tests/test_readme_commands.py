@@ -82,6 +82,11 @@ def test_readme_commands_run_as_written(tmp_path: Path, ray_session: Any) -> Non
         line, seen = _read_line(demo, "Dashboard: ", timeout=180)
         dashboard = line.removeprefix("Dashboard: ").strip()
         assert dashboard == f"http://127.0.0.1:{port}/sweeps/1", seen
+        # start-up prints ringlab's lines and real problems only (no NumPy, Ray SIGTERM or
+        # token-auth notices)
+        noise = [x for x in seen.splitlines() if re.search(r"warn|traceback", x, re.I)]
+        assert noise == [], seen
+        assert "database:" in seen and f"http://127.0.0.1:{port}" in seen, seen
         assert httpx.get(dashboard, timeout=10).status_code == 200
 
         work = tmp_path / "work"
