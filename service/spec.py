@@ -298,6 +298,18 @@ def _check_structure(spec: SweepSpec) -> None:
                 errors.append(_err((where, axis), "an axis needs at least one value"))
     for axis in spec.grid.keys() & spec.zip.keys():
         errors.append(_err(("zip", axis), f"axis {axis!r} is in both grid and zip"))
+    for where, axes in (("grid", spec.grid), ("zip", spec.zip)):
+        for axis in axes:
+            nested = nested_axis(axis)
+            whole = [*spec.grid.get(nested[0], []), *spec.zip.get(nested[0], [])] if nested else []
+            if nested and any(isinstance(v, dict) and nested[1] in v for v in whole):
+                errors.append(
+                    _err(
+                        (where, axis),
+                        f"{nested[1]} is also set by the {nested[0]} axis's objects; set it in "
+                        "one place",
+                    )
+                )
     if spec.zip:
         first_axis, first = next(iter(spec.zip.items()))
         for axis, values in spec.zip.items():
@@ -485,8 +497,9 @@ class _Expander:
                 raw[head] = dict(raw[head])
         for axis, value in axes.items():
             nested = nested_axis(axis)
-            if axis in NESTED and isinstance(value, dict) and isinstance(raw.get(axis), dict):
-                raw[axis] = {**raw[axis], **value}  # a whole model / training over the base's
+            if axis in NESTED and isinstance(value, dict):  # a whole model / training object
+                base_obj = raw.get(axis)
+                raw[axis] = {**(base_obj if isinstance(base_obj, dict) else {}), **value}
                 continue
             if nested is None:
                 raw[axis] = value

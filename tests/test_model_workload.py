@@ -354,3 +354,29 @@ def test_attention_cell_or_no_budget_has_no_predicted_start() -> None:
     assert predicted_start(attention_cell) is None
     ring = RunConfig.model_validate(model_cell(kernel="ring", memory_budget_bytes=1 << 30))
     assert kernels.is_distributed(ring.kernel) and predicted_start(ring) is None  # no model
+
+
+def test_expansion_leaves_the_spec_alone_and_refuses_a_field_set_twice() -> None:
+    """A whole-model axis and a model.<name> axis: the submitted objects are not changed by
+    expanding, and a field both set is refused (one of them would win silently)."""
+    from service.spec import SpecError, SweepSpec, expand
+
+    base = {"workload": "model", "kernel": "dense", "seq_len": 64, "device": "cpu"}
+    models = [{"d_model": 64, "n_heads": 4}]
+    spec = SweepSpec(name="m", base=base, grid={"model": models, "model.n_layers": [1, 2]})
+    assert len(expand(spec)) == 2
+    assert spec.grid["model"] == [{"d_model": 64, "n_heads": 4}]
+    twice = SweepSpec(name="m", base=base, grid={"model": models, "model.d_model": [128]})
+    with pytest.raises(SpecError) as refused:
+        expand(twice)
+    (error,) = refused.value.errors
+    assert error["loc"] == ["grid", "model.d_model"]
+    assert "d_model is also set by the model axis's objects" in error["msg"]
+
+
+def test_an_odd_head_size_is_refused_at_the_model() -> None:
+    with pytest.raises(ValueError, match="head_dim = d_model / n_heads = 3 must be even"):
+        RunConfig.model_validate(
+            {"workload": "model", "kernel": "dense", "seq_len": 16,
+             "model": {"d_model": 24, "n_heads": 8, "n_layers": 1}}
+        )  # fmt: skip

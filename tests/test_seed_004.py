@@ -153,7 +153,7 @@ def test_seed_004_training_memory_tables_from_a_stored_sweep(database_url: str) 
         ckpt = rows["blocks"]
         assert ckpt[:5] == ["tiny-2L", "128d×4h×2L", "adamw", "fp32", "blocks"]
         assert ckpt[6:8] == ["7,168", "7,400"]
-        assert ckpt[8] == f"{fixed_total / 1e6:.2f} MB"
+        assert ckpt[8] == f"{fixed_total / 2**20:.2f} MiB"
         assert ckpt[9] == f"{(240 * MB - fixed_total) / 7168 / 1e3:,.1f}"
         assert ckpt[12] == f"{7168 / 3584:.2f}x vs run {baseline['id']}"  # the baseline cell
         assert rows["none"][12] == "-"  # the baseline itself
@@ -252,3 +252,33 @@ def test_training_refusals_are_422s_naming_the_field(database_url: str) -> None:
             details = answer.json()["detail"]
             assert any(d["loc"] == loc and message in d["msg"] for d in details), details
         assert client.get(f"{API}/sweeps").json()["count"] == 0
+
+
+def test_retry_drops_a_model_runs_components(database_url: str) -> None:
+    """A retried model run (an emulated OOM keeps its measurement) starts without its old
+    components: the new attempt writes its own (one row per run, rank and component)."""
+    with client_for(database_url) as client:
+        created = client.post(f"{API}/sweeps", json=load_specs(EXAMPLE)[0])
+        sweep_id = created.json()["id"]
+        runs = client.get(f"{API}/runs", params={"sweep_id": sweep_id, "sort": "id"}).json()
+        run_id = runs["data"][0]["id"]
+        store(
+            client,
+            run_id,
+            answer=3584,
+            predicted_max=3800,
+            measured=components_for((1, 1, 2), 10 * MB, 20 * MB),
+        )
+        sm = client.app.state.sessionmaker  # type: ignore[attr-defined]
+        with sm() as session:
+            run = session.get(Run, run_id)
+            assert run is not None
+            run.status = RunStatus.oom
+            session.commit()
+        answer = client.post(f"{API}/sweeps/{sweep_id}/retry", params={"include_oom": True})
+        assert answer.status_code == 200, answer.text
+        with sm() as session:
+            left = session.query(MemoryComponent).filter_by(run_id=run_id).count()
+            run = session.get(Run, run_id)
+            assert run is not None
+            assert (left, run.status) == (0, RunStatus.queued)

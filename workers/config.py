@@ -54,6 +54,11 @@ class ModelConfig(BaseModel):
             raise ValueError(
                 f"d_model: {self.d_model} must divide by n_heads {self.n_heads} (head_dim)"
             )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"d_model: head_dim = d_model / n_heads = {self.head_dim} must be even "
+                "(rotary positions rotate pairs of dimensions)"
+            )
         kv = self.kv_heads
         if kv > self.n_heads or self.n_heads % kv:
             raise ValueError(
@@ -127,7 +132,12 @@ class SearchConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    start: int = Field(1024, ge=1, description="First length tried.")
+    start: int = Field(
+        1024,
+        ge=1,
+        description="First length tried; a model cell with a memory budget starts from its "
+        "predicted maximum instead (and brackets it).",
+    )
     max: int = Field(1 << 24, ge=1, description="Never probe beyond this length.")
     granularity: int = Field(1024, ge=1, description="Bisection stops at this resolution.")
     fresh_processes: bool = Field(

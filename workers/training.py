@@ -31,6 +31,8 @@ from workers.model import Decoder, token_ids
 from workers.results import CaseOutcome, MemoryComponent, RankResult
 
 AUTOCAST_DTYPES = {"bf16_autocast": torch.bfloat16, "fp16_autocast": torch.float16}
+FIRST_STEP_TRIES = 3
+"""Steps tried for the optimizer's first real step (fp16's grad scaler skips overflows)."""
 PREDICTION_GUARD = 2.0
 """On CPU, a case predicted to need more than this times its budget is not run (an emulated
 OOM saying so): the budget emulates a smaller machine than this one, which must survive."""
@@ -267,12 +269,20 @@ def _measure(
     # Step 1 creates the optimizer's states (and, on CPU, one-time buffers of this shape in
     # the math libraries): measured is the jump across its optimizer step.
     meter.reset()
-    trainer.backward(trainer.forward())
-    after_backward = _settled(meter)
-    trainer.step(zero=False)
-    measured["optimizer_states"] = _settled(meter) - after_backward
-    optimizer_tensors = state_bytes(trainer.optimizer)
-    trainer.optimizer.zero_grad(set_to_none=True)
+    for _ in range(FIRST_STEP_TRIES):
+        trainer.backward(trainer.forward())
+        after_backward = _settled(meter)
+        trainer.step(zero=False)
+        measured["optimizer_states"] = _settled(meter) - after_backward
+        optimizer_tensors = state_bytes(trainer.optimizer)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        if optimizer_tensors:
+            break  # else fp16's grad scaler skipped the step (an overflow): no state yet
+    else:
+        raise RuntimeError(
+            f"the optimizer created no state in {FIRST_STEP_TRIES} steps (the fp16 grad "
+            "scaler skipped every one: gradients overflow)"
+        )
     first_step_peak = meter.peak()
     # Step 2, phase by phase, in the steady state every later step repeats.
     before = _settled(meter)

@@ -579,13 +579,6 @@ COMPONENT_TITLES = {
 """How the report and the dashboard name each memory component."""
 
 
-def fmt_gb(n: float | None) -> str:
-    """Decimal gigabytes, as the seed writes them ('0.7GB')."""
-    if n is None:
-        return "-"
-    return f"{n / 1e9:.2f} GB" if abs(n) >= 1e9 else f"{n / 1e6:.2f} MB"
-
-
 def fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -623,7 +616,7 @@ def model_sections(rows: Sequence[RunRow]) -> list[str]:
                 fmt_num(r.measured_seq_len),
                 fmt_num(found),
                 fmt_num(r.predicted_max_seq_len),
-                fmt_gb(r.fixed_bytes),
+                fmt_bytes(r.fixed_bytes),
                 "-" if r.bytes_per_token is None else f"{r.bytes_per_token / 1e3:,.1f}",
                 fmt_bytes(r.peak_memory_bytes),
                 fmt_bytes(r.predicted_peak_bytes),

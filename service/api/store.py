@@ -176,6 +176,7 @@ def retry_sweep(
     retry_ids = select(Run.id).where(Run.sweep_id == sweep_id, Run.status.in_(statuses))
     session.execute(delete(RankResult).where(RankResult.run_id.in_(retry_ids)))
     session.execute(delete(Probe).where(Probe.run_id.in_(retry_ids)))
+    session.execute(delete(MemoryComponent).where(MemoryComponent.run_id.in_(retry_ids)))
     result = session.execute(
         update(Run)
         .where(Run.sweep_id == sweep_id, Run.status.in_(statuses))
