@@ -548,13 +548,21 @@ def list_sweeps(
 
     with client() as c:
         page = c.sweeps(limit=limit)
-    table = Table("id", "name", "kind", "created", "progress", "runs by state", box=None)
+    # Fits 80 columns: id, kind, creation minute and progress never wrap; name and counts
+    # share the rest and wrap at words.
+    table = Table(box=None)
+    table.add_column("id", no_wrap=True, justify="right")
+    table.add_column("name", ratio=3)
+    table.add_column("kind", no_wrap=True)
+    table.add_column("created (UTC)", no_wrap=True)
+    table.add_column("done", no_wrap=True, justify="right")
+    table.add_column("runs by state", ratio=2)
     for s in page["data"]:
         table.add_row(
             str(s["id"]),
             s["name"],
             s["kind"],
-            s["created_at"][:19].replace("T", " "),
+            s["created_at"][:16].replace("T", " "),
             f"{s['finished']}/{s['total']}",
             _counts(s["counts"]),
         )

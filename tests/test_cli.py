@@ -193,3 +193,31 @@ def test_cluster_lists_the_local_ray(base: str, ray_session: object) -> None:
     assert result.exit_code == 0, result.stderr
     total = result.stdout.strip().splitlines()[-1]
     assert total.startswith("total: ") and "/4 CPUs free" in total and "/0 GPUs free" in total
+
+
+def test_ls_and_show_fit_80_columns(base: str, service: tuple[str, Seeded]) -> None:
+    """`ringlab ls` and `show` in an 80-column terminal: no line is longer, nothing is cut
+    with an ellipsis, and the name, creation minute and progress read whole."""
+    exe = str(Path(sys.executable).parent / "ringlab")
+    env = {**os.environ, "RINGLAB_URL": base, "COLUMNS": "80"}
+    listed = subprocess.run([exe, "ls"], capture_output=True, text=True, env=env, timeout=60)
+    shown = subprocess.run(
+        [exe, "show", str(service[1].benchmark)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    for done in (listed, shown):
+        assert done.returncode == 0, done.stderr
+        assert max(len(line) for line in done.stdout.splitlines()) <= 80, done.stdout
+        assert "…" not in done.stdout, done.stdout
+    rows = listed.stdout.splitlines()
+    first = next(i for i, line in enumerate(rows) if line.split()[:1] == ["1"])
+    row = rows[first].split()
+    assert row[0] == "1" and "benchmark" in row and "17/17" in row
+    assert "2026-11-01 09:00" in rows[first]  # the creation minute, on one line
+    words = ["kernels", "on", "2x", "H100", "(synthetic", "numbers)"]
+    name_lines = " ".join(rows[first:]).split()
+    assert all(w in name_lines for w in words)  # the name wraps at words, whole
+    assert "progress 17/17: succeeded 17" in shown.stdout
