@@ -6,10 +6,14 @@ STAMP := $(VENV)/.stamp-install
 
 .PHONY: run test lint format
 
+# One line per step with its elapsed time (pip itself is quiet: its output is noise here).
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
-	touch $(STAMP)
+	@start=$$(date +%s); \
+	test -x $(PY) || { echo "creating $(VENV)"; python3 -m venv $(VENV) || exit 1; }; \
+	echo "installing ringlab and its dependencies into $(VENV) (the first time: about 2 minutes)"; \
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]' \
+		&& touch $(STAMP) \
+		&& echo "installed in $$(( $$(date +%s) - start )) s"
 
 # The demo: the service on SQLite with a local CPU Ray, examples/cpu-quick.yaml submitted, the
 # dashboard URL printed; it keeps serving until Ctrl-C. PORT=8001 make run picks another port.
