@@ -86,8 +86,9 @@ class ModelConfig(BaseModel):
 class TrainingConfig(BaseModel):
     """How a model cell trains: optimizer, precision, activation checkpointing, chunked loss.
 
-    A model run takes one measured step (the memory components), then the run's `warmup`
-    steps, then `iterations` timed steps: the step count is the run's own warmup + iterations.
+    A model run takes a first step (its optimizer states measured), then the run's `warmup`
+    steps (the first measured phase by phase), then `iterations` timed steps: the step count
+    is 1 + the run's own warmup (at least 1) + iterations.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
