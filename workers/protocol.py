@@ -84,7 +84,7 @@ def _rows(config: RunConfig, rank: int) -> slice:
 
 
 @contextlib.contextmanager
-def _memory_fraction(device: torch.device, budget: int | None) -> Iterator[None]:
+def memory_fraction(device: torch.device, budget: int | None) -> Iterator[None]:
     """Cap the CUDA caching allocator at the budget (emulates a smaller GPU); CPU: no-op."""
     if device.type != "cuda" or budget is None:
         yield
@@ -125,7 +125,7 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
     return timed_cpu
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     pos = (len(ordered) - 1) * q
     lo, hi = math.floor(pos), math.ceil(pos)
@@ -245,7 +245,7 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
         length = config.seq_len if kind == "correctness" else check_length(config)
         checked_at = length
         try:
-            with _memory_fraction(device, budget):
+            with memory_fraction(device, budget):
                 max_abs_error = check_correctness(config, rank, device, length)
         except Exception as exc:
             if not is_oom(exc):
@@ -295,7 +295,7 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
         )
 
     try:
-        with _memory_fraction(device, budget):
+        with memory_fraction(device, budget):
             _prime(config, rank, device)
     except Exception as exc:
         if not is_oom(exc):
@@ -307,7 +307,7 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
     names = ["q", "k", "v", "dout"] if train else ["q", "k", "v"]
     inputs: dict[str, torch.Tensor] = {}
     try:
-        with _memory_fraction(device, budget):
+        with memory_fraction(device, budget):
             for name in names:
                 inputs[name] = make_input(name, config, config.seq_len, positions, rows, device)
             resident_inputs = meter.current()
@@ -332,8 +332,8 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
         seq_len=config.seq_len,
         times_s=times,
         median_s=median,
-        p10_s=_percentile(times, 0.1),
-        p90_s=_percentile(times, 0.9),
+        p10_s=percentile(times, 0.1),
+        p90_s=percentile(times, 0.9),
         tokens_per_s=tokens / median,
         flops=flops,
         flops_per_s=flops / median,

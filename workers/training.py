@@ -18,7 +18,7 @@ import contextlib
 import functools
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +28,13 @@ from workers import kernels, model_memory
 from workers.config import RunConfig
 from workers.memory import PeakMeter, is_oom, release
 from workers.model import Decoder, token_ids
+from workers.protocol import (
+    check_length,
+    measured_case,
+    memory_fraction,
+    percentile,
+    resolve_device,
+)
 from workers.results import CaseOutcome, MemoryComponent, RankResult
 
 AUTOCAST_DTYPES = {"bf16_autocast": torch.bfloat16, "fp16_autocast": torch.float16}
@@ -144,20 +151,6 @@ class _Trainer:
             self.optimizer.zero_grad(set_to_none=True)
 
 
-@contextlib.contextmanager
-def _budget(device: torch.device, budget: int | None) -> Iterator[None]:
-    """Cap the CUDA caching allocator at the budget; CPU: the budget is checked afterwards."""
-    if device.type != "cuda" or budget is None:
-        yield
-        return
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
-    try:
-        yield
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
-
-
 def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
     _sync(device)
     t0 = time.perf_counter()
@@ -178,8 +171,6 @@ def _prime(config: RunConfig, rank: int, device: torch.device) -> None:
     key += f"{device}|{config.parallel}"
     if key in _PRIMED:
         return
-    from workers.protocol import check_length
-
     model = config.model.model_copy(update={"n_layers": 1})
     small = config.model_copy(update={"model": model})
     small = small.model_copy(update={"seq_len": min(config.seq_len, check_length(small))})
@@ -217,8 +208,6 @@ def run_model_case(config: RunConfig, rank: int, case: dict[str, Any]) -> CaseOu
 
     `case` holds the CaseOutcome fields the caller fills (rank, seq_len, environment).
     """
-    from workers.protocol import resolve_device
-
     device = resolve_device(config)
     budget = config.memory_budget_bytes
     predicted, predicted_max, no_prediction = _predictions(config)
@@ -238,7 +227,7 @@ def run_model_case(config: RunConfig, rank: int, case: dict[str, Any]) -> CaseOu
             f"{PREDICTION_GUARD:g}x the {budget}-byte CPU memory budget",
         )
     try:
-        with _budget(device, budget):
+        with memory_fraction(device, budget):
             _prime(config, rank, device)
             return _measure(config, rank, device, case, predicted, predicted_max)
     except Exception as exc:
@@ -330,8 +319,6 @@ def _measure(
     del trainer
     release()
 
-    from workers.protocol import _percentile
-
     times = [sum(t) for t in zip(*phases.values(), strict=True)]
     median = statistics.median(times)
     tokens = config.local_batch * config.local_seq_len
@@ -354,8 +341,8 @@ def _measure(
         seq_len=config.seq_len,
         times_s=times,
         median_s=median,
-        p10_s=_percentile(times, 0.1),
-        p90_s=_percentile(times, 0.9),
+        p10_s=percentile(times, 0.1),
+        p90_s=percentile(times, 0.9),
         tokens_per_s=tokens / median,
         flops=flops,
         flops_per_s=flops / median,
@@ -369,8 +356,6 @@ def _measure(
         predicted_max_seq_len=predicted_max,
         components=components,
     )
-    from workers.protocol import measured_case
-
     return measured_case(case, result, device, (first_at, last_at))
 
 
