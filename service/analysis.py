@@ -198,6 +198,8 @@ def _field_text(name: str, value: Any) -> str | None:
         return str(value)
     if name == "training.checkpointing":
         return f"checkpoint {value}"
+    if name == "training.loss_chunk_tokens":
+        return f"chunked loss {value}"
     return f"{name.removeprefix('training.')}={_text(value)}"
 
 

@@ -198,9 +198,9 @@ def test_seed_004_training_memory_tables_from_a_stored_sweep(database_url: str) 
         names = [t["name"] for t in components["data"]]
         assert "activations (measured)" in names and "activations (predicted)" in names
         measured_act = next(t for t in components["data"] if t["name"] == "activations (measured)")
-        x = list(measured_act["x"])
-        at = next(i for i, label in enumerate(x) if "checkpoint blocks" in label)
-        assert abs(measured_act["y"][at] - 40 * MB / (1 << 30)) < 1e-9
+        labels = list(measured_act["y"])  # horizontal bars: one row per run
+        at = next(i for i, label in enumerate(labels) if "checkpoint blocks" in label)
+        assert abs(measured_act["x"][at] - 40 * MB / (1 << 30)) < 1e-9
         peak = figures["chart-model-peak"]
         assert peak["layout"]["xaxis"]["title"]["text"] == "sequence length (tokens)"
         lines = [t for t in peak["data"] if t["name"].endswith("predicted")]

@@ -164,6 +164,8 @@ def floor_lines(rows: Sequence[Row]) -> dict[str, list[tuple[int, int]]]:
     """The forward floor per rank, (length, bytes) points, per distinct shape in rows."""
     keyed: dict[tuple[Any, ...], set[int]] = defaultdict(set)
     for r in rows:
+        if r.get("workload") == "model":
+            continue  # q, k, v, out and lse are no floor of a whole model's training step
         key = (r["num_heads"], r["head_dim"], r["dtype"], r["world_size"], r["parallel"])
         keyed[(*key, r["batch_size"])].add(r["length"])
     lines: dict[str, list[tuple[int, int]]] = {}
@@ -417,22 +419,38 @@ def _component_values(row: Row, key: str) -> dict[str, float | None]:
     return values
 
 
+def _run_labels(rows: Sequence[Row]) -> list[str]:
+    return [f"{r['label']} @ {r['length']:,}" for r in rows]
+
+
+def _bar_layout(title: str, x: str, n: int, **extra: Any) -> dict[str, Any]:
+    """Horizontal bars, one row per run: long labels stay readable at the left."""
+    return _layout(
+        title,
+        x,
+        "",
+        yaxis={"automargin": True, "autorange": "reversed"},
+        height=max(320, 160 + 44 * n),
+        **extra,
+    )
+
+
 def components_figure(rows: Sequence[Row]) -> dict[str, Any]:
     """Each model run's step peak split into parameters, gradients, optimizer states,
-    activations and the transient rest: measured (filled, left) beside predicted (outlined,
-    right), in GiB."""
+    activations and the transient rest: measured (filled, upper bar) above predicted
+    (outlined, lower bar), in GiB."""
+    stored = [r for r in rows if r.get("components")]
     fig = go.Figure(
-        layout=_layout(
-            "Training memory per component: measured (filled) and predicted (outlined)",
-            "run",
+        layout=_bar_layout(
+            "Memory per component (predicted outlined)",
             "GiB per rank",
+            len(stored),
             barmode="overlay",
         )
     )
-    stored = [r for r in rows if r.get("components")]
     if not stored:
         return _empty(fig, "No model run has stored its memory components yet")
-    labels = [f"{r['label']} @ {r['length']:,}" for r in stored]
+    labels = _run_labels(stored)
     for side, key, offset in (
         ("measured", "measured_bytes", -0.4),
         ("predicted", "predicted_bytes", 0.0),
@@ -440,7 +458,7 @@ def components_figure(rows: Sequence[Row]) -> dict[str, Any]:
         bottoms = [0.0] * len(stored)
         values = [_component_values(r, key) for r in stored]
         for name in (*STACKED_COMPONENTS, "transient"):
-            heights = [v[name] or 0.0 for v in values]
+            widths = [v[name] or 0.0 for v in values]
             colour = COMPONENT_COLOURS[name]
             marker: dict[str, Any] = (
                 {"color": colour}
@@ -449,18 +467,19 @@ def components_figure(rows: Sequence[Row]) -> dict[str, Any]:
             )
             fig.add_trace(
                 go.Bar(
-                    x=labels,
-                    y=heights,
+                    y=labels,
+                    x=widths,
                     base=list(bottoms),
+                    orientation="h",
                     offset=offset,
                     width=0.4,
                     name=f"{name.replace('_', ' ')} ({side})",
                     legendgroup=name,
                     marker=marker,
-                    hovertemplate="%{x}<br>" + f"{name} {side}: " + "%{y:.3f} GiB<extra></extra>",
+                    hovertemplate="%{y}<br>" + f"{name} {side}: " + "%{x:.3f} GiB<extra></extra>",
                 )
             )
-            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+            bottoms = [b + w for b, w in zip(bottoms, widths, strict=True)]
     return _to_json(fig)
 
 
@@ -470,7 +489,7 @@ def model_peak_figure(rows: Sequence[Row]) -> dict[str, Any]:
     memory budget where one is set."""
     fig = go.Figure(
         layout=_layout(
-            "Step peak memory vs length: measured (points) and predicted (dashed)",
+            "Step peak vs length (predicted dashed)",
             "sequence length (tokens)",
             "GiB per rank",
         )
@@ -533,18 +552,19 @@ def model_peak_figure(rows: Sequence[Row]) -> dict[str, Any]:
 def step_time_figure(rows: Sequence[Row]) -> dict[str, Any]:
     """Each model run's step split into forward, backward and optimizer (slowest rank's
     medians): the step-time cost of checkpointing shows as the longer backward."""
-    fig = go.Figure(
-        layout=_layout("Step time by phase", "run", "seconds per step", barmode="stack")
-    )
     timed = [r for r in rows if r.get("forward_s") is not None]
+    fig = go.Figure(
+        layout=_bar_layout("Step time by phase", "seconds per step", len(timed), barmode="stack")
+    )
     if not timed:
         return _empty(fig, "No model run has measured a step yet")
-    labels = [f"{r['label']} @ {r['length']:,}" for r in timed]
+    labels = _run_labels(timed)
     for phase in ("forward", "backward", "optimizer"):
         fig.add_trace(
             go.Bar(
-                x=labels,
-                y=[r[f"{phase}_s"] for r in timed],
+                y=labels,
+                x=[r[f"{phase}_s"] for r in timed],
+                orientation="h",
                 name=phase,
                 marker={"color": PHASE_COLOURS[phase]},
             )
