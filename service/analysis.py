@@ -106,8 +106,10 @@ def _targets(row: RunRow, spec: AnalysisSpec) -> list[tuple[dict[str, Any], str]
     world = changes.get("world_size")
     rest = {k: v for k, v in changes.items() if k != "world_size"}
     name = ", ".join(
-        f"{k.removeprefix('params.')}={_text(v)}" for k, v in changes.items() if k != "params"
-    )
+        f"{k.split('.', 1)[-1]}={'none' if v is None else _text(v)}"
+        for k, v in changes.items()
+        if k != "params"
+    )  # params.block_size=64, precision=fp32 (the group a field belongs to is implied)
     if "kernel" in changes and "params" in changes and len(changes) == 2:
         name = str(changes["kernel"])
     if world is None:

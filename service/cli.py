@@ -604,6 +604,10 @@ they vary; a run without a time shows its status there; every other number is in
 out, so the table fits an 80-column terminal."""
 
 
+BASELINE_TEXT = 24
+"""A baseline named by more characters than this shows as its run id in the terminal table."""
+
+
 def _cell(key: str, value: Any) -> str:
     if value is None:
         return "—"
@@ -652,6 +656,8 @@ def results(
         wraps = key == "label"
         table.add_column(title, no_wrap=not wraps, overflow="fold", min_width=16 if wraps else None)
     for row in rows:
+        if row.get("baseline") and len(row["baseline"]) > BASELINE_TEXT:  # several changes
+            row["baseline"] = f"run {row['baseline_run_id']}"  # `ringlab report` names them
         cells = [_cell(key, row.get(key)) for key, _ in shown]
         if row.get("median_s") is None and ("median_s", "time") in shown:
             cells[shown.index(("median_s", "time"))] = row["status"]
