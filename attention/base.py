@@ -26,15 +26,21 @@ def causal_pairs(seq_len: int) -> int:
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise ValueError unless q, k, v are (batch, seq, heads, head_dim) tensors that match."""
+    """Raise ValueError unless q, k, v are (batch, seq, heads, head_dim) tensors that match; k and
+    v may have fewer heads than q when they divide q's (grouped-query attention)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             "q, k, v: expected 4-D (batch, seq, heads, head_dim), got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if q.shape != k.shape or k.shape != v.shape:
+    if k.shape != v.shape or q.shape[:2] + q.shape[3:] != k.shape[:2] + k.shape[3:]:
         raise ValueError(
-            f"q, k, v: shapes must match, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            "q, k, v: shapes must match (k and v may have fewer heads than q), got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"num_kv_heads: {k.shape[2]} key/value heads must divide the {q.shape[2]} query heads"
         )
     if q.dtype != k.dtype or k.dtype != v.dtype:
         raise ValueError(f"q, k, v: dtypes must match, got {q.dtype}, {k.dtype}, {v.dtype}")

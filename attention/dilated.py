@@ -8,37 +8,43 @@ per (head, position) by softmax over their log-sum-exps (paper Eq. 10) through t
 merge; a branch that does not cover a (head, position) has no weight there, and a (head,
 position) no branch covers outputs 0 (possible when r_i > 1 in every branch).
 
-The dilated rows of a group are strided views of q/k/v (no copies); each call of the primitive
-takes a chunk of segments, so temporaries stay a fraction of the inputs. The backward recomputes
-every branch with the final merged (out, lse) (FlashAttention-2), since the fused lse has no grad.
+Any segment length, rate and sequence length are accepted (the paper's w = 2048..32768 with
+r = 1, 2, 4, 6, 12 included). Convention where they do not divide, padding never attended:
+- a segment length not divisible by its rate: the offsets g < w % r keep one row more per
+  segment than the others (positions g, g + r, ... inside the segment);
+- a sequence that is not a multiple of w: the last segment is shorter (the remaining tokens);
+- a segment longer than the sequence: the whole sequence is one segment.
+The authors' code (torchscale, component/dilated_attention.py) reaches the same shapes by zero
+padding (each segment to a multiple of r, the sequence to a multiple of w; a segment longer than
+the sequence is shrunk to it). Causally its padding is never seen (it comes last), so both
+agree; non-causally its queries also attend the zero keys of the padding, which adds exp(0)
+terms to their softmax denominators. We differ there on purpose: a token's output would depend
+on how far its length is from the next multiple of w, and a sequence would not equal the same
+tokens with padding that the user added and masked. Where every w divides the sequence and
+every r divides its w, the two are identical (reference.md: ~1e-6).
+
+The dilated rows of a group are strided views of q/k/v (no copies, `attention.segments`); each
+call of the primitive takes a chunk of segments, so temporaries stay a fraction of the inputs.
+The backward recomputes every branch with the final merged (out, lse) (FlashAttention-2), since
+the fused lse has no grad. k and v may have fewer heads than q (grouped-query attention).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from attention import primitive
-from attention.base import (
-    Kernel,
-    KernelMemory,
-    attention_flops,
-    causal_pairs,
-    check_qkv,
-    merged_memory,
-)
-from attention.hilbert import (
-    check_hilbert_length,
-    check_ordering,
-    hilbert_permutation,
-    inverse_permutation,
-)
-from attention.primitive import block_backward, block_forward, merge_
+from attention.autograd import merged_attention
+from attention.base import Kernel, KernelMemory, attention_flops, check_qkv, merged_memory
+from attention.hilbert import check_hilbert_length, check_ordering, in_order
+from attention.primitive import accumulator_dtype, block_backward, block_forward, merge_
 from attention.registry import KernelSpec, register
+from attention.segments import Rows, branch_pairs, branch_rows
 
 CHUNK_TOKENS = 16384
 """Tokens of one batch row per primitive call (whole segments, at least one)."""
@@ -56,7 +62,8 @@ def _int_tuple(field: str, value: Any) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class DilatedParams:
-    """segment_lengths w_i and dilation_rates r_i (same length, w_i % r_i == 0); token ordering."""
+    """segment_lengths w_i and dilation_rates r_i (one rate per length, any values: see the
+    module docstring for lengths that do not divide); token ordering."""
 
     segment_lengths: tuple[int, ...] = (2048, 4096, 8192)
     dilation_rates: tuple[int, ...] = (1, 2, 4)
@@ -74,13 +81,13 @@ class DilatedParams:
                 f"params.dilation_rates: must have one rate per segment length, got {len(r)} "
                 f"rates for {len(w)} segment lengths"
             )
-        for wi, ri in zip(w, r, strict=True):
-            if wi % ri:
-                raise ValueError(
-                    f"params.segment_lengths: segment length {wi} must divide by its dilation "
-                    f"rate {ri}"
-                )
         check_ordering(self.ordering)
+
+    def branches(self) -> list[tuple[int, int]]:
+        """(w, r) pairs by increasing rate: the first (widest coverage) is copied, the rest
+        merged."""
+        pairs = zip(self.segment_lengths, self.dilation_rates, strict=True)
+        return sorted(pairs, key=lambda p: p[1])
 
 
 def check_dilated(
@@ -91,81 +98,104 @@ def check_dilated(
     num_heads: int = 1,
     causal: bool | None = None,
 ) -> None:
-    """Raise ValueError unless seq_len divides by every segment length (and is a power of 4
-    under hilbert ordering)."""
-    bad = [w for w in params.segment_lengths if seq_len % w]
-    if bad:
-        raise ValueError(
-            f"seq_len: {seq_len} must divide by every segment length; it does not divide by "
-            f"{', '.join(map(str, bad))}"
-        )
+    """Raise ValueError unless seq_len is a power of 4 under hilbert ordering (any length and
+    segment length is accepted otherwise)."""
     if params.ordering == "hilbert":
         check_hilbert_length(seq_len)
 
 
-def _group_bounds(num_heads: int, rate: int) -> Iterator[tuple[int, int, int]]:
-    """(offset g, first head, end head) of each non-empty head group of a branch with rate r."""
-    size = math.ceil(num_heads / rate)
-    for g in range(rate):
-        h0, h1 = g * size, min(num_heads, (g + 1) * size)
-        if h0 < h1:
-            yield g, h0, h1
+def calls(
+    rows: Rows, batch: int, num_heads: int, num_kv_heads: int
+) -> list[tuple[int, Rows, Rows]]:
+    """(batch row, query rows, kv rows) of each primitive call for `rows`: one per batch row and
+    GQA piece of its heads (query heads reading one kv head run together)."""
+    pieces = primitive.kv_head_pieces(rows.h0, rows.h1, num_heads, num_kv_heads)
+    return [
+        (b, dataclasses.replace(rows, h0=a0, h1=a1), dataclasses.replace(rows, h0=k0, h1=k1))
+        for b in range(batch)
+        for a0, a1, k0, k1 in pieces
+    ]
 
 
-def _pieces(batch: int, seq_len: int, num_heads: int, w: int, r: int) -> Iterator[tuple]:
-    """Index pieces (b, s0, s1, g, h0, h1): batch row, segment range, offset and head range."""
-    n_seg = seq_len // w
-    per_call = max(1, CHUNK_TOKENS // w)
-    for b in range(batch):
-        for s0 in range(0, n_seg, per_call):
-            s1 = min(n_seg, s0 + per_call)
-            for g, h0, h1 in _group_bounds(num_heads, r):
-                yield b, s0, s1, g, h0, h1
+def forward_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    spans: list[tuple[int, int, int, int]],
+    causal: bool,
+) -> None:
+    """Branches (w, r) over positions [lo, hi) (segments from lo), given as (w, r, lo, hi), into
+    (out, lse): the first is copied (it must be the first to touch these rows), the rest merged."""
+    bsz, _, heads, dim = q.shape
+    for index, (w, r, lo, hi) in enumerate(spans):
+        for rows in branch_rows(lo, hi, w, r, heads, chunk_tokens=CHUNK_TOKENS):
+            for b, qr, kr in calls(rows, bsz, heads, k.shape[2]):
+                o_b, l_b = block_forward(
+                    qr.of(q, b), kr.of(k, b), kr.of(v, b), scale=dim**-0.5, causal=causal
+                )
+                o_view, l_view = qr.of(out, b), qr.of_lse(lse, b)
+                if index == 0:  # the first branch covers each (head, position) at most once
+                    o_view.copy_(o_b)
+                    l_view.copy_(l_b)
+                else:
+                    merge_(o_view, l_view, o_b, l_b, scratch_b=True)
+                del o_b, l_b
 
 
-def _rows(x: torch.Tensor, piece: tuple, w: int, r: int) -> torch.Tensor:
-    """View (segments, w/r, heads, D) of x (B, S, H, D) holding one piece's dilated rows."""
-    b, s0, s1, g, h0, h1 = piece
-    n_seg = x.shape[1] // w
-    return x[b].view(n_seg, w // r, r, x.shape[2], x.shape[3])[s0:s1, :, g, h0:h1]
+def backward_rows(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grads: tuple[torch.Tensor, ...],
+    spans: list[tuple[int, int, int, int]],
+    causal: bool,
+) -> None:
+    """Add the block backward of every (w, r, lo, hi) of `spans` (see forward_rows), with the
+    merged (out, lse), to grads (dq, dk, dv)."""
+    bsz, _, heads, dim = q.shape
+    dq, dk, dv = grads
+    for w, r, lo, hi in spans:
+        for rows in branch_rows(lo, hi, w, r, heads, chunk_tokens=CHUNK_TOKENS):
+            for b, qr, kr in calls(rows, bsz, heads, k.shape[2]):
+                dq_b, dk_b, dv_b = block_backward(
+                    qr.of(dout, b), qr.of(q, b), kr.of(k, b), kr.of(v, b), qr.of(out, b),
+                    qr.of_lse(lse, b), scale=dim**-0.5, causal=causal,
+                )  # fmt: skip
+                qr.of(dq, b).add_(dq_b)
+                kr.of(dk, b).add_(dk_b)
+                kr.of(dv, b).add_(dv_b)
 
 
-def _lse_rows(lse: torch.Tensor, piece: tuple, w: int, r: int) -> torch.Tensor:
-    """View (segments, heads, w/r) of lse (B, H, S) matching `_rows`."""
-    b, s0, s1, g, h0, h1 = piece
-    n_seg = lse.shape[2] // w
-    return lse[b].view(lse.shape[1], n_seg, w // r, r)[h0:h1, s0:s1, :, g].transpose(0, 1)
+def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out 0, lse -inf) accumulators for q's rows: what rows no branch covers keep."""
+    bsz, seq_len, heads, dim = q.shape
+    acc = accumulator_dtype(q.dtype)
+    out = torch.zeros(bsz, seq_len, heads, dim, dtype=acc, device=q.device)
+    lse = torch.full((bsz, heads, seq_len), float("-inf"), dtype=acc, device=q.device)
+    return out, lse
 
 
-def _branch_order(params: DilatedParams) -> list[tuple[int, int]]:
-    """Branches by increasing rate: the first (widest coverage) is copied, the rest merged."""
-    pairs = zip(params.segment_lengths, params.dilation_rates, strict=True)
-    return sorted(pairs, key=lambda p: p[1])
+def zero_grads(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Zeroed (dq, dk, dv) accumulators (dk, dv with k's heads)."""
+    acc = accumulator_dtype(q.dtype)
+    return (
+        torch.zeros(q.shape, dtype=acc, device=q.device),
+        torch.zeros(k.shape, dtype=acc, device=k.device),
+        torch.zeros(k.shape, dtype=acc, device=k.device),
+    )
 
 
 def dilated_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: DilatedParams, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merged (out fp32 (B,S,H,D), lse fp32 (B,H,S)) of all branches; no autograd graph."""
-    bsz, seq_len, heads, dim = q.shape
-    scale = dim**-0.5
-    out = torch.zeros(bsz, seq_len, heads, dim, dtype=torch.float32, device=q.device)
-    lse = torch.full((bsz, heads, seq_len), float("-inf"), dtype=torch.float32, device=q.device)
-    for index, (w, r) in enumerate(_branch_order(params)):
-        for piece in _pieces(bsz, seq_len, heads, w, r):
-            o_b, l_b = block_forward(
-                _rows(q, piece, w, r),
-                _rows(k, piece, w, r),
-                _rows(v, piece, w, r),
-                scale=scale,
-                causal=causal,
-            )
-            o_view, l_view = _rows(out, piece, w, r), _lse_rows(lse, piece, w, r)
-            if index == 0:  # the first branch covers each (head, position) at most once
-                o_view.copy_(o_b)
-                l_view.copy_(l_b)
-            else:
-                merge_(o_view, l_view, o_b, l_b)
+    """Merged (out (B,S,H,D), lse (B,H,S)) of all branches in the accumulator dtype; no graph."""
+    out, lse = empty_result(q)
+    forward_rows(q, k, v, out, lse, _whole(params, q.shape[1]), causal)
     return out, lse
 
 
@@ -179,43 +209,15 @@ def dilated_backward(
     params: DilatedParams,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 (dq, dk, dv): every branch's block backward with the final merged (out, lse)."""
-    bsz, seq_len, heads, dim = q.shape
-    scale = dim**-0.5
-    dq, dk, dv = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) for _ in range(3))
-    for w, r in _branch_order(params):
-        for piece in _pieces(bsz, seq_len, heads, w, r):
-            dq_b, dk_b, dv_b = block_backward(
-                _rows(dout, piece, w, r),
-                _rows(q, piece, w, r),
-                _rows(k, piece, w, r),
-                _rows(v, piece, w, r),
-                _rows(out, piece, w, r),
-                _lse_rows(lse, piece, w, r),
-                scale=scale,
-                causal=causal,
-            )
-            _rows(dq, piece, w, r).add_(dq_b)
-            _rows(dk, piece, w, r).add_(dk_b)
-            _rows(dv, piece, w, r).add_(dv_b)
-    return dq, dk, dv
+    """(dq, dk, dv) in the accumulator dtype: every branch's block backward with the final
+    merged (out, lse)."""
+    grads = zero_grads(q, k)
+    backward_rows(dout, q, k, v, out, lse, grads, _whole(params, q.shape[1]), causal)
+    return grads  # type: ignore[return-value]
 
 
-class _DilatedFunction(torch.autograd.Function):
-    """Autograd wrapper: forward through the primitive, backward with the merged (out, lse)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, params, causal):  # type: ignore[override]
-        out, lse = dilated_forward(q, k, v, params, causal)
-        ctx.params, ctx.causal = params, causal
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)  # fp32: `out` itself, saved above as the merged result
-
-    @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = dilated_backward(dout.contiguous(), q, k, v, out, lse, ctx.params, ctx.causal)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+def _whole(params: DilatedParams, seq_len: int) -> list[tuple[int, int, int, int]]:
+    return [(w, r, 0, seq_len) for w, r in params.branches()]
 
 
 class DilatedAttention(Kernel):
@@ -231,13 +233,11 @@ class DilatedAttention(Kernel):
         check_qkv(q, k, v)
         check_dilated(self.params, seq_len=q.shape[1], num_heads=q.shape[2])
         self.backend = primitive.backend_for(q.device, q.dtype)
-        q, k, v = (t.contiguous() for t in (q, k, v))
-        if self.params.ordering == "hilbert":
-            perm = hilbert_permutation(q.shape[1], q.device)
-            q, k, v = q[:, perm], k[:, perm], v[:, perm]
-            out = _DilatedFunction.apply(q, k, v, self.params, causal)
-            return out[:, inverse_permutation(perm)]
-        return _DilatedFunction.apply(q, k, v, self.params, causal)
+        fwd = functools.partial(dilated_forward, params=self.params, causal=causal)
+        bwd = functools.partial(dilated_backward, params=self.params, causal=causal)
+        return in_order(
+            self.params.ordering, lambda *qkv: merged_attention(*qkv, fwd, bwd), q, k, v
+        )
 
     def token_masks(self, seq_len: int, num_heads: int, *, causal: bool = False) -> torch.Tensor:
         """Keep-masks (branches, H, S, S) on the (permuted, under hilbert) positions."""
@@ -256,12 +256,12 @@ class DilatedAttention(Kernel):
         causal: bool = False,
         backward: bool = False,
     ) -> int:
-        """Each head computes, per branch, S/w segments of (w/r)^2 pairs (causal: the triangle)."""
-        pairs = 0
-        for w, r in zip(self.params.segment_lengths, self.params.dilation_rates, strict=True):
-            m = w // r
-            pairs += (seq_len // w) * (causal_pairs(m) if causal else m * m)
-        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
+        """Each head computes, per branch, the pairs of its group's dilated rows in every
+        segment (causal: the triangle); see `attention.segments`."""
+        pairs = sum(
+            branch_pairs(seq_len, num_heads, w, r, causal) for w, r in self.params.branches()
+        )
+        return attention_flops(batch * pairs, head_dim, backward=backward)
 
     def memory_model(
         self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int

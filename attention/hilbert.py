@@ -8,6 +8,7 @@ the sequence and local or dilated patterns follow 2-D neighbourhoods.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -79,3 +80,19 @@ def check_ordering(ordering: str) -> None:
     if ordering not in ORDERINGS:
         valid = ", ".join(ORDERINGS)
         raise ValueError(f"params.ordering: must be one of {valid}, got {ordering!r}")
+
+
+def in_order(
+    ordering: str,
+    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """fn(q, k, v) on the tokens in `ordering`: under "hilbert" the inputs are permuted into
+    Hilbert order and the output permuted back; "natural" calls fn as is."""
+    if ordering != "hilbert":
+        return fn(q, k, v)
+    perm = hilbert_permutation(q.shape[1], q.device)
+    out = fn(q[:, perm], k[:, perm], v[:, perm])
+    return out[:, inverse_permutation(perm)]

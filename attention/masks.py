@@ -27,6 +27,8 @@ def dilated_branch_mask(
     Segments of w tokens; heads split into r contiguous groups of ceil(H / r) heads; head h is in
     group g = h // ceil(H / r) and, in every segment, keeps the positions p (from the segment
     start) with p % r == g; kept positions of one segment attend among themselves.
+    Segments tile from position 0: when S % w != 0 the last one is shorter, and w > S makes the
+    whole sequence one segment (no padding exists, so none is attended).
     """
     pos = torch.arange(seq_len)
     segment = pos // segment_length
@@ -59,11 +61,15 @@ def masked_attention(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention restricted to `keep` (S, S) or (H, S, S): out (B,S,H,D), lse (B,H,S).
+    k and v may have fewer heads than q (grouped-query attention).
 
     Rows with no kept key output 0; their lse is `_BIG_NEG`-like (finite) so that merging by
     softmax over lse gives them no weight and autograd stays NaN-free.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if k.shape[2] != q.shape[2]:  # grouped-query: kv head j serves query heads j*G .. (j+1)*G-1
+        group = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     keep = keep.to(q.device)
     scores = scores.masked_fill(~keep, _BIG_NEG)

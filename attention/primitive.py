@@ -2,8 +2,11 @@
 merge of partial results, and a FlashAttention-2 style backward that uses the final merged lse.
 
 Layout everywhere: tensors (batch, seq, heads, head_dim); lse (batch, heads, seq), natural log of
-the softmax denominator of the scaled scores. `out` and `lse` are fp32 accumulators.
+the softmax denominator of the scaled scores. `out` and `lse` are accumulators in
+`accumulator_dtype` (fp32; fp64 for fp64 inputs, so fp64 keeps fp64 accuracy).
 Rows that see no key have out 0 and lse -inf; `merge` handles that without NaN.
+Grouped-query attention: k and v may have fewer heads than q (H_kv dividing H); query head h
+reads kv head h // (H / H_kv), and the backward returns dk, dv with H_kv heads.
 
 Backends (chosen once per (device type, dtype, has_mask), recorded in `last_backend`):
 - "cpu_flash": aten._scaled_dot_product_flash_attention_for_cpu (returns lse; takes an additive
@@ -47,6 +50,31 @@ def backend_for(device: torch.device | str, dtype: torch.dtype, *, has_mask: boo
     return _backend_for(torch.device(device).type, dtype, has_mask)
 
 
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial results are kept and merged in: fp64 for fp64 inputs, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def kv_head_pieces(h0: int, h1: int, num_heads: int, num_kv_heads: int) -> list[tuple[int, ...]]:
+    """Query heads [h0, h1) cut into pieces (a0, a1, k0, k1) served by kv heads [k0, k1), so that
+    a primitive call on q heads [a0, a1) and kv heads [k0, k1) maps each query head to its own kv
+    head (GQA: head h reads kv head h // (num_heads / num_kv_heads)). One piece without GQA."""
+    group = num_heads // num_kv_heads
+    pieces: list[tuple[int, ...]] = []
+    h = h0
+    while h < h1:
+        kv = h // group
+        if h % group == 0 and h1 - h >= group:
+            whole = (h1 - h) // group
+            pieces.append((h, h + whole * group, kv, kv + whole))
+            h += whole * group
+        else:
+            end = min(h1, (kv + 1) * group)
+            pieces.append((h, end, kv, kv + 1))
+            h = end
+    return pieces
+
+
 def _combined_mask(
     mask: torch.Tensor | None, causal: bool, sq: int, sk: int, device: torch.device
 ) -> torch.Tensor | None:
@@ -76,9 +104,10 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             f"q, k, v: expected 4-D (batch, seq, heads, head_dim) with k and v equal, got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
+    if (q.shape[0], q.shape[3]) != (k.shape[0], k.shape[3]) or q.shape[2] % k.shape[2]:
         raise ValueError(
-            f"q, k: batch, heads and head_dim must match, got {tuple(q.shape)} and {tuple(k.shape)}"
+            f"q, k: batch and head_dim must match and k's heads divide q's, got {tuple(q.shape)} "
+            f"and {tuple(k.shape)}"
         )
 
 
@@ -91,7 +120,8 @@ def block_forward(
     causal: bool = False,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q (B, Sq, H, D) against k, v (B, Sk, H, D): out fp32 (B,Sq,H,D), lse (B,H,Sq).
+    """Attention of q (B, Sq, H, D) against k, v (B, Sk, H_kv, D): out (B,Sq,H,D), lse (B,H,Sq)
+    in `accumulator_dtype`.
 
     `causal`: query i sees key j <= i (top-left aligned). `mask`: bool keep-mask (Sq, Sk) or
     (H, Sq, Sk). No autograd graph is built.
@@ -101,6 +131,7 @@ def block_forward(
     sq, sk = q.shape[1], k.shape[1]
     backend = backend_for(q.device, q.dtype, has_mask=mask is not None)
     last_backend = backend
+    acc = accumulator_dtype(q.dtype)
     with torch.no_grad():
         if backend == "math":
             keep = _combined_mask(mask, causal, sq, sk, q.device)
@@ -111,7 +142,7 @@ def block_forward(
                 out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     qt, kt, vt, 0.0, causal, scale=scale
                 )
-                return out.transpose(1, 2).float(), lse.float()
+                return out.transpose(1, 2).to(acc), lse.to(acc)
             keep = _combined_mask(mask, causal, sq, sk, q.device)
             bias = _additive_bias(keep, q.dtype)
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -119,29 +150,34 @@ def block_forward(
             )
             # The fused op leaves rows without any visible key at lse 0: make them -inf.
             empty = ~keep.any(-1)
-            lse = lse.float().masked_fill(empty, _NEG_INF)
-            return out.transpose(1, 2).float(), lse
+            lse = lse.to(acc).masked_fill(empty, _NEG_INF)
+            return out.transpose(1, 2).to(acc), lse
+        # The CUDA ops are not relied on for GQA (unchecked there): kv heads are repeated.
+        kt, vt = _repeat_kv(kt, qt.shape[1]), _repeat_kv(vt, qt.shape[1])
         if backend == "cuda_flash":
             res = torch.ops.aten._scaled_dot_product_flash_attention(
                 qt, kt, vt, 0.0, causal, False, scale=scale
             )
-            return res[0].transpose(1, 2).float(), res[1].float()
+            return res[0].transpose(1, 2).to(acc), res[1].to(acc)
         # cuda_efficient: its lse may be padded along Sq to a multiple of 32.
         res = torch.ops.aten._scaled_dot_product_efficient_attention(
             qt, kt, vt, None, True, 0.0, causal, scale=scale
         )
-        return res[0].transpose(1, 2).float(), res[1][..., :sq].float()
+        return res[0].transpose(1, 2).to(acc), res[1][..., :sq].to(acc)
 
 
 def _math_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, keep: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-math forward in fp32, chunked over query rows to bound the score matrix."""
+    """Plain-math forward in the accumulator dtype, chunked over query rows to bound the score
+    matrix; GQA by repeating each kv head for its query heads."""
     b, sq, h, _ = q.shape
     sk = k.shape[1]
-    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
-    out = torch.empty(b, h, sq, q.shape[3], dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+    acc = accumulator_dtype(q.dtype)
+    qf, kf, vf = (t.to(acc).transpose(1, 2) for t in (q, k, v))
+    kf, vf = (_repeat_kv(t, h) for t in (kf, vf))
+    out = torch.empty(b, h, sq, q.shape[3], dtype=acc, device=q.device)
+    lse = torch.empty(b, h, sq, dtype=acc, device=q.device)
     step = max(1, _MATH_CHUNK_ELEMENTS // max(1, b * h * sk))
     for s0 in range(0, sq, step):
         s1 = min(sq, s0 + step)
@@ -156,6 +192,19 @@ def _math_forward(
     return out.transpose(1, 2), lse
 
 
+def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(B, H_kv, S, D) -> (B, H, S, D), kv head j serving query heads j*G .. (j+1)*G - 1."""
+    return x if x.shape[1] == num_heads else x.repeat_interleave(num_heads // x.shape[1], dim=1)
+
+
+def _sum_kv(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(B, H, S, D) gradients of repeated kv heads summed back to (B, H_kv, S, D)."""
+    b, h, s, d = x.shape
+    if h == num_kv_heads:
+        return x
+    return x.view(b, num_kv_heads, h // num_kv_heads, s, d).sum(2)
+
+
 def merge_(
     out: torch.Tensor,
     lse: torch.Tensor,
@@ -166,7 +215,8 @@ def merge_(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge partial result b into (out, lse) in place; works on strided views.
 
-    out, out_b: (..., S, H, D) fp32; lse, lse_b: (..., H, S) fp32. Returns (out, lse).
+    out, out_b: (..., S, H, D); lse, lse_b: (..., H, S), in the accumulator dtype.
+    Returns (out, lse).
     `scratch_b`: out_b is a fresh block result the caller drops, so it is overwritten instead of
     allocating two block-sized temporaries (the same roundings either way).
     """
@@ -184,7 +234,8 @@ def merge(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Numerically stable merge of two partial (out, lse) results; -inf rows merge without NaN."""
-    return merge_(out_a.float().clone(), lse_a.float().clone(), out_b, lse_b)
+    acc = accumulator_dtype(out_a.dtype)
+    return merge_(out_a.to(acc).clone(), lse_a.to(acc).clone(), out_b, lse_b)
 
 
 def block_backward(
@@ -199,7 +250,8 @@ def block_backward(
     causal: bool = False,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) in fp32 of one block pair, recomputing P = exp(S*scale - lse).
+    """Gradients (dq, dk, dv) of one block pair in the accumulator dtype (dk, dv with k's
+    heads), recomputing P = exp(S*scale - lse).
 
     `out` and `lse` are the FINAL (merged) results for these query rows, so summing the blocks'
     gradients gives the exact gradient of the merged attention (FlashAttention-2 backward).
@@ -207,17 +259,18 @@ def block_backward(
     _check_shapes(q, k, v)
     sq, sk = q.shape[1], k.shape[1]
     # Rows without any key: lse -inf -> +inf makes P = exp(S - inf) = 0 instead of NaN.
-    lse = lse.float().masked_fill(torch.isneginf(lse), math.inf)
+    acc = accumulator_dtype(q.dtype)
+    lse = lse.to(acc).masked_fill(torch.isneginf(lse), math.inf)
     with torch.no_grad():
         if q.device.type == "cpu":
-            qt, kt, vt = (t.float().transpose(1, 2) for t in (q, k, v))
-            dot = dout.float().transpose(1, 2)
-            ot = out.float().transpose(1, 2)
+            qt, kt, vt = (t.to(acc).transpose(1, 2) for t in (q, k, v))
+            dot = dout.to(acc).transpose(1, 2)
+            ot = out.to(acc).transpose(1, 2)
             bias = None
             is_causal = causal
             if mask is not None:
                 keep = _combined_mask(mask, causal, sq, sk, q.device)
-                bias = _additive_bias(keep, torch.float32)
+                bias = _additive_bias(keep, acc)
                 is_causal = False
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dot, qt, kt, vt, ot, lse, 0.0, is_causal, attn_mask=bias, scale=scale
@@ -237,10 +290,12 @@ def _math_backward(
     scale: float,
     keep: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain-math FlashAttention-2 backward in fp32, chunked over query rows."""
+    """Plain-math FlashAttention-2 backward in the accumulator dtype, chunked over query rows."""
     b, sq, h, _ = q.shape
-    sk = k.shape[1]
-    qf, kf, vf, dof, of = (t.float().transpose(1, 2) for t in (q, k, v, dout, out))
+    sk, h_kv = k.shape[1], k.shape[2]
+    acc = accumulator_dtype(q.dtype)
+    qf, kf, vf, dof, of = (t.to(acc).transpose(1, 2) for t in (q, k, v, dout, out))
+    kf, vf = (_repeat_kv(t, h) for t in (kf, vf))
     dq = torch.empty_like(qf)
     dk = torch.zeros_like(kf)
     dv = torch.zeros_like(vf)
@@ -258,4 +313,5 @@ def _math_backward(
         ds = probs * (dp - delta)
         dq[:, :, s0:s1] = (ds @ kf) * scale
         dk += (ds.transpose(-1, -2) @ qf[:, :, s0:s1]) * scale
+    dk, dv = (_sum_kv(t, h_kv) for t in (dk, dv))
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

@@ -51,7 +51,13 @@ CONFIGS = [
     (32, 2, (8, 16, 32), (1, 2, 4)),  # r > H: some offsets uncovered in a branch
     (16, 6, (16,), (4,)),  # one branch: positions/heads outside a group are uncovered -> 0
     (12, 3, (4, 12), (2, 3)),  # no r=1 branch
+    # Lengths that do not divide (module docstring): w % r != 0, seq % w != 0, w > seq.
+    (16, 4, (6,), (4,)),  # segments of 6: offsets 0, 1 keep 2 rows, 2, 3 keep 1; tail of 4
+    (20, 6, (8, 12, 32), (1, 6, 4)),  # 12 % 6 == 0 but 20 % 12 != 0; w = 32 > seq
+    (13, 5, (3, 5, 7), (2, 3, 4)),  # nothing divides anything
 ]
+PAPER = ((64, 128, 256, 512, 1024), (1, 2, 4, 6, 12))
+"""LongNet's configuration (w = 2048..32768, r = 1, 2, 4, 6, 12) scaled to CPU by 1/32."""
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -59,6 +65,35 @@ CONFIGS = [
 def test_dilated_matches_masked_reference(seq, heads, ws, rs, causal) -> None:
     module = attention.build("dilated", segment_lengths=ws, dilation_rates=rs)
     assert_matches_reference(module, _dilated_ref(ws, rs), 2, seq, heads, 8, causal)
+
+
+@pytest.mark.parametrize("seq", [700, 1100])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_papers_configuration_matches_the_reference(seq, causal) -> None:
+    """The paper's rates on lengths below the largest segment (700: one shrunk segment) and
+    above it (1100: a segment of 1024 and a tail of 76); w = 256, 512 do not divide by 6, 12."""
+    module = attention.build("dilated", segment_lengths=PAPER[0], dilation_rates=PAPER[1])
+    assert_matches_reference(module, _dilated_ref(*PAPER), 1, seq, 12, 4, causal)
+
+
+def test_zero_padding_at_the_end_changes_no_causal_output() -> None:
+    """Causally, padding the sequence to a multiple of every segment (torchscale's convention)
+    gives the same outputs on the real tokens: the conventions agree there."""
+    ws, rs = (6, 10), (4, 3)
+    module = attention.build("dilated", segment_lengths=ws, dilation_rates=rs)
+    q, k, v = (t.float() for t in _inputs(1, 23, 4, 8, seed=7))
+    padded = [torch.cat([t, torch.zeros(1, 7, 4, 8)], dim=1) for t in (q, k, v)]
+    torch.testing.assert_close(module(*padded, causal=True)[:, :23], module(q, k, v, causal=True))
+
+
+def test_fp64_inputs_keep_fp64_accuracy() -> None:
+    """fp64 in, fp64 accumulators: agreement with the fp64 reference far below fp32's 1e-7."""
+    ws, rs = (8, 16), (1, 2)
+    q, k, v = _inputs(1, 32, 3, 8, seed=11)
+    out = attention.build("dilated", segment_lengths=ws, dilation_rates=rs)(q, k, v)
+    assert out.dtype == torch.float64
+    ref = dilated_reference(q, k, v, ws, rs)
+    assert (out - ref).abs().max().item() < 1e-12
 
 
 def test_branch_mask_follows_the_authors_head_groups() -> None:
@@ -143,11 +178,9 @@ def test_low_precision_input_gives_output_of_that_dtype() -> None:
     [
         ({"segment_lengths": (), "dilation_rates": ()}, 16, r"^params\.segment_lengths: must not"),
         ({"segment_lengths": (4, 8), "dilation_rates": (1,)}, 16, r"^params\.dilation_rates: "),
-        ({"segment_lengths": (6,), "dilation_rates": (4,)}, 12, r"^params\.segment_lengths: .*6"),
         ({"segment_lengths": (4,), "dilation_rates": (0,)}, 16, r"^params\.dilation_rates: "),
         ({"segment_lengths": 4, "dilation_rates": (1,)}, 16, r"^params\.segment_lengths: "),
         ({"segment_lengths": (4,), "dilation_rates": (1,), "ordering": "zorder"}, 16, "ordering"),
-        ({"segment_lengths": (4, 16), "dilation_rates": (1, 2)}, 24, r"^seq_len: 24 .* 16$"),
         ({"segment_lengths": (4,), "dilation_rates": (1,), "ordering": "hilbert"}, 32, "^seq_len"),
     ],
 )
@@ -176,9 +209,9 @@ def dilated_configs(draw):
     ws, rs = [], []
     for _ in range(n_branches):
         w = base * draw(st.sampled_from([1, 2, 4]))
-        rs.append(draw(st.sampled_from([r for r in (1, 2, 3, 4) if w % r == 0])))
+        rs.append(draw(st.sampled_from([1, 2, 3, 4, 6])))
         ws.append(w)
-    seq = max(ws) * draw(st.integers(1, 2))
+    seq = draw(st.integers(1, 2 * max(ws)))  # any length: tails and segments longer than it
     return seq, draw(st.integers(1, 5)), tuple(ws), tuple(rs), draw(st.booleans())
 
 

@@ -125,8 +125,9 @@ def test_invalid_parameters_raise_named_errors(params, match) -> None:
 
 
 def test_shape_rules_come_from_the_inner_kernel_and_inputs_are_checked() -> None:
-    params = {"kernel": "dilated", "kernel_params": {"segment_lengths": [8], "dilation_rates": [2]}}
-    with pytest.raises(ValueError, match=r"^seq_len: 12 must divide by every segment length"):
+    inner = {"segment_lengths": [8], "dilation_rates": [2], "ordering": "hilbert"}
+    params = {"kernel": "dilated", "kernel_params": inner}
+    with pytest.raises(ValueError, match=r"^seq_len: 12 must be a power of 4"):
         attention.validate(
             "multihead", {**params, "embed_dim": 8, "num_heads": 2}, seq_len=12, num_heads=2
         )

@@ -22,6 +22,11 @@ CONFIGS = [
     ((16,), (2,), "natural"),
     ((4, 64), (2, 8), "natural"),
     ((8, 32, 64), (1, 2, 4), "hilbert"),
+    # Lengths that do not divide (attention.dilated's conventions): segments of 6 and 24
+    # straddle shard boundaries, 6 % 4 and 24 % 5 != 0, rows per rank differ, 100 > seq.
+    ((6, 24, 100), (4, 5, 2), "natural"),
+    # The paper's rates 1, 2, 4, 6, 12 (w = 64, 128 span 2 and 4 ranks at W = 4).
+    ((8, 16, 32, 64, 128), (1, 2, 4, 6, 12), "natural"),
 ]
 CASES = [
     (cfg, layout, causal)
@@ -79,32 +84,68 @@ def test_ring_dilated_equals_dilated(world):
         assert sum(r[i]["flops"] for r in per_rank) == ref["flops"], (ws, rs, causal)
 
 
-def test_validate_names_the_shard_rules():
+PAPER_SHAPE = (1, 2200, 12, 4)
+PAPER = ((64, 128, 256, 512, 1024), (1, 2, 4, 6, 12))
+"""LongNet's configuration scaled to CPU by 1/32 on a length that is no multiple of 1024."""
+
+
+def rank_paper(rank: int, world: int) -> list[dict]:
+    results = []
+    for causal in (False, True):
+        module = attention.build("ring_dilated", segment_lengths=PAPER[0], dilation_rates=PAPER[1])
+        g = torch.Generator().manual_seed(int(causal))
+        full = [torch.randn(*PAPER_SHAPE, generator=g) for _ in range(4)]
+        pos = module.local_positions(PAPER_SHAPE[1], rank, world)
+        q, k, v, dout = (t[:, pos].clone() for t in full)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        module(q, k, v, causal=causal).backward(dout)
+        out = module(q, k, v, causal=causal).detach()
+        results.append({"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad})
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_papers_configuration_equals_dilated(world):
+    """Shards of 1100 and 550 tokens: segments of 1024 and 512 straddle shard boundaries."""
+    per_rank = run_ranks(rank_paper, world)
+    twin = attention.build("dilated", segment_lengths=PAPER[0], dilation_rates=PAPER[1])
+    for i, causal in enumerate((False, True)):
+        g = torch.Generator().manual_seed(int(causal))
+        q, k, v, dout = (torch.randn(*PAPER_SHAPE, generator=g) for _ in range(4))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = twin(q, k, v, causal=causal)
+        out.backward(dout)
+        ref = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        for name in ref:
+            got = torch.cat([r[i][name] for r in per_rank], dim=1)
+            torch.testing.assert_close(got, ref[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_validate_accepts_any_segments_and_names_the_layout_rules():
     params = {"segment_lengths": [8, 32], "dilation_rates": [1, 4]}
     attention.validate("ring_dilated", params, seq_len=64, world_size=4)
     attention.validate("ring_dilated", params, seq_len=64, world_size=16)  # 8 spans 2 ranks
-    one = {"segment_lengths": [32], "dilation_rates": [1]}
-    with pytest.raises(ValueError, match=r"seq_len: the shard of 48 tokens .* segment length 32"):
-        attention.validate("ring_dilated", one, seq_len=96, world_size=2)
-    bad_rate = {"segment_lengths": [32], "dilation_rates": [16]}
-    with pytest.raises(ValueError, match=r"segment length 32 spans .* 8 must divide by .* 16"):
-        attention.validate("ring_dilated", bad_rate, seq_len=64, world_size=8)
-    with pytest.raises(ValueError, match=r"seq_len: 48 must divide by every segment length"):
-        attention.validate("ring_dilated", params, seq_len=48, world_size=2)
+    paper = {"segment_lengths": [2048, 4096, 8192, 16384, 32768], "dilation_rates": PAPER[1]}
+    attention.validate("ring_dilated", paper, seq_len=3 * 4096, world_size=2)
+    with pytest.raises(ValueError, match=r"seq_len: 98 must divide by world_size 4"):
+        attention.validate("ring_dilated", params, seq_len=98, world_size=4)
     zigzag = {**params, "layout": "zigzag"}
     attention.validate("ring_dilated", zigzag, seq_len=64, world_size=4)
     with pytest.raises(ValueError, match=r"seq_len: 96 must divide by 2 x world_size = 64"):
-        attention.validate("ring_dilated", {**one, "layout": "zigzag"}, seq_len=96, world_size=32)
+        attention.validate("ring_dilated", {**zigzag}, seq_len=96, world_size=32)
     with pytest.raises(ValueError, match=r"params.layout: must be one of"):
         attention.build("ring_dilated", layout="diagonal")
     assert attention.KERNELS["ring_dilated"].distributed
 
 
 def rank_bad_shard(rank: int, world: int) -> None:
-    q = torch.randn(1, 4, 2, 8)  # 8 tokens in all: the segment of 16 does not divide it
-    attention.build("ring_dilated", segment_lengths=[16], dilation_rates=[1])(q, q, q)
+    q = torch.randn(1, 4, 2, 8)  # 8 tokens in all: no square grid for hilbert ordering
+    module = attention.build(
+        "ring_dilated", segment_lengths=[16], dilation_rates=[1], ordering="hilbert"
+    )
+    module(q, q, q)
 
 
 def test_bad_shard_fails_fast_with_the_rule():
-    with pytest.raises(RankFailed, match=r"seq_len: 8 must divide by every segment length"):
+    with pytest.raises(RankFailed, match=r"seq_len: 8 must be a power of 4"):
         run_ranks(rank_bad_shard, 2)

@@ -164,3 +164,27 @@ class RingComm:
         for req in self._reqs:
             req.wait()
         self._reqs = None
+
+
+def exchange(
+    group: Any,
+    sends: dict[int, torch.Tensor],
+    recvs: dict[int, torch.Tensor],
+    tag: int,
+) -> None:
+    """Send sends[j] to, and receive recvs[j] from, the group ranks j; return when all are done.
+
+    Every pair of ranks must post their matching exchanges in the same order (callers decide
+    from information every rank has), so no subgroup is needed: torch names a locally created
+    subgroup after how many groups each process made before, which differs between ranks that
+    share different segments, and the rendezvous then never meets.
+    """
+    ops = [
+        dist.P2POp(dist.isend, t, dist.get_global_rank(group, j), group, tag)
+        for j, t in sends.items()
+    ] + [
+        dist.P2POp(dist.irecv, t, dist.get_global_rank(group, j), group, tag)
+        for j, t in recvs.items()
+    ]
+    for req in dist.batch_isend_irecv(ops) if ops else []:
+        req.wait()

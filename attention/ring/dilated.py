@@ -1,25 +1,28 @@
 """`ring_dilated`: LongNet dilated attention over a sequence sharded across ranks.
 
-LongNet's distributed algorithm: a branch (w, r) whose segments fit in a rank's shard (w <= n,
-n = seq / W) runs locally with no communication (the single-process `dilated` code on the
-shard); a longer segment spans w / n consecutive ranks, which all-gather only that segment's
-dilated K/V rows (w / r rows, independent of the total length) in a subgroup of those ranks.
-Each rank attends its own dilated query rows to the gathered keys; the backward all-reduces the
-segment's dK/dV rows in the same subgroup and keeps its own. Branches merge per (head, position)
-through the primitive's log-sum-exp merge, as in `dilated`; the result equals `dilated` on the
-full sequence.
+LongNet's distributed algorithm, on contiguous shards of n = seq / W tokens: a segment of a
+branch (w, r) that lies inside one shard runs locally with no communication (`dilated`'s code on
+that range of the shard); a segment that spans several shards (w > n, a segment that straddles
+a shard boundary when n is not a multiple of w, or one longer than the sequence) gathers only
+its dilated K/V rows (about w / r rows per head group, independent of the total length) from
+the ranks it spans, by P2P exchanges among them. Each rank attends its own dilated query rows
+of the segment to the gathered keys; the backward sends each rank's share of the segment's
+dK/dV rows to the rank that holds them, which sums them. Ranks may hold different numbers of a
+group's rows (r need not divide n): every rank knows every count. Branches merge per (head,
+position) through the primitive's log-sum-exp merge, as in `dilated`, whose conventions
+(segments that do not divide, no padding attended) hold here: the result equals `dilated` on
+the full sequence.
 
 The computation runs on contiguous shards, where the segments are: every causal segment costs the
 same, so a contiguous split is already balanced and zigzag or striped buy nothing here. Shards
 given in zigzag or striped layout (a model sharded for `ring`) are moved to contiguous on entry
 and the output back on exit, one P2P all-to-all each way (`relayout`; O(seq / W) per rank).
+K/V may have fewer heads than q (grouped-query attention); gathers move only the kv heads.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,16 +30,30 @@ import torch
 import torch.distributed as dist
 
 from attention import primitive
-from attention.base import Kernel, attention_flops, causal_pairs, check_qkv
-from attention.dilated import DilatedParams, check_dilated, dilated_backward, dilated_forward
+from attention.base import Kernel, attention_flops, check_qkv
+from attention.dilated import (
+    DilatedParams,
+    backward_rows,
+    check_dilated,
+    empty_result,
+    forward_rows,
+    zero_grads,
+)
 from attention.hilbert import hilbert_permutation
 from attention.layouts import check_layout, check_seq_len
 from attention.layouts import positions as layout_positions
-from attention.primitive import block_backward, block_forward, merge_
+from attention.primitive import accumulator_dtype, block_backward, block_forward, merge_
 from attention.registry import KernelSpec, register
-from attention.ring.comm import check_backend, check_same_call, rank_and_world, resolve_group
+from attention.ring.comm import (
+    check_backend,
+    check_same_call,
+    exchange,
+    rank_and_world,
+    resolve_group,
+)
 from attention.ring.dense import check_group
 from attention.ring.relayout import relayout
+from attention.segments import branch_rows, group_bounds, offset_rows
 
 
 @dataclass(frozen=True)
@@ -67,120 +84,172 @@ def check_ring_dilated(
     num_heads: int = 1,
     causal: bool | None = None,
 ) -> None:
-    """`dilated`'s rules on the full length, the layout's split, then per contiguous shard of
-    n = seq_len / world_size: a segment w <= n must divide n; a longer one must be a multiple of
-    n, and n must divide by r."""
+    """`dilated`'s rules on the full length and the layout's split (any segment lengths: those
+    that span shards are gathered)."""
     check_dilated(params.twin(), seq_len=seq_len, world_size=1, num_heads=num_heads)
     check_seq_len(seq_len, params.layout or "contiguous", world_size)
-    n = seq_len // world_size
-    for w, r in zip(params.segment_lengths, params.dilation_rates, strict=True):
-        if w <= n and n % w:
-            raise ValueError(
-                f"seq_len: the shard of {n} tokens (seq_len {seq_len} / world_size {world_size}) "
-                f"must divide by segment length {w}"
-            )
-        if w > n and (w % n or n % r):
-            raise ValueError(
-                f"seq_len: segment length {w} spans several shards of {n} tokens (seq_len "
-                f"{seq_len} / world_size {world_size}); it must be a multiple of {n}, and {n} "
-                f"must divide by its dilation rate {r}"
-            )
 
 
-def _head_groups(num_heads: int, rate: int) -> Iterator[tuple[int, int, int]]:
-    """(offset g, first head, end head) of each non-empty head group (authors' semantics)."""
-    size = math.ceil(num_heads / rate)
-    for g in range(rate):
-        h0, h1 = g * size, min(num_heads, (g + 1) * size)
-        if h0 < h1:
-            yield g, h0, h1
+GATHER_TAG, REDUCE_TAG = 20, 21
 
 
 @dataclass(frozen=True)
-class _Far:
-    """A branch whose segments span `span` ranks; this rank is `index` of its subgroup."""
+class Far:
+    """Segment [a, b) (global positions) of a branch of rate r, spanning ranks first..last of
+    contiguous shards of n tokens; `group`: the ring's process group."""
 
-    w: int
+    a: int
+    b: int
     r: int
-    span: int
-    index: int
-    group: Any
+    n: int
+    first: int
+    last: int
+    group: Any = None
+
+    def rows(self, member: int, g: int) -> tuple[int, int]:
+        """(first position, count) of offset g's rows of this segment on rank `member`."""
+        lo, hi = max(self.a, member * self.n), min(self.b, (member + 1) * self.n)
+        start = self.a + g + max(0, -(-(lo - self.a - g) // self.r)) * self.r
+        return start, offset_rows(hi - start, 0, self.r) if start < hi else 0
+
+    def counts(self, g: int) -> list[int]:
+        """Rows of offset g on each rank of the span, in rank order."""
+        return [self.rows(m, g)[1] for m in range(self.first, self.last + 1)]
 
 
-def _key_parts(far: _Far, m: int, causal: bool) -> list[tuple[int, int, bool]]:
-    """(k0, k1, causal) of the gathered segment rows this rank's m query rows attend to."""
-    a = far.index * m  # dilated index of my first row in the segment
+def plan_branch(w: int, seq_len: int, rank: int, n: int) -> tuple[tuple[int, int] | None, list]:
+    """For rank `rank`'s shard [rank n, (rank + 1) n): the local range [lo, hi) (shard
+    positions) of the segments it holds whole, or None, and the segments (a, b) it shares."""
+    r0, r1 = rank * n, (rank + 1) * n
+    segments = [(j, min(j + w, seq_len)) for j in range((r0 // w) * w, r1, w)]
+    inside = [(a, b) for a, b in segments if a >= r0 and b <= r1]
+    shared = [(a, b) for a, b in segments if (a, b) not in inside]
+    local = (inside[0][0] - r0, inside[-1][1] - r0) if inside else None
+    return local, shared
+
+
+def _kv_range(h0: int, h1: int, heads: int, kv_heads: int) -> tuple[int, int]:
+    group = heads // kv_heads
+    return h0 // group, (h1 - 1) // group + 1
+
+
+def _sel(start: int, m: int, r: int) -> slice:
+    """Positions start, start + r, ... (m of them) as a slice."""
+    return slice(start, start + (m - 1) * r + 1, r) if m else slice(start, start)
+
+
+def _gather(
+    x: torch.Tensor, y: torch.Tensor, far: Far, rank: int, counts: list[int]
+) -> torch.Tensor:
+    """(2, B, sum(counts), Hkv, D): the segment's rows of x and y (this rank's: (B, m, Hkv, D))
+    from every rank of the span, in position order."""
+    send = torch.stack((x, y)).contiguous()
+    span = range(far.first, far.last + 1)
+    parts = {
+        j: send.new_empty((2, x.shape[0], c, *x.shape[2:]))
+        for j, c in zip(span, counts, strict=True)
+        if j != rank
+    }
+    exchange(far.group, {j: send for j in parts}, parts, GATHER_TAG)
+    return torch.cat([send if j == rank else parts[j] for j in span], dim=2)
+
+
+def _reduce_home(dkv: torch.Tensor, far: Far, rank: int, counts: list[int]) -> torch.Tensor:
+    """This rank's rows of the segment's dK/dV (2, B, m, Hkv, D), summed over the span's ranks
+    (each rank computed a share of every row's gradient)."""
+    span = range(far.first, far.last + 1)
+    offsets = dict(zip(span, [sum(counts[:i]) for i in range(len(counts))], strict=True))
+    mine = dict(zip(span, counts, strict=True))[rank]
+    own = dkv[:, :, offsets[rank] : offsets[rank] + mine]
+    sends = {
+        j: dkv[:, :, offsets[j] : offsets[j] + c].contiguous()
+        for j, c in zip(span, counts, strict=True)
+        if j != rank
+    }
+    recvs = {j: torch.empty_like(own) for j in sends}
+    exchange(far.group, sends, recvs, REDUCE_TAG)
+    return own + sum(recvs.values()) if recvs else own
+
+
+def _key_parts(before: int, m: int, total: int, causal: bool) -> list[tuple[int, int, bool]]:
+    """(k0, k1, causal) of the gathered rows that this rank's m rows, `before` rows into the
+    segment, attend to."""
     if not causal:
-        return [(0, far.span * m, False)]
-    return ([(0, a, False)] if a else []) + [(a, a + m, True)]
+        return [(0, total, False)]
+    return ([(0, before, False)] if before else []) + [(before, before + m, True)]
 
 
-def _gather(x_rows: list[torch.Tensor], far: _Far) -> torch.Tensor:
-    """(2, B, span*m, Hg, D): the segment's dilated K and V rows from every rank of the span."""
-    send = torch.stack(x_rows).contiguous()  # (2, B, m, Hg, D)
-    parts = [torch.empty_like(send) for _ in range(far.span)]
-    dist.all_gather(parts, send, group=far.group)
-    return torch.cat(parts, dim=2)
+def _far_groups(far: Far, rank: int, heads: int, kv_heads: int):  # type: ignore[no-untyped-def]
+    """Per head group: (g, h0, h1, kv range, my local row selector, my count, rows before me,
+    all counts)."""
+    for g, h0, h1 in group_bounds(heads, far.r):
+        counts = far.counts(g)
+        start, m = far.rows(rank, g)
+        before = sum(counts[: rank - far.first])
+        sel = _sel(start - rank * far.n, m, far.r)
+        yield g, h0, h1, _kv_range(h0, h1, heads, kv_heads), sel, m, before, counts
 
 
-def _far_forward(q, k, v, out, lse, far: _Far, causal: bool, scale: float) -> None:
-    r = far.r
-    for g, h0, h1 in _head_groups(q.shape[2], r):
-        q_rows = q[:, g::r, h0:h1]
-        kv = _gather([k[:, g::r, h0:h1], v[:, g::r, h0:h1]], far)
-        o_view, l_view = out[:, g::r, h0:h1], lse[:, h0:h1, g::r]
-        for k0, k1, cz in _key_parts(far, q_rows.shape[1], causal):
-            o_b, l_b = block_forward(
-                q_rows, kv[0, :, k0:k1], kv[1, :, k0:k1], scale=scale, causal=cz
-            )
-            merge_(o_view, l_view, o_b, l_b)
+def _far_forward(q, k, v, out, lse, far: Far, rank: int, causal: bool) -> None:  # type: ignore[no-untyped-def]
+    heads, kv_heads, scale = q.shape[2], k.shape[2], q.shape[-1] ** -0.5
+    for _, h0, h1, (c0, c1), sel, m, before, counts in _far_groups(far, rank, heads, kv_heads):
+        kv = _gather(k[:, sel, c0:c1], v[:, sel, c0:c1], far, rank, counts)
+        if not m:
+            continue
+        for a0, a1, k0, k1 in primitive.kv_head_pieces(h0, h1, heads, kv_heads):
+            o_view, l_view = out[:, sel, a0:a1], lse[:, a0:a1, sel]
+            for s0, s1, cz in _key_parts(before, m, sum(counts), causal):
+                keys = kv[:, :, s0:s1, k0 - c0 : k1 - c0]
+                o_b, l_b = block_forward(q[:, sel, a0:a1], keys[0], keys[1], scale=scale, causal=cz)
+                merge_(o_view, l_view, o_b, l_b, scratch_b=True)
 
 
-def _far_backward(dout, q, k, v, out, lse, grads, far: _Far, causal: bool, scale: float) -> None:
+def _far_backward(dout, q, k, v, out, lse, grads, far: Far, rank: int, causal: bool) -> None:  # type: ignore[no-untyped-def]
     dq, dk, dv = grads
-    r = far.r
-    for g, h0, h1 in _head_groups(q.shape[2], r):
-        rows = (slice(None), slice(g, None, r), slice(h0, h1))
-        m = q[rows].shape[1]
-        kv = _gather([k[rows], v[rows]], far)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        for k0, k1, cz in _key_parts(far, m, causal):
-            dq_b, dk_b, dv_b = block_backward(
-                dout[rows], q[rows], kv[0, :, k0:k1], kv[1, :, k0:k1], out[rows],
-                lse[:, h0:h1, g::r], scale=scale, causal=cz,
-            )  # fmt: skip
-            dq[rows] += dq_b
-            dkv[0, :, k0:k1] += dk_b
-            dkv[1, :, k0:k1] += dv_b
-        dist.all_reduce(dkv, group=far.group)  # every rank's share of the segment's keys
-        a = far.index * m
-        dk[rows] += dkv[0, :, a : a + m]
-        dv[rows] += dkv[1, :, a : a + m]
+    heads, kv_heads, scale = q.shape[2], k.shape[2], q.shape[-1] ** -0.5
+    for _, h0, h1, (c0, c1), sel, m, before, counts in _far_groups(far, rank, heads, kv_heads):
+        kv = _gather(k[:, sel, c0:c1], v[:, sel, c0:c1], far, rank, counts)
+        dkv = torch.zeros(kv.shape, dtype=accumulator_dtype(q.dtype), device=kv.device)
+        for a0, a1, k0, k1 in primitive.kv_head_pieces(h0, h1, heads, kv_heads):
+            rows = (slice(None), sel, slice(a0, a1))
+            for s0, s1, cz in _key_parts(before, m, sum(counts), causal) if m else []:
+                keys = kv[:, :, s0:s1, k0 - c0 : k1 - c0]
+                dq_b, dk_b, dv_b = block_backward(
+                    dout[rows], q[rows], keys[0], keys[1], out[rows], lse[:, a0:a1, sel],
+                    scale=scale, causal=cz,
+                )  # fmt: skip
+                dq[rows] += dq_b
+                dkv[0, :, s0:s1, k0 - c0 : k1 - c0] += dk_b
+                dkv[1, :, s0:s1, k0 - c0 : k1 - c0] += dv_b
+        home = _reduce_home(dkv, far, rank, counts)
+        dk[:, sel, c0:c1] += home[0]
+        dv[:, sel, c0:c1] += home[1]
 
 
-def _local_params(params: RingDilatedParams, n: int) -> DilatedParams | None:
-    branches = zip(params.segment_lengths, params.dilation_rates, strict=True)
-    pairs = [(w, r) for w, r in branches if w <= n]
-    if not pairs:
-        return None
-    ws, rs = zip(*pairs, strict=True)
-    return DilatedParams(tuple(ws), tuple(rs))
+def _plan(
+    params: DilatedParams, seq_len: int, rank: int, n: int
+) -> tuple[list[tuple[int, int, int, int]], list[Far]]:
+    """This rank's local spans (w, r, lo, hi) for `dilated`'s row code and its shared segments
+    (branches by increasing rate, segments by position: the same order on every rank)."""
+    spans, fars = [], []
+    for w, r in params.branches():
+        local, shared = plan_branch(w, seq_len, rank, n)
+        if local is not None:
+            spans.append((w, r, *local))
+        fars += [Far(a, b, r, n, a // n, (b - 1) // n) for a, b in shared]
+    return spans, fars
 
 
 class _RingDilatedFunction(torch.autograd.Function):
-    """Local branches through `dilated`'s code, far ones by subgroup gathers; FA2 backward."""
+    """Local spans through `dilated`'s code, shared segments by P2P gathers; FA2 backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, local, fars, causal):  # type: ignore[override]
-        scale = q.shape[-1] ** -0.5
-        if local is not None:
-            out, lse = dilated_forward(q, k, v, local, causal)
-        else:
-            out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
+    def forward(ctx, q, k, v, spans, fars, rank, causal):  # type: ignore[override]
+        out, lse = empty_result(q)
+        forward_rows(q, k, v, out, lse, spans, causal)
         for far in fars:
-            _far_forward(q, k, v, out, lse, far, causal, scale)
-        ctx.local, ctx.fars, ctx.causal = local, fars, causal
+            _far_forward(q, k, v, out, lse, far, rank, causal)
+        ctx.spans, ctx.fars, ctx.rank, ctx.causal = spans, fars, rank, causal
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
 
@@ -188,17 +257,12 @@ class _RingDilatedFunction(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout.contiguous()
-        scale = q.shape[-1] ** -0.5
-        if ctx.local is not None:
-            grads = dilated_backward(dout, q, k, v, out, lse, ctx.local, ctx.causal)
-        else:
-            grads = tuple(
-                torch.zeros(q.shape, dtype=torch.float32, device=q.device) for _ in range(3)
-            )
+        grads = zero_grads(q, k)
+        backward_rows(dout, q, k, v, out, lse, grads, ctx.spans, ctx.causal)
         for far in ctx.fars:
-            _far_backward(dout, q, k, v, out, lse, grads, far, ctx.causal, scale)
+            _far_backward(dout, q, k, v, out, lse, grads, far, ctx.rank, ctx.causal)
         dq, dk, dv = grads
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 class RingDilatedAttention(Kernel):
@@ -212,7 +276,6 @@ class RingDilatedAttention(Kernel):
         super().__init__()
         self.params = params or RingDilatedParams()
         self.layout = self.params.layout or "contiguous"
-        self._subgroups: dict[tuple[int, int], Any] = {}
 
     def local_positions(
         self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
@@ -227,17 +290,6 @@ class RingDilatedAttention(Kernel):
             return hilbert_permutation(seq_len)[pos]
         return pos
 
-    def _subgroup(self, group: Any, rank: int, world: int, span: int) -> Any:
-        """The process group of the `span` consecutive ranks sharing this rank's segment."""
-        if span == world:
-            return group
-        key = (id(group), span)
-        if key not in self._subgroups:
-            first = rank - rank % span
-            members = [dist.get_global_rank(group, first + i) for i in range(span)]
-            self._subgroups[key] = dist.new_group(members, use_local_synchronization=True)
-        return self._subgroups[key]
-
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
@@ -248,19 +300,18 @@ class RingDilatedAttention(Kernel):
         n = q.shape[1]
         check_ring_dilated(self.params, seq_len=n * world, world_size=world, num_heads=q.shape[2])
         self.backend = primitive.backend_for(q.device, q.dtype)
-        fars = []
-        for w, r in zip(self.params.segment_lengths, self.params.dilation_rates, strict=True):
-            if w > n:
-                span = w // n
-                sub = self._subgroup(group, rank, world, span)
-                fars.append(_Far(w, r, span, rank % span, sub))
-        local = _local_params(self.params, n)
+        spans, fars = _plan(self.params, n * world, rank, n)
+        args = (spans, tuple(dataclasses.replace(f, group=group) for f in fars), rank, causal)
         if self.layout == "contiguous" or world == 1:
             q, k, v = (t.contiguous() for t in (q, k, v))
-            return _RingDilatedFunction.apply(q, k, v, local, tuple(fars), causal)
-        qkv = relayout(torch.stack((q, k, v), dim=2), self.layout, "contiguous", group)
-        q, k, v = (t.contiguous() for t in qkv.unbind(2))
-        out = _RingDilatedFunction.apply(q, k, v, local, tuple(fars), causal)
+            return _RingDilatedFunction.apply(q, k, v, *args)
+        if k.shape[2] != q.shape[2]:
+            qkv = [relayout(t, self.layout, "contiguous", group) for t in (q, k, v)]
+        else:
+            qkv = list(relayout(torch.stack((q, k, v), dim=2), self.layout, "contiguous", group)
+                       .unbind(2))  # fmt: skip
+        q, k, v = (t.contiguous() for t in qkv)
+        out = _RingDilatedFunction.apply(q, k, v, *args)
         return relayout(out, "contiguous", self.layout, group)
 
     def flops(
@@ -273,17 +324,19 @@ class RingDilatedAttention(Kernel):
         backward: bool = False,
     ) -> int:
         """FLOPs of this rank for a local shard of `seq_len` tokens: its query rows' pairs."""
-        rank, _ = rank_and_world(self.params.group)
-        n, pairs = seq_len, 0
-        for w, r in zip(self.params.segment_lengths, self.params.dilation_rates, strict=True):
-            m = w // r
-            if w <= n:
-                pairs += (n // w) * (causal_pairs(m) if causal else m * m)
-            else:
-                mine = n // r
-                a = (rank % (w // n)) * mine
-                pairs += a * mine + causal_pairs(mine) if causal else mine * m
-        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
+        rank, world = rank_and_world(self.params.group)
+        spans, fars = _plan(self.params, seq_len * world, rank, seq_len)
+        pairs = 0
+        for w, r, lo, hi in spans:
+            rows = branch_rows(lo, hi, w, r, num_heads, chunk_tokens=seq_len)
+            pairs += sum((x.h1 - x.h0) * x.pairs(causal) for x in rows)
+        for far in fars:
+            for g, h0, h1 in group_bounds(num_heads, far.r):
+                counts, m = far.counts(g), far.rows(rank, g)[1]
+                before = sum(counts[: rank - far.first])
+                mine = before * m + m * (m + 1) // 2 if causal else m * sum(counts)
+                pairs += (h1 - h0) * mine
+        return attention_flops(batch * pairs, head_dim, backward=backward)
 
 
 register(

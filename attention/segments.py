@@ -1,0 +1,90 @@
+"""Where a LongNet branch's dilated rows are: segments, head groups and strided views of them.
+
+A branch (w, r) cuts positions [lo, hi) into segments of w tokens from `lo`; the last segment
+is shorter when hi - lo is not a multiple of w, and a segment longer than the range is the
+whole range (the authors' code pads instead: see `attention.dilated`). Head group g (heads
+[g * ceil(H / r), (g + 1) * ceil(H / r))) keeps the positions at offsets p = g, g + r, ... from
+its segment's start: ceil((L - g) / r) rows of a segment of L tokens, fewer than the others for
+the last offsets when r does not divide L. Rows of one group in consecutive segments of equal
+length are one strided view (no copy) of a (B, S, H, D) tensor, so a primitive call takes a
+chunk of segments as its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+def group_bounds(num_heads: int, rate: int) -> Iterator[tuple[int, int, int]]:
+    """(offset g, first head, end head) of each non-empty head group of a branch of rate r."""
+    size = math.ceil(num_heads / rate)
+    for g in range(rate):
+        h0, h1 = g * size, min(num_heads, (g + 1) * size)
+        if h0 < h1:
+            yield g, h0, h1
+
+
+def offset_rows(length: int, offset: int, rate: int) -> int:
+    """Rows at offsets offset, offset + rate, ... inside `length` tokens."""
+    return max(0, (length - offset + rate - 1) // rate)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One group's dilated rows in `count` segments: positions start + s*stride + i*rate for
+    s < count, i < m (start already includes the group's offset), heads [h0, h1)."""
+
+    start: int
+    count: int
+    stride: int
+    rate: int
+    m: int
+    h0: int
+    h1: int
+
+    def of(self, x: torch.Tensor, b: int) -> torch.Tensor:
+        """View (count, m, h1 - h0, D) of batch row b of x (B, S, H, D)."""
+        sb, ss, sh, sd = x.stride()
+        offset = x.storage_offset() + b * sb + self.start * ss + self.h0 * sh
+        size = (self.count, self.m, self.h1 - self.h0, x.shape[3])
+        return x.as_strided(size, (self.stride * ss, self.rate * ss, sh, sd), offset)
+
+    def of_lse(self, lse: torch.Tensor, b: int) -> torch.Tensor:
+        """View (count, h1 - h0, m) of batch row b of lse (B, H, S) matching `of`."""
+        sb, sh, ss = lse.stride()
+        offset = lse.storage_offset() + b * sb + self.h0 * sh + self.start * ss
+        size = (self.count, self.h1 - self.h0, self.m)
+        return lse.as_strided(size, (self.stride * ss, sh, self.rate * ss), offset)
+
+    def pairs(self, causal: bool) -> int:
+        """Query-key pairs per head of these rows (each segment's rows attend among themselves)."""
+        per = self.m * (self.m + 1) // 2 if causal else self.m * self.m
+        return self.count * per
+
+
+def branch_rows(
+    lo: int, hi: int, w: int, r: int, num_heads: int, *, chunk_tokens: int
+) -> Iterator[Rows]:
+    """The row sets of branch (w, r) over positions [lo, hi): whole segments of w tokens in
+    chunks of at most max(1, chunk_tokens // w) segments, then the shorter last segment."""
+    length = hi - lo
+    full, tail = divmod(length, w)
+    per_call = max(1, chunk_tokens // w)
+    runs = [(lo + s0 * w, min(per_call, full - s0), w) for s0 in range(0, full, per_call)]
+    if tail:
+        runs.append((lo + full * w, 1, tail))
+    for start, count, seg in runs:
+        for g, h0, h1 in group_bounds(num_heads, r):
+            m = offset_rows(seg, g, r)
+            if m:
+                yield Rows(start + g, count, w, r, m, h0, h1)
+
+
+def branch_pairs(seq_len: int, num_heads: int, w: int, r: int, causal: bool) -> int:
+    """Query-key pairs of branch (w, r) over a sequence, summed over heads."""
+    rows = branch_rows(0, seq_len, w, r, num_heads, chunk_tokens=seq_len)
+    return sum((x.h1 - x.h0) * x.pairs(causal) for x in rows)
