@@ -22,14 +22,14 @@ class MergedFunction(torch.autograd.Function):
     """`MergedFunction.apply(q, k, v, forward, backward)`: see the module docstring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, forward, backward):  # type: ignore[override]
+    def forward(ctx, q, k, v, forward, backward):
         out, lse = forward(q, k, v)
         ctx.backward_fn = backward
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)  # for inputs in the accumulator dtype: `out` itself, saved above
 
     @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
+    def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.backward_fn(dout.contiguous(), q, k, v, out, lse)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None

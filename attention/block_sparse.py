@@ -12,6 +12,10 @@ parameter is the one whose mask density is nearest; density then lies within 1/n
 row) of the ratio, else ValueError. The diagonal is always kept; causal intersects the mask with
 the lower triangle and masks tokens causally inside diagonal blocks. window and num_global larger
 than the number of blocks mean "all blocks".
+
+A length that is not a multiple of block_size ends in a shorter last block (ceil(S / bs)
+blocks); the mask is the pattern's on those blocks and the short block holds only real tokens,
+so no padding exists to be attended. k and v may have fewer heads than q (grouped-query).
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ from dataclasses import dataclass
 import torch
 
 from attention import primitive
+from attention.autograd import merged_attention
 from attention.base import Kernel, KernelMemory, attention_flops, check_qkv, merged_memory
-from attention.hilbert import (
-    check_hilbert_length,
-    check_ordering,
-    hilbert_permutation,
-    inverse_permutation,
+from attention.hilbert import check_hilbert_length, check_ordering, in_order
+from attention.primitive import (
+    accumulator_dtype,
+    block_backward,
+    block_forward,
+    merge_,
+    zero_grads,
 )
-from attention.primitive import block_backward, block_forward, merge_
 from attention.registry import KernelSpec, register
 
 PATTERNS = ("local_window", "dilated", "global_local", "random")
@@ -149,7 +155,7 @@ def _size_for_ratio(params: BlockSparseParams, n: int, ratio: float) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _cached_block_mask(params: BlockSparseParams, seq_len: int) -> torch.Tensor:
-    n = seq_len // params.block_size
+    n = -(-seq_len // params.block_size)
     if params.sparsity_ratio is None:
         return _pattern_mask(params, n, getattr(params, _SIZE_FIELD[params.pattern]))
     mask = _pattern_mask(params, n, _size_for_ratio(params, n, params.sparsity_ratio))
@@ -171,10 +177,8 @@ def check_block_sparse(
     num_heads: int = 1,
     causal: bool | None = None,
 ) -> None:
-    """Raise ValueError unless seq_len divides into blocks (power of 4 under hilbert) and the
-    sparsity_ratio is reachable at that length."""
-    if seq_len % params.block_size:
-        raise ValueError(f"seq_len: {seq_len} must divide by params.block_size {params.block_size}")
+    """Raise ValueError unless seq_len is a power of 4 under hilbert and the sparsity_ratio is
+    reachable at that length (any length otherwise: the last block may be shorter)."""
     if params.ordering == "hilbert":
         check_hilbert_length(seq_len)
     _cached_block_mask(params, seq_len)
@@ -223,16 +227,19 @@ def _consecutive(rows: list[int]) -> list[tuple[int, int]]:
 @functools.lru_cache(maxsize=64)
 def _plan(params: BlockSparseParams, seq_len: int, causal: bool) -> tuple[_Call, ...]:
     """The calls that compute exactly the kept block pairs, query blocks batched where the key
-    blocks follow the same rule (same offsets from the diagonal, or the same fixed blocks)."""
+    blocks follow the same rule (same offsets from the diagonal, or the same fixed blocks).
+    A short last block (seq_len % block_size) only appears in gather calls."""
     mask = _cached_block_mask(params, seq_len)
     if causal:
         mask = mask.tril()
+    n = mask.shape[0]
+    short = seq_len % params.block_size != 0
     groups: dict[tuple, list[int]] = {}
     gathers: list[tuple[int, tuple[int, ...]]] = []
-    for i in range(mask.shape[0]):
+    for i in range(n):
         cols = mask[i].nonzero().flatten().tolist()
         runs = _runs(cols)
-        if len(runs) > MAX_VIEW_RUNS:
+        if len(runs) > MAX_VIEW_RUNS or (short and (i == n - 1 or cols[-1] == n - 1)):
             gathers.append((i, tuple(cols)))
             continue
         for j0, j1 in runs:
@@ -259,10 +266,12 @@ def _plan(params: BlockSparseParams, seq_len: int, causal: bool) -> tuple[_Call,
 
 
 @functools.lru_cache(maxsize=32)
-def _diag_mask(block_size: int, n_blocks: int) -> torch.Tensor:
-    """Keep (bs, n_blocks*bs): full blocks, then a causal diagonal block last."""
-    keep = torch.ones(block_size, n_blocks * block_size, dtype=torch.bool)
-    keep[:, -block_size:] = torch.ones(block_size, block_size, dtype=torch.bool).tril()
+def _diag_mask(block_size: int, n_blocks: int, last: int | None = None) -> torch.Tensor:
+    """Keep (last, (n_blocks - 1)*bs + last): full blocks, then a causal diagonal block of
+    `last` tokens (block_size unless it is the short last block)."""
+    last = block_size if last is None else last
+    keep = torch.ones(last, (n_blocks - 1) * block_size + last, dtype=torch.bool)
+    keep[:, -last:] = torch.ones(last, last, dtype=torch.bool).tril()
     return keep
 
 
@@ -282,7 +291,7 @@ def _row_views(x: torch.Tensor, lse: torch.Tensor, b: int, r0: int, r1: int, bs:
     """(rows, bs, H, D) view of x[b] and (rows, H, bs) view of lse[b] for query blocks r0..r1."""
     h, d = x.shape[2], x.shape[3]
     rows = x[b, r0 * bs : r1 * bs].view(r1 - r0, bs, h, d)
-    lse_rows = lse[b].view(h, -1, bs)[:, r0:r1].transpose(0, 1)
+    lse_rows = lse[b, :, r0 * bs : r1 * bs].view(h, r1 - r0, bs).transpose(0, 1)
     return rows, lse_rows
 
 
@@ -294,25 +303,37 @@ def _store(o_view, l_view, o_b, l_b, merge: bool) -> None:
         l_view.copy_(l_b)
 
 
+@functools.lru_cache(maxsize=256)
+def _token_index(blocks: tuple[int, ...], bs: int, seq_len: int) -> torch.Tensor:
+    """Positions of `blocks`' tokens, in block order (the short last block cut at seq_len)."""
+    return torch.cat([torch.arange(j * bs, min((j + 1) * bs, seq_len)) for j in blocks])
+
+
 def _gather(x: torch.Tensor, blocks: tuple[int, ...], bs: int) -> torch.Tensor:
-    b, s, h, d = x.shape
-    idx = torch.tensor(blocks, device=x.device)
-    return x.view(b, s // bs, bs, h, d).index_select(1, idx).view(b, -1, h, d)
+    """The tokens of `blocks` of x (B, S, H, D), copied in block order."""
+    return x.index_select(1, _token_index(blocks, bs, x.shape[1]).to(x.device))
+
+
+def _call_mask(call: _Call, bs: int, seq_len: int) -> torch.Tensor | None:
+    """The causal keep-mask of a masked call (its query block is the diagonal, last)."""
+    if not call.masked:
+        return None
+    return _diag_mask(bs, call.key_blocks, min(bs, seq_len - call.r0 * bs))
 
 
 def block_sparse_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: BlockSparseParams, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out fp32 (B,S,H,D), lse fp32 (B,H,S)) over the kept block pairs only; no graph.
-
-    q, k, v must be contiguous."""
+    """(out (B,S,H,D), lse (B,H,S)) in the accumulator dtype over the kept block pairs only;
+    no graph. q, k, v must be contiguous."""
     bsz, seq_len, heads, dim = q.shape
     bs, scale = params.block_size, dim**-0.5
-    out = torch.empty(bsz, seq_len, heads, dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(bsz, heads, seq_len, dtype=torch.float32, device=q.device)
+    acc = accumulator_dtype(q.dtype)
+    out = torch.empty(bsz, seq_len, heads, dim, dtype=acc, device=q.device)
+    lse = torch.empty(bsz, heads, seq_len, dtype=acc, device=q.device)
     rows_per_call = max(1, CHUNK_TOKENS // bs)
     for call in _plan(params, seq_len, causal):
-        mask = _diag_mask(bs, call.key_blocks) if call.masked else None
+        mask = _call_mask(call, bs, seq_len)
         if call.kind == "rel":
             for b in range(bsz):
                 for r0, r1 in _chunks(call, rows_per_call):
@@ -327,7 +348,7 @@ def block_sparse_forward(
         else:
             keys, vals = (_gather(x, call.blocks, bs) for x in (k, v))
         for r0, r1 in _chunks(call, rows_per_call):
-            rows = slice(r0 * bs, r1 * bs)
+            rows = slice(r0 * bs, min(r1 * bs, seq_len))
             o_b, l_b = block_forward(q[:, rows], keys, vals, scale=scale, mask=mask)
             _store(out[:, rows], lse[:, :, rows], o_b, l_b, call.merge)
     return out, lse
@@ -343,21 +364,23 @@ def block_sparse_backward(
     params: BlockSparseParams,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 (dq, dk, dv): each call's block backward with the merged (out, lse).
+    """(dq, dk, dv) in the accumulator dtype: each call's block backward with the merged
+    (out, lse).
 
     All inputs contiguous. Per call, key gradients come per query row and are summed into
     their blocks; rows per call are bounded so those copies stay small."""
-    bsz, seq_len, heads, dim = q.shape
+    bsz, seq_len, _, dim = q.shape
+    kv_heads = k.shape[2]
     bs, scale = params.block_size, dim**-0.5
-    n = seq_len // bs
-    dq, dk, dv = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) for _ in range(3))
+    n = seq_len // bs  # whole blocks (a short last block is only met by gather calls)
+    dq, dk, dv = zero_grads(q, k)
     for call in _plan(params, seq_len, causal):
-        mask = _diag_mask(bs, call.key_blocks) if call.masked else None
+        mask = _call_mask(call, bs, seq_len)
         rows_per_call = max(1, CHUNK_TOKENS // (bs * call.key_blocks))
         if call.kind == "rel":
             for b in range(bsz):
-                dk_blocks = dk[b].view(n, bs, heads, dim)
-                dv_blocks = dv[b].view(n, bs, heads, dim)
+                dk_blocks = dk[b, : n * bs].view(n, bs, kv_heads, dim)
+                dv_blocks = dv[b, : n * bs].view(n, bs, kv_heads, dim)
                 for r0, r1 in _chunks(call, rows_per_call):
                     q_rows, lse_rows = _row_views(q, lse, b, r0, r1, bs)
                     dq_b, dk_b, dv_b = block_backward(
@@ -371,8 +394,8 @@ def block_sparse_backward(
                         mask=mask,
                     )
                     _row_views(dq, lse, b, r0, r1, bs)[0].add_(dq_b)
-                    dk_b = dk_b.reshape(r1 - r0, call.key_blocks, bs, heads, dim)
-                    dv_b = dv_b.reshape(r1 - r0, call.key_blocks, bs, heads, dim)
+                    dk_b = dk_b.reshape(r1 - r0, call.key_blocks, bs, kv_heads, dim)
+                    dv_b = dv_b.reshape(r1 - r0, call.key_blocks, bs, kv_heads, dim)
                     for t in range(call.key_blocks):
                         j0 = r0 + call.a + t
                         dk_blocks[j0 : j0 + r1 - r0].add_(dk_b[:, t])
@@ -383,7 +406,7 @@ def block_sparse_backward(
         else:
             keys, vals = (_gather(x, call.blocks, bs) for x in (k, v))
         for r0, r1 in _chunks(call, rows_per_call):
-            rows = slice(r0 * bs, r1 * bs)
+            rows = slice(r0 * bs, min(r1 * bs, seq_len))
             dq_b, dk_b, dv_b = block_backward(
                 dout[:, rows],
                 q[:, rows],
@@ -399,30 +422,10 @@ def block_sparse_backward(
                 dk[:, call.a * bs : call.b * bs].add_(dk_b)
                 dv[:, call.a * bs : call.b * bs].add_(dv_b)
             else:
-                idx = torch.tensor(call.blocks, device=q.device)
-                shape = (bsz, -1, bs, heads, dim)
-                dk.view(bsz, n, bs, heads, dim).index_add_(1, idx, dk_b.reshape(shape))
-                dv.view(bsz, n, bs, heads, dim).index_add_(1, idx, dv_b.reshape(shape))
+                idx = _token_index(call.blocks, bs, seq_len).to(q.device)
+                dk.index_add_(1, idx, dk_b)
+                dv.index_add_(1, idx, dv_b)
     return dq, dk, dv
-
-
-class _BlockSparseFunction(torch.autograd.Function):
-    """Autograd wrapper: forward through the primitive, backward with the merged (out, lse)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, params, causal):  # type: ignore[override]
-        out, lse = block_sparse_forward(q, k, v, params, causal)
-        ctx.params, ctx.causal = params, causal
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = block_sparse_backward(
-            dout.contiguous(), q, k, v, out, lse, ctx.params, ctx.causal
-        )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 class BlockSparseAttention(Kernel):
@@ -447,13 +450,11 @@ class BlockSparseAttention(Kernel):
         # causal diagonal blocks go through the primitive with a mask (another backend on CUDA)
         backends = {primitive.backend_for(q.device, q.dtype, has_mask=m) for m in {False, causal}}
         self.backend = "+".join(sorted(backends))
-        q, k, v = (t.contiguous() for t in (q, k, v))
-        if self.params.ordering == "hilbert":
-            perm = hilbert_permutation(q.shape[1], q.device)
-            q, k, v = q[:, perm], k[:, perm], v[:, perm]
-            out = _BlockSparseFunction.apply(q, k, v, self.params, causal)
-            return out[:, inverse_permutation(perm)]
-        return _BlockSparseFunction.apply(q, k, v, self.params, causal)
+        fwd = functools.partial(block_sparse_forward, params=self.params, causal=causal)
+        bwd = functools.partial(block_sparse_backward, params=self.params, causal=causal)
+        return in_order(
+            self.params.ordering, lambda q, k, v: merged_attention(q, k, v, fwd, bwd), q, k, v
+        )
 
     def flops(
         self,
@@ -464,13 +465,15 @@ class BlockSparseAttention(Kernel):
         causal: bool = False,
         backward: bool = False,
     ) -> int:
-        """Kept block pairs x block_size^2 (diagonal blocks: the causal triangle when causal)."""
+        """Token pairs of the kept block pairs (diagonal blocks: the causal triangle when
+        causal; the short last block counts its own tokens)."""
         bs = self.params.block_size
         mask = self.block_mask(seq_len, causal=causal)
-        n = mask.shape[0]
-        off_diag = int(mask.sum().item()) - n
-        diag = bs * (bs + 1) // 2 if causal else bs * bs
-        pairs = off_diag * bs * bs + n * diag
+        sizes = torch.full((mask.shape[0],), bs, dtype=torch.int64)
+        sizes[-1] = seq_len - (mask.shape[0] - 1) * bs
+        off_diag = mask.clone().fill_diagonal_(False)
+        pairs = int((sizes[:, None] * sizes[None, :] * off_diag).sum())
+        pairs += int((sizes * (sizes + 1) // 2 if causal else sizes * sizes).sum())
         return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
 
     def memory_model(

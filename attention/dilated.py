@@ -42,7 +42,7 @@ from attention import primitive
 from attention.autograd import merged_attention
 from attention.base import Kernel, KernelMemory, attention_flops, check_qkv, merged_memory
 from attention.hilbert import check_hilbert_length, check_ordering, in_order
-from attention.primitive import accumulator_dtype, block_backward, block_forward, merge_
+from attention.primitive import block_backward, block_forward, empty_result, merge_, zero_grads
 from attention.registry import KernelSpec, register
 from attention.segments import Rows, branch_pairs, branch_rows
 
@@ -171,25 +171,6 @@ def backward_rows(
                 kr.of(dv, b).add_(dv_b)
 
 
-def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out 0, lse -inf) accumulators for q's rows: what rows no branch covers keep."""
-    bsz, seq_len, heads, dim = q.shape
-    acc = accumulator_dtype(q.dtype)
-    out = torch.zeros(bsz, seq_len, heads, dim, dtype=acc, device=q.device)
-    lse = torch.full((bsz, heads, seq_len), float("-inf"), dtype=acc, device=q.device)
-    return out, lse
-
-
-def zero_grads(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Zeroed (dq, dk, dv) accumulators (dk, dv with k's heads)."""
-    acc = accumulator_dtype(q.dtype)
-    return (
-        torch.zeros(q.shape, dtype=acc, device=q.device),
-        torch.zeros(k.shape, dtype=acc, device=k.device),
-        torch.zeros(k.shape, dtype=acc, device=k.device),
-    )
-
-
 def dilated_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: DilatedParams, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,7 +217,7 @@ class DilatedAttention(Kernel):
         fwd = functools.partial(dilated_forward, params=self.params, causal=causal)
         bwd = functools.partial(dilated_backward, params=self.params, causal=causal)
         return in_order(
-            self.params.ordering, lambda *qkv: merged_attention(*qkv, fwd, bwd), q, k, v
+            self.params.ordering, lambda q, k, v: merged_attention(q, k, v, fwd, bwd), q, k, v
         )
 
     def token_masks(self, seq_len: int, num_heads: int, *, causal: bool = False) -> torch.Tensor:

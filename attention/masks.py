@@ -44,10 +44,13 @@ def dilated_branch_mask(
 
 
 def block_token_mask(
-    block_mask: torch.Tensor, block_size: int, *, causal: bool = False
+    block_mask: torch.Tensor, block_size: int, *, causal: bool = False, seq_len: int | None = None
 ) -> torch.Tensor:
-    """Token keep-mask (S, S) or (H, S, S) of a block mask (n, n) or (H, n, n); causal optional."""
+    """Token keep-mask (S, S) or (H, S, S) of a block mask (n, n) or (H, n, n); causal optional.
+    `seq_len` < n * block_size: the last block is short (its tokens beyond seq_len do not exist)."""
     keep = block_mask.repeat_interleave(block_size, -1).repeat_interleave(block_size, -2)
+    if seq_len is not None:
+        keep = keep[..., :seq_len, :seq_len]
     if causal:
         keep = keep & causal_mask(keep.shape[-1], keep.device)
     return keep

@@ -55,6 +55,25 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out 0, lse -inf) accumulators for q's rows: what rows no branch covers keep."""
+    bsz, seq_len, heads, dim = q.shape
+    acc = accumulator_dtype(q.dtype)
+    out = torch.zeros(bsz, seq_len, heads, dim, dtype=acc, device=q.device)
+    lse = torch.full((bsz, heads, seq_len), float("-inf"), dtype=acc, device=q.device)
+    return out, lse
+
+
+def zero_grads(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Zeroed (dq, dk, dv) accumulators (dk, dv with k's heads)."""
+    acc = accumulator_dtype(q.dtype)
+    return (
+        torch.zeros(q.shape, dtype=acc, device=q.device),
+        torch.zeros(k.shape, dtype=acc, device=k.device),
+        torch.zeros(k.shape, dtype=acc, device=k.device),
+    )
+
+
 def kv_head_pieces(h0: int, h1: int, num_heads: int, num_kv_heads: int) -> list[tuple[int, ...]]:
     """Query heads [h0, h1) cut into pieces (a0, a1, k0, k1) served by kv heads [k0, k1), so that
     a primitive call on q heads [a0, a1) and kv heads [k0, k1) maps each query head to its own kv

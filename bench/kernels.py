@@ -187,7 +187,9 @@ def gate(kernel: str, params: dict[str, Any], seq: int, causal: bool) -> float:
         p = module.params
         ref = dilated_reference(q, k, v, p.segment_lengths, p.dilation_rates, causal=causal)
     elif kernel == "block_sparse":
-        keep = block_token_mask(module.block_mask(GATE_SEQ), small["block_size"], causal=causal)
+        keep = block_token_mask(
+            module.block_mask(GATE_SEQ), small["block_size"], causal=causal, seq_len=GATE_SEQ
+        )
         ref = masked_attention(q, k, v, keep)[0]
     else:
         keep = torch.ones(GATE_SEQ, GATE_SEQ, dtype=torch.bool)

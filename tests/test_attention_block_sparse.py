@@ -57,7 +57,8 @@ def _explicit_block_mask(pattern: str, n: int, **p) -> torch.Tensor:
 
 def _reference(module, block_size):
     def reference(q, k, v, causal):
-        keep = block_token_mask(module.block_mask(q.shape[1]), block_size, causal=causal)
+        seq = q.shape[1]
+        keep = block_token_mask(module.block_mask(seq), block_size, causal=causal, seq_len=seq)
         return masked_attention(q, k, v, keep)[0]
 
     return reference
@@ -196,17 +197,31 @@ def test_invalid_parameters_raise_named_errors(params, match) -> None:
         attention.build("block_sparse", **params)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: "-".join(map(str, p.values())))
+def test_a_length_that_is_no_multiple_of_the_block_ends_in_a_short_block(params, causal) -> None:
+    """30 tokens in blocks of 4 (or 2, then 31): the last block holds 2 (1) real tokens, which
+    the mask treats as any block; nothing else is attended."""
+    module = attention.build("block_sparse", **params)
+    seq = 30 if params["block_size"] == 4 else 31
+    assert module.block_mask(seq).shape[0] == -(-seq // params["block_size"])
+    keep = block_token_mask(
+        module.block_mask(seq), params["block_size"], causal=causal, seq_len=seq
+    )
+    assert module.flops(1, seq, 1, 1, causal=causal) == 4 * int(keep.sum())
+    assert_matches_reference(module, _reference(module, params["block_size"]), 2, seq, 3, 8, causal)
+
+
 def test_shape_constraints_raise_named_errors() -> None:
-    with pytest.raises(ValueError, match=r"^seq_len: 30 must divide by params\.block_size 4"):
-        attention.validate("block_sparse", {"block_size": 4, "window": 1}, seq_len=30)
+    attention.validate("block_sparse", {"block_size": 4, "window": 1}, seq_len=30)
     hilbert = {"block_size": 4, "window": 1, "ordering": "hilbert"}
     with pytest.raises(ValueError, match=r"^seq_len: 32 must be a power of 4"):
         attention.validate("block_sparse", hilbert, seq_len=32)
     unreachable = {"block_size": 1, "pattern": "dilated", "dilation": 4, "sparsity_ratio": 0.9}
     with pytest.raises(ValueError, match=r"^params\.sparsity_ratio: pattern 'dilated' cannot"):
         attention.validate("block_sparse", unreachable, seq_len=64)
-    module = attention.build("block_sparse", block_size=4, window=1)
-    with pytest.raises(ValueError, match=r"^seq_len: 30 must divide"):
+    module = attention.build("block_sparse", block_size=4, window=1, ordering="hilbert")
+    with pytest.raises(ValueError, match=r"^seq_len: 30 must be a power of 4"):
         module(*(torch.zeros(1, 30, 1, 4) for _ in range(3)))
     attention.validate("block_sparse", {"block_size": 4, "window": 1}, seq_len=32)
 
@@ -229,7 +244,7 @@ def block_sparse_configs(draw):
         params["num_random"] = draw(st.integers(0, 4))
     else:
         params["window"] = draw(st.integers(0, 3))
-    return params, n * block_size, draw(st.booleans())
+    return params, n * block_size - draw(st.integers(0, block_size - 1)), draw(st.booleans())
 
 
 @settings(max_examples=25, deadline=None)

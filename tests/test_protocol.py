@@ -244,12 +244,12 @@ def test_the_layer_gate_sees_a_changed_weight(layer: str) -> None:
 def test_check_length_is_the_smallest_valid_divisor() -> None:
     assert protocol.check_length(config(seq_len=1 << 20)) == 128
     assert protocol.check_length(config(seq_len=100)) == 100
-    dilated = config(
+    hilbert = config(
         kernel="dilated",
-        params={"segment_lengths": [2048, 4096], "dilation_rates": [1, 2]},
-        seq_len=3 * 4096,
+        params={"segment_lengths": [2048, 4096], "dilation_rates": [1, 2], "ordering": "hilbert"},
+        seq_len=1 << 14,
     )
-    assert protocol.check_length(dilated) == 4096
+    assert protocol.check_length(hilbert) == 256  # the smallest power of 4 >= 128 dividing it
     ring = config(kernel="ring", world_size=4, seq_len=3000, params={"layout": "contiguous"})
     assert protocol.check_length(ring) == 200
 

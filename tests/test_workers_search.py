@@ -153,28 +153,27 @@ def test_probe_error_stops_the_search() -> None:
 
 def test_a_model_search_grows_past_lengths_the_kernel_refuses() -> None:
     """From a predicted start the search grows by 1.125; where no accepted length lies that
-    close (dilated segments of 512 at ~2K tokens) it takes the next accepted one instead of
+    close (hilbert ordering: powers of 4 only) it takes the next accepted one instead of
     stopping at the start."""
     from workers.search import predicted_start
 
+    params = {"segment_lengths": [256, 512], "dilation_rates": [1, 2], "ordering": "hilbert"}
     cfg = RunConfig.model_validate(
         {
             "workload": "model",
             "kernel": "dilated",
-            "params": {"segment_lengths": [256, 512], "dilation_rates": [1, 2]},
-            "seq_len": 512,
+            "params": params,
+            "seq_len": 1024,
             "device": "cpu",
             "memory_budget_bytes": 96 << 20,
             "model": {"d_model": 128, "n_layers": 2, "n_heads": 4, "vocab_size": 4096},
-            "search": {"start": 512, "max": 1 << 16, "granularity": 512},
+            "search": {"start": 1024, "max": 1 << 16, "granularity": 512},
         }
     )
     start = predicted_start(cfg)
-    assert start is not None and start % 512 == 0 and start < 4096
+    assert start == 1024  # the prediction (~1.3K) snapped down to a power of 4
     log: list[int] = []
     outcome = run_search(cfg, _planted(8192, log))
     assert log[0] == start
-    assert outcome.answer_seq_len == 8192
-    assert all(n % 512 == 0 for n in log) and log[: log.index(8192) + 1] == sorted(
-        log[: log.index(8192) + 1]
-    )
+    assert outcome.answer_seq_len == 4096
+    assert log == [1024, 4096, 16384]  # nothing accepted in (1024, 2048]: the next power of 4

@@ -63,7 +63,9 @@ def _block_sparse(params: Any) -> Reference:
     module = attention.build("block_sparse", **_as_dict(params))
 
     def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        keep = block_token_mask(module.block_mask(q.shape[1]), params.block_size, causal=causal)
+        keep = block_token_mask(
+            module.block_mask(q.shape[1]), params.block_size, causal=causal, seq_len=q.shape[1]
+        )
         return masked_attention(q, k, v, keep)[0]
 
     return _ordered(params, reference)

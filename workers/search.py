@@ -145,11 +145,11 @@ def run_search(
         if probe(length):
             lo = length
             while True:  # growing by `factor` until a length does not fit
-                grown = min(max(int(length * factor), length + 1), search.max)
-                nxt = snap_down(config, grown, floor=length + 1, anchors=(length,))
-                if nxt is None and factor < 2:  # no accepted length that close: the next one
-                    doubled = min(2 * length, search.max)
-                    nxt = snap_down(config, doubled, floor=length + 1, anchors=(length,))
+                bound = min(max(int(length * factor), length + 1), search.max)
+                nxt = snap_down(config, bound, floor=length + 1, anchors=(length,))
+                while nxt is None and bound < search.max:  # none that close: the next one
+                    bound = min(2 * bound, search.max)
+                    nxt = snap_down(config, bound, floor=length + 1, anchors=(length,))
                 if nxt is None:
                     break
                 if not probe(nxt):

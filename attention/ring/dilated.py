@@ -31,18 +31,18 @@ import torch.distributed as dist
 
 from attention import primitive
 from attention.base import Kernel, attention_flops, check_qkv
-from attention.dilated import (
-    DilatedParams,
-    backward_rows,
-    check_dilated,
-    empty_result,
-    forward_rows,
-    zero_grads,
-)
+from attention.dilated import DilatedParams, backward_rows, check_dilated, forward_rows
 from attention.hilbert import hilbert_permutation
 from attention.layouts import check_layout, check_seq_len
 from attention.layouts import positions as layout_positions
-from attention.primitive import accumulator_dtype, block_backward, block_forward, merge_
+from attention.primitive import (
+    accumulator_dtype,
+    block_backward,
+    block_forward,
+    empty_result,
+    merge_,
+    zero_grads,
+)
 from attention.registry import KernelSpec, register
 from attention.ring.comm import (
     check_backend,
@@ -179,7 +179,7 @@ def _key_parts(before: int, m: int, total: int, causal: bool) -> list[tuple[int,
     return ([(0, before, False)] if before else []) + [(before, before + m, True)]
 
 
-def _far_groups(far: Far, rank: int, heads: int, kv_heads: int):  # type: ignore[no-untyped-def]
+def _far_groups(far: Far, rank: int, heads: int, kv_heads: int):
     """Per head group: (g, h0, h1, kv range, my local row selector, my count, rows before me,
     all counts)."""
     for g, h0, h1 in group_bounds(heads, far.r):
@@ -190,7 +190,7 @@ def _far_groups(far: Far, rank: int, heads: int, kv_heads: int):  # type: ignore
         yield g, h0, h1, _kv_range(h0, h1, heads, kv_heads), sel, m, before, counts
 
 
-def _far_forward(q, k, v, out, lse, far: Far, rank: int, causal: bool) -> None:  # type: ignore[no-untyped-def]
+def _far_forward(q, k, v, out, lse, far: Far, rank: int, causal: bool) -> None:
     heads, kv_heads, scale = q.shape[2], k.shape[2], q.shape[-1] ** -0.5
     for _, h0, h1, (c0, c1), sel, m, before, counts in _far_groups(far, rank, heads, kv_heads):
         kv = _gather(k[:, sel, c0:c1], v[:, sel, c0:c1], far, rank, counts)
@@ -204,7 +204,7 @@ def _far_forward(q, k, v, out, lse, far: Far, rank: int, causal: bool) -> None: 
                 merge_(o_view, l_view, o_b, l_b, scratch_b=True)
 
 
-def _far_backward(dout, q, k, v, out, lse, grads, far: Far, rank: int, causal: bool) -> None:  # type: ignore[no-untyped-def]
+def _far_backward(dout, q, k, v, out, lse, grads, far: Far, rank: int, causal: bool) -> None:
     dq, dk, dv = grads
     heads, kv_heads, scale = q.shape[2], k.shape[2], q.shape[-1] ** -0.5
     for _, h0, h1, (c0, c1), sel, m, before, counts in _far_groups(far, rank, heads, kv_heads):
@@ -244,7 +244,7 @@ class _RingDilatedFunction(torch.autograd.Function):
     """Local spans through `dilated`'s code, shared segments by P2P gathers; FA2 backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spans, fars, rank, causal):  # type: ignore[override]
+    def forward(ctx, q, k, v, spans, fars, rank, causal):
         out, lse = empty_result(q)
         forward_rows(q, k, v, out, lse, spans, causal)
         for far in fars:
@@ -254,7 +254,7 @@ class _RingDilatedFunction(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
+    def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout.contiguous()
         grads = zero_grads(q, k)
