@@ -24,7 +24,8 @@ class DenseParams:
 
 
 class DenseAttention(Kernel):
-    """softmax(q k^T / sqrt(d)) v over the whole sequence, causal optional."""
+    """softmax(q k^T / sqrt(d)) v over the whole sequence, causal optional; k and v may have
+    fewer heads (grouped-query attention: SDPA's enable_gqa)."""
 
     def __init__(self, params: DenseParams | None = None) -> None:
         super().__init__()
@@ -37,7 +38,11 @@ class DenseAttention(Kernel):
         self.backend = "sdpa"
         # (b s h d) -> (b h s d) for SDPA and back
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=causal,
+            enable_gqa=k.shape[2] != q.shape[2],
         )
         return out.transpose(1, 2)
 

@@ -37,10 +37,11 @@ class MultiheadParams:
     kernel_params: dict[str, Any] = field(default_factory=dict)
     embed_dim: int | None = None
     num_heads: int | None = None
+    num_kv_heads: int | None = None
     bias: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("embed_dim", "num_heads"):
+        for name in ("embed_dim", "num_heads", "num_kv_heads"):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -53,6 +54,15 @@ class MultiheadParams:
         ):
             raise ValueError(
                 f"params.embed_dim: {self.embed_dim} must divide by params.num_heads "
+                f"{self.num_heads}"
+            )
+        if (
+            self.num_heads is not None
+            and self.num_kv_heads is not None
+            and self.num_heads % self.num_kv_heads
+        ):
+            raise ValueError(
+                f"params.num_kv_heads: {self.num_kv_heads} must divide params.num_heads "
                 f"{self.num_heads}"
             )
         if not isinstance(self.bias, bool):
@@ -124,7 +134,8 @@ def check_multihead(
 
 
 class MultiheadAttention(Kernel):
-    """Projections q/k/v/out (embed_dim x embed_dim) around the kernel `params.kernel`."""
+    """Projections q/out (embed_dim x embed_dim) and k/v (embed_dim x num_kv_heads x head_dim)
+    around the kernel `params.kernel`."""
 
     input_layout: Literal["bse"] = "bse"
 
@@ -133,15 +144,15 @@ class MultiheadAttention(Kernel):
         self.params = params
         self.embed_dim, self.num_heads = _require_shape(params)
         e, bias = self.embed_dim, params.bias
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
-            nn.Linear(e, e, bias=bias) for _ in range(4)
-        )
+        self.num_kv_heads = params.num_kv_heads or self.num_heads
+        kv = self.num_kv_heads * (e // self.num_heads)
+        self.q_proj, self.out_proj = (nn.Linear(e, e, bias=bias) for _ in range(2))
+        self.k_proj, self.v_proj = (nn.Linear(e, kv, bias=bias) for _ in range(2))
         self.inner = KERNELS[self.params.kernel].factory(self.params.inner_params())
 
     def _heads(self, x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
         b, s, _ = x.shape
-        h = self.num_heads
-        return proj(x).view(b, s, h, self.embed_dim // h)
+        return proj(x).view(b, s, -1, self.embed_dim // self.num_heads)
 
     def forward(
         self,
@@ -182,13 +193,15 @@ class MultiheadAttention(Kernel):
         causal: bool = False,
         backward: bool = False,
     ) -> int:
-        """Four embed_dim^2 projections (2 FLOPs a multiply-add) plus the inner kernel's FLOPs."""
+        """The projections (2 FLOPs a multiply-add: q and out embed_dim^2, k and v embed_dim x
+        num_kv_heads x head_dim) plus the inner kernel's FLOPs."""
         if num_heads != self.num_heads or num_heads * head_dim != self.embed_dim:
             raise ValueError(
                 f"num_heads, head_dim: this layer has {self.num_heads} heads of "
                 f"{self.embed_dim // self.num_heads}, got {num_heads} x {head_dim}"
             )
-        proj = 4 * 2 * batch * seq_len * self.embed_dim**2
+        kv = self.num_kv_heads * head_dim
+        proj = 2 * 2 * batch * seq_len * self.embed_dim * (self.embed_dim + kv)
         if backward:
             proj *= 1 + LINEAR_BACKWARD_FACTOR
         inner = self.inner.flops(batch, seq_len, num_heads, head_dim, causal, backward)

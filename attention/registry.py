@@ -75,10 +75,16 @@ def make_params(name: str, params: dict[str, Any]) -> Any:
 
 
 def shape_params(
-    kernel: str, params: dict[str, Any], *, num_heads: int, head_dim: int
+    kernel: str,
+    params: dict[str, Any],
+    *,
+    num_heads: int,
+    head_dim: int,
+    num_kv_heads: int | None = None,
 ) -> dict[str, Any]:
-    """`params` for a run of `num_heads` heads of `head_dim`: a layer kernel's (input_layout
-    "bse") embed_dim and num_heads are set to num_heads * head_dim and num_heads.
+    """`params` for a run of `num_heads` heads of `head_dim` (and `num_kv_heads` key/value
+    heads, None: num_heads): a layer kernel's (input_layout "bse") embed_dim, num_heads and
+    num_kv_heads are set to num_heads * head_dim, num_heads and num_kv_heads.
 
     A layer's own embed_dim / num_heads, when given (not None), must agree with the run's shape:
     a contradiction raises ValueError `params.embed_dim: ...` (or `params.num_heads: ...`)
@@ -99,7 +105,14 @@ def shape_params(
             f"params.num_heads: {given_heads} contradicts the run's num_heads {num_heads}; "
             "leave it unset, the run sets it"
         )
-    return {**params, "embed_dim": embed_dim, "num_heads": num_heads}
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    given_kv = params.get("num_kv_heads")
+    if given_kv is not None and given_kv != kv_heads:
+        raise ValueError(
+            f"params.num_kv_heads: {given_kv} contradicts the run's num_kv_heads {kv_heads}; "
+            "leave it unset, the run sets it"
+        )
+    return {**params, "embed_dim": embed_dim, "num_heads": num_heads, "num_kv_heads": kv_heads}
 
 
 def build(name: str, **params: Any) -> nn.Module:

@@ -12,6 +12,10 @@ dilated segments longer than --seq are cut to --seq (default w = 2048, 4096, 819
 show the work done even when other processes share the cores; wall times then stretch.
 
     .venv/bin/python bench/kernels.py --seq 4096 8192 16384 --repeats 3 --device cpu
+
+--budget-mib M adds each kernel's maximum forward length under an M MiB CPU budget, searched
+by the workers' own code (dilated segments stay as given: a segment longer than the length is
+the whole sequence, see attention.dilated).
 """
 
 from __future__ import annotations
@@ -60,6 +64,16 @@ def parse() -> argparse.Namespace:
     )
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument(
+        "--budget-mib",
+        type=float,
+        default=None,
+        help="also search each kernel's maximum forward length under this CPU memory budget "
+        "(the workers' search and protocol, in this process; --search-heads/--search-dim)",
+    )
+    ap.add_argument("--search-heads", type=int, default=4)
+    ap.add_argument("--search-dim", type=int, default=32)
+    ap.add_argument("--granularity", type=int, default=512)
     return ap.parse_args()
 
 
@@ -279,13 +293,20 @@ def run_case(
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """Wall and CPU-time columns; x SDPA and t/dense compare with dense at the same length."""
+    """Wall and CPU-time columns; x SDPA and t/dense compare with dense at the same length;
+    peak/floor is the forward's, fb/dense the forward+backward peak over dense's."""
     head = (
         f"{'kernel':<13}{'seq':>6}{'fwd ms':>9}{'fb ms':>9}{'GFLOP/s':>8}{'xSDPA':>6}"
         f"{'fwd cpu ms':>11}{'cpu GFLOP/s':>12}{'xSDPA':>6}{'t/dense':>8}{'peak/floor':>11}"
+        f"{'fb/dense':>9}"
     )
     lines = [head, "-" * len(head)]
     dense_cpu = {r["seq"]: r["fwd_cpu_ms"]["median"] for r in rows if r["kernel"] == "dense"}
+
+    def train_peak(r: dict[str, Any]) -> int:
+        return int(r["inputs_bytes"] + r["fwd_bwd_peak_above_inputs_bytes"])
+
+    dense_fb = {r["seq"]: train_peak(r) for r in rows if r["kernel"] == "dense"}
     for r in rows:
         cpu_ms = r["fwd_cpu_ms"]["median"]
         name = r["kernel"]
@@ -297,7 +318,42 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['fwd_frac_of_sdpa']:>6.2f}{cpu_ms:>11.1f}"
             f"{r['fwd_flop_per_cpu_s'] / 1e9:>12.1f}{r['fwd_frac_of_sdpa_cpu']:>6.2f}"
             f"{cpu_ms / dense_cpu[r['seq']]:>8.3f}{r['fwd_peak_over_floor']:>11.2f}"
+            f"{train_peak(r) / dense_fb[r['seq']]:>9.2f}"
         )
+    return "\n".join(lines)
+
+
+def max_lengths(cases: list[tuple[str, dict[str, Any]]], args: argparse.Namespace) -> str:
+    """Each case's maximum forward length under --budget-mib on CPU: the workers' own search
+    (workers.search.run_search) over the workers' protocol (workers.protocol.run_case), as a
+    max_seq_len sweep would run it, one JSON line per case and a table."""
+    from workers.config import RunConfig
+    from workers.protocol import run_case as protocol_case
+    from workers.search import run_search
+
+    budget = int(args.budget_mib * 2**20)
+    lines = [f"max forward length, CPU budget {args.budget_mib:g} MiB, h={args.search_heads} "
+             f"d={args.search_dim} fp32, granularity {args.granularity}"]  # fmt: skip
+    for kernel, params in cases:
+        cfg = RunConfig.model_validate(
+            {
+                "kernel": kernel,
+                "params": params,
+                "seq_len": 4096,
+                "num_heads": args.search_heads,
+                "head_dim": args.search_dim,
+                "device": "cpu",
+                "memory_budget_bytes": budget,
+                "warmup": 0,
+                "iterations": 1,
+                "search": {"start": 4096, "max": 1 << 22, "granularity": args.granularity},
+            }
+        )
+        outcome = run_search(cfg, lambda at, first: [protocol_case(at)])
+        probes = [(p.seq_len, p.outcome) for p in outcome.probes]
+        row = {"kernel": kernel, "params": params, "max_seq_len": outcome.answer_seq_len}
+        print(json.dumps({**row, "budget_bytes": budget, "probes": probes}), flush=True)
+        lines.append(f"{kernel:<13}{json.dumps(params):<70}{outcome.answer_seq_len}")
     return "\n".join(lines)
 
 
@@ -335,6 +391,12 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print(table(rows))
+    if args.budget_mib is not None:
+        cases = []
+        for kernel in kernels:
+            given = overrides.get(kernel, DEFAULT_PARAMS.get(kernel, {}))
+            cases += [(kernel, p) for p in (given if isinstance(given, list) else [given])]
+        print(max_lengths(cases, args))
 
 
 if __name__ == "__main__":

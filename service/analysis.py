@@ -39,8 +39,8 @@ IGNORED_FOR_MATCHING = frozenset(
 """Fields that do not change what a run computes: a baseline matches whatever their values."""
 
 LABEL_FIELDS = (
-    "world_size", "parallel", "dtype", "mode", "causal", "batch_size", "num_heads", "head_dim",
-    "memory_budget_bytes",
+    "world_size", "parallel", "dtype", "mode", "causal", "batch_size", "num_heads",
+    "num_kv_heads", "head_dim", "memory_budget_bytes",
 )  # fmt: skip
 """Config fields a label shows when they vary within the sweep (after the kernel and params)."""
 
@@ -69,6 +69,7 @@ def _with(config: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
         model, training = out.get("model") or {}, out.get("training") or {}
         if model.get("n_heads") and model.get("d_model"):
             out["num_heads"] = model["n_heads"]
+            out["num_kv_heads"] = model.get("num_kv_heads")  # as RunConfig fills it in
             out["head_dim"] = model["d_model"] // model["n_heads"]
         if training.get("precision") in PRECISION_DTYPES:
             out["dtype"] = PRECISION_DTYPES[training["precision"]]

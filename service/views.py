@@ -65,12 +65,16 @@ def local_tokens(parallel: str, world_size: int, batch_size: int, seq_len: int) 
     return batch_size * max(seq_len // w, 1)
 
 
-def memory_floor(dtype: str, num_heads: int, head_dim: int, tokens: int) -> int | None:
-    """Forward floor for `tokens` on one rank: q, k, v, out (4*h*d*bytes) + fp32 lse (4*h)."""
+def memory_floor(
+    dtype: str, num_heads: int, head_dim: int, tokens: int, num_kv_heads: int | None = None
+) -> int | None:
+    """Forward floor for `tokens` on one rank: q and out (2*h*d*bytes), k and v with their own
+    heads (2*h_kv*d*bytes; h_kv = h without grouped-query attention) + fp32 lse (4*h)."""
     bpe = BYTES_PER_ELEMENT.get(dtype)
     if bpe is None:
         return None
-    return (4 * num_heads * head_dim * bpe + 4 * num_heads) * tokens
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    return (2 * (num_heads + kv) * head_dim * bpe + 4 * num_heads) * tokens
 
 
 def device_name(env: Environment | None) -> str | None:
@@ -169,6 +173,7 @@ class RunRow:
     world_size: int
     batch_size: int
     num_heads: int
+    num_kv_heads: int
     head_dim: int
     dtype: str
     causal: bool
@@ -286,6 +291,7 @@ def run_row(
         world_size=run.world_size,
         batch_size=int(cfg.get("batch_size", 1)),
         num_heads=int(cfg.get("num_heads", 8)),
+        num_kv_heads=int(cfg.get("num_kv_heads") or cfg.get("num_heads", 8)),
         head_dim=int(cfg.get("head_dim", 64)),
         dtype=run.dtype,
         causal=run.causal,
@@ -340,7 +346,9 @@ def run_row(
         _measured(row)
     tokens = local_tokens(row.parallel, row.world_size, row.batch_size, row.length)
     if cfg.get("workload") != "model":  # the kernel's floor is no floor of a training step
-        row.floor_bytes = memory_floor(row.dtype, row.num_heads, row.head_dim, tokens)
+        row.floor_bytes = memory_floor(
+            row.dtype, row.num_heads, row.head_dim, tokens, row.num_kv_heads
+        )
     if row.peak_memory_bytes is not None:
         row.memory_per_token_bytes = row.peak_memory_bytes / tokens
     row.outcome = _outcome(status, row.max_abs_error, row.check_seq_len)

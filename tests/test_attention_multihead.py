@@ -141,13 +141,20 @@ def test_shape_rules_come_from_the_inner_kernel_and_inputs_are_checked() -> None
 def test_shape_params_set_the_layer_from_the_run_and_refuse_contradictions() -> None:
     """embed_dim / num_heads come from the run's num_heads x head_dim; given ones must agree."""
     set_by_run = attention.shape_params("multihead", {"kernel": "dense"}, num_heads=2, head_dim=16)
-    assert set_by_run == {"kernel": "dense", "embed_dim": 32, "num_heads": 2}
-    agreeing = {"embed_dim": 32, "num_heads": 2}
+    assert set_by_run == {"kernel": "dense", "embed_dim": 32, "num_heads": 2, "num_kv_heads": 2}
+    agreeing = {"embed_dim": 32, "num_heads": 2, "num_kv_heads": 2}
     assert attention.shape_params("multihead", agreeing, num_heads=2, head_dim=16) == agreeing
+    grouped = attention.shape_params("multihead", {}, num_heads=4, head_dim=8, num_kv_heads=2)
+    assert grouped == {"embed_dim": 32, "num_heads": 4, "num_kv_heads": 2}
+    with pytest.raises(ValueError, match=r"^params\.num_kv_heads: 4 contradicts .* 2"):
+        attention.shape_params(
+            "multihead", {"num_kv_heads": 4}, num_heads=4, head_dim=8, num_kv_heads=2
+        )
     unset = {"embed_dim": None, "num_heads": None}  # what a sweep's normalized params hold
     assert attention.shape_params("multihead", unset, num_heads=4, head_dim=8) == {
         "embed_dim": 32,
         "num_heads": 4,
+        "num_kv_heads": 4,
     }
     with pytest.raises(
         ValueError,

@@ -46,6 +46,7 @@ def _row(run_id: int = 1, median: float | None = 1.0, spread: float = 0.05, **cf
         world_size=config["world_size"],
         batch_size=config["batch_size"],
         num_heads=8,
+        num_kv_heads=8,
         head_dim=64,
         dtype=config["dtype"],
         causal=False,

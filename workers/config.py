@@ -168,6 +168,12 @@ class RunConfig(BaseModel):
     seq_len: int = Field(ge=1, description="Total tokens per sequence (across all ranks).")
     batch_size: int = Field(1, ge=1)
     num_heads: int = Field(8, ge=1)
+    num_kv_heads: int | None = Field(
+        None,
+        ge=1,
+        description="Key/value heads (grouped-query attention; 1: multi-query); must divide "
+        "num_heads. None: num_heads. A model cell takes its model's num_kv_heads.",
+    )
     head_dim: int = Field(64, ge=1)
     dtype: Dtype = "float32"
     causal: bool = False
@@ -210,7 +216,12 @@ class RunConfig(BaseModel):
                 parsed = ModelConfig.model_validate(model)
             except ValueError:
                 return data  # the field's own errors are reported
-            data = {"num_heads": parsed.n_heads, "head_dim": parsed.head_dim, **data}
+            data = {
+                "num_heads": parsed.n_heads,
+                "num_kv_heads": parsed.num_kv_heads,
+                "head_dim": parsed.head_dim,
+                **data,
+            }
         training = data.get("training")
         if training is None:
             data = {**data, "training": {}}
@@ -242,6 +253,7 @@ class RunConfig(BaseModel):
         model, training = self.model, self.training
         for name, want in (
             ("num_heads", model.n_heads),
+            ("num_kv_heads", model.num_kv_heads),
             ("head_dim", model.head_dim),
             ("dtype", PRECISION_DTYPES[training.precision]),
             ("mode", "train"),
@@ -279,6 +291,11 @@ class RunConfig(BaseModel):
     def _kernel_fits(self) -> RunConfig:
         import attention
 
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_kv_heads: {self.kv_heads} key/value heads must divide num_heads "
+                f"({self.num_heads}): each kv head serves num_heads / num_kv_heads query heads"
+            )
         if self.parallel == "data":
             spec = attention.KERNELS.get(self.kernel)
             if spec is not None and spec.distributed:
@@ -297,7 +314,11 @@ class RunConfig(BaseModel):
         # A layer kernel's embed_dim / num_heads come from this cell's num_heads x head_dim;
         # params that contradict them are refused here (`params.embed_dim: ...`).
         params = attention.shape_params(
-            self.kernel, self.params, num_heads=self.num_heads, head_dim=self.head_dim
+            self.kernel,
+            self.params,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            num_kv_heads=self.kv_heads,
         )
         attention.validate(
             self.kernel,
@@ -308,6 +329,11 @@ class RunConfig(BaseModel):
             causal=self.causal,
         )
         return self
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: num_kv_heads, or num_heads when it is not set."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     @property
     def local_batch(self) -> int:

@@ -50,7 +50,11 @@ def kernel_params(config: RunConfig) -> dict[str, Any]:
     """The params the kernel is built and validated with: config.params, plus a layer kernel's
     embed_dim = num_heads x head_dim and num_heads from the config (attention.shape_params)."""
     return attention.shape_params(
-        config.kernel, config.params, num_heads=config.num_heads, head_dim=config.head_dim
+        config.kernel,
+        config.params,
+        num_heads=config.num_heads,
+        head_dim=config.head_dim,
+        num_kv_heads=config.kv_heads,
     )
 
 

@@ -56,7 +56,9 @@ def make_input(
     = heads x dim: a view of the same memory, so inputs and input bytes match the heads layout.
     """
     dtype = DTYPES[config.dtype]
-    h, d = config.num_heads, config.head_dim
+    grouped = which in ("k", "v") and not kernels.is_layer(config.kernel)  # a layer projects
+    h = config.kv_heads if grouped else config.num_heads
+    d = config.head_dim
     n_rows = len(range(config.batch_size)[rows])
     out = torch.empty(n_rows, positions.numel(), h, d, device=device, dtype=dtype)
     sorted_pos, order = positions.sort()
@@ -283,7 +285,9 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
     tokens = config.local_batch * positions.numel()
 
     elem = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
-    input_bytes = (4 if train else 3) * tokens * config.num_heads * config.head_dim * elem
+    kv = config.num_heads if kernels.is_layer(config.kernel) else config.kv_heads
+    heads = (2 if train else 1) * config.num_heads + 2 * kv  # q (and dout), k, v
+    input_bytes = tokens * heads * config.head_dim * elem
     if device.type == "cpu" and budget is not None and input_bytes > budget:
         # The inputs alone exceed the budget, so would the peak: do not allocate them.
         return CaseOutcome(

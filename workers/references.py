@@ -137,7 +137,7 @@ def _projected_reference(layer: MultiheadAttention) -> Reference:
     def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         b, s, e = q.shape
         split = [
-            F.linear(x, w, bias).view(b, s, heads, e // heads)
+            F.linear(x, w, bias).view(b, s, -1, e // heads)  # k, v: num_kv_heads
             for x, w, bias in zip((q, k, v), weights[:3], biases[:3], strict=True)
         ]
         out = inner(*split, causal).reshape(b, s, e)
@@ -149,13 +149,14 @@ def _projected_reference(layer: MultiheadAttention) -> Reference:
 def layer_reference(layer: nn.Module) -> Reference:
     """The float32 reference of a built layer kernel, on a copy of its weights taken now.
 
-    A dense inner kernel: torch.nn.MultiheadAttention; any other: explicit projections around
-    the inner kernel's own reference. The copy makes the reference independent of the module:
-    a weight changed after this call shows as an error.
+    A dense inner kernel without grouped-query heads: torch.nn.MultiheadAttention (which has
+    none); any other: explicit projections around the inner kernel's own reference. The copy
+    makes the reference independent of the module: a weight changed after this call shows as
+    an error.
     """
     if not isinstance(layer, MultiheadAttention):
         raise TypeError(f"layer_reference: expected a multihead layer, got {type(layer).__name__}")
-    if layer.params.kernel == "dense":
+    if layer.params.kernel == "dense" and layer.num_kv_heads == layer.num_heads:
         return _mha_reference(layer)
     return _projected_reference(layer)
 

@@ -26,6 +26,7 @@ from attention.block_sparse import BlockSparseAttention, BlockSparseParams, chec
 from attention.hilbert import hilbert_permutation
 from attention.layouts import check_layout, check_seq_len
 from attention.layouts import positions as layout_positions
+from attention.primitive import accumulator_dtype, empty_result
 from attention.registry import KernelSpec, register
 from attention.ring.comm import (
     RingComm,
@@ -176,9 +177,7 @@ def _exchange(comm: RingComm, sched: _Schedule, rank: int, t: int, send, recv) -
 
 def _forward(q, k, v, sched: _Schedule, group, scale: float):
     rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
-    bsz, n, heads, dim = q.shape
-    out = torch.zeros(bsz, n, heads, dim, dtype=torch.float32, device=q.device)
-    lse = torch.full((bsz, heads, n), float("-inf"), dtype=torch.float32, device=q.device)
+    out, lse = empty_result(q)
     if world == 1:
         step_forward(q, k, v, sched.plan(rank, 0), out, lse, scale, True)
         return out, lse
@@ -198,8 +197,8 @@ def _forward(q, k, v, sched: _Schedule, group, scale: float):
 
 def _backward(dout, q, k, v, out, lse, sched: _Schedule, group, scale: float):
     rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+    dq = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
+    dkv = torch.zeros((2, *k.shape), dtype=dq.dtype, device=k.device)
 
     def local_step() -> None:
         plan = sched.plan(rank, 0)

@@ -124,6 +124,26 @@ _DTYPE_CODES = {
 }
 
 
+@dataclasses.dataclass
+class Traffic:
+    """Bytes this process's ring communication posted since `reset()` (every RingComm and
+    `exchange`): what a step moves, for tests and benchmarks to read."""
+
+    sent: int = 0
+    received: int = 0
+
+    def reset(self) -> None:
+        self.sent = self.received = 0
+
+    def add(self, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
+        self.sent += 0 if send is None else send.numel() * send.element_size()
+        self.received += 0 if recv is None else recv.numel() * recv.element_size()
+
+
+traffic = Traffic()
+"""The process-wide tally (one rank per process)."""
+
+
 class RingComm:
     """Exchange with the ring neighbours: `start(send, recv)` posts send-to-next and
     receive-from-previous; `wait()` completes them. One exchange in flight per instance."""
@@ -150,6 +170,7 @@ class RingComm:
         """
         if self._reqs is not None:
             raise RuntimeError("RingComm.start: the previous exchange was not waited for")
+        traffic.add(send, recv)
         ops = []
         if send is not None:
             ops.append(dist.P2POp(dist.isend, send, self.peer(offset), self.group, self.tag))
@@ -179,6 +200,10 @@ def exchange(
     subgroup after how many groups each process made before, which differs between ranks that
     share different segments, and the rendezvous then never meets.
     """
+    for t in sends.values():
+        traffic.add(t, None)
+    for t in recvs.values():
+        traffic.add(None, t)
     ops = [
         dist.P2POp(dist.isend, t, dist.get_global_rank(group, j), group, tag)
         for j, t in sends.items()

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.primitive import block_backward, block_forward, merge_
+from attention.primitive import (
+    block_backward,
+    block_forward,
+    empty_result,
+    kv_head_pieces,
+    merge_,
+    zero_grads,
+)
 from attention.ring.comm import RingComm
 
 KV_TAG, DKV_TAG, V_TAG = 0, 1, 2
@@ -80,16 +87,19 @@ def step_forward(
     `head_group`: compute each block that many heads at a time (bounds its partial output)."""
     n, heads = q.shape[1], q.shape[2]
     g = head_group or heads
+    pieces = [
+        p for h0 in range(0, heads, g) for p in kv_head_pieces(h0, h0 + g, heads, kt.shape[2])
+    ]
     for blk in blocks:
-        for h0 in range(0, heads, g):
-            hs = slice(h0, h0 + g)
+        for a0, a1, c0, c1 in pieces:
+            hs = slice(a0, a1)
             mask = blk.mask
             if mask is not None and mask.dim() == 3:
                 mask = mask[hs]
             o_b, l_b = block_forward(
                 q[:, blk.q0 : blk.q1, hs],
-                kt[:, blk.k0 : blk.k1, hs],
-                vt[:, blk.k0 : blk.k1, hs],
+                kt[:, blk.k0 : blk.k1, c0:c1],
+                vt[:, blk.k0 : blk.k1, c0:c1],
                 scale=scale,
                 causal=blk.causal,
                 mask=mask,
@@ -314,14 +324,13 @@ def ring_forward(
     slices of k and v themselves (a copy when `fold` makes a piece of two runs, cut_pieces);
     blocks run a group of heads at a time (see PIECE_BYTES).
     """
-    bsz, n, heads, dim = q.shape
+    bsz, n, _, dim = q.shape
     world = 1 if comm is None else comm[0].world_size
     p = piece_size(n, q.device, parts=2 if fold else 1)
     g = _head_group(q, p)
     pieces = cut_pieces(n, p, fold)
-    out = torch.zeros(bsz, n, heads, dim, dtype=torch.float32, device=q.device)
-    lse = torch.full((bsz, heads, n), float("-inf"), dtype=torch.float32, device=q.device)
-    bufs, own = _buffers(world, pieces, (2, bsz, p, heads, dim), k)
+    out, lse = empty_result(q)
+    bufs, own = _buffers(world, pieces, (2, bsz, p, k.shape[2], dim), k)
     for piece in pieces:
         kt, vt = _gather(k, piece, own[0]), _gather(v, piece, own[1])
         for t in range(world):
@@ -356,16 +365,14 @@ def ring_backward(
     output and gradients a rank holds two K/V receive buffers (three with `fold`), two
     accumulators and one block's gradients.
     """
-    bsz, n, heads, dim = q.shape
+    bsz, n, _, dim = q.shape
     world = 1 if kv_comm is None else kv_comm[0].world_size
     p = piece_size(n, q.device, _row_bytes(k), parts=2 if fold else 1)
     pieces = cut_pieces(n, p, fold)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    shape = (2, bsz, p, heads, dim)  # one allocation for each pair of buffers
+    dq, dk, dv = zero_grads(q, k)
+    shape = (2, bsz, p, k.shape[2], dim)  # one allocation for each pair of buffers
     bufs, own = _buffers(world, pieces, shape, k)
-    acc = torch.empty((1 + (world > 1), *shape), dtype=torch.float32, device=k.device)
+    acc = torch.empty((1 + (world > 1), *shape), dtype=dq.dtype, device=k.device)
     held = 0  # acc[held]: the accumulator of the piece held now
     home: Piece | None = None  # my piece whose sum is on its last hop, into acc[1 - held]
 

@@ -29,6 +29,7 @@ CSV_COLUMNS = (
     "world_size",
     "batch_size",
     "num_heads",
+    "num_kv_heads",
     "head_dim",
     "dtype",
     "causal",

@@ -201,6 +201,7 @@ class ResultRow(BaseModel):
     world_size: int
     batch_size: int
     num_heads: int
+    num_kv_heads: int = Field(description="Key/value heads (num_heads without grouped-query).")
     head_dim: int
     dtype: str
     causal: bool

@@ -166,18 +166,18 @@ def floor_lines(rows: Sequence[Row]) -> dict[str, list[tuple[int, int]]]:
     for r in rows:
         if r.get("workload") == "model":
             continue  # q, k, v, out and lse are no floor of a whole model's training step
-        key = (r["num_heads"], r["head_dim"], r["dtype"], r["world_size"], r["parallel"])
-        keyed[(*key, r["batch_size"])].add(r["length"])
+        key = (r["num_heads"], r["num_kv_heads"], r["head_dim"], r["dtype"], r["world_size"])
+        keyed[(*key, r["parallel"], r["batch_size"])].add(r["length"])
     lines: dict[str, list[tuple[int, int]]] = {}
-    for (h, d, dtype, w, parallel, batch), lengths in sorted(keyed.items()):
-        name = f"floor h={h} d={d} {dtype} W={w}"
+    for (h, kv, d, dtype, w, parallel, batch), lengths in sorted(keyed.items()):
+        name = f"floor h={h}{f' kv={kv}' if kv != h else ''} d={d} {dtype} W={w}"
         if parallel == "data":
             name += " data"
         if batch != 1:
             name += f" b={batch}"
         points = []
         for s in sorted(lengths):
-            floor = memory_floor(dtype, h, d, local_tokens(parallel, w, batch, s))
+            floor = memory_floor(dtype, h, d, local_tokens(parallel, w, batch, s), kv)
             if floor is not None:
                 points.append((s, floor))
         if points:
