@@ -21,6 +21,7 @@ so no padding exists to be attended. k and v may have fewer heads than q (groupe
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -51,8 +52,11 @@ _SIZE_FIELD["random"] = "num_random"
 _OPTIONAL_FIELDS = ("window", "dilation", "num_global", "num_random", "seed")
 MAX_VIEW_RUNS = 2
 """A query block whose kept key blocks form more contiguous runs than this gathers them."""
-CHUNK_TOKENS = 16384
+CHUNK_TOKENS = 2048
 """Bound on query tokens (forward) or per-row key tokens (backward) of one primitive call."""
+CALL_ROW_HEADS = 4096
+"""Bound on key rows x heads of one backward call (heads split when a row has many keys):
+its dk and dv are temporaries of that size."""
 
 
 def _check_int(field: str, value: object, minimum: int) -> None:
@@ -374,57 +378,61 @@ def block_sparse_backward(
     bs, scale = params.block_size, dim**-0.5
     n = seq_len // bs  # whole blocks (a short last block is only met by gather calls)
     dq, dk, dv = zero_grads(q, k)
+    heads = q.shape[2]
     for call in _plan(params, seq_len, causal):
         mask = _call_mask(call, bs, seq_len)
         rows_per_call = max(1, CHUNK_TOKENS // (bs * call.key_blocks))
+        max_heads = max(1, CALL_ROW_HEADS // (bs * call.key_blocks))  # bounds dk_b, dv_b
+        pieces = primitive.kv_head_pieces(0, heads, heads, kv_heads, max_heads)
         if call.kind == "rel":
             for b in range(bsz):
                 dk_blocks = dk[b, : n * bs].view(n, bs, kv_heads, dim)
                 dv_blocks = dv[b, : n * bs].view(n, bs, kv_heads, dim)
-                for r0, r1 in _chunks(call, rows_per_call):
+                for (r0, r1), (a0, a1, c0, c1) in itertools.product(
+                    _chunks(call, rows_per_call), pieces
+                ):
+                    hq, hk = slice(a0, a1), slice(c0, c1)
                     q_rows, lse_rows = _row_views(q, lse, b, r0, r1, bs)
                     dq_b, dk_b, dv_b = block_backward(
-                        _row_views(dout, lse, b, r0, r1, bs)[0],
-                        q_rows,
-                        _rel_keys(k, b, r0, r1, call, bs),
-                        _rel_keys(v, b, r0, r1, call, bs),
-                        _row_views(out, lse, b, r0, r1, bs)[0],
-                        lse_rows,
+                        _row_views(dout, lse, b, r0, r1, bs)[0][:, :, hq],
+                        q_rows[:, :, hq],
+                        _rel_keys(k, b, r0, r1, call, bs)[:, :, hk],
+                        _rel_keys(v, b, r0, r1, call, bs)[:, :, hk],
+                        _row_views(out, lse, b, r0, r1, bs)[0][:, :, hq],
+                        lse_rows[:, hq],
                         scale=scale,
                         mask=mask,
                     )
-                    _row_views(dq, lse, b, r0, r1, bs)[0].add_(dq_b)
-                    dk_b = dk_b.reshape(r1 - r0, call.key_blocks, bs, kv_heads, dim)
-                    dv_b = dv_b.reshape(r1 - r0, call.key_blocks, bs, kv_heads, dim)
-                    for t in range(call.key_blocks):
-                        j0 = r0 + call.a + t
-                        dk_blocks[j0 : j0 + r1 - r0].add_(dk_b[:, t])
-                        dv_blocks[j0 : j0 + r1 - r0].add_(dv_b[:, t])
+                    _row_views(dq, lse, b, r0, r1, bs)[0][:, :, hq].add_(dq_b)
+                    for t in range(call.key_blocks):  # slices, not a reshape: dk_b is strided
+                        j0, keys = r0 + call.a + t, slice(t * bs, (t + 1) * bs)
+                        dk_blocks[j0 : j0 + r1 - r0, :, hk].add_(dk_b[:, keys])
+                        dv_blocks[j0 : j0 + r1 - r0, :, hk].add_(dv_b[:, keys])
             continue
         if call.kind == "abs":
             keys, vals = (x[:, call.a * bs : call.b * bs] for x in (k, v))
         else:
             keys, vals = (_gather(x, call.blocks, bs) for x in (k, v))
-        for r0, r1 in _chunks(call, rows_per_call):
-            rows = slice(r0 * bs, min(r1 * bs, seq_len))
+        for (r0, r1), (a0, a1, c0, c1) in itertools.product(_chunks(call, rows_per_call), pieces):
+            rows, hq, hk = slice(r0 * bs, min(r1 * bs, seq_len)), slice(a0, a1), slice(c0, c1)
             dq_b, dk_b, dv_b = block_backward(
-                dout[:, rows],
-                q[:, rows],
-                keys,
-                vals,
-                out[:, rows],
-                lse[:, :, rows],
+                dout[:, rows, hq],
+                q[:, rows, hq],
+                keys[:, :, hk],
+                vals[:, :, hk],
+                out[:, rows, hq],
+                lse[:, hq, rows],
                 scale=scale,
                 mask=mask,
             )
-            dq[:, rows].add_(dq_b)
+            dq[:, rows, hq].add_(dq_b)
             if call.kind == "abs":
-                dk[:, call.a * bs : call.b * bs].add_(dk_b)
-                dv[:, call.a * bs : call.b * bs].add_(dv_b)
+                dk[:, call.a * bs : call.b * bs, hk].add_(dk_b)
+                dv[:, call.a * bs : call.b * bs, hk].add_(dv_b)
             else:
                 idx = _token_index(call.blocks, bs, seq_len).to(q.device)
-                dk.index_add_(1, idx, dk_b)
-                dv.index_add_(1, idx, dv_b)
+                dk[:, :, hk].index_add_(1, idx, dk_b)
+                dv[:, :, hk].index_add_(1, idx, dv_b)
     return dq, dk, dv
 
 

@@ -46,8 +46,11 @@ from attention.primitive import block_backward, block_forward, empty_result, mer
 from attention.registry import KernelSpec, register
 from attention.segments import Rows, branch_pairs, branch_rows
 
-CHUNK_TOKENS = 16384
+CHUNK_TOKENS = 2048
 """Tokens of one batch row per primitive call (whole segments, at least one)."""
+CALL_ROW_HEADS = 4096
+"""Bound on rows x heads of one primitive call (heads split further when a segment's rows are
+many): its block output, and in the backward its dq, dk, dv, are temporaries of that size."""
 
 
 def _int_tuple(field: str, value: Any) -> tuple[int, ...]:
@@ -108,8 +111,10 @@ def calls(
     rows: Rows, batch: int, num_heads: int, num_kv_heads: int
 ) -> list[tuple[int, Rows, Rows]]:
     """(batch row, query rows, kv rows) of each primitive call for `rows`: one per batch row and
-    GQA piece of its heads (query heads reading one kv head run together)."""
-    pieces = primitive.kv_head_pieces(rows.h0, rows.h1, num_heads, num_kv_heads)
+    GQA piece of its heads (query heads reading one kv head run together), at most
+    CALL_ROW_HEADS rows x heads a call."""
+    max_heads = max(1, CALL_ROW_HEADS // (rows.count * rows.m))
+    pieces = primitive.kv_head_pieces(rows.h0, rows.h1, num_heads, num_kv_heads, max_heads)
     return [
         (b, dataclasses.replace(rows, h0=a0, h1=a1), dataclasses.replace(rows, h0=k0, h1=k1))
         for b in range(batch)

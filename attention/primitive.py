@@ -74,11 +74,20 @@ def zero_grads(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
     )
 
 
-def kv_head_pieces(h0: int, h1: int, num_heads: int, num_kv_heads: int) -> list[tuple[int, ...]]:
+def kv_head_pieces(
+    h0: int, h1: int, num_heads: int, num_kv_heads: int, max_heads: int | None = None
+) -> list[tuple[int, ...]]:
     """Query heads [h0, h1) cut into pieces (a0, a1, k0, k1) served by kv heads [k0, k1), so that
     a primitive call on q heads [a0, a1) and kv heads [k0, k1) maps each query head to its own kv
-    head (GQA: head h reads kv head h // (num_heads / num_kv_heads)). One piece without GQA."""
+    head (GQA: head h reads kv head h // (num_heads / num_kv_heads)). One piece without GQA.
+    `max_heads`: no piece holds more query heads (bounds a call's temporaries)."""
     group = num_heads // num_kv_heads
+    if max_heads is not None:
+        return [
+            cut
+            for piece in kv_head_pieces(h0, h1, num_heads, num_kv_heads)
+            for cut in _cut_piece(*piece, group=group, max_heads=max(1, max_heads))
+        ]
     pieces: list[tuple[int, ...]] = []
     h = h0
     while h < h1:
@@ -92,6 +101,24 @@ def kv_head_pieces(h0: int, h1: int, num_heads: int, num_kv_heads: int) -> list[
             pieces.append((h, end, kv, kv + 1))
             h = end
     return pieces
+
+
+def _cut_piece(
+    a0: int, a1: int, k0: int, k1: int, *, group: int, max_heads: int
+) -> list[tuple[int, ...]]:
+    """A piece of kv_head_pieces cut to at most max_heads query heads (whole kv groups while a
+    group fits, else heads of one kv head)."""
+    if k1 - k0 > 1 and max_heads >= group:
+        per = max_heads // group  # kv heads per cut
+        return [
+            (a0 + (c - k0) * group, a0 + (min(k1, c + per) - k0) * group, c, min(k1, c + per))
+            for c in range(k0, k1, per)
+        ]
+    cuts = []
+    for c in range(k0, k1):  # within one kv head at a time
+        lo, hi = max(a0, c * group), min(a1, (c + 1) * group)
+        cuts += [(h, min(hi, h + max_heads), c, c + 1) for h in range(lo, hi, max_heads)]
+    return cuts
 
 
 def _combined_mask(

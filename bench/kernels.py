@@ -81,11 +81,20 @@ def parse() -> argparse.Namespace:
 
 
 class PeakMemory:
-    """Peak bytes of one device since `reset()`: VmHWM on Linux CPU, the CUDA allocator's peak."""
+    """Peak bytes of one device since `reset()`: VmHWM on Linux CPU, the CUDA allocator's peak.
+
+    On CPU glibc's heap is set to follow the tensors as the workers' meter does
+    (workers.memory.heap_follows_tensors): otherwise freed transients below glibc's growing
+    mmap threshold stay resident and the peak counts heap fragmentation, for every kernel
+    differently."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._libc = ctypes.CDLL("libc.so.6") if device.type == "cpu" else None
+        if device.type == "cpu":
+            from workers.memory import heap_follows_tensors
+
+            heap_follows_tensors()
 
     @staticmethod
     def _status_bytes(field: str) -> int:

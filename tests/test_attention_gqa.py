@@ -65,6 +65,17 @@ def test_dense_matches_sdpa_enable_gqa(kv_heads, causal) -> None:
     _check(attention.build("dense"), _sdpa(None), kv_heads, causal)
 
 
+@pytest.fixture(params=["whole", "split"])
+def head_calls(request, monkeypatch) -> None:
+    """Calls on all heads at once, or cut to one or two query heads a call (as long rows are)."""
+    if request.param == "split":
+        from attention import block_sparse, dilated
+
+        monkeypatch.setattr(dilated, "CALL_ROW_HEADS", 2 * SEQ)
+        monkeypatch.setattr(block_sparse, "CALL_ROW_HEADS", 1)
+
+
+@pytest.mark.usefixtures("head_calls")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kv_heads", KV_HEADS)
 @pytest.mark.parametrize(
@@ -81,6 +92,7 @@ def test_block_sparse_matches_sdpa_enable_gqa(params, kv_heads, causal) -> None:
     _check(module, _sdpa(keep), kv_heads, causal)
 
 
+@pytest.mark.usefixtures("head_calls")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kv_heads", KV_HEADS)
 def test_dilated_matches_the_masked_reference(kv_heads, causal) -> None:
@@ -95,6 +107,22 @@ def test_dilated_matches_the_masked_reference(kv_heads, causal) -> None:
         kv_heads,
         causal,
     )
+
+
+def test_kv_head_pieces_map_each_query_head_to_its_kv_head() -> None:
+    from attention.primitive import kv_head_pieces
+
+    for kv in (1, 2, 3, 6):
+        for h0, h1 in [(0, 6), (1, 5), (2, 4), (3, 6)]:
+            for cap in (None, 1, 2, 3, 4, 6):
+                pieces = kv_head_pieces(h0, h1, 6, kv, cap)
+                heads = [h for a0, a1, _, _ in pieces for h in range(a0, a1)]
+                assert heads == list(range(h0, h1)), (kv, h0, h1, cap, pieces)
+                for a0, a1, c0, c1 in pieces:
+                    assert (a1 - a0) % (c1 - c0) == 0
+                    per = (a1 - a0) // (c1 - c0)  # the primitive's mapping inside the call
+                    assert all((a0 + i) // (6 // kv) == c0 + i // per for i in range(a1 - a0))
+                    assert cap is None or a1 - a0 <= max(cap, 6 // kv if c1 - c0 > 1 else cap)
 
 
 @pytest.mark.parametrize("kv_heads", [2])
