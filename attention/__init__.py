@@ -2,11 +2,36 @@
 
 Imports only torch and the standard library. `build(name, **params)` makes a kernel,
 `KERNELS` lists them with their parameter schemas, `validate(...)` checks a shape fits one,
-`shape_params(...)` sets a layer kernel's embed_dim / num_heads from a run's shape.
+`shape_params(...)` sets a layer kernel's embed_dim / num_heads from a run's shape; the kernel
+family's facts (a ring kernel's twin, `check_parallel`) live in the registry.
 """
 
 # importing a kernel module registers it
 from attention import block_sparse, dense, dilated, multihead, ring  # noqa: F401
-from attention.registry import KERNELS, KernelSpec, build, make_params, shape_params, validate
+from attention.errors import ParamError
+from attention.registry import (
+    KERNELS,
+    RING_PARAMS,
+    KernelSpec,
+    build,
+    check_parallel,
+    make_params,
+    shape_params,
+    twin_of,
+    twin_params,
+    validate,
+)
 
-__all__ = ["KERNELS", "KernelSpec", "build", "make_params", "shape_params", "validate"]
+__all__ = [
+    "KERNELS",
+    "RING_PARAMS",
+    "KernelSpec",
+    "ParamError",
+    "build",
+    "check_parallel",
+    "make_params",
+    "shape_params",
+    "twin_of",
+    "twin_params",
+    "validate",
+]

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from attention.errors import ParamError
+
 BACKWARD_FLOP_FACTOR = 2.5
 """Backward FLOPs per forward FLOP (FlashAttention convention: fwd+bwd = 3.5x forward)."""
 
@@ -39,8 +41,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     if q.shape[2] % k.shape[2]:
-        raise ValueError(
-            f"num_kv_heads: {k.shape[2]} key/value heads must divide the {q.shape[2]} query heads"
+        raise ParamError(
+            "num_kv_heads", f"{k.shape[2]} key/value heads must divide the {q.shape[2]} query heads"
         )
     if q.dtype != k.dtype or k.dtype != v.dtype:
         raise ValueError(f"q, k, v: dtypes must match, got {q.dtype}, {k.dtype}, {v.dtype}")

@@ -20,6 +20,7 @@ so no padding exists to be attended. k and v may have fewer heads than q (groupe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -30,6 +31,7 @@ import torch
 from attention import primitive
 from attention.autograd import merged_attention
 from attention.base import Kernel, KernelMemory, attention_flops, check_qkv, merged_memory
+from attention.errors import ParamError
 from attention.hilbert import check_hilbert_length, check_ordering, in_order
 from attention.primitive import (
     accumulator_dtype,
@@ -54,14 +56,14 @@ MAX_VIEW_RUNS = 2
 """A query block whose kept key blocks form more contiguous runs than this gathers them."""
 CHUNK_TOKENS = 2048
 """Bound on query tokens (forward) or per-row key tokens (backward) of one primitive call."""
-CALL_ROW_HEADS = 4096
+CALL_ROW_HEADS = 8192
 """Bound on key rows x heads of one backward call (heads split when a row has many keys):
 its dk and dv are temporaries of that size."""
 
 
 def _check_int(field: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"params.{field}: expected an integer >= {minimum}, got {value!r}")
+        raise ParamError(f"params.{field}", f"expected an integer >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,8 @@ class BlockSparseParams:
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
         if self.pattern not in PATTERNS:
-            raise ValueError(
-                f"params.pattern: must be one of {', '.join(PATTERNS)}, got {self.pattern!r}"
+            raise ParamError(
+                "params.pattern", f"must be one of {', '.join(PATTERNS)}, got {self.pattern!r}"
             )
         used = _PATTERN_FIELDS[self.pattern]
         for field in _OPTIONAL_FIELDS:
@@ -93,25 +95,27 @@ class BlockSparseParams:
             if value is None:
                 continue
             if field not in used:
-                raise ValueError(
-                    f"params.{field}: not used by pattern {self.pattern!r} (it uses "
-                    f"{', '.join(used)} and sparsity_ratio)"
+                raise ParamError(
+                    f"params.{field}",
+                    f"not used by pattern {self.pattern!r} (it uses "
+                    f"{', '.join(used)} and sparsity_ratio)",
                 )
             _check_int(field, value, 1 if field == "dilation" else 0)
         size = _SIZE_FIELD[self.pattern]
         if self.sparsity_ratio is not None:
             ratio = self.sparsity_ratio
             if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
-                raise ValueError(f"params.sparsity_ratio: must be in (0, 1], got {ratio!r}")
+                raise ParamError("params.sparsity_ratio", f"must be in (0, 1], got {ratio!r}")
             if getattr(self, size) is not None:
-                raise ValueError(
-                    f"params.{size}: conflicts with params.sparsity_ratio; pattern "
-                    f"{self.pattern!r} takes one of them"
+                raise ParamError(
+                    f"params.{size}",
+                    f"conflicts with params.sparsity_ratio; pattern "
+                    f"{self.pattern!r} takes one of them",
                 )
         elif getattr(self, size) is None:
-            raise ValueError(
-                f"params.sparsity_ratio: give sparsity_ratio or params.{size} for pattern "
-                f"{self.pattern!r}"
+            raise ParamError(
+                "params.sparsity_ratio",
+                f"give sparsity_ratio or params.{size} for pattern {self.pattern!r}",
             )
         check_ordering(self.ordering)
 
@@ -165,10 +169,11 @@ def _cached_block_mask(params: BlockSparseParams, seq_len: int) -> torch.Tensor:
     mask = _pattern_mask(params, n, _size_for_ratio(params, n, params.sparsity_ratio))
     got = mask.float().mean().item()
     if abs(got - params.sparsity_ratio) > 1 / n + 1e-9:
-        raise ValueError(
-            f"params.sparsity_ratio: pattern {params.pattern!r} cannot reach density "
+        raise ParamError(
+            "params.sparsity_ratio",
+            f"pattern {params.pattern!r} cannot reach density "
             f"{params.sparsity_ratio} within one block per row at seq_len {seq_len} "
-            f"({n} blocks); nearest is {got:.4f}"
+            f"({n} blocks); nearest is {got:.4f}",
         )
     return mask
 
@@ -358,6 +363,28 @@ def block_sparse_forward(
     return out, lse
 
 
+def _key_parts(call: _Call, bs: int) -> list[_Call]:
+    """`call` cut into calls of at most CHUNK_TOKENS keys (at least one block) for the backward,
+    whose per-call dk, dv would otherwise grow with the keys a row keeps (O(S) for a window
+    that is a fraction of the sequence). Gradients of key subsets simply add up; the causal
+    diagonal stays the last block of the last part."""
+    most = max(1, CHUNK_TOKENS // bs)
+    if call.key_blocks <= most:
+        return [call]
+    if call.kind == "gather":
+        cuts = [call.blocks[i : i + most] for i in range(0, len(call.blocks), most)]
+        return [
+            dataclasses.replace(call, blocks=cut, masked=call.masked and cut is cuts[-1])
+            for cut in cuts
+        ]
+    return [
+        dataclasses.replace(
+            call, a=a0, b=min(call.b, a0 + most), masked=call.masked and a0 + most >= call.b
+        )
+        for a0 in range(call.a, call.b, most)
+    ]
+
+
 def block_sparse_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -379,7 +406,8 @@ def block_sparse_backward(
     n = seq_len // bs  # whole blocks (a short last block is only met by gather calls)
     dq, dk, dv = zero_grads(q, k)
     heads = q.shape[2]
-    for call in _plan(params, seq_len, causal):
+    calls = [part for c in _plan(params, seq_len, causal) for part in _key_parts(c, bs)]
+    for call in calls:
         mask = _call_mask(call, bs, seq_len)
         rows_per_call = max(1, CHUNK_TOKENS // (bs * call.key_blocks))
         max_heads = max(1, CALL_ROW_HEADS // (bs * call.key_blocks))  # bounds dk_b, dv_b

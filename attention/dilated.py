@@ -41,6 +41,7 @@ import torch
 from attention import primitive
 from attention.autograd import merged_attention
 from attention.base import Kernel, KernelMemory, attention_flops, check_qkv, merged_memory
+from attention.errors import ParamError
 from attention.hilbert import check_hilbert_length, check_ordering, in_order
 from attention.primitive import block_backward, block_forward, empty_result, merge_, zero_grads
 from attention.registry import KernelSpec, register
@@ -55,11 +56,11 @@ many): its block output, and in the backward its dq, dk, dv, are temporaries of 
 
 def _int_tuple(field: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, int | str) or not hasattr(value, "__iter__"):
-        raise ValueError(f"params.{field}: expected a list of positive integers, got {value!r}")
+        raise ParamError(f"params.{field}", f"expected a list of positive integers, got {value!r}")
     items = tuple(value)
     for x in items:
         if isinstance(x, bool) or not isinstance(x, int) or x < 1:
-            raise ValueError(f"params.{field}: expected positive integers, got {list(items)}")
+            raise ParamError(f"params.{field}", f"expected positive integers, got {list(items)}")
     return items
 
 
@@ -78,11 +79,12 @@ class DilatedParams:
         object.__setattr__(self, "segment_lengths", w)
         object.__setattr__(self, "dilation_rates", r)
         if not w:
-            raise ValueError("params.segment_lengths: must not be empty")
+            raise ParamError("params.segment_lengths", "must not be empty")
         if len(w) != len(r):
-            raise ValueError(
-                f"params.dilation_rates: must have one rate per segment length, got {len(r)} "
-                f"rates for {len(w)} segment lengths"
+            raise ParamError(
+                "params.dilation_rates",
+                f"must have one rate per segment length, got {len(r)} "
+                f"rates for {len(w)} segment lengths",
             )
         check_ordering(self.ordering)
 

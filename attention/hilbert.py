@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from attention.errors import ParamError
+
 ORDERINGS = ("natural", "hilbert")
 
 
@@ -23,9 +25,9 @@ def is_power_of_four(n: int) -> bool:
 def check_hilbert_length(seq_len: int) -> None:
     """Raise ValueError unless `seq_len` is a power of 4, the rule for `ordering="hilbert"`."""
     if not is_power_of_four(seq_len):
-        raise ValueError(
-            f"seq_len: {seq_len} must be a power of 4 (a 2^k x 2^k token grid) for ordering "
-            "'hilbert'"
+        raise ParamError(
+            "seq_len",
+            f"{seq_len} must be a power of 4 (a 2^k x 2^k token grid) for ordering 'hilbert'",
         )
 
 
@@ -79,7 +81,7 @@ def check_ordering(ordering: str) -> None:
     """Raise ValueError unless `ordering` is one of ORDERINGS."""
     if ordering not in ORDERINGS:
         valid = ", ".join(ORDERINGS)
-        raise ValueError(f"params.ordering: must be one of {valid}, got {ordering!r}")
+        raise ParamError("params.ordering", f"must be one of {valid}, got {ordering!r}")
 
 
 def in_order(

@@ -11,24 +11,26 @@ from collections.abc import Sequence
 
 import torch
 
+from attention.errors import ParamError
+
 LAYOUTS = ("contiguous", "zigzag", "striped")
 
 
 def check_layout(layout: str) -> None:
     """Raise ValueError unless `layout` is one of LAYOUTS."""
     if layout not in LAYOUTS:
-        raise ValueError(f"params.layout: must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        raise ParamError("params.layout", f"must be one of {', '.join(LAYOUTS)}, got {layout!r}")
 
 
 def check_seq_len(seq_len: int, layout: str, world_size: int) -> None:
     """Raise ValueError unless `seq_len` tokens split evenly over `world_size` ranks."""
     check_layout(layout)
     if world_size < 1:
-        raise ValueError(f"world_size: must be >= 1, got {world_size}")
+        raise ParamError("world_size", f"must be >= 1, got {world_size}")
     parts = 2 * world_size if layout == "zigzag" else world_size
     if seq_len % parts:
         what = f"2 x world_size = {parts}" if layout == "zigzag" else f"world_size {world_size}"
-        raise ValueError(f"seq_len: {seq_len} must divide by {what} for layout {layout!r}")
+        raise ParamError("seq_len", f"{seq_len} must divide by {what} for layout {layout!r}")
 
 
 def positions(seq_len: int, layout: str, rank: int, world_size: int) -> torch.Tensor:

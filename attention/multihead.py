@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from attention.base import Kernel
+from attention.errors import ParamError
 from attention.registry import KERNELS, KernelSpec, make_params, register
 
 LINEAR_BACKWARD_FACTOR = 2
@@ -46,41 +47,42 @@ class MultiheadParams:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"params.{name}: expected a positive integer, got {value!r}")
+                raise ParamError(f"params.{name}", f"expected a positive integer, got {value!r}")
         if (
             self.embed_dim is not None
             and self.num_heads is not None
             and (self.embed_dim % self.num_heads)
         ):
-            raise ValueError(
-                f"params.embed_dim: {self.embed_dim} must divide by params.num_heads "
-                f"{self.num_heads}"
+            raise ParamError(
+                "params.embed_dim",
+                f"{self.embed_dim} must divide by params.num_heads {self.num_heads}",
             )
         if (
             self.num_heads is not None
             and self.num_kv_heads is not None
             and self.num_heads % self.num_kv_heads
         ):
-            raise ValueError(
-                f"params.num_kv_heads: {self.num_kv_heads} must divide params.num_heads "
-                f"{self.num_heads}"
+            raise ParamError(
+                "params.num_kv_heads",
+                f"{self.num_kv_heads} must divide params.num_heads {self.num_heads}",
             )
         if not isinstance(self.bias, bool):
-            raise ValueError(f"params.bias: expected true or false, got {self.bias!r}")
+            raise ParamError("params.bias", f"expected true or false, got {self.bias!r}")
         if self.kernel == "multihead" or self.kernel not in KERNELS:
             valid = sorted(k for k, s in KERNELS.items() if k != "multihead" and not s.distributed)
-            raise ValueError(
-                f"params.kernel: unknown or unsupported kernel {self.kernel!r}; valid: "
-                f"{', '.join(valid)}"
+            raise ParamError(
+                "params.kernel",
+                f"unknown or unsupported kernel {self.kernel!r}; valid: {', '.join(valid)}",
             )
         if KERNELS[self.kernel].distributed:
-            raise ValueError(
-                f"params.kernel: {self.kernel!r} runs across ranks; multihead wraps "
-                "single-process kernels"
+            raise ParamError(
+                "params.kernel",
+                f"{self.kernel!r} runs across ranks; multihead wraps single-process kernels",
             )
         if not isinstance(self.kernel_params, dict):
-            raise ValueError(
-                f"params.kernel_params: expected a mapping, got {type(self.kernel_params).__name__}"
+            raise ParamError(
+                "params.kernel_params",
+                f"expected a mapping, got {type(self.kernel_params).__name__}",
             )
         self.inner_params()
 
@@ -100,9 +102,10 @@ def _require_shape(params: MultiheadParams) -> tuple[int, int]:
     embed_dim, num_heads = params.embed_dim, params.num_heads
     if embed_dim is None or num_heads is None:
         name = "embed_dim" if embed_dim is None else "num_heads"
-        raise ValueError(
-            f"params.{name}: not set; give it, or let a run set it from its num_heads x "
-            "head_dim (attention.shape_params)"
+        raise ParamError(
+            f"params.{name}",
+            "not set; give it, or let a run set it from its num_heads x "
+            "head_dim (attention.shape_params)",
         )
     return embed_dim, num_heads
 
@@ -118,9 +121,10 @@ def check_multihead(
     """The inner kernel's shape rules, with the layer's head count, which must be the run's."""
     heads = _require_shape(params)[1]
     if heads != num_heads:
-        raise ValueError(
-            f"num_heads: the layer has params.num_heads {heads}, the run {num_heads}; "
-            "attention.shape_params sets the layer's from the run's"
+        raise ParamError(
+            "num_heads",
+            f"the layer has params.num_heads {heads}, the run {num_heads}; "
+            "attention.shape_params sets the layer's from the run's",
         )
     spec = KERNELS[params.kernel]
     if spec.check is not None:

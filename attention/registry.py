@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from torch import nn
 
+from attention.errors import ParamError
+
 
 @dataclass(frozen=True)
 class KernelSpec:
@@ -25,6 +27,10 @@ class KernelSpec:
     `input_layout` "bshd": the module takes (batch, seq, heads, head_dim) tensors; "bse": a layer
     taking (batch, seq, embed_dim) tensors, whose params have `embed_dim` and `num_heads` fields
     that a run sets from its own num_heads x head_dim (`shape_params`).
+
+    `twin`: a distributed kernel's single-process twin (the same attention on one rank: its
+    correctness reference and its one-rank baseline), whose params are this kernel's without
+    RING_PARAMS.
     """
 
     name: str
@@ -34,6 +40,11 @@ class KernelSpec:
     distributed: bool = False
     check: Callable[..., None] | None = None
     input_layout: Literal["bshd", "bse"] = "bshd"
+    twin: str | None = None
+
+
+RING_PARAMS = ("layout", "group")
+"""The parameters every ring kernel adds to its twin's: the shard layout and process group."""
 
 
 KERNELS: dict[str, KernelSpec] = {}
@@ -51,7 +62,7 @@ def register(spec: KernelSpec) -> KernelSpec:
 
 def _spec(name: str) -> KernelSpec:
     if name not in KERNELS:
-        raise ValueError(f"kernel: unknown kernel {name!r}; valid: {', '.join(sorted(KERNELS))}")
+        raise ParamError("kernel", f"unknown kernel {name!r}; valid: {', '.join(sorted(KERNELS))}")
     return KERNELS[name]
 
 
@@ -64,14 +75,14 @@ def make_params(name: str, params: dict[str, Any]) -> Any:
     fields = {f.name for f in dataclasses.fields(spec.params) if f.init}
     unknown = sorted(set(params) - fields)
     if unknown:
-        raise ValueError(
-            f"params.{unknown[0]}: unknown parameter of kernel {name!r}; "
-            f"valid: {', '.join(sorted(fields)) or '(none)'}"
+        raise ParamError(
+            f"params.{unknown[0]}",
+            f"unknown parameter of kernel {name!r}; valid: {', '.join(sorted(fields)) or '(none)'}",
         )
     try:
         return spec.params(**params)
     except TypeError as exc:  # a missing required field
-        raise ValueError(f"params: {exc}") from exc
+        raise ParamError("params", f"{exc}") from exc
 
 
 def shape_params(
@@ -96,23 +107,56 @@ def shape_params(
     embed_dim = num_heads * head_dim
     given_dim, given_heads = params.get("embed_dim"), params.get("num_heads")
     if given_dim is not None and given_dim != embed_dim:
-        raise ValueError(
-            f"params.embed_dim: {given_dim} contradicts the run's num_heads x head_dim = "
-            f"{num_heads} x {head_dim} = {embed_dim}; leave it unset, the run sets it"
+        raise ParamError(
+            "params.embed_dim",
+            f"{given_dim} contradicts the run's num_heads x head_dim = "
+            f"{num_heads} x {head_dim} = {embed_dim}; leave it unset, the run sets it",
         )
     if given_heads is not None and given_heads != num_heads:
-        raise ValueError(
-            f"params.num_heads: {given_heads} contradicts the run's num_heads {num_heads}; "
-            "leave it unset, the run sets it"
+        raise ParamError(
+            "params.num_heads",
+            f"{given_heads} contradicts the run's num_heads {num_heads}; "
+            "leave it unset, the run sets it",
         )
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     given_kv = params.get("num_kv_heads")
     if given_kv is not None and given_kv != kv_heads:
-        raise ValueError(
-            f"params.num_kv_heads: {given_kv} contradicts the run's num_kv_heads {kv_heads}; "
-            "leave it unset, the run sets it"
+        raise ParamError(
+            "params.num_kv_heads",
+            f"{given_kv} contradicts the run's num_kv_heads {kv_heads}; "
+            "leave it unset, the run sets it",
         )
     return {**params, "embed_dim": embed_dim, "num_heads": num_heads, "num_kv_heads": kv_heads}
+
+
+def twin_of(name: str) -> str | None:
+    """The single-process twin of a distributed kernel (None for any other kernel)."""
+    return _spec(name).twin
+
+
+def twin_params(params: dict[str, Any]) -> dict[str, Any]:
+    """A ring kernel's params as its twin takes them (RING_PARAMS dropped)."""
+    return {k: v for k, v in params.items() if k not in RING_PARAMS}
+
+
+def check_parallel(kernel: str, parallel: str, world_size: int) -> None:
+    """Raise ValueError (`parallel: ...`) unless `parallel` suits the kernel: data parallelism
+    runs a single-process kernel on every rank; sequence parallelism over several ranks needs a
+    distributed (ring) kernel."""
+    distributed = _spec(kernel).distributed
+    if parallel == "data" and distributed:
+        raise ParamError(
+            "parallel",
+            f"data runs a single-process kernel on each rank; {kernel!r} is a ring "
+            f"kernel (use parallel=sequence, or its twin {twin_of(kernel)!r})",
+        )
+    if parallel == "sequence" and world_size > 1 and not distributed:
+        rings = ", ".join(sorted(k for k, s in KERNELS.items() if s.distributed))
+        raise ParamError(
+            "parallel",
+            f"sequence with world_size={world_size} needs a ring kernel ({rings}); "
+            f"{kernel!r} runs on one rank (or use parallel=data)",
+        )
 
 
 def build(name: str, **params: Any) -> nn.Module:
@@ -138,17 +182,18 @@ def validate(
     spec = _spec(kernel)
     parsed = make_params(kernel, params)
     if world_size < 1:
-        raise ValueError(f"world_size: must be >= 1, got {world_size}")
+        raise ParamError("world_size", f"must be >= 1, got {world_size}")
     if not spec.distributed and world_size != 1:
         rings = ", ".join(sorted(k for k, s in KERNELS.items() if s.distributed))
-        raise ValueError(
-            f"world_size: kernel {kernel!r} runs in one process; for {world_size} ranks use "
-            f"parallel=data or a ring kernel ({rings or 'none registered'})"
+        raise ParamError(
+            "world_size",
+            f"kernel {kernel!r} runs in one process; for {world_size} ranks use "
+            f"parallel=data or a ring kernel ({rings or 'none registered'})",
         )
     if seq_len < 1:
-        raise ValueError(f"seq_len: must be >= 1, got {seq_len}")
+        raise ParamError("seq_len", f"must be >= 1, got {seq_len}")
     if seq_len % world_size:
-        raise ValueError(f"seq_len: {seq_len} must divide by world_size {world_size}")
+        raise ParamError("seq_len", f"{seq_len} must divide by world_size {world_size}")
     if spec.check is not None:
         spec.check(
             parsed, seq_len=seq_len, world_size=world_size, num_heads=num_heads, causal=causal

@@ -21,12 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import attention
 from service.spec import NESTED, AnalysisSpec, PivotSpec, nested_axis
 from service.views import RunRow
 from workers.config import PRECISION_DTYPES
 
-RING_TWINS = {"ring": "dense", "ring_dilated": "dilated", "ring_block_sparse": "block_sparse"}
-RING_ONLY_PARAMS = ("layout", "group")
 DENSE_KERNELS = frozenset({"dense", "ring", "multihead"})
 
 IGNORED_FOR_MATCHING = frozenset(
@@ -133,9 +132,10 @@ def _targets(row: RunRow, spec: AnalysisSpec) -> list[tuple[dict[str, Any], str]
     out = []
     for target, tname in found:
         out.append((target, tname))
-        twin = RING_TWINS.get(str(target.get("kernel")))
+        kernel = str(target.get("kernel"))
+        twin = attention.twin_of(kernel) if kernel in attention.KERNELS else None
         if twin is not None and target.get("world_size") == 1:
-            params = {k: v for k, v in target["params"].items() if k not in RING_ONLY_PARAMS}
+            params = attention.twin_params(target["params"])
             out.append(({**target, "kernel": twin, "params": params}, f"{twin} {tname}"))
     return out
 

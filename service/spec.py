@@ -25,6 +25,7 @@ from pydantic import (
     field_validator,
 )
 
+from attention.errors import ParamError
 from workers.config import RunConfig, SearchConfig
 
 MAX_CELLS = 100_000
@@ -238,6 +239,15 @@ def cell_count(spec: SweepSpec) -> int:
     return grid * zipped
 
 
+def field_error(detail: Any) -> tuple[tuple[str, ...], str] | None:
+    """(field path, reason) of a validator's ParamError (attention's checks, RunConfig's
+    validators), read from the exception pydantic keeps; None for other errors."""
+    error = (detail.get("ctx") or {}).get("error")
+    if isinstance(error, ParamError):
+        return error.path, error.reason
+    return None
+
+
 def split_message(msg: str) -> tuple[tuple[str, ...], str] | None:
     """'params.block_size: reason' -> (('params', 'block_size'), 'reason'); None if no field.
 
@@ -394,7 +404,7 @@ def normalize_params(kernel: Any, params: Any) -> ParamsCheck:
         problems: list[tuple[tuple[str | int, ...], str]] = []
         for d in e.errors():
             msg = d["msg"].removeprefix("Value error, ")
-            split = split_message(msg) if not d["loc"] else None
+            split = (field_error(d) or split_message(msg)) if not d["loc"] else None
             if split is not None:
                 problems.append(split)
             else:
@@ -557,11 +567,17 @@ class _Expander:
             for d in e.errors():
                 msg = d["msg"].removeprefix("Value error, ")
                 loc = tuple(d["loc"])
-                head, sep, reason = msg.partition(": ")
-                if loc and loc[-1] in NESTED and sep and head.isidentifier():
-                    loc, msg = (*loc, head), reason  # a sub-model's own field (model.d_model)
+                typed = field_error(d)
+                if loc and loc[-1] in NESTED:  # a sub-model's own field (model.d_model)
+                    head, sep, reason = msg.partition(": ")
+                    if typed is not None:
+                        loc, msg = (*loc, *typed[0]), typed[1]
+                    elif sep and head.isidentifier():
+                        loc, msg = (*loc, head), reason
                 if loc:
                     target = self.locate(pos, loc)
+                elif typed is not None:
+                    target, msg = self.locate(pos, typed[0]), typed[1]
                 elif (split := split_message(msg)) is not None:
                     target, msg = self.locate(pos, split[0]), split[1]
                 else:

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from attention.errors import ParamError
+
 Dtype = Literal["float32", "float16", "bfloat16"]
 Mode = Literal["forward", "train"]
 Parallel = Literal["sequence", "data"]
@@ -51,19 +53,21 @@ class ModelConfig(BaseModel):
     @model_validator(mode="after")
     def _shape(self) -> ModelConfig:
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"d_model: {self.d_model} must divide by n_heads {self.n_heads} (head_dim)"
+            raise ParamError(
+                "d_model", f"{self.d_model} must divide by n_heads {self.n_heads} (head_dim)"
             )
         if self.head_dim % 2:
-            raise ValueError(
-                f"d_model: head_dim = d_model / n_heads = {self.head_dim} must be even "
-                "(rotary positions rotate pairs of dimensions)"
+            raise ParamError(
+                "d_model",
+                f"head_dim = d_model / n_heads = {self.head_dim} must be even "
+                "(rotary positions rotate pairs of dimensions)",
             )
         kv = self.kv_heads
         if kv > self.n_heads or self.n_heads % kv:
-            raise ValueError(
-                f"num_kv_heads: {kv} must divide n_heads {self.n_heads} (each key/value head "
-                "serves an equal group of query heads)"
+            raise ParamError(
+                "num_kv_heads",
+                f"{kv} must divide n_heads {self.n_heads} (each key/value head "
+                "serves an equal group of query heads)",
             )
         return self
 
@@ -122,8 +126,8 @@ class TrainingConfig(BaseModel):
         if self.checkpointing == "every_k" and self.checkpoint_every is None:
             raise ValueError("checkpoint_every: checkpointing every_k needs checkpoint_every")
         if self.checkpointing != "every_k" and self.checkpoint_every is not None:
-            raise ValueError(
-                f"checkpoint_every: only for checkpointing every_k, not {self.checkpointing}"
+            raise ParamError(
+                "checkpoint_every", f"only for checkpointing every_k, not {self.checkpointing}"
             )
         return self
 
@@ -244,12 +248,14 @@ class RunConfig(BaseModel):
         if self.workload == "attention":
             for name in ("model", "training"):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"{name}: only a workload: model cell takes {name}")
+                    raise ParamError(name, f"only a workload: model cell takes {name}")
             return self
         if self.model is None:
-            raise ValueError("model: a workload: model cell needs a model (d_model, n_layers, ...)")
+            raise ParamError(
+                "model", "a workload: model cell needs a model (d_model, n_layers, ...)"
+            )
         if self.training is None:
-            raise ValueError("training: a workload: model cell needs its training settings")
+            raise ParamError("training", "a workload: model cell needs its training settings")
         model, training = self.model, self.training
         for name, want in (
             ("num_heads", model.n_heads),
@@ -260,30 +266,34 @@ class RunConfig(BaseModel):
             ("causal", True),
         ):
             if getattr(self, name) != want:
-                raise ValueError(
-                    f"{name}: a model cell's {name} is {want!r} (from its model and "
-                    f"training.precision), not {getattr(self, name)!r}; leave it out"
+                raise ParamError(
+                    name,
+                    f"a model cell's {name} is {want!r} (from its model and "
+                    f"training.precision), not {getattr(self, name)!r}; leave it out",
                 )
         import attention
 
         spec = attention.KERNELS.get(self.kernel)
         if spec is not None and spec.input_layout != "bshd":
-            raise ValueError(
-                f"kernel: {self.kernel} is a whole layer with its own projections; a model cell "
-                "needs an attention kernel (dense, dilated, block_sparse, ring, ...)"
+            raise ParamError(
+                "kernel",
+                f"{self.kernel} is a whole layer with its own projections; a model cell "
+                "needs an attention kernel (dense, dilated, block_sparse, ring, ...)",
             )
         if training.optimizer == "adamw8bit":
             import importlib.util
 
             if self.device != "cuda":
-                raise ValueError(
-                    "training.optimizer: adamw8bit (bitsandbytes) runs on CUDA only; set "
-                    f"device: cuda (this cell has device {self.device})"
+                raise ParamError(
+                    "training.optimizer",
+                    "adamw8bit (bitsandbytes) runs on CUDA only; set "
+                    f"device: cuda (this cell has device {self.device})",
                 )
             if importlib.util.find_spec("bitsandbytes") is None:
-                raise ValueError(
-                    "training.optimizer: adamw8bit needs bitsandbytes, which is not installed "
-                    "(pip install 'ringlab[gpu]')"
+                raise ParamError(
+                    "training.optimizer",
+                    "adamw8bit needs bitsandbytes, which is not installed "
+                    "(pip install 'ringlab[gpu]')",
                 )
         return self
 
@@ -292,17 +302,14 @@ class RunConfig(BaseModel):
         import attention
 
         if self.num_heads % self.kv_heads:
-            raise ValueError(
-                f"num_kv_heads: {self.kv_heads} key/value heads must divide num_heads "
-                f"({self.num_heads}): each kv head serves num_heads / num_kv_heads query heads"
+            raise ParamError(
+                "num_kv_heads",
+                f"{self.kv_heads} key/value heads must divide num_heads "
+                f"({self.num_heads}): each kv head serves num_heads / num_kv_heads query heads",
             )
         if self.parallel == "data":
-            spec = attention.KERNELS.get(self.kernel)
-            if spec is not None and spec.distributed:
-                raise ValueError(
-                    f"parallel=data runs a single-process kernel on each rank; {self.kernel!r} "
-                    "is a ring kernel (use parallel=sequence)"
-                )
+            if self.kernel in attention.KERNELS:
+                attention.check_parallel(self.kernel, "data", self.world_size)
             if self.batch_size % self.world_size:
                 raise ValueError(
                     f"parallel=data splits the batch: batch_size ({self.batch_size}) must divide "

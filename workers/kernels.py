@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -11,10 +10,6 @@ import attention
 from workers.config import RunConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-# Single-process twin of each ring kernel: the correctness check's reference when the kernel
-# is not dense attention itself.
-RING_TWINS = {"ring": "dense", "ring_dilated": "dilated", "ring_block_sparse": "block_sparse"}
 
 
 def is_distributed(name: str) -> bool:
@@ -28,15 +23,9 @@ def shard_world(config: RunConfig) -> int:
 
 
 def check_mode(config: RunConfig) -> None:
-    """Sequence parallelism over several ranks needs a ring kernel; data mode a local one."""
-    dist_kernel = is_distributed(config.kernel)
-    if config.parallel == "sequence" and config.world_size > 1 and not dist_kernel:
-        raise ValueError(
-            f"parallel: sequence with world_size={config.world_size} needs a ring kernel "
-            f"(ring, ring_dilated, ring_block_sparse); {config.kernel!r} runs on one rank"
-        )
-    if config.parallel == "data" and dist_kernel:
-        raise ValueError(f"parallel: data runs single-process kernels; {config.kernel!r} is a ring")
+    """Sequence parallelism over several ranks needs a ring kernel; data mode a local one
+    (attention.check_parallel)."""
+    attention.check_parallel(config.kernel, config.parallel, config.world_size)
 
 
 def is_layer(name: str) -> bool:
@@ -70,12 +59,6 @@ def build(config: RunConfig, device: torch.device) -> torch.nn.Module:
         torch.manual_seed(config.seed)
         module = attention.build(config.kernel, **kernel_params(config))
     return module.to(device=device, dtype=DTYPES[config.dtype])
-
-
-def params_for(kernel: str, params: dict[str, Any]) -> dict[str, Any]:
-    """The subset of `params` that `kernel` takes (a ring kernel's twin drops ring-only ones)."""
-    allowed = {f.name for f in dataclasses.fields(attention.KERNELS[kernel].params) if f.init}
-    return {k: v for k, v in params.items() if k in allowed}
 
 
 def local_positions(

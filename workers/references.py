@@ -79,8 +79,9 @@ def _as_dict(params: Any) -> dict[str, Any]:
 
 def describe(kernel: str, params: dict[str, Any]) -> str:
     """What `kernel(params)` is checked against, in words (for error messages)."""
-    if kernel in kernels.RING_TWINS:
-        return f"the reference of its single-process twin {kernels.RING_TWINS[kernel]!r}"
+    twin = attention.twin_of(kernel)
+    if twin is not None:
+        return f"the reference of its single-process twin {twin!r}"
     if kernel == "dense":
         return "einsum softmax attention"
     if kernels.is_layer(kernel):
@@ -176,9 +177,9 @@ def reference_for(kernel: str, params: dict[str, Any]) -> Reference:
 
     A layer kernel's reference needs the built layer's weights: `layer_reference(module)`.
     """
-    if kernel in kernels.RING_TWINS:
-        twin = kernels.RING_TWINS[kernel]
-        return reference_for(twin, kernels.params_for(twin, params))
+    twin = attention.twin_of(kernel)
+    if twin is not None:
+        return reference_for(twin, attention.twin_params(params))
     parsed = attention.make_params(kernel, params)
     if kernels.is_layer(kernel):
         raise ValueError(

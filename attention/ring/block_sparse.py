@@ -23,6 +23,7 @@ import torch.distributed as dist
 from attention import primitive
 from attention.base import Kernel, attention_flops, check_qkv
 from attention.block_sparse import BlockSparseAttention, BlockSparseParams, check_block_sparse
+from attention.errors import ParamError
 from attention.hilbert import hilbert_permutation
 from attention.layouts import check_layout, check_seq_len
 from attention.layouts import positions as layout_positions
@@ -30,6 +31,7 @@ from attention.primitive import accumulator_dtype, empty_result
 from attention.registry import KernelSpec, register
 from attention.ring.comm import (
     RingComm,
+    Tag,
     check_backend,
     check_same_call,
     rank_and_world,
@@ -38,7 +40,7 @@ from attention.ring.comm import (
 from attention.ring.dense import check_group, checked_layout, default_layout
 from attention.ring.engine import Block, step_backward, step_forward
 
-KV_TAGS, DKV_TAG = (10, 11), 12
+KV_TAGS = (Tag.SPARSE_KV_EVEN, Tag.SPARSE_KV_ODD)
 
 
 @dataclass(frozen=True)
@@ -65,17 +67,19 @@ def _check_shards(params: RingBlockSparseParams, seq_len: int, world: int, layou
     check_seq_len(seq_len, layout, world)
     if layout == "striped":
         if params.block_size % world:
-            raise ValueError(
-                f"params.block_size: {params.block_size} must divide by world_size {world} "
-                "for layout 'striped' (every rank holds 1/world_size of every block)"
+            raise ParamError(
+                "params.block_size",
+                f"{params.block_size} must divide by world_size {world} "
+                "for layout 'striped' (every rank holds 1/world_size of every block)",
             )
         return
     piece = seq_len // world // (2 if layout == "zigzag" else 1)
     if piece % params.block_size:
         what = "zigzag chunk" if layout == "zigzag" else "shard"
-        raise ValueError(
-            f"seq_len: each {what} of {piece} tokens (seq_len {seq_len}, world_size {world}, "
-            f"layout {layout!r}) must divide by params.block_size {params.block_size}"
+        raise ParamError(
+            "seq_len",
+            f"each {what} of {piece} tokens (seq_len {seq_len}, world_size {world}, "
+            f"layout {layout!r}) must divide by params.block_size {params.block_size}",
         )
 
 
@@ -210,7 +214,7 @@ def _backward(dout, q, k, v, out, lse, sched: _Schedule, group, scale: float):
     mine = torch.stack((k, v))
     bufs = [torch.empty_like(mine), torch.empty_like(mine)]
     comms = [RingComm(group, tag) for tag in KV_TAGS]
-    back = RingComm(group, DKV_TAG)
+    back = RingComm(group, Tag.SPARSE_DKV)
     incoming = torch.empty_like(dkv)
     # Partial dK/dV sent home, double-buffered: step t's buffer is free again once step t - 1's
     # send completed (finish_return), which happens before step t + 1 reuses it.
@@ -330,6 +334,7 @@ register(
         params=RingBlockSparseParams,
         factory=RingBlockSparseAttention,
         distributed=True,
+        twin="block_sparse",
         check=check_ring_block_sparse,
     )
 )

@@ -8,12 +8,30 @@ group made with backend "cpu:gloo,cuda:nccl" dispatches by the tensors' device).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from attention.errors import ParamError
+
+
+class Tag(enum.IntEnum):
+    """Message tags of every P2P exchange of the ring kernels, in one place so none collide:
+    two exchanges between the same ranks on one tag would be matched in posting order."""
+
+    K = 0  # engine: a K piece travelling the ring
+    DKV = 1  # engine: a dK/dV accumulator travelling home
+    V = 2  # engine: a V piece (its own message: no stacked copy of a piece)
+    SPARSE_KV_EVEN = 10  # ring_block_sparse: K/V of even steps (double-buffered)
+    SPARSE_KV_ODD = 11  # ring_block_sparse: K/V of odd steps
+    SPARSE_DKV = 12  # ring_block_sparse: partial dK/dV sent to their owner
+    RELAYOUT = 20  # relayout: the all-to-all between layouts
+    SEGMENT_GATHER = 30  # ring_dilated: a shared segment's dilated K/V rows
+    SEGMENT_REDUCE = 31  # ring_dilated: a shared segment's dK/dV rows sent home
 
 
 def resolve_group(group: Any) -> Any:
@@ -109,10 +127,11 @@ def check_same_call(
             f"got {described}"
         )
     if any(got[7] != rows[0][7] for got in rows):
-        raise ValueError(
-            "params: every rank of the ring must build the kernel with the same parameters "
+        raise ParamError(
+            "params",
+            "every rank of the ring must build the kernel with the same parameters "
             f"(layout, pattern, segments, ...); this rank has {params!r}, and the parameter "
-            f"fingerprints per rank are {[got[7] for got in rows]}"
+            f"fingerprints per rank are {[got[7] for got in rows]}",
         )
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from attention import primitive
 from attention.base import Kernel, attention_flops, check_qkv
+from attention.errors import ParamError
 from attention.layouts import check_layout, check_seq_len
 from attention.layouts import positions as layout_positions
 from attention.registry import KernelSpec, register
@@ -26,8 +27,8 @@ from attention.ring.engine import Block, RingFunction
 def check_group(group: Any) -> None:
     """Raise ValueError unless `group` is None (the world) or a torch.distributed ProcessGroup."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ValueError(
-            f"params.group: expected a torch.distributed ProcessGroup or None, got {group!r}"
+        raise ParamError(
+            "params.group", f"expected a torch.distributed ProcessGroup or None, got {group!r}"
         )
 
 
@@ -160,6 +161,7 @@ register(
         params=RingParams,
         factory=RingAttention,
         distributed=True,
+        twin="dense",
         check=check_ring,
     )
 )

@@ -45,6 +45,7 @@ from attention.primitive import (
 )
 from attention.registry import KernelSpec, register
 from attention.ring.comm import (
+    Tag,
     check_backend,
     check_same_call,
     exchange,
@@ -88,9 +89,6 @@ def check_ring_dilated(
     that span shards are gathered)."""
     check_dilated(params.twin(), seq_len=seq_len, world_size=1, num_heads=num_heads)
     check_seq_len(seq_len, params.layout or "contiguous", world_size)
-
-
-GATHER_TAG, REDUCE_TAG = 20, 21
 
 
 @dataclass(frozen=True)
@@ -150,7 +148,7 @@ def _gather(
         for j, c in zip(span, counts, strict=True)
         if j != rank
     }
-    exchange(far.group, {j: send for j in parts}, parts, GATHER_TAG)
+    exchange(far.group, {j: send for j in parts}, parts, Tag.SEGMENT_GATHER)
     return torch.cat([send if j == rank else parts[j] for j in span], dim=2)
 
 
@@ -167,7 +165,7 @@ def _reduce_home(dkv: torch.Tensor, far: Far, rank: int, counts: list[int]) -> t
         if j != rank
     }
     recvs = {j: torch.empty_like(own) for j in sends}
-    exchange(far.group, sends, recvs, REDUCE_TAG)
+    exchange(far.group, sends, recvs, Tag.SEGMENT_REDUCE)
     return own + sum(recvs.values()) if recvs else own
 
 
@@ -350,6 +348,7 @@ register(
         params=RingDilatedParams,
         factory=RingDilatedAttention,
         distributed=True,
+        twin="dilated",
         check=check_ring_dilated,
     )
 )

@@ -1,6 +1,12 @@
-"""The ring loop shared by the ring kernels: K/V travel the ring one hop per step, each step's
-block pairs go through the (out, lse) primitive and merge; the backward sends dK/dV home along
-the ring with their blocks (zhuzilin's ring-flash-attention scheme), so memory stays O(seq / W).
+"""The ring loop: K/V travel the ring one hop per step, each step's block pairs go through the
+(out, lse) primitive and merge; the backward sends dK/dV home along the ring with their blocks
+(zhuzilin's ring-flash-attention scheme), so memory stays O(seq / W).
+
+Who uses what: `ring` runs the whole loop (`RingFunction`, with a dense plan per layout);
+`ring_block_sparse` uses the step functions (step_forward, step_backward) under its own loop,
+because it sends K/V straight to the ranks that need them and skips the others, which a ring
+that forwards every hop cannot; `ring_dilated` needs no ring (its segments are gathered among
+the ranks they span). Message tags of all of them: attention.ring.comm.Tag.
 
 A *plan* says, for each step t (holding the K/V of rank (rank - t) mod W), which block pairs of
 (local queries, held keys) to compute; an empty step computes nothing but still forwards K/V.
@@ -22,10 +28,8 @@ from attention.primitive import (
     merge_,
     zero_grads,
 )
-from attention.ring.comm import RingComm
+from attention.ring.comm import RingComm, Tag
 
-KV_TAG, DKV_TAG, V_TAG = 0, 1, 2
-"""K travels on KV_TAG and V on V_TAG: two messages, so no stacked copy of a piece is made."""
 PIECE_TOKENS = 1024
 """Largest K/V piece and query chunk on CPU (rows of this rank's shard)."""
 PIECE_BYTES = 1 << 19
@@ -263,11 +267,11 @@ def _row_bytes(k: torch.Tensor) -> int:
 
 
 KVComm = tuple[RingComm, RingComm]
-"""The exchanges of K (KV_TAG) and V (V_TAG) pieces."""
+"""The exchanges of K (Tag.K) and V (Tag.V) pieces."""
 
 
 def kv_comms(group) -> KVComm | None:  # type: ignore[no-untyped-def]
-    return (RingComm(group, KV_TAG), RingComm(group, V_TAG)) if group is not None else None
+    return (RingComm(group, Tag.K), RingComm(group, Tag.V)) if group is not None else None
 
 
 def _send_kv(comm: KVComm, kt: torch.Tensor, vt: torch.Tensor, buf: torch.Tensor) -> None:
@@ -440,7 +444,7 @@ class RingFunction(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
-        dkv_comm = RingComm(group, DKV_TAG) if group is not None else None
+        dkv_comm = RingComm(group, Tag.DKV) if group is not None else None
         dq, dk, dv = ring_backward(
             dout.contiguous(),
             q,

@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 from attention.layouts import positions
-
-RELAYOUT_TAG = 20
+from attention.ring.comm import Tag
 
 
 @functools.lru_cache(maxsize=16)
@@ -64,10 +63,10 @@ def _move(x: torch.Tensor, src: str, dst: str, group: Any) -> torch.Tensor:
         global_peer = dist.get_global_rank(group, peer)
         if len(send[peer]):
             part = x[:, send[peer].to(x.device)].contiguous()
-            ops.append(dist.P2POp(dist.isend, part, global_peer, group, RELAYOUT_TAG))
+            ops.append(dist.P2POp(dist.isend, part, global_peer, group, Tag.RELAYOUT))
         if len(recv[peer]):
             buf = x.new_empty((x.shape[0], len(recv[peer]), *x.shape[2:]))
-            ops.append(dist.P2POp(dist.irecv, buf, global_peer, group, RELAYOUT_TAG))
+            ops.append(dist.P2POp(dist.irecv, buf, global_peer, group, Tag.RELAYOUT))
             landed.append((recv[peer], buf))
     if ops:
         for req in dist.batch_isend_irecv(ops):
