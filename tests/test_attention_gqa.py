@@ -148,8 +148,15 @@ RING_KERNELS = [
     ("ring", {"layout": "striped"}),
     ("ring_dilated", {"segment_lengths": [8, 32, 64], "dilation_rates": [1, 4, 6]}),
     ("ring_dilated", {"segment_lengths": [8, 32], "dilation_rates": [1, 2], "layout": "zigzag"}),
+    ("ring_dilated", {"segment_lengths": [16, 64], "dilation_rates": [2, 4], "layout": "striped"}),
     ("ring_block_sparse", {"block_size": 4, "pattern": "local_window", "window": 2}),
+    (
+        "ring_block_sparse",
+        {"block_size": 4, "pattern": "random", "num_random": 3, "layout": "striped"},
+    ),
 ]
+"""Every layout: ring's three, ring_dilated's and ring_block_sparse's default (contiguous, or
+zigzag when causal), zigzag and striped."""
 RING_SEQ = 64
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from attention import primitive
+from attention.autograd import merged_attention
 from attention.base import Kernel, attention_flops, check_qkv
 from attention.block_sparse import BlockSparseAttention, BlockSparseParams, check_block_sparse
 from attention.errors import ParamError
@@ -249,23 +250,18 @@ def _backward(dout, q, k, v, out, lse, sched: _Schedule, group, scale: float):
     return dq, dkv[0], dkv[1]
 
 
-class _RingBlockSparseFunction(torch.autograd.Function):
-    """Autograd wrapper: direct K/V transfers of the needed steps; partial dK/dV go home."""
+def _ring_block_sparse(q, k, v, sched: _Schedule, group) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Direct K/V transfers of the needed steps, partial dK/dV sent home
+    (attention.autograd.MergedFunction)."""
+    scale = q.shape[-1] ** -0.5
 
-    @staticmethod
-    def forward(ctx, q, k, v, sched, group):  # type: ignore[override]
-        scale = q.shape[-1] ** -0.5
-        out, lse = _forward(q, k, v, sched, group, scale)
-        ctx.sched, ctx.group = sched, group
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)
+    def forward(q, k, v):  # type: ignore[no-untyped-def]
+        return _forward(q, k, v, sched, group, scale)
 
-    @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        scale = q.shape[-1] ** -0.5
-        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, ctx.sched, ctx.group, scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+    def backward(dout, q, k, v, out, lse):  # type: ignore[no-untyped-def]
+        return _backward(dout, q, k, v, out, lse, sched, group, scale)
+
+    return merged_attention(q, k, v, forward, backward)
 
 
 class RingBlockSparseAttention(Kernel):
@@ -306,7 +302,7 @@ class RingBlockSparseAttention(Kernel):
         sched = self._schedule(q.shape[1] * world, world, causal)
         self.backend = primitive.backend_for(q.device, q.dtype)
         q, k, v = (t.contiguous() for t in (q, k, v))
-        return _RingBlockSparseFunction.apply(q, k, v, sched, group if world > 1 else None)
+        return _ring_block_sparse(q, k, v, sched, group if world > 1 else None)
 
     def flops(
         self,

@@ -21,7 +21,7 @@ from attention.layouts import check_layout, check_seq_len
 from attention.layouts import positions as layout_positions
 from attention.registry import KernelSpec, register
 from attention.ring.comm import check_backend, check_same_call, rank_and_world, resolve_group
-from attention.ring.engine import Block, RingFunction
+from attention.ring.engine import Block, ring_attention
 
 
 def check_group(group: Any) -> None:
@@ -133,7 +133,7 @@ class RingAttention(Kernel):
         q, k, v = (t.contiguous() for t in (q, k, v))
         group = group if world > 1 else None
         fold = causal and layout == "zigzag"  # balanced work per K/V piece (cut_pieces)
-        return RingFunction.apply(q, k, v, plan, group, q.shape[-1] ** -0.5, fold)
+        return ring_attention(q, k, v, plan, group, q.shape[-1] ** -0.5, fold)
 
     def flops(
         self,

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from attention import primitive
+from attention.autograd import merged_attention
 from attention.base import Kernel, attention_flops, check_qkv
 from attention.dilated import DilatedParams, backward_rows, check_dilated, forward_rows
 from attention.hilbert import hilbert_permutation
@@ -238,29 +239,33 @@ def _plan(
     return spans, fars
 
 
-class _RingDilatedFunction(torch.autograd.Function):
-    """Local spans through `dilated`'s code, shared segments by P2P gathers; FA2 backward."""
+def _ring_dilated(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spans: list[tuple[int, int, int, int]],
+    fars: tuple[Far, ...],
+    rank: int,
+    causal: bool,
+) -> torch.Tensor:
+    """Local spans through `dilated`'s code, shared segments by P2P gathers; FA2 backward
+    (attention.autograd.MergedFunction)."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, spans, fars, rank, causal):
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out, lse = empty_result(q)
         forward_rows(q, k, v, out, lse, spans, causal)
         for far in fars:
             _far_forward(q, k, v, out, lse, far, rank, causal)
-        ctx.spans, ctx.fars, ctx.rank, ctx.causal = spans, fars, rank, causal
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)
+        return out, lse
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dout = dout.contiguous()
+    def backward(dout, q, k, v, out, lse):  # type: ignore[no-untyped-def]
         grads = zero_grads(q, k)
-        backward_rows(dout, q, k, v, out, lse, grads, ctx.spans, ctx.causal)
-        for far in ctx.fars:
-            _far_backward(dout, q, k, v, out, lse, grads, far, ctx.rank, ctx.causal)
-        dq, dk, dv = grads
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        backward_rows(dout, q, k, v, out, lse, grads, spans, causal)
+        for far in fars:
+            _far_backward(dout, q, k, v, out, lse, grads, far, rank, causal)
+        return grads
+
+    return merged_attention(q, k, v, forward, backward)  # type: ignore[arg-type]
 
 
 class RingDilatedAttention(Kernel):
@@ -302,14 +307,14 @@ class RingDilatedAttention(Kernel):
         args = (spans, tuple(dataclasses.replace(f, group=group) for f in fars), rank, causal)
         if self.layout == "contiguous" or world == 1:
             q, k, v = (t.contiguous() for t in (q, k, v))
-            return _RingDilatedFunction.apply(q, k, v, *args)
+            return _ring_dilated(q, k, v, *args)
         if k.shape[2] != q.shape[2]:
             qkv = [relayout(t, self.layout, "contiguous", group) for t in (q, k, v)]
         else:
             qkv = list(relayout(torch.stack((q, k, v), dim=2), self.layout, "contiguous", group)
                        .unbind(2))  # fmt: skip
         q, k, v = (t.contiguous() for t in qkv)
-        out = _RingDilatedFunction.apply(q, k, v, *args)
+        out = _ring_dilated(q, k, v, *args)
         return relayout(out, "contiguous", self.layout, group)
 
     def flops(

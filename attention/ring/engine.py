@@ -2,7 +2,7 @@
 (out, lse) primitive and merge; the backward sends dK/dV home along the ring with their blocks
 (zhuzilin's ring-flash-attention scheme), so memory stays O(seq / W).
 
-Who uses what: `ring` runs the whole loop (`RingFunction`, with a dense plan per layout);
+Who uses what: `ring` runs the whole loop (`ring_attention`, with a dense plan per layout);
 `ring_block_sparse` uses the step functions (step_forward, step_backward) under its own loop,
 because it sends K/V straight to the ranks that need them and skips the others, which a ring
 that forwards every hop cannot; `ring_dilated` needs no ring (its segments are gathered among
@@ -17,9 +17,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from attention.autograd import merged_attention
 from attention.primitive import (
     block_backward,
     block_forward,
@@ -429,33 +431,24 @@ def ring_backward(
     return dq, dk, dv
 
 
-class RingFunction(torch.autograd.Function):
-    """Autograd wrapper of the ring loop: saves (q, k, v, out, lse); backward rings dK/dV home.
-    `fold`: cut K/V pieces from both halves of the shard (cut_pieces; for causal zigzag)."""
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: Plan,
+    group: Any,
+    scale: float,
+    fold: bool = False,
+) -> torch.Tensor:
+    """The ring loop with autograd (attention.autograd.MergedFunction): the backward rings
+    dK/dV home. `group` None: one rank. `fold`: cut K/V pieces from both halves of the shard
+    (cut_pieces; for causal zigzag)."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, plan, group, scale, fold=False):  # type: ignore[override]
-        out, lse = ring_forward(q, k, v, plan, kv_comms(group), scale, fold)
-        ctx.plan, ctx.group, ctx.scale, ctx.fold = plan, group, scale, fold
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return ring_forward(q, k, v, plan, kv_comms(group), scale, fold)
 
-    @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        group = ctx.group
+    def backward(dout, q, k, v, out, lse):  # type: ignore[no-untyped-def]
         dkv_comm = RingComm(group, Tag.DKV) if group is not None else None
-        dq, dk, dv = ring_backward(
-            dout.contiguous(),
-            q,
-            k,
-            v,
-            out,
-            lse,
-            ctx.plan,
-            kv_comms(group),
-            dkv_comm,
-            ctx.scale,
-            ctx.fold,
-        )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return ring_backward(dout, q, k, v, out, lse, plan, kv_comms(group), dkv_comm, scale, fold)
+
+    return merged_attention(q, k, v, forward, backward)  # type: ignore[arg-type]
