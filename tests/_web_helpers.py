@@ -166,7 +166,10 @@ def _benchmark(session: Session, name: str, created: datetime, slow: float) -> S
     cfg = _config("ring", 32768, 2, params={"layout": "contiguous"})
     failed = _run(sweep, cfg, RunStatus.failed if slow != 1.0 else RunStatus.succeeded, env)
     if slow != 1.0:
-        failed.error = "RankFailed: rank 1: RuntimeError: gloo timeout after 120 s"
+        failed.error = (  # with the quotes of an attribute injection (it must stay text)
+            "RankFailed: rank 1: RuntimeError: gloo timeout after 120 s; "
+            'peer said " autofocus onfocus="window.__xss=1" x="'
+        )
     else:
         _ranks(failed, cfg, _attn_flops(cfg), 0.4 * H100_BF16_PEAK, 1.3)
     return sweep

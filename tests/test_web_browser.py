@@ -225,6 +225,21 @@ def test_run_page(page: Page, service: tuple[str, Seeded]) -> None:
     page.check()
 
 
+def test_a_quote_in_a_run_error_stays_text(page: Page, service: tuple[str, Seeded]) -> None:
+    """The failed run's error holds `" autofocus onfocus="window.__xss=1`: on the sweep page it
+    is the error cell's whole tooltip and runs nothing (esc escapes quotes too)."""
+    seeded = service[1]
+    pg = page.open(f"/sweeps/{seeded.rerun}")
+    cell = pg.locator("#results span.err[title]").first
+    cell.wait_for(state="attached", timeout=15_000)
+    title = cell.get_attribute("title") or ""
+    assert title.endswith('peer said " autofocus onfocus="window.__xss=1" x="'), title
+    assert cell.get_attribute("onfocus") is None and cell.get_attribute("autofocus") is None
+    pg.wait_for_timeout(300)  # an autofocus handler would have run by now
+    assert pg.evaluate("window.__xss") is None
+    page.check()
+
+
 def test_compare_page(page: Page, service: tuple[str, Seeded]) -> None:
     seeded = service[1]
     pg = page.open(f"/compare?a={seeded.benchmark}&b={seeded.rerun}")

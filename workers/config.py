@@ -6,6 +6,7 @@ sweep spec (service/) expands into a list of these.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -29,6 +30,14 @@ PRECISION_DTYPES: dict[str, Dtype] = {
     "bf16": "bfloat16",
 }
 """The dtype the attention kernel computes in under each training precision."""
+
+
+MAX_ENV_VARS = 32
+MAX_ENV_CHARS = 256
+"""NCCL_* names and values are short; a cap keeps one request from writing megabytes into
+every run of a sweep (each run stores its whole config)."""
+MAX_PARAMS_CHARS = 4096
+"""A kernel's parameters as JSON (the longest real ones, LongNet's lists, are ~150)."""
 
 
 class ModelConfig(BaseModel):
@@ -241,6 +250,25 @@ class RunConfig(BaseModel):
         bad = sorted(k for k in value if not k.startswith("NCCL_"))
         if bad:
             raise ValueError(f"only NCCL_* variables pass through, got {', '.join(bad)}")
+        if len(value) > MAX_ENV_VARS:
+            raise ValueError(f"at most {MAX_ENV_VARS} variables, got {len(value)}")
+        for key, text in value.items():
+            if len(key) > MAX_ENV_CHARS or len(text) > MAX_ENV_CHARS:
+                raise ValueError(
+                    f"{key[:40]}: names and values are at most {MAX_ENV_CHARS} characters "
+                    f"(every run stores its own copy), got {max(len(key), len(text))}"
+                )
+        return value
+
+    @field_validator("params")
+    @classmethod
+    def _params_size(cls, value: dict[str, Any]) -> dict[str, Any]:
+        size = len(json.dumps(value, default=str))
+        if size > MAX_PARAMS_CHARS:
+            raise ValueError(
+                f"at most {MAX_PARAMS_CHARS} characters as JSON (every run stores its own "
+                f"copy), got {size}"
+            )
         return value
 
     @model_validator(mode="after")

@@ -51,10 +51,12 @@ const ringlab = (() => {
     return v === null || v === undefined ? "—" : `${(v * 100).toFixed(1)}%`;
   }
 
+  // Text made safe for HTML content AND for quoted attribute values (title="..."): the five
+  // characters that can end an element or an attribute. innerHTML serialization escapes only
+  // &, < and >, so a quote in a run's error would have closed the attribute.
+  const ESCAPES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" };
   function esc(text) {
-    const span = document.createElement("span");
-    span.textContent = String(text);
-    return span.innerHTML;
+    return String(text).replace(/[&<>"']/g, (c) => ESCAPES[c]);
   }
 
   // Columns of the results table: key, header, how to show a value, sort key.
