@@ -23,6 +23,18 @@ from service.api.schemas import SweepOut
 
 DEFAULT_POLL_S = 1.0
 PING_S = 15
+STREAM_POLL_THREADS = 4
+"""Worker threads all of an app's event streams share for their database polls. Streams wait
+for each other, never for the thread pool that serves requests: 50 unread streams on a large
+sweep used to hold its 40 threads, so /healthz and POSTs waited behind them."""
+
+
+def _poll_limiter(app_state: Any) -> anyio.CapacityLimiter:
+    """The app's stream-poll limiter, made on first use inside the event loop."""
+    limiter = getattr(app_state, "stream_poll_limiter", None)
+    if limiter is None:
+        limiter = app_state.stream_poll_limiter = anyio.CapacityLimiter(STREAM_POLL_THREADS)
+    return limiter
 
 
 def _poll(
@@ -46,12 +58,14 @@ def _run_event(run_id: int, state: store.RunState, previous: str | None) -> dict
     return {"event": "run", "data": json.dumps(data)}
 
 
-async def _stream(
-    factory: sessionmaker[Session], sweep_id: int, poll_s: float
-) -> AsyncIterator[dict[str, Any]]:
+async def _stream(app_state: Any, sweep_id: int, poll_s: float) -> AsyncIterator[dict[str, Any]]:
+    """Poll (on the app's stream-poll threads) and yield what changed until the sweep is done."""
+    factory: sessionmaker[Session] = app_state.sessionmaker
     previous: dict[int, store.RunState] | None = None
     while True:
-        snapshot = await anyio.to_thread.run_sync(_poll, factory, sweep_id)
+        snapshot = await anyio.to_thread.run_sync(
+            _poll, factory, sweep_id, limiter=_poll_limiter(app_state)
+        )
         if snapshot is None:
             yield {"event": "end", "data": json.dumps({"id": sweep_id, "deleted": True})}
             return
@@ -86,4 +100,4 @@ def sweep_events(
     with factory() as session:
         if store.load_sweep_out(session, sweep_id) is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"sweep {sweep_id} not found")
-    return EventSourceResponse(_stream(factory, sweep_id, poll_s), ping=PING_S)
+    return EventSourceResponse(_stream(request.app.state, sweep_id, poll_s), ping=PING_S)

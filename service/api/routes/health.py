@@ -14,8 +14,9 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz")
-def healthz() -> HealthOut:
-    """Liveness: the process serves requests (no dependency is checked)."""
+async def healthz() -> HealthOut:
+    """Liveness: the process serves requests (no dependency is checked). Async: it answers from
+    the event loop, whatever holds the thread pool."""
     return HealthOut(status="ok")
 
 
