@@ -21,6 +21,7 @@ from service.core.config import Settings
 from service.db.engine import make_engine, make_sessionmaker
 from service.db.migrate import upgrade
 from service.web.router import router as web_router
+from workers import local_ray
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ def create_app(
                         SCHEDULER_JOIN_TIMEOUT_S,
                     )
             engine.dispose()
+            local_ray.stop_leftovers()  # a local Ray this process started, and its agents
 
     app = FastAPI(
         title="ringlab",

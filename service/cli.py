@@ -223,7 +223,7 @@ def scheduler() -> None:
     import threading
 
     from service.scheduler import run_forever_from_settings
-    from workers import cluster
+    from workers import cluster, local_ray
 
     settings = load_settings()
     # Ray first: ray.init() in the main thread installs its own SIGTERM handler (sys.exit),
@@ -234,6 +234,7 @@ def scheduler() -> None:
         signal.signal(sig, lambda *_: stop.set())
     err.print(f"scheduler on {_safe(settings)}; SIGTERM or Ctrl-C stops it cleanly")
     run_forever_from_settings(settings, stop)
+    local_ray.stop_leftovers()  # the local Ray it started, agents included
 
 
 DEMO_EXAMPLE = "cpu-quick.yaml"

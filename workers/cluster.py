@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import ray
 
+from workers import local_ray
 from workers.config import RunConfig
 from workers.errors import Infeasible
 
@@ -46,7 +47,7 @@ def connect(address: str | None = None) -> None:
         return
     quiet_known_notices()
     if address is None:
-        ray.init(log_to_driver=False, include_dashboard=False)
+        local_ray.start()  # its helper processes are killed at exit, even after a Ctrl-C
     else:
         ray.init(address=address, log_to_driver=False)
 
