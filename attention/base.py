@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -130,3 +131,26 @@ class Kernel(nn.Module):
 
         A kernel without a model raises NotImplementedError; a prediction then says so."""
         raise NotImplementedError(f"{type(self).__name__} has no memory model")
+
+
+class MergedKernel(Kernel):
+    """A kernel that merges primitive calls into (out, lse) accumulators (dilated,
+    block_sparse): its memory is `merged_memory`'s, with its params' token ordering and the
+    tokens of one primitive call (`chunk_tokens`)."""
+
+    chunk_tokens: int = 0
+    params: Any
+
+    def memory_model(
+        self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int
+    ) -> KernelMemory:
+        """See attention.base.merged_memory (q, k, v, the merged out and lse)."""
+        return merged_memory(
+            batch,
+            seq_len,
+            num_heads,
+            head_dim,
+            dtype_bytes,
+            natural=self.params.ordering != "hilbert",
+            chunk_tokens=self.chunk_tokens,
+        )

@@ -30,7 +30,7 @@ import torch
 
 from attention import primitive
 from attention.autograd import merged_attention
-from attention.base import Kernel, KernelMemory, attention_flops, check_qkv, merged_memory
+from attention.base import MergedKernel, attention_flops, check_qkv
 from attention.errors import ParamError
 from attention.hilbert import check_hilbert_length, check_ordering, in_order
 from attention.primitive import (
@@ -464,8 +464,10 @@ def block_sparse_backward(
     return dq, dk, dv
 
 
-class BlockSparseAttention(Kernel):
+class BlockSparseAttention(MergedKernel):
     """Attention over (B, S, H, D) restricted to `block_mask`; see the module docstring."""
+
+    chunk_tokens = CHUNK_TOKENS
 
     def __init__(self, params: BlockSparseParams) -> None:
         super().__init__()
@@ -511,20 +513,6 @@ class BlockSparseAttention(Kernel):
         pairs = int((sizes[:, None] * sizes[None, :] * off_diag).sum())
         pairs += int((sizes * (sizes + 1) // 2 if causal else sizes * sizes).sum())
         return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
-
-    def memory_model(
-        self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int
-    ) -> KernelMemory:
-        """See attention.base.merged_memory (q, k, v, the fp32 merged out and lse)."""
-        return merged_memory(
-            batch,
-            seq_len,
-            num_heads,
-            head_dim,
-            dtype_bytes,
-            natural=self.params.ordering != "hilbert",
-            chunk_tokens=CHUNK_TOKENS,
-        )
 
 
 register(

@@ -40,7 +40,7 @@ import torch
 
 from attention import primitive
 from attention.autograd import merged_attention
-from attention.base import Kernel, KernelMemory, attention_flops, check_qkv, merged_memory
+from attention.base import MergedKernel, attention_flops, check_qkv
 from attention.errors import ParamError
 from attention.hilbert import check_hilbert_length, check_ordering, in_order
 from attention.primitive import block_backward, block_forward, empty_result, merge_, zero_grads
@@ -208,8 +208,10 @@ def _whole(params: DilatedParams, seq_len: int) -> list[tuple[int, int, int, int
     return [(w, r, 0, seq_len) for w, r in params.branches()]
 
 
-class DilatedAttention(Kernel):
+class DilatedAttention(MergedKernel):
     """LongNet dilated attention over (B, S, H, D); see the module docstring for the semantics."""
+
+    chunk_tokens = CHUNK_TOKENS
 
     def __init__(self, params: DilatedParams | None = None) -> None:
         super().__init__()
@@ -250,20 +252,6 @@ class DilatedAttention(Kernel):
             branch_pairs(seq_len, num_heads, w, r, causal) for w, r in self.params.branches()
         )
         return attention_flops(batch * pairs, head_dim, backward=backward)
-
-    def memory_model(
-        self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int
-    ) -> KernelMemory:
-        """See attention.base.merged_memory (q, k, v, the fp32 merged out and lse)."""
-        return merged_memory(
-            batch,
-            seq_len,
-            num_heads,
-            head_dim,
-            dtype_bytes,
-            natural=self.params.ordering != "hilbert",
-            chunk_tokens=CHUNK_TOKENS,
-        )
 
 
 register(
