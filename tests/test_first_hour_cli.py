@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _api_helpers import free_port
 from _web_helpers import live_server, make_web_app
 from sqlalchemy import update
 
@@ -223,9 +224,7 @@ def test_busy_port_is_one_line_before_anything_starts(
 def test_serve_prints_its_database_and_dashboard_then_serves(tmp_path: Path) -> None:
     """With no RINGLAB_DATABASE_URL, serve says it uses ringlab.db in the user's data dir and
     where the dashboard is, and the dashboard answers there."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path)}
     env.pop("RINGLAB_DATABASE_URL", None)
     proc = subprocess.Popen(
@@ -261,9 +260,7 @@ def test_demo_uses_the_database_serve_uses(tmp_path: Path) -> None:
     """The demo's default database is serve's (ringlab.db, not demo.db), and it says so before
     starting; here that file cannot be opened, so it stops there with one line."""
     (tmp_path / "ringlab" / "ringlab.db").mkdir(parents=True)  # a directory: sqlite cannot open it
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path)}
     env.pop("RINGLAB_DATABASE_URL", None)
     done = subprocess.run(
@@ -287,9 +284,7 @@ def test_database_password_is_masked(command: str, tmp_path: Path) -> None:
     """Both print RINGLAB_DATABASE_URL with its password hidden; an unreachable database is
     one line before uvicorn or Ray start."""
     url = "postgresql://ringlab:s3cret@127.0.0.1:1/ringlab"  # port 1: nothing listens
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {"RINGLAB_DATABASE_URL": url, "XDG_DATA_HOME": str(tmp_path)}
     done = ringlab(command, "--port", str(port), env=env)
     assert "database:  postgresql+psycopg://ringlab:***@127.0.0.1:1/ringlab" in done.stdout
