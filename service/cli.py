@@ -568,8 +568,9 @@ def list_sweeps(
             _counts(s["counts"]),
         )
     out.print(table)
-    if page["count"] > len(page["data"]):
-        out.print(f"[dim]{len(page['data'])} of {page['count']} sweeps (--limit)[/dim]")
+    if page["next"] is not None:
+        total = f"{page['count']:,}" + ("" if page["count_exact"] else "+")
+        out.print(f"[dim]{len(page['data'])} of {total} sweeps (--limit)[/dim]")
 
 
 @app.command()

@@ -194,8 +194,8 @@ def test_rows_read_back_from_the_database(database_url: str) -> None:
     engine = make_engine(database_url)
     try:
         with Session(engine) as session:
-            sweeps, total = store.list_sweeps(session, skip=0, limit=50, kind=None, name=None)
-            assert total == 3 and [s.id for s in sweeps] == [3, 2, 1]
+            found = store.list_sweeps(session, skip=0, limit=50, kind=None, name=None)
+            assert found.count == 3 and [s.id for s in found.data] == [3, 2, 1]
             maxlen = session.get(Sweep, seeded.maxlen)
             assert maxlen is not None
             rows = queries.sweep_rows(session, maxlen)

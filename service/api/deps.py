@@ -68,3 +68,9 @@ RunId = Annotated[int, Path(ge=1, le=MAX_ID, description="A run id.")]
 
 NO_NUL = r"^[^\x00]*$"
 """Pattern for free-text query values: Postgres cannot compare text holding NUL."""
+
+MAX_SKIP = 10_000
+"""`skip` is for small offsets; a deeper page follows the `next` cursor, which costs the same at
+any depth (OFFSET reads and discards every row before the page)."""
+SKIP_HELP = f"Rows to skip (at most {MAX_SKIP:,}); deeper pages follow `next` as `cursor`."
+CURSOR_HELP = "The `next` of the previous page (same sort); overrides nothing else."

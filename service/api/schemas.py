@@ -16,6 +16,10 @@ def _as_utc(value: datetime) -> datetime:
 UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
 
 
+COUNT_HELP = "Rows matching the filters: exact up to 10,000, then 10,000 with count_exact false."
+NEXT_HELP = "Pass as `cursor` for the next page; null on the last page."
+
+
 class Message(BaseModel):
     """An error or status message."""
 
@@ -39,10 +43,12 @@ class SweepOut(BaseModel):
 
 
 class SweepList(BaseModel):
-    """A page of sweeps and how many match the filters in all."""
+    """A page of sweeps, how many match the filters in all, and where the next page starts."""
 
     data: list[SweepOut]
-    count: int
+    count: int = Field(description=COUNT_HELP)
+    count_exact: bool = Field(description="False when `count` stopped at its cap.")
+    next: str | None = Field(description=NEXT_HELP)
 
 
 class SweepAction(BaseModel):
@@ -76,10 +82,12 @@ class RunOut(BaseModel):
 
 
 class RunList(BaseModel):
-    """A page of runs and how many match the filters in all."""
+    """A page of runs, how many match the filters in all, and where the next page starts."""
 
     data: list[RunOut]
-    count: int
+    count: int = Field(description=COUNT_HELP)
+    count_exact: bool = Field(description="False when `count` stopped at its cap.")
+    next: str | None = Field(description=NEXT_HELP)
 
 
 class RankResultOut(BaseModel):

@@ -7,10 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, exists, func, insert, select, update
+from sqlalchemy import Select, delete, exists, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, joinedload, selectinload
 
+from service.api import pages
 from service.api.schemas import SweepOut
 from service.db.engine import rowcount
 from service.db.models import (
@@ -248,21 +249,43 @@ def components_for_sweep(session: Session, sweep_id: int) -> dict[int, list[Memo
     return found
 
 
+@dataclass(frozen=True)
+class Page:
+    """One page of a list: its rows, how many match in all (exact up to pages.COUNT_CAP) and
+    the cursor of the next page (None on the last)."""
+
+    data: list[Any]
+    count: int
+    count_exact: bool
+    next: str | None
+
+
 def list_sweeps(
-    session: Session, *, skip: int, limit: int, kind: str | None, name: str | None
-) -> tuple[list[SweepOut], int]:
-    """A page of sweeps, newest first, with their run counts; and how many match in all."""
+    session: Session,
+    *,
+    skip: int,
+    limit: int,
+    kind: str | None,
+    name: str | None,
+    cursor: str | None = None,
+) -> Page:
+    """A page of sweeps, newest first, with their run counts."""
     where = []
     if kind is not None:
         where.append(Sweep.kind == kind)
     if name is not None:
         where.append(Sweep.name.contains(name, autoescape=True))
-    total = session.scalar(select(func.count()).select_from(Sweep).where(*where)) or 0
-    sweeps = session.scalars(
-        select(Sweep).where(*where).order_by(Sweep.id.desc()).offset(skip).limit(limit)
-    ).all()
-    counts = run_counts(session, [s.id for s in sweeps])
-    return [sweep_out(s, counts[s.id]) for s in sweeps], total
+    query = select(Sweep.id).where(*where)
+    count, exact = pages.capped_count(session, query)
+    rows, next_cursor = pages.page_of(
+        session, query, sort="-id", column=Sweep.id, id_column=Sweep.id,
+        cursor=cursor, skip=skip, limit=limit,
+    )  # fmt: skip
+    ids = [row.id for row in rows]
+    by_id = {s.id: s for s in session.scalars(select(Sweep).where(Sweep.id.in_(ids)))}
+    counts = run_counts(session, ids)
+    data = [sweep_out(by_id[i], counts[i]) for i in ids]
+    return Page(data, count, exact, next_cursor)
 
 
 RUN_SORT_KEYS = {
@@ -322,19 +345,35 @@ RUN_LIST_COLUMNS = tuple(
 """What a run listing shows (RunOut): plain columns, no ORM identity map for a page of rows."""
 
 
+def page_query(
+    filters: RunFilter, sort: str, *, limit: int, cursor: str | None = None, skip: int = 0
+) -> Select[Any]:
+    """The statement behind a page of GET /runs (the EXPLAIN test reads its plan)."""
+    return pages.page_statement(
+        select(*RUN_LIST_COLUMNS).where(*filters.clauses()), sort=sort,
+        column=RUN_SORT_KEYS[sort.removeprefix("-")], id_column=Run.id, cursor=cursor,
+        skip=skip, limit=limit,
+    )  # fmt: skip
+
+
 def list_runs(
-    session: Session, filters: RunFilter, *, sort: str, skip: int, limit: int
-) -> tuple[list[dict[str, Any]], int]:
-    """A page of runs matching `filters`, sorted by a whitelisted key (id breaks ties)."""
-    desc = sort.startswith("-")
-    column = RUN_SORT_KEYS[sort.removeprefix("-")]
-    where = filters.clauses()
-    total = session.scalar(select(func.count()).select_from(Run).where(*where)) or 0
-    order: list[Any] = [column.desc(), Run.id.desc()] if desc else [column.asc(), Run.id.asc()]
-    rows = session.execute(
-        select(*RUN_LIST_COLUMNS).where(*where).order_by(*order).offset(skip).limit(limit)
-    )
-    return [dict(row._mapping) for row in rows], total
+    session: Session,
+    filters: RunFilter,
+    *,
+    sort: str,
+    skip: int,
+    limit: int,
+    cursor: str | None = None,
+) -> Page:
+    """A page of runs matching `filters`, sorted by a whitelisted key (id breaks ties), as
+    plain row dicts."""
+    query = select(*RUN_LIST_COLUMNS).where(*filters.clauses())
+    count, exact = pages.capped_count(session, query)
+    rows, next_cursor = pages.page_of(
+        session, query, sort=sort, column=RUN_SORT_KEYS[sort.removeprefix("-")],
+        id_column=Run.id, cursor=cursor, skip=skip, limit=limit,
+    )  # fmt: skip
+    return Page([dict(row._mapping) for row in rows], count, exact, next_cursor)
 
 
 def load_run(session: Session, run_id: int) -> Run | None:

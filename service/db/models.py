@@ -121,13 +121,18 @@ class Run(Base):
     __table_args__ = (
         UniqueConstraint("sweep_id", "cell_key", name="uq_run_sweep_id_cell_key"),
         Index("ix_run_status_id", "status", "id"),
+        # Every prefix of the list filters, sorted by length; counts read only the index.
+        Index(
+            "ix_run_kernel_status_world_size_seq_len", "kernel", "status", "world_size", "seq_len"
+        ),
+        Index("ix_run_sweep_id_status", "sweep_id", "status"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    sweep_id: Mapped[int] = mapped_column(ForeignKey("sweep.id", ondelete="CASCADE"), index=True)
+    sweep_id: Mapped[int] = mapped_column(ForeignKey("sweep.id", ondelete="CASCADE"))
     cell_key: Mapped[str] = mapped_column(String(64))
     config: Mapped[dict[str, Any]]
-    kernel: Mapped[str] = mapped_column(String(64), index=True)
+    kernel: Mapped[str] = mapped_column(String(64))
     seq_len: Mapped[int] = mapped_column(BigInteger, index=True)
     world_size: Mapped[int] = mapped_column(Integer, index=True)
     dtype: Mapped[str] = mapped_column(String(16), index=True)

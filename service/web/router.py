@@ -128,17 +128,21 @@ def sweeps_page(
     per_page: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> HTMLResponse:
     """Every sweep, newest first: kind, created, progress and run counts by state."""
-    sweeps, total = store.list_sweeps(
+    found = store.list_sweeps(
         session, skip=(page - 1) * per_page, limit=per_page, kind=None, name=None
     )
+    # Beyond the count's cap the page count is unknown: "page 3 of 200+", and "older" follows
+    # whether a next page exists.
+    pages = max(1, -(-found.count // per_page))
     return _page(
         request,
         "sweeps.html",
-        sweeps=[_summary(s) for s in sweeps],
-        total=total,
+        sweeps=[_summary(s) for s in found.data],
+        total=f"{found.count:,}" + ("" if found.count_exact else "+"),
         page=page,
         per_page=per_page,
-        pages=max(1, -(-total // per_page)),
+        pages=f"{pages:,}" + ("" if found.count_exact else "+"),
+        has_older=found.next is not None,
     )
 
 
@@ -202,7 +206,7 @@ def compare_page(
     ] = None,
 ) -> HTMLResponse:
     """Two sweeps side by side: B/A for every cell with the same config; regressions marked."""
-    sweeps, _ = store.list_sweeps(session, skip=0, limit=500, kind=None, name=None)
+    sweeps = store.list_sweeps(session, skip=0, limit=500, kind=None, name=None).data
     context: dict[str, Any] = {"sweeps": [_summary(s) for s in sweeps], "a": a, "b": b}
     context["pairs"] = None
     if a is not None and b is not None:

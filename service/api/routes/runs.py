@@ -8,7 +8,17 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, HTTPException, Query, Response, status
 
 from service.api import store
-from service.api.deps import MAX_BIGINT, MAX_ID, NO_NUL, RunId, SessionDep, require_read
+from service.api.deps import (
+    CURSOR_HELP,
+    MAX_BIGINT,
+    MAX_ID,
+    MAX_SKIP,
+    NO_NUL,
+    SKIP_HELP,
+    RunId,
+    SessionDep,
+    require_read,
+)
 from service.api.results import headline
 from service.api.schemas import Message, RunDetail, RunList, RunOut
 from service.db.models import RunStatus
@@ -39,10 +49,12 @@ def list_runs(
     sort: Annotated[RunSort, Query(description="Column to sort by; prefix '-' to reverse.")] = (
         RunSort("-id")
     ),
-    skip: Annotated[int, Query(ge=0, le=100_000_000)] = 0,
+    skip: Annotated[int, Query(ge=0, le=MAX_SKIP, description=SKIP_HELP)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    cursor: Annotated[str | None, Query(max_length=400, description=CURSOR_HELP)] = None,
 ) -> Response:
-    """Runs matching every given filter, one page at a time, with the total count."""
+    """Runs matching every given filter, one page at a time, with the count and the next
+    page's cursor."""
     filters = store.RunFilter(
         sweep_id=sweep_id,
         kernel=kernel,
@@ -52,8 +64,15 @@ def list_runs(
         seq_len_max=seq_len_max,
         dtype=dtype,
     )
-    runs, count = store.list_runs(session, filters, sort=sort.value, skip=skip, limit=limit)
-    page = RunList(data=[RunOut.model_validate(r) for r in runs], count=count)
+    found = store.list_runs(
+        session, filters, sort=sort.value, skip=skip, limit=limit, cursor=cursor
+    )
+    page = RunList(
+        data=[RunOut.model_validate(r) for r in found.data],
+        count=found.count,
+        count_exact=found.count_exact,
+        next=found.next,
+    )
     # Serialized once here (the model above is the validation); FastAPI would validate it again.
     return Response(page.model_dump_json(), media_type="application/json")
 

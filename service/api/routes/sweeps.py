@@ -11,7 +11,16 @@ from pydantic import ValidationError
 
 from service import analysis, queries
 from service.api import results, store
-from service.api.deps import NO_NUL, SessionDep, SweepId, require_read, require_write
+from service.api.deps import (
+    CURSOR_HELP,
+    MAX_SKIP,
+    NO_NUL,
+    SKIP_HELP,
+    SessionDep,
+    SweepId,
+    require_read,
+    require_write,
+)
 from service.api.events import sweep_events
 from service.api.schemas import Message, ResultRow, SweepAction, SweepList, SweepOut
 from service.db.models import RunStatus, Sweep
@@ -93,17 +102,18 @@ def create_sweep(
 @router.get("", dependencies=read, responses=AUTH)
 def list_sweeps(
     session: SessionDep,
-    skip: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
+    skip: Annotated[int, Query(ge=0, le=MAX_SKIP, description=SKIP_HELP)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     kind: Literal["benchmark", "max_seq_len", "correctness"] | None = None,
     name: Annotated[
         str | None,
         Query(max_length=200, pattern=NO_NUL, description="Substring of the name."),
     ] = None,
+    cursor: Annotated[str | None, Query(max_length=400, description=CURSOR_HELP)] = None,
 ) -> SweepList:
-    """Sweeps, newest first, with their run counts and progress."""
-    data, count = store.list_sweeps(session, skip=skip, limit=limit, kind=kind, name=name)
-    return SweepList(data=data, count=count)
+    """Sweeps, newest first, with their run counts and progress, a page at a time."""
+    page = store.list_sweeps(session, skip=skip, limit=limit, kind=kind, name=name, cursor=cursor)
+    return SweepList(**vars(page))
 
 
 @router.get("/{sweep_id}", dependencies=read, responses={**NOT_FOUND, **AUTH})

@@ -1,0 +1,173 @@
+"""Keyset (cursor) pages and capped counts: list endpoints whose cost does not grow with depth.
+
+A page is `ORDER BY <sort column>, id LIMIT n`; the next page starts strictly after the last
+row's (value, id), which an index on the sort column (or the primary key) finds directly, where
+OFFSET would read and throw away every earlier row. The cursor that says where to start is an
+opaque URL-safe string: base64 of `[sort key, last value, last id]`.
+
+NULLs (a run's started_at before it starts) sort last in both directions, on SQLite and Postgres
+alike, so the cursor conditions below hold for nullable columns too.
+
+Counts are exact up to COUNT_CAP matching rows. Beyond it they stop there and say so
+(`count_exact: false`): counting 1,000,000 rows for a page of 50 costs more than the page.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from sqlalchemy import ColumnElement, Select, and_, func, or_, select, tuple_
+from sqlalchemy.orm import InstrumentedAttribute, Session
+
+COUNT_CAP = 10_000
+"""Counts stop here: above it a list answers `count: 10000, count_exact: false`."""
+
+
+def query_error(field: str, reason: str) -> RequestValidationError:
+    """A 422 naming one query parameter, shaped like FastAPI's own validation errors."""
+    return RequestValidationError(
+        [{"type": "value_error", "loc": ("query", field), "msg": reason, "input": None}]
+    )
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where the next page starts: just after the row with this sort value and id."""
+
+    sort: str
+    value: Any
+    id: int
+
+    def encode(self) -> str:
+        value = self.value.isoformat() if isinstance(self.value, datetime) else self.value
+        raw = json.dumps([self.sort, value, self.id], separators=(",", ":")).encode()
+        return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _column_value(value: Any, column: InstrumentedAttribute[Any]) -> Any:
+    """A cursor's JSON value as the column's Python type; TypeError or ValueError if it cannot
+    be one (a forged cursor must not reach the database as a mistyped comparison)."""
+    if value is None:
+        if not column.nullable:
+            raise TypeError("NULL in a NOT NULL column")
+        return None
+    kind = column.type.python_type
+    if kind is datetime:
+        return datetime.fromisoformat(value)
+    if kind is int:
+        if not _is_int(value):
+            raise TypeError("not an integer")
+        return value
+    if not isinstance(value, str):
+        raise TypeError("not a string")
+    return kind(value)  # str, or a StrEnum such as RunStatus (ValueError if not a member)
+
+
+def decode_cursor(text: str, sort: str, column: InstrumentedAttribute[Any]) -> Cursor:
+    """The cursor a previous page returned as `next`; a 422 naming `cursor` if it is not one,
+    or if it was made for another sort order."""
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+        key, value, last_id = json.loads(raw)
+    except (binascii.Error, UnicodeDecodeError, ValueError, TypeError) as e:
+        raise query_error("cursor", "not a cursor from a previous page's `next`") from e
+    if key != sort:
+        raise query_error("cursor", f"made for sort={key!r}, not sort={sort!r}")
+    if not _is_int(last_id):
+        raise query_error("cursor", "not a cursor from a previous page's `next`")
+    try:
+        value = _column_value(value, column)
+    except (TypeError, ValueError) as e:
+        raise query_error("cursor", "not a cursor from a previous page's `next`") from e
+    return Cursor(key, value, last_id)
+
+
+def order_by(
+    column: InstrumentedAttribute[Any], id_column: InstrumentedAttribute[Any], desc: bool
+) -> list[Any]:
+    """ORDER BY column (NULLs last), id in the same direction: a total order for cursors.
+
+    NULLS LAST is spelled out only for nullable columns: on a NOT NULL column it changes
+    nothing, and without it Postgres can walk a plain index backwards for a descending page."""
+    order = column.desc() if desc else column.asc()
+    if column.nullable:
+        order = order.nulls_last()
+    return [order, id_column.desc() if desc else id_column.asc()]
+
+
+def after(
+    cursor: Cursor,
+    column: InstrumentedAttribute[Any],
+    id_column: InstrumentedAttribute[Any],
+    desc: bool,
+) -> ColumnElement[bool]:
+    """The rows that come after `cursor` in order_by(column, id_column, desc)."""
+    beyond = id_column < cursor.id if desc else id_column > cursor.id
+    if cursor.value is None:  # the NULLs come last: only NULL rows with a later id remain
+        return and_(column.is_(None), beyond)
+    pair, last = tuple_(column, id_column), tuple_(cursor.value, cursor.id)
+    later = pair < last if desc else pair > last
+    if column.nullable:
+        return or_(later, column.is_(None))
+    return later
+
+
+def capped_count(session: Session, query: Select[Any]) -> tuple[int, bool]:
+    """How many rows `query` (a select of the matching rows) has, up to COUNT_CAP; and whether
+    that is exact. Reads at most COUNT_CAP + 1 rows whatever the table's size."""
+    limited = query.with_only_columns(query.selected_columns[0]).limit(COUNT_CAP + 1).subquery()
+    n = session.scalar(select(func.count()).select_from(limited)) or 0
+    return min(n, COUNT_CAP), n <= COUNT_CAP
+
+
+def page_statement(
+    query: Select[Any],
+    *,
+    sort: str,
+    column: InstrumentedAttribute[Any],
+    id_column: InstrumentedAttribute[Any],
+    cursor: str | None,
+    skip: int,
+    limit: int,
+) -> Select[Any]:
+    """`query` ordered by `sort` (a '-' prefix: descending), from just after `cursor` (or from
+    `skip`), for `limit` rows and one more that tells whether a next page exists."""
+    desc = sort.startswith("-")
+    if cursor is not None:
+        query = query.where(after(decode_cursor(cursor, sort, column), column, id_column, desc))
+    return query.order_by(*order_by(column, id_column, desc)).offset(skip).limit(limit + 1)
+
+
+def page_of(
+    session: Session,
+    query: Select[Any],
+    *,
+    sort: str,
+    column: InstrumentedAttribute[Any],
+    id_column: InstrumentedAttribute[Any],
+    cursor: str | None,
+    skip: int,
+    limit: int,
+) -> tuple[list[Any], str | None]:
+    """One page of `query` (see page_statement) and the cursor of the page after it (None on
+    the last page). The query's selected columns must include `column` and `id_column`."""
+    statement = page_statement(
+        query, sort=sort, column=column, id_column=id_column, cursor=cursor, skip=skip,
+        limit=limit,
+    )  # fmt: skip
+    rows = session.execute(statement).all()
+    if len(rows) <= limit:
+        return list(rows), None
+    rows = rows[:limit]
+    last = rows[-1]._mapping
+    return list(rows), Cursor(sort, last[column.key], last[id_column.key]).encode()
