@@ -68,3 +68,73 @@ def test_fifty_slow_streams_leave_requests_answering(tmp_path: Path, monkeypatch
 @pytest.fixture(autouse=True)
 def _short(monkeypatch: Any) -> None:
     monkeypatch.setattr(events, "PING_S", 1)
+
+
+def _open_streams(base: str, sweep_id: int, n: int, stop: threading.Event) -> list[Any]:
+    """n readers of the sweep's events, each holding its stream open until `stop`."""
+    opened = threading.Semaphore(0)
+
+    def reader() -> None:
+        url = f"{base}{API}/sweeps/{sweep_id}/events"
+        with httpx.stream("GET", url, params={"poll_s": 0.1}, timeout=60) as response:
+            assert response.status_code == 200
+            opened.release()
+            for _ in response.iter_bytes():
+                if stop.is_set():
+                    return
+
+    threads = [threading.Thread(target=reader, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for _ in range(n):
+        assert opened.acquire(timeout=60)
+    return threads
+
+
+def test_streams_of_one_sweep_share_one_poller(tmp_path: Path) -> None:
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'ringlab.db'}"))
+    with live_server(app) as base, httpx.Client(base_url=base, timeout=30) as http:
+        sweep_id = http.post(f"{API}/sweeps", json=small_spec()).json()["id"]
+        stop = threading.Event()
+        threads = _open_streams(base, sweep_id, 10, stop)
+        feed = app.state.stream_slots.feeds[sweep_id]
+        before, started = feed.polls, time.monotonic()
+        time.sleep(2.0)
+        polls, elapsed = feed.polls - before, time.monotonic() - started
+        stop.set()
+        # Ten streams polling every 0.1 s alone would poll 200 times in 2 s.
+        assert polls <= elapsed / 0.1 + 2, polls
+        assert feed.streams == 10
+        for t in threads:
+            t.join(timeout=10)
+        # A client that went away gives its slot back; the feed goes with its last stream.
+        deadline = time.monotonic() + 10
+        while app.state.stream_slots.total and time.monotonic() < deadline:
+            http.get(f"{API}/healthz")  # the server notices a closed stream when it writes
+            time.sleep(0.2)
+        assert app.state.stream_slots.total == 0 and sweep_id not in app.state.stream_slots.feeds
+
+
+@pytest.mark.parametrize(("cap", "which"), [("MAX_STREAMS_PER_CLIENT", 3), ("MAX_STREAMS", 4)])
+def test_one_stream_over_the_cap_is_429_with_retry_after(
+    tmp_path: Path, monkeypatch: Any, cap: str, which: int
+) -> None:
+    monkeypatch.setattr(events, cap, which)
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'ringlab.db'}"))
+    with live_server(app) as base, httpx.Client(base_url=base, timeout=30) as http:
+        sweep_id = http.post(f"{API}/sweeps", json=small_spec()).json()["id"]
+        stop = threading.Event()
+        threads = _open_streams(base, sweep_id, which, stop)
+        refused = http.get(f"{API}/sweeps/{sweep_id}/events")
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["Retry-After"] == str(events.RETRY_AFTER_S)
+        assert f"{which} event streams are open" in refused.json()["detail"]
+        assert http.get(f"{API}/healthz").status_code == 200  # everything else still answers
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+        deadline = time.monotonic() + 10
+        while app.state.stream_slots.total and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with httpx.stream("GET", f"{base}{API}/sweeps/{sweep_id}/events", timeout=30) as again:
+            assert again.status_code == 200  # the slots were given back

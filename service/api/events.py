@@ -9,6 +9,7 @@ API replicas can serve streams while the scheduler writes.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -20,6 +21,7 @@ from sse_starlette.sse import EventSourceResponse
 from service.api import store
 from service.api.deps import SweepId
 from service.api.schemas import SweepOut
+from service.db.models import Sweep
 
 DEFAULT_POLL_S = 1.0
 PING_S = 15
@@ -27,6 +29,15 @@ STREAM_POLL_THREADS = 4
 """Worker threads all of an app's event streams share for their database polls. Streams wait
 for each other, never for the thread pool that serves requests: 50 unread streams on a large
 sweep used to hold its 40 threads, so /healthz and POSTs waited behind them."""
+MAX_STREAMS = 256
+"""Open event streams per process; one more is answered 429 with Retry-After."""
+MAX_STREAMS_PER_CLIENT = 64
+"""Open event streams per client address: one client cannot take every slot (a lab behind one
+NAT address with a few dozen dashboards open still fits)."""
+RETRY_AFTER_S = 5
+
+Snapshot = tuple[SweepOut, dict[int, store.RunState]] | None
+"""A sweep with its run counts and every run's state; None once the sweep is deleted."""
 
 
 def _poll_limiter(app_state: Any) -> anyio.CapacityLimiter:
@@ -37,14 +48,101 @@ def _poll_limiter(app_state: Any) -> anyio.CapacityLimiter:
     return limiter
 
 
-def _poll(
-    factory: sessionmaker[Session], sweep_id: int
-) -> tuple[SweepOut, dict[int, store.RunState]] | None:
+def _poll(factory: sessionmaker[Session], sweep_id: int) -> Snapshot:
     with factory() as session:
         sweep = store.load_sweep_out(session, sweep_id)
         if sweep is None:
             return None
         return sweep, store.run_states(session, sweep_id)
+
+
+class SweepFeed:
+    """One database poller per sweep, shared by every stream of that sweep.
+
+    A stream asks for a snapshot newer than the one it has. If the newest is older than the
+    stream's poll interval, the first stream to ask polls (under the lock) and the others take
+    that snapshot: 50 streams on one sweep cost one query per interval, not 50.
+    """
+
+    def __init__(self, app_state: Any, sweep_id: int) -> None:
+        self.app_state = app_state
+        self.sweep_id = sweep_id
+        self.lock = anyio.Lock()
+        self.version = 0
+        self.snapshot: Snapshot = None
+        self.taken_at = -float("inf")
+        self.streams = 0
+        self.polls = 0
+
+    async def newer_than(self, seen: int, poll_s: float) -> tuple[int, Snapshot]:
+        """(version, snapshot) with version > seen, polling at most once per poll_s."""
+        while self.version <= seen:
+            wait = self.taken_at + poll_s - time.monotonic()
+            if wait > 0:
+                await anyio.sleep(wait)
+                continue
+            async with self.lock:
+                if self.version > seen:  # another stream polled while this one waited
+                    break
+                factory: sessionmaker[Session] = self.app_state.sessionmaker
+                self.snapshot = await anyio.to_thread.run_sync(
+                    _poll, factory, self.sweep_id, limiter=_poll_limiter(self.app_state)
+                )
+                self.polls += 1
+                self.version += 1
+                self.taken_at = time.monotonic()
+        return self.version, self.snapshot
+
+
+class StreamSlots:
+    """How many event streams are open, in all and per client; refuses one over a cap."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.per_client: dict[str, int] = {}
+        self.feeds: dict[int, SweepFeed] = {}
+
+    def open(self, app_state: Any, client: str, sweep_id: int) -> SweepFeed:
+        """Take a slot and the sweep's feed, or raise 429 naming the cap that was reached."""
+        if self.total >= MAX_STREAMS:
+            raise _too_many(f"{MAX_STREAMS} event streams are open on this server")
+        if self.per_client.get(client, 0) >= MAX_STREAMS_PER_CLIENT:
+            raise _too_many(f"{MAX_STREAMS_PER_CLIENT} event streams are open from {client}")
+        self.total += 1
+        self.per_client[client] = self.per_client.get(client, 0) + 1
+        feed = self.feeds.get(sweep_id)
+        if feed is None:
+            feed = self.feeds[sweep_id] = SweepFeed(app_state, sweep_id)
+        feed.streams += 1
+        return feed
+
+    def close(self, client: str, feed: SweepFeed) -> None:
+        """Give the slot back; the feed goes when its last stream does."""
+        self.total -= 1
+        left = self.per_client[client] - 1
+        if left:
+            self.per_client[client] = left
+        else:
+            del self.per_client[client]
+        feed.streams -= 1
+        if feed.streams == 0 and self.feeds.get(feed.sweep_id) is feed:
+            del self.feeds[feed.sweep_id]
+
+
+def _too_many(reason: str) -> HTTPException:
+    return HTTPException(
+        status.HTTP_429_TOO_MANY_REQUESTS,
+        f"{reason}; close one or retry in {RETRY_AFTER_S} s",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+def stream_slots(app_state: Any) -> StreamSlots:
+    """The app's stream bookkeeping (made on first use)."""
+    slots = getattr(app_state, "stream_slots", None)
+    if slots is None:
+        slots = app_state.stream_slots = StreamSlots()
+    return slots
 
 
 def _run_event(run_id: int, state: store.RunState, previous: str | None) -> dict[str, str]:
@@ -58,46 +156,64 @@ def _run_event(run_id: int, state: store.RunState, previous: str | None) -> dict
     return {"event": "run", "data": json.dumps(data)}
 
 
-async def _stream(app_state: Any, sweep_id: int, poll_s: float) -> AsyncIterator[dict[str, Any]]:
-    """Poll (on the app's stream-poll threads) and yield what changed until the sweep is done."""
-    factory: sessionmaker[Session] = app_state.sessionmaker
-    previous: dict[int, store.RunState] | None = None
-    while True:
-        snapshot = await anyio.to_thread.run_sync(
-            _poll, factory, sweep_id, limiter=_poll_limiter(app_state)
-        )
-        if snapshot is None:
-            yield {"event": "end", "data": json.dumps({"id": sweep_id, "deleted": True})}
-            return
-        sweep, states = snapshot
-        if previous is None:
-            yield {"event": "progress", "data": sweep.model_dump_json()}
-        else:
-            changed = False
-            for run_id, state in states.items():
-                before = previous.get(run_id)
-                if before != state:
-                    changed = True
-                    yield _run_event(run_id, state, before.status if before else None)
-            if changed:
+async def _stream(
+    slots: StreamSlots, client: str, feed: SweepFeed, poll_s: float
+) -> AsyncIterator[dict[str, Any]]:
+    """Yield what changed between the feed's snapshots until the sweep is done or deleted;
+    the stream's slot is given back however it ends (a client that goes away included)."""
+    try:
+        seen = 0
+        previous: dict[int, store.RunState] | None = None
+        while True:
+            seen, snapshot = await feed.newer_than(seen, poll_s)
+            if snapshot is None:
+                deleted = {"id": feed.sweep_id, "deleted": True}
+                yield {"event": "end", "data": json.dumps(deleted)}
+                return
+            sweep, states = snapshot
+            if previous is None:
                 yield {"event": "progress", "data": sweep.model_dump_json()}
-        previous = states
-        if sweep.done:
-            yield {"event": "end", "data": sweep.model_dump_json()}
-            return
-        await anyio.sleep(poll_s)
+            elif states is not previous:
+                changed = False
+                for run_id, state in states.items():
+                    before = previous.get(run_id)
+                    if before != state:
+                        changed = True
+                        yield _run_event(run_id, state, before.status if before else None)
+                if changed:
+                    yield {"event": "progress", "data": sweep.model_dump_json()}
+            previous = states
+            if sweep.done:
+                yield {"event": "end", "data": sweep.model_dump_json()}
+                return
+    finally:
+        slots.close(client, feed)
 
 
-def sweep_events(
+def _exists(factory: sessionmaker[Session], sweep_id: int) -> bool:
+    with factory() as session:
+        return session.get(Sweep, sweep_id) is not None
+
+
+async def sweep_events(
     sweep_id: SweepId,
     request: Request,
     poll_s: Annotated[
         float, Query(ge=0.05, le=60, description="Seconds between database polls.")
     ] = DEFAULT_POLL_S,
 ) -> EventSourceResponse:
-    """Stream run state changes and progress of a sweep; the stream ends when the sweep does."""
+    """Stream run state changes and progress of a sweep; the stream ends when the sweep does.
+
+    Every stream of one sweep shares one poller. At most MAX_STREAMS streams per process and
+    MAX_STREAMS_PER_CLIENT per client address are open at once: one more is 429 with
+    Retry-After."""
+    # Async, so the slot bookkeeping below runs on the event loop only (no locks); the
+    # existence check uses the streams' poll threads like every other query of theirs.
     factory: sessionmaker[Session] = request.app.state.sessionmaker
-    with factory() as session:
-        if store.load_sweep_out(session, sweep_id) is None:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"sweep {sweep_id} not found")
-    return EventSourceResponse(_stream(request.app.state, sweep_id, poll_s), ping=PING_S)
+    limiter = _poll_limiter(request.app.state)
+    if not await anyio.to_thread.run_sync(_exists, factory, sweep_id, limiter=limiter):
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"sweep {sweep_id} not found")
+    slots = stream_slots(request.app.state)
+    client = request.client.host if request.client is not None else "unknown"
+    feed = slots.open(request.app.state, client, sweep_id)
+    return EventSourceResponse(_stream(slots, client, feed, poll_s), ping=PING_S)

@@ -292,6 +292,7 @@ router.add_api_route(
     response_class=Response,
     responses={
         200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+        429: {"model": Message, "description": "Too many open streams; see Retry-After."},
         **NOT_FOUND,
         **AUTH,
     },
