@@ -7,8 +7,9 @@ lease is never written by the scheduler that lost it. Each function is one short
 
 from __future__ import annotations
 
+import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, cast
@@ -274,3 +275,73 @@ def recover_expired(sm: sessionmaker[Session]) -> list[int]:
             .execution_options(synchronize_session=False)
         ).all()
     return sorted(ids)
+
+
+def owner_process(token: str) -> tuple[str, int, str] | None:
+    """(host, pid, instance nonce) of a lease token made from a default owner
+    (`host:pid:nonce/claim`); None for an owner given by name."""
+    parts = token.partition("/")[0].split(":")
+    if len(parts) != 3 or not parts[0] or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1]), parts[2]
+
+
+def recover_orphans(
+    sm: sessionmaker[Session], owner: str, alive: Callable[[int], bool]
+) -> list[int]:
+    """Active runs held by a dead scheduler on this host go back to queued at once, without
+    waiting for their lease to expire; their ids.
+
+    Dead means: the lease names this host and a process that is not `alive`, or this very
+    process under another instance (a restarted container reuses its pid). A lease from another
+    host, or from a live process here, is left to expire as before. The UPDATE re-checks the
+    token it read, so a run claimed again meanwhile is not touched.
+    """
+    me = owner_process(owner)
+    if me is None:
+        return []
+    host, pid, nonce = me
+    with sm() as session, session.begin():
+        held = session.execute(
+            select(Run.id, Run.lease_owner).where(
+                Run.status.in_(ACTIVE_STATUSES), Run.lease_owner.startswith(f"{host}:")
+            )
+        ).all()
+        orphans: list[tuple[int, str]] = []
+        for run_id, token in held:
+            theirs = None if token is None else owner_process(token)
+            if token is None or theirs is None or theirs[0] != host:
+                continue
+            if (theirs[1] == pid and theirs[2] != nonce) or (
+                theirs[1] != pid and not alive(theirs[1])
+            ):
+                orphans.append((run_id, token))
+        ids = []
+        for run_id, token in orphans:
+            result = session.execute(
+                update(Run)
+                .where(Run.id == run_id, Run.lease_owner == token, Run.status.in_(ACTIVE_STATUSES))
+                .values(
+                    status=RunStatus.queued,
+                    lease_owner=None,
+                    lease_expires_at=None,
+                    heartbeat_at=None,
+                    started_at=None,
+                    error="requeued: the scheduler running it on this host had died",
+                )
+                .execution_options(synchronize_session=False)
+            )
+            if rowcount(result) == 1:
+                ids.append(run_id)
+    return sorted(ids)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (signal 0 checks, sends nothing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True

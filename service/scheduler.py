@@ -111,10 +111,13 @@ class Scheduler:
         heartbeat_s: float = 5.0,
         poll_s: float = 0.5,
         grace_s: float = 10.0,
+        recover_s: float = 2.0,
     ) -> None:
         """lease_s: how long a claim holds without a heartbeat (then recovery requeues the run);
         heartbeat_s: renewal period (also how fast a cancel is noticed); poll_s: poll slice and
-        idle wait; grace_s: after a stop, how long the running run may still finish.
+        idle wait; grace_s: after a stop, how long the running run may still finish;
+        recover_s: period of the recovery pass, on its own thread (not tied to the lease, and
+        not waiting for this scheduler's own run to end).
         A run's timeout_s counts from its claim (waiting for resources and gang start included).
         """
         if not 0 < heartbeat_s < lease_s:
@@ -123,6 +126,8 @@ class Scheduler:
             )
         if poll_s <= 0:
             raise ValueError(f"poll_s: must be > 0, got {poll_s}")
+        if recover_s <= 0:
+            raise ValueError(f"recover_s: must be > 0, got {recover_s}")
         self.sessionmaker = sessionmaker
         self.pool = pool
         self.owner = owner or default_owner()
@@ -130,6 +135,7 @@ class Scheduler:
         self.heartbeat_s = heartbeat_s
         self.poll_s = poll_s
         self.grace_s = grace_s
+        self.recover_s = recover_s
         self._stopping = threading.Event()
         self._requeue = threading.Event()
         self._waiting = threading.Event()
@@ -144,26 +150,31 @@ class Scheduler:
         self._stopping.set()
 
     def recover(self) -> list[int]:
-        """Runs whose lease expired (a crashed scheduler) return to queued; their ids."""
-        ids = leases.recover_expired(self.sessionmaker)
-        if ids:
-            log.warning("requeued %d run(s) with an expired lease: %s", len(ids), ids)
-        return ids
+        """Runs of a dead scheduler return to queued; their ids. Those a scheduler on this host
+        held go at once (its process is gone, or it was an earlier instance of this one);
+        those of other hosts once their lease has expired."""
+        orphans = leases.recover_orphans(self.sessionmaker, self.owner, leases.process_alive)
+        if orphans:
+            log.warning("requeued %d run(s) of a dead scheduler on this host: %s", len(orphans),
+                        orphans)  # fmt: skip
+        expired = leases.recover_expired(self.sessionmaker)
+        if expired:
+            log.warning("requeued %d run(s) with an expired lease: %s", len(expired), expired)
+        return sorted(orphans + expired)
 
     def run_forever(self, stop: threading.Event) -> None:
         """Recover, then claim and run until `stop` (or stop()); a stop lets the run finish
-        within grace_s and requeues it after that (attempts unchanged)."""
+        within grace_s and requeues it after that (attempts unchanged). Recovery passes run
+        every recover_s on their own thread meanwhile."""
         self.recover()
-        next_recover = time.monotonic() + self.lease_s
         done = threading.Event()
         watcher = threading.Thread(target=self._watch_stop, args=(stop, done), daemon=True)
+        recoverer = threading.Thread(target=self._recover_every, args=(done,), daemon=True)
         watcher.start()
+        recoverer.start()
         try:
             while not self._stopping.is_set():
                 try:
-                    if time.monotonic() >= next_recover:
-                        self.recover()
-                        next_recover = time.monotonic() + self.lease_s
                     worked = self.run_once()
                 except DBAPIError:
                     # The database is down or restarting: keep trying; a run we held and could
@@ -177,6 +188,14 @@ class Scheduler:
             self._stopping.set()
             done.set()
             watcher.join()
+            recoverer.join()
+
+    def _recover_every(self, done: threading.Event) -> None:
+        while not done.wait(self.recover_s):
+            try:
+                self.recover()
+            except DBAPIError:
+                log.warning("recovery pass failed (database error); next in %g s", self.recover_s)
 
     def _watch_stop(self, stop: threading.Event, done: threading.Event) -> None:
         # Turns the caller's event into a graceful stop: grace_s to finish, then requeue.

@@ -7,6 +7,8 @@ in tests/test_scheduler_ray.py.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 import threading
@@ -145,6 +147,41 @@ def test_expired_lease_is_recovered_to_queued(engine: Engine) -> None:
     assert not leases.heartbeat(sm, claim, 30), "the crashed owner cannot renew"
     assert not leases.finish(sm, claim, completion_from_outcome(fake_outcome(tiny_config())))
     assert rank_rows_per_run(sm) == Counter()
+
+
+def test_runs_of_a_dead_scheduler_on_this_host_are_requeued_at_once(engine: Engine) -> None:
+    """Restarted after a kill -9, a scheduler requeues what its dead predecessor on this host
+    held without waiting 30 s for the lease: a dead pid, or its own pid under another
+    instance (a restarted container). Live processes and other hosts keep their runs."""
+    sm = make_sessionmaker(engine)
+    ids = add_sweep(sm, [tiny_config(seed=i) for i in range(5)])
+    host = socket.gethostname()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    owners = {
+        ids[0]: f"{host}:{dead.pid}:aaaaaa",  # killed
+        ids[1]: f"{host}:{os.getpid()}:bbbbbb",  # this pid, an earlier instance
+        ids[2]: f"{host}:{os.getppid()}:cccccc",  # alive
+        ids[3]: f"elsewhere:{dead.pid}:dddddd",  # another host: its pid means nothing here
+        ids[4]: "named-scheduler",  # an owner given by name
+    }
+    claims = {}
+    for _ in ids:
+        claim = leases.claim_next(sm, "placeholder", lease_s=300)
+        assert claim is not None
+        token = leases.new_token(owners[claim.run_id])
+        with sm() as session, session.begin():
+            session.execute(update(Run).where(Run.id == claim.run_id).values(lease_owner=token))
+        claims[claim.run_id] = token
+    me = f"{host}:{os.getpid()}:mine00"
+    scheduler = make_scheduler(engine, ThreadPool(), owner=me, lease_s=300)
+    assert scheduler.recover() == [ids[0], ids[1]]
+    statuses = {i: run_row(sm, i).status for i in ids}
+    assert statuses == {**dict.fromkeys(ids, RunStatus.running), ids[0]: RunStatus.queued,
+                        ids[1]: RunStatus.queued}  # fmt: skip
+    assert "scheduler running it on this host had died" in (run_row(sm, ids[0]).error or "")
+    assert run_row(sm, ids[0]).attempts == 1, "the attempt it was on is not lost"
+    assert scheduler.recover() == [], "each run is requeued once"
 
 
 def test_a_run_whose_scheduler_keeps_dying_fails_instead_of_looping(engine: Engine) -> None:

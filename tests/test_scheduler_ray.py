@@ -237,7 +237,7 @@ def test_scheduler_killed_mid_sweep_then_restarted_runs_each_run_once(
     sm = make_sessionmaker(engine)
     ids = add_sweep(sm, [long_config(seed=i, iterations=3000) for i in range(3)])
     address = ray_session.get_runtime_context().gcs_address
-    lease_s = 2.0
+    lease_s = 30.0  # the default: recovery must not wait for it to expire
     proc = subprocess.Popen(
         [sys.executable, str(HELPERS), database_url, address, str(lease_s)],
         stdout=subprocess.DEVNULL,
@@ -258,10 +258,18 @@ def test_scheduler_killed_mid_sweep_then_restarted_runs_each_run_once(
     interrupted = [i for i in ids if run_row(sm, i).status == RunStatus.running]
     assert len(interrupted) == 1, "killed while one run was running"
     stop = threading.Event()
+    restarted_at = time.monotonic()
     restarted = run_in_thread(
         scheduler(sm, gang_pool, lease_s=lease_s, heartbeat_s=0.5).run_forever, stop
     )
     try:
+        (run_id,) = interrupted
+        wait_for(
+            lambda: run_row(sm, run_id).attempts == 2 or run_row(sm, run_id).status != "running",
+            10,
+            "the interrupted run requeued or running again within 10 s of the restart",
+        )
+        assert time.monotonic() - restarted_at < 10
         wait_for(
             lambda: all(run_row(sm, i).status in TERMINAL_STATUSES for i in ids),
             120,
