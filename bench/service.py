@@ -115,6 +115,11 @@ def serve(app: Any) -> Iterator[str]:
         thread.join(30)
 
 
+SERVER_PIDS: dict[str, int] = {}
+"""The pid of each server serve_subprocess started, by base URL (bench/big_sweep.py reads its
+memory)."""
+
+
 @contextlib.contextmanager
 def serve_subprocess(url: str) -> Iterator[str]:
     """`run_server` (uvicorn, no scheduler) in its own process: no GIL shared with the client."""
@@ -133,6 +138,7 @@ def serve_subprocess(url: str) -> Iterator[str]:
         stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
+    SERVER_PIDS[base] = proc.pid
     try:
         while True:
             if proc.poll() is not None:
@@ -186,7 +192,7 @@ def fill_runs(sessionmaker: Any, target: int) -> int:
                     {
                         "sweep_id": sweep.id,
                         "cell_key": cell_key_of(config),
-                        "config": config,
+                        "cell_config": config,
                         "kernel": kernel,
                         "seq_len": seq_len,
                         "world_size": world,

@@ -27,6 +27,7 @@ from service.db.models import (
     Run,
     RunStatus,
     Sweep,
+    full_config,
     utcnow,
 )
 
@@ -124,14 +125,14 @@ def claim_next(sm: sessionmaker[Session], owner: str, lease_s: float) -> Claim |
             if rowcount(result) != 1:
                 return None
         row = session.execute(
-            select(Run.id, Run.config, Run.attempts, Sweep.kind)
+            select(Run.id, Run.cell_config, Sweep.base_config, Run.attempts, Sweep.kind)
             .join(Sweep, Sweep.id == Run.sweep_id)
             .where(Run.lease_owner == token)
         ).one()
     return Claim(
         run_id=row.id,
         token=token,
-        config=row.config,
+        config=full_config(row.base_config, row.cell_config),
         kind=cast(Kind, str(row.kind)),
         attempts=row.attempts,
     )

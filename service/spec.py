@@ -600,9 +600,10 @@ class _Expander:
             return None
         return Cell(config, config_json, key, axes)
 
-    def expand(self) -> list[Cell]:
-        cells: list[Cell] = []
-        seen: dict[str, dict[str, Any]] = {}
+    def cells(self) -> Iterator[Cell]:
+        """Each valid cell as it is validated; once every cell has been seen, SpecError if any
+        was invalid. Only the cells' keys are kept (to find duplicates), never the cells."""
+        seen: dict[str, tuple[int, ...]] = {}
         for idx in self.indices():
             if len(self.errors) >= MAX_ERRORS:
                 break
@@ -611,18 +612,26 @@ class _Expander:
             if cell is None:
                 continue
             if cell.cell_key in seen:
-                first = ", ".join(f"{k}={v!r}" for k, v in seen[cell.cell_key].items())
+                first_axes = self.build(seen[cell.cell_key])[1]
+                first = ", ".join(f"{k}={v!r}" for k, v in first_axes.items())
                 where = self.axes[0][1] if self.axes else "base"
                 self.add((where,), f"duplicate cell: same run config as the cell {first}", axes)
                 continue
-            seen[cell.cell_key] = axes
-            cells.append(cell)
+            seen[cell.cell_key] = idx
+            if not self.errors:  # after the first error only errors are of use
+                yield cell
         if self.errors:
             raise SpecError(self.errors[:MAX_ERRORS])
-        return cells
+
+
+def iter_cells(spec: SweepSpec) -> Iterator[Cell]:
+    """The sweep's cells one at a time as validated RunConfigs; a SpecError (with field paths)
+    once the expansion is over if any cell was invalid, after the valid ones before it were
+    yielded: a caller that stores them does so in a transaction it rolls back then."""
+    _check_structure(spec)
+    return _Expander(spec).cells()
 
 
 def expand(spec: SweepSpec) -> list[Cell]:
     """Every cell of the sweep as a validated RunConfig; SpecError (with field paths) otherwise."""
-    _check_structure(spec)
-    return _Expander(spec).expand()
+    return list(iter_cells(spec))

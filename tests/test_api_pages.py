@@ -47,7 +47,7 @@ def fill(database_url: str, runs: int, sweeps: int = 3, seed: int = 0) -> list[d
                         "id": i + 1,
                         "sweep_id": rng.randrange(sweeps) + 1,
                         "cell_key": f"k{i}",
-                        "config": {},
+                        "cell_config": {},
                         "kernel": rng.choice(KERNELS),
                         "seq_len": rng.choice((1024, 2048, 4096)),
                         "world_size": rng.choice((1, 2, 4)),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,8 @@ from service.db.models import (
     Run,
     RunStatus,
     Sweep,
+    cell_delta,
+    full_config,
     utcnow,
 )
 from service.spec import Cell, SweepSpec
@@ -81,12 +83,17 @@ def load_sweep_out(session: Session, sweep_id: int) -> SweepOut | None:
     return sweep_out(sweep, run_counts(session, [sweep_id])[sweep_id])
 
 
-def _run_row(sweep_id: int, cell: Cell, now: Any) -> dict[str, Any]:
+INSERT_CHUNK = 2_000
+"""Runs inserted per statement: a 100,000-cell sweep never holds its expansion in memory, and
+other requests get the interpreter between chunks."""
+
+
+def _run_row(sweep_id: int, cell: Cell, base: dict[str, Any], now: Any) -> dict[str, Any]:
     c = cell.config
     return {
         "sweep_id": sweep_id,
         "cell_key": cell.cell_key,
-        "config": cell.config_json,
+        "cell_config": cell_delta(base, cell.config_json),
         "kernel": c.kernel,
         "seq_len": c.seq_len,
         "world_size": c.world_size,
@@ -100,17 +107,21 @@ def _run_row(sweep_id: int, cell: Cell, now: Any) -> dict[str, Any]:
 
 
 def create_sweep(
-    session: Session, spec: SweepSpec, cells: Sequence[Cell], idempotency_key: str | None
-) -> tuple[Sweep, bool]:
-    """Store a sweep and its runs in one transaction; (sweep, created).
+    session: Session, spec: SweepSpec, cells: Iterable[Cell], idempotency_key: str | None
+) -> tuple[Sweep, int, bool]:
+    """Store a sweep and its runs in one transaction; (sweep, runs stored, created).
 
-    With an idempotency key already used for the same spec, returns that sweep (created=False).
+    `cells` may be a lazy expansion (spec.iter_cells): runs are inserted INSERT_CHUNK at a time
+    as cells come, and a SpecError raised by the expansion rolls everything back (nothing is
+    stored). The first cell's config becomes the sweep's base_config; each run stores what
+    differs from it. With an idempotency key already used for the same spec, returns that
+    sweep (created=False).
     """
     spec_json = spec.model_dump(mode="json")
     if idempotency_key is not None:
         existing = _by_key(session, idempotency_key, spec_json)
         if existing is not None:
-            return existing, False
+            return existing, 0, False
     now = utcnow()
     sweep = Sweep(
         name=spec.name,
@@ -119,11 +130,26 @@ def create_sweep(
         idempotency_key=idempotency_key,
         created_at=now,
     )
-    session.add(sweep)
+    stored = 0
     try:
-        session.flush()
-        # Core executemany on the table: no ORM unit-of-work bookkeeping for 10,000s of rows.
-        session.execute(insert(Run), [_run_row(sweep.id, cell, now) for cell in cells])
+        chunk: list[dict[str, Any]] = []
+        for cell in cells:
+            if sweep.base_config is None:
+                sweep.base_config = cell.config_json
+                session.add(sweep)
+                session.flush()
+            assert sweep.base_config is not None  # for mypy: set just above
+            chunk.append(_run_row(sweep.id, cell, sweep.base_config, now))
+            if len(chunk) == INSERT_CHUNK:
+                # Core executemany on the table: no ORM unit-of-work bookkeeping per row.
+                session.execute(insert(Run), chunk)
+                stored += len(chunk)
+                chunk = []
+        if chunk:
+            session.execute(insert(Run), chunk)
+            stored += len(chunk)
+        if sweep.base_config is None:  # no cells at all
+            session.add(sweep)
         session.commit()
     except IntegrityError:
         session.rollback()
@@ -132,8 +158,11 @@ def create_sweep(
         existing = _by_key(session, idempotency_key, spec_json)
         if existing is None:
             raise
-        return existing, False
-    return sweep, True
+        return existing, 0, False
+    except BaseException:
+        session.rollback()
+        raise
+    return sweep, stored, True
 
 
 def sweep_for_key(session: Session, key: str, spec: SweepSpec) -> Sweep | None:
@@ -339,10 +368,11 @@ RUN_LIST_COLUMNS = tuple(
     for name in (
         "id", "sweep_id", "cell_key", "kernel", "seq_len", "world_size", "dtype", "mode",
         "causal", "status", "attempts", "created_at", "started_at", "finished_at", "error",
-        "config",
+        "cell_config",
     )
 )  # fmt: skip
-"""What a run listing shows (RunOut): plain columns, no ORM identity map for a page of rows."""
+"""What a run listing shows (RunOut), with its sweep's base_config: plain columns, no ORM
+identity map for a page of rows."""
 
 
 def page_query(
@@ -350,7 +380,7 @@ def page_query(
 ) -> Select[Any]:
     """The statement behind a page of GET /runs (the EXPLAIN test reads its plan)."""
     return pages.page_statement(
-        select(*RUN_LIST_COLUMNS).where(*filters.clauses()), sort=sort,
+        _run_list(filters), sort=sort,
         column=RUN_SORT_KEYS[sort.removeprefix("-")], id_column=Run.id, cursor=cursor,
         skip=skip, limit=limit,
     )  # fmt: skip
@@ -367,13 +397,25 @@ def list_runs(
 ) -> Page:
     """A page of runs matching `filters`, sorted by a whitelisted key (id breaks ties), as
     plain row dicts."""
-    query = select(*RUN_LIST_COLUMNS).where(*filters.clauses())
-    count, exact = pages.capped_count(session, query)
+    count, exact = pages.capped_count(session, select(Run.id).where(*filters.clauses()))
     rows, next_cursor = pages.page_of(
-        session, query, sort=sort, column=RUN_SORT_KEYS[sort.removeprefix("-")],
+        session, _run_list(filters), sort=sort, column=RUN_SORT_KEYS[sort.removeprefix("-")],
         id_column=Run.id, cursor=cursor, skip=skip, limit=limit,
     )  # fmt: skip
-    return Page([dict(row._mapping) for row in rows], count, exact, next_cursor)
+    data = []
+    for row in rows:
+        out = dict(row._mapping)
+        out["config"] = full_config(out.pop("base_config"), out.pop("cell_config"))
+        data.append(out)
+    return Page(data, count, exact, next_cursor)
+
+
+def _run_list(filters: RunFilter) -> Select[Any]:
+    return (
+        select(*RUN_LIST_COLUMNS, Sweep.base_config)
+        .join(Sweep, Sweep.id == Run.sweep_id)
+        .where(*filters.clauses())
+    )
 
 
 def load_run(session: Session, run_id: int) -> Run | None:

@@ -41,6 +41,17 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def full_config(base: dict[str, Any] | None, cell: dict[str, Any]) -> dict[str, Any]:
+    """A run's whole config from its sweep's base_config and its cell_config."""
+    return {**base, **cell} if base else dict(cell)
+
+
+def cell_delta(base: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """What a run stores of its whole config: the keys whose values differ from base
+    (full_config(base, cell_delta(base, c)) == c when c and base share their keys)."""
+    return {k: v for k, v in config.items() if k not in base or base[k] != v}
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
     type_annotation_map: ClassVar[dict[Any, Any]] = {dict[str, Any]: JSON, list[Any]: JSON}
@@ -88,6 +99,9 @@ class Sweep(Base):
     spec: Mapped[dict[str, Any]]
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
+    base_config: Mapped[dict[str, Any] | None]
+    """What every run's normalized config shares, stored once (None: sweeps stored before
+    revision 0005, whose runs hold their whole config). See Run.config."""
 
     runs: Mapped[list[Run]] = relationship(
         back_populates="sweep", cascade="all, delete-orphan", passive_deletes=True
@@ -131,7 +145,9 @@ class Run(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     sweep_id: Mapped[int] = mapped_column(ForeignKey("sweep.id", ondelete="CASCADE"))
     cell_key: Mapped[str] = mapped_column(String(64))
-    config: Mapped[dict[str, Any]]
+    cell_config: Mapped[dict[str, Any]] = mapped_column("config")
+    """The keys of the run's normalized config whose values differ from its sweep's
+    base_config: a 100,000-cell sweep stores its shared env and params once, not per run."""
     kernel: Mapped[str] = mapped_column(String(64))
     seq_len: Mapped[int] = mapped_column(BigInteger, index=True)
     world_size: Mapped[int] = mapped_column(Integer, index=True)
@@ -155,6 +171,18 @@ class Run(Base):
 
     sweep: Mapped[Sweep] = relationship(back_populates="runs")
     environment: Mapped[Environment | None] = relationship()
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The run's whole normalized config (RunConfig.model_dump(mode="json")): its sweep's
+        base_config overlaid with its own cell_config."""
+        return full_config(self.sweep.base_config if self.sweep else None, self.cell_config)
+
+    @config.setter
+    def config(self, value: dict[str, Any]) -> None:
+        # A whole config stored as the cell is still exact: it overrides every base key.
+        self.cell_config = value
+
     rank_results: Mapped[list[RankResult]] = relationship(
         back_populates="run",
         cascade="all, delete-orphan",

@@ -24,7 +24,7 @@ from service.api.deps import (
 from service.api.events import sweep_events
 from service.api.schemas import Message, ResultRow, SweepAction, SweepList, SweepOut
 from service.db.models import RunStatus, Sweep
-from service.spec import PivotSpec, PivotValue, SpecError, SweepSpec, expand, nul_characters
+from service.spec import PivotSpec, PivotValue, SpecError, SweepSpec, iter_cells, nul_characters
 from service.views import RunRow
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
@@ -82,13 +82,14 @@ def create_sweep(
         response.headers["Location"] = location.format(existing.id)
         return _sweep_or_404(session, existing.id)
     try:
-        cells = expand(spec)
+        # Expanded lazily while inserting, in one transaction rolled back on any invalid cell.
+        sweep, stored, created = store.create_sweep(
+            session, spec, iter_cells(spec), idempotency_key
+        )
     except SpecError as e:
         raise RequestValidationError(
             [{**err, "loc": ["body", *err["loc"]]} for err in e.errors]
         ) from e
-    try:
-        sweep, created = store.create_sweep(session, spec, cells, idempotency_key)
     except store.IdempotencyConflict as e:
         raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
     response.headers["Location"] = location.format(sweep.id)
@@ -96,7 +97,7 @@ def create_sweep(
         response.status_code = status.HTTP_200_OK
         return _sweep_or_404(session, sweep.id)
     # Just stored, all queued: no need to count them again.
-    return store.sweep_out(sweep, {**dict.fromkeys(RunStatus, 0), RunStatus.queued: len(cells)})
+    return store.sweep_out(sweep, {**dict.fromkeys(RunStatus, 0), RunStatus.queued: stored})
 
 
 @router.get("", dependencies=read, responses=AUTH)
