@@ -16,6 +16,7 @@ the same shape for a sparse or dilated cell. The ratios against it:
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -144,34 +145,86 @@ def _ratio(a: float | int | None, b: float | int | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+@dataclass(frozen=True)
+class Refs:
+    """The other runs of its sweep a run is compared against, found from configs alone."""
+
+    baseline: tuple[int, str] | None = None
+    """(run id, name) of its baseline."""
+    without_checkpointing: int | None = None
+    """A model run with checkpointing: the same cell without it."""
+
+
+class ReferenceFinder:
+    """Finds every run's Refs in one pass over a sweep's rows in id order (results not needed),
+    keeping per run only short digests of the configs it looks for: a 100,000-run sweep is
+    resolved without holding its rows."""
+
+    def __init__(self, spec: AnalysisSpec | None) -> None:
+        self.spec = spec or AnalysisSpec()
+        self.first: dict[bytes, int] = {}  # match key -> the lowest run id with it
+        self.wanted: list[tuple[int, list[tuple[bytes, str]], bytes | None]] = []
+
+    def add(self, row: RunRow) -> None:
+        """One row (rows come in id order)."""
+        self.first.setdefault(_digest(row.config), row.run_id)
+        targets = [(_digest(t), name) for t, name in _targets(row, self.spec)]
+        plain = None
+        checkpointing = (row.config.get("training") or {}).get("checkpointing")
+        if row.workload == "model" and checkpointing not in (None, "none"):
+            changes = {"training.checkpointing": "none", "training.checkpoint_every": None}
+            plain = _digest(_with(row.config, changes))
+        if targets or plain is not None:
+            self.wanted.append((row.run_id, targets, plain))
+
+    def refs(self) -> dict[int, Refs]:
+        """Run id -> Refs for every run that has a reference."""
+        out = {}
+        for run_id, targets, plain in self.wanted:
+            found = [(self.first[k], name) for k, name in targets if k in self.first]
+            without = self.first.get(plain) if plain is not None else None
+            if found or without is not None:
+                out[run_id] = Refs(found[0] if found else None, without)
+        return out
+
+
+def _digest(config: dict[str, Any]) -> bytes:
+    return hashlib.blake2b(_match_key(config).encode(), digest_size=16).digest()
+
+
+def references(rows: Sequence[RunRow], spec: AnalysisSpec | None) -> dict[int, Refs]:
+    """Run id -> Refs for rows holding a whole sweep in id order."""
+    finder = ReferenceFinder(spec)
+    for r in rows:
+        finder.add(r)
+    return finder.refs()
+
+
+def fill(rows: Sequence[RunRow], by_id: dict[int, RunRow], refs: dict[int, Refs]) -> None:
+    """Fill the rows' baselines and ratios (in place) from their Refs; `by_id` holds at least
+    the rows they refer to. Rows without a baseline keep None."""
+    for r in rows:
+        ref = refs.get(r.run_id)
+        if ref is None:
+            continue
+        if ref.baseline is not None:
+            base, name = by_id[ref.baseline[0]], ref.baseline[1]
+            r.baseline_run_id, r.baseline = base.run_id, name
+            r.speedup = _ratio(r.tokens_per_s, base.tokens_per_s)
+            r.memory_ratio = _ratio(r.peak_memory_bytes, base.peak_memory_bytes)
+            r.max_len_gain = _ratio(r.max_seq_len, base.max_seq_len)
+            gain = r.max_len_gain if r.searched else r.speedup
+            if base.world_size != r.world_size and gain is not None:
+                r.efficiency = gain / (r.world_size / base.world_size)
+        if ref.without_checkpointing is not None:  # the step-time cost of checkpointing
+            without = by_id[ref.without_checkpointing]
+            if not r.searched and r.median_s and without.median_s:
+                r.checkpoint_time_ratio = r.median_s / without.median_s
+
+
 def apply(rows: Sequence[RunRow], spec: AnalysisSpec | None) -> None:
-    """Fill every row's baseline and ratios (in place); rows without a baseline keep None."""
-    spec = spec or AnalysisSpec()
-    index: dict[str, RunRow] = {}
-    for r in rows:
-        index.setdefault(_match_key(r.config), r)
-    for r in rows:
-        found = [(index[k], name) for t, name in _targets(r, spec) if (k := _match_key(t)) in index]
-        if not found:
-            continue
-        base, name = found[0]
-        r.baseline_run_id, r.baseline = base.run_id, name
-        r.speedup = _ratio(r.tokens_per_s, base.tokens_per_s)
-        r.memory_ratio = _ratio(r.peak_memory_bytes, base.peak_memory_bytes)
-        r.max_len_gain = _ratio(r.max_seq_len, base.max_seq_len)
-        gain = r.max_len_gain if r.searched else r.speedup
-        if base.world_size != r.world_size and gain is not None:
-            r.efficiency = gain / (r.world_size / base.world_size)
-    for r in rows:  # the step-time cost of checkpointing: against the same cell without it
-        checkpointing = (r.config.get("training") or {}).get("checkpointing")
-        if r.workload != "model" or checkpointing in (None, "none"):
-            continue
-        plain = _with(
-            r.config, {"training.checkpointing": "none", "training.checkpoint_every": None}
-        )
-        without = index.get(_match_key(plain))
-        if without is not None and not r.searched and r.median_s and without.median_s:
-            r.checkpoint_time_ratio = r.median_s / without.median_s
+    """Fill every row's baseline and ratios (in place) for rows holding a whole sweep."""
+    fill(rows, {r.run_id: r for r in rows}, references(rows, spec))
 
 
 # ---------------------------------------------------------------- labels
@@ -211,18 +264,50 @@ TRAINING_FIELDS = ("optimizer", "precision", "checkpointing", "checkpoint_every"
 """A model cell's training settings a label shows when they vary (as training.<name>)."""
 
 
+LABEL_AXES = ("model", *LABEL_FIELDS, *(f"training.{t}" for t in TRAINING_FIELDS))
+"""Everything but params a label may show, in its order."""
+
+
+class Varying:
+    """What differs between rows, from one pass over them: the distinct texts of every param
+    and label field (a param some rows lack counts as None there)."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.params: dict[str, set[str]] = {}
+        self.with_param: dict[str, int] = {}
+        self.fields: dict[str, set[str]] = {f: set() for f in LABEL_AXES}
+
+    def add(self, row: RunRow) -> None:
+        self.rows += 1
+        for k, v in row.params.items():
+            self.params.setdefault(k, set()).add(_text(v))
+            self.with_param[k] = self.with_param.get(k, 0) + 1
+        for f, seen in self.fields.items():
+            seen.add(_text(_axis_value(row, f)))
+
+    def result(self) -> tuple[list[str], list[str]]:
+        """(params, config fields) whose value differs between the rows; a differing model is
+        the field `model`, a differing training setting `training.<name>`."""
+        vary_params = [
+            p
+            for p in sorted(self.params)
+            if len(self.params[p] | ({"None"} if self.with_param[p] < self.rows else set())) > 1
+        ]
+        vary_fields = [f for f in LABEL_AXES if len(self.fields[f]) > 1]
+        if "model" in vary_fields:  # the model implies its heads and head size
+            vary_fields = [f for f in vary_fields if f not in ("num_heads", "head_dim")]
+        if any(f.startswith("training.precision") for f in vary_fields):
+            vary_fields = [f for f in vary_fields if f != "dtype"]  # the precision implies it
+        return vary_params, vary_fields
+
+
 def varying(rows: Sequence[RunRow]) -> tuple[list[str], list[str]]:
-    """(params, config fields) whose value differs between the rows; a differing model is the
-    field `model`, a differing training setting `training.<name>`."""
-    params = sorted({k for r in rows for k in r.params})
-    vary_params = [p for p in params if len({_text(r.params.get(p)) for r in rows}) > 1]
-    fields = ["model", *LABEL_FIELDS, *(f"training.{t}" for t in TRAINING_FIELDS)]
-    vary_fields = [f for f in fields if len({_text(_axis_value(r, f)) for r in rows}) > 1]
-    if "model" in vary_fields:  # the model implies its heads and head size
-        vary_fields = [f for f in vary_fields if f not in ("num_heads", "head_dim")]
-    if any(f.startswith("training.precision") for f in vary_fields):
-        vary_fields = [f for f in vary_fields if f != "dtype"]  # the precision implies it
-    return vary_params, vary_fields
+    """(params, config fields) whose value differs between the rows (see Varying)."""
+    found = Varying()
+    for r in rows:
+        found.add(r)
+    return found.result()
 
 
 def label(row: RunRow, vary_params: Sequence[str], vary_fields: Sequence[str]) -> str:

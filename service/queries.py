@@ -1,14 +1,31 @@
 """Reads behind every results page and export: a sweep's rows (service.views) with their
-baselines, ratios and labels (service.analysis), in four queries whatever the sweep's size.
+baselines, ratios and labels (service.analysis).
+
+Two ways in. sweep_rows reads a whole sweep at once (reports, pivots, charts, comparisons).
+rows_page reads one page, or a few chosen runs, at a cost that does not grow with the sweep: what
+a row needs from the rest of its sweep (what varies, for its label; which runs are its baselines)
+depends on configs alone, which never change once stored, so it is found once per sweep and
+process by one pass in chunks (SweepContext) and kept.
 """
 
 from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
 from service import analysis
-from service.api.store import components_for_sweep, results_for_sweep, sweep_runs
+from service.api.store import (
+    components_for_sweep,
+    results_for_runs,
+    results_for_sweep,
+    sweep_runs,
+)
 from service.db.models import Environment, Run, Sweep
 from service.spec import AnalysisSpec
 from service.views import RunRow, rows_of, run_row
@@ -54,3 +71,103 @@ def one_run(session: Session, run_id: int) -> tuple[Run, RunRow] | None:
         components = components_for_sweep(session, run.sweep_id).get(run.id, [])
         row = run_row(run, run.rank_results, run.probes, run.environment, components)
     return run, row
+
+
+CONTEXT_CHUNK = 5_000
+"""Runs read per query while a sweep's context is found."""
+CONTEXTS_KEPT = 16
+"""Sweeps whose context a process keeps (least recently used go first)."""
+
+
+@dataclass(frozen=True)
+class SweepContext:
+    """What every row of a sweep needs from the others: the params and fields that vary (its
+    label shows them) and each run's references (its baseline). Configs alone decide both."""
+
+    vary_params: list[str]
+    vary_fields: list[str]
+    refs: dict[int, analysis.Refs]
+
+
+_contexts: OrderedDict[tuple[str, int, datetime], SweepContext] = OrderedDict()
+_contexts_lock = threading.Lock()
+
+
+def sweep_context(session: Session, sweep: Sweep) -> SweepContext:
+    """The sweep's context, found by one pass over its runs' configs in chunks of
+    CONTEXT_CHUNK (no results read), and kept: a sweep's configs never change. Keyed by the
+    database, id and creation time, so a deleted sweep whose id is reused is not mistaken for
+    the new one."""
+    bind = session.get_bind()
+    key = (str(bind.engine.url), sweep.id, sweep.created_at)
+    with _contexts_lock:
+        if key in _contexts:
+            _contexts.move_to_end(key)
+            return _contexts[key]
+    varying = analysis.Varying()
+    finder = analysis.ReferenceFinder(analysis_of(sweep))
+    after = 0
+    # Its own session, emptied after every chunk: the caller's session keeps what it holds.
+    with Session(bind=session.get_bind()) as own:
+        while True:
+            own_sweep = own.get(Sweep, sweep.id)  # in the identity map: runs read their base
+            runs = own.scalars(
+                select(Run).where(Run.sweep_id == sweep.id, Run.id > after).order_by(Run.id)
+                .limit(CONTEXT_CHUNK)
+            ).all()  # fmt: skip
+            for run in runs:
+                row = run_row(run, [], [], None, [])
+                varying.add(row)
+                finder.add(row)
+            if len(runs) < CONTEXT_CHUNK or own_sweep is None:
+                break
+            after = runs[-1].id
+            own.expunge_all()
+    vary_params, vary_fields = varying.result()
+    context = SweepContext(vary_params, vary_fields, finder.refs())
+    with _contexts_lock:
+        _contexts[key] = context
+        while len(_contexts) > CONTEXTS_KEPT:
+            _contexts.popitem(last=False)
+    return context
+
+
+def rows_page(
+    session: Session,
+    sweep: Sweep,
+    *,
+    after: int = 0,
+    limit: int | None = None,
+    run_ids: Sequence[int] | None = None,
+) -> list[RunRow]:
+    """Rows of the sweep's runs with id > `after` in id order (at most `limit`), or of the
+    runs `run_ids`: each with its label, baseline and ratios exactly as sweep_rows gives them,
+    reading only these runs and their baselines."""
+    context = sweep_context(session, sweep)
+    chosen = Run.id.in_(run_ids) if run_ids is not None else Run.id > after
+    query = select(Run).where(Run.sweep_id == sweep.id, chosen).order_by(Run.id)
+    if limit is not None:
+        query = query.limit(limit)
+    runs = list(session.scalars(query))
+    ids = {r.id for r in runs}
+    wanted = set()
+    for run in runs:
+        ref = context.refs.get(run.id)
+        if ref is not None:
+            wanted |= {ref.baseline[0]} if ref.baseline else set()
+            wanted |= {ref.without_checkpointing} if ref.without_checkpointing else set()
+    others = list(session.scalars(select(Run).where(Run.id.in_(wanted - ids))))
+    every = runs + others
+    ranks, probes, components = results_for_runs(session, [run.id for run in every])
+    env_ids = {run.environment_id for run in every if run.environment_id is not None}
+    envs = {
+        e.id: e for e in session.scalars(select(Environment).where(Environment.id.in_(env_ids)))
+    }
+    rows = rows_of(every, ranks, probes, envs, components)
+    by_id = {r.run_id: r for r in rows}
+    page = rows[: len(runs)]
+    analysis.fill(page, by_id, context.refs)
+    for r in page:
+        r.label = analysis.label(r, context.vary_params, context.vary_fields)
+        r.series = analysis.series_label(r, context.vary_params, context.vary_fields)
+    return page

@@ -265,6 +265,32 @@ def results_for_sweep(
     return ranks, probes
 
 
+def results_for_runs(
+    session: Session, run_ids: Sequence[int]
+) -> tuple[dict[int, list[RankResult]], dict[int, list[Probe]], dict[int, list[MemoryComponent]]]:
+    """Rank results, probes and memory components of these runs, grouped by run id."""
+    ranks: dict[int, list[RankResult]] = defaultdict(list)
+    probes: dict[int, list[Probe]] = defaultdict(list)
+    components: dict[int, list[MemoryComponent]] = defaultdict(list)
+    if not run_ids:
+        return ranks, probes, components
+    for rr in session.scalars(
+        select(RankResult)
+        .where(RankResult.run_id.in_(run_ids))
+        .order_by(RankResult.run_id, RankResult.rank)
+    ):
+        ranks[rr.run_id].append(rr)
+    for p in session.scalars(select(Probe).where(Probe.run_id.in_(run_ids)).order_by(Probe.id)):
+        probes[p.run_id].append(p)
+    for c in session.scalars(
+        select(MemoryComponent)
+        .where(MemoryComponent.run_id.in_(run_ids))
+        .order_by(MemoryComponent.run_id, MemoryComponent.rank, MemoryComponent.id)
+    ):
+        components[c.run_id].append(c)
+    return ranks, probes, components
+
+
 def components_for_sweep(session: Session, sweep_id: int) -> dict[int, list[MemoryComponent]]:
     """Memory components of a sweep's model runs, grouped by run id (one joined query)."""
     found: dict[int, list[MemoryComponent]] = defaultdict(list)
