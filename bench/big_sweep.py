@@ -100,6 +100,38 @@ def poll_health(base: str, done: threading.Event, health: list[float]) -> None:
             time.sleep(0.05)
 
 
+def reads(http: httpx.Client, pid: int, sweep_id: int) -> None:
+    """Time and server peak memory of the reads of one big sweep: its detail, the sweep page's
+    data (the first read finds the sweep's context; later ones reuse it), a later page, the
+    rows of changed runs, one run's page, and the whole streamed exports."""
+    first_run = http.get(f"{API}/runs", params={"sweep_id": sweep_id, "sort": "id"}).json()
+    rid = first_run["data"][0]["id"]
+    changed = ",".join(str(rid + i) for i in range(0, 20_000, 100))  # 200 runs an event named
+    paths = [
+        f"{API}/sweeps/{sweep_id}",
+        f"/sweeps/{sweep_id}/dashboard.json",
+        f"/sweeps/{sweep_id}/dashboard.json",
+        f"/sweeps/{sweep_id}/dashboard.json?after={rid + 50_000}",
+        f"/sweeps/{sweep_id}/dashboard.json?runs={changed}",
+        f"/runs/{rid + 777}",
+        f"/sweeps/{sweep_id}",
+        f"{API}/sweeps/{sweep_id}/results.json",
+        f"{API}/sweeps/{sweep_id}/results.csv",
+    ]
+    for path in paths:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+        rss0 = kib(pid, "VmRSS")
+        t0 = time.perf_counter()
+        r = http.get(path)
+        elapsed = time.perf_counter() - t0
+        r.raise_for_status()
+        peak = (kib(pid, "VmHWM") - rss0) / 1024
+        print(
+            f"GET {path[:70]}{'...' if len(path) > 70 else ''}: {elapsed:.2f} s, "
+            f"{len(r.content) / 1e6:.1f} MB, server peak +{peak:.0f} MiB"
+        )
+
+
 def main() -> None:
     args = parse()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -143,6 +175,7 @@ def main() -> None:
                     f"{bench_service.pct(health, 0.95) * 1e3:.1f} ms, max "
                     f"{max(health) * 1e3:.1f} ms (target p95 <= 50 ms)"
                 )
+            reads(http, pid, sweep_id=watched + 1)
             stop.set()
             time.sleep(1.5)  # readers see `stop` at their next ping, before the server goes
 

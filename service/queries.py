@@ -66,10 +66,7 @@ def one_run(session: Session, run_id: int) -> tuple[Run, RunRow] | None:
     ).first()
     if run is None:
         return None
-    row = next((r for r in sweep_rows(session, run.sweep) if r.run_id == run_id), None)
-    if row is None:
-        components = components_for_sweep(session, run.sweep_id).get(run.id, [])
-        row = run_row(run, run.rank_results, run.probes, run.environment, components)
+    (row,) = rows_page(session, run.sweep, run_ids=[run_id])
     return run, row
 
 

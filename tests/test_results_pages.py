@@ -63,3 +63,52 @@ def test_the_context_pass_reads_in_chunks(database_url: str, monkeypatch: Any) -
     finally:
         engine.dispose()
         queries._contexts.clear()
+
+
+def test_streamed_exports_cross_pages_unchanged(database_url: str, monkeypatch: Any) -> None:
+    """results.json and results.csv streamed 2 runs a page equal the rows of the whole sweep."""
+    from service.api import results
+    from service.api.routes import sweeps
+
+    monkeypatch.setattr(sweeps, "EXPORT_PAGE", 2)
+    with client_for(database_url) as client:
+        runs = _dp_sweep(client)
+        sweep_id = runs[0]["sweep_id"]
+        with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
+            sweep = session.get(Sweep, sweep_id)
+            whole = [results.result_row(r) for r in queries.sweep_rows(session, sweep)]
+        got = client.get(f"/api/v1/sweeps/{sweep_id}/results.json")
+        assert got.status_code == 200 and got.headers["content-type"] == "application/json"
+        want = [sweeps.ResultRow(**r).model_dump(mode="json") for r in whole]
+        assert got.json() == want and len(want) > 4
+        csv = client.get(f"/api/v1/sweeps/{sweep_id}/results.csv").text
+        assert csv == results.to_csv(whole)
+        assert client.get("/api/v1/sweeps/999/results.json").status_code == 404
+
+
+def test_dashboard_json_pages_and_changed_runs(database_url: str, monkeypatch: Any) -> None:
+    from service.web import router
+
+    with client_for(database_url) as client:
+        runs = _dp_sweep(client)
+        sweep_id, ids = runs[0]["sweep_id"], sorted(r["id"] for r in runs)
+        whole = client.get(f"/sweeps/{sweep_id}/dashboard.json").json()
+        assert whole["whole"] and whole["next"] is None and whole["figures"]
+        assert [r["run_id"] for r in whole["rows"]] == ids
+        by_id = {r["run_id"]: r for r in whole["rows"]}
+        some = client.get(f"/sweeps/{sweep_id}/dashboard.json?runs={ids[3]},{ids[1]}").json()
+        assert some["rows"] == [by_id[ids[1]], by_id[ids[3]]]
+        assert some["figures"] == whole["figures"]  # a small sweep's charts come along
+
+        monkeypatch.setattr(router, "WHOLE_SWEEP_RUNS", 3)
+        monkeypatch.setattr(router, "PAGE_RUNS", 4)
+        first = client.get(f"/sweeps/{sweep_id}/dashboard.json").json()
+        assert not first["whole"] and first["figures"] is None
+        assert [r["run_id"] for r in first["rows"]] == ids[:4] and first["next"] == ids[3]
+        second = client.get(f"/sweeps/{sweep_id}/dashboard.json?after={first['next']}").json()
+        assert second["rows"] == [by_id[i] for i in ids[4:8]]
+
+        for bad, reason in (("1,x", "string_pattern_mismatch"), (",".join(["1"] * 201), "201")):
+            r = client.get(f"/sweeps/{sweep_id}/dashboard.json?runs={bad}")
+            assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "runs"]
+            assert reason in r.text

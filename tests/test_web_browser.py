@@ -256,9 +256,16 @@ def test_compare_page(page: Page, service: tuple[str, Seeded]) -> None:
     )
 
 
+SUCCEEDED_ROWS = "n => document.querySelectorAll('#results tbody tr.row-succeeded').length === n"
+
+
 def test_sweep_page_updates_live_from_events(page: Page, database_file: str) -> None:
+    """The counts come with each event; the page then asks only for the runs an event named
+    (dashboard.json?runs=...), never for the whole sweep again."""
     sweep_id, (first, second) = seed_running_sweep(database_file)
     pg = page.open(f"/sweeps/{sweep_id}")
+    asked: list[str] = []
+    pg.on("request", lambda r: asked.append(r.url) if "dashboard.json" in r.url else None)
     page.charts_drawn(5)
     assert pg.locator("#live").inner_text() == "live"
     assert pg.locator("#progress span").inner_text() == "0/2"
@@ -266,12 +273,47 @@ def test_sweep_page_updates_live_from_events(page: Page, database_file: str) -> 
     pg.wait_for_function(
         "() => document.querySelector('#progress span').textContent === '1/2'", timeout=15_000
     )
-    assert pg.locator("#results tbody tr.row-succeeded").count() == 1
+    pg.wait_for_function(SUCCEEDED_ROWS, arg=1, timeout=15_000)
     assert pg.evaluate("() => document.getElementById('chart-throughput').data.length") == 1
     finish_run(database_file, second)
     pg.wait_for_function(
         "() => document.getElementById('live').textContent === 'ended'", timeout=15_000
     )
     assert pg.locator("#progress span").inner_text() == "2/2"
-    assert pg.locator("#results tbody tr.row-succeeded").count() == 2
+    pg.wait_for_function(SUCCEEDED_ROWS, arg=2, timeout=15_000)
+    assert asked and all(f"dashboard.json?runs={first}" in u or f"runs={second}" in u
+                         for u in asked), asked  # fmt: skip
+    page.check()
+
+
+def test_a_large_sweep_loads_a_page_at_a_time(
+    page: Page, service: tuple[str, Seeded], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above WHOLE_SWEEP_RUNS the page holds one page of rows, says how many of how many,
+    loads the next on request, and draws no charts over a part of the sweep."""
+    from service.web import router
+
+    monkeypatch.setattr(router, "WHOLE_SWEEP_RUNS", 5)
+    monkeypatch.setattr(router, "PAGE_RUNS", 8)
+    seeded = service[1]
+    pg = page.open(f"/sweeps/{seeded.benchmark}")
+    total = int(pg.locator("#progress span").inner_text().split("/")[1])
+    assert total > 16
+    assert pg.locator("#results tbody tr").count() == 8
+    assert pg.locator("#partial").inner_text() == f"8 of {total} runs loaded"
+    assert "charts are drawn for sweeps of up to 5" in pg.locator("#no-charts").inner_text()
+    assert pg.locator(".chart").count() == 0
+    shown = 8
+    while shown < total:
+        pg.locator("#more").click()
+        shown = min(total, shown + 8)
+        pg.wait_for_function(
+            "n => document.querySelectorAll('#results tbody tr').length === n", arg=shown
+        )
+    assert pg.locator("#more").is_hidden()
+    assert pg.locator("#partial").inner_text() == f"{total} of {total} runs loaded"
+    ids = pg.eval_on_selector_all(
+        "#results tbody tr td:first-child", "cells => cells.map(c => c.textContent)"
+    )
+    assert len(set(ids)) == total  # each run once
     page.check()

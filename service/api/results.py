@@ -136,11 +136,13 @@ def headline(row: RunRow) -> Headline:
     return Headline(**{k: getattr(row, k) for k in Headline.model_fields})
 
 
-def to_csv(rows: Sequence[dict[str, Any]]) -> str:
-    """CSV with a header row; empty cells for missing values; per-rank lists joined by ';'."""
+def to_csv(rows: Sequence[dict[str, Any]], *, header: bool = True) -> str:
+    """CSV with a header row (unless it continues a stream); empty cells for missing values;
+    per-rank lists joined by ';'."""
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
-    writer.writeheader()
+    if header:
+        writer.writeheader()
     for row in rows:
         writer.writerow({k: _csv_cell(row[k]) for k in CSV_COLUMNS})
     return buf.getvalue()

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import plotly
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 
@@ -157,24 +158,90 @@ def sweeps_redirect(request: Request) -> RedirectResponse:
     return RedirectResponse(f"/?{query}" if query else "/", status_code=307)
 
 
-def _sweep_payload(session: SessionDep, sweep_id: int) -> dict[str, Any]:
+WHOLE_SWEEP_RUNS = 2_000
+"""Sweeps up to this size come whole (every row, and charts over them); larger ones a page at
+a time without charts (report.md has their tables), so no read grows with the sweep."""
+PAGE_RUNS = 500
+"""Rows per page of a larger sweep."""
+MAX_CHANGED_RUNS = 200
+
+
+def _sweep_payload(
+    session: SessionDep,
+    sweep_id: int,
+    *,
+    after: int = 0,
+    run_ids: list[int] | None = None,
+) -> dict[str, Any]:
+    """The sweep page's data: its summary and rows (all of them, a page after run `after`,
+    or the runs `run_ids`), `next` (where the next page starts, or null), and figures over
+    the whole sweep when it is small enough to have them (else null)."""
     summary = {**_summary_or_404(session, sweep_id)}
     summary["created_at"] = summary["created_at"].isoformat()
-    rows = [r.as_dict() for r in _sweep_rows(session, sweep_id)]
-    return {"sweep": summary, "rows": rows, "figures": charts.sweep_figures(rows)}
+    sweep = session.get(Sweep, sweep_id)
+    assert sweep is not None  # for mypy: _summary_or_404 found it
+    whole = summary["total"] <= WHOLE_SWEEP_RUNS
+    limit = None if whole else PAGE_RUNS
+    page = queries.rows_page(session, sweep, after=after, limit=limit, run_ids=run_ids)
+    rows = [r.as_dict() for r in page]
+    more = run_ids is None and limit is not None and len(page) == limit
+    figures = None
+    if whole:
+        everything = rows if run_ids is None and after == 0 else None
+        if everything is None:
+            everything = [r.as_dict() for r in queries.rows_page(session, sweep)]
+        figures = charts.sweep_figures(everything)
+    return {
+        "sweep": summary,
+        "rows": rows,
+        "next": page[-1].run_id if more else None,
+        "figures": figures,
+        "whole": whole,
+        "page_runs": PAGE_RUNS,
+    }
 
 
 @router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
 def sweep_page(request: Request, session: SessionDep, sweep_id: SweepId) -> HTMLResponse:
     """Results table and charts of one sweep; live while it runs."""
     payload = _sweep_payload(session, sweep_id)
-    return _page(request, "sweep.html", payload=payload, sweep=payload["sweep"])
+    return _page(
+        request,
+        "sweep.html",
+        payload=payload,
+        sweep=payload["sweep"],
+        whole_sweep_runs=WHOLE_SWEEP_RUNS,
+    )
 
 
 @router.get("/sweeps/{sweep_id}/dashboard.json")
-def sweep_data(session: SessionDep, sweep_id: SweepId) -> JSONResponse:
-    """The sweep page's data (summary, rows, figures), reloaded by the page on live events."""
-    return JSONResponse(_sweep_payload(session, sweep_id))
+def sweep_data(
+    session: SessionDep,
+    sweep_id: SweepId,
+    after: Annotated[
+        int, Query(ge=0, le=MAX_ID, description="The `next` of the previous page.")
+    ] = 0,
+    runs: Annotated[
+        str | None,
+        Query(
+            max_length=MAX_CHANGED_RUNS * 11,
+            pattern=r"^\d{1,10}(,\d{1,10})*$",
+            description=f"Only these runs (comma-separated ids, at most {MAX_CHANGED_RUNS}).",
+        ),
+    ] = None,
+) -> JSONResponse:
+    """The sweep page's data (summary, rows, figures). Live, the page asks only for the runs
+    an event named as changed (`runs=`); a large sweep's rows come a page at a time
+    (`after=`)."""
+    run_ids = None
+    if runs is not None:
+        run_ids = [int(i) for i in runs.split(",")]
+        if len(run_ids) > MAX_CHANGED_RUNS:
+            raise RequestValidationError(
+                [{"type": "value_error", "loc": ("query", "runs"), "input": None,
+                  "msg": f"at most {MAX_CHANGED_RUNS} run ids, got {len(run_ids)}"}]
+            )  # fmt: skip
+    return JSONResponse(_sweep_payload(session, sweep_id, after=after, run_ids=run_ids))
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Header, HTTPException, Query, Response, status
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
+from sqlalchemy.orm import Session, sessionmaker
 
 from service import analysis, queries
 from service.api import results, store
@@ -183,14 +185,59 @@ def _sweep_rows(session: SessionDep, sweep_id: int) -> tuple[Sweep, list[RunRow]
     return sweep, queries.sweep_rows(session, sweep)
 
 
-def _rows(session: SessionDep, sweep_id: int) -> list[dict[str, Any]]:
-    return [results.result_row(r) for r in _sweep_rows(session, sweep_id)[1]]
+EXPORT_PAGE = 1_000
+"""Runs per page of a streamed export: its memory stays one page whatever the sweep's size."""
 
 
-@router.get("/{sweep_id}/results.json", dependencies=read, responses={**NOT_FOUND, **AUTH})
-def results_json(sweep_id: SweepId, session: SessionDep) -> list[ResultRow]:
-    """One row per run with its numbers and its ratios to its baseline (see report.md)."""
-    return [ResultRow(**row) for row in _rows(session, sweep_id)]
+def _result_pages(factory: sessionmaker[Session], sweep_id: int) -> Iterator[list[dict[str, Any]]]:
+    """The sweep's result rows in id order, EXPORT_PAGE at a time, each page read in its own
+    short session (labels and baselines as for the whole sweep: queries.rows_page)."""
+    after = 0
+    while True:
+        with factory() as session:
+            sweep = session.get(Sweep, sweep_id)
+            if sweep is None:  # aborts the response: a cut-off export must not look whole
+                raise RuntimeError(f"sweep {sweep_id} was deleted during its export")
+            page = queries.rows_page(session, sweep, after=after, limit=EXPORT_PAGE)
+        if not page:
+            return
+        yield [results.result_row(r) for r in page]
+        after = page[-1].run_id
+
+
+def _stream_json(pages: Iterator[list[dict[str, Any]]]) -> Iterator[str]:
+    # One chunk per page: each chunk is a hop to the thread pool and a write.
+    yield "["
+    sep = ""
+    for page in pages:
+        yield sep + ",".join(ResultRow(**row).model_dump_json() for row in page)
+        sep = ","
+    yield "]"
+
+
+def _stream_csv(pages: Iterator[list[dict[str, Any]]]) -> Iterator[str]:
+    yield results.to_csv([])
+    for page in pages:
+        yield results.to_csv(page, header=False)
+
+
+def _exists_or_404(session: SessionDep, sweep_id: int) -> None:
+    if session.get(Sweep, sweep_id) is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"sweep {sweep_id} not found")
+
+
+@router.get(
+    "/{sweep_id}/results.json",
+    dependencies=read,
+    response_model=list[ResultRow],
+    responses={**NOT_FOUND, **AUTH},
+)
+def results_json(sweep_id: SweepId, session: SessionDep, request: Request) -> Response:
+    """One row per run with its numbers and its ratios to its baseline (see report.md),
+    streamed a page of runs at a time."""
+    _exists_or_404(session, sweep_id)
+    pages = _result_pages(request.app.state.sessionmaker, sweep_id)
+    return StreamingResponse(_stream_json(pages), media_type="application/json")
 
 
 @router.get(
@@ -200,10 +247,12 @@ def results_json(sweep_id: SweepId, session: SessionDep) -> list[ResultRow]:
     response_class=Response,
     responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}, **NOT_FOUND, **AUTH},
 )
-def results_csv(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
-    """The rows of results.json as CSV with a header line."""
-    return PlainTextResponse(
-        results.to_csv(_rows(session, sweep_id)),
+def results_csv(sweep_id: SweepId, session: SessionDep, request: Request) -> Response:
+    """The rows of results.json as CSV with a header line, streamed likewise."""
+    _exists_or_404(session, sweep_id)
+    pages = _result_pages(request.app.state.sessionmaker, sweep_id)
+    return StreamingResponse(
+        _stream_csv(pages),
         media_type="text/csv",
         headers={"Content-Disposition": f'attachment; filename="sweep-{sweep_id}.csv"'},
     )

@@ -136,17 +136,50 @@ const ringlab = (() => {
     document.getElementById("live").textContent = sweep.finished ? "ended" : "live";
   }
 
-  function render(payload, state) {
-    state.rows = payload.rows;
+  // The page's summary from an event's sweep (the API's SweepOut names two fields the other way).
+  function summaryOf(s) {
+    const counts = {};
+    for (const [state, n] of Object.entries(s.counts)) if (n) counts[state] = n;
+    return { ...s, counts, done: s.finished, finished: s.done };
+  }
+
+  function drawFigures(figures) {
+    for (const [id, fig] of Object.entries(figures || {})) draw(id, fig);
+  }
+
+  // Rows from dashboard.json into the table: a changed run replaces its row; a new one is added
+  // when the page holds the whole sweep (a large sweep's later pages come by "more").
+  function patch(payload, state) {
+    const at = new Map(state.rows.map((r, i) => [r.run_id, i]));
+    for (const row of payload.rows) {
+      if (at.has(row.run_id)) state.rows[at.get(row.run_id)] = row;
+      else if (state.whole) state.rows.push(row);
+    }
     renderSummary(payload.sweep);
-    for (const [id, fig] of Object.entries(payload.figures)) draw(id, fig);
+    drawFigures(payload.figures);
     resultsTable(document.getElementById("results"), state);
   }
 
+  function showMore(state) {
+    const more = document.getElementById("more");
+    more.hidden = state.next === null;
+    if (!state.whole) {
+      document.getElementById("partial").textContent =
+        `${state.rows.length.toLocaleString("en")} of ${state.total.toLocaleString("en")} runs loaded`;
+    }
+  }
+
   function sweepPage(sweepId) {
-    const state = { rows: [], sortKey: "run_id", sortDir: 1, filter: "", status: "" };
+    const payload = readJson("payload");
+    const state = {
+      rows: payload.rows, next: payload.next, whole: payload.whole, total: payload.sweep.total,
+      sortKey: "run_id", sortDir: 1, filter: "", status: "",
+    };
     const table = document.getElementById("results");
-    render(readJson("payload"), state);
+    renderSummary(payload.sweep);
+    drawFigures(payload.figures);
+    resultsTable(table, state);
+    showMore(state);
 
     table.tHead.addEventListener("click", (ev) => {
       const th = ev.target.closest("th");
@@ -164,24 +197,48 @@ const ringlab = (() => {
       state.status = ev.target.value;
       resultsTable(table, state);
     });
+    document.getElementById("more").addEventListener("click", async () => {
+      const resp = await fetch(`/sweeps/${sweepId}/dashboard.json?after=${state.next}`, { cache: "no-store" });
+      if (!resp.ok) return;
+      const page = await resp.json();
+      state.rows = state.rows.concat(page.rows);
+      state.next = page.next;
+      resultsTable(table, state);
+      showMore(state);
+    });
 
-    if (readJson("payload").sweep.finished) return;
-    // Live: every event means the database moved; reload the page's data at most once a second.
+    if (payload.sweep.finished) return;
+    // Live: a progress event carries the counts; a run event names a run whose row is then
+    // fetched, with the others that changed, at most once a second: never the whole sweep.
+    const changed = new Set();
     let pending = null;
-    const reload = () => {
+    const flush = () => {
       if (pending) return;
       pending = setTimeout(async () => {
         pending = null;
-        const resp = await fetch(`/sweeps/${sweepId}/dashboard.json`, { cache: "no-store" });
-        if (resp.ok) render(await resp.json(), state);
+        const ids = [...changed].slice(0, 200);
+        ids.forEach((id) => changed.delete(id));
+        if (ids.length) {
+          const resp = await fetch(`/sweeps/${sweepId}/dashboard.json?runs=${ids.join(",")}`, { cache: "no-store" });
+          if (resp.ok) patch(await resp.json(), state);
+        }
+        if (changed.size) flush();
       }, 1000);
     };
     const events = new EventSource(`/api/v1/sweeps/${sweepId}/events`);
-    events.addEventListener("run", reload);
-    events.addEventListener("progress", reload);
-    events.addEventListener("end", () => {
+    events.addEventListener("run", (ev) => {
+      const id = JSON.parse(ev.data).id;
+      if (state.whole || state.rows.some((r) => r.run_id === id)) {
+        changed.add(id);
+        flush();
+      }
+    });
+    events.addEventListener("progress", (ev) => renderSummary(summaryOf(JSON.parse(ev.data))));
+    events.addEventListener("end", (ev) => {
       events.close();
-      reload();
+      const data = JSON.parse(ev.data);
+      if (!data.deleted) renderSummary(summaryOf(data));
+      flush();
     });
     events.onerror = () => {
       document.getElementById("live").textContent = "live updates lost: reload the page";
