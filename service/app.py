@@ -12,9 +12,11 @@ import threading
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
 from sqlalchemy.engine import make_url
 
+from service import queries
 from service.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from service.api.routes import cluster, health, kernels, runs, sweeps
 from service.core.config import Settings
@@ -53,6 +55,12 @@ def _run_scheduler(app: FastAPI, settings: Settings, stop: threading.Event) -> N
     except Exception as e:  # recorded for /readyz and logged with its traceback
         app.state.scheduler_error = f"{type(e).__name__}: {e}"
         log.exception("embedded scheduler stopped")
+
+
+async def _busy(request: Request, exc: Exception) -> JSONResponse:
+    """429 for a whole-sweep read while another large one runs (service.queries)."""
+    retry = getattr(exc, "retry_after_s", 10)
+    return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": str(retry)})
 
 
 def create_app(
@@ -116,6 +124,7 @@ def create_app(
     app.state.scheduler_thread = None
     app.state.scheduler_error = None
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_exception_handler(queries.WholeSweepBusy, _busy)
     app.include_router(api_router())
     app.include_router(web_router)  # the dashboard's HTML pages at /
     for router in extra_routers:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
 from service import analysis
@@ -37,8 +38,45 @@ def analysis_of(sweep: Sweep) -> AnalysisSpec | None:
     return None if block is None else AnalysisSpec.model_validate(block)
 
 
+LARGE_SWEEP_RUNS = 20_000
+"""A whole-sweep read (report, pivot, comparison) of a sweep larger than this holds hundreds of
+MiB while it runs: a process runs one such read at a time, and answers another with 429."""
+_large_reads = threading.BoundedSemaphore(1)
+
+
+class WholeSweepBusy(Exception):
+    """Another whole-sweep read of a large sweep is running in this process (HTTP 429)."""
+
+    retry_after_s = 10
+
+
+@contextmanager
+def whole_sweep_read(session: Session, sweep_id: int) -> Iterator[None]:
+    """Admit one whole-sweep read: at once for a sweep of up to LARGE_SWEEP_RUNS runs, else
+    only while no other large one runs (WholeSweepBusy otherwise)."""
+    runs = session.scalar(select(func.count()).where(Run.sweep_id == sweep_id)) or 0
+    if runs <= LARGE_SWEEP_RUNS:
+        yield
+        return
+    if not _large_reads.acquire(blocking=False):
+        raise WholeSweepBusy(
+            f"a whole-sweep read of another sweep of over {LARGE_SWEEP_RUNS:,} runs is running; "
+            f"retry in {WholeSweepBusy.retry_after_s} s (results.csv streams any sweep)"
+        )
+    try:
+        yield
+    finally:
+        _large_reads.release()
+
+
 def sweep_rows(session: Session, sweep: Sweep) -> list[RunRow]:
-    """Every run of the sweep as a row, in id order, with baselines, ratios and labels."""
+    """Every run of the sweep as a row, in id order, with baselines, ratios and labels (a large
+    sweep waits for no other: see whole_sweep_read)."""
+    with whole_sweep_read(session, sweep.id):
+        return _sweep_rows(session, sweep)
+
+
+def _sweep_rows(session: Session, sweep: Sweep) -> list[RunRow]:
     runs = sweep_runs(session, sweep.id)
     ranks, probes = results_for_sweep(session, sweep.id)
     env_ids = {r.environment_id for r in runs if r.environment_id is not None}

@@ -112,3 +112,31 @@ def test_dashboard_json_pages_and_changed_runs(database_url: str, monkeypatch: A
             r = client.get(f"/sweeps/{sweep_id}/dashboard.json?runs={bad}")
             assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "runs"]
             assert reason in r.text
+
+
+def test_a_second_large_whole_sweep_read_waits_its_turn(
+    database_url: str, monkeypatch: Any
+) -> None:
+    """report.md, pivot.csv and the compare page read a whole sweep: above LARGE_SWEEP_RUNS a
+    process runs one at a time and answers another with 429 and Retry-After; smaller sweeps and
+    the streamed exports never wait."""
+    monkeypatch.setattr(queries, "LARGE_SWEEP_RUNS", 4)
+    with client_for(database_url) as client:
+        sweep_id = _dp_sweep(client)[0]["sweep_id"]
+        assert client.get(f"/api/v1/sweeps/{sweep_id}/report.md").status_code == 200
+        assert queries._large_reads.acquire(blocking=False)  # another large read is running
+        try:
+            for path in (
+                f"/api/v1/sweeps/{sweep_id}/report.md",
+                f"/api/v1/sweeps/{sweep_id}/pivot.csv",
+                f"/compare?a={sweep_id}&b={sweep_id}",
+            ):
+                r = client.get(path)
+                assert r.status_code == 429, (path, r.text)
+                assert r.headers["Retry-After"] == "10"
+                assert "results.csv streams any sweep" in r.json()["detail"]
+            assert client.get(f"/api/v1/sweeps/{sweep_id}/results.csv").status_code == 200
+            assert client.get(f"/sweeps/{sweep_id}").status_code == 200
+        finally:
+            queries._large_reads.release()
+        assert client.get(f"/api/v1/sweeps/{sweep_id}/report.md").status_code == 200
