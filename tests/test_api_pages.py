@@ -178,6 +178,9 @@ def test_a_cursor_of_another_sort_or_a_deep_skip_is_refused(tmp_path: Any) -> No
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "skip"]
         r = client.get(f"{API}/sweeps", params={"cursor": "x" * 401})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "cursor"]
+        r = client.get("/", params={"page": 202, "per_page": 50})  # the dashboard's list
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "page"]
+        assert client.get("/", params={"page": 201, "per_page": 50}).status_code == 200
 
 
 FILTERS: list[store.RunFilter] = [

@@ -18,7 +18,7 @@ from fastapi.templating import Jinja2Templates
 
 from service import queries
 from service.api import store
-from service.api.deps import MAX_ID, RunId, SessionDep, SweepId, require_read
+from service.api.deps import MAX_ID, MAX_SKIP, RunId, SessionDep, SweepId, require_read
 from service.api.results import COMPONENT_TITLES
 from service.api.schemas import SweepOut
 from service.db.models import TERMINAL_STATUSES, Sweep
@@ -128,7 +128,13 @@ def sweeps_page(
     page: Annotated[int, Query(ge=1, le=MAX_ID)] = 1,
     per_page: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> HTMLResponse:
-    """Every sweep, newest first: kind, created, progress and run counts by state."""
+    """Every sweep, newest first: kind, created, progress and run counts by state. Pages are
+    offsets (at most MAX_SKIP runs deep, as for the API's `skip`)."""
+    if (page - 1) * per_page > MAX_SKIP:
+        raise RequestValidationError(
+            [{"type": "value_error", "loc": ("query", "page"), "input": page,
+              "msg": f"at most {MAX_SKIP:,} sweeps deep; GET /api/v1/sweeps pages by cursor"}]
+        )  # fmt: skip
     found = store.list_sweeps(
         session, skip=(page - 1) * per_page, limit=per_page, kind=None, name=None
     )
