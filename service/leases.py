@@ -288,24 +288,29 @@ def owner_process(token: str) -> tuple[str, int, str] | None:
 
 
 def recover_orphans(
-    sm: sessionmaker[Session], owner: str, alive: Callable[[int], bool]
+    sm: sessionmaker[Session], owner: str, alive: Callable[[int], bool], stale_s: float
 ) -> list[int]:
-    """Active runs held by a dead scheduler on this host go back to queued at once, without
-    waiting for their lease to expire; their ids.
+    """Active runs held by a dead scheduler on this host go back to queued without waiting
+    for their lease to expire; their ids.
 
-    Dead means: the lease names this host and a process that is not `alive`, or this very
-    process under another instance (a restarted container reuses its pid). A lease from another
-    host, or from a live process here, is left to expire as before. The UPDATE re-checks the
-    token it read, so a run claimed again meanwhile is not touched.
+    Dead means both: the run's heartbeat is older than `stale_s` (a live scheduler renews it
+    every heartbeat), and its lease names this host and a process that is not `alive`, or this
+    very process under another instance (a restarted container reuses its pid). The heartbeat
+    keeps a live scheduler's runs safe where a pid says too little: several schedulers in one
+    process, or containers that share a host name but not their pids. Other leases expire as
+    before. The UPDATE re-checks the token it read, so a run claimed again is not touched.
     """
     me = owner_process(owner)
     if me is None:
         return []
     host, pid, nonce = me
+    silent_since = utcnow() - timedelta(seconds=stale_s)
     with sm() as session, session.begin():
         held = session.execute(
             select(Run.id, Run.lease_owner).where(
-                Run.status.in_(ACTIVE_STATUSES), Run.lease_owner.startswith(f"{host}:")
+                Run.status.in_(ACTIVE_STATUSES),
+                Run.lease_owner.startswith(f"{host}:"),
+                or_(Run.heartbeat_at.is_(None), Run.heartbeat_at < silent_since),
             )
         ).all()
         orphans: list[tuple[int, str]] = []

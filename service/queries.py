@@ -51,10 +51,11 @@ class WholeSweepBusy(Exception):
 
 
 @contextmanager
-def whole_sweep_read(session: Session, sweep_id: int) -> Iterator[None]:
-    """Admit one whole-sweep read: at once for a sweep of up to LARGE_SWEEP_RUNS runs, else
-    only while no other large one runs (WholeSweepBusy otherwise)."""
-    runs = session.scalar(select(func.count()).where(Run.sweep_id == sweep_id)) or 0
+def whole_sweep_read(session: Session, *sweep_ids: int) -> Iterator[None]:
+    """Admit a handler that reads whole sweeps (sweep_rows) and keeps their rows until it has
+    answered: at once for up to LARGE_SWEEP_RUNS runs in all, else only while no other large
+    one runs in this process (WholeSweepBusy otherwise)."""
+    runs = session.scalar(select(func.count()).where(Run.sweep_id.in_(sweep_ids))) or 0
     if runs <= LARGE_SWEEP_RUNS:
         yield
         return
@@ -70,13 +71,8 @@ def whole_sweep_read(session: Session, sweep_id: int) -> Iterator[None]:
 
 
 def sweep_rows(session: Session, sweep: Sweep) -> list[RunRow]:
-    """Every run of the sweep as a row, in id order, with baselines, ratios and labels (a large
-    sweep waits for no other: see whole_sweep_read)."""
-    with whole_sweep_read(session, sweep.id):
-        return _sweep_rows(session, sweep)
-
-
-def _sweep_rows(session: Session, sweep: Sweep) -> list[RunRow]:
+    """Every run of the sweep as a row, in id order, with baselines, ratios and labels. Its
+    memory grows with the sweep: request handlers call it inside whole_sweep_read."""
     runs = sweep_runs(session, sweep.id)
     ranks, probes = results_for_sweep(session, sweep.id)
     env_ids = {r.environment_id for r in runs if r.environment_id is not None}

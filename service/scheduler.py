@@ -151,9 +151,11 @@ class Scheduler:
 
     def recover(self) -> list[int]:
         """Runs of a dead scheduler return to queued; their ids. Those a scheduler on this host
-        held go at once (its process is gone, or it was an earlier instance of this one);
-        those of other hosts once their lease has expired."""
-        orphans = leases.recover_orphans(self.sessionmaker, self.owner, leases.process_alive)
+        held go once their heartbeat is 1.5 periods late (its process is gone, or it was an
+        earlier instance of this one); those of other hosts once their lease has expired."""
+        orphans = leases.recover_orphans(
+            self.sessionmaker, self.owner, leases.process_alive, stale_s=1.5 * self.heartbeat_s
+        )
         if orphans:
             log.warning("requeued %d run(s) of a dead scheduler on this host: %s", len(orphans),
                         orphans)  # fmt: skip
@@ -194,8 +196,8 @@ class Scheduler:
         while not done.wait(self.recover_s):
             try:
                 self.recover()
-            except DBAPIError:
-                log.warning("recovery pass failed (database error); next in %g s", self.recover_s)
+            except Exception:  # logged; the next pass runs: this thread must outlive a bad pass
+                log.exception("recovery pass failed; next in %g s", self.recover_s)
 
     def _watch_stop(self, stop: threading.Event, done: threading.Event) -> None:
         # Turns the caller's event into a graceful stop: grace_s to finish, then requeue.

@@ -152,6 +152,9 @@ def b64(value: Any) -> str:
         ({"cursor": b64(["seq_len", None, 1]), "sort": "seq_len"}, "not a cursor"),
         ({"cursor": b64(["started_at", "yesterday", 1]), "sort": "started_at"}, "not a"),
         ({"cursor": b64({"a": 1})}, "not a cursor from a previous page"),
+        ({"cursor": b64(["-id", 10**20, 10**20])}, "not a cursor from a previous page"),
+        ({"cursor": b64(["seq_len", 2**63, 1]), "sort": "seq_len"}, "not a cursor"),
+        ({"cursor": b64(["kernel", "a\x00", 1]), "sort": "kernel"}, "not a cursor"),
         ({"cursor": "e30"}, "not a cursor from a previous page"),
     ],
 )

@@ -99,3 +99,18 @@ def test_downgrade_gives_runs_their_whole_config_back(database_url: str) -> None
 
 def order(config: dict[str, Any]) -> tuple[int, int]:
     return config["seq_len"], config["batch_size"]
+
+
+def test_a_cell_keeps_a_value_that_only_equals_the_base_in_python() -> None:
+    """1, 1.0 and true are equal in Python but not the same JSON: a cell differing from the
+    base only that way keeps its own value, so its config reads back as it was."""
+    from service.db.models import cell_delta, full_config
+
+    base = {"params": {"x": 1}, "flag": True, "rate": 1, "same": [1, {"a": 2}]}
+    for config in (
+        {"params": {"x": 1.0}, "flag": True, "rate": 1, "same": [1, {"a": 2}]},
+        {"params": {"x": 1}, "flag": 1, "rate": True, "same": [1, {"a": 2.0}]},
+    ):
+        back = full_config(base, cell_delta(base, config))
+        assert json.dumps(back, sort_keys=True) == json.dumps(config, sort_keys=True)
+    assert cell_delta(base, dict(base)) == {}

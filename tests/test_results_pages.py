@@ -108,7 +108,11 @@ def test_dashboard_json_pages_and_changed_runs(database_url: str, monkeypatch: A
         second = client.get(f"/sweeps/{sweep_id}/dashboard.json?after={first['next']}").json()
         assert second["rows"] == [by_id[i] for i in ids[4:8]]
 
-        for bad, reason in (("1,x", "string_pattern_mismatch"), (",".join(["1"] * 201), "201")):
+        for bad, reason in (
+            ("1,x", "string_pattern_mismatch"),
+            (",".join(["1"] * 201), "201"),
+            ("5,9999999999", "at most 2147483647"),
+        ):
             r = client.get(f"/sweeps/{sweep_id}/dashboard.json?runs={bad}")
             assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "runs"]
             assert reason in r.text

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from datetime import timedelta
 
 import pytest
 from _scheduler_helpers import (
@@ -152,7 +153,8 @@ def test_expired_lease_is_recovered_to_queued(engine: Engine) -> None:
 def test_runs_of_a_dead_scheduler_on_this_host_are_requeued_at_once(engine: Engine) -> None:
     """Restarted after a kill -9, a scheduler requeues what its dead predecessor on this host
     held without waiting 30 s for the lease: a dead pid, or its own pid under another
-    instance (a restarted container). Live processes and other hosts keep their runs."""
+    instance (a restarted container), once the heartbeat is 1.5 periods late. Live processes,
+    fresh heartbeats and other hosts keep their runs."""
     sm = make_sessionmaker(engine)
     ids = add_sweep(sm, [tiny_config(seed=i) for i in range(5)])
     host = socket.gethostname()
@@ -174,7 +176,11 @@ def test_runs_of_a_dead_scheduler_on_this_host_are_requeued_at_once(engine: Engi
             session.execute(update(Run).where(Run.id == claim.run_id).values(lease_owner=token))
         claims[claim.run_id] = token
     me = f"{host}:{os.getpid()}:mine00"
-    scheduler = make_scheduler(engine, ThreadPool(), owner=me, lease_s=300)
+    scheduler = make_scheduler(engine, ThreadPool(), owner=me, lease_s=300, heartbeat_s=1.0)
+    assert scheduler.recover() == [], "heartbeats still fresh: maybe alive, left alone"
+    with sm() as session, session.begin():  # every heartbeat stopped 2 periods ago
+        silent = utcnow() - timedelta(seconds=2.0)
+        session.execute(update(Run).where(Run.id.in_(ids)).values(heartbeat_at=silent))
     assert scheduler.recover() == [ids[0], ids[1]]
     statuses = {i: run_row(sm, i).status for i in ids}
     assert statuses == {**dict.fromkeys(ids, RunStatus.running), ids[0]: RunStatus.queued,

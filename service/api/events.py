@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import anyio
 from fastapi import HTTPException, Query, Request, status
 from sqlalchemy.orm import Session, sessionmaker
 from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
 
 from service.api import store
 from service.api.deps import SweepId
@@ -102,8 +104,8 @@ class StreamSlots:
         self.per_client: dict[str, int] = {}
         self.feeds: dict[int, SweepFeed] = {}
 
-    def open(self, app_state: Any, client: str, sweep_id: int) -> SweepFeed:
-        """Take a slot and the sweep's feed, or raise 429 naming the cap that was reached."""
+    def open(self, app_state: Any, client: str, sweep_id: int) -> StreamSlot:
+        """Take a slot with the sweep's feed, or raise 429 naming the cap that was reached."""
         if self.total >= MAX_STREAMS:
             raise _too_many(f"{MAX_STREAMS} event streams are open on this server")
         if self.per_client.get(client, 0) >= MAX_STREAMS_PER_CLIENT:
@@ -114,10 +116,10 @@ class StreamSlots:
         if feed is None:
             feed = self.feeds[sweep_id] = SweepFeed(app_state, sweep_id)
         feed.streams += 1
-        return feed
+        return StreamSlot(self, client, feed)
 
     def close(self, client: str, feed: SweepFeed) -> None:
-        """Give the slot back; the feed goes when its last stream does."""
+        """Give a slot back (StreamSlot.release); the feed goes with its last stream."""
         self.total -= 1
         left = self.per_client[client] - 1
         if left:
@@ -127,6 +129,23 @@ class StreamSlots:
         feed.streams -= 1
         if feed.streams == 0 and self.feeds.get(feed.sweep_id) is feed:
             del self.feeds[feed.sweep_id]
+
+
+@dataclass
+class StreamSlot:
+    """One open stream's slot. Released once, whichever comes first: the stream's generator
+    ending, or the response's background task (which also runs when the generator never
+    started, e.g. a client gone before the first event)."""
+
+    slots: StreamSlots
+    client: str
+    feed: SweepFeed
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.slots.close(self.client, self.feed)
 
 
 def _too_many(reason: str) -> HTTPException:
@@ -156,11 +175,10 @@ def _run_event(run_id: int, state: store.RunState, previous: str | None) -> dict
     return {"event": "run", "data": json.dumps(data)}
 
 
-async def _stream(
-    slots: StreamSlots, client: str, feed: SweepFeed, poll_s: float
-) -> AsyncIterator[dict[str, Any]]:
+async def _stream(slot: StreamSlot, poll_s: float) -> AsyncIterator[dict[str, Any]]:
     """Yield what changed between the feed's snapshots until the sweep is done or deleted;
     the stream's slot is given back however it ends (a client that goes away included)."""
+    feed = slot.feed
     try:
         seen = 0
         previous: dict[int, store.RunState] | None = None
@@ -187,7 +205,7 @@ async def _stream(
                 yield {"event": "end", "data": sweep.model_dump_json()}
                 return
     finally:
-        slots.close(client, feed)
+        slot.release()
 
 
 def _exists(factory: sessionmaker[Session], sweep_id: int) -> bool:
@@ -215,5 +233,7 @@ async def sweep_events(
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"sweep {sweep_id} not found")
     slots = stream_slots(request.app.state)
     client = request.client.host if request.client is not None else "unknown"
-    feed = slots.open(request.app.state, client, sweep_id)
-    return EventSourceResponse(_stream(slots, client, feed, poll_s), ping=PING_S)
+    slot = slots.open(request.app.state, client, sweep_id)
+    return EventSourceResponse(
+        _stream(slot, poll_s), ping=PING_S, background=BackgroundTask(slot.release)
+    )

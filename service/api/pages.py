@@ -22,7 +22,7 @@ from datetime import datetime
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
-from sqlalchemy import ColumnElement, Select, and_, func, or_, select, tuple_
+from sqlalchemy import BigInteger, ColumnElement, Select, and_, func, or_, select, tuple_
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 COUNT_CAP = 10_000
@@ -50,8 +50,10 @@ class Cursor:
         return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_int(value: Any, bits: int = 32) -> bool:
+    """An int (not a bool) that fits a signed column of `bits` bits."""
+    limit = 2 ** (bits - 1)
+    return isinstance(value, int) and not isinstance(value, bool) and -limit <= value < limit
 
 
 def _column_value(value: Any, column: InstrumentedAttribute[Any]) -> Any:
@@ -65,11 +67,11 @@ def _column_value(value: Any, column: InstrumentedAttribute[Any]) -> Any:
     if kind is datetime:
         return datetime.fromisoformat(value)
     if kind is int:
-        if not _is_int(value):
-            raise TypeError("not an integer")
+        if not _is_int(value, 64 if isinstance(column.type, BigInteger) else 32):
+            raise TypeError("not an integer the column holds")
         return value
-    if not isinstance(value, str):
-        raise TypeError("not a string")
+    if not isinstance(value, str) or "\x00" in value:
+        raise TypeError("not a string the column holds")
     return kind(value)  # str, or a StrEnum such as RunStatus (ValueError if not a member)
 
 

@@ -339,7 +339,7 @@ def list_sweeps(
     ids = [row.id for row in rows]
     by_id = {s.id: s for s in session.scalars(select(Sweep).where(Sweep.id.in_(ids)))}
     counts = run_counts(session, ids)
-    data = [sweep_out(by_id[i], counts[i]) for i in ids]
+    data = [sweep_out(by_id[i], counts[i]) for i in ids if i in by_id]  # one deleted meanwhile
     return Page(data, count, exact, next_cursor)
 
 

@@ -49,7 +49,18 @@ def full_config(base: dict[str, Any] | None, cell: dict[str, Any]) -> dict[str, 
 def cell_delta(base: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """What a run stores of its whole config: the keys whose values differ from base
     (full_config(base, cell_delta(base, c)) == c when c and base share their keys)."""
-    return {k: v for k, v in config.items() if k not in base or base[k] != v}
+    return {k: v for k, v in config.items() if k not in base or not same_json(base[k], v)}
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON values: unlike ==, 1, 1.0 and true differ (each is stored as itself)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_json(v, b[k]) for k, v in a.items())
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
 
 
 class Base(DeclarativeBase):

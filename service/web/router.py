@@ -242,11 +242,15 @@ def sweep_data(
     run_ids = None
     if runs is not None:
         run_ids = [int(i) for i in runs.split(",")]
+        problem = None
         if len(run_ids) > MAX_CHANGED_RUNS:
+            problem = f"at most {MAX_CHANGED_RUNS} run ids, got {len(run_ids)}"
+        elif max(run_ids) > MAX_ID:
+            problem = f"run ids are at most {MAX_ID}, got {max(run_ids)}"
+        if problem is not None:
             raise RequestValidationError(
-                [{"type": "value_error", "loc": ("query", "runs"), "input": None,
-                  "msg": f"at most {MAX_CHANGED_RUNS} run ids, got {len(run_ids)}"}]
-            )  # fmt: skip
+                [{"type": "value_error", "loc": ("query", "runs"), "input": None, "msg": problem}]
+            )
     return JSONResponse(_sweep_payload(session, sweep_id, after=after, run_ids=run_ids))
 
 
@@ -284,16 +288,19 @@ def compare_page(
     context["pairs"] = None
     if a is not None and b is not None:
         sa, sb = _summary_or_404(session, a), _summary_or_404(session, b)
-        a_rows, b_rows = _sweep_rows(session, a), _sweep_rows(session, b)
-        pairs = data.compare_rows(a_rows, b_rows)
-        only_a, only_b = data.unmatched(a_rows, b_rows)
-        context.update(
-            only_a=only_a,
-            only_b=only_b,
-            sa=sa,
-            sb=sb,
-            pairs=pairs,
-            figure=charts.compare_figure(pairs),
-            tolerance=data.MEMORY_TOLERANCE,
-        )
+        # The page holds both sweeps' rows until it is rendered: all of it is one whole read.
+        with queries.whole_sweep_read(session, a, b):
+            a_rows, b_rows = _sweep_rows(session, a), _sweep_rows(session, b)
+            pairs = data.compare_rows(a_rows, b_rows)
+            only_a, only_b = data.unmatched(a_rows, b_rows)
+            context.update(
+                only_a=only_a,
+                only_b=only_b,
+                sa=sa,
+                sb=sb,
+                pairs=pairs,
+                figure=charts.compare_figure(pairs),
+                tolerance=data.MEMORY_TOLERANCE,
+            )
+            return _page(request, "compare.html", **context)
     return _page(request, "compare.html", **context)

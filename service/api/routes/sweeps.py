@@ -236,6 +236,7 @@ def results_json(sweep_id: SweepId, session: SessionDep, request: Request) -> Re
     """One row per run with its numbers and its ratios to its baseline (see report.md),
     streamed a page of runs at a time."""
     _exists_or_404(session, sweep_id)
+    session.close()  # each page opens its own: no connection held idle for the whole stream
     pages = _result_pages(request.app.state.sessionmaker, sweep_id)
     return StreamingResponse(_stream_json(pages), media_type="application/json")
 
@@ -250,6 +251,7 @@ def results_json(sweep_id: SweepId, session: SessionDep, request: Request) -> Re
 def results_csv(sweep_id: SweepId, session: SessionDep, request: Request) -> Response:
     """The rows of results.json as CSV with a header line, streamed likewise."""
     _exists_or_404(session, sweep_id)
+    session.close()
     pages = _result_pages(request.app.state.sessionmaker, sweep_id)
     return StreamingResponse(
         _stream_csv(pages),
@@ -267,8 +269,10 @@ def results_csv(sweep_id: SweepId, session: SessionDep, request: Request) -> Res
 )
 def components_csv(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
     """Model runs' memory per component (limiting rank): predicted, measured, ratio."""
+    with queries.whole_sweep_read(session, sweep_id):
+        text = results.components_csv(_sweep_rows(session, sweep_id)[1])
     return PlainTextResponse(
-        results.components_csv(_sweep_rows(session, sweep_id)[1]),
+        text,
         media_type="text/csv",
         headers={"Content-Disposition": f'attachment; filename="sweep-{sweep_id}-components.csv"'},
     )
@@ -289,6 +293,17 @@ def pivot_csv(
     value: Annotated[PivotValue | None, Query()] = None,
 ) -> PlainTextResponse:
     """One metric as a table: rows x columns (the sweep's analysis.pivot unless overridden)."""
+    with queries.whole_sweep_read(session, sweep_id):
+        return _pivot_csv(session, sweep_id, rows, columns, value)
+
+
+def _pivot_csv(
+    session: SessionDep,
+    sweep_id: int,
+    rows: str | None,
+    columns: list[str] | None,
+    value: PivotValue | None,
+) -> PlainTextResponse:
     sweep, run_rows = _sweep_rows(session, sweep_id)
     spec = analysis.pivot_spec(queries.analysis_of(sweep), run_rows) or PivotSpec()
     changes: dict[str, Any] = {}
@@ -322,14 +337,15 @@ def report_md(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
     """A markdown report: errors, results with ratios, the pivot, maximum lengths, probes,
     environment."""
     sweep_view = _sweep_or_404(session, sweep_id)
-    sweep, run_rows = _sweep_rows(session, sweep_id)
-    text = results.report_markdown(
-        sweep,
-        run_rows,
-        store.sweep_environments(session, sweep_id),
-        sweep_view.counts,
-        analysis.pivot_spec(queries.analysis_of(sweep), run_rows),
-    )
+    with queries.whole_sweep_read(session, sweep_id):
+        sweep, run_rows = _sweep_rows(session, sweep_id)
+        text = results.report_markdown(
+            sweep,
+            run_rows,
+            store.sweep_environments(session, sweep_id),
+            sweep_view.counts,
+            analysis.pivot_spec(queries.analysis_of(sweep), run_rows),
+        )
     return PlainTextResponse(text, media_type="text/markdown")
 
 

@@ -197,32 +197,48 @@ const ringlab = (() => {
       state.status = ev.target.value;
       resultsTable(table, state);
     });
-    document.getElementById("more").addEventListener("click", async () => {
-      const resp = await fetch(`/sweeps/${sweepId}/dashboard.json?after=${state.next}`, { cache: "no-store" });
-      if (!resp.ok) return;
-      const page = await resp.json();
-      state.rows = state.rows.concat(page.rows);
-      state.next = page.next;
-      resultsTable(table, state);
-      showMore(state);
+    const more = document.getElementById("more");
+    more.addEventListener("click", async () => {
+      more.disabled = true; // one page at a time: a second click must not load it twice
+      try {
+        const resp = await fetch(`/sweeps/${sweepId}/dashboard.json?after=${state.next}`, { cache: "no-store" });
+        if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+        const page = await resp.json();
+        state.rows = state.rows.concat(page.rows);
+        state.next = page.next;
+        resultsTable(table, state);
+        showMore(state);
+      } catch (err) {
+        document.getElementById("partial").textContent = `loading more failed (${err.message}): try again`;
+      } finally {
+        more.disabled = false;
+      }
     });
 
     if (payload.sweep.finished) return;
     // Live: a progress event carries the counts; a run event names a run whose row is then
     // fetched, with the others that changed, at most once a second: never the whole sweep.
+    // One fetch at a time; ids whose fetch failed go back to be asked for again.
     const changed = new Set();
     let pending = null;
     const flush = () => {
       if (pending) return;
       pending = setTimeout(async () => {
-        pending = null;
         const ids = [...changed].slice(0, 200);
         ids.forEach((id) => changed.delete(id));
-        if (ids.length) {
-          const resp = await fetch(`/sweeps/${sweepId}/dashboard.json?runs=${ids.join(",")}`, { cache: "no-store" });
-          if (resp.ok) patch(await resp.json(), state);
+        try {
+          if (ids.length) {
+            const resp = await fetch(`/sweeps/${sweepId}/dashboard.json?runs=${ids.join(",")}`, { cache: "no-store" });
+            if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+            patch(await resp.json(), state);
+          }
+        } catch (err) {
+          ids.forEach((id) => changed.add(id));
+          document.getElementById("live").textContent = `live update failed (${err.message}); retrying`;
+        } finally {
+          pending = null;
+          if (changed.size) flush();
         }
-        if (changed.size) flush();
       }, 1000);
     };
     const events = new EventSource(`/api/v1/sweeps/${sweepId}/events`);
