@@ -122,6 +122,7 @@ class SweepContext:
 
 _contexts: OrderedDict[tuple[str, int, datetime], SweepContext] = OrderedDict()
 _contexts_lock = threading.Lock()
+_context_pass = threading.Lock()
 
 
 def sweep_context(session: Session, sweep: Sweep) -> SweepContext:
@@ -135,6 +136,14 @@ def sweep_context(session: Session, sweep: Sweep) -> SweepContext:
         if key in _contexts:
             _contexts.move_to_end(key)
             return _contexts[key]
+    with _context_pass:  # one pass at a time: concurrent first readers wait for it, not redo it
+        with _contexts_lock:
+            if key in _contexts:
+                return _contexts[key]
+        return _find_context(session, sweep, key)
+
+
+def _find_context(session: Session, sweep: Sweep, key: tuple[str, int, datetime]) -> SweepContext:
     varying = analysis.Varying()
     finder = analysis.ReferenceFinder(analysis_of(sweep))
     after = 0
