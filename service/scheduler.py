@@ -55,6 +55,10 @@ class Pool(Protocol):
     ) -> RunHandle: ...  # raises workers.errors.Infeasible (checked against the cluster)
 
 
+RECOVER_S = 2.0
+"""Seconds between recovery passes."""
+DEFAULT_HEARTBEAT_S = 5.0
+"""How often a scheduler renews the lease of the run it drives."""
 MAX_LOST_LEASES = 2
 """Claims beyond max_attempts a run gets after its scheduler died under it; then it fails."""
 
@@ -75,6 +79,20 @@ class RunTrace:
 def default_owner() -> str:
     """host:pid:nonce, unique per scheduler instance."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def recover_runs(sm: sessionmaker[Session], owner: str, heartbeat_s: float) -> list[int]:
+    """Runs of a dead scheduler return to queued; their ids. Those a scheduler on this host
+    held go once their heartbeat is 1.5 periods late (its process is gone, or it was an
+    earlier instance of this one); those of other hosts once their lease has expired."""
+    orphans = leases.recover_orphans(sm, owner, leases.process_alive, stale_s=1.5 * heartbeat_s)
+    if orphans:
+        log.warning("requeued %d run(s) of a dead scheduler on this host: %s", len(orphans),
+                    orphans)  # fmt: skip
+    expired = leases.recover_expired(sm)
+    if expired:
+        log.warning("requeued %d run(s) with an expired lease: %s", len(expired), expired)
+    return sorted(orphans + expired)
 
 
 def completion_from_outcome(outcome: RunOutcome) -> Completion:
@@ -108,10 +126,10 @@ class Scheduler:
         pool: Pool,
         owner: str | None = None,
         lease_s: float = 30.0,
-        heartbeat_s: float = 5.0,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         poll_s: float = 0.5,
         grace_s: float = 10.0,
-        recover_s: float = 2.0,
+        recover_s: float = RECOVER_S,
     ) -> None:
         """lease_s: how long a claim holds without a heartbeat (then recovery requeues the run);
         heartbeat_s: renewal period (also how fast a cancel is noticed); poll_s: poll slice and
@@ -150,19 +168,8 @@ class Scheduler:
         self._stopping.set()
 
     def recover(self) -> list[int]:
-        """Runs of a dead scheduler return to queued; their ids. Those a scheduler on this host
-        held go once their heartbeat is 1.5 periods late (its process is gone, or it was an
-        earlier instance of this one); those of other hosts once their lease has expired."""
-        orphans = leases.recover_orphans(
-            self.sessionmaker, self.owner, leases.process_alive, stale_s=1.5 * self.heartbeat_s
-        )
-        if orphans:
-            log.warning("requeued %d run(s) of a dead scheduler on this host: %s", len(orphans),
-                        orphans)  # fmt: skip
-        expired = leases.recover_expired(self.sessionmaker)
-        if expired:
-            log.warning("requeued %d run(s) with an expired lease: %s", len(expired), expired)
-        return sorted(orphans + expired)
+        """Runs of dead schedulers back to queued (recover_runs); their ids."""
+        return recover_runs(self.sessionmaker, self.owner, self.heartbeat_s)
 
     def run_forever(self, stop: threading.Event) -> None:
         """Recover, then claim and run until `stop` (or stop()); a stop lets the run finish
@@ -353,6 +360,17 @@ class Scheduler:
         self._finish(claim, _ended_early(RunStatus.failed, msg, handle))
 
 
+def _recover_until(sm: sessionmaker[Session], owner: str, done: threading.Event) -> None:
+    """recover_runs now and every RECOVER_S until `done` (a failed pass is logged)."""
+    while True:
+        try:
+            recover_runs(sm, owner, DEFAULT_HEARTBEAT_S)
+        except Exception:  # logged; the next pass runs
+            log.exception("recovery pass failed; next in %g s", RECOVER_S)
+        if done.wait(RECOVER_S):
+            return
+
+
 def run_forever_from_settings(settings: Any, stop_event: threading.Event) -> None:
     """Migrate, connect Ray (settings.ray_address or a local one), and schedule until stop_event."""
     from service.db.engine import make_engine, make_sessionmaker
@@ -362,10 +380,21 @@ def run_forever_from_settings(settings: Any, stop_event: threading.Event) -> Non
 
     upgrade(settings.database_url)
     engine = make_engine(settings.database_url)
-    cluster.connect(settings.ray_address)
-    pool = GangPool()
+    sm = make_sessionmaker(engine)
+    owner = default_owner()
+    # Recovery passes run while Ray starts (seconds): what a crashed predecessor held is
+    # queued again as soon as its heartbeat is late, not after this start-up.
+    starting = threading.Event()
+    early = threading.Thread(target=_recover_until, args=(sm, owner, starting), daemon=True)
+    early.start()
     try:
-        Scheduler(make_sessionmaker(engine), pool=pool).run_forever(stop_event)
+        cluster.connect(settings.ray_address)
+        pool = GangPool()
+    finally:
+        starting.set()
+        early.join()
+    try:
+        Scheduler(sm, pool=pool, owner=owner).run_forever(stop_event)
     finally:
         pool.close()
         engine.dispose()
