@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import socket
 import threading
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -139,16 +140,22 @@ def run_server(
     host: str | None = None,
     port: int | None = None,
     with_scheduler: bool = True,
+    sockets: list[socket.socket] | None = None,
 ) -> None:
-    """Serve the API with uvicorn until SIGTERM/SIGINT, then shut down cleanly."""
+    """Serve the API with uvicorn until SIGTERM/SIGINT, then shut down cleanly; on `sockets`
+    when given (already bound and listening: the CLI takes the port before anything slow)."""
     import uvicorn
 
     settings = settings or Settings()
     app = create_app(settings, with_scheduler=with_scheduler)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=host or settings.host,
         port=port or settings.port,
         log_level="info",
         timeout_graceful_shutdown=30,
     )
+    server = uvicorn.Server(config)
+    server.run(sockets=sockets)
+    if not server.started:  # as uvicorn.run: a start-up that failed exits non-zero
+        raise SystemExit(3)

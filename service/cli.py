@@ -125,46 +125,60 @@ def db_current() -> None:
 # ---- processes: the service, a scheduler alone, the demo ----
 
 
-def _bind_error(host: str, port: int) -> OSError | None:
-    """Why uvicorn could not listen on host:port now (None: it could), found by binding the
-    way asyncio does (SO_REUSEADDR, v6-only) and letting go at once."""
+def bind_listeners(host: str, port: int) -> list[Any]:
+    """Listening sockets on every address of host:port, bound the way asyncio binds them
+    (SO_REUSEADDR, v6-only); OSError (socket.gaierror included) if one cannot be bound.
+
+    The caller keeps them and hands them to uvicorn: no other process can take the port
+    between this check and the server's start (Ray's start-up takes seconds in between)."""
     import socket
 
+    addresses = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    bound: list[socket.socket] = []
     try:
-        addresses = socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-    except socket.gaierror as e:
-        return e
-    for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as sock:
+        for family, kind, proto, _, address in addresses:
+            sock = socket.socket(family, kind, proto)
+            bound.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6 and hasattr(socket, "IPV6_V6ONLY"):
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind(address)
-            except OSError as e:
-                return e
-    return None
+            sock.bind(address)
+            sock.listen(2048)
+    except OSError:
+        for sock in bound:
+            sock.close()
+        raise
+    return bound
 
 
-def check_port(host: str, port: int, how: str) -> None:
-    """One line and exit 1 if host:port cannot be listened on, before anything heavy starts.
+def _free(host: str, port: int) -> bool:
+    try:
+        for sock in bind_listeners(host, port):
+            sock.close()
+    except OSError:
+        return False
+    return True
+
+
+def check_port(host: str, port: int, how: str) -> list[Any]:
+    """The listening sockets of host:port, or one line and exit 1 if it cannot be listened on,
+    before anything heavy starts.
 
     `how` says how to pick another port; {port} in it becomes a free one near `port`.
     """
     import errno
 
-    problem = _bind_error(host, port)
-    if problem is None:
-        return
-    if problem.errno != errno.EADDRINUSE:
-        reason = problem.strerror or str(problem)
-        raise CliError(f"cannot listen on {host}:{port}: {reason}; {how.format(port='PORT')}")
-    free = next(
-        (p for p in range(port + 1, min(port + 50, 65536)) if _bind_error(host, p) is None),
-        None,
-    )
+    try:
+        return bind_listeners(host, port)
+    except OSError as problem:
+        if problem.errno != errno.EADDRINUSE:
+            reason = problem.strerror or str(problem)
+            raise CliError(
+                f"cannot listen on {host}:{port}: {reason}; {how.format(port='PORT')}"
+            ) from problem
+    free = next((p for p in range(port + 1, min(port + 50, 65536)) if _free(host, p)), None)
     raise CliError(
         f"port {port} on {host} is in use (another ringlab or server is listening there); "
         + how.format(port=free or "PORT")
@@ -177,15 +191,17 @@ def _url(host: str, port: int) -> str:
     return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
 
 
-def _start_serving(settings: Settings, host: str, port: int, how: str) -> None:
-    """What serve and demo do before uvicorn: the port check, the database URL (password
-    hidden) and dashboard URL printed, the database migrated (unreachable: one line)."""
+def _start_serving(settings: Settings, host: str, port: int, how: str) -> list[Any]:
+    """What serve and demo do before uvicorn: the port taken (its sockets returned for
+    uvicorn), the database URL (password hidden) and dashboard URL printed, the database
+    migrated (unreachable: one line)."""
     from service.db.migrate import upgrade
 
-    check_port(host, port, how)
+    sockets = check_port(host, port, how)
     out.print(f"dashboard: {_url(host, port)}/")
     out.print(f"database:  {_safe(settings)}")
     upgrade(settings.database_url)
+    return sockets
 
 
 DATABASE_RULE = (
@@ -209,10 +225,10 @@ def serve(
     settings = load_settings()
     host = settings.host if host is None else host
     port = port or settings.port
-    _start_serving(settings, host, port, "pick another: ringlab serve --port {port}")
+    sockets = _start_serving(settings, host, port, "pick another: ringlab serve --port {port}")
     from service.app import run_server
 
-    run_server(settings, host=host, port=port, with_scheduler=not no_scheduler)
+    run_server(settings, host=host, port=port, with_scheduler=not no_scheduler, sockets=sockets)
 
 
 @app.command()
@@ -296,12 +312,12 @@ def demo(
             )
 
     how = "pick another: PORT={port} make run, or ringlab demo --port {port}"
-    _start_serving(settings, "127.0.0.1", port, how)
+    sockets = _start_serving(settings, "127.0.0.1", port, how)
     out.print(f"starting ringlab on {base} with a local Ray on CPU")
     from service.app import run_server
 
     threading.Thread(target=submit_when_ready, name="demo-submit", daemon=True).start()
-    run_server(settings, host="127.0.0.1", port=port, with_scheduler=True)
+    run_server(settings, host="127.0.0.1", port=port, with_scheduler=True, sockets=sockets)
     if failure:
         raise CliError(failure[0])
 

@@ -342,3 +342,39 @@ def test_delete_asks_and_refuses_while_running(
     assert yes.stdout == f"deleted sweep {sweep_id} (tiny, 2 run(s))\n"
     assert httpx.get(f"{base}/api/v1/sweeps/{sweep_id}").status_code == 404
     assert "404" in error_line(ringlab("delete", str(sweep_id), "--yes", env=env))
+
+
+def test_the_port_is_held_from_the_check_until_uvicorn_serves_on_it(tmp_path: Path) -> None:
+    """check_port returns the bound, listening sockets: nobody can take the port while Ray
+    starts, and the server then serves on those very sockets."""
+    import errno
+    import threading
+
+    import uvicorn
+
+    from service.app import create_app
+    from service.cli import check_port
+
+    port = free_port()
+    sockets = check_port("127.0.0.1", port, "pick another")
+    with socket.socket() as late:
+        late.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with pytest.raises(OSError) as taken:
+            late.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+    config = uvicorn.Config(
+        create_app(Settings(database_url=f"sqlite:///{tmp_path / 'r.db'}")), host="127.0.0.1",
+        port=port,
+        log_level="warning",
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz").status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(30)
