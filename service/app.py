@@ -23,7 +23,8 @@ from service.api.routes import cluster, health, kernels, runs, sweeps
 from service.core.config import Settings
 from service.db.engine import make_engine, make_sessionmaker
 from service.db.migrate import upgrade
-from service.web.router import router as web_router
+from service.web.router import dashboard as web_router
+from service.web.router import router as web_pages
 from workers import local_ray
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ def create_app(
     app.include_router(api_router())
     app.include_router(web_router)  # the dashboard's HTML pages at /
     for router in extra_routers:
-        if router is web_router:  # callers written before the dashboard was built in
+        if router in (web_router, web_pages):  # callers from before the dashboard was built in
             continue
         app.include_router(router)
     return app

@@ -254,9 +254,8 @@ def seed_sweeps(database_url: str) -> Seeded:
 def make_web_app(settings: Settings) -> FastAPI:
     """The service's app (API under /api/v1) with the dashboard mounted, no scheduler."""
     from service.app import create_app
-    from service.web.router import router
 
-    return create_app(settings, with_scheduler=False, extra_routers=[router])
+    return create_app(settings, with_scheduler=False)
 
 
 @contextmanager

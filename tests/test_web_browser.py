@@ -317,3 +317,40 @@ def test_a_large_sweep_loads_a_page_at_a_time(
     )
     assert len(set(ids)) == total  # each run once
     page.check()
+
+
+def test_log_in_through_the_page_and_follow_a_sweep_live(browser: Any, tmp_path: Path) -> None:
+    """With reads behind the token, chromium is sent to /login, logs in through the form, lands
+    on the page it asked for, and the live sweep page's event stream and fetches work on the
+    session cookie alone; logging out sends it back to the form."""
+    from _api_helpers import TOKEN
+
+    database = f"sqlite:///{tmp_path / 'ringlab.db'}"
+    settings = Settings(database_url=database, api_token=TOKEN, require_token_for_reads=True)
+    app = make_web_app(settings)
+    with live_server(app) as base:
+        sweep_id, (first, _second) = seed_running_sweep(database)
+        page = Page(browser, base)
+        try:
+            pg = page.page
+            pg.goto(f"{base}/sweeps/{sweep_id}", wait_until="networkidle")
+            assert "/login?next=" in pg.url
+            pg.fill("#token", "wrong")
+            pg.click("button[type=submit]")
+            assert "not this server's token" in pg.locator("#problem").inner_text()
+            page.problems.clear()  # the 401 of the wrong token was the point
+            pg.fill("#token", TOKEN)
+            pg.click("button[type=submit]")
+            pg.wait_for_load_state("networkidle")
+            assert pg.url == f"{base}/sweeps/{sweep_id}"
+            assert pg.locator("#live").inner_text() == "live"
+            finish_run(database, first)
+            pg.wait_for_function(SUCCEEDED_ROWS, arg=1, timeout=15_000)
+            page.check()
+            pg.click("#logout")
+            pg.wait_for_load_state("networkidle")
+            assert pg.url.endswith("/login")
+            pg.goto(f"{base}/", wait_until="networkidle")
+            assert "/login?next=" in pg.url
+        finally:
+            page.close()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Iterator
 from typing import Annotated
+from urllib.parse import urlencode
 
 from fastapi import Depends, HTTPException, Path, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -27,11 +29,34 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
-def _check_token(settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> None:
+SESSION_COOKIE = "ringlab_session"
+"""The dashboard's session cookie (service.web.login): a browser cannot send a bearer header,
+with EventSource least of all. It admits reads only; writes always need the bearer token."""
+
+
+def session_value(token: str) -> str:
+    """The cookie value that stands for `token`: an HMAC of it, so the cookie never holds the
+    token itself, and changing RINGLAB_API_TOKEN ends every session."""
+    return hmac.new(token.encode(), b"ringlab dashboard session", hashlib.sha256).hexdigest()
+
+
+def _authorized(
+    settings: Settings, credentials: HTTPAuthorizationCredentials | None, cookie: str | None
+) -> bool:
     if settings.api_token is None:
-        return
+        return True
     given = credentials.credentials if credentials is not None else ""
-    if not hmac.compare_digest(given.encode(), settings.api_token.encode()):
+    if hmac.compare_digest(given.encode(), settings.api_token.encode()):
+        return True
+    return cookie is not None and hmac.compare_digest(
+        cookie.encode(), session_value(settings.api_token).encode()
+    )
+
+
+def _check_token(
+    settings: Settings, credentials: HTTPAuthorizationCredentials | None, cookie: str | None = None
+) -> None:
+    if not _authorized(settings, credentials, cookie):
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,
             "missing or wrong bearer token (Authorization: Bearer <RINGLAB_API_TOKEN>)",
@@ -48,12 +73,32 @@ async def require_write(
 
 
 async def require_read(
+    request: Request,
     settings: Annotated[Settings, Depends(get_settings)],
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
 ) -> None:
-    """Reads: open unless settings.require_token_for_reads."""
+    """Reads: open unless settings.require_token_for_reads; then the bearer token or the
+    dashboard's session cookie."""
     if settings.require_token_for_reads:
-        _check_token(settings, credentials)
+        _check_token(settings, credentials, request.cookies.get(SESSION_COOKIE))
+
+
+async def require_read_page(
+    request: Request,
+    settings: Annotated[Settings, Depends(get_settings)],
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+) -> None:
+    """A dashboard page: as require_read, but a browser without a session is sent to the
+    login page (303), which brings it back here."""
+    if not settings.require_token_for_reads:
+        return
+    if not _authorized(settings, credentials, request.cookies.get(SESSION_COOKIE)):
+        here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        raise HTTPException(
+            status.HTTP_303_SEE_OTHER,
+            "log in first",
+            headers={"Location": f"/login?{urlencode({'next': here})}"},
+        )
 
 
 SessionDep = Annotated[Session, Depends(get_session)]

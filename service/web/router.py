@@ -18,19 +18,29 @@ from fastapi.templating import Jinja2Templates
 
 from service import queries
 from service.api import store
-from service.api.deps import MAX_ID, MAX_SKIP, RunId, SessionDep, SweepId, require_read
+from service.api.deps import (
+    MAX_ID,
+    MAX_SKIP,
+    RunId,
+    SessionDep,
+    SweepId,
+    require_read_page,
+)
 from service.api.results import COMPONENT_TITLES
 from service.api.schemas import SweepOut
 from service.db.models import TERMINAL_STATUSES, Sweep
 from service.views import RunRow
-from service.web import charts, data
+from service.web import charts, data, login
 
 HERE = Path(__file__).resolve().parent
 PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
 STATIC_FILES = {"app.js": "text/javascript", "style.css": "text/css"}
 
 templates = Jinja2Templates(directory=HERE / "templates")
-router = APIRouter(include_in_schema=False, dependencies=[Depends(require_read)])
+router = APIRouter(include_in_schema=False, dependencies=[Depends(require_read_page)])
+"""The pages: data, behind the read check (a browser without a session goes to /login)."""
+public = APIRouter(include_in_schema=False)
+"""Static files (code, no data) and the login page: reachable before logging in."""
 
 
 def _fmt_si(value: float | None, unit: str = "") -> str:
@@ -78,13 +88,13 @@ def _page(request: Request, name: str, **context: Any) -> HTMLResponse:
     return templates.TemplateResponse(request, name, context)
 
 
-@router.get("/static/plotly.min.js")
+@public.get("/static/plotly.min.js")
 def plotly_js() -> FileResponse:
     """plotly.js from the installed plotly package (no CDN: clusters are often offline)."""
     return FileResponse(PLOTLY_JS, media_type="text/javascript")
 
 
-@router.get("/static/{name}")
+@public.get("/static/{name}")
 def static_file(name: str) -> FileResponse:
     """The dashboard's own script and style sheet (a fixed list: no path traversal)."""
     if name not in STATIC_FILES:
@@ -304,3 +314,10 @@ def compare_page(
             )
             return _page(request, "compare.html", **context)
     return _page(request, "compare.html", **context)
+
+
+dashboard = APIRouter()
+"""Everything the dashboard serves at /: its pages, its static files and its login."""
+dashboard.include_router(router)
+dashboard.include_router(public)
+dashboard.include_router(login.router)
