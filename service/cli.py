@@ -771,6 +771,16 @@ def cluster() -> None:
             ", ".join(n["gpu_names"]) or "—",
         )
     out.print(table)
+    idle = [
+        f"{n:g} {unit}{'' if n == 1 else 's'}"
+        for n, unit in ((info["idle_gang_cpus"], "CPU"), (info["idle_gang_gpus"], "GPU"))
+        if n
+    ]
+    if idle:  # before the total line, which scripts read last
+        out.print(
+            f"held by idle warm gangs: {' and '.join(idle)} (the next run of the same shape "
+            "reuses them; any other run gets them back)"
+        )
     out.print(
         f"total: {info['free_cpus']:g}/{info['total_cpus']:g} CPUs free, "
         f"{info['free_gpus']:g}/{info['total_gpus']:g} GPUs free"

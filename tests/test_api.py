@@ -420,3 +420,31 @@ def test_cluster_and_readyz_with_ray(tmp_path: Any, ray_session: Any) -> None:
         assert cluster["total_cpus"] >= 1 and cluster["nodes"][0]["cpus"] >= 1
         ready = client.get(f"{API}/readyz")
         assert ready.status_code == 200 and ready.json()["checks"]["ray"] == "ok"
+
+
+@pytest.mark.ray
+def test_cluster_shows_what_idle_warm_gangs_hold(tmp_path: Any, ray_session: Any) -> None:
+    """A finished run's gang stays warm for the next run and keeps its CPU: GET /cluster and
+    `ringlab cluster` say so apart from what is free, and it is idle, not running anything."""
+    from _workers_helpers import config, wait
+    from typer.testing import CliRunner
+
+    from service.cli import app as cli
+    from workers.gang import GangPool
+
+    pool = GangPool(placement_timeout_s=60)
+    try:
+        cfg = config(world_size=2, batch_size=2, parallel="data", device="cpu")
+        outcome = wait(pool.start(cfg, "benchmark"))
+        assert outcome.status == "succeeded", outcome.error
+        app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'ray.db'}"))
+        with live_server(app) as base:
+            info = httpx.get(f"{base}{API}/cluster").json()
+            assert (info["gang_cpus"], info["idle_gang_cpus"]) == (2, 2), info
+            assert info["idle_gang_gpus"] == 0
+            assert info["free_cpus"] == info["total_cpus"] - 2
+            result = CliRunner().invoke(cli, ["cluster"], env={"RINGLAB_URL": base})
+        assert result.exit_code == 0, result.output
+        assert "held by idle warm gangs: 2 CPUs" in result.output
+    finally:
+        pool.close()

@@ -57,6 +57,10 @@ def _gpu_names(resources: dict[str, float]) -> list[str]:
     return sorted(k[len(prefix) :] for k in resources if k.startswith(prefix))
 
 
+GANG_GROUP_PREFIX = "ringlab-gang-"
+"""Name prefix of every gang's placement group (workers.gang): what gangs hold is counted by it."""
+
+
 def describe() -> dict[str, Any]:
     """Alive nodes (id, IP, hostname, CPUs, GPUs, GPU types, free CPUs/GPUs) and the totals."""
     from ray._private.state import available_resources_per_node
@@ -81,13 +85,32 @@ def describe() -> dict[str, Any]:
             }
         )
     nodes.sort(key=lambda n: (n["ip"], n["node_id"]))
+    gang_cpus, gang_gpus = _held_by_gangs()
     return {
         "nodes": nodes,
         "total_cpus": sum(n["cpus"] for n in nodes),
         "total_gpus": sum(n["gpus"] for n in nodes),
         "free_cpus": sum(n["free_cpus"] for n in nodes),
         "free_gpus": sum(n["free_gpus"] for n in nodes),
+        "gang_cpus": gang_cpus,
+        "gang_gpus": gang_gpus,
     }
+
+
+def _held_by_gangs() -> tuple[float, float]:
+    """CPUs and GPUs reserved by ringlab's gangs (their placement groups), busy or warm."""
+    from ray.util import placement_group_table
+
+    cpus = gpus = 0.0
+    for group in placement_group_table().values():
+        if group.get("state") != "CREATED" or not group.get("name", "").startswith(
+            GANG_GROUP_PREFIX
+        ):
+            continue
+        for resources in group.get("bundles", {}).values():
+            cpus += float(resources.get("CPU", 0.0))
+            gpus += float(resources.get("GPU", 0.0))
+    return cpus, gpus
 
 
 def device_kind(config: RunConfig, cluster: dict[str, Any] | None = None) -> DeviceKind:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -22,7 +23,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers import kernels, references, search
 from workers.actor import RankActor
-from workers.cluster import DeviceKind, bundle, check_feasible, describe, device_kind
+from workers.cluster import (
+    GANG_GROUP_PREFIX,
+    DeviceKind,
+    bundle,
+    check_feasible,
+    describe,
+    device_kind,
+)
 from workers.config import RunConfig
 from workers.errors import GangError, PlacementTimeout, RankFailed
 from workers.results import CaseOutcome, EnvironmentInfo, ProbeResult, RankPlacement, RunOutcome
@@ -65,7 +73,9 @@ class Gang:
     def __init__(self, key: GangKey) -> None:
         self.key = key
         self.pg: PlacementGroup = placement_group(
-            [bundle(key.device)] * key.world_size, strategy=STRATEGIES[key.placement]
+            [bundle(key.device)] * key.world_size,
+            strategy=STRATEGIES[key.placement],
+            name=f"{GANG_GROUP_PREFIX}{uuid.uuid4().hex[:12]}",
         )
         self.actors: list[Any] = []
         self.placement: list[RankPlacement] = []

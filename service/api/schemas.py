@@ -286,3 +286,10 @@ class ClusterOut(BaseModel):
     total_gpus: float
     free_cpus: float
     free_gpus: float
+    gang_cpus: float = Field(description="Reserved by ringlab's gangs, running or warm.")
+    gang_gpus: float = Field(description="Reserved by ringlab's gangs, running or warm.")
+    idle_gang_cpus: float = Field(
+        description="Reserved by warm gangs that run nothing now: the next run of the same "
+        "shape reuses them, and another run gets them back when it needs them."
+    )
+    idle_gang_gpus: float = Field(description="As idle_gang_cpus, for GPUs.")
