@@ -514,6 +514,13 @@ def _watch(c: Any, sweep_ids: list[int]) -> None:
             if event == "error":
                 problems[sweep_id] = data["message"]
                 continue
+            if event == "run" and data.get("last_probe"):  # a search's probes, as they come
+                probe = data["last_probe"]
+                progress.console.print(
+                    f"sweep {sweep_id} run {data['id']}: probe {data['probes']}, "
+                    f"{probe['seq_len']:,} tokens {probe['outcome']}",
+                    markup=False,
+                )
             if event in ("progress", "end") and "counts" in data:
                 sweeps[sweep_id] = data
                 progress.update(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, cast
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import delete, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -124,6 +124,9 @@ def claim_next(sm: sessionmaker[Session], owner: str, lease_s: float) -> Claim |
             )
             if rowcount(result) != 1:
                 return None
+        claimed = select(Run.id).where(Run.lease_owner == token).scalar_subquery()
+        # A new attempt measures afresh: probes an earlier, interrupted attempt stored go.
+        session.execute(delete(Probe).where(Probe.run_id == claimed))
         row = session.execute(
             select(Run.id, Run.cell_config, Sweep.base_config, Run.attempts, Sweep.kind)
             .join(Sweep, Sweep.id == Run.sweep_id)
@@ -162,6 +165,27 @@ def heartbeat(
             .execution_options(synchronize_session=False)
         )
         return rowcount(result) == 1
+
+
+def record_probes(
+    sm: sessionmaker[Session], claim: Claim, probes: Sequence[dict[str, Any]]
+) -> bool:
+    """Store probes of a running search as they come (the dashboard and `ringlab watch` show
+    them live), only while the lease holds; False if it no longer does. finish() replaces
+    them with the outcome's, which holds them all."""
+    with sm() as session, session.begin():
+        result = session.execute(
+            update(Run)
+            .where(_holding(claim))
+            .values(heartbeat_at=utcnow())
+            .execution_options(synchronize_session=False)
+        )
+        if rowcount(result) != 1:
+            session.rollback()
+            return False
+        for probe in probes:
+            session.add(Probe(run_id=claim.run_id, **probe))
+    return True
 
 
 def requeue(
@@ -241,6 +265,8 @@ def finish(sm: sessionmaker[Session], claim: Claim, completion: Completion) -> b
             )
         for rank in completion.ranks:
             session.add(RankResult(run_id=claim.run_id, **rank))
+        # The outcome holds every probe: it replaces those stored live while the search ran.
+        session.execute(delete(Probe).where(Probe.run_id == claim.run_id))
         for probe in completion.probes:
             session.add(Probe(run_id=claim.run_id, **probe))
         for component in completion.components:

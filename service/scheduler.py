@@ -288,6 +288,7 @@ class Scheduler:
         renewed = time.monotonic()  # the lease is ours until renewed + lease_s
         backoff_until = 0.0  # after a failed heartbeat, status moves wait too
         shown = RunStatus.running
+        stored_probes = 0  # of handle.probes(): a running search's probes are stored as they come
         while True:
             # waiting_resources while the pool waits for bundles, running once ranks are placed.
             wanted = shown
@@ -315,6 +316,7 @@ class Scheduler:
                     shown = wanted
                     if shown == RunStatus.running:
                         self._waiting.clear()
+            stored_probes = self._store_new_probes(claim, handle, stored_probes)
             if self._requeue.is_set():
                 handle.kill("scheduler stopping")
                 leases.requeue(
@@ -346,6 +348,20 @@ class Scheduler:
                     self.last_trace.outcome_at = time.time()
                 self._finish(claim, completion_from_outcome(outcome))
                 return
+
+    def _store_new_probes(self, claim: Claim, handle: RunHandle, stored: int) -> int:
+        """Store the probes the search finished since the last call; how many are stored."""
+        probes = handle.probes()
+        if len(probes) <= stored:
+            return stored
+        try:
+            held = leases.record_probes(
+                self.sessionmaker, claim, [p.row() for p in probes[stored:]]
+            )
+        except DBAPIError:  # the final write stores them all; here they wait for the next try
+            log.warning("run %d: storing probes failed; retrying", claim.run_id, exc_info=True)
+            return stored
+        return len(probes) if held else stored  # a lost lease: the heartbeat acts on it
 
     def _failed_attempt(
         self, claim: Claim, config: RunConfig, error: str, handle: RunHandle

@@ -221,3 +221,54 @@ def test_ls_and_show_fit_80_columns(base: str, service: tuple[str, Seeded]) -> N
     name_lines = " ".join(rows[first:]).split()
     assert all(w in name_lines for w in words)  # the name wraps at words, whole
     assert "progress 17/17: succeeded 17" in shown.stdout
+
+
+def test_watch_shows_a_running_searchs_probes_as_they_come(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A max-length search's probes are stored while it runs (as the scheduler does) and
+    `ringlab watch` prints each one when its event comes, before the sweep ends."""
+    import threading
+    import time
+
+    from service import leases
+    from service.db.engine import make_engine, make_sessionmaker
+
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    spec = {
+        "name": "search", "kind": "max_seq_len",
+        "base": {"kernel": "dense", "num_heads": 2, "head_dim": 16, "device": "cpu"},
+        "search": {"start": 4096, "max": 16384, "granularity": 4096},
+    }  # fmt: skip
+    with live_server(make_web_app(Settings(database_url=url))) as base:
+        monkeypatch.setenv("RINGLAB_URL", base)
+        monkeypatch.setattr(cli.err, "width", 200)
+        sweep_id = httpx.post(f"{base}/api/v1/sweeps", json=spec).json()["id"]
+        engine = make_engine(url)
+        sm = make_sessionmaker(engine)
+
+        def search() -> None:
+            claim = leases.claim_next(sm, "test-scheduler", lease_s=60)
+            assert claim is not None
+            probes = [
+                {"seq_len": 4096, "outcome": "fit", "peak_memory_bytes": 1 << 20},
+                {"seq_len": 8192, "outcome": "oom", "error": "over budget"},
+            ]
+            for probe in probes:
+                time.sleep(1.5)  # each is its own event
+                assert leases.record_probes(sm, claim, [probe])
+            time.sleep(1.5)
+            assert leases.finish(
+                sm, claim, leases.Completion(leases.RunStatus.failed, "stopped", probes=probes)
+            )
+
+        worker = threading.Thread(target=search, daemon=True)
+        worker.start()
+        try:
+            result = ringlab("watch", str(sweep_id))
+        finally:
+            worker.join(timeout=30)
+            engine.dispose()
+    assert "probe 1, 4,096 tokens fit" in result.stderr, result.stderr
+    assert "probe 2, 8,192 tokens oom" in result.stderr, result.stderr
+    assert result.stderr.index("probe 1") < result.stderr.index("probe 2")

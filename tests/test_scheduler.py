@@ -32,7 +32,15 @@ from sqlalchemy.exc import IntegrityError
 
 from service import leases
 from service.db.engine import make_sessionmaker
-from service.db.models import Environment, RankResult, Run, RunStatus, SweepKind, utcnow
+from service.db.models import (
+    Environment,
+    Probe,
+    RankResult,
+    Run,
+    RunStatus,
+    SweepKind,
+    utcnow,
+)
 from service.leases import Completion
 from service.scheduler import Scheduler, completion_from_outcome
 from workers.results import ProbeResult
@@ -289,6 +297,37 @@ def test_a_search_that_times_out_keeps_its_probes(engine: Engine) -> None:
         assert run is not None and run.status == RunStatus.timed_out
         stored = [(p.seq_len, p.outcome, p.peak_memory_bytes, p.emulated) for p in run.probes]
     assert stored == [(64, "fit", 1000, False), (128, "oom", None, True)]
+
+
+def test_a_running_search_stores_its_probes_as_they_come(engine: Engine) -> None:
+    """The dashboard and `ringlab watch` show a search's probes while it runs; the final write
+    replaces them, so each is stored once; a new attempt starts without the old ones."""
+    sm = make_sessionmaker(engine)
+    (run_id,) = add_sweep(sm, [tiny_config(timeout_s=1.5)])
+    ended = (
+        ProbeResult(seq_len=64, outcome="fit", peak_memory_bytes=1000, time_s=0.01),
+        ProbeResult(seq_len=128, outcome="oom", error="over budget", emulated=True),
+    )
+    pool = ThreadPool(script_for=lambda _c: Script(hang=True, probes=ended))
+    worker = threading.Thread(target=make_scheduler(engine, pool).run_once, daemon=True)
+    worker.start()
+
+    def stored() -> tuple[RunStatus, list[int]]:
+        with sm() as session:
+            run = session.get(Run, run_id)
+            assert run is not None
+            return run.status, [p.seq_len for p in run.probes]
+
+    wait_for(lambda: stored() == (RunStatus.running, [64, 128]), 10, "probes while running")
+    worker.join(timeout=10)
+    assert stored() == (RunStatus.timed_out, [64, 128]), "each probe once after the end"
+
+    with sm() as session, session.begin():
+        session.execute(update(Run).where(Run.id == run_id).values(status=RunStatus.queued))
+        session.add(Probe(run_id=run_id, seq_len=32, outcome="fit"))
+    claim = leases.claim_next(sm, "next-attempt", lease_s=30)
+    assert claim is not None and claim.run_id == run_id
+    assert stored() == (RunStatus.running, []), "a new attempt starts without old probes"
 
 
 def test_infeasible_fails_at_once_with_the_message(engine: Engine) -> None:

@@ -1,7 +1,8 @@
 """Server-sent events for one sweep: poll the database, emit what changed, end when it is done.
 
 Events: `progress` (the sweep with its counts; first at connect and after every change),
-`run` (one run's new state: id, status, previous status, attempts, error) and a last `end`
+`run` (one run's new state: id, status, previous status, attempts, error, and for a running
+search the probes stored so far with the newest as `last_probe`) and a last `end`
 (the final sweep, or {"id", "deleted": true}). The database is the truth, so any number of
 API replicas can serve streams while the scheduler writes.
 """
@@ -165,13 +166,17 @@ def stream_slots(app_state: Any) -> StreamSlots:
 
 
 def _run_event(run_id: int, state: store.RunState, previous: str | None) -> dict[str, str]:
-    data = {
+    data: dict[str, Any] = {
         "id": run_id,
         "status": state.status,
         "previous": previous,
         "attempts": state.attempts,
         "error": state.error,
     }
+    if state.status == "running":  # a finished run's probes are in its results
+        data["probes"] = state.probes
+        if state.last_probe is not None:
+            data["last_probe"] = {"seq_len": state.last_probe[0], "outcome": state.last_probe[1]}
     return {"event": "run", "data": json.dumps(data)}
 
 

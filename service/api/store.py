@@ -477,11 +477,37 @@ class RunState:
     status: str
     attempts: int
     error: str | None
+    probes: int = 0
+    """Probes a running search has stored so far (0 for a run that is not running)."""
+    last_probe: tuple[int, str] | None = None
+    """(seq_len, outcome) of the newest of them."""
 
 
 def run_states(session: Session, sweep_id: int) -> dict[int, RunState]:
-    """run id -> (status, attempts, error) for every run of a sweep (one narrow query)."""
+    """run id -> its state for every run of a sweep: one narrow query, and one more for the
+    probes of its running runs (a search stores them as they come)."""
     rows = session.execute(
         select(Run.id, Run.status, Run.attempts, Run.error).where(Run.sweep_id == sweep_id)
     )
-    return {rid: RunState(str(status), attempts, error) for rid, status, attempts, error in rows}
+    states = {rid: RunState(str(status), attempts, error) for rid, status, attempts, error in rows}
+    running = (
+        select(Run.id).where(Run.sweep_id == sweep_id, Run.status == RunStatus.running)
+    ).scalar_subquery()
+    found = session.execute(
+        select(Probe.run_id, func.count(), func.max(Probe.id))
+        .where(Probe.run_id.in_(running))
+        .group_by(Probe.run_id)
+    ).all()
+    if found:
+        newest = {
+            p.id: (p.seq_len, str(p.outcome))
+            for p in session.execute(
+                select(Probe.id, Probe.seq_len, Probe.outcome).where(
+                    Probe.id.in_([last for _, _, last in found])
+                )
+            )
+        }
+        for run_id, n, last in found:
+            state = states[run_id]
+            states[run_id] = RunState(state.status, state.attempts, state.error, n, newest[last])
+    return states
