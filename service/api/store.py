@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ def _run_row(sweep_id: int, cell: Cell, base: dict[str, Any], now: Any) -> dict[
     return {
         "sweep_id": sweep_id,
         "cell_key": cell.cell_key,
-        "cell_config": cell_delta(base, cell.config_json),
+        "config": cell_delta(base, cell.config_json),  # the column behind Run.cell_config
         "kernel": c.kernel,
         "seq_len": c.seq_len,
         "world_size": c.world_size,
@@ -104,6 +105,34 @@ def _run_row(sweep_id: int, cell: Cell, base: dict[str, Any], now: Any) -> dict[
         "attempts": 0,
         "created_at": now,
     }
+
+
+RUN_COLUMNS = (
+    "sweep_id", "cell_key", "config", "kernel", "seq_len", "world_size", "dtype", "mode",
+    "causal", "status", "attempts", "created_at",
+)  # fmt: skip
+"""The columns _run_row fills, by their names in the table."""
+
+
+def _insert_runs(session: Session, rows: list[dict[str, Any]]) -> None:
+    """Insert rows of the run table in the session's transaction: on Postgres by COPY
+    (psycopg's, about twice as fast as an executemany of 100,000 rows), elsewhere by a Core
+    executemany on the table (no ORM bookkeeping per row)."""
+    if session.get_bind().dialect.name != "postgresql":
+        session.execute(insert(Run.__table__), rows)  # type: ignore[arg-type]
+        return
+    driver = session.connection().connection.driver_connection
+    assert driver is not None  # for mypy: a live psycopg connection
+    columns = ", ".join(RUN_COLUMNS)
+    with driver.cursor() as cursor, cursor.copy(f"COPY run ({columns}) FROM STDIN") as copy:
+        for row in rows:
+            copy.write_row(
+                [
+                    json.dumps(row[c]) if c == "config" else str(row[c]) if c == "status"
+                    else row[c]
+                    for c in RUN_COLUMNS
+                ]
+            )  # fmt: skip
 
 
 def create_sweep(
@@ -141,12 +170,11 @@ def create_sweep(
             assert sweep.base_config is not None  # for mypy: set just above
             chunk.append(_run_row(sweep.id, cell, sweep.base_config, now))
             if len(chunk) == INSERT_CHUNK:
-                # Core executemany on the table: no ORM unit-of-work bookkeeping per row.
-                session.execute(insert(Run), chunk)
+                _insert_runs(session, chunk)
                 stored += len(chunk)
                 chunk = []
         if chunk:
-            session.execute(insert(Run), chunk)
+            _insert_runs(session, chunk)
             stored += len(chunk)
         if sweep.base_config is None:  # no cells at all
             session.add(sweep)
