@@ -12,7 +12,6 @@ from typing import Annotated, Any
 
 import plotly
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 
@@ -26,6 +25,7 @@ from service.api.deps import (
     SweepId,
     require_read_page,
 )
+from service.api.pages import query_error
 from service.api.results import COMPONENT_TITLES
 from service.api.schemas import SweepOut
 from service.db.models import TERMINAL_STATUSES, Sweep
@@ -141,10 +141,9 @@ def sweeps_page(
     """Every sweep, newest first: kind, created, progress and run counts by state. Pages are
     offsets (at most MAX_SKIP runs deep, as for the API's `skip`)."""
     if (page - 1) * per_page > MAX_SKIP:
-        raise RequestValidationError(
-            [{"type": "value_error", "loc": ("query", "page"), "input": page,
-              "msg": f"at most {MAX_SKIP:,} sweeps deep; GET /api/v1/sweeps pages by cursor"}]
-        )  # fmt: skip
+        raise query_error(
+            "page", f"at most {MAX_SKIP:,} sweeps deep; GET /api/v1/sweeps pages by cursor"
+        )
     found = store.list_sweeps(
         session, skip=(page - 1) * per_page, limit=per_page, kind=None, name=None
     )
@@ -258,9 +257,7 @@ def sweep_data(
         elif max(run_ids) > MAX_ID:
             problem = f"run ids are at most {MAX_ID}, got {max(run_ids)}"
         if problem is not None:
-            raise RequestValidationError(
-                [{"type": "value_error", "loc": ("query", "runs"), "input": None, "msg": problem}]
-            )
+            raise query_error("runs", problem)
     return JSONResponse(_sweep_payload(session, sweep_id, after=after, run_ids=run_ids))
 
 
