@@ -188,14 +188,12 @@ def record_probes(
     return True
 
 
-def requeue(
-    sm: sessionmaker[Session], claim: Claim, error: str | None, *, consume_attempt: bool
-) -> bool:
-    """Give the run back to the queue (a retry, or a graceful stop); False if no longer held.
+DIED_HERE = "requeued: the scheduler running it on this host had died"
 
-    A graceful stop does not consume an attempt (attempts goes back down by one).
-    """
-    values: dict[str, Any] = {
+
+def _back_to_queue(error: str | None) -> dict[str, Any]:
+    """What a run that goes back to the queue gets: no lease, no start, why it went back."""
+    return {
         "status": RunStatus.queued,
         "lease_owner": None,
         "lease_expires_at": None,
@@ -203,6 +201,16 @@ def requeue(
         "started_at": None,
         "error": error,
     }
+
+
+def requeue(
+    sm: sessionmaker[Session], claim: Claim, error: str | None, *, consume_attempt: bool
+) -> bool:
+    """Give the run back to the queue (a retry, or a graceful stop); False if no longer held.
+
+    A graceful stop does not consume an attempt (attempts goes back down by one).
+    """
+    values = _back_to_queue(error)
     if not consume_attempt:
         values["attempts"] = Run.attempts - 1
     with sm() as session, session.begin():
@@ -290,14 +298,7 @@ def recover_expired(sm: sessionmaker[Session]) -> list[int]:
         ids = session.scalars(
             update(Run)
             .where(stale)
-            .values(
-                status=RunStatus.queued,
-                lease_owner=None,
-                lease_expires_at=None,
-                heartbeat_at=None,
-                started_at=None,
-                error="requeued: the lease of the scheduler running it expired",
-            )
+            .values(**_back_to_queue("requeued: the lease of the scheduler running it expired"))
             .returning(Run.id)
             .execution_options(synchronize_session=False)
         ).all()
@@ -354,12 +355,7 @@ def recover_orphans(
                 update(Run)
                 .where(Run.id == run_id, Run.lease_owner == token, Run.status.in_(ACTIVE_STATUSES))
                 .values(
-                    status=RunStatus.queued,
-                    lease_owner=None,
-                    lease_expires_at=None,
-                    heartbeat_at=None,
-                    started_at=None,
-                    error="requeued: the scheduler running it on this host had died",
+                    **_back_to_queue("requeued: the scheduler running it on this host had died")
                 )
                 .execution_options(synchronize_session=False)
             )

@@ -32,22 +32,8 @@ def test_fifty_slow_streams_leave_requests_answering(tmp_path: Path, monkeypatch
     app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'ringlab.db'}"))
     with live_server(app) as base, httpx.Client(base_url=base, timeout=30) as http:
         sweep_id = http.post(f"{API}/sweeps", json=small_spec()).json()["id"]
-        opened = threading.Semaphore(0)
         stop = threading.Event()
-
-        def reader() -> None:
-            url = f"{base}{API}/sweeps/{sweep_id}/events"
-            with httpx.stream("GET", url, params={"poll_s": 0.05}, timeout=60) as response:
-                opened.release()
-                for _ in response.iter_bytes():
-                    if stop.is_set():
-                        return
-
-        threads = [threading.Thread(target=reader, daemon=True) for _ in range(STREAMS)]
-        for t in threads:
-            t.start()
-        for _ in range(STREAMS):
-            assert opened.acquire(timeout=60)
+        _open_streams(base, sweep_id, STREAMS, stop, poll_s=0.05)
         time.sleep(2 * POLL_S)  # every stream is polling now
         try:
             started = time.monotonic()
@@ -70,13 +56,15 @@ def _short(monkeypatch: Any) -> None:
     monkeypatch.setattr(events, "PING_S", 1)
 
 
-def _open_streams(base: str, sweep_id: int, n: int, stop: threading.Event) -> list[Any]:
+def _open_streams(
+    base: str, sweep_id: int, n: int, stop: threading.Event, poll_s: float = 0.1
+) -> list[Any]:
     """n readers of the sweep's events, each holding its stream open until `stop`."""
     opened = threading.Semaphore(0)
 
     def reader() -> None:
         url = f"{base}{API}/sweeps/{sweep_id}/events"
-        with httpx.stream("GET", url, params={"poll_s": 0.1}, timeout=60) as response:
+        with httpx.stream("GET", url, params={"poll_s": poll_s}, timeout=60) as response:
             assert response.status_code == 200
             opened.release()
             for _ in response.iter_bytes():
