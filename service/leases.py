@@ -14,16 +14,18 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, cast
 
-from sqlalchemy import delete, or_, select, update
+from sqlalchemy import delete, insert, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.engine import rowcount
 from service.db.models import (
+    Artifact,
     Environment,
     MemoryComponent,
     Probe,
     RankResult,
+    RingStep,
     Run,
     RunStatus,
     Sweep,
@@ -56,6 +58,8 @@ class Completion:
     probes: Sequence[dict[str, Any]] = field(default_factory=tuple)
     environment: dict[str, Any] | None = None  # Environment columns, "hash" included
     components: Sequence[dict[str, Any]] = field(default_factory=tuple)  # rank included
+    steps: Sequence[dict[str, Any]] = field(default_factory=tuple)  # ring_step, rank included
+    artifacts: Sequence[dict[str, Any]] = field(default_factory=tuple)  # artifact rows
 
 
 def new_token(owner: str) -> str:
@@ -279,6 +283,18 @@ def finish(sm: sessionmaker[Session], claim: Claim, completion: Completion) -> b
             session.add(Probe(run_id=claim.run_id, **probe))
         for component in completion.components:
             session.add(MemoryComponent(run_id=claim.run_id, **component))
+        if completion.steps:  # many narrow rows: one executemany
+            session.execute(
+                insert(RingStep), [{"run_id": claim.run_id, **step} for step in completion.steps]
+            )
+        # A retried run's artifacts of the same name were overwritten: one row per name.
+        names = [a["name"] for a in completion.artifacts]
+        if names:
+            session.execute(
+                delete(Artifact).where(Artifact.run_id == claim.run_id, Artifact.name.in_(names))
+            )
+        for artifact in completion.artifacts:
+            session.add(Artifact(run_id=claim.run_id, **artifact))
         session.flush()
     return True
 

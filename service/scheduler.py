@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,6 +21,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import leases
+from service.artifacts import ArtifactStore
 from service.db.models import RunStatus
 from service.leases import Claim, Completion, Kind
 from workers.config import RunConfig
@@ -95,12 +96,17 @@ def recover_runs(sm: sessionmaker[Session], owner: str, heartbeat_s: float) -> l
     return sorted(orphans + expired)
 
 
-def completion_from_outcome(outcome: RunOutcome) -> Completion:
-    """Map a workers.results.RunOutcome onto the rows finishing a run writes (their row())."""
+def completion_from_outcome(
+    outcome: RunOutcome, artifacts: Sequence[dict[str, Any]] = ()
+) -> Completion:
+    """Map a workers.results.RunOutcome onto the rows finishing a run writes (their row());
+    `artifacts`: the rows of its artifacts, already written (ArtifactStore.write)."""
     status = OUTCOME_STATUS.get(str(outcome.status))
     if status is None:
         raise ValueError(f"outcome.status: unknown status {outcome.status!r}")
     return Completion(
+        steps=[{"rank": r.rank, **s.row()} for r in outcome.ranks for s in r.steps],
+        artifacts=artifacts,
         status=status,
         error=outcome.error,
         ranks=[r.row() for r in outcome.ranks],
@@ -130,12 +136,14 @@ class Scheduler:
         poll_s: float = 0.5,
         grace_s: float = 10.0,
         recover_s: float = RECOVER_S,
+        artifacts: ArtifactStore | None = None,
     ) -> None:
         """lease_s: how long a claim holds without a heartbeat (then recovery requeues the run);
         heartbeat_s: renewal period (also how fast a cancel is noticed); poll_s: poll slice and
         idle wait; grace_s: after a stop, how long the running run may still finish;
         recover_s: period of the recovery pass, on its own thread (not tied to the lease, and
-        not waiting for this scheduler's own run to end).
+        not waiting for this scheduler's own run to end); artifacts: where runs' files go
+        (None: the settings' RINGLAB_ARTIFACT_ROOT and caps).
         A run's timeout_s counts from its claim (waiting for resources and gang start included).
         """
         if not 0 < heartbeat_s < lease_s:
@@ -158,6 +166,11 @@ class Scheduler:
         self._requeue = threading.Event()
         self._waiting = threading.Event()
         self.last_trace: RunTrace | None = None
+        if artifacts is None:
+            from service.core.config import get_settings
+
+            artifacts = ArtifactStore.from_settings(get_settings())
+        self.artifacts = artifacts
 
     # -- control -------------------------------------------------------------------------------
 
@@ -346,7 +359,8 @@ class Scheduler:
                 if self.last_trace is not None:
                     self.last_trace.outcome = outcome
                     self.last_trace.outcome_at = time.time()
-                self._finish(claim, completion_from_outcome(outcome))
+                written = self.artifacts.write(claim.run_id, outcome.artifacts)
+                self._finish(claim, completion_from_outcome(outcome, written))
                 return
 
     def _store_new_probes(self, claim: Claim, handle: RunHandle, stored: int) -> int:

@@ -14,6 +14,16 @@ these rows, so every number has exactly one definition, here:
 - memory per token: the largest rank peak over the tokens that rank holds;
 - maximum length: the longest probe that fit.
 
+A ring run adds, from its ranks' steps (attention.ring.steps; table ring_step, and each rank's
+totals in rank_result):
+- exposed-communication share: the time every rank spent blocked on a transfer over its time in
+  steps (compute + wait), summed over ranks and timed iterations;
+- link bandwidth: the highest bytes received / step time of any step (a lower bound of the link);
+- step coverage: the smallest share of a rank's iteration time its steps account for;
+- crossover: the tokens per rank at which a step's compute would hide its transfer (F/B), from
+  the device's peak FLOP/s (or, with none known, the rate the steps computed at) and the link
+  bandwidth measured.
+
 A model cell (`workload: model`) adds, from its limiting rank (the largest measured step peak):
 its memory components predicted and measured (ComponentView, ratio = measured / predicted);
 fixed memory = parameters + gradients + optimizer states (measured); memory per token = (step
@@ -158,6 +168,10 @@ class RankView:
     backward_s: float | None = None
     optimizer_s: float | None = None
     predicted_max_seq_len: int | None = None
+    step_compute_s: float | None = None
+    step_wait_s: float | None = None
+    step_received_bytes: int | None = None
+    link_bytes_per_s: float | None = None
 
 
 @dataclass
@@ -204,6 +218,12 @@ class RunRow:
     backend: str | None = None
     max_abs_error: float | None = None
     check_seq_len: int | None = None
+    # Ring kernels: where the time goes (see the module docstring).
+    exposed_comm_share: float | None = None
+    link_bytes_per_s: float | None = None
+    step_coverage: float | None = None
+    crossover_tokens: float | None = None
+    crossover_basis: str | None = None
     outcome: str = ""
     label: str = ""
     series: str = ""
@@ -322,6 +342,10 @@ def run_row(
                 backward_s=r.backward_s,
                 optimizer_s=r.optimizer_s,
                 predicted_max_seq_len=r.predicted_max_seq_len,
+                step_compute_s=r.step_compute_s,
+                step_wait_s=r.step_wait_s,
+                step_received_bytes=r.step_received_bytes,
+                link_bytes_per_s=r.link_bytes_per_s,
             )
             for r in sorted(ranks, key=lambda r: r.rank)
         ],
@@ -445,6 +469,48 @@ def _measured(row: RunRow) -> None:
     row.max_abs_error = max(errors) if errors else None
     checked = [r.check_seq_len for r in ranks if r.check_seq_len is not None]
     row.check_seq_len = min(checked) if checked else None
+    _steps(row)
+
+
+def _steps(row: RunRow) -> None:
+    """Fill where a ring run's time goes, from its ranks' step totals (see the docstring)."""
+    stepped = [r for r in row.ranks if r.step_compute_s is not None and r.step_wait_s is not None]
+    if not stepped:
+        return
+    compute = sum(r.step_compute_s or 0.0 for r in stepped)
+    wait = sum(r.step_wait_s or 0.0 for r in stepped)
+    if compute + wait > 0:
+        row.exposed_comm_share = wait / (compute + wait)
+    row.step_coverage = min(
+        ((r.step_compute_s or 0.0) + (r.step_wait_s or 0.0)) / sum(r.times_s)
+        for r in stepped
+        if sum(r.times_s) > 0
+    )
+    rates = [r.link_bytes_per_s for r in stepped if r.link_bytes_per_s]
+    row.link_bytes_per_s = max(rates) if rates else None
+    _crossover(row, stepped)
+
+
+def _crossover(row: RunRow, stepped: Sequence[RankView]) -> None:
+    """Tokens per rank at which a step's compute takes as long as its transfer (F/B), scaled
+    from this run: a step's FLOPs grow with the square of the tokens per rank, its bytes
+    linearly, so c* = c x (F / B) x (bytes / FLOPs) of the run, per iteration of one rank."""
+    busiest = max(stepped, key=lambda r: r.step_received_bytes or 0)
+    iterations = len(busiest.times_s)
+    if not (row.link_bytes_per_s and busiest.step_received_bytes and busiest.flops and iterations):
+        return
+    flops_per_s = dense_peak_flops(row.device, row.dtype)
+    row.crossover_basis = "device peak"
+    if not flops_per_s:  # no known peak (a CPU): the compute rate its steps achieved
+        if not busiest.step_compute_s:
+            return
+        flops_per_s = busiest.flops * iterations / busiest.step_compute_s
+        row.crossover_basis = "measured compute"
+    tokens = local_tokens(row.parallel, row.world_size, row.batch_size, row.length)
+    bytes_per_iteration = busiest.step_received_bytes / iterations
+    row.crossover_tokens = (
+        tokens * flops_per_s * bytes_per_iteration / (row.link_bytes_per_s * busiest.flops)
+    )
 
 
 def rows_of(

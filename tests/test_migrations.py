@@ -10,7 +10,16 @@ from service.db.engine import make_engine
 from service.db.migrate import current, downgrade, upgrade
 from service.db.models import Base
 
-TABLES = {"sweep", "run", "rank_result", "probe", "environment", "memory_component"}
+TABLES = {
+    "ring_step",
+    "artifact",
+    "sweep",
+    "run",
+    "rank_result",
+    "probe",
+    "environment",
+    "memory_component",
+}
 
 
 def _tables(url: str) -> set[str]:

@@ -205,6 +205,11 @@ class RunConfig(BaseModel):
     placement: Placement = "pack"
     fresh_processes: bool = False
     correctness_check: bool = False
+    profile: bool = Field(
+        False,
+        description="Save a torch.profiler Chrome trace of the warm-up and timed iterations of "
+        "every rank (artifact trace-rank{r}.json; its times include the profiler's overhead).",
+    )
     seed: int = Field(
         0,
         ge=0,

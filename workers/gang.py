@@ -373,9 +373,11 @@ def _free_summary() -> str:
 
 
 def outcome_of(cases: list[CaseOutcome], world_size: int) -> RunOutcome:
-    """A run's outcome from its ranks' cases: failed beats oom beats succeeded."""
+    """A run's outcome from its ranks' cases: failed beats oom beats succeeded; every rank's
+    artifacts are kept whatever the status (an OOM's memory snapshot above all)."""
     environment = _environment(cases)
-    timing = {
+    common: dict[str, Any] = {
+        "artifacts": [a for c in cases for a in c.artifacts],
         "first_iteration_at": min(
             (c.first_iteration_at for c in cases if c.first_iteration_at is not None),
             default=None,
@@ -389,14 +391,14 @@ def outcome_of(cases: list[CaseOutcome], world_size: int) -> RunOutcome:
         # The root cause first: an abandoned rank only reports another's failure.
         failed.sort(key=lambda c: (c.error or "").startswith("abandoned"))
         error = "; ".join(f"rank {c.rank}: {c.error}" for c in failed)
-        return RunOutcome(status="failed", error=error, environment=environment, **timing)
+        return RunOutcome(status="failed", error=error, environment=environment, **common)
     ooms = [c for c in cases if c.status == "oom"]
     ranks = [c.result for c in cases if c.result is not None]
     if ooms:
         error = "; ".join(f"rank {c.rank}: {c.error}" for c in ooms)
         kept = ranks if len(ranks) == world_size else []
-        return RunOutcome(status="oom", error=error, ranks=kept, environment=environment, **timing)
-    return RunOutcome(status="succeeded", ranks=ranks, environment=environment, **timing)
+        return RunOutcome(status="oom", error=error, ranks=kept, environment=environment, **common)
+    return RunOutcome(status="succeeded", ranks=ranks, environment=environment, **common)
 
 
 def _environment(cases: list[CaseOutcome]) -> EnvironmentInfo | None:

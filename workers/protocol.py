@@ -17,12 +17,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from attention.ring.steps import clock
 from workers import kernels, references
+from workers.artifacts import memory_history, profiled, snapshot
 from workers.config import RunConfig
 from workers.environment import collect
 from workers.kernels import DTYPES
 from workers.memory import PeakMeter, is_oom, release, requested_bytes
-from workers.results import CaseOutcome, RankResult
+from workers.results import Artifact, CaseOutcome, RankResult, StepTime, step_totals
 
 # Max abs error allowed by the correctness check, against a float32 reference.
 CHECK_ATOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
@@ -150,8 +152,11 @@ def _timed_loop(
     config: RunConfig,
     meter: PeakMeter | None,
     device: torch.device,
-) -> tuple[list[float], float, float]:
-    """Warm-up, then every timed iteration (barrier before each); returns (times, t0, t1).
+    record_steps: bool = True,
+) -> tuple[list[float], float, float, list[StepTime]]:
+    """Warm-up, then every timed iteration (barrier before each); returns (times, t0, t1,
+    steps): `steps` are the ring steps of every timed iteration (attention.ring.steps; none
+    for a kernel without a ring, or when `record_steps` is off).
 
     The peak meter is reset once the inputs exist, so the peak covers exactly this case.
     """
@@ -181,11 +186,18 @@ def _timed_loop(
         step()
     _sync(device)
     times: list[float] = []
+    steps: list[StepTime] = []
     first_at = time.time()
-    for _ in range(config.iterations):
-        _barrier(world)
-        times.append(timer(step))
-    return times, first_at, time.time()
+    if record_steps:
+        clock.start(device)
+    try:
+        for i in range(config.iterations):
+            _barrier(world)
+            times.append(timer(step))  # synchronized: the CUDA events of the steps are done
+            steps += [StepTime(iteration=i, **row) for row in clock.collect()]
+    finally:
+        clock.stop()
+    return times, first_at, time.time(), steps
 
 
 _PRIMED: set[str] = set()
@@ -209,7 +221,7 @@ def _prime(config: RunConfig, rank: int, device: torch.device) -> None:
     rows = _rows(config, rank)
     inputs = {n: make_input(n, small, small.seq_len, positions, rows, device) for n in names}
     quiet = small.model_copy(update={"warmup": 0, "iterations": 1})
-    _timed_loop(module, inputs, quiet, None, device)
+    _timed_loop(module, inputs, quiet, None, device, record_steps=False)
     _sync(device)
     del inputs, module
     release()
@@ -310,21 +322,32 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
     meter.baseline()
     names = ["q", "k", "v", "dout"] if train else ["q", "k", "v"]
     inputs: dict[str, torch.Tensor] = {}
+    artifacts: list[Artifact] = []
     try:
-        with memory_fraction(device, budget):
-            for name in names:
-                inputs[name] = make_input(name, config, config.seq_len, positions, rows, device)
-            resident_inputs = meter.current()
-            times, first_at, last_at = _timed_loop(module, inputs, config, meter, device)
-            peak = meter.peak()
-            backend = kernels.backend_of(module)
+        with memory_history(device), memory_fraction(device, budget):
+            try:
+                for name in names:
+                    inputs[name] = make_input(name, config, config.seq_len, positions, rows, device)
+                resident_inputs = meter.current()
+                with profiled(config.profile, device, rank, artifacts):
+                    times, first_at, last_at, steps = _timed_loop(
+                        module, inputs, config, meter, device
+                    )
+                peak = meter.peak()
+                backend = kernels.backend_of(module)
+            except Exception as exc:
+                if is_oom(exc):  # the failing rank's allocations, while still recorded
+                    inputs.clear()
+                    artifacts += snapshot(device, rank)
+                raise
     except Exception as exc:
         if not is_oom(exc):
             raise
         message = _error_line(exc)
         del exc
         inputs.clear()
-        return _oom_outcome(case, message)
+        oom = _oom_outcome(case, message)
+        return oom.model_copy(update={"artifacts": artifacts})
     finally:
         inputs.clear()
         release()
@@ -347,8 +370,11 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
         backend=backend,
         max_abs_error=max_abs_error,
         check_seq_len=checked_at,
+        steps=steps,
+        **step_totals(steps),
     )
-    return measured_case(case, result, device, (first_at, last_at))
+    measured = measured_case(case, result, device, (first_at, last_at))
+    return measured.model_copy(update={"artifacts": artifacts})
 
 
 def measured_case(

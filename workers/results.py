@@ -36,6 +36,19 @@ RANK_RESULT_COLUMNS = (
     "backward_s",
     "optimizer_s",
     "predicted_max_seq_len",
+    "step_compute_s",
+    "step_wait_s",
+    "step_received_bytes",
+    "link_bytes_per_s",
+)
+STEP_COLUMNS = (
+    "iteration",
+    "phase",
+    "step",
+    "compute_s",
+    "wait_s",
+    "sent_bytes",
+    "received_bytes",
 )
 COMPONENT_COLUMNS = ("component", "predicted_bytes", "measured_bytes")
 PROBE_COLUMNS = (
@@ -75,6 +88,54 @@ class MemoryComponent(BaseModel):
     def row(self) -> dict[str, Any]:
         """The columns of the memory_component table (without run and rank)."""
         return self.model_dump(include=set(COMPONENT_COLUMNS))
+
+
+class StepTime(BaseModel):
+    """One step of a ring kernel on one rank in one timed iteration (attention.ring.steps):
+    compute, time blocked on a transfer, and the bytes its transfers moved."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    iteration: int = Field(ge=0, description="The timed iteration (0-based, warm-up excluded).")
+    phase: Literal["forward", "backward"]
+    step: int = Field(ge=0)
+    compute_s: float = Field(ge=0, description="The step's time minus its waits.")
+    wait_s: float = Field(ge=0, description="Time blocked waiting for a transfer.")
+    sent_bytes: int = Field(0, ge=0)
+    received_bytes: int = Field(0, ge=0)
+
+    def row(self) -> dict[str, Any]:
+        """The columns of the ring_step table (without run and rank)."""
+        return self.model_dump(include=set(STEP_COLUMNS))
+
+
+def step_totals(steps: list[StepTime]) -> dict[str, Any]:
+    """A rank's step totals over its timed iterations (None each when it has no steps):
+
+    - step_compute_s, step_wait_s: summed over every step of every iteration;
+    - step_received_bytes: bytes received, summed likewise;
+    - link_bytes_per_s: the highest bytes received / (compute + wait) of a step that received
+      any. A step's transfer completes within the step, so this is a lower bound of the link's
+      bandwidth, close to it where a step is all wait (nothing hides the transfer).
+    """
+    if not steps:
+        return {
+            "step_compute_s": None,
+            "step_wait_s": None,
+            "step_received_bytes": None,
+            "link_bytes_per_s": None,
+        }
+    rates = [
+        s.received_bytes / (s.compute_s + s.wait_s)
+        for s in steps
+        if s.received_bytes and s.compute_s + s.wait_s > 0
+    ]
+    return {
+        "step_compute_s": sum(s.compute_s for s in steps),
+        "step_wait_s": sum(s.wait_s for s in steps),
+        "step_received_bytes": sum(s.received_bytes for s in steps),
+        "link_bytes_per_s": max(rates, default=None),
+    }
 
 
 class RankResult(BaseModel):
@@ -117,6 +178,13 @@ class RankResult(BaseModel):
     components: list[MemoryComponent] = Field(
         default_factory=list, description="Model runs: memory per component (memory_component)."
     )
+    steps: list[StepTime] = Field(
+        default_factory=list, description="Ring kernels: every step of every timed iteration."
+    )
+    step_compute_s: float | None = Field(None, description="Ring kernels: see step_totals.")
+    step_wait_s: float | None = None
+    step_received_bytes: int | None = None
+    link_bytes_per_s: float | None = None
 
     def row(self) -> dict[str, Any]:
         """The columns of the rank_result table."""
@@ -229,6 +297,22 @@ class RunOutcome(BaseModel):
     last_iteration_at: float | None = Field(
         None, description="Unix time the last timed iteration ended (latest rank)."
     )
+    artifacts: list[Artifact] = Field(
+        default_factory=list, description="Every rank's artifacts (traces, memory snapshots)."
+    )
+
+
+class Artifact(BaseModel):
+    """A file a rank produced (workers.artifacts): its bytes, or why they were not kept."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+    kind: Literal["chrome_trace", "memory_snapshot"]
+    rank: int | None = None
+    size_bytes: int = Field(ge=0)
+    data: bytes | None = Field(None, description="The content; None when refused.")
+    refused: str | None = Field(None, description="Why the bytes were not kept.")
 
 
 CaseStatus = Literal["ok", "oom", "failed"]
@@ -254,3 +338,4 @@ class CaseOutcome(BaseModel):
     environment: EnvironmentInfo | None = None
     first_iteration_at: float | None = None
     last_iteration_at: float | None = None
+    artifacts: list[Artifact] = Field(default_factory=list)

@@ -40,6 +40,7 @@ from attention.ring.comm import (
 )
 from attention.ring.dense import check_group, checked_layout, default_layout
 from attention.ring.engine import Block, step_backward, step_forward
+from attention.ring.steps import clock
 
 KV_TAGS = (Tag.SPARSE_KV_EVEN, Tag.SPARSE_KV_ODD)
 
@@ -184,19 +185,22 @@ def _forward(q, k, v, sched: _Schedule, group, scale: float):
     rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
     out, lse = empty_result(q)
     if world == 1:
-        step_forward(q, k, v, sched.plan(rank, 0), out, lse, scale, True)
+        with clock.step("forward", 0):
+            step_forward(q, k, v, sched.plan(rank, 0), out, lse, scale, True)
         return out, lse
     mine = torch.stack((k, v))
     bufs = [torch.empty_like(mine), torch.empty_like(mine)]
     comms = [RingComm(group, tag) for tag in KV_TAGS]
-    _exchange(comms[1], sched, rank, 1, mine, bufs[1])  # travels while step 0 computes
-    fresh = step_forward(q, k, v, sched.plan(rank, 0), out, lse, scale, True)
+    with clock.step("forward", 0):
+        _exchange(comms[1], sched, rank, 1, mine, bufs[1])  # travels while step 0 computes
+        fresh = step_forward(q, k, v, sched.plan(rank, 0), out, lse, scale, True)
     for t in range(1, world):
-        if t + 1 < world:  # post the next step's transfer before this step computes
-            _exchange(comms[(t + 1) % 2], sched, rank, t + 1, mine, bufs[(t + 1) % 2])
-        comms[t % 2].wait()
-        kv = bufs[t % 2]
-        fresh = step_forward(q, kv[0], kv[1], sched.plan(rank, t), out, lse, scale, fresh)
+        with clock.step("forward", t):
+            if t + 1 < world:  # post the next step's transfer before this step computes
+                _exchange(comms[(t + 1) % 2], sched, rank, t + 1, mine, bufs[(t + 1) % 2])
+            comms[t % 2].wait()
+            kv = bufs[t % 2]
+            fresh = step_forward(q, kv[0], kv[1], sched.plan(rank, t), out, lse, scale, fresh)
     return out, lse
 
 
@@ -210,7 +214,8 @@ def _backward(dout, q, k, v, out, lse, sched: _Schedule, group, scale: float):
         step_backward(dout, q, k, v, out, lse, plan, dq, dkv, scale)
 
     if world == 1:
-        local_step()
+        with clock.step("backward", 0):
+            local_step()
         return dq, dkv[0], dkv[1]
     mine = torch.stack((k, v))
     bufs = [torch.empty_like(mine), torch.empty_like(mine)]
@@ -221,8 +226,9 @@ def _backward(dout, q, k, v, out, lse, sched: _Schedule, group, scale: float):
     # send completed (finish_return), which happens before step t + 1 reuses it.
     partials = [torch.empty_like(dkv), torch.empty_like(dkv)]
     pending: tuple[int, torch.Tensor | None] | None = None  # (step, partial sent)
-    _exchange(comms[1], sched, rank, 1, mine, bufs[1])  # travels while step 0 computes
-    local_step()
+    with clock.step("backward", 0):
+        _exchange(comms[1], sched, rank, 1, mine, bufs[1])  # travels while step 0 computes
+        local_step()
 
     def finish_return() -> None:
         step, _ = pending
@@ -231,22 +237,24 @@ def _backward(dout, q, k, v, out, lse, sched: _Schedule, group, scale: float):
             dkv.add_(incoming)
 
     for t in range(1, world):
-        if t + 1 < world:
-            _exchange(comms[(t + 1) % 2], sched, rank, t + 1, mine, bufs[(t + 1) % 2])
-        comms[t % 2].wait()
-        kv = bufs[t % 2]
-        plan = sched.plan(rank, t)
-        partial = None
-        if plan:
-            partial = partials[t % 2].zero_()
-            step_backward(dout, q, kv[0], kv[1], out, lse, plan, dq, partial, scale)
-        if pending is not None:
-            finish_return()
-        # my share of rank - t's dK/dV goes home; rank + t's share of mine comes in
-        recv = incoming if sched.needs(rank + t, t) else None
-        back.start(partial, recv, offset=-t)
-        pending = (t, partial)
-    finish_return()
+        with clock.step("backward", t):
+            if t + 1 < world:
+                _exchange(comms[(t + 1) % 2], sched, rank, t + 1, mine, bufs[(t + 1) % 2])
+            comms[t % 2].wait()
+            kv = bufs[t % 2]
+            plan = sched.plan(rank, t)
+            partial = None
+            if plan:
+                partial = partials[t % 2].zero_()
+                step_backward(dout, q, kv[0], kv[1], out, lse, plan, dq, partial, scale)
+            if pending is not None:
+                finish_return()
+            # my share of rank - t's dK/dV goes home; rank + t's share of mine comes in
+            recv = incoming if sched.needs(rank + t, t) else None
+            back.start(partial, recv, offset=-t)
+            pending = (t, partial)
+    with clock.step("backward", world):  # the last partial dK/dV, home
+        finish_return()
     return dq, dkv[0], dkv[1]
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from attention.errors import ParamError
+from attention.ring.steps import clock
 
 
 class Tag(enum.IntEnum):
@@ -155,8 +156,12 @@ class Traffic:
         self.sent = self.received = 0
 
     def add(self, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
-        self.sent += 0 if send is None else send.numel() * send.element_size()
-        self.received += 0 if recv is None else recv.numel() * recv.element_size()
+        """Count a posted transfer, here and in the open step of the step clock."""
+        sent = 0 if send is None else send.numel() * send.element_size()
+        received = 0 if recv is None else recv.numel() * recv.element_size()
+        self.sent += sent
+        self.received += received
+        clock.add_bytes(sent, received)
 
 
 traffic = Traffic()
@@ -198,11 +203,13 @@ class RingComm:
         self._reqs = dist.batch_isend_irecv(ops) if ops else []
 
     def wait(self) -> None:
-        """Block until the posted exchange is complete (its buffers may then be reused)."""
+        """Block until the posted exchange is complete (its buffers may then be reused); the
+        time blocked is the open step's wait (attention.ring.steps)."""
         if self._reqs is None:
             raise RuntimeError("RingComm.wait: nothing was started")
-        for req in self._reqs:
-            req.wait()
+        with clock.waiting():
+            for req in self._reqs:
+                req.wait()
         self._reqs = None
 
 
@@ -230,5 +237,6 @@ def exchange(
         dist.P2POp(dist.irecv, t, dist.get_global_rank(group, j), group, tag)
         for j, t in recvs.items()
     ]
-    for req in dist.batch_isend_irecv(ops) if ops else []:
-        req.wait()
+    with clock.waiting():  # posted and completed here: all of it is time blocked
+        for req in dist.batch_isend_irecv(ops) if ops else []:
+            req.wait()

@@ -55,6 +55,7 @@ from attention.ring.comm import (
 )
 from attention.ring.dense import check_group
 from attention.ring.relayout import relayout
+from attention.ring.steps import clock
 from attention.segments import branch_rows, group_bounds, offset_rows
 
 
@@ -253,16 +254,20 @@ def _ring_dilated(
 
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out, lse = empty_result(q)
-        forward_rows(q, k, v, out, lse, spans, causal)
-        for far in fars:
-            _far_forward(q, k, v, out, lse, far, rank, causal)
+        with clock.step("forward", 0):
+            forward_rows(q, k, v, out, lse, spans, causal)
+        for i, far in enumerate(fars, 1):
+            with clock.step("forward", i):
+                _far_forward(q, k, v, out, lse, far, rank, causal)
         return out, lse
 
     def backward(dout, q, k, v, out, lse):  # type: ignore[no-untyped-def]
         grads = zero_grads(q, k)
-        backward_rows(dout, q, k, v, out, lse, grads, spans, causal)
-        for far in fars:
-            _far_backward(dout, q, k, v, out, lse, grads, far, rank, causal)
+        with clock.step("backward", 0):
+            backward_rows(dout, q, k, v, out, lse, grads, spans, causal)
+        for i, far in enumerate(fars, 1):
+            with clock.step("backward", i):
+                _far_backward(dout, q, k, v, out, lse, grads, far, rank, causal)
         return grads
 
     return merged_attention(q, k, v, forward, backward)  # type: ignore[arg-type]

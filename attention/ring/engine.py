@@ -31,6 +31,7 @@ from attention.primitive import (
     zero_grads,
 )
 from attention.ring.comm import RingComm, Tag
+from attention.ring.steps import clock
 
 PIECE_TOKENS = 1024
 """Largest K/V piece and query chunk on CPU (rows of this rank's shard)."""
@@ -340,12 +341,14 @@ def ring_forward(
     for piece in pieces:
         kt, vt = _gather(k, piece, own[0]), _gather(v, piece, own[1])
         for t in range(world):
-            if comm is not None and t < world - 1:
-                _send_kv(comm, kt, vt, bufs[t % 2])
-            step_forward(q, kt, vt, piece_blocks(plan[t], piece, p, n), out, lse, scale, False, g)
-            if comm is not None and t < world - 1:
-                _wait_kv(comm)
-                kt, vt = bufs[t % 2][0], bufs[t % 2][1]
+            with clock.step("forward", t):
+                if comm is not None and t < world - 1:
+                    _send_kv(comm, kt, vt, bufs[t % 2])
+                blocks = piece_blocks(plan[t], piece, p, n)
+                step_forward(q, kt, vt, blocks, out, lse, scale, False, g)
+                if comm is not None and t < world - 1:
+                    _wait_kv(comm)
+                    kt, vt = bufs[t % 2][0], bufs[t % 2][1]
     return out, lse
 
 
@@ -401,33 +404,35 @@ def ring_backward(
         if home is None:
             acc[held].zero_()
         for t in range(world):
-            if kv_comm is not None and t < world - 1:
-                _send_kv(kv_comm, kt, vt, bufs[t % 2])
-            # acc[held] ready for this step's shares? If not, the exchange completes after the
-            # step's first block, so that it overlaps that block's compute.
-            ready = dkv_comm is None or (t == 0 and home is None)
-            for blk in piece_blocks(plan[t], piece, p, n):
-                dk_b, dv_b = block_grads(dout, q, kt, vt, out, lse, blk, dq, scale)
+            with clock.step("backward", t):
+                if kv_comm is not None and t < world - 1:
+                    _send_kv(kv_comm, kt, vt, bufs[t % 2])
+                # acc[held] ready for this step's shares? If not, the exchange completes after
+                # the step's first block, so that it overlaps that block's compute.
+                ready = dkv_comm is None or (t == 0 and home is None)
+                for blk in piece_blocks(plan[t], piece, p, n):
+                    dk_b, dv_b = block_grads(dout, q, kt, vt, out, lse, blk, dq, scale)
+                    if not ready:
+                        arrive(t)
+                        ready = True
+                    acc[held][0, :, blk.k0 : blk.k1] += dk_b
+                    acc[held][1, :, blk.k0 : blk.k1] += dv_b
+                    del dk_b, dv_b
                 if not ready:
                     arrive(t)
-                    ready = True
-                acc[held][0, :, blk.k0 : blk.k1] += dk_b
-                acc[held][1, :, blk.k0 : blk.k1] += dv_b
-                del dk_b, dv_b
-            if not ready:
-                arrive(t)
-            if dkv_comm is not None:
-                dkv_comm.start(acc[held], acc[1 - held])
-            if kv_comm is not None and t < world - 1:
-                _wait_kv(kv_comm)
-                kt, vt = bufs[t % 2][0], bufs[t % 2][1]
+                if dkv_comm is not None:
+                    dkv_comm.start(acc[held], acc[1 - held])
+                if kv_comm is not None and t < world - 1:
+                    _wait_kv(kv_comm)
+                    kt, vt = bufs[t % 2][0], bufs[t % 2][1]
         if dkv_comm is None:
             _scatter(dk, piece, acc[held][0])
             _scatter(dv, piece, acc[held][1])
         else:  # after W hops my piece comes home, summed over every rank: collected in the
             home = piece  # next piece's first step (or below), overlapping its first block
     if home is not None:
-        arrive(0)
+        with clock.step("backward", world):  # the last piece's dK/dV, home after W hops
+            arrive(0)
     return dq, dk, dv
 
 

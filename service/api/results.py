@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from service import analysis
-from service.api.schemas import Headline
-from service.db.models import Environment, Sweep
+from service.api.schemas import ArtifactOut, Headline
+from service.db.models import Artifact, Environment, Sweep
 from service.spec import PivotSpec, canonical_json
-from service.views import RunRow
+from service.views import RunRow, local_tokens
 
 CSV_COLUMNS = (
     "run_id",
@@ -51,6 +51,11 @@ CSV_COLUMNS = (
     "floor_bytes",
     "memory_per_token_bytes",
     "max_seq_len",
+    "exposed_comm_share",
+    "link_bytes_per_s",
+    "step_coverage",
+    "crossover_tokens",
+    "crossover_basis",
     "backend",
     "max_abs_error",
     "check_seq_len",
@@ -353,6 +358,7 @@ def _results_section(rows: Sequence[RunRow]) -> list[str]:
     peaks = _rank_peaks(rows)
     joined = peaks == ["Peak memory per rank"]
     ratios = _ratio_columns(rows)
+    comm = any(r.exposed_comm_share is not None for r in rows)
     body = []
     for r in rows:
         body.append(
@@ -364,6 +370,7 @@ def _results_section(rows: Sequence[RunRow]) -> list[str]:
                 f"{fmt_ms(r.p10_s)} - {fmt_ms(r.p90_s)}" if r.p10_s is not None else "-",
                 fmt_num(r.tokens_per_s),
                 fmt_num(r.tflops_per_s, 4),
+                *([fmt_pct(r.exposed_comm_share)] if comm else []),
                 fmt_bytes(r.input_memory_bytes),
                 *_tail_cells(r, len(peaks), joined, ratios),
             ]
@@ -376,10 +383,50 @@ def _results_section(rows: Sequence[RunRow]) -> list[str]:
         "p10 - p90",
         "Tokens/s",
         "TFLOP/s",
+        *(["Exposed comm"] if comm else []),
         "Memory after inputs",
         *_tail_header(peaks, ratios),
     ]
-    return ["## Results per run and sequence length", "", *_table(header, body), ""]
+    lines = ["## Results per run and sequence length", "", *_table(header, body), ""]
+    return lines + (_comm_section(rows) if comm else [])
+
+
+def fmt_rate(bytes_per_s: float | None) -> str:
+    return "-" if bytes_per_s is None else f"{fmt_bytes(bytes_per_s)}/s"
+
+
+def _comm_section(rows: Sequence[RunRow]) -> list[str]:
+    """Where a ring run's time goes: the seeds blame 'communication overhead' unmeasured."""
+    ring = [r for r in rows if r.exposed_comm_share is not None]
+    body = [
+        [
+            r.label,
+            f"{r.length:,}",
+            str(r.world_size),
+            fmt_num(local_tokens(r.parallel, r.world_size, r.batch_size, r.length)),
+            fmt_pct(r.exposed_comm_share),
+            fmt_rate(r.link_bytes_per_s),
+            fmt_pct(r.step_coverage),
+            fmt_num(r.crossover_tokens),
+            r.crossover_basis or "-",
+        ]
+        for r in ring
+    ]
+    header = ["Run", "Seq len", "World", "Tokens per rank", "Exposed comm", "Link bandwidth",
+              "Steps cover", "Crossover tokens", "Crossover from"]  # fmt: skip
+    return [
+        "## Where the time goes (ring kernels)",
+        "",
+        "Exposed comm = time every rank spent blocked on a transfer / its time in ring steps "
+        "(compute + wait), over all timed iterations. Link bandwidth = the highest bytes "
+        "received / step time of any step (a lower bound). Steps cover = the smallest share "
+        "of a rank's iteration time its steps account for. Crossover = the tokens per rank "
+        "at which a step's compute would take as long as its transfer (F/B), from the device's "
+        "peak FLOP/s or, with none known (CPU), the rate the steps computed at.",
+        "",
+        *_table(header, body),
+        "",
+    ]
 
 
 def _baseline_section(rows: Sequence[RunRow]) -> list[str]:
@@ -707,3 +754,15 @@ def model_sections(rows: Sequence[RunRow]) -> list[str]:
         ]
         lines += [*_table(header, time_body), ""]
     return lines
+
+
+def artifact_out(artifact: Artifact) -> ArtifactOut:
+    """An artifact row with its download URL (None when refused)."""
+    url = None
+    if artifact.location is not None:
+        url = f"/api/v1/runs/{artifact.run_id}/artifacts/{artifact.name}"
+    return ArtifactOut.model_validate({**_columns(artifact), "url": url})
+
+
+def _columns(artifact: Artifact) -> dict[str, object]:
+    return {c: getattr(artifact, c) for c in ArtifactOut.model_fields if c != "url"}

@@ -108,6 +108,16 @@ class RankResultOut(BaseModel):
     backend: str
     max_abs_error: float | None
     check_seq_len: int | None
+    step_compute_s: float | None = Field(
+        None, description="Ring kernels: compute seconds of every step, summed over iterations."
+    )
+    step_wait_s: float | None = Field(
+        None, description="Ring kernels: seconds blocked on transfers, summed likewise."
+    )
+    step_received_bytes: int | None = Field(None, description="Ring kernels: bytes received.")
+    link_bytes_per_s: float | None = Field(
+        None, description="Ring kernels: the highest bytes received / step time of a step."
+    )
 
 
 class ProbeOut(BaseModel):
@@ -152,6 +162,41 @@ class Headline(BaseModel):
     tflops_per_s: float | None = Field(description="FLOPs summed over ranks / median_s / 1e12.")
     peak_memory_bytes: int | None = Field(description="Largest peak memory over the ranks.")
     max_seq_len: int | None = Field(description="max_seq_len runs: the longest length that fit.")
+    exposed_comm_share: float | None = Field(
+        description="Ring kernels: time blocked on transfers / time in steps, all ranks."
+    )
+    link_bytes_per_s: float | None = Field(
+        description="Ring kernels: the measured link bandwidth (a lower bound)."
+    )
+
+
+class RingStepOut(BaseModel):
+    """One step of a ring kernel on one rank in one timed iteration."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    rank: int
+    iteration: int
+    phase: str = Field(description="forward | backward")
+    step: int = Field(description="ring, ring_block_sparse: the K/V of rank - step travelled.")
+    compute_s: float
+    wait_s: float = Field(description="Seconds blocked waiting for a transfer.")
+    sent_bytes: int
+    received_bytes: int
+
+
+class ArtifactOut(BaseModel):
+    """A file a run produced; `refused` says why its bytes were not kept."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    name: str
+    kind: str = Field(description="chrome_trace (Perfetto, chrome://tracing) | memory_snapshot")
+    rank: int | None
+    size_bytes: int
+    refused: str | None
+    created_at: UtcDatetime
+    url: str | None = Field(description="Where to download it (None when refused).")
 
 
 class RunDetail(RunOut):
@@ -231,6 +276,21 @@ class ResultRow(BaseModel):
     floor_bytes: int | None = Field(description="q, k, v, out and lse for one rank's tokens.")
     memory_per_token_bytes: float | None = Field(description="Peak / tokens one rank holds.")
     max_seq_len: int | None = Field(description="max_seq_len runs: the longest length that fit.")
+    exposed_comm_share: float | None = Field(
+        description="Ring kernels: time blocked on transfers / time in steps, all ranks."
+    )
+    link_bytes_per_s: float | None = Field(
+        description="Ring kernels: highest bytes received / step time (a lower bound)."
+    )
+    step_coverage: float | None = Field(
+        description="Ring kernels: the smallest share of a rank's time its steps account for."
+    )
+    crossover_tokens: float | None = Field(
+        description="Ring kernels: tokens per rank where compute would hide a step's transfer."
+    )
+    crossover_basis: str | None = Field(
+        description="What the crossover's FLOP/s is: device peak or measured compute."
+    )
     backend: str | None = Field(description="The backends the ranks ran, comma-separated.")
     max_abs_error: float | None
     check_seq_len: int | None = Field(description="The length the correctness check ran at.")

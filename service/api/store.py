@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Select, delete, exists, func, insert, select, update
+from sqlalchemy import Select, case, delete, exists, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, joinedload, selectinload
 
@@ -17,10 +17,12 @@ from service.api.schemas import SweepOut
 from service.db.engine import rowcount
 from service.db.models import (
     TERMINAL_STATUSES,
+    Artifact,
     Environment,
     MemoryComponent,
     Probe,
     RankResult,
+    RingStep,
     Run,
     RunStatus,
     Sweep,
@@ -235,6 +237,7 @@ def retry_sweep(
     session.execute(delete(RankResult).where(RankResult.run_id.in_(retry_ids)))
     session.execute(delete(Probe).where(Probe.run_id.in_(retry_ids)))
     session.execute(delete(MemoryComponent).where(MemoryComponent.run_id.in_(retry_ids)))
+    session.execute(delete(RingStep).where(RingStep.run_id.in_(retry_ids)))
     result = session.execute(
         update(Run)
         .where(Run.sweep_id == sweep_id, Run.status.in_(statuses))
@@ -482,6 +485,34 @@ def load_run(session: Session, run_id: int) -> Run | None:
             selectinload(Run.probes),
             joinedload(Run.environment),
         )
+    ).one_or_none()
+
+
+def run_steps(session: Session, run_id: int) -> list[RingStep]:
+    """A ring run's steps, by rank, iteration, phase (forward first) and step."""
+    forward_first = case((RingStep.phase == "forward", 0), else_=1)
+    return list(
+        session.scalars(
+            select(RingStep)
+            .where(RingStep.run_id == run_id)
+            .order_by(RingStep.rank, RingStep.iteration, forward_first, RingStep.step)
+        )
+    )
+
+
+def run_artifacts(session: Session, run_id: int) -> list[Artifact]:
+    """A run's artifacts by rank and name."""
+    return list(
+        session.scalars(
+            select(Artifact).where(Artifact.run_id == run_id).order_by(Artifact.rank, Artifact.name)
+        )
+    )
+
+
+def run_artifact(session: Session, run_id: int, name: str) -> Artifact | None:
+    """One artifact of a run by name."""
+    return session.scalars(
+        select(Artifact).where(Artifact.run_id == run_id, Artifact.name == name)
     ).one_or_none()
 
 

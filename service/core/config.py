@@ -17,6 +17,11 @@ def default_database_url() -> str:
     return f"sqlite:///{Path(user_data_dir('ringlab')) / 'ringlab.db'}"
 
 
+def default_artifact_root() -> str:
+    """`artifacts` in the user's data directory, beside the default SQLite database."""
+    return str(Path(user_data_dir("ringlab")) / "artifacts")
+
+
 def normalize_database_url(url: str) -> str:
     """Map postgres:// and postgresql:// onto the psycopg 3 driver; reject other schemes.
 
@@ -47,6 +52,12 @@ class Settings(BaseSettings):
     require_token_for_reads: bool = False
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
+    artifact_root: str = Field(
+        default_factory=default_artifact_root,
+        description="Where runs' artifacts are written: a directory or an fsspec URL.",
+    )
+    artifact_max_bytes: int = Field(default=64 << 20, ge=1)
+    run_artifacts_max_bytes: int = Field(default=256 << 20, ge=1)
 
     @field_validator("database_url")
     @classmethod

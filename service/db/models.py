@@ -249,6 +249,11 @@ class RankResult(Base):
     backward_s: Mapped[float | None] = mapped_column(Float)
     optimizer_s: Mapped[float | None] = mapped_column(Float)
     predicted_max_seq_len: Mapped[int | None] = mapped_column(BigInteger)
+    step_compute_s: Mapped[float | None] = mapped_column(Float)
+    """Ring kernels: the sums of this rank's ring_step rows (workers.results.step_totals)."""
+    step_wait_s: Mapped[float | None] = mapped_column(Float)
+    step_received_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    link_bytes_per_s: Mapped[float | None] = mapped_column(Float)
 
     run: Mapped[Run] = relationship(back_populates="rank_results")
 
@@ -287,3 +292,39 @@ class Probe(Base):
     emulated: Mapped[bool] = mapped_column(Boolean, default=False)
 
     run: Mapped[Run] = relationship(back_populates="probes")
+
+
+class RingStep(Base):
+    """One step of a ring kernel on one rank in one timed iteration (attention.ring.steps)."""
+
+    __tablename__ = "ring_step"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    iteration: Mapped[int] = mapped_column(Integer)
+    phase: Mapped[str] = mapped_column(String(16))
+    step: Mapped[int] = mapped_column(Integer)
+    compute_s: Mapped[float] = mapped_column(Float)
+    wait_s: Mapped[float] = mapped_column(Float)
+    sent_bytes: Mapped[int] = mapped_column(BigInteger)
+    received_bytes: Mapped[int] = mapped_column(BigInteger)
+
+
+class Artifact(Base):
+    """A file a run produced (a profiler trace, a memory snapshot), written by the scheduler
+    under the artifact root (service.artifacts); `refused` says why its bytes were not kept."""
+
+    __tablename__ = "artifact"
+    __table_args__ = (UniqueConstraint("run_id", "name", name="uq_artifact_run_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
+    rank: Mapped[int | None] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(String(200))
+    kind: Mapped[str] = mapped_column(String(32))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    location: Mapped[str | None] = mapped_column(Text)
+    """Where the bytes are: a path or fsspec URL under the artifact root (None if refused)."""
+    refused: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -383,6 +383,8 @@ def sweep_figures(rows: Sequence[Row]) -> dict[str, dict[str, Any]]:
         "chart-scaling": scaling_figure(rows),
         "chart-peak": peak_fraction_figure(rows),
     }
+    if any(r.get("exposed_comm_share") is not None for r in rows):
+        figures["chart-comm"] = exposed_comm_figure(rows)
     models = [r for r in rows if r.get("workload") == "model"]
     if models:
         figures["chart-components"] = components_figure(models)
@@ -581,4 +583,112 @@ def rank_times_figure(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for r in with_times:
         fig.add_trace(go.Box(y=r["times_s"], name=f"rank {r['rank']}", boxpoints="all", jitter=0.3))
     fig.update_layout(showlegend=False)
+    return _to_json(fig)
+
+
+# ---------------------------------------------------------------- where the time goes (ring)
+
+STEP_COLOURS = {"compute": "#1f77b4", "wait": "#d62728"}
+
+
+def exposed_comm_figure(rows: Sequence[Row]) -> dict[str, Any]:
+    """Exposed-communication share against tokens per rank, one line per ring variant and
+    world size; each series' F/B crossover (tokens per rank) marked by a dashed line."""
+    fig = go.Figure(
+        layout=_layout(
+            "Exposed communication",
+            "tokens per rank",
+            "share of step time blocked on transfers",
+            xaxis={"type": "log", "title": {"text": "tokens per rank"}},
+            yaxis={
+                "title": {"text": "share of step time blocked on transfers"},
+                "tickformat": ".0%",
+                "rangemode": "tozero",
+            },
+        )
+    )
+    ok = _succeeded(rows, "exposed_comm_share")
+    if not ok:
+        return _empty(fig, "No ring run has stored its steps yet")
+    for name, group in _grouped(ok).items():
+        tokens = [
+            local_tokens(r["parallel"], r["world_size"], r["batch_size"], r["length"])
+            for r in group
+        ]
+        fig.add_trace(
+            go.Scatter(
+                x=tokens,
+                y=[r["exposed_comm_share"] for r in group],
+                mode="lines+markers",
+                name=name,
+                hovertemplate="%{x:,} tokens per rank: %{y:.1%} blocked<extra>" + name + "</extra>",
+            )
+        )
+        crossings = sorted(r["crossover_tokens"] for r in group if r.get("crossover_tokens"))
+        if crossings:
+            at = crossings[len(crossings) // 2]
+            basis = next(r["crossover_basis"] for r in group if r.get("crossover_tokens"))
+            fig.add_vline(
+                x=at,
+                line_dash="dash",
+                line_color="#7f7f7f",
+                annotation_text=f"F/B {at:,.0f} ({basis}): {name}",
+                annotation_position="top",
+            )
+    return _to_json(fig)
+
+
+def _median_iteration(steps: Sequence[Row]) -> int:
+    """The timed iteration whose slowest rank's step time is the median over iterations."""
+    per: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for s in steps:
+        per[s["iteration"]][s["rank"]] += s["compute_s"] + s["wait_s"]
+    slowest = sorted((max(ranks.values()), it) for it, ranks in per.items())
+    return slowest[(len(slowest) - 1) // 2][1]
+
+
+def step_timeline_figure(steps: Sequence[Row]) -> dict[str, Any]:
+    """One timed iteration (the median one) per rank: each ring step as its compute then its
+    wait, in step order (forward, then backward), so a slow rank or a step whose transfer
+    was not hidden stands out."""
+    fig = go.Figure(layout=_layout("Ring steps per rank (median iteration)", "seconds", "rank"))
+    if not steps:
+        return _empty(fig, "No ring steps recorded for this run")
+    iteration = _median_iteration(steps)
+    chosen = [s for s in steps if s["iteration"] == iteration]
+    ranks = sorted({s["rank"] for s in chosen})
+    bars: dict[str, dict[str, list[Any]]] = {
+        k: {"y": [], "x": [], "base": [], "text": []} for k in STEP_COLOURS
+    }
+    for rank in ranks:
+        t = 0.0
+        mine = [s for s in chosen if s["rank"] == rank]
+        mine.sort(key=lambda s: (s["phase"] != "forward", s["step"]))
+        for s in mine:
+            for kind in ("compute", "wait"):
+                seconds = s[f"{kind}_s"]
+                bar = bars[kind]
+                bar["y"].append(f"rank {rank}")
+                bar["x"].append(seconds)
+                bar["base"].append(t)
+                bar["text"].append(
+                    f"{s['phase']} step {s['step']}: {kind} {seconds * 1e3:.2f} ms, "
+                    f"{s['received_bytes']:,} bytes in"
+                )
+                t += seconds
+    for kind, bar in bars.items():
+        fig.add_trace(
+            go.Bar(
+                y=bar["y"],
+                x=bar["x"],
+                base=bar["base"],
+                orientation="h",
+                name=kind,
+                marker={"color": STEP_COLOURS[kind], "line": {"color": "white", "width": 1}},
+                hovertext=bar["text"],
+                hoverinfo="text",
+            )
+        )
+    title = f"Ring steps per rank (iteration {iteration}, the median)"
+    fig.update_layout(barmode="overlay", title={"text": title})
     return _to_json(fig)

@@ -26,8 +26,8 @@ from service.api.deps import (
     require_read_page,
 )
 from service.api.pages import query_error
-from service.api.results import COMPONENT_TITLES
-from service.api.schemas import SweepOut
+from service.api.results import COMPONENT_TITLES, artifact_out
+from service.api.schemas import RingStepOut, SweepOut
 from service.db.models import TERMINAL_STATUSES, Sweep
 from service.views import RunRow
 from service.web import charts, data, login
@@ -269,6 +269,7 @@ def run_page(request: Request, session: SessionDep, run_id: RunId) -> HTMLRespon
         raise HTTPException(404, f"no run {run_id}")
     run, row = found
     figure = charts.rank_times_figure([{"rank": r.rank, "times_s": r.times_s} for r in row.ranks])
+    steps = [RingStepOut.model_validate(s).model_dump() for s in store.run_steps(session, run_id)]
     return _page(
         request,
         "run.html",
@@ -276,6 +277,8 @@ def run_page(request: Request, session: SessionDep, run_id: RunId) -> HTMLRespon
         row=row,
         terminal=run.status in TERMINAL_STATUSES,
         figure=figure,
+        timeline=charts.step_timeline_figure(steps) if steps else None,
+        artifacts=[artifact_out(a) for a in store.run_artifacts(session, run_id)],
         env=run.environment,
     )
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Response, status
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Response, status
+from fastapi.responses import StreamingResponse
 
+from service import artifacts as artifact_files
 from service.api import store
 from service.api.deps import (
     CURSOR_HELP,
@@ -19,9 +21,9 @@ from service.api.deps import (
     SessionDep,
     require_read,
 )
-from service.api.results import headline
-from service.api.schemas import Message, RunDetail, RunList, RunOut
-from service.db.models import RunStatus
+from service.api.results import artifact_out, headline
+from service.api.schemas import ArtifactOut, Message, RingStepOut, RunDetail, RunList, RunOut
+from service.db.models import Run, RunStatus
 from service.views import run_row
 
 router = APIRouter(prefix="/runs", tags=["runs"], dependencies=[Depends(require_read)])
@@ -101,4 +103,65 @@ def get_run(run_id: RunId, session: SessionDep) -> RunDetail:
             "headline": headline(run_row(run, run.rank_results, run.probes, run.environment)),
         },
         from_attributes=True,
+    )
+
+
+ARTIFACT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
+MEDIA_TYPES = {"chrome_trace": "application/json", "memory_snapshot": "application/octet-stream"}
+
+
+def _run_or_404(session: SessionDep, run_id: int) -> None:
+    if session.get(Run, run_id) is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
+
+
+@router.get("/{run_id}/steps", responses={404: {"model": Message}, 401: {"model": Message}})
+def get_run_steps(run_id: RunId, session: SessionDep) -> list[RingStepOut]:
+    """A ring run's every step on every rank in every timed iteration: compute, time blocked
+    on a transfer and bytes moved (empty for kernels without a ring)."""
+    _run_or_404(session, run_id)
+    return [RingStepOut.model_validate(s) for s in store.run_steps(session, run_id)]
+
+
+@router.get("/{run_id}/artifacts", responses={404: {"model": Message}, 401: {"model": Message}})
+def list_artifacts(run_id: RunId, session: SessionDep) -> list[ArtifactOut]:
+    """The run's artifacts: profiler traces (`profile: true`), memory snapshots of an OOM."""
+    _run_or_404(session, run_id)
+    return [artifact_out(a) for a in store.run_artifacts(session, run_id)]
+
+
+@router.get(
+    "/{run_id}/artifacts/{name}",
+    response_class=StreamingResponse,
+    responses={
+        200: {"content": {"application/json": {}, "application/octet-stream": {}}},
+        404: {"model": Message, "description": "No such run or artifact, or its file is gone."},
+        401: {"model": Message},
+    },
+)
+def download_artifact(
+    run_id: RunId,
+    session: SessionDep,
+    name: Annotated[str, Path(max_length=200, pattern=ARTIFACT_NAME)],
+) -> StreamingResponse:
+    """The artifact's bytes (a Chrome trace opens in Perfetto or chrome://tracing)."""
+    _run_or_404(session, run_id)
+    artifact = store.run_artifact(session, run_id, name)
+    if artifact is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} has no artifact {name!r}")
+    if artifact.location is None:
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND,
+            f"artifact {name!r} of run {run_id} was not kept: {artifact.refused}",
+        )
+    if not artifact_files.exists(artifact.location):
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND,
+            f"artifact {name!r} of run {run_id} is recorded at {artifact.location}, but the "
+            "file is not there (the artifact root was moved or cleaned)",
+        )
+    return StreamingResponse(
+        artifact_files.read_chunks(artifact.location),
+        media_type=MEDIA_TYPES.get(artifact.kind, "application/octet-stream"),
+        headers={"Content-Disposition": f'attachment; filename="run-{run_id}-{name}"'},
     )

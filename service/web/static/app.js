@@ -81,6 +81,7 @@ const ringlab = (() => {
     ["peak_fraction", "of dense peak",
       (r) => (r.peak_fraction === null ? (r.status === "succeeded" ? "no reference peak" : "—")
         : pct(r.peak_fraction))],
+    ["exposed_comm_share", "exposed comm", (r) => pct(r.exposed_comm_share)],
     ["peak_memory_bytes", "peak mem per rank", (r) => perRank(r.rank_peak_bytes)],
     ["floor_bytes", "floor / rank", (r) => nbytes(r.floor_bytes)],
     ["max_seq_len", "max len", (r) => int(r.max_seq_len)],

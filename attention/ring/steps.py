@@ -1,0 +1,140 @@
+"""Where a ring kernel's time goes: per step, compute and time blocked on a transfer.
+
+The ring kernels open `clock.step(phase, index)` around each step of their loop and
+`clock.waiting()` around every wait on a transfer; RingComm and `exchange` add the bytes they
+post to the open step. A step's compute time is its whole duration minus its waits, so the
+steps of one call tile its ring loop without gaps and their sum accounts for the call (what
+lies outside is setup: the shape check's all-gather, allocations, the layout change of
+ring_dilated).
+
+What a step is, per kernel:
+- `ring`, `ring_block_sparse`: step t computes with the K/V of rank - t (mod W) while the next
+  step's arrive; backward step W is the wait for the last dK/dV to come home.
+- `ring_dilated`: step 0 is the segments inside this rank's shard (no communication), step i the
+  i-th segment shared with other ranks, whose gather (and in the backward, dK/dV return) is
+  blocking: LongNet's algorithm has nothing to overlap it with.
+
+Steps with the same (phase, index) add up: on CPU a shard's K/V travel the ring a piece at a
+time (engine.cut_pieces), and every piece's step t is the hop of rank - t's K/V.
+
+Timing uses time.perf_counter on CPU. On CUDA it records CUDA events on the current stream
+(a wait on an NCCL transfer blocks the stream, not the host), read when the iteration is
+collected, after the caller synchronized. Off (the default) a step costs two attribute
+reads; on, a few perf_counter calls per step: bench/ring.py measures the difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+PHASES = ("forward", "backward")
+
+
+@dataclass
+class _Step:
+    """One open or finished (phase, index) of the current iteration: marks, not yet seconds."""
+
+    spans: list[tuple[Any, Any]] = field(default_factory=list)  # (start, end) of each visit
+    waits: list[tuple[Any, Any]] = field(default_factory=list)
+    sent_bytes: int = 0
+    received_bytes: int = 0
+
+
+class StepClock:
+    """The process-wide recorder (one rank per process); `enabled` False records nothing."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._cuda = False
+        self._steps: dict[tuple[str, int], _Step] = {}
+        self._open: _Step | None = None
+
+    def start(self, device: torch.device) -> None:
+        """Record from now on, with the clock of `device`, into a fresh iteration."""
+        self.enabled = True
+        self._cuda = device.type == "cuda"
+        self._steps = {}
+        self._open = None
+
+    def stop(self) -> None:
+        """Stop recording and drop whatever was not collected."""
+        self.enabled = False
+        self._steps = {}
+        self._open = None
+
+    def _mark(self) -> Any:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _seconds(self, a: Any, b: Any) -> float:
+        return float(a.elapsed_time(b)) / 1e3 if self._cuda else float(b - a)
+
+    @contextlib.contextmanager
+    def step(self, phase: str, index: int) -> Iterator[None]:
+        """Time the body as step `index` of `phase` (forward | backward)."""
+        if not self.enabled:
+            yield
+            return
+        entry = self._steps.setdefault((phase, index), _Step())
+        outer, self._open = self._open, entry
+        start = self._mark()
+        try:
+            yield
+        finally:
+            entry.spans.append((start, self._mark()))
+            self._open = outer
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Time the body as blocked on a transfer, inside the open step."""
+        entry = self._open if self.enabled else None
+        if entry is None:
+            yield
+            return
+        start = self._mark()
+        try:
+            yield
+        finally:
+            entry.waits.append((start, self._mark()))
+
+    def add_bytes(self, sent: int, received: int) -> None:
+        """Bytes a transfer posted inside the open step (RingComm.start, exchange)."""
+        if self.enabled and self._open is not None:
+            self._open.sent_bytes += sent
+            self._open.received_bytes += received
+
+    def collect(self) -> list[dict[str, Any]]:
+        """The iteration's steps as rows (phase, step, compute_s, wait_s, sent_bytes,
+        received_bytes), in phase and step order, and a fresh iteration begins. On CUDA the
+        caller has synchronized the device."""
+        rows = []
+        for (phase, index), entry in sorted(
+            self._steps.items(), key=lambda kv: (PHASES.index(kv[0][0]), kv[0][1])
+        ):
+            total = sum(self._seconds(a, b) for a, b in entry.spans)
+            wait = sum(self._seconds(a, b) for a, b in entry.waits)
+            rows.append(
+                {
+                    "phase": phase,
+                    "step": index,
+                    "compute_s": max(0.0, total - wait),
+                    "wait_s": wait,
+                    "sent_bytes": entry.sent_bytes,
+                    "received_bytes": entry.received_bytes,
+                }
+            )
+        self._steps = {}
+        return rows
+
+
+clock = StepClock()
+"""The recorder every ring kernel reports to (workers.protocol starts and collects it)."""
