@@ -56,7 +56,8 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     && ringlab --help >/dev/null \
     && install -m 0755 deploy/docker-entrypoint.sh /usr/local/bin/ringlab-entrypoint
 
-RUN useradd --create-home ringlab
+RUN useradd --create-home ringlab \
+    && mkdir -p /var/lib/ringlab/artifacts && chown -R ringlab /var/lib/ringlab
 USER ringlab
 WORKDIR /home/ringlab
 # Inside a container the service listens on every interface; docker-compose.yml publishes the

@@ -12,6 +12,17 @@ Every ring case first passes a correctness gate (a short sequence vs the twin on
 
     .venv/bin/python bench/ring.py [--seq 16384] [--world 2] [--mem-world 4] [--repeats 3]
         [--rounds 3] [--kernel ring] [--params '{}'] [--device cpu] [--cases full,...]
+
+--steps: where the time goes instead (attention.ring.steps). Non-causal, contiguous, for each
+world size of --step-worlds at --seq and, at the first world size, each total length of
+--step-seqs (so tokens per rank grow): the exposed-communication share (time blocked on
+transfers / time in steps, all ranks), the accounting (the sum of a rank's step times over its
+measured iteration time), and the instrumentation's cost: iterations with the step clock on
+and off alternate, and the overhead is the median over pairs of (on / off - 1) of the slowest
+rank's times.
+
+    .venv/bin/python bench/ring.py --steps [--seq 16384] [--step-worlds 2,4]
+        [--step-seqs 4096,8192,16384] [--step-mode fwd|fwd_bwd] [--repeats 6]
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import torch.multiprocessing as mp
 
 import attention
 from attention import layouts
+from attention.ring.steps import clock
 
 TWINS = {"ring": "dense", "ring_dilated": "dilated", "ring_block_sparse": "block_sparse"}
 GATE_SEQ = 512
@@ -62,6 +74,10 @@ def parse() -> argparse.Namespace:
         default="full,causal-zigzag,causal-contiguous",
         help="comma list of full | causal-zigzag | causal-contiguous | causal-striped",
     )
+    ap.add_argument("--steps", action="store_true", help="where the time goes (see above)")
+    ap.add_argument("--step-worlds", default="2,4", help="world sizes of the steps study")
+    ap.add_argument("--step-seqs", default="4096,8192,16384", help="lengths at the first world")
+    ap.add_argument("--step-mode", default="fwd", choices=["fwd", "fwd_bwd"])
     return ap.parse_args()
 
 
@@ -199,6 +215,100 @@ def measure(args: dict, kernel: str, params: dict, layout: str | None, causal: b
     return result
 
 
+def measure_steps(args: dict, kernel: str, params: dict) -> dict:
+    """--steps on this rank: iterations with the step clock on and off, alternating (on first
+    in even repeats, off first in odd ones); the steps of every clocked iteration."""
+    device = torch.device(args["device_name"])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = attention.build(kernel, **{**params, "layout": "contiguous"})
+    warm_up(args, module, "contiguous", False)
+    full = _inputs(args, args["seq"], torch.device("cpu"), torch.float32, seed=0)
+    q, k, v, dout = (layouts.shard(t, "contiguous", rank, world).to(device, dtype) for t in full)
+    del full
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def call() -> None:
+        if args["step_mode"] == "fwd":
+            with torch.no_grad():
+                module(q, k, v, causal=False)
+            return
+        module(q, k, v, causal=False).backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    call()  # a warm-up at the full length
+    on_s: list[float] = []
+    off_s: list[float] = []
+    steps: list[list[dict]] = []
+    for i in range(args["repeats"]):
+        for clocked in (True, False) if i % 2 == 0 else (False, True):
+            if clocked:
+                clock.start(device)
+                on_s.append(_time_call(call, device))
+                steps.append(clock.collect())
+                clock.stop()
+            else:
+                off_s.append(_time_call(call, device))
+    return {"rank": rank, "local_seq": q.shape[1], "on_s": on_s, "off_s": off_s, "steps": steps}
+
+
+def steps_line(kernel: str, seq: int, world: int, mode: str, ranks: list[dict]) -> dict:
+    """The study's numbers for one case (see the module docstring)."""
+    wait = sum(s["wait_s"] for r in ranks for it in r["steps"] for s in it)
+    compute = sum(s["compute_s"] for r in ranks for it in r["steps"] for s in it)
+    coverage = [
+        sum(s["compute_s"] + s["wait_s"] for it in r["steps"] for s in it) / sum(r["on_s"])
+        for r in ranks
+    ]
+    on = [max(t) for t in zip(*(r["on_s"] for r in ranks), strict=True)]
+    off = [max(t) for t in zip(*(r["off_s"] for r in ranks), strict=True)]
+    overhead = [a / b - 1 for a, b in zip(on, off, strict=True)]
+    return {
+        "case": "steps",
+        "kernel": kernel,
+        "mode": mode,
+        "seq": seq,
+        "world": world,
+        "tokens_per_rank": ranks[0]["local_seq"],
+        "exposed_comm_share": round(wait / (wait + compute), 4),
+        "wait_s_per_rank": [
+            round(sum(s["wait_s"] for it in r["steps"] for s in it) / len(r["steps"]), 4)
+            for r in ranks
+        ],
+        "coverage_per_rank": [round(c, 4) for c in coverage],
+        "iteration_s_on": [round(t, 4) for t in on],
+        "iteration_s_off": [round(t, 4) for t in off],
+        "overhead_median": round(statistics.median(overhead), 4),
+        "overhead_range": [round(min(overhead), 4), round(max(overhead), 4)],
+    }
+
+
+def steps_study(a: argparse.Namespace, args: dict) -> None:
+    """--steps: every case of the study, one JSON line and one readable line each."""
+    params = json.loads(a.params)
+    worlds = [int(w) for w in a.step_worlds.split(",") if w]
+    cases = [(a.seq, w) for w in worlds]
+    cases += [(s, worlds[0]) for s in (int(x) for x in a.step_seqs.split(",") if x) if s != a.seq]
+    print(
+        f"setup: --steps {a.kernel} {a.step_mode}, non-causal contiguous, batch {a.batch}, heads "
+        f"{a.heads}, head_dim {a.dim}, {'fp32 cpu, gloo' if a.device == 'cpu' else 'bf16, nccl'}"
+        f", 1 thread per rank; {a.repeats} repeats, step clock on and off alternating; "
+        f"os.cpu_count()={os.cpu_count()}"
+    )
+    for seq, world in cases:
+        job = dict(kernel=a.kernel, params=params, threads=1, distributed=True, steps=True)
+        ranks = run_job({**args, "seq": seq}, job, world)
+        line = steps_line(a.kernel, seq, world, a.step_mode, ranks)
+        print(json.dumps(line))
+        print(
+            f"  W={world} seq {seq:,} ({line['tokens_per_rank']:,} per rank): exposed comm "
+            f"{line['exposed_comm_share']:.1%}, steps cover "
+            f"{', '.join(f'{c:.1%}' for c in line['coverage_per_rank'])} of each rank's "
+            f"iterations; clock overhead {line['overhead_median']:+.1%} (range "
+            f"{line['overhead_range'][0]:+.1%} .. {line['overhead_range'][1]:+.1%})"
+        )
+
+
 # ---- processes ---------------------------------------------------------------------------------
 
 
@@ -224,7 +334,10 @@ def _rank_main(rank: int, world: int, port: int, args: dict, job: dict, out: Any
             )
         if args["device"] == "cuda":
             args = {**args, "device_name": f"cuda:{rank}"}
-        res = measure(args, job["kernel"], job["params"], job["layout"], job["causal"])
+        if job.get("steps"):
+            res = measure_steps(args, job["kernel"], job["params"])
+        else:
+            res = measure(args, job["kernel"], job["params"], job["layout"], job["causal"])
         out.put(("ok", res))
     except BaseException as exc:  # the parent prints it and stops
         import traceback
@@ -309,6 +422,9 @@ def main() -> None:
     if a.device == "cuda" and torch.cuda.device_count() < a.world:
         raise SystemExit(f"--device cuda needs {a.world} GPUs, found {torch.cuda.device_count()}")
     args = {**vars(a), "device_name": a.device}
+    if a.steps:
+        steps_study(a, args)
+        return
     params = json.loads(a.params)
     twin = TWINS[a.kernel]
     twin_fields = set(attention.KERNELS[twin].params.__dataclass_fields__)

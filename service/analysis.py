@@ -40,7 +40,7 @@ IGNORED_FOR_MATCHING = frozenset(
 
 LABEL_FIELDS = (
     "world_size", "parallel", "dtype", "mode", "causal", "batch_size", "num_heads",
-    "num_kv_heads", "head_dim", "memory_budget_bytes",
+    "num_kv_heads", "head_dim", "memory_budget_bytes", "profile",
 )  # fmt: skip
 """Config fields a label shows when they vary within the sweep (after the kernel and params)."""
 
@@ -248,6 +248,8 @@ def _field_text(name: str, value: Any) -> str | None:
         return f"{value}-parallel"
     if name == "causal":
         return "causal" if value else "non-causal"
+    if name == "profile":  # a profiled run's times include the profiler's cost
+        return "profiled" if value else None
     if name in ("dtype", "mode", "training.optimizer", "training.precision"):
         return str(value)
     if name == "model":

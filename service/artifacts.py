@@ -11,12 +11,15 @@ RINGLAB_RUN_ARTIFACTS_MAX_BYTES per run; one over a cap is not written and its r
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import fsspec
 
 from workers.results import Artifact
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 """Reads stream this many bytes at a time."""
@@ -40,10 +43,18 @@ class ArtifactStore:
     def _path(self, run_id: int, name: str) -> str:
         return f"{self._base}/runs/{run_id}/{name}"
 
-    def write(self, run_id: int, artifacts: Sequence[Artifact]) -> list[dict[str, Any]]:
+    def write(
+        self,
+        run_id: int,
+        artifacts: Sequence[Artifact],
+        between: Callable[[], None] | None = None,
+    ) -> list[dict[str, Any]]:
         """Write what fits the caps, in order; one artifact table row for each (location None
-        and `refused` set for what was not written). Artifact names are unique per run (rank
-        in the name); a later write of the same name (a retried run) replaces the file."""
+        and `refused` set for what was not written: over a cap, or the write failed, whose
+        error the row keeps, so a run's measurements never depend on its files). Artifact
+        names are unique per run (rank in the name); a later write of the same name (a retried
+        run) replaces the file. `between` runs before each write (the scheduler renews its
+        lease there: an upload may take a while)."""
         rows, used = [], 0
         for art in artifacts:
             row: dict[str, Any] = art.model_dump(include={"rank", "name", "kind", "size_bytes"})
@@ -62,12 +73,20 @@ class ArtifactStore:
                         "(RINGLAB_RUN_ARTIFACTS_MAX_BYTES)"
                     )
                 else:
+                    if between is not None:
+                        between()
                     path = self._path(run_id, art.name)
-                    self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-                    with self.fs.open(path, "wb") as fh:
-                        fh.write(art.data)
-                    used += size
-                    row["location"] = self.fs.unstrip_protocol(path)
+                    try:
+                        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+                        with self.fs.open(path, "wb") as fh:
+                            fh.write(art.data)
+                    except OSError as exc:  # disk full, permissions, a store's own errors
+                        log.warning("run %d: artifact %s not written", run_id, art.name,
+                                    exc_info=True)  # fmt: skip
+                        row["refused"] = f"could not be written under {self.root}: {exc!r}"
+                    else:
+                        used += size
+                        row["location"] = self.fs.unstrip_protocol(path)
             rows.append(row)
         return rows
 

@@ -619,6 +619,7 @@ RESULT_COLUMNS = (
     ("median_s", "time"),
     ("tokens_per_s", "tokens/s"),
     ("peak_memory_bytes", "peak mem"),
+    ("exposed_comm_share", "comm"),
     ("max_seq_len", "max len"),
     ("baseline", "vs"),
     ("speedup", "speedup"),
@@ -638,6 +639,8 @@ def _cell(key: str, value: Any) -> str:
         return "—"
     if key == "speedup":
         return f"{value:.2f}x"
+    if key == "exposed_comm_share":  # ring runs: time blocked on transfers / time in steps
+        return f"{value:.0%}"
     if key == "peak_memory_bytes":
         return f"{value / 2**20:,.1f} MiB"
     if key == "median_s":

@@ -356,10 +356,14 @@ class Scheduler:
                 self._finish(claim, _ended_early(RunStatus.failed, str(exc), handle))
                 return
             if outcome is not None:
-                if self.last_trace is not None:
-                    self.last_trace.outcome = outcome
+                if self.last_trace is not None:  # (without the artifacts' bytes)
+                    self.last_trace.outcome = outcome.model_copy(update={"artifacts": []})
                     self.last_trace.outcome_at = time.time()
-                written = self.artifacts.write(claim.run_id, outcome.artifacts)
+
+                def renew() -> None:  # an upload may outlast the lease
+                    leases.heartbeat(self.sessionmaker, claim, self.lease_s)
+
+                written = self.artifacts.write(claim.run_id, outcome.artifacts, renew)
                 self._finish(claim, completion_from_outcome(outcome, written))
                 return
 

@@ -18,11 +18,11 @@ A ring run adds, from its ranks' steps (attention.ring.steps; table ring_step, a
 totals in rank_result):
 - exposed-communication share: the time every rank spent blocked on a transfer over its time in
   steps (compute + wait), summed over ranks and timed iterations;
-- link bandwidth: the highest bytes received / step time of any step (a lower bound of the link);
+- link bandwidth: the best bytes / window (posting to completion) of any transfer (a lower bound);
 - step coverage: the smallest share of a rank's iteration time its steps account for;
-- crossover: the tokens per rank at which a step's compute would hide its transfer (F/B), from
-  the device's peak FLOP/s (or, with none known, the rate the steps computed at) and the link
-  bandwidth measured.
+- crossover (`ring` only): the tokens per rank at which a step's compute would hide its
+  transfer (F/B), from the device's peak FLOP/s (or, with none known, the rate the steps
+  computed at) and the link bandwidth measured.
 
 A model cell (`workload: model`) adds, from its limiting rank (the largest measured step peak):
 its memory components predicted and measured (ComponentView, ratio = measured / predicted);
@@ -492,24 +492,30 @@ def _steps(row: RunRow) -> None:
 
 
 def _crossover(row: RunRow, stepped: Sequence[RankView]) -> None:
-    """Tokens per rank at which a step's compute takes as long as its transfer (F/B), scaled
-    from this run: a step's FLOPs grow with the square of the tokens per rank, its bytes
-    linearly, so c* = c x (F / B) x (bytes / FLOPs) of the run, per iteration of one rank."""
-    busiest = max(stepped, key=lambda r: r.step_received_bytes or 0)
-    iterations = len(busiest.times_s)
-    if not (row.link_bytes_per_s and busiest.step_received_bytes and busiest.flops and iterations):
+    """`ring` only: the tokens per rank at which a step's compute takes as long as its transfer
+    (F/B), scaled from this run. A ring step's FLOPs grow with the square of the tokens per rank
+    and its bytes linearly, so c* = c x (F / B) x (bytes / FLOPs) of one iteration, all ranks
+    summed. (Not for ring_dilated, whose FLOPs grow linearly, nor ring_block_sparse, whose
+    mask decides.)"""
+    if row.kernel != "ring" or not row.link_bytes_per_s:
         return
+    received = sum(r.step_received_bytes or 0 for r in stepped)
+    flops = sum(r.flops for r in stepped)
+    iterations = len(stepped[0].times_s)
+    if not (received and flops and iterations):
+        return
+    # One rank's FLOP/s; the bytes / FLOPs ratio below is the ranks' average (sums over sums).
     flops_per_s = dense_peak_flops(row.device, row.dtype)
     row.crossover_basis = "device peak"
-    if not flops_per_s:  # no known peak (a CPU): the compute rate its steps achieved
-        if not busiest.step_compute_s:
+    if not flops_per_s:  # no known peak (a CPU): the rate its steps computed at, per rank
+        compute = sum(r.step_compute_s or 0.0 for r in stepped)
+        if not compute:
             return
-        flops_per_s = busiest.flops * iterations / busiest.step_compute_s
+        flops_per_s = flops * iterations / compute
         row.crossover_basis = "measured compute"
     tokens = local_tokens(row.parallel, row.world_size, row.batch_size, row.length)
-    bytes_per_iteration = busiest.step_received_bytes / iterations
     row.crossover_tokens = (
-        tokens * flops_per_s * bytes_per_iteration / (row.link_bytes_per_s * busiest.flops)
+        tokens * flops_per_s * (received / iterations) / (row.link_bytes_per_s * flops)
     )
 
 

@@ -372,12 +372,15 @@ def test_every_mutating_endpoint_requires_the_token(tmp_path: Any) -> None:
         assert client.get(f"{API}/runs").status_code == 200
 
     with api_client(url, api_token=TOKEN, require_token_for_reads=True) as client:
+        run_id = client.get(f"{API}/runs", headers=good).json()["data"][0]["id"]
         for path in (
             "/sweeps",
             "/runs",
             f"/sweeps/{sweep_id}",
             f"/sweeps/{sweep_id}/report.md",
             "/kernels",
+            f"/runs/{run_id}/steps",
+            f"/runs/{run_id}/artifacts",
         ):
             assert client.get(f"{API}{path}").status_code == 401, path
             assert client.get(f"{API}{path}", headers=good).status_code == 200, path

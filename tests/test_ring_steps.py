@@ -67,11 +67,9 @@ def test_steps_tile_every_iteration_and_count_the_bytes(kernel: str, params: dic
             assert [s["step"] for s in fwd] == [0, 1]
             assert fwd[0]["received_bytes"] == 2 * 512 * 2 * 16 * 4
             assert fwd[1]["received_bytes"] == 0  # the last step posts nothing
-        rates = [
-            s["received_bytes"] / (s["compute_s"] + s["wait_s"])
-            for s in steps
-            if s["received_bytes"]
-        ]
+        # every step that received bytes timed their transfer; the rank's best is its bound
+        rates = [s["link_bytes_per_s"] for s in steps if s["received_bytes"]]
+        assert all(rate > 0 for rate in rates)
         assert r["link_bytes_per_s"] == pytest.approx(max(rates))
 
 

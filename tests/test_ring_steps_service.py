@@ -79,7 +79,17 @@ def test_a_ring_sweep_stores_its_steps_and_profiles(tmp_path: Path, ray_session:
             k_and_v = 2 * (row["seq_len"] // 2) * 2 * 16 * 4  # one shard's K and V, fp32
             assert [s["received_bytes"] for s in steps if s["step"] == 0] == [k_and_v] * 6
             assert 0 < row["step_coverage"] <= 1
-            assert row["crossover_basis"] == "measured compute" and row["crossover_tokens"] > 0
+            # F/B from the raw numbers: no device peak on a CPU, so F is what the steps computed
+            ranks = client.get(f"{API}/runs/{row['run_id']}").json()["rank_results"]
+            its = len(ranks[0]["times_s"])
+            flops = sum(r["flops"] for r in ranks)
+            flops_per_s = flops * its / sum(r["step_compute_s"] for r in ranks)
+            link = max(s["link_bytes_per_s"] for s in steps if s["link_bytes_per_s"])
+            assert row["link_bytes_per_s"] == pytest.approx(link)
+            per_it = sum(r["step_received_bytes"] for r in ranks) / its
+            expected = (row["seq_len"] // 2) * flops_per_s * per_it / (link * flops)
+            assert row["crossover_basis"] == "measured compute"
+            assert row["crossover_tokens"] == pytest.approx(expected)
 
         report = client.get(f"{API}/sweeps/{sweep_id}/report.md").text
         assert "| Exposed comm |" in report and "## Where the time goes (ring kernels)" in report
@@ -146,3 +156,14 @@ def test_any_fsspec_url_is_an_artifact_root() -> None:
     )
     assert row["location"] == "memory:///ringlab-test/artifacts/runs/3/t.json"
     assert b"".join(read_chunks(row["location"])) == data
+
+
+def test_an_artifact_that_cannot_be_written_is_refused_with_the_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the root's runs/ directory must go")
+    store = ArtifactStore(str(blocker), 1 << 20, 1 << 20)
+    renewed = []
+    art = Artifact(name="t.json", kind="chrome_trace", size_bytes=2, data=b"{}")
+    (row,) = store.write(5, [art], between=lambda: renewed.append(True))
+    assert row["location"] is None and "could not be written" in row["refused"]
+    assert renewed == [True]  # the lease is renewed before each write

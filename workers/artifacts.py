@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 
 MAX_ARTIFACT_BYTES = 64 << 20
 """The most one artifact may carry through Ray (the service may cap lower)."""
-SNAPSHOT_ENTRIES = 100_000
-"""Allocation events the CUDA memory history keeps (the newest; older ones are dropped)."""
+HISTORY_ENTRIES = 10_000
+"""Allocation events a profiled CUDA run's memory history keeps (the newest)."""
 
 
 def from_file(path: str, name: str, kind: str, rank: int) -> Artifact:
@@ -64,12 +64,14 @@ def profiled(
 
 
 @contextlib.contextmanager
-def memory_history(device: torch.device) -> Iterator[None]:
-    """On CUDA, record the allocator's history during the body (for `snapshot`); else nothing."""
-    if device.type != "cuda":
+def memory_history(enabled: bool, device: torch.device) -> Iterator[None]:
+    """On CUDA and when `enabled` (a profiled run), record the allocator's recent history
+    (Python stacks, HISTORY_ENTRIES events) during the body, so that an OOM's snapshot shows
+    which allocations led to it. Off by default: recording costs every allocation time."""
+    if not enabled or device.type != "cuda":
         yield
         return
-    torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
+    torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
     try:
         yield
     finally:
@@ -78,7 +80,8 @@ def memory_history(device: torch.device) -> Iterator[None]:
 
 def snapshot(device: torch.device, rank: int) -> list[Artifact]:
     """On CUDA, the allocator's memory snapshot (memory-snapshot-rank{rank}.pickle, for
-    pytorch.org/memory_viz) while `memory_history` records; on CPU none."""
+    pytorch.org/memory_viz): every segment and block allocated now, and the recent history
+    when `memory_history` records; on CPU none."""
     if device.type != "cuda":
         return []
     with tempfile.TemporaryDirectory(prefix="ringlab-snapshot-") as tmp:

@@ -208,7 +208,8 @@ class RunConfig(BaseModel):
     profile: bool = Field(
         False,
         description="Save a torch.profiler Chrome trace of the warm-up and timed iterations of "
-        "every rank (artifact trace-rank{r}.json; its times include the profiler's overhead).",
+        "every rank (artifact trace-rank{r}.json; its times include the profiler's overhead); "
+        "on CUDA also record the allocator's history for an OOM's memory snapshot.",
     )
     seed: int = Field(
         0,

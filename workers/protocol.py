@@ -324,7 +324,7 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
     inputs: dict[str, torch.Tensor] = {}
     artifacts: list[Artifact] = []
     try:
-        with memory_history(device), memory_fraction(device, budget):
+        with memory_history(config.profile, device), memory_fraction(device, budget):
             try:
                 for name in names:
                     inputs[name] = make_input(name, config, config.seq_len, positions, rows, device)
@@ -336,8 +336,7 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
                 peak = meter.peak()
                 backend = kernels.backend_of(module)
             except Exception as exc:
-                if is_oom(exc):  # the failing rank's allocations, while still recorded
-                    inputs.clear()
+                if is_oom(exc):  # the failing rank's allocations, its inputs still held
                     artifacts += snapshot(device, rank)
                 raise
     except Exception as exc:

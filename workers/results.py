@@ -49,6 +49,7 @@ STEP_COLUMNS = (
     "wait_s",
     "sent_bytes",
     "received_bytes",
+    "link_bytes_per_s",
 )
 COMPONENT_COLUMNS = ("component", "predicted_bytes", "measured_bytes")
 PROBE_COLUMNS = (
@@ -101,8 +102,13 @@ class StepTime(BaseModel):
     step: int = Field(ge=0)
     compute_s: float = Field(ge=0, description="The step's time minus its waits.")
     wait_s: float = Field(ge=0, description="Time blocked waiting for a transfer.")
-    sent_bytes: int = Field(0, ge=0)
-    received_bytes: int = Field(0, ge=0)
+    sent_bytes: int = Field(0, ge=0, description="Bytes of the transfers the step posted.")
+    received_bytes: int = Field(
+        0, ge=0, description="Bytes of the transfers that completed in the step."
+    )
+    link_bytes_per_s: float | None = Field(
+        None, description="The best bytes / (posting to completion) of those transfers."
+    )
 
     def row(self) -> dict[str, Any]:
         """The columns of the ring_step table (without run and rank)."""
@@ -114,9 +120,9 @@ def step_totals(steps: list[StepTime]) -> dict[str, Any]:
 
     - step_compute_s, step_wait_s: summed over every step of every iteration;
     - step_received_bytes: bytes received, summed likewise;
-    - link_bytes_per_s: the highest bytes received / (compute + wait) of a step that received
-      any. A step's transfer completes within the step, so this is a lower bound of the link's
-      bandwidth, close to it where a step is all wait (nothing hides the transfer).
+    - link_bytes_per_s: the best of the steps' (a transfer's bytes over its window from posting
+      to completion: a lower bound of the link's bandwidth, close to it for a transfer nothing
+      else delayed).
     """
     if not steps:
         return {
@@ -125,11 +131,7 @@ def step_totals(steps: list[StepTime]) -> dict[str, Any]:
             "step_received_bytes": None,
             "link_bytes_per_s": None,
         }
-    rates = [
-        s.received_bytes / (s.compute_s + s.wait_s)
-        for s in steps
-        if s.received_bytes and s.compute_s + s.wait_s > 0
-    ]
+    rates = [s.link_bytes_per_s for s in steps if s.link_bytes_per_s is not None]
     return {
         "step_compute_s": sum(s.compute_s for s in steps),
         "step_wait_s": sum(s.wait_s for s in steps),

@@ -155,13 +155,19 @@ class Traffic:
     def reset(self) -> None:
         self.sent = self.received = 0
 
-    def add(self, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
-        """Count a posted transfer, here and in the open step of the step clock."""
-        sent = 0 if send is None else send.numel() * send.element_size()
-        received = 0 if recv is None else recv.numel() * recv.element_size()
+    def add(self, send: torch.Tensor | None, recv: torch.Tensor | None) -> int:
+        """Count a posted transfer (and its sent bytes in the step clock's open step); returns
+        the bytes it will receive."""
+        sent = _nbytes(send)
+        received = _nbytes(recv)
         self.sent += sent
         self.received += received
-        clock.add_bytes(sent, received)
+        clock.sent(sent)
+        return received
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
 
 traffic = Traffic()
@@ -178,6 +184,7 @@ class RingComm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._reqs: list[Any] | None = None
+        self._posted: tuple[Any, int] = (None, 0)  # (clock mark, bytes to receive)
 
     def peer(self, offset: int) -> int:
         """Global rank of the group member `offset` places after this one on the ring."""
@@ -194,7 +201,7 @@ class RingComm:
         """
         if self._reqs is not None:
             raise RuntimeError("RingComm.start: the previous exchange was not waited for")
-        traffic.add(send, recv)
+        self._posted = (clock.mark(), traffic.add(send, recv))
         ops = []
         if send is not None:
             ops.append(dist.P2POp(dist.isend, send, self.peer(offset), self.group, self.tag))
@@ -210,6 +217,7 @@ class RingComm:
         with clock.waiting():
             for req in self._reqs:
                 req.wait()
+        clock.received(self._posted[1], self._posted[0])
         self._reqs = None
 
 
@@ -226,10 +234,10 @@ def exchange(
     subgroup after how many groups each process made before, which differs between ranks that
     share different segments, and the rendezvous then never meets.
     """
+    posted = clock.mark()
     for t in sends.values():
         traffic.add(t, None)
-    for t in recvs.values():
-        traffic.add(None, t)
+    received = sum(traffic.add(None, t) for t in recvs.values())
     ops = [
         dist.P2POp(dist.isend, t, dist.get_global_rank(group, j), group, tag)
         for j, t in sends.items()
@@ -240,3 +248,4 @@ def exchange(
     with clock.waiting():  # posted and completed here: all of it is time blocked
         for req in dist.batch_isend_irecv(ops) if ops else []:
             req.wait()
+    clock.received(received, posted)

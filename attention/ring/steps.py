@@ -1,15 +1,23 @@
 """Where a ring kernel's time goes: per step, compute and time blocked on a transfer.
 
-The ring kernels open `clock.step(phase, index)` around each step of their loop and
-`clock.waiting()` around every wait on a transfer; RingComm and `exchange` add the bytes they
-post to the open step. A step's compute time is its whole duration minus its waits, so the
-steps of one call tile its ring loop without gaps and their sum accounts for the call (what
-lies outside is setup: the shape check's all-gather, allocations, the layout change of
-ring_dilated).
+The ring kernels open `clock.step(phase, index)` around each step of their loop; RingComm and
+`exchange` time every wait on a transfer (`clock.waiting()`) and report each transfer: the bytes
+sent count in the step that posts it, the bytes received in the step where it completes, with
+the transfer's window (from posting to completion). A step's compute time is its whole duration
+minus its waits, so the steps of one call tile its ring loop without gaps and their sum
+accounts for the call (what lies outside is setup: the shape check's all-gather, allocations,
+the layout change of ring_dilated). A step's wait is whatever it blocked on: in `ring` the K/V
+of the next step (posted at this step's start), in `ring_block_sparse` this step's own (posted
+during the previous step), and in both the dK/dV sent on by the previous step.
+
+A transfer's bytes over its window are a lower bound of the link's bandwidth (the transfer took
+at most its window); a step reports the best of its transfers (K and V travel as two
+concurrent messages, each a bound of its own).
 
 What a step is, per kernel:
 - `ring`, `ring_block_sparse`: step t computes with the K/V of rank - t (mod W) while the next
-  step's arrive; backward step W is the wait for the last dK/dV to come home.
+  step's arrive; backward step W is the wait for the last dK/dV to come home (with several
+  pieces on CPU, an earlier piece's dK/dV arrive home during the next piece's step 0).
 - `ring_dilated`: step 0 is the segments inside this rank's shard (no communication), step i the
   i-th segment shared with other ranks, whose gather (and in the backward, dK/dV return) is
   blocking: LongNet's algorithm has nothing to overlap it with.
@@ -42,6 +50,7 @@ class _Step:
 
     spans: list[tuple[Any, Any]] = field(default_factory=list)  # (start, end) of each visit
     waits: list[tuple[Any, Any]] = field(default_factory=list)
+    transfers: list[tuple[int, Any, Any]] = field(default_factory=list)  # (bytes, posted, done)
     sent_bytes: int = 0
     received_bytes: int = 0
 
@@ -67,6 +76,10 @@ class StepClock:
         self.enabled = False
         self._steps = {}
         self._open = None
+
+    def mark(self) -> Any:
+        """Now, on the clock in use (None when off): a transfer's posting time."""
+        return self._mark() if self.enabled else None
 
     def _mark(self) -> Any:
         if self._cuda:
@@ -106,16 +119,23 @@ class StepClock:
         finally:
             entry.waits.append((start, self._mark()))
 
-    def add_bytes(self, sent: int, received: int) -> None:
-        """Bytes a transfer posted inside the open step (RingComm.start, exchange)."""
+    def sent(self, nbytes: int) -> None:
+        """Bytes a transfer posted inside the open step sends (RingComm.start, exchange)."""
         if self.enabled and self._open is not None:
-            self._open.sent_bytes += sent
-            self._open.received_bytes += received
+            self._open.sent_bytes += nbytes
+
+    def received(self, nbytes: int, posted: Any) -> None:
+        """A transfer that received `nbytes` completed now, inside the open step; `posted` is
+        `mark()` from when it was posted (None: posted while the clock was off, not counted)."""
+        if self.enabled and self._open is not None and posted is not None and nbytes:
+            self._open.received_bytes += nbytes
+            self._open.transfers.append((nbytes, posted, self._mark()))
 
     def collect(self) -> list[dict[str, Any]]:
         """The iteration's steps as rows (phase, step, compute_s, wait_s, sent_bytes,
-        received_bytes), in phase and step order, and a fresh iteration begins. On CUDA the
-        caller has synchronized the device."""
+        received_bytes, link_bytes_per_s: the best bytes / window of the transfers completed in
+        the step, None without any), in phase and step order, and a fresh iteration begins. On
+        CUDA the caller has synchronized the device."""
         rows = []
         for (phase, index), entry in sorted(
             self._steps.items(), key=lambda kv: (PHASES.index(kv[0][0]), kv[0][1])
@@ -130,6 +150,10 @@ class StepClock:
                     "wait_s": wait,
                     "sent_bytes": entry.sent_bytes,
                     "received_bytes": entry.received_bytes,
+                    "link_bytes_per_s": max(
+                        (n / t for n, a, b in entry.transfers if (t := self._seconds(a, b)) > 0),
+                        default=None,
+                    ),
                 }
             )
         self._steps = {}

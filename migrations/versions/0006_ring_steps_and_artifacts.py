@@ -37,6 +37,7 @@ def upgrade() -> None:
         sa.Column("wait_s", sa.Float(), nullable=False),
         sa.Column("sent_bytes", sa.BigInteger(), nullable=False),
         sa.Column("received_bytes", sa.BigInteger(), nullable=False),
+        sa.Column("link_bytes_per_s", sa.Float(), nullable=True),
     )
     op.create_index("ix_ring_step_run_id", "ring_step", ["run_id"])
     op.create_table(

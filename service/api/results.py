@@ -418,11 +418,12 @@ def _comm_section(rows: Sequence[RunRow]) -> list[str]:
         "## Where the time goes (ring kernels)",
         "",
         "Exposed comm = time every rank spent blocked on a transfer / its time in ring steps "
-        "(compute + wait), over all timed iterations. Link bandwidth = the highest bytes "
-        "received / step time of any step (a lower bound). Steps cover = the smallest share "
-        "of a rank's iteration time its steps account for. Crossover = the tokens per rank "
-        "at which a step's compute would take as long as its transfer (F/B), from the device's "
-        "peak FLOP/s or, with none known (CPU), the rate the steps computed at.",
+        "(compute + wait), over all timed iterations. Link bandwidth = the best bytes / "
+        "window (posting to completion) of any transfer (a lower bound). Steps cover = the "
+        "smallest share of a rank's iteration time its steps account for. Crossover (ring "
+        "only) = the tokens per rank at which a step's compute would take as long as its "
+        "transfer (F/B), from the device's peak FLOP/s or, with none known (CPU), the rate the "
+        "steps computed at.",
         "",
         *_table(header, body),
         "",

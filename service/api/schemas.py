@@ -116,7 +116,7 @@ class RankResultOut(BaseModel):
     )
     step_received_bytes: int | None = Field(None, description="Ring kernels: bytes received.")
     link_bytes_per_s: float | None = Field(
-        None, description="Ring kernels: the highest bytes received / step time of a step."
+        None, description="Ring kernels: the best bytes / window of a transfer (a lower bound)."
     )
 
 
@@ -181,8 +181,11 @@ class RingStepOut(BaseModel):
     step: int = Field(description="ring, ring_block_sparse: the K/V of rank - step travelled.")
     compute_s: float
     wait_s: float = Field(description="Seconds blocked waiting for a transfer.")
-    sent_bytes: int
-    received_bytes: int
+    sent_bytes: int = Field(description="Bytes of the transfers the step posted.")
+    received_bytes: int = Field(description="Bytes of the transfers that completed in it.")
+    link_bytes_per_s: float | None = Field(
+        description="The best bytes / window (posting to completion) of those transfers."
+    )
 
 
 class ArtifactOut(BaseModel):
@@ -280,7 +283,7 @@ class ResultRow(BaseModel):
         description="Ring kernels: time blocked on transfers / time in steps, all ranks."
     )
     link_bytes_per_s: float | None = Field(
-        description="Ring kernels: highest bytes received / step time (a lower bound)."
+        description="Ring kernels: the best bytes / window of a transfer (a lower bound)."
     )
     step_coverage: float | None = Field(
         description="Ring kernels: the smallest share of a rank's time its steps account for."

@@ -238,6 +238,8 @@ def retry_sweep(
     session.execute(delete(Probe).where(Probe.run_id.in_(retry_ids)))
     session.execute(delete(MemoryComponent).where(MemoryComponent.run_id.in_(retry_ids)))
     session.execute(delete(RingStep).where(RingStep.run_id.in_(retry_ids)))
+    # (their files stay under the artifact root; the new attempt's replace those of its names)
+    session.execute(delete(Artifact).where(Artifact.run_id.in_(retry_ids)))
     result = session.execute(
         update(Run)
         .where(Run.sweep_id == sweep_id, Run.status.in_(statuses))

@@ -309,6 +309,7 @@ class RingStep(Base):
     wait_s: Mapped[float] = mapped_column(Float)
     sent_bytes: Mapped[int] = mapped_column(BigInteger)
     received_bytes: Mapped[int] = mapped_column(BigInteger)
+    link_bytes_per_s: Mapped[float | None] = mapped_column(Float)
 
 
 class Artifact(Base):

@@ -625,15 +625,19 @@ def exposed_comm_figure(rows: Sequence[Row]) -> dict[str, Any]:
             )
         )
         crossings = sorted(r["crossover_tokens"] for r in group if r.get("crossover_tokens"))
-        if crossings:
+        if crossings:  # a vertical line as a trace: named in the legend, on the log axis
             at = crossings[len(crossings) // 2]
             basis = next(r["crossover_basis"] for r in group if r.get("crossover_tokens"))
-            fig.add_vline(
-                x=at,
-                line_dash="dash",
-                line_color="#7f7f7f",
-                annotation_text=f"F/B {at:,.0f} ({basis}): {name}",
-                annotation_position="top",
+            top = max(r["exposed_comm_share"] for r in ok) or 1.0
+            fig.add_trace(
+                go.Scatter(
+                    x=[at, at],
+                    y=[0, top],
+                    mode="lines",
+                    line={"dash": "dash", "color": "#7f7f7f"},
+                    name=f"F/B crossover {at:,.0f} tokens ({basis}): {name}",
+                    hoverinfo="name",
+                )
             )
     return _to_json(fig)
 

@@ -1,0 +1,91 @@
+"""`sliding_window`: each query attends to the keys less than `window` positions away (and,
+causal, not after it), computed by torch SDPA with a boolean mask.
+
+A complete ringlab kernel plugin: a parameter dataclass that validates itself, a Kernel with
+`flops`, the keep-mask the correctness gate builds its reference from, and `kernel_specs`, the
+object the `ringlab.kernels` entry point names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from attention import Kernel, KernelSpec, ParamError, attention_flops
+
+
+@dataclass(frozen=True)
+class SlidingWindowParams:
+    """window: how many positions a query sees on each side, itself included (>= 1)."""
+
+    window: int = 256
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
+            raise ParamError("params.window", f"must be an integer >= 1, got {self.window!r}")
+
+
+def keep_mask(
+    params: SlidingWindowParams, seq_len: int, causal: bool, device: torch.device
+) -> torch.Tensor:
+    """(seq_len, seq_len) bool: True where query i attends to key j."""
+    i = torch.arange(seq_len, device=device)
+    offset = i[:, None] - i[None, :]
+    keep = offset.abs() < params.window
+    return keep & (offset >= 0) if causal else keep
+
+
+def window_pairs(n: int, window: int, causal: bool) -> int:
+    """Query-key pairs keep_mask keeps, in closed form."""
+    w = min(window, n)
+    return n * w - w * (w - 1) // 2 if causal else n * (2 * w - 1) - w * (w - 1)
+
+
+class SlidingWindowAttention(Kernel):
+    """`module(q, k, v, *, causal=False)` on (batch, seq, heads, head_dim) tensors."""
+
+    backend = "sdpa"
+
+    def __init__(self, params: SlidingWindowParams) -> None:
+        super().__init__()
+        self.params = params
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
+    ) -> torch.Tensor:
+        mask = keep_mask(self.params, q.shape[1], causal, q.device)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            enable_gqa=k.shape[2] != q.shape[2],
+        )
+        return out.transpose(1, 2)
+
+    def flops(
+        self,
+        batch: int,
+        seq_len: int,
+        num_heads: int,
+        head_dim: int,
+        causal: bool = False,
+        backward: bool = False,
+    ) -> int:
+        pairs = batch * num_heads * window_pairs(seq_len, self.params.window, causal)
+        return attention_flops(pairs, head_dim, backward=backward)
+
+
+def kernel_specs() -> list[KernelSpec]:
+    """What the `ringlab.kernels` entry point returns: this plugin's kernels."""
+    return [
+        KernelSpec(
+            name="sliding_window",
+            description="Sliding-window attention (|i - j| < window) on torch SDPA with a mask.",
+            params=SlidingWindowParams,
+            factory=SlidingWindowAttention,
+            keep_mask=keep_mask,
+        )
+    ]

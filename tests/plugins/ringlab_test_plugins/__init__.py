@@ -1,0 +1,1 @@
+"""Deliberately wrong (unscaled) and broken (import fails) ringlab kernel plugins."""
