@@ -21,7 +21,16 @@ PORT ?= 8000
 run: $(STAMP)
 	$(VENV)/bin/ringlab demo --port $(PORT)
 
-test: $(STAMP)
+# The tests also need the example kernel plugin (docs/plugins.md) and the wrong and broken
+# plugins of tests/plugins installed: they run them through the service.
+PLUGINS := examples/plugin tests/plugins
+PLUGINS_STAMP := $(VENV)/.stamp-plugins
+$(PLUGINS_STAMP): $(STAMP) $(foreach p,$(PLUGINS),$(p)/pyproject.toml)
+	@$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt --no-deps \
+		$(foreach p,$(PLUGINS),-e $(p)) && touch $(PLUGINS_STAMP) \
+		&& echo "installed the test plugins: $(PLUGINS)"
+
+test: $(STAMP) $(PLUGINS_STAMP)
 	VENV=$(VENV) bash scripts/test.sh
 
 lint: $(STAMP)

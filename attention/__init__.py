@@ -1,17 +1,21 @@
 """Exact and sparse attention kernels for long contexts, built on one (out, lse) primitive.
 
 Imports only torch and the standard library. `build(name, **params)` makes a kernel,
+installed packages add kernels through the entry points `ringlab.kernels` (attention.plugins,
+docs/plugins.md; `Kernel`, `KernelSpec`, `attention_flops` are what a plugin builds on),
 `KERNELS` lists them with their parameter schemas, `validate(...)` checks a shape fits one,
 `shape_params(...)` sets a layer kernel's embed_dim / num_heads from a run's shape; the kernel
 family's facts (a ring kernel's twin, `check_parallel`) live in the registry.
 """
 
 # importing a kernel module registers it
-from attention import block_sparse, dense, dilated, multihead, ring  # noqa: F401
+from attention import block_sparse, dense, dilated, multihead, plugins, ring  # noqa: F401
+from attention.base import Kernel, attention_flops, causal_pairs
 from attention.errors import ParamError
 from attention.registry import (
     KERNELS,
     RING_PARAMS,
+    UNAVAILABLE,
     KernelSpec,
     build,
     check_parallel,
@@ -25,9 +29,13 @@ from attention.registry import (
 __all__ = [
     "KERNELS",
     "RING_PARAMS",
+    "UNAVAILABLE",
+    "Kernel",
     "KernelSpec",
     "ParamError",
+    "attention_flops",
     "build",
+    "causal_pairs",
     "check_parallel",
     "make_params",
     "shape_params",
@@ -35,3 +43,5 @@ __all__ = [
     "twin_params",
     "validate",
 ]
+
+plugins.load()  # the installed packages' kernels (entry points `ringlab.kernels`), last

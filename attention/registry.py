@@ -1,7 +1,8 @@
 """The kernel catalogue: each kernel's name, description, parameter dataclass and constraints.
 
-Kernel modules call `register` at import; `attention/__init__.py` imports them all, so
-`KERNELS` is complete once `attention` is imported.
+Kernel modules call `register` at import; `attention/__init__.py` imports them all and then the
+installed plugins' (attention.plugins), so `KERNELS` is complete once `attention` is imported,
+and `UNAVAILABLE` holds every plugin that failed to load, with its error.
 """
 
 from __future__ import annotations
@@ -11,9 +12,32 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from attention.errors import ParamError
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """Where a plugin kernel comes from: its package, version and entry point."""
+
+    package: str
+    version: str
+    entry_point: str
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """A plugin entry point that failed to load, and why."""
+
+    name: str
+    plugin: PluginInfo
+    error: str
+
+
+KeepMask = Callable[[Any, int, bool, torch.device], torch.Tensor]
+"""(params, seq_len, causal, device) -> bool (seq_len, seq_len): query i attends to key j."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +55,10 @@ class KernelSpec:
     `twin`: a distributed kernel's single-process twin (the same attention on one rank: its
     correctness reference and its one-rank baseline), whose params are this kernel's without
     RING_PARAMS.
+
+    `keep_mask` (plugins): the tokens each query attends to, from which the correctness gate
+    builds the plugin's reference (None: exact dense attention, causal when asked). `plugin`:
+    set by attention.plugins for a plugin's kernel (None for ours).
     """
 
     name: str
@@ -41,6 +69,8 @@ class KernelSpec:
     check: Callable[..., None] | None = None
     input_layout: Literal["bshd", "bse"] = "bshd"
     twin: str | None = None
+    keep_mask: KeepMask | None = None
+    plugin: PluginInfo | None = None
 
 
 RING_PARAMS = ("layout", "group")
@@ -48,6 +78,8 @@ RING_PARAMS = ("layout", "group")
 
 
 KERNELS: dict[str, KernelSpec] = {}
+UNAVAILABLE: dict[str, Unavailable] = {}
+"""Plugin entry points that failed to load, by entry-point name (attention.plugins)."""
 
 
 def register(spec: KernelSpec) -> KernelSpec:
@@ -60,7 +92,20 @@ def register(spec: KernelSpec) -> KernelSpec:
     return spec
 
 
+def unavailable(name: str) -> str | None:
+    """Why kernel `name` cannot run when it is a plugin that failed to load (else None)."""
+    bad = UNAVAILABLE.get(name)
+    if bad is None:
+        return None
+    return (
+        f"kernel {name!r} is unavailable: its plugin {bad.plugin.package} {bad.plugin.version} "
+        f"failed to load: {bad.error}"
+    )
+
+
 def _spec(name: str) -> KernelSpec:
+    if (why := unavailable(name)) is not None:
+        raise ParamError("kernel", why)
     if name not in KERNELS:
         raise ParamError("kernel", f"unknown kernel {name!r}; valid: {', '.join(sorted(KERNELS))}")
     return KERNELS[name]

@@ -283,6 +283,30 @@ def steps_line(kernel: str, seq: int, world: int, mode: str, ranks: list[dict]) 
     }
 
 
+def clock_cost_s(visits: int = 20_000) -> float:
+    """Seconds the step clock adds to one step visit with one timed wait and one transfer
+    (CPU clock; measured here, in this process, against the same loop with the clock off)."""
+    from attention.ring.steps import StepClock
+
+    def loop(c: StepClock) -> float:
+        t0 = time.perf_counter()
+        for i in range(visits):
+            with c.step("forward", i % 4):
+                posted = c.mark()
+                c.sent(1024)
+                with c.waiting():
+                    pass
+                c.received(1024, posted)
+            if i % 64 == 63:
+                c.collect()
+        return time.perf_counter() - t0
+
+    on, off = StepClock(), StepClock()
+    on.start(torch.device("cpu"))
+    costs = [(loop(on) - loop(off)) / visits for _ in range(5)]
+    return statistics.median(costs)
+
+
 def steps_study(a: argparse.Namespace, args: dict) -> None:
     """--steps: every case of the study, one JSON line and one readable line each."""
     params = json.loads(a.params)
@@ -295,6 +319,9 @@ def steps_study(a: argparse.Namespace, args: dict) -> None:
         f", 1 thread per rank; {a.repeats} repeats, step clock on and off alternating; "
         f"os.cpu_count()={os.cpu_count()}"
     )
+    cost = clock_cost_s()
+    print(json.dumps({"case": "clock cost per step visit", "seconds": cost}))
+    print(f"  the step clock costs {cost * 1e6:.2f} us per step visit (one wait, one transfer)")
     for seq, world in cases:
         job = dict(kernel=a.kernel, params=params, threads=1, distributed=True, steps=True)
         ranks = run_job({**args, "seq": seq}, job, world)

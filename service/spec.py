@@ -380,7 +380,11 @@ def normalize_params(kernel: Any, params: Any) -> ParamsCheck:
     Returns (normalized params, []) or (None, [(field path, reason), ...]) where the path starts
     with 'kernel' or 'params'.
     """
+    from attention.registry import unavailable
+
     kernels = _kernels()
+    if isinstance(kernel, str) and (why := unavailable(kernel)) is not None:
+        return None, [(("kernel",), why)]
     if not isinstance(kernel, str) or kernel not in kernels:
         return None, [
             (("kernel",), f"unknown kernel {kernel!r}; valid: {', '.join(sorted(kernels))}")

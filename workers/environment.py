@@ -1,4 +1,5 @@
-"""What a rank runs on: host, GPUs, driver, CUDA, torch, NCCL, ray, python, the git state."""
+"""What a rank runs on: host, GPUs, driver, CUDA, torch, NCCL, ray, python, the git state and
+the kernel plugins installed."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from attention import plugins
 from workers.results import EnvironmentInfo
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -73,4 +75,5 @@ def collect(device: torch.device) -> EnvironmentInfo:
         python=platform.python_version(),
         git_sha=sha,
         git_dirty=dirty,
+        plugins=plugins.versions(),
     )

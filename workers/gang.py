@@ -433,7 +433,7 @@ class GangPool:
         if kind == "max_seq_len" and config.search is None:
             raise ValueError("search: a max_seq_len run needs a search config")
         kernels.check_mode(config)
-        if config.correctness_check or kind == "correctness":
+        if kernels.gated(config, kind):
             references.check_available(config.kernel, config.params)
         cluster = describe()
         check_feasible(config, cluster)

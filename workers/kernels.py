@@ -28,6 +28,17 @@ def check_mode(config: RunConfig) -> None:
     attention.check_parallel(config.kernel, config.parallel, config.world_size)
 
 
+def is_plugin(name: str) -> bool:
+    """Whether kernel `name` comes from an installed plugin (attention.plugins)."""
+    return attention.KERNELS[name].plugin is not None
+
+
+def gated(config: RunConfig, kind: str) -> bool:
+    """Whether the run passes the correctness gate: when asked (correctness_check, a
+    correctness sweep) and always for a plugin kernel, which is not ours."""
+    return config.correctness_check or kind == "correctness" or is_plugin(config.kernel)
+
+
 def is_layer(name: str) -> bool:
     """Whether the kernel is a layer called with (batch, seq, embed_dim) tensors (multihead),
     embed_dim being the run's num_heads x head_dim; other kernels take (batch, seq, heads, dim).

@@ -255,7 +255,7 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
     budget = config.memory_budget_bytes
     max_abs_error = None
     checked_at = None
-    if config.correctness_check or kind == "correctness":
+    if kernels.gated(config, kind):
         length = config.seq_len if kind == "correctness" else check_length(config)
         checked_at = length
         try:

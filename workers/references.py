@@ -71,6 +71,21 @@ def _block_sparse(params: Any) -> Reference:
     return _ordered(params, reference)
 
 
+def _plugin(spec: attention.KernelSpec, params: Any) -> Reference:
+    """A plugin kernel's reference: einsum softmax attention on its keep_mask (dense, with the
+    causal mask when asked, without one)."""
+    keep_mask = spec.keep_mask
+    if keep_mask is None:
+        return _dense
+    from attention.masks import masked_attention
+
+    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        keep = keep_mask(params, q.shape[1], causal, q.device)
+        return masked_attention(q, k, v, keep)[0]
+
+    return reference
+
+
 def _as_dict(params: Any) -> dict[str, Any]:
     import dataclasses
 
@@ -79,6 +94,11 @@ def _as_dict(params: Any) -> dict[str, Any]:
 
 def describe(kernel: str, params: dict[str, Any]) -> str:
     """What `kernel(params)` is checked against, in words (for error messages)."""
+    spec = attention.KERNELS.get(kernel)
+    if spec is not None and spec.plugin is not None:
+        if spec.keep_mask is None:
+            return "einsum softmax attention (the plugin declares no keep_mask)"
+        return "einsum softmax attention on the plugin's keep_mask"
     twin = attention.twin_of(kernel)
     if twin is not None:
         return f"the reference of its single-process twin {twin!r}"
@@ -176,7 +196,11 @@ def reference_for(kernel: str, params: dict[str, Any]) -> Reference:
     """The exact float32-capable reference of `kernel(params)`; ValueError if there is none.
 
     A layer kernel's reference needs the built layer's weights: `layer_reference(module)`.
+    A plugin kernel's is ours on its declared keep_mask (never the plugin's own code).
     """
+    spec = attention.KERNELS.get(kernel)
+    if spec is not None and spec.plugin is not None:
+        return _plugin(spec, attention.make_params(kernel, params))
     twin = attention.twin_of(kernel)
     if twin is not None:
         return reference_for(twin, attention.twin_params(params))

@@ -74,6 +74,7 @@ ENVIRONMENT_COLUMNS = (
     "python",
     "git_sha",
     "git_dirty",
+    "plugins",
 )
 
 
@@ -234,6 +235,9 @@ class EnvironmentInfo(BaseModel):
     python: str
     git_sha: str | None = None
     git_dirty: bool | None = None
+    plugins: dict[str, str] = Field(
+        default_factory=dict, description="Kernel plugins installed: package -> version."
+    )
 
     def hash(self) -> str:
         """sha256 of the canonical JSON: the key environment rows are deduplicated by."""

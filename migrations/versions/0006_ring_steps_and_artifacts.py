@@ -1,5 +1,6 @@
 """Where the time goes: every ring step's compute, wait and bytes per rank and iteration, each
-rank's step totals, and the artifacts (profiler traces, memory snapshots) of a run.
+rank's step totals, and the artifacts (profiler traces, memory snapshots) of a run; and the
+kernel plugins of an environment.
 
 Revision ID: 0006
 Revises: 0005
@@ -18,6 +19,8 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
+    with op.batch_alter_table("environment") as batch:
+        batch.add_column(sa.Column("plugins", sa.JSON(), nullable=True))
     with op.batch_alter_table("rank_result") as batch:
         batch.add_column(sa.Column("step_compute_s", sa.Float(), nullable=True))
         batch.add_column(sa.Column("step_wait_s", sa.Float(), nullable=True))
@@ -68,3 +71,5 @@ def downgrade() -> None:
         batch.drop_column("step_received_bytes")
         batch.drop_column("step_wait_s")
         batch.drop_column("step_compute_s")
+    with op.batch_alter_table("environment") as batch:
+        batch.drop_column("plugins")

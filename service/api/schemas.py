@@ -149,6 +149,7 @@ class EnvironmentOut(BaseModel):
     python: str
     git_sha: str | None
     git_dirty: bool | None
+    plugins: dict[str, Any] | None = Field(None, description="Kernel plugins: package -> version.")
 
 
 class Headline(BaseModel):
@@ -214,12 +215,17 @@ class RunDetail(RunOut):
 
 
 class KernelOut(BaseModel):
-    """A kernel of the catalogue and the JSON schema of its parameters."""
+    """A kernel of the catalogue and the JSON schema of its parameters; a plugin's kernels say
+    their package and version, and a plugin that failed to load is listed unavailable."""
 
     name: str
     description: str
     distributed: bool
-    params_schema: dict[str, Any]
+    params_schema: dict[str, Any] | None = Field(description="None when unavailable.")
+    available: bool = True
+    error: str | None = Field(None, description="Why an unavailable plugin did not load.")
+    package: str | None = Field(None, description="Plugins: the package that provides it.")
+    version: str | None = Field(None, description="Plugins: that package's version.")
 
 
 class HealthOut(BaseModel):

@@ -149,6 +149,8 @@ class Environment(Base):
     python: Mapped[str] = mapped_column(String(64))
     git_sha: Mapped[str | None] = mapped_column(String(64))
     git_dirty: Mapped[bool | None] = mapped_column(Boolean)
+    plugins: Mapped[dict[str, Any] | None]
+    """Kernel plugins installed (attention.plugins): package -> version."""
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -12,18 +12,35 @@ router = APIRouter(prefix="/kernels", tags=["kernels"], dependencies=[Depends(re
 
 
 def catalogue() -> list[KernelOut]:
-    """Every registered kernel, sorted by name, with its params dataclass as JSON schema."""
+    """Every registered kernel with its params dataclass as JSON schema (a plugin's with its
+    package and version), and every plugin that failed to load, with its error; by name."""
     import attention
 
-    return [
+    found = [
         KernelOut(
             name=spec.name,
             description=spec.description,
             distributed=spec.distributed,
             params_schema=TypeAdapter(spec.params).json_schema(),
+            package=spec.plugin.package if spec.plugin else None,
+            version=spec.plugin.version if spec.plugin else None,
         )
-        for spec in sorted(attention.KERNELS.values(), key=lambda s: s.name)
+        for spec in attention.KERNELS.values()
     ]
+    found += [
+        KernelOut(
+            name=bad.name,
+            description=f"unavailable: plugin {bad.plugin.package} {bad.plugin.version}",
+            distributed=False,
+            params_schema=None,
+            available=False,
+            error=bad.error,
+            package=bad.plugin.package,
+            version=bad.plugin.version,
+        )
+        for bad in attention.UNAVAILABLE.values()
+    ]
+    return sorted(found, key=lambda k: k.name)
 
 
 @router.get("")

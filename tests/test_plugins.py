@@ -1,0 +1,93 @@
+"""Kernel plugins (entry points `ringlab.kernels`): the example plugin and the test fixtures,
+installed in the test environment by `make test` (examples/plugin, tests/plugins), are listed,
+validated, gated and run through the service like our own kernels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _api_helpers import api_client
+from _workers_helpers import config
+
+import attention
+from service.scheduler import Scheduler
+from workers import protocol
+from workers.gang import GangPool
+
+API = "/api/v1"
+
+
+def test_the_installed_plugins_are_listed_with_their_package_or_their_error(
+    tmp_path: Path,
+) -> None:
+    with api_client(f"sqlite:///{tmp_path / 'k.db'}") as client:
+        kernels = {k["name"]: k for k in client.get(f"{API}/kernels").json()}
+    example = kernels["sliding_window"]
+    assert example["available"] and example["error"] is None
+    assert (example["package"], example["version"]) == ("ringlab-example-kernel", "0.1.0")
+    assert example["params_schema"]["properties"]["window"]["default"] == 256
+    assert kernels["dense"]["package"] is None  # ours
+    broken = kernels["broken_kernel"]
+    assert not broken["available"] and broken["params_schema"] is None
+    assert broken["package"] == "ringlab-test-plugins"
+    assert "ImportError" in broken["error"] and "not-installed-anywhere" in broken["error"]
+
+
+def _sweep(kernel: str, params: dict[str, Any]) -> dict[str, Any]:
+    base = {"kernel": kernel, "params": params, "num_heads": 2, "head_dim": 16, "device": "cpu"}
+    base |= {"warmup": 0, "iterations": 2, "mode": "train", "causal": True}
+    return {"name": f"plugin {kernel}", "base": base, "grid": {"seq_len": [256]}}
+
+
+def test_a_sweep_naming_a_broken_plugin_or_a_bad_param_is_a_422(tmp_path: Path) -> None:
+    with api_client(f"sqlite:///{tmp_path / 'k.db'}") as client:
+        r = client.post(f"{API}/sweeps", json=_sweep("broken_kernel", {}))
+        assert r.status_code == 422
+        (error,) = r.json()["detail"]
+        assert error["loc"][-1] == "kernel"
+        assert "unavailable" in error["msg"] and "not-installed-anywhere" in error["msg"]
+        r = client.post(f"{API}/sweeps", json=_sweep("sliding_window", {"window": 0}))
+        assert r.status_code == 422
+        (error,) = r.json()["detail"]
+        assert error["loc"][-2:] == ["params", "window"] and ">= 1" in error["msg"]
+        assert client.get(f"{API}/sweeps").json()["count"] == 0  # nothing stored
+
+
+def test_a_plugin_kernel_always_passes_the_gate_and_counts_its_own_flops() -> None:
+    cfg = config(kernel="sliding_window", params={"window": 40}, seq_len=256, mode="train")
+    assert not cfg.correctness_check
+    case = protocol.run_case(cfg)
+    assert case.status == "ok", case.error
+    assert case.result.max_abs_error is not None and case.result.max_abs_error <= 1e-4
+    spec = attention.KERNELS["sliding_window"]
+    keep = spec.keep_mask(spec.params(window=40), 256, False, "cpu")
+    pairs = int(keep.sum()) * cfg.batch_size * cfg.num_heads
+    assert case.result.flops == attention.attention_flops(pairs, cfg.head_dim, backward=True)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_plugin_sweeps_through_the_service(tmp_path: Path, ray_session: Any) -> None:
+    """The example plugin's sweep succeeds; the plugin that drops the softmax scale is stopped
+    by the correctness gate, which the error names; the environment records the plugins."""
+    with api_client(f"sqlite:///{tmp_path / 'p.db'}", artifact_root=str(tmp_path)) as client:
+        ids = [
+            client.post(f"{API}/sweeps", json=_sweep(k, p)).json()["id"]
+            for k, p in (("sliding_window", {"window": 64}), ("unscaled_dense", {}))
+        ]
+        pool = GangPool(placement_timeout_s=120)
+        scheduler = Scheduler(client.app.state.sessionmaker, pool=pool, lease_s=60, heartbeat_s=5)
+        try:
+            while scheduler.run_once():
+                pass
+        finally:
+            pool.close()
+        (good,) = client.get(f"{API}/sweeps/{ids[0]}/results.json").json()
+        assert good["status"] == "succeeded" and good["max_abs_error"] <= 1e-4, good["error"]
+        env = client.get(f"{API}/runs/{good['run_id']}").json()["environment"]
+        assert env["plugins"]["ringlab-example-kernel"] == "0.1.0"
+        (bad,) = client.get(f"{API}/sweeps/{ids[1]}/results.json").json()
+        assert bad["status"] == "failed"
+        assert "correctness check failed" in bad["error"] and "unscaled_dense" in bad["error"]
