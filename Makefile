@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@start=$$(date +%s); \
 	test -x $(PY) || { echo "creating $(VENV)"; python3 -m venv $(VENV) || exit 1; }; \
 	echo "installing ringlab and its dependencies into $(VENV) (the first time: about 2 minutes)"; \
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]' \
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,adapters]' \
 		&& touch $(STAMP) \
 		&& echo "installed in $$(( $$(date +%s) - start )) s"
 

@@ -79,6 +79,22 @@ def _axis_name(name: str) -> str:
     )
 
 
+def _kernel_baseline(value: dict[str, Any]) -> dict[str, Any]:
+    """A baseline that is another kernel: {kernel: K, params: {...}} (plus other fields), its
+    params normalized as a cell of K stores them (defaults filled), so that it matches."""
+    kernel, params = value.get("kernel"), value["params"]
+    if kernel is None:
+        raise ValueError("params: a baseline names whole params only with its kernel")
+    normalized, errors = normalize_params(kernel, params)
+    if normalized is None:
+        path, reason = errors[0]
+        raise ValueError(f"{'.'.join(map(str, path))}: {reason}")
+    for key in value:
+        if key != "params":
+            _axis_name(key)
+    return {**value, "params": normalized}
+
+
 class PivotSpec(BaseModel):
     """A pivot table: one metric for every (rows value, columns values) pair."""
 
@@ -109,8 +125,9 @@ class AnalysisSpec(BaseModel):
     baseline: dict[str, Any] | None = Field(
         None,
         description="Fields (or params.<name>) that turn a cell into its baseline, e.g. "
-        "{world_size: 1}, {kernel: dense} or {params.dilation_rates: [1]}. Default: world "
-        "size 1 of the same cell for W>1, dense of the same shape for sparse/dilated kernels.",
+        "{world_size: 1}, {params.dilation_rates: [1]}, or another kernel with its params "
+        "{kernel: ring, params: {layout: zigzag}}. Default: world size 1 of the same cell for "
+        "W>1, dense of the same shape for sparse/dilated kernels.",
     )
     scaling: Literal["strong", "weak"] = Field(
         "strong",
@@ -125,6 +142,8 @@ class AnalysisSpec(BaseModel):
             return None
         if not value:
             raise ValueError("name at least one field that the baseline changes")
+        if "params" in value:  # another kernel: its whole params, as its cells store them
+            return _kernel_baseline(value)
         for key in value:
             _axis_name(key)
         world = value.get("world_size")

@@ -22,6 +22,7 @@ GPU_EXPERIMENTS = [
     "sparsity-1gpu.yaml",
     "dilated-max-len-1-2gpu.yaml",
     "training-memory-80gb.yaml",
+    "compare-rings.yaml",
 ]
 DOCS = [(name, i) for name in EXAMPLES for i in range(len(load_specs(name)))]
 

@@ -302,7 +302,10 @@ def test_bundled_examples_by_name(env: dict[str, str], tmp_path: Path) -> None:
     line = error_line(ringlab("submit", "cpu-quik", env=env, cwd=tmp_path))
     assert line.startswith("error: cpu-quik: no such file, nor a bundled example")
     assert "did you mean cpu-quick?" in line
-    assert "bundled examples: cpu-dilated-1-2gpu, " in line and "training-memory-80gb" in line
+    assert (
+        "bundled examples: compare-rings, cpu-compare-rings, " in line
+        and "training-memory-80gb" in line
+    )
 
 
 def test_yaml_syntax_error_says_where(env: dict[str, str], tmp_path: Path) -> None:

@@ -1,0 +1,87 @@
+"""`flash_attn`: Dao-AILab's FlashAttention 2 (package flash-attn) or 3 (flash_attn_interface,
+Hopper), one GPU, fp16/bf16 only.
+
+Written against their documented `flash_attn_func(q, k, v, causal=...)` on (batch, seq, heads,
+head_dim) tensors (k and v may have fewer heads); never run in ringlab's CI, which has no GPU:
+the correctness gate checks it on the first GPU run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.metadata import version
+from typing import Any
+
+import torch
+from flash_attn import flash_attn_func as fa2_func
+
+from attention.base import Kernel, attention_flops, causal_pairs
+from attention.errors import ParamError
+from attention.registry import KernelSpec
+
+VERSION = version("flash-attn")
+
+
+@dataclass(frozen=True)
+class FlashAttnParams:
+    """version: 2 (flash-attn) or 3 (flash_attn_interface, built from flash-attention/hopper)."""
+
+    version: int = 2
+
+    def __post_init__(self) -> None:
+        if self.version not in (2, 3):
+            raise ParamError("params.version", f"expected 2 or 3, got {self.version!r}")
+
+
+def _fa3() -> Any:
+    try:
+        from flash_attn_interface import flash_attn_func
+    except ImportError as exc:
+        raise ParamError(
+            "params.version",
+            f"FlashAttention 3 needs flash_attn_interface (flash-attention/hopper): {exc}",
+        ) from exc
+    return flash_attn_func
+
+
+class FlashAttn(Kernel):
+    """`module(q, k, v, *, causal=False)` on (batch, seq, heads, head_dim) CUDA tensors."""
+
+    def __init__(self, params: FlashAttnParams) -> None:
+        super().__init__()
+        self.params = params
+        self.func = fa2_func if params.version == 2 else _fa3()
+        self.backend = f"flash-attn-{VERSION}" if params.version == 2 else "flash-attn-3"
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
+    ) -> torch.Tensor:
+        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"flash_attn runs fp16/bf16 on CUDA only, got {q.dtype} on {q.device.type}"
+            )
+        out = self.func(q, k, v, causal=causal)
+        return out[0] if isinstance(out, tuple) else out  # FA3 also returns the lse
+
+    def flops(
+        self,
+        batch: int,
+        seq_len: int,
+        num_heads: int,
+        head_dim: int,
+        causal: bool = False,
+        backward: bool = False,
+    ) -> int:
+        pairs = causal_pairs(seq_len) if causal else seq_len * seq_len
+        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
+
+
+def kernel_specs() -> list[KernelSpec]:
+    return [
+        KernelSpec(
+            name="flash_attn",
+            description="Dao-AILab FlashAttention 2 or 3 (CUDA, fp16/bf16).",
+            params=FlashAttnParams,
+            factory=FlashAttn,
+        )
+    ]
