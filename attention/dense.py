@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from attention import documents
 from attention.base import (
     Kernel,
     KernelMemory,
@@ -20,7 +21,25 @@ from attention.registry import KernelSpec, register
 
 @dataclass(frozen=True)
 class DenseParams:
-    """`dense` takes no parameters."""
+    """document_lengths: documents packed into the sequence (attention.documents); None: the
+    sequence is one document."""
+
+    document_lengths: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "document_lengths", documents.normalize(self.document_lengths))
+
+
+def check_dense(
+    params: DenseParams,
+    *,
+    seq_len: int,
+    world_size: int = 1,
+    num_heads: int = 1,
+    causal: bool | None = None,
+) -> None:
+    """Packed documents must fill the sequence."""
+    documents.check_total(params.document_lengths, seq_len)
 
 
 class DenseAttention(Kernel):
@@ -36,15 +55,14 @@ class DenseAttention(Kernel):
     ) -> torch.Tensor:
         check_qkv(q, k, v)
         self.backend = "sdpa"
-        # (b s h d) -> (b h s d) for SDPA and back
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=causal,
-            enable_gqa=k.shape[2] != q.shape[2],
+        lengths = self.params.document_lengths
+        if lengths is None:
+            return _sdpa(q, k, v, causal)
+        documents.check_total(lengths, q.shape[1])
+        return torch.cat(
+            [_sdpa(q[:, a:b], k[:, a:b], v[:, a:b], causal) for a, b in documents.bounds(lengths)],
+            dim=1,
         )
-        return out.transpose(1, 2)
 
     def flops(
         self,
@@ -55,7 +73,11 @@ class DenseAttention(Kernel):
         causal: bool = False,
         backward: bool = False,
     ) -> int:
-        pairs = causal_pairs(seq_len) if causal else seq_len * seq_len
+        lengths = self.params.document_lengths
+        if lengths is not None:
+            pairs = documents.pairs(lengths, causal)
+        else:
+            pairs = causal_pairs(seq_len) if causal else seq_len * seq_len
         return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
 
     def memory_model(
@@ -70,11 +92,25 @@ class DenseAttention(Kernel):
         )
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """SDPA on (b, s, h, d) tensors ((b, h, s, d) inside, and back)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=causal,
+        enable_gqa=k.shape[2] != q.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
 register(
     KernelSpec(
         name="dense",
-        description="Exact softmax attention (PyTorch SDPA): the reference and the baseline.",
+        description="Exact softmax attention (PyTorch SDPA): the reference and the baseline; "
+        "document_lengths packs several documents into the sequence.",
         params=DenseParams,
         factory=DenseAttention,
+        check=check_dense,
     )
 )

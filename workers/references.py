@@ -47,6 +47,17 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> t
     return masked_attention(q, k, v, keep)[0]
 
 
+def _documents(lengths: tuple[int, ...]) -> Reference:
+    """Packed documents: einsum softmax attention under the block-diagonal document mask."""
+    from attention.documents import document_mask
+    from attention.masks import masked_attention
+
+    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        return masked_attention(q, k, v, document_mask(lengths, causal, q.device))[0]
+
+    return reference
+
+
 def _dilated(params: Any) -> Reference:
     from attention.masks import dilated_reference
 
@@ -211,7 +222,7 @@ def reference_for(kernel: str, params: dict[str, Any]) -> Reference:
             "use references.layer_reference(module)"
         )
     if kernel == "dense":
-        return _dense
+        return _dense if parsed.document_lengths is None else _documents(parsed.document_lengths)
     if kernel == "dilated":
         return _dilated(parsed)
     if kernel == "block_sparse":

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from attention import primitive
+from attention import documents, primitive
 from attention.base import Kernel, attention_flops, check_qkv
 from attention.errors import ParamError
 from attention.layouts import check_layout, check_seq_len
@@ -42,15 +42,18 @@ def default_layout(layout: str | None, causal: bool) -> str:
 @dataclass(frozen=True)
 class RingParams:
     """layout: contiguous | zigzag | striped (None: zigzag when causal, else contiguous);
-    group: the process group (None: the default world group)."""
+    group: the process group (None: the default world group); document_lengths: documents
+    packed into the sequence (attention.documents; contiguous layout only)."""
 
     layout: str | None = None
     group: Any = dataclasses.field(default=None, compare=False)
+    document_lengths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.layout is not None:
             check_layout(self.layout)
         check_group(self.group)
+        object.__setattr__(self, "document_lengths", documents.normalize(self.document_lengths))
 
 
 def check_ring(
@@ -67,12 +70,52 @@ def check_ring(
     rule (seq_len % (2 x world_size)) when `causal` is not known (None).
     """
     check_seq_len(seq_len, checked_layout(params.layout, causal), world_size)
+    if params.document_lengths is not None:
+        documents.check_total(params.document_lengths, seq_len)
+        if checked_layout(params.layout, causal) != "contiguous":
+            raise ParamError(
+                "params.layout",
+                "packed documents (document_lengths) run on contiguous shards; set layout: "
+                "contiguous",
+            )
 
 
 def checked_layout(layout: str | None, causal: bool | None) -> str:
     """The layout whose split rule applies: `layout`, else the default for `causal`, else
     (causal unknown) zigzag, the stricter of the two defaults."""
     return default_layout(layout, True if causal is None else causal)
+
+
+def document_plan(
+    lengths: tuple[int, ...], causal: bool, rank: int, world: int, n: int
+) -> list[list[Block]]:
+    """Blocks per step for packed documents on contiguous shards: only the (query, key) pairs
+    of one document; a step whose held keys share no document with this rank computes nothing
+    (its K/V still travel on)."""
+    plan: list[list[Block]] = []
+    q_lo = rank * n
+    for t in range(world):
+        src = (rank - t) % world
+        k_lo = src * n
+        blocks = []
+        if not (causal and src > rank):  # causal: a later rank's keys are all in the future
+            for a, b in documents.bounds(lengths):
+                qa, qb = max(a, q_lo), min(b, q_lo + n)
+                ka, kb = max(a, k_lo), min(b, k_lo + n)
+                if qa < qb and ka < kb:
+                    diagonal = causal and src == rank  # the same rows: top-left causal
+                    blocks.append(Block(qa - q_lo, qb - q_lo, ka - k_lo, kb - k_lo, diagonal))
+        plan.append(blocks)
+    return plan
+
+
+def plan_for(
+    params: RingParams, layout: str, causal: bool, rank: int, world: int, n: int
+) -> list[list[Block]]:
+    """The ring's plan: packed documents' (document_plan) or exact attention's (dense_plan)."""
+    if params.document_lengths is not None:
+        return document_plan(params.document_lengths, causal, rank, world, n)
+    return dense_plan(layout, causal, rank, world, n)
 
 
 def dense_plan(layout: str, causal: bool, rank: int, world: int, n: int) -> list[list[Block]]:
@@ -129,7 +172,9 @@ class RingAttention(Kernel):
     ) -> torch.Tensor:
         group, rank, world, layout = self._setup(q, k, v, causal)
         self.backend = primitive.backend_for(q.device, q.dtype)
-        plan = dense_plan(layout, causal, rank, world, q.shape[1])
+        if self.params.document_lengths is not None:
+            check_ring(self.params, seq_len=q.shape[1] * world, world_size=world, causal=causal)
+        plan = plan_for(self.params, layout, causal, rank, world, q.shape[1])
         q, k, v = (t.contiguous() for t in (q, k, v))
         group = group if world > 1 else None
         fold = causal and layout == "zigzag"  # balanced work per K/V piece (cut_pieces)
@@ -146,7 +191,8 @@ class RingAttention(Kernel):
     ) -> int:
         """FLOPs of this rank for a local shard of `seq_len` tokens (its computed pairs only)."""
         rank, world = rank_and_world(self.params.group)
-        plan = dense_plan(default_layout(self.layout, causal), causal, rank, world, seq_len)
+        layout = default_layout(self.layout, causal)
+        plan = plan_for(self.params, layout, causal, rank, world, seq_len)
         pairs = sum(blk.pairs() for step in plan for blk in step)
         return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
 
