@@ -124,3 +124,39 @@ def test_the_cpu_comparison_sweep_runs_with_speedups_relative_to_ours(
             assert r["baseline_run_id"] == base["run_id"]
             assert r["speedup"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"])
             assert r["max_abs_error"] <= 1e-4  # gated, though the sweep did not ask
+
+
+FLEX = [
+    ("flex_block_sparse", {"block_size": 32, "pattern": "local_window", "window": 2}),
+    ("flex_dilated", {"segment_lengths": [64, 256], "dilation_rates": [1, 2]}),
+]
+
+
+@pytest.mark.parametrize(("kernel", "params"), FLEX)
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_runs_our_patterns_and_passes_the_gate(
+    kernel: str, params: dict, causal: bool
+) -> None:
+    """Eager here (compiling each case costs seconds); the compiled path has its own test."""
+    cfg = config(kernel=kernel, params={**params, "compiled": False}, seq_len=256,
+                 num_heads=4, causal=causal)  # fmt: skip
+    case = protocol.run_case(cfg)
+    assert case.status == "ok", case.error
+    assert case.result.max_abs_error is not None and case.result.max_abs_error <= 1e-4
+    ours = attention.build(kernel.removeprefix("flex_"), **params)
+    assert case.result.flops == ours.flops(1, 256, 4, 16, causal)
+
+
+def test_compiled_flex_equals_ours_and_says_what_cpu_cannot_do() -> None:
+    q, k, v = (torch.randn(1, 128, 2, 16) for _ in range(3))
+    sparse = {"block_size": 32, "pattern": "local_window", "window": 2}
+    flex = attention.build("flex_block_sparse", **sparse)  # compiled: the default where torch can
+    got = flex(q, k, v)
+    assert flex.backend == "flex-compiled"
+    want = attention.build("block_sparse", **sparse)(q, k, v)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    dilated = {"segment_lengths": [64, 128], "dilation_rates": [1, 2]}
+    with pytest.raises(attention.ParamError, match="cannot return the log-sum-exp"):
+        attention.build("flex_dilated", **dilated, compiled=True)(q, k, v)
+    with pytest.raises(ValueError, match="no backward on CPU"):
+        attention.build("flex_block_sparse", **sparse)(q.requires_grad_(), k, v)

@@ -23,6 +23,7 @@ GPU_EXPERIMENTS = [
     "dilated-max-len-1-2gpu.yaml",
     "training-memory-80gb.yaml",
     "compare-rings.yaml",
+    "compare-flex.yaml",
 ]
 DOCS = [(name, i) for name in EXAMPLES for i in range(len(load_specs(name)))]
 

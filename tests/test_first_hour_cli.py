@@ -303,7 +303,7 @@ def test_bundled_examples_by_name(env: dict[str, str], tmp_path: Path) -> None:
     assert line.startswith("error: cpu-quik: no such file, nor a bundled example")
     assert "did you mean cpu-quick?" in line
     assert (
-        "bundled examples: compare-rings, cpu-compare-rings, " in line
+        "bundled examples: compare-flex, compare-rings, cpu-compare-flex, " in line
         and "training-memory-80gb" in line
     )
 

@@ -10,6 +10,7 @@ Kernels without a reference are refused.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -106,7 +107,7 @@ def _as_dict(params: Any) -> dict[str, Any]:
 def describe(kernel: str, params: dict[str, Any]) -> str:
     """What `kernel(params)` is checked against, in words (for error messages)."""
     spec = attention.KERNELS.get(kernel)
-    if spec is not None and spec.plugin is not None:
+    if spec is not None and spec.plugin is not None and spec.twin is None:
         if spec.keep_mask is None:
             return "einsum softmax attention (the plugin declares no keep_mask)"
         return "einsum softmax attention on the plugin's keep_mask"
@@ -210,11 +211,13 @@ def reference_for(kernel: str, params: dict[str, Any]) -> Reference:
     A plugin kernel's is ours on its declared keep_mask (never the plugin's own code).
     """
     spec = attention.KERNELS.get(kernel)
-    if spec is not None and spec.plugin is not None:
+    if spec is not None and spec.plugin is not None and spec.twin is None:
         return _plugin(spec, attention.make_params(kernel, params))
     twin = attention.twin_of(kernel)
-    if twin is not None:
-        return reference_for(twin, attention.twin_params(params))
+    if twin is not None:  # its params as the twin takes them (an adapter adds its own, too)
+        fields = {f.name for f in dataclasses.fields(attention.KERNELS[twin].params)}
+        shared = {k: v for k, v in attention.twin_params(params).items() if k in fields}
+        return reference_for(twin, shared)
     parsed = attention.make_params(kernel, params)
     if kernels.is_layer(kernel):
         raise ValueError(

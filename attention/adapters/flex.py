@@ -1,0 +1,225 @@
+"""`flex_block_sparse`, `flex_dilated`: torch FlexAttention running our block_sparse and
+dilated patterns, to compare our kernels with the compiler's.
+
+- `flex_block_sparse` takes block_sparse's params and masks tokens by its block mask (the same
+  `block_mask` our kernel computes), causal within it when causal.
+- `flex_dilated` takes dilated's params and runs one FlexAttention call per branch (w, r) with
+  that branch's mask (LongNet's segments and head groups, dilated_branch_mask's definition),
+  returning the log-sum-exp, and merges the branches by it, as `dilated` does.
+
+`compiled` true runs torch.compile(flex_attention), what FlexAttention is for (the first call
+per shape compiles, which the warm-up absorbs); false runs it eagerly, which materializes the
+scores; None (the default) compiles where torch can: everywhere but flex_dilated on CPU, whose
+compiled kernel cannot return the log-sum-exp the branch merge needs (asking for it there is
+a params.compiled error). `backend` in the results says which ran. Natural token order only.
+On CPU torch's FlexAttention has no backward: train mode runs on CUDA only, and a CPU train
+run fails saying so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from attention.base import Kernel
+from attention.block_sparse import BlockSparseAttention, BlockSparseParams
+from attention.dilated import DilatedAttention, DilatedParams
+from attention.errors import ParamError
+from attention.masks import block_token_mask
+from attention.registry import KernelSpec
+
+
+@functools.cache
+def _compiled() -> Any:
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _natural(params: Any) -> None:
+    if params.ordering != "natural":
+        raise ParamError("params.ordering", "the flex adapters take natural order only")
+
+
+def _check_trainable(q: torch.Tensor) -> None:
+    if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+        raise ValueError(
+            "mode: torch's FlexAttention has no backward on CPU; run flex kernels in mode "
+            "forward on CPU (train on CUDA)"
+        )
+
+
+def _flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_mod: Any, compiled: bool, lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """FlexAttention on (b, s, h, d) tensors under `mask_mod`: out (b, s, h, d), and with `lse`
+    the log-sum-exp (b, h, s)."""
+    _, s, h, _ = q.shape
+    block_mask = create_block_mask(mask_mod, None, h, s, s, device=q.device)
+    run = _compiled() if compiled else flex_attention
+    got = run(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        block_mask=block_mask,
+        enable_gqa=k.shape[2] != h,
+        return_lse=lse,
+    )
+    out, log_sum_exp = got if lse else (got, None)
+    return out.transpose(1, 2), log_sum_exp
+
+
+def _backend(compiled: bool) -> str:
+    return "flex-compiled" if compiled else "flex-eager"
+
+
+@dataclass(frozen=True)
+class FlexBlockSparseParams(BlockSparseParams):
+    """block_sparse's params, and `compiled` (torch.compile the FlexAttention call; None:
+    yes)."""
+
+    compiled: bool | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _natural(self)
+
+    def ours(self) -> BlockSparseParams:
+        names = [f.name for f in dataclasses.fields(BlockSparseParams)]
+        return BlockSparseParams(**{n: getattr(self, n) for n in names})
+
+
+class FlexBlockSparse(Kernel):
+    """block_sparse's pattern through FlexAttention."""
+
+    def __init__(self, params: FlexBlockSparseParams) -> None:
+        super().__init__()
+        self.params = params
+        self.ours = BlockSparseAttention(params.ours())
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
+    ) -> torch.Tensor:
+        _check_trainable(q)
+        bs = self.params.block_size
+        blocks = self.ours.block_mask(q.shape[1], causal=causal).to(q.device)
+
+        def mask_mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
+            keep = blocks[qi // bs, ki // bs]
+            return keep & (qi >= ki) if causal else keep
+
+        compiled = self.params.compiled is not False
+        self.backend = _backend(compiled)
+        return _flex(q, k, v, mask_mod, compiled, lse=False)[0]
+
+    def flops(self, *args: Any, **kwargs: Any) -> int:
+        return self.ours.flops(*args, **kwargs)
+
+
+def block_sparse_keep(
+    params: FlexBlockSparseParams, seq_len: int, causal: bool, device: torch.device
+) -> torch.Tensor:
+    """The gate's mask: our block_sparse's token mask (the reference tests ours against)."""
+    ours = BlockSparseAttention(params.ours())
+    keep = block_token_mask(ours.block_mask(seq_len), params.block_size, causal=causal,
+                            seq_len=seq_len)  # fmt: skip
+    return keep.to(device)
+
+
+@dataclass(frozen=True)
+class FlexDilatedParams(DilatedParams):
+    """dilated's params, and `compiled` (torch.compile the FlexAttention calls; None: where
+    torch can return the log-sum-exp compiled, i.e. not on CPU)."""
+
+    compiled: bool | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _natural(self)
+
+    def ours(self) -> DilatedParams:
+        return DilatedParams(self.segment_lengths, self.dilation_rates, self.ordering)
+
+
+def _merge(
+    out: torch.Tensor | None, lse: torch.Tensor | None, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Out-of-place log-sum-exp merge (autograd through it): rows empty in both stay 0."""
+    if out is None or lse is None:
+        return out_b, lse_b
+    total = torch.logaddexp(lse, lse_b)
+    wa = torch.exp(lse - total).nan_to_num(0.0).transpose(1, 2).unsqueeze(-1)
+    wb = torch.exp(lse_b - total).nan_to_num(0.0).transpose(1, 2).unsqueeze(-1)
+    return out * wa + out_b * wb, total
+
+
+class FlexDilated(Kernel):
+    """LongNet dilated attention, one FlexAttention call per branch, merged by lse."""
+
+    def __init__(self, params: FlexDilatedParams) -> None:
+        super().__init__()
+        self.params = params
+        self.ours = DilatedAttention(params.ours())
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
+    ) -> torch.Tensor:
+        _check_trainable(q)
+        on_cpu = q.device.type == "cpu"
+        if self.params.compiled and on_cpu:
+            raise ParamError(
+                "params.compiled",
+                "torch.compile's CPU FlexAttention cannot return the log-sum-exp that merging "
+                "the dilated branches needs; leave compiled unset (eager on CPU) or run on CUDA",
+            )
+        compiled = self.params.compiled if self.params.compiled is not None else not on_cpu
+        self.backend = _backend(compiled)
+        heads = q.shape[2]
+        out: torch.Tensor | None = None
+        lse: torch.Tensor | None = None
+        for w, r in zip(self.params.segment_lengths, self.params.dilation_rates, strict=True):
+            group_size = math.ceil(heads / r)
+
+            def mask_mod(b: Any, h: Any, qi: Any, ki: Any, w: int = w, r: int = r,
+                         g: int = group_size) -> Any:  # fmt: skip
+                group = h // g
+                keep = (qi // w == ki // w) & ((qi % w) % r == group) & ((ki % w) % r == group)
+                return keep & (qi >= ki) if causal else keep
+
+            out_b, lse_b = _flex(q, k, v, mask_mod, compiled, lse=True)
+            assert lse_b is not None
+            out, lse = _merge(out, lse, out_b.float(), lse_b.float())
+        assert out is not None
+        return out.to(q.dtype)
+
+    def flops(self, *args: Any, **kwargs: Any) -> int:
+        return self.ours.flops(*args, **kwargs)
+
+
+def block_sparse_specs() -> list[KernelSpec]:
+    return [
+        KernelSpec(
+            name="flex_block_sparse",
+            description="block_sparse's pattern through torch FlexAttention (compiled).",
+            params=FlexBlockSparseParams,
+            factory=FlexBlockSparse,
+            keep_mask=block_sparse_keep,
+        )
+    ]
+
+
+def dilated_specs() -> list[KernelSpec]:
+    return [
+        KernelSpec(
+            name="flex_dilated",
+            description="LongNet dilated attention through torch FlexAttention, one call per "
+            "branch merged by log-sum-exp.",
+            params=FlexDilatedParams,
+            factory=FlexDilated,
+            twin="dilated",
+        )
+    ]
