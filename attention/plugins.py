@@ -1,5 +1,9 @@
 """Kernels from installed packages: the entry-point group `ringlab.kernels` (docs/plugins.md).
 
+Plugins load when `attention` is first imported: a program that imports a plugin's module
+directly must import `attention` first (the plugin imports attention's API while attention
+loads the plugin).
+
 Each entry point names a callable returning a list of KernelSpec (one KernelSpec is accepted
 too); `load()` registers them, marked with the providing package and its version. A plugin
 that fails (its import raises, it returns something else, or a kernel name is taken) is
@@ -45,14 +49,16 @@ def load() -> None:
     """Register every installed plugin's kernels (once per process: attention's import)."""
     for ep in entry_points(group=GROUP):
         info = _info(ep)
+        added: list[str] = []
         try:
-            specs = _specs(ep)
+            for spec in _specs(ep):
+                register(dataclasses.replace(spec, plugin=info))
+                added.append(spec.name)
         # A plugin's import can raise anything; it is recorded and shown, never swallowed.
         except Exception as exc:
+            for name in added:  # all of a plugin's kernels, or none
+                del KERNELS[name]
             UNAVAILABLE[ep.name] = Unavailable(ep.name, info, f"{type(exc).__name__}: {exc}")
-            continue
-        for spec in specs:
-            register(dataclasses.replace(spec, plugin=info))
 
 
 def versions() -> dict[str, str]:

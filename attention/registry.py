@@ -95,7 +95,7 @@ def register(spec: KernelSpec) -> KernelSpec:
 def unavailable(name: str) -> str | None:
     """Why kernel `name` cannot run when it is a plugin that failed to load (else None)."""
     bad = UNAVAILABLE.get(name)
-    if bad is None:
+    if bad is None or name in KERNELS:  # a kernel of that name exists: it runs
         return None
     return (
         f"kernel {name!r} is unavailable: its plugin {bad.plugin.package} {bad.plugin.version} "

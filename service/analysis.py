@@ -47,6 +47,9 @@ LABEL_FIELDS = (
 
 def _match_key(config: dict[str, Any]) -> str:
     kept = {k: v for k, v in config.items() if k not in IGNORED_FOR_MATCHING}
+    # A param set to None is the kernel's own default, as if unset: a cell stored before the
+    # kernel gained that param (dense's document_lengths) still matches one stored after.
+    kept["params"] = {k: v for k, v in (kept.get("params") or {}).items() if v is not None}
     if kept.get("world_size", 1) == 1:
         kept["parallel"] = "sequence"  # one rank: data and sequence parallel are the same run
     return json.dumps(kept, sort_keys=True, separators=(",", ":"), default=str)

@@ -89,9 +89,6 @@ def _kernel_baseline(value: dict[str, Any]) -> dict[str, Any]:
     if normalized is None:
         path, reason = errors[0]
         raise ValueError(f"{'.'.join(map(str, path))}: {reason}")
-    for key in value:
-        if key != "params":
-            _axis_name(key)
     return {**value, "params": normalized}
 
 
@@ -143,9 +140,10 @@ class AnalysisSpec(BaseModel):
         if not value:
             raise ValueError("name at least one field that the baseline changes")
         if "params" in value:  # another kernel: its whole params, as its cells store them
-            return _kernel_baseline(value)
+            value = _kernel_baseline(value)
         for key in value:
-            _axis_name(key)
+            if key != "params":
+                _axis_name(key)
         world = value.get("world_size")
         if "world_size" in value and (
             isinstance(world, bool) or not isinstance(world, int) or world < 1

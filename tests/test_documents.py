@@ -109,3 +109,13 @@ def test_a_packed_run_passes_the_gate_at_its_full_length_and_counts_its_pairs() 
     assert case.result.max_abs_error <= 1e-4
     pairs = (100 * 101 // 2 + 412 * 413 // 2) * cfg.batch_size * cfg.num_heads
     assert case.result.flops == attention.attention_flops(pairs, cfg.head_dim, backward=True)
+
+
+def test_a_search_cannot_vary_the_length_of_packed_documents() -> None:
+    from pydantic import ValidationError
+
+    from workers.config import RunConfig
+
+    with pytest.raises(ValidationError, match="packed documents fix the sequence length"):
+        RunConfig(kernel="dense", seq_len=96, params={"document_lengths": [48, 48]},
+                  search={"start": 96})  # fmt: skip

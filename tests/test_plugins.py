@@ -91,3 +91,48 @@ def test_plugin_sweeps_through_the_service(tmp_path: Path, ray_session: Any) -> 
         (bad,) = client.get(f"{API}/sweeps/{ids[1]}/results.json").json()
         assert bad["status"] == "failed"
         assert "correctness check failed" in bad["error"] and "unscaled_dense" in bad["error"]
+
+
+def two_kernels_one_name() -> list[attention.KernelSpec]:
+    """A plugin that registers the same name twice (the second would clash)."""
+    spec = attention.KERNELS["sliding_window"]
+    import dataclasses
+
+    twin = dataclasses.replace(spec, name="clashing_kernel", plugin=None)
+    return [twin, twin]
+
+
+def test_a_plugin_that_fails_midway_registers_none_of_its_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from importlib.metadata import EntryPoint
+
+    from attention import plugins
+
+    ep = EntryPoint(name="clashing_kernel", value=f"{__name__}:two_kernels_one_name",
+                    group=plugins.GROUP)  # fmt: skip
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [ep])
+    try:
+        plugins.load()
+        assert "clashing_kernel" not in attention.KERNELS  # not half of a plugin
+        assert "registered twice" in attention.UNAVAILABLE["clashing_kernel"].error
+    finally:
+        attention.UNAVAILABLE.pop("clashing_kernel", None)
+
+
+def test_a_plugin_inside_a_layer_is_gated_too() -> None:
+    from workers.kernels import gated
+
+    layer = config(kernel="multihead", params={"kernel": "unscaled_dense"})
+    assert gated(layer, "benchmark")
+    assert not gated(config(kernel="multihead", params={"kernel": "dense"}), "benchmark")
+
+
+def test_a_dense_baseline_matches_whether_its_params_name_the_defaults_or_not() -> None:
+    from service.analysis import _match_key
+
+    old = {"kernel": "dense", "seq_len": 64, "params": {}}
+    new = {"kernel": "dense", "seq_len": 64, "params": {"document_lengths": None}}
+    assert _match_key(old) == _match_key(new)
+    packed = {"kernel": "dense", "seq_len": 64, "params": {"document_lengths": [32, 32]}}
+    assert _match_key(packed) != _match_key(new)

@@ -335,6 +335,13 @@ class RunConfig(BaseModel):
     def _kernel_fits(self) -> RunConfig:
         import attention
 
+        if self.search is not None and self.params.get("document_lengths") is not None:
+            raise ParamError(
+                "params.document_lengths",
+                "packed documents fix the sequence length, which a max_seq_len search varies; "
+                "search without document_lengths",
+            )
+
         if self.num_heads % self.kv_heads:
             raise ParamError(
                 "num_kv_heads",

@@ -35,8 +35,12 @@ def is_plugin(name: str) -> bool:
 
 def gated(config: RunConfig, kind: str) -> bool:
     """Whether the run passes the correctness gate: when asked (correctness_check, a
-    correctness sweep) and always for a plugin kernel, which is not ours."""
-    return config.correctness_check or kind == "correctness" or is_plugin(config.kernel)
+    correctness sweep) and always for a plugin kernel, which is not ours, also inside a layer
+    kernel (multihead around a plugin)."""
+    inner = config.kernel
+    if is_layer(inner):
+        inner = attention.make_params(inner, kernel_params(config)).kernel
+    return config.correctness_check or kind == "correctness" or is_plugin(inner)
 
 
 def is_layer(name: str) -> bool:

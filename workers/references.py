@@ -189,7 +189,8 @@ def layer_reference(layer: nn.Module) -> Reference:
     """
     if not isinstance(layer, MultiheadAttention):
         raise TypeError(f"layer_reference: expected a multihead layer, got {type(layer).__name__}")
-    if layer.params.kernel == "dense" and layer.num_kv_heads == layer.num_heads:
+    plain = not (layer.params.kernel_params or {}).get("document_lengths")
+    if layer.params.kernel == "dense" and layer.num_kv_heads == layer.num_heads and plain:
         return _mha_reference(layer)
     return _projected_reference(layer)
 

@@ -27,8 +27,13 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+try:  # torch >= 2.9 asks for the lse this way (return_lse is deprecated)
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:
+    AuxRequest = None
+
 from attention.base import Kernel
-from attention.block_sparse import BlockSparseAttention, BlockSparseParams
+from attention.block_sparse import BlockSparseAttention, BlockSparseParams, check_block_sparse
 from attention.dilated import DilatedAttention, DilatedParams
 from attention.errors import ParamError
 from attention.masks import block_token_mask
@@ -61,16 +66,21 @@ def _flex(
     _, s, h, _ = q.shape
     block_mask = create_block_mask(mask_mod, None, h, s, s, device=q.device)
     run = _compiled() if compiled else flex_attention
+    extra: dict[str, Any] = {}
+    if lse:
+        extra = {"return_aux": AuxRequest(lse=True)} if AuxRequest else {"return_lse": True}
     got = run(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
         block_mask=block_mask,
         enable_gqa=k.shape[2] != h,
-        return_lse=lse,
+        **extra,
     )
-    out, log_sum_exp = got if lse else (got, None)
-    return out.transpose(1, 2), log_sum_exp
+    if not lse:
+        return got.transpose(1, 2), None
+    out, aux = got
+    return out.transpose(1, 2), aux.lse if AuxRequest else aux
 
 
 def _backend(compiled: bool) -> str:
@@ -152,8 +162,10 @@ def _merge(
     if out is None or lse is None:
         return out_b, lse_b
     total = torch.logaddexp(lse, lse_b)
-    wa = torch.exp(lse - total).nan_to_num(0.0).transpose(1, 2).unsqueeze(-1)
-    wb = torch.exp(lse_b - total).nan_to_num(0.0).transpose(1, 2).unsqueeze(-1)
+    empty = torch.isneginf(total)  # no branch yet covers the row: its weights are 0, not NaN
+    safe = torch.where(empty, torch.zeros_like(total), total)
+    wa = torch.where(empty, 0.0, torch.exp(lse - safe)).transpose(1, 2).unsqueeze(-1)
+    wb = torch.where(empty, 0.0, torch.exp(lse_b - safe)).transpose(1, 2).unsqueeze(-1)
     return out * wa + out_b * wb, total
 
 
@@ -200,6 +212,11 @@ class FlexDilated(Kernel):
         return self.ours.flops(*args, **kwargs)
 
 
+def check_flex_block_sparse(params: FlexBlockSparseParams, **shape: Any) -> None:
+    """block_sparse's own rules on the run's shape."""
+    check_block_sparse(params.ours(), **shape)
+
+
 def block_sparse_specs() -> list[KernelSpec]:
     return [
         KernelSpec(
@@ -208,6 +225,7 @@ def block_sparse_specs() -> list[KernelSpec]:
             params=FlexBlockSparseParams,
             factory=FlexBlockSparse,
             keep_mask=block_sparse_keep,
+            check=check_flex_block_sparse,
         )
     ]
 

@@ -1,41 +1,77 @@
 """`ring_flash_attn`: zhuzilin's ring-flash-attention (package ring-flash-attn), CUDA + NCCL,
-its zigzag ring or its plain ring, for comparing with ringlab's `ring`.
+for comparing with ringlab's `ring`: its zigzag ring, its plain ring, or its llama3 variant
+(contiguous shards, K/V all-gathered, variable-length documents through cu_seqlens).
 
-Written against its documented `zigzag_ring_flash_attn_func(q, k, v, causal=..., group=...)`
-and `ring_flash_attn_func` on (batch, local seq, heads, head_dim) shards, zigzag or contiguous;
-never run in ringlab's CI, which has no GPU: the correctness gate checks it on the first GPU
-run. Its llama3 variant (varlen, all-gather of K/V) is not adapted yet.
+Written against its documented functions: `zigzag_ring_flash_attn_func` and
+`ring_flash_attn_func(q, k, v, causal=..., group=...)` on (batch, local seq, heads, head_dim)
+shards, and `llama3_flash_attn_prepare_cu_seqlens` + `llama3_flash_attn_varlen_func` on
+(local tokens, heads, head_dim) with batch 1. Never run in ringlab's CI, which has no GPU: the
+correctness gate checks it on the first GPU run, against einsum attention under the document
+mask (`document_lengths`, llama3 only; None: one document).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib.metadata import version
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
-from ring_flash_attn import ring_flash_attn_func, zigzag_ring_flash_attn_func
+from ring_flash_attn import (
+    llama3_flash_attn_prepare_cu_seqlens,
+    llama3_flash_attn_varlen_func,
+    ring_flash_attn_func,
+    zigzag_ring_flash_attn_func,
+)
 
+from attention import documents
 from attention.base import Kernel, attention_flops, causal_pairs
 from attention.errors import ParamError
-from attention.layouts import positions
+from attention.layouts import check_seq_len, positions
 from attention.registry import KernelSpec
 
 VERSION = version("ring-flash-attn")
-LAYOUTS = {"zigzag": "zigzag", "ring": "contiguous"}
+LAYOUTS = {"zigzag": "zigzag", "ring": "contiguous", "llama3": "contiguous"}
 
 
 @dataclass(frozen=True)
 class RingFlashAttnParams:
-    """variant: zigzag (causal-balanced shards) or ring (contiguous shards)."""
+    """variant: zigzag (causal-balanced shards), ring (contiguous shards) or llama3 (contiguous,
+    K/V all-gathered); document_lengths: packed documents (llama3 only)."""
 
     variant: str = "zigzag"
+    document_lengths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.variant not in LAYOUTS:
             raise ParamError(
                 "params.variant", f"expected one of {', '.join(LAYOUTS)}, got {self.variant!r}"
             )
+        object.__setattr__(self, "document_lengths", documents.normalize(self.document_lengths))
+        if self.document_lengths is not None and self.variant != "llama3":
+            raise ParamError(
+                "params.document_lengths", "packed documents run with variant llama3 only"
+            )
+
+
+def check(
+    params: RingFlashAttnParams,
+    *,
+    seq_len: int,
+    world_size: int = 1,
+    num_heads: int = 1,
+    causal: bool | None = None,
+) -> None:
+    documents.check_total(params.document_lengths, seq_len)
+    check_seq_len(seq_len, LAYOUTS[params.variant], world_size)
+
+
+def keep_mask(
+    params: RingFlashAttnParams, seq_len: int, causal: bool, device: torch.device
+) -> torch.Tensor:
+    """The gate's mask: attention inside each document (the whole sequence: one document)."""
+    return documents.document_mask(params.document_lengths or (seq_len,), causal, device)
 
 
 class RingFlashAttn(Kernel):
@@ -58,10 +94,29 @@ class RingFlashAttn(Kernel):
             raise ValueError(
                 f"ring_flash_attn runs fp16/bf16 on CUDA only, got {q.dtype} on {q.device.type}"
             )
-        func = (
-            zigzag_ring_flash_attn_func if self.params.variant == "zigzag" else ring_flash_attn_func
+        group = dist.group.WORLD
+        if self.params.variant == "zigzag":
+            return zigzag_ring_flash_attn_func(q, k, v, causal=causal, group=group)
+        if self.params.variant == "ring":
+            return ring_flash_attn_func(q, k, v, causal=causal, group=group)
+        return self._llama3(q, k, v, causal)
+
+    def _llama3(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    ) -> torch.Tensor:
+        if q.shape[0] != 1:
+            raise ValueError(f"batch_size: the llama3 variant packs one sequence, got {q.shape[0]}")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        lengths = self.params.document_lengths or (q.shape[1] * world,)
+        cu = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32, device=q.device)
+        cu_q, cu_k, max_q, max_k, local_k_slice = llama3_flash_attn_prepare_cu_seqlens(
+            cu, causal=causal, rank=rank, world_size=world
         )
-        return func(q, k, v, causal=causal, group=dist.group.WORLD)
+        out = llama3_flash_attn_varlen_func(
+            q[0], k[0], v[0], cu_q, cu_k, max_q, max_k,
+            heads_k_stride=1, local_k_slice=local_k_slice, causal=causal, group=dist.group.WORLD,
+        )  # fmt: skip
+        return out.unsqueeze(0)
 
     def flops(
         self,
@@ -72,9 +127,13 @@ class RingFlashAttn(Kernel):
         causal: bool = False,
         backward: bool = False,
     ) -> int:
+        """This rank's share of the pairs (inside documents when packed)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         total = seq_len * world
-        pairs = (causal_pairs(total) if causal else total * total) // world
+        if self.params.document_lengths is not None:
+            pairs = documents.pairs(self.params.document_lengths, causal) // world
+        else:
+            pairs = (causal_pairs(total) if causal else total * total) // world
         return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
 
 
@@ -82,9 +141,12 @@ def kernel_specs() -> list[KernelSpec]:
     return [
         KernelSpec(
             name="ring_flash_attn",
-            description="zhuzilin's ring-flash-attention, zigzag or plain ring (CUDA, NCCL).",
+            description="zhuzilin's ring-flash-attention: zigzag, plain ring or llama3 "
+            "(variable-length documents) (CUDA, NCCL).",
             params=RingFlashAttnParams,
             factory=RingFlashAttn,
             distributed=True,
+            check=check,
+            keep_mask=keep_mask,
         )
     ]

@@ -39,6 +39,7 @@ def catalogue() -> list[KernelOut]:
             version=bad.plugin.version,
         )
         for bad in attention.UNAVAILABLE.values()
+        if bad.name not in attention.KERNELS  # a kernel of that name exists: listed above
     ]
     return sorted(found, key=lambda k: k.name)
 
