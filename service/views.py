@@ -64,6 +64,10 @@ NOT_MEASURED_FIELDS = frozenset(
 def config_key(config: dict[str, Any]) -> str:
     """The canonical JSON of a config without NOT_MEASURED_FIELDS: the compare page's cell key."""
     kept = {k: v for k, v in config.items() if k not in NOT_MEASURED_FIELDS}
+    # a param set to None is the kernel's default, as if unset (see analysis._match_key)
+    kept["params"] = {k: v for k, v in (kept.get("params") or {}).items() if v is not None}
+    if not kept.get("profile"):  # unprofiled: what a cell stored before `profile` existed is
+        kept.pop("profile", None)
     return json.dumps(kept, sort_keys=True, separators=(",", ":"))
 
 
