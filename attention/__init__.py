@@ -10,7 +10,7 @@ family's facts (a ring kernel's twin, `check_parallel`) live in the registry.
 
 # importing a kernel module registers it
 from attention import block_sparse, dense, dilated, multihead, plugins, ring  # noqa: F401
-from attention.base import Kernel, attention_flops, causal_pairs
+from attention.base import ExactKernel, Kernel, attention_flops, causal_pairs
 from attention.errors import ParamError
 from attention.registry import (
     KERNELS,
@@ -30,6 +30,7 @@ __all__ = [
     "KERNELS",
     "RING_PARAMS",
     "UNAVAILABLE",
+    "ExactKernel",
     "Kernel",
     "KernelSpec",
     "ParamError",

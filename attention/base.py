@@ -133,6 +133,23 @@ class Kernel(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} has no memory model")
 
 
+class ExactKernel(Kernel):
+    """A kernel that computes every query-key pair (the lower triangle when causal): its FLOPs
+    are dense attention's (adapters and plugins of exact attention build on it)."""
+
+    def flops(
+        self,
+        batch: int,
+        seq_len: int,
+        num_heads: int,
+        head_dim: int,
+        causal: bool = False,
+        backward: bool = False,
+    ) -> int:
+        pairs = causal_pairs(seq_len) if causal else seq_len * seq_len
+        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
+
+
 class MergedKernel(Kernel):
     """A kernel that merges primitive calls into (out, lse) accumulators (dilated,
     block_sparse): its memory is `merged_memory`'s, with its params' token ordering and the

@@ -12,7 +12,6 @@ from attention.base import (
     Kernel,
     KernelMemory,
     attention_flops,
-    causal_pairs,
     check_qkv,
     qkv_bytes,
 )
@@ -73,11 +72,7 @@ class DenseAttention(Kernel):
         causal: bool = False,
         backward: bool = False,
     ) -> int:
-        lengths = self.params.document_lengths
-        if lengths is not None:
-            pairs = documents.pairs(lengths, causal)
-        else:
-            pairs = causal_pairs(seq_len) if causal else seq_len * seq_len
+        pairs = documents.pairs(self.params.document_lengths or (seq_len,), causal)
         return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
 
     def memory_model(

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from flash_attn import flash_attn_func as fa2_func
 
-from attention.base import Kernel, attention_flops, causal_pairs
+from attention.adapters import require_cuda_half
+from attention.base import ExactKernel
 from attention.errors import ParamError
 from attention.registry import KernelSpec
 
@@ -44,7 +45,7 @@ def _fa3() -> Any:
     return flash_attn_func
 
 
-class FlashAttn(Kernel):
+class FlashAttn(ExactKernel):
     """`module(q, k, v, *, causal=False)` on (batch, seq, heads, head_dim) CUDA tensors."""
 
     def __init__(self, params: FlashAttnParams) -> None:
@@ -56,24 +57,9 @@ class FlashAttn(Kernel):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
-        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(
-                f"flash_attn runs fp16/bf16 on CUDA only, got {q.dtype} on {q.device.type}"
-            )
+        require_cuda_half("flash_attn", q)
         out = self.func(q, k, v, causal=causal)
         return out[0] if isinstance(out, tuple) else out  # FA3 also returns the lse
-
-    def flops(
-        self,
-        batch: int,
-        seq_len: int,
-        num_heads: int,
-        head_dim: int,
-        causal: bool = False,
-        backward: bool = False,
-    ) -> int:
-        pairs = causal_pairs(seq_len) if causal else seq_len * seq_len
-        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
 
 
 def kernel_specs() -> list[KernelSpec]:

@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 from ring_attention_pytorch import ring_flash_attn
 
-from attention.base import Kernel, attention_flops, causal_pairs
+from attention.adapters import RingAdapter
 from attention.errors import ParamError
-from attention.layouts import positions
 from attention.registry import KernelSpec
 
 VERSION = version("ring-attention-pytorch")
@@ -40,19 +39,13 @@ class LucidrainsRingParams:
             )
 
 
-class LucidrainsRing(Kernel):
+class LucidrainsRing(RingAdapter):
     """`module(q, k, v, *, causal=False)` on this rank's contiguous shard."""
 
     def __init__(self, params: LucidrainsRingParams) -> None:
         super().__init__()
         self.params = params
         self.backend = f"ring-attention-pytorch-{VERSION}"
-
-    def local_positions(
-        self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
-    ) -> torch.Tensor:
-        """A contiguous shard: rank r holds tokens [r n, (r + 1) n)."""
-        return positions(seq_len, "contiguous", rank, world_size)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
@@ -68,22 +61,6 @@ class LucidrainsRing(Kernel):
             ring_reduce_col=True,
             ring_size=world,
         )
-
-    def flops(
-        self,
-        batch: int,
-        seq_len: int,
-        num_heads: int,
-        head_dim: int,
-        causal: bool = False,
-        backward: bool = False,
-    ) -> int:
-        """This rank's share of the sequence's pairs (every rank computes its queries against
-        all keys it may see; causal: half of them on average)."""
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        total = seq_len * world
-        pairs = (causal_pairs(total) if causal else total * total) // world
-        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
 
 
 def kernel_specs() -> list[KernelSpec]:

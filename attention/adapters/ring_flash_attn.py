@@ -26,9 +26,9 @@ from ring_flash_attn import (
 )
 
 from attention import documents
-from attention.base import Kernel, attention_flops, causal_pairs
+from attention.adapters import RingAdapter, require_cuda_half
 from attention.errors import ParamError
-from attention.layouts import check_seq_len, positions
+from attention.layouts import check_seq_len
 from attention.registry import KernelSpec
 
 VERSION = version("ring-flash-attn")
@@ -74,26 +74,20 @@ def keep_mask(
     return documents.document_mask(params.document_lengths or (seq_len,), causal, device)
 
 
-class RingFlashAttn(Kernel):
+class RingFlashAttn(RingAdapter):
     """`module(q, k, v, *, causal=False)` on this rank's shard (CUDA, NCCL, fp16/bf16)."""
 
     def __init__(self, params: RingFlashAttnParams) -> None:
         super().__init__()
         self.params = params
         self.backend = f"ring-flash-attn-{VERSION}-{params.variant}"
-
-    def local_positions(
-        self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
-    ) -> torch.Tensor:
-        return positions(seq_len, LAYOUTS[self.params.variant], rank, world_size)
+        self.layout = LAYOUTS[params.variant]
+        self.document_lengths = params.document_lengths
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
-        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(
-                f"ring_flash_attn runs fp16/bf16 on CUDA only, got {q.dtype} on {q.device.type}"
-            )
+        require_cuda_half("ring_flash_attn", q)
         group = dist.group.WORLD
         if self.params.variant == "zigzag":
             return zigzag_ring_flash_attn_func(q, k, v, causal=causal, group=group)
@@ -117,24 +111,6 @@ class RingFlashAttn(Kernel):
             heads_k_stride=1, local_k_slice=local_k_slice, causal=causal, group=dist.group.WORLD,
         )  # fmt: skip
         return out.unsqueeze(0)
-
-    def flops(
-        self,
-        batch: int,
-        seq_len: int,
-        num_heads: int,
-        head_dim: int,
-        causal: bool = False,
-        backward: bool = False,
-    ) -> int:
-        """This rank's share of the pairs (inside documents when packed)."""
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        total = seq_len * world
-        if self.params.document_lengths is not None:
-            pairs = documents.pairs(self.params.document_lengths, causal) // world
-        else:
-            pairs = (causal_pairs(total) if causal else total * total) // world
-        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
 
 
 def kernel_specs() -> list[KernelSpec]:

@@ -14,7 +14,7 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention.base import Kernel, attention_flops, causal_pairs
+from attention.base import ExactKernel
 from attention.errors import ParamError
 from attention.registry import KernelSpec
 
@@ -42,7 +42,7 @@ class SdpaParams:
             )
 
 
-class SdpaAttention(Kernel):
+class SdpaAttention(ExactKernel):
     """`module(q, k, v, *, causal=False)` on (batch, seq, heads, head_dim) tensors."""
 
     def __init__(self, params: SdpaParams) -> None:
@@ -72,18 +72,6 @@ class SdpaAttention(Kernel):
             ) from exc
         self.backend = f"sdpa-{name}-{q.device.type}"
         return out.transpose(1, 2)
-
-    def flops(
-        self,
-        batch: int,
-        seq_len: int,
-        num_heads: int,
-        head_dim: int,
-        causal: bool = False,
-        backward: bool = False,
-    ) -> int:
-        pairs = causal_pairs(seq_len) if causal else seq_len * seq_len
-        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
 
 
 def kernel_specs() -> list[KernelSpec]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention import Kernel, KernelSpec, attention_flops, causal_pairs
+from attention import ExactKernel, KernelSpec
 
 
 @dataclass(frozen=True)
@@ -15,7 +15,7 @@ class NoParams:
     """No parameters."""
 
 
-class UnscaledDense(Kernel):
+class UnscaledDense(ExactKernel):
     backend = "math"
 
     def __init__(self, params: NoParams) -> None:
@@ -30,18 +30,6 @@ class UnscaledDense(Kernel):
             future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
             scores = scores.masked_fill(future, float("-inf"))
         return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
-
-    def flops(
-        self,
-        batch: int,
-        seq_len: int,
-        num_heads: int,
-        head_dim: int,
-        causal: bool = False,
-        backward: bool = False,
-    ) -> int:
-        pairs = causal_pairs(seq_len) if causal else seq_len * seq_len
-        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
 
 
 def kernel_specs() -> list[KernelSpec]:
