@@ -56,6 +56,11 @@ MAX_VIEW_RUNS = 2
 """A query block whose kept key blocks form more contiguous runs than this gathers them."""
 CHUNK_TOKENS = 2048
 """Bound on query tokens (forward) or per-row key tokens (backward) of one primitive call."""
+SUPERBLOCK_TOKENS = 768
+"""Query tokens of the forward's superblocks (see _Superblock): consecutive query blocks whose
+kept blocks are one wide run each (a local window) share most of it, computed by one call with
+this many queries. The CPU flash op tiles 256 query rows from 768 queries but 32 below 192,
+where one call per 64-token block ran at about 0.77x of its full rate."""
 CALL_ROW_HEADS = 8192
 """Bound on key rows x heads of one backward call (heads split when a row has many keys):
 its dk and dv are temporaries of that size."""
@@ -234,10 +239,13 @@ def _consecutive(rows: list[int]) -> list[tuple[int, int]]:
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(params: BlockSparseParams, seq_len: int, causal: bool) -> tuple[_Call, ...]:
-    """The calls that compute exactly the kept block pairs, query blocks batched where the key
-    blocks follow the same rule (same offsets from the diagonal, or the same fixed blocks).
-    A short last block (seq_len % block_size) only appears in gather calls."""
+def _plan(
+    params: BlockSparseParams, seq_len: int, causal: bool, rows: frozenset[int] | None = None
+) -> tuple[_Call, ...]:
+    """The calls that compute exactly the kept block pairs of query blocks `rows` (None: all),
+    query blocks batched where the key blocks follow the same rule (same offsets from the
+    diagonal, or the same fixed blocks). A short last block (seq_len % block_size) only
+    appears in gather calls."""
     mask = _cached_block_mask(params, seq_len)
     if causal:
         mask = mask.tril()
@@ -245,7 +253,7 @@ def _plan(params: BlockSparseParams, seq_len: int, causal: bool) -> tuple[_Call,
     short = seq_len % params.block_size != 0
     groups: dict[tuple, list[int]] = {}
     gathers: list[tuple[int, tuple[int, ...]]] = []
-    for i in range(n):
+    for i in range(n) if rows is None else sorted(rows):
         cols = mask[i].nonzero().flatten().tolist()
         runs = _runs(cols)
         if len(runs) > MAX_VIEW_RUNS or (short and (i == n - 1 or cols[-1] == n - 1)):
@@ -288,20 +296,31 @@ def _chunks(call: _Call, rows_per_call: int) -> list[tuple[int, int]]:
     return [(r, min(call.r1, r + rows_per_call)) for r in range(call.r0, call.r1, rows_per_call)]
 
 
-def _rel_keys(x: torch.Tensor, b: int, r0: int, r1: int, call: _Call, bs: int) -> torch.Tensor:
-    """(r1 - r0, key_blocks*bs, H, D) overlapping view: row i sees blocks [i + a, i + b)."""
+def _band(x: torch.Tensor, b: int, first: int, rows: int, stride: int, width: int, bs: int):
+    """(rows, width*bs, H, D) overlapping view of contiguous x[b] (x: (B, S, H, D)): row r
+    sees the `width` blocks from block first + r*stride."""
     _, s, h, d = x.shape
     tok = h * d
-    offset = x.storage_offset() + b * s * tok + (r0 + call.a) * bs * tok
-    return x.as_strided((r1 - r0, call.key_blocks * bs, h, d), (bs * tok, tok, d, 1), offset)
+    offset = x.storage_offset() + b * s * tok + first * bs * tok
+    return x.as_strided((rows, width * bs, h, d), (stride * bs * tok, tok, d, 1), offset)
+
+
+def _rel_keys(x: torch.Tensor, b: int, r0: int, r1: int, call: _Call, bs: int) -> torch.Tensor:
+    """(r1 - r0, key_blocks*bs, H, D) overlapping view: row i sees blocks [i + a, i + b)."""
+    return _band(x, b, r0 + call.a, r1 - r0, 1, call.key_blocks, bs)
+
+
+def _span_views(x: torch.Tensor, lse: torch.Tensor, b: int, t0: int, rows: int, span: int):
+    """(rows, span, H, D) view of x[b] and (rows, H, span) view of lse[b]: `rows` runs of `span`
+    tokens from token t0."""
+    h, d = x.shape[2], x.shape[3]
+    t1 = t0 + rows * span
+    return x[b, t0:t1].view(rows, span, h, d), lse[b, :, t0:t1].view(h, rows, span).transpose(0, 1)
 
 
 def _row_views(x: torch.Tensor, lse: torch.Tensor, b: int, r0: int, r1: int, bs: int):
     """(rows, bs, H, D) view of x[b] and (rows, H, bs) view of lse[b] for query blocks r0..r1."""
-    h, d = x.shape[2], x.shape[3]
-    rows = x[b, r0 * bs : r1 * bs].view(r1 - r0, bs, h, d)
-    lse_rows = lse[b, :, r0 * bs : r1 * bs].view(h, r1 - r0, bs).transpose(0, 1)
-    return rows, lse_rows
+    return _span_views(x, lse, b, r0 * bs, r1 - r0, bs)
 
 
 def _store(o_view, l_view, o_b, l_b, merge: bool) -> None:
@@ -330,6 +349,173 @@ def _call_mask(call: _Call, bs: int, seq_len: int) -> torch.Tensor | None:
     return _diag_mask(bs, call.key_blocks, min(bs, seq_len - call.r0 * bs))
 
 
+@dataclass(frozen=True)
+class _Superblock:
+    """Query blocks [r0, r1) whose kept key blocks are one run each, computed in the forward as
+    the run they all share (one call of (r1 - r0)*bs queries) plus each block's "stairs"
+    (its run's blocks outside the shared one), merged in.
+
+    stairs[t]: query block r0 + t's key block ranges (l0, l1) and (h0, h1) around `shared`.
+    `shifted`: the runs are one band shifted by a block per row (l0 and h1 grow by one each
+    row, the unclipped interior of a local window), so that block t's stairs are the blocks
+    [t, t + rows - 1) of [stairs[0].l0, l1 of the last row) ++ [h0, h1 of the last row)
+    gathered once: one call over all rows. Otherwise one call per row with stairs.
+    Causal: the runs end before the diagonal, whose masked blocks run as a plan call."""
+
+    r0: int
+    r1: int
+    shared: tuple[int, int]
+    stairs: tuple[tuple[int, int, int, int], ...]
+    shifted: bool
+
+
+def _row_runs(
+    mask: torch.Tensor, causal: bool, exclude: int | None
+) -> list[tuple[int, int] | None]:
+    """Per query block i, its kept key blocks [j0, j1) when they are one run (causal: one run
+    ending at the diagonal, j1 = i, the diagonal left out), else None; None for `exclude`."""
+    runs: list[tuple[int, int] | None] = []
+    for i in range(mask.shape[0]):
+        cols = mask[i].nonzero().flatten().tolist()
+        j0, j1 = cols[0], cols[-1] + 1
+        one = len(cols) == j1 - j0 and (not causal or j1 == i + 1)
+        runs.append((j0, i if causal else j1) if one and i != exclude else None)
+    return runs
+
+
+def _superblock(
+    runs: list[tuple[int, int] | None], r0: int, r1: int, whole: int
+) -> _Superblock | None:
+    """Rows [r0, r1) as a superblock, if there are two or more, their runs grow monotonically
+    and the shared run is at least twice as wide as the stairs of a row (else the stairs' small
+    calls cost more than the shared call saves). `whole`: blocks [0, whole) are full blocks,
+    which a shifted superblock's views need."""
+    rows = [runs[i] for i in range(r0, r1)]
+    if r1 - r0 < 2 or any(r is None for r in rows):
+        return None
+    j0s, j1s = [r[0] for r in rows if r], [r[1] for r in rows if r]
+    if j0s != sorted(j0s) or j1s != sorted(j1s):
+        return None
+    shared = (j0s[-1], j1s[0])
+    if shared[1] - shared[0] < 2 * (r1 - r0 - 1) or shared[1] <= shared[0]:
+        return None
+    stairs = tuple((a, shared[0], shared[1], b) for a, b in zip(j0s, j1s, strict=True))
+    step = list(range(r1 - r0))
+    shifted = [a - j0s[0] for a in j0s] == step and [b - j1s[0] for b in j1s] == step
+    shifted = shifted and r1 <= whole and j1s[-1] <= whole
+    return _Superblock(r0, r1, shared, stairs, shifted)
+
+
+def _superblock_rows(bs: int) -> int:
+    """Query blocks per superblock: as many as SUPERBLOCK_TOKENS of queries hold."""
+    return SUPERBLOCK_TOKENS // bs
+
+
+def forward_transient_tokens(bs: int) -> int:
+    """Tokens (of fp32 rows x heads x head_dim) the forward holds besides its inputs and the
+    merged (out, lse): one primitive call's block output (CHUNK_TOKENS rows), or a shifted
+    superblock's stairs (k and v of 2*(rows - 1) gathered blocks, and all rows' output) when
+    more. Measured at 16K, block 64: stairs at 768 queries ran 5-8% faster than at 448,
+    where they would have fitted CHUNK_TOKENS."""
+    rows = _superblock_rows(bs)
+    return max(CHUNK_TOKENS, (4 * (rows - 1) + rows) * bs if rows > 1 else 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_plan(
+    params: BlockSparseParams, seq_len: int, causal: bool
+) -> tuple[tuple[_Superblock, ...], tuple[_Call, ...]]:
+    """The forward's superblocks (SUPERBLOCK_TOKENS of queries each, where rows qualify) and
+    the plan calls of every other row; causal superblock rows' diagonals are masked calls."""
+    bs = params.block_size
+    group = _superblock_rows(bs)
+    if group < 2:
+        return (), _plan(params, seq_len, causal)
+    mask = _cached_block_mask(params, seq_len)
+    mask = mask.tril() if causal else mask
+    n = mask.shape[0]
+    runs = _row_runs(mask, causal, n - 1 if seq_len % bs else None)
+    supers: list[_Superblock] = []
+    i = 0
+    while i < n:
+        sup = _superblock(runs, i, min(n, i + group), seq_len // bs)
+        if sup is None:
+            i += 1
+            continue
+        supers.append(sup)
+        i = sup.r1
+    covered = {i for sup in supers for i in range(sup.r0, sup.r1)}
+    calls = _plan(params, seq_len, causal, frozenset(set(range(n)) - covered))
+    if causal:
+        calls += tuple(
+            _Call("rel", sup.r0, sup.r1, 0, 1, masked=True, merge=True) for sup in supers
+        )
+    return tuple(supers), calls
+
+
+def _gather_runs(
+    x: torch.Tensor, runs: list[tuple[int, int]], bs: int, buffer: torch.Tensor
+) -> torch.Tensor:
+    """The tokens of key block runs [j0, j1) of x (B, S, H, D), in order: one run as a view,
+    more copied into the front of `buffer` (reused: a fresh tensor per call costs its page
+    faults every time)."""
+    seq_len, at = x.shape[1], 0
+    if len(runs) == 1:
+        return x[:, runs[0][0] * bs : min(seq_len, runs[0][1] * bs)]
+    for j0, j1 in runs:
+        part = x[:, j0 * bs : min(seq_len, j1 * bs)]
+        buffer[:, at : at + part.shape[1]].copy_(part)
+        at += part.shape[1]
+    return buffer[:, :at]
+
+
+def _superblock_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sup: _Superblock,
+    bs: int,
+    scale: float,
+    buffers: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """Superblock `sup`'s shared run stored into (out, lse), its stairs merged in; `buffers`:
+    room for 2*(rows - 1) blocks of k and of v."""
+    seq_len = q.shape[1]
+    rows = slice(sup.r0 * bs, min(seq_len, sup.r1 * bs))
+    a, b = sup.shared
+    keys, vals = (x[:, a * bs : min(seq_len, b * bs)] for x in (k, v))
+    o_b, l_b = block_forward(q[:, rows], keys, vals, scale=scale)
+    out[:, rows].copy_(o_b)
+    lse[:, :, rows].copy_(l_b)
+    del o_b, l_b
+    count = sup.r1 - sup.r0
+    if sup.shifted:
+        (l0, _, h0, _), width = sup.stairs[0], count - 1
+        runs = [(l0, l0 + width), (h0, h0 + width)]
+        for i in range(q.shape[0]):
+            gathered = (
+                _gather_runs(x[i : i + 1], runs, bs, buf[i : i + 1])
+                for x, buf in zip((k, v), buffers, strict=True)
+            )
+            stair_k, stair_v = (_band(x, 0, 0, count, 1, width, bs) for x in gathered)
+            q_rows, _ = _row_views(q, lse, i, sup.r0, sup.r1, bs)
+            o_b, l_b = block_forward(q_rows, stair_k, stair_v, scale=scale)
+            merge_(*_row_views(out, lse, i, sup.r0, sup.r1, bs), o_b, l_b, scratch_b=True)
+        return
+    for t, (l0, l1, h0, h1) in enumerate(sup.stairs):
+        runs = [(j0, j1) for j0, j1 in ((l0, l1), (h0, h1)) if j1 > j0]
+        if not runs:
+            continue
+        keys, vals = (
+            _gather_runs(x, runs, bs, buf) for x, buf in zip((k, v), buffers, strict=True)
+        )
+        row = slice((sup.r0 + t) * bs, min(seq_len, (sup.r0 + t + 1) * bs))
+        o_b, l_b = block_forward(q[:, row], keys, vals, scale=scale)
+        merge_(out[:, row], lse[:, :, row], o_b, l_b, scratch_b=True)
+
+
 def block_sparse_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: BlockSparseParams, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,7 +527,14 @@ def block_sparse_forward(
     out = torch.empty(bsz, seq_len, heads, dim, dtype=acc, device=q.device)
     lse = torch.empty(bsz, heads, seq_len, dtype=acc, device=q.device)
     rows_per_call = max(1, CHUNK_TOKENS // bs)
-    for call in _plan(params, seq_len, causal):
+    supers, calls = _forward_plan(params, seq_len, causal)
+    if supers:
+        most = 2 * max(sup.r1 - sup.r0 - 1 for sup in supers) * bs
+        buffers = (k.new_empty(bsz, most, *k.shape[2:]), v.new_empty(bsz, most, *v.shape[2:]))
+        for sup in supers:
+            _superblock_forward(q, k, v, out, lse, sup, bs, scale, buffers)
+        del buffers
+    for call in calls:
         mask = _call_mask(call, bs, seq_len)
         if call.kind == "rel":
             for b in range(bsz):
@@ -467,11 +660,10 @@ def block_sparse_backward(
 class BlockSparseAttention(MergedKernel):
     """Attention over (B, S, H, D) restricted to `block_mask`; see the module docstring."""
 
-    chunk_tokens = CHUNK_TOKENS
-
     def __init__(self, params: BlockSparseParams) -> None:
         super().__init__()
         self.params = params
+        self.chunk_tokens = forward_transient_tokens(params.block_size)
 
     def block_mask(self, seq_len: int, *, causal: bool = False) -> torch.Tensor:
         """bool (n_blocks, n_blocks): key blocks each query block computes (on permuted

@@ -276,3 +276,100 @@ def test_query_blocks_with_the_same_key_offsets_share_one_call() -> None:
     assert len(calls) == 5  # interior rows in one call, 4 edge rows alone
     causal = bs_module._plan(params, 64, True)
     assert [(c.r0, c.r1, c.masked) for c in causal if (c.a, c.b) == (-2, 1)] == [(2, 16, True)]
+
+
+SUPERBLOCK_CASES = [  # bs 2: superblocks of 4 blocks, shared runs of 6 blocks or more
+    # (params, which superblocks run (shifted or not): non-causal, causal)
+    ({"block_size": 2, "pattern": "local_window", "window": 9}, {True, False}, {True, False}),
+    ({"block_size": 2, "pattern": "global_local", "window": 6, "num_global": 2}, {False}, set()),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seq", [80, 81])
+@pytest.mark.parametrize(
+    "case", SUPERBLOCK_CASES, ids=lambda c: f"{c[0]['pattern']}-{c[0]['window']}"
+)
+def test_superblocks_equal_the_reference(case, seq, causal, monkeypatch) -> None:
+    """The forward's superblocks (one shared call, then the stairs merged in: one gathered call
+    in a band's interior ("shifted"), a call per row where the band is clipped), causal
+    diagonals apart, leftover rows, and a short last block (seq 81): output and gradients equal
+    the masked reference, and the expected kinds of superblock ran."""
+    params, expected, expected_causal = case
+    monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 8)
+    ran = []
+    real = bs_module._superblock_forward
+
+    def spy(*args):
+        ran.append(args[5])
+        return real(*args)
+
+    monkeypatch.setattr(bs_module, "_superblock_forward", spy)
+    module = attention.build("block_sparse", **params)
+    assert_matches_reference(module, _reference(module, params["block_size"]), 2, seq, 4, 4, causal)
+    assert {sup.shifted for sup in ran} == (expected_causal if causal else expected)
+
+
+def test_a_superblock_needs_a_shared_run_twice_as_wide_as_a_rows_stairs() -> None:
+    """4 rows of a band of 7 blocks share 4 (stairs: 3 per row): no superblock; of 9: 6, one
+    gathered ("shifted") call; rows of two runs, or runs that shrink, are no superblock."""
+    band = [(i - 3, i + 4) for i in range(10, 14)]
+    assert bs_module._superblock([None] * 10 + band, 10, 14, 64) is None
+    wide = [(i - 4, i + 5) for i in range(10, 14)]
+    sup = bs_module._superblock([None] * 10 + wide, 10, 14, 64)
+    assert sup is not None and sup.shared == (9, 15) and sup.shifted
+    assert sup.stairs[1] == (7, 9, 15, 16)  # row 11 keeps [7, 16)
+    assert bs_module._superblock([None] * 10 + wide[:3] + [None], 10, 14, 64) is None
+    assert bs_module._superblock([None] * 10 + wide[::-1], 10, 14, 64) is None
+    clipped = [(0, i + 9) for i in range(0, 4)]
+    sup = bs_module._superblock(clipped, 0, 4, 64)
+    assert sup is not None and sup.shared == (0, 9) and not sup.shifted
+
+
+def test_superblocks_keep_exactly_the_kept_pairs(monkeypatch) -> None:
+    """Shared keys plus stairs cover each kept token pair once: the pairs asked of the primitive
+    equal the mask's count."""
+    monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 8)
+    seen = []
+    real = bs_module.block_forward
+
+    def spy(q, k, v, *, scale, mask=None):
+        kept = int(mask.sum()) if mask is not None else q.shape[1] * k.shape[1]
+        seen.append(q.shape[0] * q.shape[2] * kept)
+        return real(q, k, v, scale=scale, mask=mask)
+
+    monkeypatch.setattr(bs_module, "block_forward", spy)
+    for params, _, _ in SUPERBLOCK_CASES:
+        module = attention.build("block_sparse", **params)
+        q = torch.randn(1, 72, 2, 4)
+        for causal in (False, True):
+            seen.clear()
+            with torch.no_grad():
+                module(q, q, q, causal=causal)
+            keep = block_token_mask(module.block_mask(72), 2, causal=causal)
+            assert sum(seen) == 2 * int(keep.sum())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_superblocks_with_grouped_query_heads_equal_sdpa(causal, monkeypatch) -> None:
+    """k and v with 2 heads for q's 4 (the gathered stairs keep k's heads): the superblock
+    forward and its gradients equal SDPA with enable_gqa on the pattern's token mask."""
+    monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 8)
+    module = attention.build("block_sparse", block_size=2, pattern="local_window", window=9)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 81, 4, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 81, 2, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = module(q, k, v, causal=causal)
+    keep = block_token_mask(module.block_mask(81), 2, causal=causal, seq_len=81)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=keep, enable_gqa=True
+    ).transpose(1, 2)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(
+        torch.autograd.grad(out, (q, k, v), dout),
+        torch.autograd.grad(ref, (q, k, v), dout),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
