@@ -87,8 +87,7 @@ def merged_memory(
     block_sparse): it saves q, k, v (hilbert order: their permuted copies and the two int64
     index vectors), the fp32 merged output and lse. The returned output is that fp32 tensor
     itself only for fp32 inputs in natural order; otherwise a new tensor in the input dtype.
-    The forward's transient is `chunk_tokens` fp32 token rows (one primitive call's block
-    output, or what the kernel holds at most besides: block_sparse's superblock stairs);
+    The forward's transient is one primitive call's fp32 block output (`chunk_tokens` rows);
     the backward's, the fp32 dq, dk, dv accumulators plus their copies in the input dtype
     when it is not fp32."""
     one = qkv_bytes(batch, seq_len, num_heads, head_dim, dtype_bytes)
@@ -153,8 +152,8 @@ class ExactKernel(Kernel):
 
 class MergedKernel(Kernel):
     """A kernel that merges primitive calls into (out, lse) accumulators (dilated,
-    block_sparse): its memory is `merged_memory`'s, with its params' token ordering and its
-    forward transient in fp32 token rows (`chunk_tokens`)."""
+    block_sparse): its memory is `merged_memory`'s, with its params' token ordering and the
+    tokens of one primitive call (`chunk_tokens`)."""
 
     chunk_tokens: int = 0
     params: Any

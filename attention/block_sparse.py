@@ -214,8 +214,9 @@ class _Call:
     """One batched primitive call: query blocks [r0, r1) against key blocks given by `kind`.
 
     rel: key blocks [i + a, i + b) for query block i (an overlapping strided view of K);
-    abs: key blocks [a, b) for every query block (a plain slice); gather: one query block r0
-    against `blocks` (copied). `masked`: the last key block is the diagonal, causal inside.
+    abs: key blocks [a, b) for every query block (a plain slice; cut at seq_len when b is the
+    short last block); gather: one query block r0 against `blocks` (copied). `masked`: the
+    last key block is the diagonal, causal inside.
     `merge`: these rows already hold a result (merge into it) rather than copy.
     """
 
@@ -244,8 +245,8 @@ def _plan(
 ) -> tuple[_Call, ...]:
     """The calls that compute exactly the kept block pairs of query blocks `rows` (None: all),
     query blocks batched where the key blocks follow the same rule (same offsets from the
-    diagonal, or the same fixed blocks). A short last block (seq_len % block_size) only
-    appears in gather calls."""
+    diagonal, or the same fixed blocks). The rows of a short last block (seq_len %
+    block_size), and those that keep it, run "abs" calls (slices, no copy) or gathers."""
     mask = _cached_block_mask(params, seq_len)
     if causal:
         mask = mask.tril()
@@ -256,11 +257,14 @@ def _plan(
     for i in range(n) if rows is None else sorted(rows):
         cols = mask[i].nonzero().flatten().tolist()
         runs = _runs(cols)
-        if len(runs) > MAX_VIEW_RUNS or (short and (i == n - 1 or cols[-1] == n - 1)):
+        if len(runs) > MAX_VIEW_RUNS:
             gathers.append((i, tuple(cols)))
             continue
+        ends_short = short and (i == n - 1 or cols[-1] == n - 1)
         for j0, j1 in runs:
-            if j0 <= i < j1:
+            if ends_short:  # rel views need whole blocks; a slice of k is a view all the same
+                key = ("abs", j0, j1, causal and j1 - 1 == i)
+            elif j0 <= i < j1:
                 key = ("rel", j0 - i, j1 - i, causal and j1 - 1 == i)
             else:
                 key = ("abs", j0, j1, False)
@@ -358,8 +362,9 @@ class _Superblock:
     stairs[t]: query block r0 + t's key block ranges (l0, l1) and (h0, h1) around `shared`.
     `shifted`: the runs are one band shifted by a block per row (l0 and h1 grow by one each
     row, the unclipped interior of a local window), so that block t's stairs are the blocks
-    [t, t + rows - 1) of [stairs[0].l0, l1 of the last row) ++ [h0, h1 of the last row)
-    gathered once: one call over all rows. Otherwise one call per row with stairs.
+    [t, t + rows - 1) of X = [stairs[0].l0, l1 of the last row) ++ [h0, h1 of the last row):
+    rows t0..t1 gather the part of X they keep and run one call (_stair_rows rows a call).
+    Otherwise (or when no row fits a call) one call per row and stair, on views of k and v.
     Causal: the runs end before the diagonal, whose masked blocks run as a plan call."""
 
     r0: int
@@ -411,14 +416,12 @@ def _superblock_rows(bs: int) -> int:
     return SUPERBLOCK_TOKENS // bs
 
 
-def forward_transient_tokens(bs: int) -> int:
-    """Tokens (of fp32 rows x heads x head_dim) the forward holds besides its inputs and the
-    merged (out, lse): one primitive call's block output (CHUNK_TOKENS rows), or a shifted
-    superblock's stairs (k and v of 2*(rows - 1) gathered blocks, and all rows' output) when
-    more. Measured at 16K, block 64: stairs at 768 queries ran 5-8% faster than at 448,
-    where they would have fitted CHUNK_TOKENS."""
-    rows = _superblock_rows(bs)
-    return max(CHUNK_TOKENS, (4 * (rows - 1) + rows) * bs if rows > 1 else 0)
+def _stair_rows(rows: int, bs: int) -> int:
+    """Rows per stairs call of a shifted superblock of `rows` query blocks: c rows gather
+    c + rows - 2 blocks of k and of v and output c blocks, within CHUNK_TOKENS tokens like any
+    primitive call (memory_model); 0 when not even one row fits (then a call per run)."""
+    fit = (CHUNK_TOKENS // bs - 2 * (rows - 2)) // 3
+    return max(0, min(rows, fit))
 
 
 @functools.lru_cache(maxsize=64)
@@ -490,30 +493,29 @@ def _superblock_forward(
     out[:, rows].copy_(o_b)
     lse[:, :, rows].copy_(l_b)
     del o_b, l_b
-    count = sup.r1 - sup.r0
-    if sup.shifted:
-        (l0, _, h0, _), width = sup.stairs[0], count - 1
-        runs = [(l0, l0 + width), (h0, h0 + width)]
-        for i in range(q.shape[0]):
+    count, width = sup.r1 - sup.r0, sup.r1 - sup.r0 - 1
+    per_call = _stair_rows(count, bs)
+    if sup.shifted and per_call:
+        l0, h0 = sup.stairs[0][0], sup.stairs[0][2]
+        for i, t0 in itertools.product(range(q.shape[0]), range(0, count, per_call)):
+            t1 = min(count, t0 + per_call)  # rows t0..t1 keep [t, t + width) of these:
+            runs = [(l0 + t0, l0 + width), (h0, h0 + t1 - 1)]
             gathered = (
                 _gather_runs(x[i : i + 1], runs, bs, buf[i : i + 1])
                 for x, buf in zip((k, v), buffers, strict=True)
             )
-            stair_k, stair_v = (_band(x, 0, 0, count, 1, width, bs) for x in gathered)
-            q_rows, _ = _row_views(q, lse, i, sup.r0, sup.r1, bs)
+            stair_k, stair_v = (_band(x, 0, 0, t1 - t0, 1, width, bs) for x in gathered)
+            q_rows, _ = _row_views(q, lse, i, sup.r0 + t0, sup.r0 + t1, bs)
             o_b, l_b = block_forward(q_rows, stair_k, stair_v, scale=scale)
-            merge_(*_row_views(out, lse, i, sup.r0, sup.r1, bs), o_b, l_b, scratch_b=True)
+            merge_(*_row_views(out, lse, i, sup.r0 + t0, sup.r0 + t1, bs), o_b, l_b, scratch_b=True)
         return
     for t, (l0, l1, h0, h1) in enumerate(sup.stairs):
-        runs = [(j0, j1) for j0, j1 in ((l0, l1), (h0, h1)) if j1 > j0]
-        if not runs:
-            continue
-        keys, vals = (
-            _gather_runs(x, runs, bs, buf) for x, buf in zip((k, v), buffers, strict=True)
-        )
         row = slice((sup.r0 + t) * bs, min(seq_len, (sup.r0 + t + 1) * bs))
-        o_b, l_b = block_forward(q[:, row], keys, vals, scale=scale)
-        merge_(out[:, row], lse[:, :, row], o_b, l_b, scratch_b=True)
+        for j0, j1 in ((l0, l1), (h0, h1)):
+            if j1 > j0:
+                keys, vals = (x[:, j0 * bs : min(seq_len, j1 * bs)] for x in (k, v))
+                o_b, l_b = block_forward(q[:, row], keys, vals, scale=scale)
+                merge_(out[:, row], lse[:, :, row], o_b, l_b, scratch_b=True)
 
 
 def block_sparse_forward(
@@ -529,7 +531,7 @@ def block_sparse_forward(
     rows_per_call = max(1, CHUNK_TOKENS // bs)
     supers, calls = _forward_plan(params, seq_len, causal)
     if supers:
-        most = 2 * max(sup.r1 - sup.r0 - 1 for sup in supers) * bs
+        most = max(_stair_rows(s.r1 - s.r0, bs) + s.r1 - s.r0 - 2 for s in supers) * bs
         buffers = (k.new_empty(bsz, most, *k.shape[2:]), v.new_empty(bsz, most, *v.shape[2:]))
         for sup in supers:
             _superblock_forward(q, k, v, out, lse, sup, bs, scale, buffers)
@@ -660,10 +662,11 @@ def block_sparse_backward(
 class BlockSparseAttention(MergedKernel):
     """Attention over (B, S, H, D) restricted to `block_mask`; see the module docstring."""
 
+    chunk_tokens = CHUNK_TOKENS
+
     def __init__(self, params: BlockSparseParams) -> None:
         super().__init__()
         self.params = params
-        self.chunk_tokens = forward_transient_tokens(params.block_size)
 
     def block_mask(self, seq_len: int, *, causal: bool = False) -> torch.Tensor:
         """bool (n_blocks, n_blocks): key blocks each query block computes (on permuted

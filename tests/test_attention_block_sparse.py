@@ -287,16 +287,20 @@ SUPERBLOCK_CASES = [  # bs 2: superblocks of 4 blocks, shared runs of 6 blocks o
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seq", [80, 81])
+@pytest.mark.parametrize("chunk", [2048, 20, 12])  # stairs: 4 rows a call, 2, then per run
 @pytest.mark.parametrize(
     "case", SUPERBLOCK_CASES, ids=lambda c: f"{c[0]['pattern']}-{c[0]['window']}"
 )
-def test_superblocks_equal_the_reference(case, seq, causal, monkeypatch) -> None:
+def test_superblocks_equal_the_reference(case, chunk, seq, causal, monkeypatch) -> None:
     """The forward's superblocks (one shared call, then the stairs merged in: one gathered call
-    in a band's interior ("shifted"), a call per row where the band is clipped), causal
+    in a band's interior ("shifted", by rows as CHUNK_TOKENS allows), a call per row and
+    stair where the band is clipped or no row fits a call), causal
     diagonals apart, leftover rows, and a short last block (seq 81): output and gradients equal
     the masked reference, and the expected kinds of superblock ran."""
     params, expected, expected_causal = case
     monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 8)
+    monkeypatch.setattr(bs_module, "CHUNK_TOKENS", chunk)
+    assert bs_module._stair_rows(4, 2) == {2048: 4, 20: 2, 12: 0}[chunk]
     ran = []
     real = bs_module._superblock_forward
 
