@@ -411,11 +411,6 @@ def _superblock(
     return _Superblock(r0, r1, shared, stairs, shifted)
 
 
-def _superblock_rows(bs: int) -> int:
-    """Query blocks per superblock: as many as SUPERBLOCK_TOKENS of queries hold."""
-    return SUPERBLOCK_TOKENS // bs
-
-
 def _stair_rows(rows: int, bs: int) -> int:
     """Rows per stairs call of a shifted superblock of `rows` query blocks: c rows gather
     c + rows - 2 blocks of k and of v and output c blocks, within CHUNK_TOKENS tokens like any
@@ -426,12 +421,12 @@ def _stair_rows(rows: int, bs: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _forward_plan(
-    params: BlockSparseParams, seq_len: int, causal: bool
+    params: BlockSparseParams, seq_len: int, causal: bool, superblock_tokens: int
 ) -> tuple[tuple[_Superblock, ...], tuple[_Call, ...]]:
     """The forward's superblocks (SUPERBLOCK_TOKENS of queries each, where rows qualify) and
     the plan calls of every other row; causal superblock rows' diagonals are masked calls."""
     bs = params.block_size
-    group = _superblock_rows(bs)
+    group = superblock_tokens // bs
     if group < 2:
         return (), _plan(params, seq_len, causal)
     mask = _cached_block_mask(params, seq_len)
@@ -481,18 +476,19 @@ def _superblock_forward(
     sup: _Superblock,
     bs: int,
     scale: float,
-    buffers: tuple[torch.Tensor, torch.Tensor],
+    buffers: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> None:
-    """Superblock `sup`'s shared run stored into (out, lse), its stairs merged in; `buffers`:
-    room for 2*(rows - 1) blocks of k and of v."""
+    """Superblock `sup`'s shared run stored into (out, lse), or with `buffers` (room for the
+    blocks of k and of v its stairs calls gather, batch 1) its stairs merged in."""
     seq_len = q.shape[1]
-    rows = slice(sup.r0 * bs, min(seq_len, sup.r1 * bs))
-    a, b = sup.shared
-    keys, vals = (x[:, a * bs : min(seq_len, b * bs)] for x in (k, v))
-    o_b, l_b = block_forward(q[:, rows], keys, vals, scale=scale)
-    out[:, rows].copy_(o_b)
-    lse[:, :, rows].copy_(l_b)
-    del o_b, l_b
+    if buffers is None:
+        rows = slice(sup.r0 * bs, min(seq_len, sup.r1 * bs))
+        a, b = sup.shared
+        keys, vals = (x[:, a * bs : min(seq_len, b * bs)] for x in (k, v))
+        o_b, l_b = block_forward(q[:, rows], keys, vals, scale=scale)
+        out[:, rows].copy_(o_b)
+        lse[:, :, rows].copy_(l_b)
+        return
     count, width = sup.r1 - sup.r0, sup.r1 - sup.r0 - 1
     per_call = _stair_rows(count, bs)
     if sup.shifted and per_call:
@@ -501,7 +497,7 @@ def _superblock_forward(
             t1 = min(count, t0 + per_call)  # rows t0..t1 keep [t, t + width) of these:
             runs = [(l0 + t0, l0 + width), (h0, h0 + t1 - 1)]
             gathered = (
-                _gather_runs(x[i : i + 1], runs, bs, buf[i : i + 1])
+                _gather_runs(x[i : i + 1], runs, bs, buf)
                 for x, buf in zip((k, v), buffers, strict=True)
             )
             stair_k, stair_v = (_band(x, 0, 0, t1 - t0, 1, width, bs) for x in gathered)
@@ -529,10 +525,14 @@ def block_sparse_forward(
     out = torch.empty(bsz, seq_len, heads, dim, dtype=acc, device=q.device)
     lse = torch.empty(bsz, heads, seq_len, dtype=acc, device=q.device)
     rows_per_call = max(1, CHUNK_TOKENS // bs)
-    supers, calls = _forward_plan(params, seq_len, causal)
+    supers, calls = _forward_plan(params, seq_len, causal, SUPERBLOCK_TOKENS)
+    for sup in supers:  # every shared run first: its block output never meets the buffers
+        _superblock_forward(q, k, v, out, lse, sup, bs, scale, None)
+    gathering = [s for s in supers if s.shifted and _stair_rows(s.r1 - s.r0, bs)]
     if supers:
-        most = max(_stair_rows(s.r1 - s.r0, bs) + s.r1 - s.r0 - 2 for s in supers) * bs
-        buffers = (k.new_empty(bsz, most, *k.shape[2:]), v.new_empty(bsz, most, *v.shape[2:]))
+        most = max((_stair_rows(s.r1 - s.r0, bs) + s.r1 - s.r0 - 2 for s in gathering), default=0)
+        most *= bs
+        buffers = (k.new_empty(1, most, *k.shape[2:]), v.new_empty(1, most, *v.shape[2:]))
         for sup in supers:
             _superblock_forward(q, k, v, out, lse, sup, bs, scale, buffers)
         del buffers
@@ -598,7 +598,7 @@ def block_sparse_backward(
     bsz, seq_len, _, dim = q.shape
     kv_heads = k.shape[2]
     bs, scale = params.block_size, dim**-0.5
-    n = seq_len // bs  # whole blocks (a short last block is only met by gather calls)
+    n = seq_len // bs  # whole blocks (a short last block is only met by abs and gather calls)
     dq, dk, dv = zero_grads(q, k)
     heads = q.shape[2]
     calls = [part for c in _plan(params, seq_len, causal) for part in _key_parts(c, bs)]

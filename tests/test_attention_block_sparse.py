@@ -352,6 +352,8 @@ def test_superblocks_keep_exactly_the_kept_pairs(monkeypatch) -> None:
                 module(q, q, q, causal=causal)
             keep = block_token_mask(module.block_mask(72), 2, causal=causal)
             assert sum(seen) == 2 * int(keep.sum())
+            supers, _ = bs_module._forward_plan(module.params, 72, causal, 8)
+            assert supers or causal, "no superblock ran"
 
 
 @pytest.mark.parametrize("causal", [False, True])
