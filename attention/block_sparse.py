@@ -300,31 +300,26 @@ def _chunks(call: _Call, rows_per_call: int) -> list[tuple[int, int]]:
     return [(r, min(call.r1, r + rows_per_call)) for r in range(call.r0, call.r1, rows_per_call)]
 
 
-def _band(x: torch.Tensor, b: int, first: int, rows: int, stride: int, width: int, bs: int):
+def _band(x: torch.Tensor, b: int, first: int, rows: int, width: int, bs: int) -> torch.Tensor:
     """(rows, width*bs, H, D) overlapping view of contiguous x[b] (x: (B, S, H, D)): row r
-    sees the `width` blocks from block first + r*stride."""
+    sees the `width` blocks from block first + r."""
     _, s, h, d = x.shape
     tok = h * d
     offset = x.storage_offset() + b * s * tok + first * bs * tok
-    return x.as_strided((rows, width * bs, h, d), (stride * bs * tok, tok, d, 1), offset)
+    return x.as_strided((rows, width * bs, h, d), (bs * tok, tok, d, 1), offset)
 
 
 def _rel_keys(x: torch.Tensor, b: int, r0: int, r1: int, call: _Call, bs: int) -> torch.Tensor:
     """(r1 - r0, key_blocks*bs, H, D) overlapping view: row i sees blocks [i + a, i + b)."""
-    return _band(x, b, r0 + call.a, r1 - r0, 1, call.key_blocks, bs)
-
-
-def _span_views(x: torch.Tensor, lse: torch.Tensor, b: int, t0: int, rows: int, span: int):
-    """(rows, span, H, D) view of x[b] and (rows, H, span) view of lse[b]: `rows` runs of `span`
-    tokens from token t0."""
-    h, d = x.shape[2], x.shape[3]
-    t1 = t0 + rows * span
-    return x[b, t0:t1].view(rows, span, h, d), lse[b, :, t0:t1].view(h, rows, span).transpose(0, 1)
+    return _band(x, b, r0 + call.a, r1 - r0, call.key_blocks, bs)
 
 
 def _row_views(x: torch.Tensor, lse: torch.Tensor, b: int, r0: int, r1: int, bs: int):
     """(rows, bs, H, D) view of x[b] and (rows, H, bs) view of lse[b] for query blocks r0..r1."""
-    return _span_views(x, lse, b, r0 * bs, r1 - r0, bs)
+    h, d = x.shape[2], x.shape[3]
+    rows = x[b, r0 * bs : r1 * bs].view(r1 - r0, bs, h, d)
+    lse_rows = lse[b, :, r0 * bs : r1 * bs].view(h, r1 - r0, bs).transpose(0, 1)
+    return rows, lse_rows
 
 
 def _store(o_view, l_view, o_b, l_b, merge: bool) -> None:
@@ -454,20 +449,17 @@ def _forward_plan(
 def _gather_runs(
     x: torch.Tensor, runs: list[tuple[int, int]], bs: int, buffer: torch.Tensor
 ) -> torch.Tensor:
-    """The tokens of key block runs [j0, j1) of x (B, S, H, D), in order: one run as a view,
-    more copied into the front of `buffer` (reused: a fresh tensor per call costs its page
-    faults every time)."""
-    seq_len, at = x.shape[1], 0
-    if len(runs) == 1:
-        return x[:, runs[0][0] * bs : min(seq_len, runs[0][1] * bs)]
+    """The tokens of whole key block runs [j0, j1) of x (B, S, H, D), in order, copied into the
+    front of `buffer` (reused: a fresh tensor per call costs its page faults every time)."""
+    at = 0
     for j0, j1 in runs:
-        part = x[:, j0 * bs : min(seq_len, j1 * bs)]
+        part = x[:, j0 * bs : j1 * bs]
         buffer[:, at : at + part.shape[1]].copy_(part)
         at += part.shape[1]
     return buffer[:, :at]
 
 
-def _superblock_forward(
+def _shared_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -476,19 +468,31 @@ def _superblock_forward(
     sup: _Superblock,
     bs: int,
     scale: float,
-    buffers: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> None:
-    """Superblock `sup`'s shared run stored into (out, lse), or with `buffers` (room for the
-    blocks of k and of v its stairs calls gather, batch 1) its stairs merged in."""
+    """Superblock `sup`'s shared run, stored into its rows of (out, lse)."""
     seq_len = q.shape[1]
-    if buffers is None:
-        rows = slice(sup.r0 * bs, min(seq_len, sup.r1 * bs))
-        a, b = sup.shared
-        keys, vals = (x[:, a * bs : min(seq_len, b * bs)] for x in (k, v))
-        o_b, l_b = block_forward(q[:, rows], keys, vals, scale=scale)
-        out[:, rows].copy_(o_b)
-        lse[:, :, rows].copy_(l_b)
-        return
+    rows = slice(sup.r0 * bs, min(seq_len, sup.r1 * bs))
+    a, b = sup.shared
+    keys, vals = (x[:, a * bs : min(seq_len, b * bs)] for x in (k, v))
+    o_b, l_b = block_forward(q[:, rows], keys, vals, scale=scale)
+    out[:, rows].copy_(o_b)
+    lse[:, :, rows].copy_(l_b)
+
+
+def _stairs_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sup: _Superblock,
+    bs: int,
+    scale: float,
+    buffers: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """Superblock `sup`'s stairs merged into (out, lse); `buffers` (batch 1): room for the
+    blocks of k and of v a stairs call gathers."""
+    seq_len = q.shape[1]
     count, width = sup.r1 - sup.r0, sup.r1 - sup.r0 - 1
     per_call = _stair_rows(count, bs)
     if sup.shifted and per_call:
@@ -500,7 +504,7 @@ def _superblock_forward(
                 _gather_runs(x[i : i + 1], runs, bs, buf)
                 for x, buf in zip((k, v), buffers, strict=True)
             )
-            stair_k, stair_v = (_band(x, 0, 0, t1 - t0, 1, width, bs) for x in gathered)
+            stair_k, stair_v = (_band(x, 0, 0, t1 - t0, width, bs) for x in gathered)
             q_rows, _ = _row_views(q, lse, i, sup.r0 + t0, sup.r0 + t1, bs)
             o_b, l_b = block_forward(q_rows, stair_k, stair_v, scale=scale)
             merge_(*_row_views(out, lse, i, sup.r0 + t0, sup.r0 + t1, bs), o_b, l_b, scratch_b=True)
@@ -527,14 +531,14 @@ def block_sparse_forward(
     rows_per_call = max(1, CHUNK_TOKENS // bs)
     supers, calls = _forward_plan(params, seq_len, causal, SUPERBLOCK_TOKENS)
     for sup in supers:  # every shared run first: its block output never meets the buffers
-        _superblock_forward(q, k, v, out, lse, sup, bs, scale, None)
+        _shared_forward(q, k, v, out, lse, sup, bs, scale)
     gathering = [s for s in supers if s.shifted and _stair_rows(s.r1 - s.r0, bs)]
     if supers:
         most = max((_stair_rows(s.r1 - s.r0, bs) + s.r1 - s.r0 - 2 for s in gathering), default=0)
         most *= bs
         buffers = (k.new_empty(1, most, *k.shape[2:]), v.new_empty(1, most, *v.shape[2:]))
         for sup in supers:
-            _superblock_forward(q, k, v, out, lse, sup, bs, scale, buffers)
+            _stairs_forward(q, k, v, out, lse, sup, bs, scale, buffers)
         del buffers
     for call in calls:
         mask = _call_mask(call, bs, seq_len)

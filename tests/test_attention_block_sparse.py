@@ -302,13 +302,13 @@ def test_superblocks_equal_the_reference(case, chunk, seq, causal, monkeypatch) 
     monkeypatch.setattr(bs_module, "CHUNK_TOKENS", chunk)
     assert bs_module._stair_rows(4, 2) == {2048: 4, 20: 2, 12: 0}[chunk]
     ran = []
-    real = bs_module._superblock_forward
+    real = bs_module._shared_forward
 
     def spy(*args):
         ran.append(args[5])
         return real(*args)
 
-    monkeypatch.setattr(bs_module, "_superblock_forward", spy)
+    monkeypatch.setattr(bs_module, "_shared_forward", spy)
     module = attention.build("block_sparse", **params)
     assert_matches_reference(module, _reference(module, params["block_size"]), 2, seq, 4, 4, causal)
     assert {sup.shifted for sup in ran} == (expected_causal if causal else expected)
