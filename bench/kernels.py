@@ -7,6 +7,12 @@ above the inputs (CPU: malloc_trim(0), then "5" to /proc/self/clear_refs, then V
 reset_peak_memory_stats and max_memory_allocated), with the forward floor (q, k, v, out, lse).
 Each kernel first passes a correctness gate: its output on a small shape (params scaled down)
 against the fp64 dense masked reference of attention.masks. One JSON line per case, a table last.
+Every peak (and the --budget-mib search) is measured before any timing, with glibc's heap set to
+follow the tensors; the timings then run on a heap that keeps freed memory, as a user's does
+(workers.memory.heap_keeps_freed): the meter's setting charges every fresh allocation its page
+faults, which taxed kernels of many primitive calls (block_sparse at block 64: 0.80x SDPA's
+forward FLOP/s under it, 0.89-0.93x without). A heap that has kept memory cannot be metered
+again, hence the order.
 dilated segments longer than --seq are cut to --seq (default w = 2048, 4096, 8192 at 4K runs
 2048, 4096, 4096); each line records the params that ran. The CPU columns (process CPU time)
 show the work done even when other processes share the cores; wall times then stretch.
@@ -21,12 +27,14 @@ the whole sequence, see attention.dilated).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +94,7 @@ class PeakMemory:
     On CPU glibc's heap is set to follow the tensors as the workers' meter does
     (workers.memory.heap_follows_tensors): otherwise freed transients below glibc's growing
     mmap threshold stay resident and the peak counts heap fragmentation, for every kernel
-    differently."""
+    differently. Timings are taken under workers.memory.heap_keeps_freed instead."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -226,14 +234,22 @@ def gate(kernel: str, params: dict[str, Any], seq: int, causal: bool) -> float:
 # ---- cases --------------------------------------------------------------------------------------
 
 
-def run_case(
-    kernel: str,
-    params: dict[str, Any],
-    seq: int,
-    args: argparse.Namespace,
-    dense: tuple[float, float] | None,
-) -> dict[str, Any]:
-    """One kernel at one length; `dense`: SDPA's (wall, CPU-time) forward FLOP/s, None for it."""
+@dataclass
+class Case:
+    """One kernel at one length, ready to run: its module, inputs and the two calls timed and
+    measured (forward without a graph; forward+backward to the input gradients)."""
+
+    kernel: str
+    params: dict[str, Any]
+    seq: int
+    module: attention.Kernel
+    q: torch.Tensor
+    fwd: Callable[[], Any]
+    fwd_bwd: Callable[[], Any]
+
+
+def make_case(kernel: str, params: dict[str, Any], seq: int, args: argparse.Namespace) -> Case:
+    """Seeded inputs (the same for every kernel at a length) and the kernel built on them."""
     device = torch.device(args.device)
     dtype = (
         getattr(torch, args.dtype)
@@ -241,10 +257,7 @@ def run_case(
         else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     )
     b, h, d = args.batch, args.heads, args.dim
-    attention.validate(kernel, params, seq_len=seq, num_heads=h)
-    err = gate(kernel, params, seq, args.causal)
     module = attention.build(kernel, **params).to(device)
-    meter = PeakMemory(device)
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(b, seq, h, d, generator=g, device=device, dtype=dtype) for _ in range(3))
 
@@ -259,45 +272,48 @@ def run_case(
         out = module(qg, kg, vg, causal=args.causal)
         return torch.autograd.grad(out, (qg, kg, vg), dout)
 
-    fwd_ms, fwd_cpu_ms = time_ms(fwd, args.repeats, device)
-    fwd_bwd_ms, fwd_bwd_cpu_ms = time_ms(fwd_bwd, args.repeats, device)
-    fwd_peak = measure_peak(meter, fwd)
-    fwd_bwd_peak = measure_peak(meter, fwd_bwd)
-    itemsize = q.element_size()
-    inputs = 3 * q.numel() * itemsize
-    floor = 4 * q.numel() * itemsize + b * h * seq * 4  # q, k, v, out + fp32 lse
-    flops = module.flops(b, seq, h, d, causal=args.causal)
-    flops_fb = module.flops(b, seq, h, d, causal=args.causal, backward=True)
-    fwd_flops_s = flops / (statistics.median(fwd_ms) / 1e3)
-    fwd_flops_cpu_s = flops / (statistics.median(fwd_cpu_ms) / 1e3)
+    return Case(kernel, params, seq, module, q, fwd, fwd_bwd)
+
+
+def measure_case(case: Case, meter: PeakMemory) -> dict[str, Any]:
+    """Forward and forward+backward peaks above the inputs, and the forward floor; each call
+    runs once before it is measured, so that one-time allocations (thread pools, the autograd
+    engine) are not counted (they were 35 MB at dense's first backward)."""
+    case.fwd()
+    case.fwd_bwd()
+    q = case.q
+    b, seq, h, _ = q.shape
+    inputs = 3 * q.numel() * q.element_size()
+    floor = 4 * q.numel() * q.element_size() + b * h * seq * 4  # q, k, v, out + fp32 lse
+    fwd_peak = measure_peak(meter, case.fwd)
     return {
-        "kernel": kernel,
-        "params": params,
-        "seq": seq,
-        "batch": b,
-        "heads": h,
-        "head_dim": d,
-        "causal": args.causal,
-        "dtype": str(dtype).removeprefix("torch."),
-        "device": device.type,
-        "backend": module.backend,
-        "gate_max_err": err,
+        "fwd_peak_above_inputs_bytes": fwd_peak,
+        "fwd_bwd_peak_above_inputs_bytes": measure_peak(meter, case.fwd_bwd),
+        "inputs_bytes": inputs,
+        "floor_bytes": floor,
+        "fwd_peak_over_floor": (inputs + fwd_peak) / floor,
+    }
+
+
+def time_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
+    """Forward and forward+backward times (wall, process CPU) and what the kernel computes."""
+    device = case.q.device
+    fwd_ms, fwd_cpu_ms = time_ms(case.fwd, args.repeats, device)
+    fwd_bwd_ms, fwd_bwd_cpu_ms = time_ms(case.fwd_bwd, args.repeats, device)
+    b, seq, h, d = case.q.shape
+    flops = case.module.flops(b, seq, h, d, causal=args.causal)
+    flops_fb = case.module.flops(b, seq, h, d, causal=args.causal, backward=True)
+    return {
+        "backend": case.module.backend,
         "fwd_ms": stats(fwd_ms),
         "fwd_bwd_ms": stats(fwd_bwd_ms),
         "fwd_cpu_ms": stats(fwd_cpu_ms),
         "fwd_bwd_cpu_ms": stats(fwd_bwd_cpu_ms),
         "flops_fwd": flops,
         "flops_fwd_bwd": flops_fb,
-        "fwd_flop_s": fwd_flops_s,
+        "fwd_flop_s": flops / (statistics.median(fwd_ms) / 1e3),
         "fwd_bwd_flop_s": flops_fb / (statistics.median(fwd_bwd_ms) / 1e3),
-        "fwd_frac_of_sdpa": fwd_flops_s / dense[0] if dense else 1.0,
-        "fwd_flop_per_cpu_s": fwd_flops_cpu_s,
-        "fwd_frac_of_sdpa_cpu": fwd_flops_cpu_s / dense[1] if dense else 1.0,
-        "fwd_peak_above_inputs_bytes": fwd_peak,
-        "fwd_bwd_peak_above_inputs_bytes": fwd_bwd_peak,
-        "inputs_bytes": inputs,
-        "floor_bytes": floor,
-        "fwd_peak_over_floor": (inputs + fwd_peak) / floor,
+        "fwd_flop_per_cpu_s": flops / (statistics.median(fwd_cpu_ms) / 1e3),
     }
 
 
@@ -388,24 +404,63 @@ def main() -> None:
         ),
         flush=True,
     )
-    rows = []
+    listed = []  # (seq, kernel, params), dense first at each length
     for seq in args.seq:
-        dense = None
         for kernel in kernels:
             given = overrides.get(kernel, DEFAULT_PARAMS.get(kernel, {}))
             for params in given if isinstance(given, list) else [given]:
-                row = run_case(kernel, fit_params(kernel, params, seq), seq, args, dense)
-                if kernel == "dense":
-                    dense = (row["fwd_flop_s"], row["fwd_flop_per_cpu_s"])
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    print(table(rows))
+                listed.append((seq, kernel, fit_params(kernel, params, seq)))
+    device = torch.device(args.device)
+    # Memory first (the correctness gate, the peaks, the search), on the heap the meter needs:
+    # every tensor of 64 KiB or more in its own mapping. Then every timing, on a heap that
+    # keeps freed memory for reuse as a user's does; the meter's heap would charge each fresh
+    # allocation its page faults (2-3 ms per 2.9 MB here), which taxes kernels of many calls.
+    meter = PeakMemory(device)
+    measured = []
+    for seq, kernel, params in listed:
+        attention.validate(kernel, params, seq_len=seq, num_heads=args.heads)
+        err = gate(kernel, params, seq, args.causal)
+        measured.append(
+            {"gate_max_err": err, **measure_case(make_case(kernel, params, seq, args), meter)}
+        )
+    searched = None
     if args.budget_mib is not None:
         cases = []
         for kernel in kernels:
             given = overrides.get(kernel, DEFAULT_PARAMS.get(kernel, {}))
             cases += [(kernel, p) for p in (given if isinstance(given, list) else [given])]
-        print(max_lengths(cases, args))
+        searched = max_lengths(cases, args)
+    from workers.memory import heap_keeps_freed
+
+    rows = []
+    dense: dict[str, Any] = {}
+    with heap_keeps_freed() if device.type == "cpu" else contextlib.nullcontext():
+        for (seq, kernel, params), memory in zip(listed, measured, strict=True):
+            case = make_case(kernel, params, seq, args)
+            timing = time_case(case, args)
+            if kernel == "dense":
+                dense = timing
+            row = {
+                "kernel": kernel,
+                "params": params,
+                "seq": seq,
+                "batch": args.batch,
+                "heads": args.heads,
+                "head_dim": args.dim,
+                "causal": args.causal,
+                "dtype": str(case.q.dtype).removeprefix("torch."),
+                "device": device.type,
+                **timing,
+                "fwd_frac_of_sdpa": timing["fwd_flop_s"] / dense["fwd_flop_s"],
+                "fwd_frac_of_sdpa_cpu": timing["fwd_flop_per_cpu_s"] / dense["fwd_flop_per_cpu_s"],
+                **memory,
+            }
+            del case
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(table(rows))
+    if searched is not None:
+        print(searched)
 
 
 if __name__ == "__main__":
