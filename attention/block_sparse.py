@@ -61,9 +61,13 @@ SUPERBLOCK_TOKENS = 768
 kept blocks are one wide run each (a local window) share most of it, computed by one call with
 this many queries. The CPU flash op tiles 256 query rows from 768 queries but 32 below 192,
 where one call per 64-token block ran at about 0.77x of its full rate."""
-CALL_ROW_HEADS = 8192
-"""Bound on key rows x heads of one backward call (heads split when a row has many keys):
-its dk and dv are temporaries of that size."""
+CALL_ROW_HEADS = 6144
+"""Bound on rows x heads of one backward call's temporaries (see _backward_split)."""
+BACKWARD_KEY_TOKENS = 512
+"""Bound on the key tokens of one backward call (see _key_parts)."""
+BACKWARD_QUERY_TOKENS = 512
+"""Bound on the query tokens of one backward call: the CPU flash op's backward takes a buffer
+of 1 MiB per thread from 768 queries, 256 KiB below (FlashAttentionKernel.cpp)."""
 
 
 def _check_int(field: str, value: object, minimum: int) -> None:
@@ -508,6 +512,7 @@ def _stairs_forward(
             q_rows, _ = _row_views(q, lse, i, sup.r0 + t0, sup.r0 + t1, bs)
             o_b, l_b = block_forward(q_rows, stair_k, stair_v, scale=scale)
             merge_(*_row_views(out, lse, i, sup.r0 + t0, sup.r0 + t1, bs), o_b, l_b, scratch_b=True)
+            del o_b, l_b  # before the next call allocates its own
         return
     for t, (l0, l1, h0, h1) in enumerate(sup.stairs):
         row = slice((sup.r0 + t) * bs, min(seq_len, (sup.r0 + t + 1) * bs))
@@ -516,6 +521,7 @@ def _stairs_forward(
                 keys, vals = (x[:, j0 * bs : min(seq_len, j1 * bs)] for x in (k, v))
                 o_b, l_b = block_forward(q[:, row], keys, vals, scale=scale)
                 merge_(out[:, row], lse[:, :, row], o_b, l_b, scratch_b=True)
+                del o_b, l_b
 
 
 def block_sparse_forward(
@@ -550,6 +556,7 @@ def block_sparse_forward(
                     vals = _rel_keys(v, b, r0, r1, call, bs)
                     o_b, l_b = block_forward(q_rows, keys, vals, scale=scale, mask=mask)
                     _store(*_row_views(out, lse, b, r0, r1, bs), o_b, l_b, call.merge)
+                    del o_b, l_b
             continue
         if call.kind == "abs":
             keys, vals = (x[:, call.a * bs : call.b * bs] for x in (k, v))
@@ -559,6 +566,8 @@ def block_sparse_forward(
             rows = slice(r0 * bs, min(r1 * bs, seq_len))
             o_b, l_b = block_forward(q[:, rows], keys, vals, scale=scale, mask=mask)
             _store(out[:, rows], lse[:, :, rows], o_b, l_b, call.merge)
+            del o_b, l_b
+        del keys, vals  # a gather's copies, before the next call gathers
     return out, lse
 
 
@@ -567,7 +576,7 @@ def _key_parts(call: _Call, bs: int) -> list[_Call]:
     whose per-call dk, dv would otherwise grow with the keys a row keeps (O(S) for a window
     that is a fraction of the sequence). Gradients of key subsets simply add up; the causal
     diagonal stays the last block of the last part."""
-    most = max(1, CHUNK_TOKENS // bs)
+    most = max(1, BACKWARD_KEY_TOKENS // bs)
     if call.key_blocks <= most:
         return [call]
     if call.kind == "gather":
@@ -582,6 +591,58 @@ def _key_parts(call: _Call, bs: int) -> list[_Call]:
         )
         for a0 in range(call.a, call.b, most)
     ]
+
+
+@functools.lru_cache(maxsize=64)
+def _backward_plan(
+    params: BlockSparseParams, seq_len: int, causal: bool, superblock_tokens: int
+) -> tuple[_Call, ...]:
+    """The backward's calls: the forward's plan (_forward_plan), each superblock as plain calls
+    (its shared run one abs call for all its rows, a row's stairs abs calls of their own), all
+    cut by _key_parts. A superblock's shared run shares its dk and dv among its rows, where a
+    rel call gives each row its own: the same memory holds more work. Blocks of
+    BACKWARD_QUERY_TOKENS or more turn rel calls into a row's abs call each."""
+    bs = params.block_size
+    supers, calls = _forward_plan(params, seq_len, causal, superblock_tokens)
+    parts: list[_Call] = []
+    for sup in supers:
+        parts.append(_Call("abs", sup.r0, sup.r1, *sup.shared))
+        for t, (l0, l1, h0, h1) in enumerate(sup.stairs):
+            row = sup.r0 + t
+            parts += [
+                _Call("abs", row, row + 1, j0, j1) for j0, j1 in ((l0, l1), (h0, h1)) if j1 > j0
+            ]
+    if bs >= BACKWARD_QUERY_TOKENS:  # a row fills a call: as abs calls its queries can be cut
+        calls = tuple(
+            _Call("abs", r, r + 1, r + c.a, r + c.b, masked=c.masked) if c.kind == "rel" else c
+            for c in calls
+            for r in (range(c.r0, c.r1) if c.kind == "rel" else [c.r0])
+        )
+    return tuple(part for call in (*parts, *calls) for part in _key_parts(call, bs))
+
+
+def _backward_split(call: _Call, bs: int, heads: int) -> tuple[int, int]:
+    """(query tokens, query heads) of one backward call of `call`: its temporaries (per query
+    token its dq and the op's contiguous copy of dout, per key token its dk and dv; a rel
+    call's rows each have their own keys) stay within CALL_ROW_HEADS rows x heads, and its
+    query tokens within BACKWARD_QUERY_TOKENS (a rel call's: whole blocks, at least one).
+    Heads go in powers of two, as many as fit: the op runs them in parallel."""
+    rel = call.kind == "rel"
+    fixed = 0 if rel else 2 * call.key_blocks * bs
+    per_token = 2 + 2 * call.key_blocks if rel else 2
+    unit = bs if rel else 1
+    fit = max(1, min(heads, CALL_ROW_HEADS // (fixed + per_token * unit)))
+    max_heads = 1 << (fit.bit_length() - 1)
+    tokens = (CALL_ROW_HEADS // max_heads - fixed) // per_token
+    tokens = min(max(unit, BACKWARD_QUERY_TOKENS), max(unit, tokens))
+    return tokens // unit * unit, max_heads
+
+
+def _token_chunks(lo: int, hi: int, most: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into the fewest near-equal ranges of at most `most` tokens."""
+    count = -(-(hi - lo) // most)
+    cuts = [lo + (hi - lo) * i // count for i in range(count + 1)]
+    return list(itertools.pairwise(cuts))
 
 
 def block_sparse_backward(
@@ -605,18 +666,17 @@ def block_sparse_backward(
     n = seq_len // bs  # whole blocks (a short last block is only met by abs and gather calls)
     dq, dk, dv = zero_grads(q, k)
     heads = q.shape[2]
-    calls = [part for c in _plan(params, seq_len, causal) for part in _key_parts(c, bs)]
+    calls = _backward_plan(params, seq_len, causal, SUPERBLOCK_TOKENS)
     for call in calls:
         mask = _call_mask(call, bs, seq_len)
-        rows_per_call = max(1, CHUNK_TOKENS // (bs * call.key_blocks))
-        max_heads = max(1, CALL_ROW_HEADS // (bs * call.key_blocks))  # bounds dk_b, dv_b
+        tokens, max_heads = _backward_split(call, bs, heads)
         pieces = primitive.kv_head_pieces(0, heads, heads, kv_heads, max_heads)
         if call.kind == "rel":
             for b in range(bsz):
                 dk_blocks = dk[b, : n * bs].view(n, bs, kv_heads, dim)
                 dv_blocks = dv[b, : n * bs].view(n, bs, kv_heads, dim)
                 for (r0, r1), (a0, a1, c0, c1) in itertools.product(
-                    _chunks(call, rows_per_call), pieces
+                    _chunks(call, tokens // bs), pieces
                 ):
                     hq, hk = slice(a0, a1), slice(c0, c1)
                     q_rows, lse_rows = _row_views(q, lse, b, r0, r1, bs)
@@ -635,13 +695,16 @@ def block_sparse_backward(
                         j0, keys = r0 + call.a + t, slice(t * bs, (t + 1) * bs)
                         dk_blocks[j0 : j0 + r1 - r0, :, hk].add_(dk_b[:, keys])
                         dv_blocks[j0 : j0 + r1 - r0, :, hk].add_(dv_b[:, keys])
+                    del dq_b, dk_b, dv_b  # before the next call allocates its own
             continue
         if call.kind == "abs":
             keys, vals = (x[:, call.a * bs : call.b * bs] for x in (k, v))
         else:
             keys, vals = (_gather(x, call.blocks, bs) for x in (k, v))
-        for (r0, r1), (a0, a1, c0, c1) in itertools.product(_chunks(call, rows_per_call), pieces):
-            rows, hq, hk = slice(r0 * bs, min(r1 * bs, seq_len)), slice(a0, a1), slice(c0, c1)
+        first = call.r0 * bs  # query tokens in any cut: the keys are the same for all
+        spans = _token_chunks(first, min(call.r1 * bs, seq_len), tokens)
+        for (t0, t1), (a0, a1, c0, c1) in itertools.product(spans, pieces):
+            rows, hq, hk = slice(t0, t1), slice(a0, a1), slice(c0, c1)
             dq_b, dk_b, dv_b = block_backward(
                 dout[:, rows, hq],
                 q[:, rows, hq],
@@ -650,7 +713,7 @@ def block_sparse_backward(
                 out[:, rows, hq],
                 lse[:, hq, rows],
                 scale=scale,
-                mask=mask,
+                mask=None if mask is None else mask[t0 - first : t1 - first],
             )
             dq[:, rows, hq].add_(dq_b)
             if call.kind == "abs":
@@ -660,6 +723,8 @@ def block_sparse_backward(
                 idx = _token_index(call.blocks, bs, seq_len).to(q.device)
                 dk[:, :, hk].index_add_(1, idx, dk_b)
                 dv[:, :, hk].index_add_(1, idx, dv_b)
+            del dq_b, dk_b, dv_b
+        del keys, vals
     return dq, dk, dv
 
 

@@ -176,6 +176,7 @@ def backward_rows(
                 qr.of(dq, b).add_(dq_b)
                 kr.of(dk, b).add_(dk_b)
                 kr.of(dv, b).add_(dv_b)
+                del dq_b, dk_b, dv_b  # before the next call allocates its own
 
 
 def dilated_forward(

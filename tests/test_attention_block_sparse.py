@@ -379,3 +379,71 @@ def test_superblocks_with_grouped_query_heads_equal_sdpa(causal, monkeypatch) ->
         strict=True,
     ):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seq", [48, 50])
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: "-".join(map(str, p.values())))
+def test_the_backwards_small_calls_equal_the_reference(params, seq, causal, monkeypatch) -> None:
+    """The backward cut small: superblocks as plain calls, queries cut inside a block (rel calls
+    as a row's abs call each once a block fills a call; a causal diagonal's mask cut with its
+    queries), key parts, heads one at a time, kv heads grouped, a short last block (seq 50):
+    gradients equal the masked reference's."""
+    monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 8)
+    monkeypatch.setattr(bs_module, "BACKWARD_QUERY_TOKENS", 3)
+    monkeypatch.setattr(bs_module, "BACKWARD_KEY_TOKENS", 4)
+    monkeypatch.setattr(bs_module, "CALL_ROW_HEADS", 20)
+    module = attention.build("block_sparse", **params)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, seq, 4, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, seq, 2, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = k.requires_grad_(), v.requires_grad_()
+    keep = block_token_mask(
+        module.block_mask(seq), params["block_size"], causal=causal, seq_len=seq
+    )
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=keep, enable_gqa=True
+    ).transpose(1, 2)
+    out = module(q, k, v, causal=causal)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    refs = torch.autograd.grad(ref, (q, k, v), dout)
+    for name, a, b in zip("qkv", grads, refs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=f"d{name}")
+    plan = bs_module._backward_plan(module.params, seq, causal, 8)
+    bs = params["block_size"]
+    assert all(c.key_blocks * bs <= max(bs, 4) for c in plan), "key parts"
+    if bs >= 3:  # a block fills a call: rel rows are abs calls, their queries cut
+        assert all(c.kind != "rel" for c in plan)
+
+
+@pytest.mark.parametrize("heads", [1, 4, 8, 32])
+@pytest.mark.parametrize("call", [
+    bs_module._Call("rel", 0, 40, -2, 3),
+    bs_module._Call("rel", 0, 40, -32, 1, masked=True),
+    bs_module._Call("abs", 0, 12, 0, 8),
+    bs_module._Call("abs", 0, 1, 0, 32),
+    bs_module._Call("gather", 5, 6, blocks=(0, 2, 5)),
+], ids=lambda c: f"{c.kind}-{c.key_blocks}")  # fmt: skip
+def test_a_backward_calls_temporaries_stay_within_the_budget(call, heads) -> None:
+    """dq and dout's copy per query token, dk and dv per key token (each rel row its own):
+    within CALL_ROW_HEADS rows x heads unless one head and one unit of queries exceed it;
+    heads in powers of two, queries whole blocks for rel calls and within the bound."""
+    bs = 64
+    tokens, max_heads = bs_module._backward_split(call, bs, heads)
+    keys = call.key_blocks * bs
+    temps = max_heads * (
+        tokens * (2 + 2 * call.key_blocks) if call.kind == "rel" else 2 * tokens + 2 * keys
+    )
+    smallest = tokens == (bs if call.kind == "rel" else 1) and max_heads == 1
+    assert temps <= bs_module.CALL_ROW_HEADS or smallest
+    assert max_heads & (max_heads - 1) == 0 and 1 <= max_heads <= heads
+    assert tokens <= max(bs_module.BACKWARD_QUERY_TOKENS, bs if call.kind == "rel" else 0)
+    assert call.kind != "rel" or tokens % bs == 0
+
+
+def test_query_cuts_are_near_equal_and_within_the_bound() -> None:
+    assert bs_module._token_chunks(0, 1024, 512) == [(0, 512), (512, 1024)]
+    assert bs_module._token_chunks(10, 17, 3) == [(10, 12), (12, 14), (14, 17)]
+    assert bs_module._token_chunks(0, 5, 8) == [(0, 5)]
