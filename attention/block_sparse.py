@@ -571,12 +571,12 @@ def block_sparse_forward(
     return out, lse
 
 
-def _key_parts(call: _Call, bs: int) -> list[_Call]:
-    """`call` cut into calls of at most CHUNK_TOKENS keys (at least one block) for the backward,
+def _key_parts(call: _Call, bs: int, key_tokens: int) -> list[_Call]:
+    """`call` cut into calls of at most `key_tokens` keys (at least one block) for the backward,
     whose per-call dk, dv would otherwise grow with the keys a row keeps (O(S) for a window
     that is a fraction of the sequence). Gradients of key subsets simply add up; the causal
     diagonal stays the last block of the last part."""
-    most = max(1, BACKWARD_KEY_TOKENS // bs)
+    most = max(1, key_tokens // bs)
     if call.key_blocks <= most:
         return [call]
     if call.kind == "gather":
@@ -595,13 +595,19 @@ def _key_parts(call: _Call, bs: int) -> list[_Call]:
 
 @functools.lru_cache(maxsize=64)
 def _backward_plan(
-    params: BlockSparseParams, seq_len: int, causal: bool, superblock_tokens: int
+    params: BlockSparseParams,
+    seq_len: int,
+    causal: bool,
+    superblock_tokens: int,
+    query_tokens: int,
+    key_tokens: int,
 ) -> tuple[_Call, ...]:
     """The backward's calls: the forward's plan (_forward_plan), each superblock as plain calls
     (its shared run one abs call for all its rows, a row's stairs abs calls of their own), all
     cut by _key_parts. A superblock's shared run shares its dk and dv among its rows, where a
-    rel call gives each row its own: the same memory holds more work. Blocks of
-    BACKWARD_QUERY_TOKENS or more turn rel calls into a row's abs call each."""
+    rel call gives each row its own: the same memory holds more work. Blocks of `query_tokens`
+    (BACKWARD_QUERY_TOKENS) or more turn rel calls into a row's abs call each; `key_tokens`
+    (BACKWARD_KEY_TOKENS) bounds the key parts. The constants are arguments: the cache's key."""
     bs = params.block_size
     supers, calls = _forward_plan(params, seq_len, causal, superblock_tokens)
     parts: list[_Call] = []
@@ -612,13 +618,13 @@ def _backward_plan(
             parts += [
                 _Call("abs", row, row + 1, j0, j1) for j0, j1 in ((l0, l1), (h0, h1)) if j1 > j0
             ]
-    if bs >= BACKWARD_QUERY_TOKENS:  # a row fills a call: as abs calls its queries can be cut
+    if bs >= query_tokens:  # a row fills a call: as abs calls its queries can be cut
         calls = tuple(
             _Call("abs", r, r + 1, r + c.a, r + c.b, masked=c.masked) if c.kind == "rel" else c
             for c in calls
             for r in (range(c.r0, c.r1) if c.kind == "rel" else [c.r0])
         )
-    return tuple(part for call in (*parts, *calls) for part in _key_parts(call, bs))
+    return tuple(part for call in (*parts, *calls) for part in _key_parts(call, bs, key_tokens))
 
 
 def _backward_split(call: _Call, bs: int, heads: int) -> tuple[int, int]:
@@ -633,7 +639,10 @@ def _backward_split(call: _Call, bs: int, heads: int) -> tuple[int, int]:
     unit = bs if rel else 1
     fit = max(1, min(heads, CALL_ROW_HEADS // (fixed + per_token * unit)))
     max_heads = 1 << (fit.bit_length() - 1)
-    tokens = (CALL_ROW_HEADS // max_heads - fixed) // per_token
+    if fixed + per_token * unit > CALL_ROW_HEADS:  # one block of keys alone is over it:
+        tokens = BACKWARD_QUERY_TOKENS  # fewer queries cannot make it fit, only slower
+    else:
+        tokens = (CALL_ROW_HEADS // max_heads - fixed) // per_token
     tokens = min(max(unit, BACKWARD_QUERY_TOKENS), max(unit, tokens))
     return tokens // unit * unit, max_heads
 
@@ -666,7 +675,9 @@ def block_sparse_backward(
     n = seq_len // bs  # whole blocks (a short last block is only met by abs and gather calls)
     dq, dk, dv = zero_grads(q, k)
     heads = q.shape[2]
-    calls = _backward_plan(params, seq_len, causal, SUPERBLOCK_TOKENS)
+    calls = _backward_plan(
+        params, seq_len, causal, SUPERBLOCK_TOKENS, BACKWARD_QUERY_TOKENS, BACKWARD_KEY_TOKENS
+    )
     for call in calls:
         mask = _call_mask(call, bs, seq_len)
         tokens, max_heads = _backward_split(call, bs, heads)

@@ -411,7 +411,7 @@ def test_the_backwards_small_calls_equal_the_reference(params, seq, causal, monk
     refs = torch.autograd.grad(ref, (q, k, v), dout)
     for name, a, b in zip("qkv", grads, refs, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=f"d{name}")
-    plan = bs_module._backward_plan(module.params, seq, causal, 8)
+    plan = bs_module._backward_plan(module.params, seq, causal, 8, 3, 4)
     bs = params["block_size"]
     assert all(c.key_blocks * bs <= max(bs, 4) for c in plan), "key parts"
     if bs >= 3:  # a block fills a call: rel rows are abs calls, their queries cut
@@ -425,6 +425,7 @@ def test_the_backwards_small_calls_equal_the_reference(params, seq, causal, monk
     bs_module._Call("abs", 0, 12, 0, 8),
     bs_module._Call("abs", 0, 1, 0, 32),
     bs_module._Call("gather", 5, 6, blocks=(0, 2, 5)),
+    bs_module._Call("abs", 0, 4, 0, 64),  # 4096 keys: alone over the budget
 ], ids=lambda c: f"{c.kind}-{c.key_blocks}")  # fmt: skip
 def test_a_backward_calls_temporaries_stay_within_the_budget(call, heads) -> None:
     """dq and dout's copy per query token, dk and dv per key token (each rel row its own):
@@ -436,8 +437,15 @@ def test_a_backward_calls_temporaries_stay_within_the_budget(call, heads) -> Non
     temps = max_heads * (
         tokens * (2 + 2 * call.key_blocks) if call.kind == "rel" else 2 * tokens + 2 * keys
     )
-    smallest = tokens == (bs if call.kind == "rel" else 1) and max_heads == 1
-    assert temps <= bs_module.CALL_ROW_HEADS or smallest
+    # over it only where one head, one unit of queries and the keys (a rel row's, or one
+    # call's) cannot fit; queries then go as far as the bound (fewer would only be slower)
+    unit = bs if call.kind == "rel" else 1
+    alone = max_heads * ((2 + 2 * call.key_blocks) * bs if call.kind == "rel" else 2 + 2 * keys)
+    assert temps <= bs_module.CALL_ROW_HEADS or (
+        max_heads == 1 and alone > bs_module.CALL_ROW_HEADS
+    )
+    if alone > bs_module.CALL_ROW_HEADS:
+        assert tokens == max(unit, bs_module.BACKWARD_QUERY_TOKENS) // unit * unit
     assert max_heads & (max_heads - 1) == 0 and 1 <= max_heads <= heads
     assert tokens <= max(bs_module.BACKWARD_QUERY_TOKENS, bs if call.kind == "rel" else 0)
     assert call.kind != "rel" or tokens % bs == 0
@@ -447,3 +455,33 @@ def test_query_cuts_are_near_equal_and_within_the_bound() -> None:
     assert bs_module._token_chunks(0, 1024, 512) == [(0, 512), (512, 1024)]
     assert bs_module._token_chunks(10, 17, 3) == [(10, 12), (12, 14), (14, 17)]
     assert bs_module._token_chunks(0, 5, 8) == [(0, 5)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("params", PARAMS[:4], ids=lambda p: "-".join(map(str, p.values())))
+def test_the_backward_computes_each_kept_pair_once_within_the_query_bound(
+    params, causal, monkeypatch
+) -> None:
+    """The pairs the backward asks of the primitive equal the mask's count, and no call has
+    more queries than BACKWARD_QUERY_TOKENS (a rel call's: whole blocks, at least one)."""
+    monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 8)
+    monkeypatch.setattr(bs_module, "BACKWARD_QUERY_TOKENS", 3)
+    monkeypatch.setattr(bs_module, "BACKWARD_KEY_TOKENS", 4)
+    monkeypatch.setattr(bs_module, "CALL_ROW_HEADS", 20)
+    bs = params["block_size"]
+    seen, queries = [], []
+    real = bs_module.block_backward
+
+    def spy(dout, q, k, v, out, lse, *, scale, mask=None):
+        kept = int(mask.sum()) if mask is not None else q.shape[1] * k.shape[1]
+        seen.append(q.shape[0] * q.shape[2] * kept)
+        queries.append(q.shape[1])
+        return real(dout, q, k, v, out, lse, scale=scale, mask=mask)
+
+    monkeypatch.setattr(bs_module, "block_backward", spy)
+    module = attention.build("block_sparse", **params)
+    q = torch.randn(1, 50, 2, 4, requires_grad=True)
+    module(q, q, q, causal=causal).sum().backward()
+    keep = block_token_mask(module.block_mask(50), bs, causal=causal, seq_len=50)
+    assert sum(seen) == 2 * int(keep.sum())
+    assert max(queries) <= 3  # blocks of 4 cut inside, rel rows of 2 whole

@@ -88,13 +88,15 @@ def heap_keeps_freed() -> Iterator[None]:
     are taken here, so a kernel that allocates many block-sized results is not charged the page
     faults of `heap_follows_tensors` (measured: block_sparse at block 64, 16K tokens, forward
     0.80-0.82x of SDPA's FLOP/s under it, 0.89-0.93x here). On exit the heap follows the
-    tensors again and what was kept is given back (`release`)."""
-    kept = _mallopt(KEEP_MMAP_THRESHOLD, KEEP_TRIM_THRESHOLD)
+    tensors again and what was kept is given back (`release`). Freed chunks stay in glibc's
+    bins (not resident) and are reused by later allocations that fit: a peak metered after
+    this counts that fragmentation, so meter before timing (bench/kernels.py does).
+    Reuse settles after some rounds (about ten of 1 MiB tensors here)."""
+    _mallopt(KEEP_MMAP_THRESHOLD, KEEP_TRIM_THRESHOLD)
     try:
         yield
-    finally:
-        if kept:
-            heap_follows_tensors()
+    finally:  # both thresholds back, whichever of the two calls took
+        heap_follows_tensors()
         release()
 
 
