@@ -129,17 +129,26 @@ def test_sparsity_ratio_sets_density_within_one_block_per_row(pattern) -> None:
     assert densities[0] < densities[1] < densities[2]
 
 
+def _spy_pairs(monkeypatch, name: str) -> list[tuple[int, int]]:
+    """Patch bs_module.<name> (block_forward or block_backward) to record, per primitive call,
+    (query tokens, kept token pairs x batch x heads)."""
+    calls: list[tuple[int, int]] = []
+    real = getattr(bs_module, name)
+    at = 0 if name == "block_forward" else 1  # the backward's q comes after dout
+
+    def spy(*args, mask=None, **kwargs):
+        q, k = args[at], args[at + 1]
+        kept = int(mask.sum()) if mask is not None else q.shape[1] * k.shape[1]
+        calls.append((q.shape[1], q.shape[0] * q.shape[2] * kept))
+        return real(*args, mask=mask, **kwargs)
+
+    monkeypatch.setattr(bs_module, name, spy)
+    return calls
+
+
 def test_kernel_computes_exactly_the_kept_pairs(monkeypatch) -> None:
     """Token pairs the primitive is asked to keep == mask count == flops(); no dense compute."""
-    seen = []
-    real = bs_module.block_forward
-
-    def spy(q, k, v, *, scale, mask=None):
-        kept = int(mask.sum()) if mask is not None else q.shape[1] * k.shape[1]
-        seen.append(q.shape[0] * q.shape[2] * kept)
-        return real(q, k, v, scale=scale, mask=mask)
-
-    monkeypatch.setattr(bs_module, "block_forward", spy)
+    seen = _spy_pairs(monkeypatch, "block_forward")
     for params in PARAMS:
         module = attention.build("block_sparse", **params)
         q = torch.randn(2, 32, 3, 4)
@@ -149,8 +158,9 @@ def test_kernel_computes_exactly_the_kept_pairs(monkeypatch) -> None:
             token_keep = block_token_mask(
                 module.block_mask(32), params["block_size"], causal=causal
             )
-            assert sum(seen) == 2 * 3 * int(token_keep.sum())
-            assert module.flops(2, 32, 3, 4, causal=causal) == 4 * 4 * sum(seen)
+            pairs = sum(p for _, p in seen)
+            assert pairs == 2 * 3 * int(token_keep.sum())
+            assert module.flops(2, 32, 3, 4, causal=causal) == 4 * 4 * pairs
 
 
 def test_flops_count_kept_blocks() -> None:
@@ -334,15 +344,7 @@ def test_superblocks_keep_exactly_the_kept_pairs(monkeypatch) -> None:
     """Shared keys plus stairs cover each kept token pair once: the pairs asked of the primitive
     equal the mask's count."""
     monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 8)
-    seen = []
-    real = bs_module.block_forward
-
-    def spy(q, k, v, *, scale, mask=None):
-        kept = int(mask.sum()) if mask is not None else q.shape[1] * k.shape[1]
-        seen.append(q.shape[0] * q.shape[2] * kept)
-        return real(q, k, v, scale=scale, mask=mask)
-
-    monkeypatch.setattr(bs_module, "block_forward", spy)
+    seen = _spy_pairs(monkeypatch, "block_forward")
     for params, _, _ in SUPERBLOCK_CASES:
         module = attention.build("block_sparse", **params)
         q = torch.randn(1, 72, 2, 4)
@@ -351,7 +353,7 @@ def test_superblocks_keep_exactly_the_kept_pairs(monkeypatch) -> None:
             with torch.no_grad():
                 module(q, q, q, causal=causal)
             keep = block_token_mask(module.block_mask(72), 2, causal=causal)
-            assert sum(seen) == 2 * int(keep.sum())
+            assert sum(p for _, p in seen) == 2 * int(keep.sum())
             supers, _ = bs_module._forward_plan(module.params, 72, causal, 8)
             assert supers or causal, "no superblock ran"
 
@@ -469,19 +471,10 @@ def test_the_backward_computes_each_kept_pair_once_within_the_query_bound(
     monkeypatch.setattr(bs_module, "BACKWARD_KEY_TOKENS", 4)
     monkeypatch.setattr(bs_module, "CALL_ROW_HEADS", 20)
     bs = params["block_size"]
-    seen, queries = [], []
-    real = bs_module.block_backward
-
-    def spy(dout, q, k, v, out, lse, *, scale, mask=None):
-        kept = int(mask.sum()) if mask is not None else q.shape[1] * k.shape[1]
-        seen.append(q.shape[0] * q.shape[2] * kept)
-        queries.append(q.shape[1])
-        return real(dout, q, k, v, out, lse, scale=scale, mask=mask)
-
-    monkeypatch.setattr(bs_module, "block_backward", spy)
+    seen = _spy_pairs(monkeypatch, "block_backward")
     module = attention.build("block_sparse", **params)
     q = torch.randn(1, 50, 2, 4, requires_grad=True)
     module(q, q, q, causal=causal).sum().backward()
     keep = block_token_mask(module.block_mask(50), bs, causal=causal, seq_len=50)
-    assert sum(seen) == 2 * int(keep.sum())
-    assert max(queries) <= 3  # blocks of 4 cut inside, rel rows of 2 whole
+    assert sum(p for _, p in seen) == 2 * int(keep.sum())
+    assert max(n for n, _ in seen) <= 3  # blocks of 4 cut inside, rel rows of 2 whole
