@@ -290,16 +290,6 @@ def _plan(
     return tuple(calls)
 
 
-@functools.lru_cache(maxsize=32)
-def _diag_mask(block_size: int, n_blocks: int, last: int | None = None) -> torch.Tensor:
-    """Keep (last, (n_blocks - 1)*bs + last): full blocks, then a causal diagonal block of
-    `last` tokens (block_size unless it is the short last block)."""
-    last = block_size if last is None else last
-    keep = torch.ones(last, (n_blocks - 1) * block_size + last, dtype=torch.bool)
-    keep[:, -last:] = torch.ones(last, last, dtype=torch.bool).tril()
-    return keep
-
-
 def _chunks(call: _Call, rows_per_call: int) -> list[tuple[int, int]]:
     return [(r, min(call.r1, r + rows_per_call)) for r in range(call.r0, call.r1, rows_per_call)]
 
@@ -345,11 +335,11 @@ def _gather(x: torch.Tensor, blocks: tuple[int, ...], bs: int) -> torch.Tensor:
     return x.index_select(1, _token_index(blocks, bs, x.shape[1]).to(x.device))
 
 
-def _call_mask(call: _Call, bs: int, seq_len: int) -> torch.Tensor | None:
-    """The causal keep-mask of a masked call (its query block is the diagonal, last)."""
-    if not call.masked:
-        return None
-    return _diag_mask(bs, call.key_blocks, min(bs, seq_len - call.r0 * bs))
+def _call_diagonal(call: _Call, bs: int) -> int | None:
+    """The primitive's causal `diagonal` for a masked call's whole query block (its key blocks
+    end with the diagonal block, so query t sees the keys before that block and the block's
+    first t + 1), None for an unmasked call. A call on the block's queries [t0, t1) adds t0."""
+    return (call.key_blocks - 1) * bs if call.masked else None
 
 
 @dataclass(frozen=True)
@@ -547,14 +537,15 @@ def block_sparse_forward(
             _stairs_forward(q, k, v, out, lse, sup, bs, scale, buffers)
         del buffers
     for call in calls:
-        mask = _call_mask(call, bs, seq_len)
+        diag = _call_diagonal(call, bs)
+        causal_call = {"causal": diag is not None, "diagonal": diag or 0}
         if call.kind == "rel":
             for b in range(bsz):
                 for r0, r1 in _chunks(call, rows_per_call):
                     q_rows, _ = _row_views(q, lse, b, r0, r1, bs)
                     keys = _rel_keys(k, b, r0, r1, call, bs)
                     vals = _rel_keys(v, b, r0, r1, call, bs)
-                    o_b, l_b = block_forward(q_rows, keys, vals, scale=scale, mask=mask)
+                    o_b, l_b = block_forward(q_rows, keys, vals, scale=scale, **causal_call)
                     _store(*_row_views(out, lse, b, r0, r1, bs), o_b, l_b, call.merge)
                     del o_b, l_b
             continue
@@ -564,7 +555,7 @@ def block_sparse_forward(
             keys, vals = (_gather(x, call.blocks, bs) for x in (k, v))
         for r0, r1 in _chunks(call, rows_per_call):
             rows = slice(r0 * bs, min(r1 * bs, seq_len))
-            o_b, l_b = block_forward(q[:, rows], keys, vals, scale=scale, mask=mask)
+            o_b, l_b = block_forward(q[:, rows], keys, vals, scale=scale, **causal_call)
             _store(out[:, rows], lse[:, :, rows], o_b, l_b, call.merge)
             del o_b, l_b
         del keys, vals  # a gather's copies, before the next call gathers
@@ -679,7 +670,7 @@ def block_sparse_backward(
         params, seq_len, causal, SUPERBLOCK_TOKENS, BACKWARD_QUERY_TOKENS, BACKWARD_KEY_TOKENS
     )
     for call in calls:
-        mask = _call_mask(call, bs, seq_len)
+        diag = _call_diagonal(call, bs)
         tokens, max_heads = _backward_split(call, bs, heads)
         pieces = primitive.kv_head_pieces(0, heads, heads, kv_heads, max_heads)
         if call.kind == "rel":
@@ -699,7 +690,8 @@ def block_sparse_backward(
                         _row_views(out, lse, b, r0, r1, bs)[0][:, :, hq],
                         lse_rows[:, hq],
                         scale=scale,
-                        mask=mask,
+                        causal=diag is not None,
+                        diagonal=diag or 0,
                     )
                     _row_views(dq, lse, b, r0, r1, bs)[0][:, :, hq].add_(dq_b)
                     for t in range(call.key_blocks):  # slices, not a reshape: dk_b is strided
@@ -724,7 +716,8 @@ def block_sparse_backward(
                 out[:, rows, hq],
                 lse[:, hq, rows],
                 scale=scale,
-                mask=None if mask is None else mask[t0 - first : t1 - first],
+                causal=diag is not None,
+                diagonal=0 if diag is None else diag + t0 - first,
             )
             dq[:, rows, hq].add_(dq_b)
             if call.kind == "abs":
@@ -760,9 +753,7 @@ class BlockSparseAttention(MergedKernel):
     ) -> torch.Tensor:
         check_qkv(q, k, v)
         check_block_sparse(self.params, seq_len=q.shape[1], num_heads=q.shape[2])
-        # causal diagonal blocks go through the primitive with a mask (another backend on CUDA)
-        backends = {primitive.backend_for(q.device, q.dtype, has_mask=m) for m in {False, causal}}
-        self.backend = "+".join(sorted(backends))
+        self.backend = primitive.backend_for(q.device, q.dtype)
         fwd = functools.partial(block_sparse_forward, params=self.params, causal=causal)
         bwd = functools.partial(block_sparse_backward, params=self.params, causal=causal)
         return in_order(

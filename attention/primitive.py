@@ -8,11 +8,18 @@ Rows that see no key have out 0 and lse -inf; `merge` handles that without NaN.
 Grouped-query attention: k and v may have fewer heads than q (H_kv dividing H); query head h
 reads kv head h // (H / H_kv), and the backward returns dk, dv with H_kv heads.
 
-Backends (chosen once per (device type, dtype, has_mask), recorded in `last_backend`):
-- "cpu_flash": aten._scaled_dot_product_flash_attention_for_cpu (returns lse; takes an additive
-  float mask), and its fused backward, which accepts any (out, lse) such as merged ones.
-- "cuda_flash" (fp16/bf16) / "cuda_efficient" (fp32): the CUDA SDPA aten ops that return lse.
-- "math": plain matmul/softmax, used only where no fused op applies (a mask on CUDA, other devices).
+Causal: query i sees key j <= i + diagonal (torch.tril's convention: diagonal 0 is top-left
+aligned, Sk - Sq bottom-right). Every call is cut into `causal_pieces`: full rectangles and
+squares with their own causal diagonal, the one causal shape on which every fused op agrees
+(aten's CUDA flash op aligns a non-square causal mask bottom-right, the others top-left), so no
+backend ever needs a materialized mask.
+
+Backends (chosen once per (device type, dtype), recorded in `last_backend`):
+- "cpu_flash": aten._scaled_dot_product_flash_attention_for_cpu and its fused backward.
+- "cuda_flash" (fp16/bf16) / "cuda_efficient" (fp32): the CUDA SDPA aten ops that return lse, and
+  their fused backward ops, fed the FINAL merged (out, lse) as ring-flash-attention feeds
+  flash-attn's and PyTorch's context parallelism feeds these same ops.
+- "math": plain matmul/softmax, only where no fused op exists (fp64 on CUDA, other devices).
 The fused ops' lse carries no gradient: never let autograd see a merge; use `block_backward`.
 """
 
@@ -33,11 +40,11 @@ _MATH_CHUNK_ELEMENTS = 1 << 24  # score elements per chunk in the plain-math pat
 
 
 @functools.cache
-def _backend_for(device_type: str, dtype: torch.dtype, has_mask: bool) -> str:
+def _backend_for(device_type: str, dtype: torch.dtype) -> str:
     cpu_dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
     if device_type == "cpu" and dtype in cpu_dtypes:
         return "cpu_flash"
-    if device_type == "cuda" and not has_mask:
+    if device_type == "cuda":
         if dtype in (torch.float16, torch.bfloat16):
             return "cuda_flash"
         if dtype == torch.float32:
@@ -45,9 +52,9 @@ def _backend_for(device_type: str, dtype: torch.dtype, has_mask: bool) -> str:
     return "math"
 
 
-def backend_for(device: torch.device | str, dtype: torch.dtype, *, has_mask: bool = False) -> str:
-    """The backend `block_forward` uses for this device type, dtype and whether a mask is given."""
-    return _backend_for(torch.device(device).type, dtype, has_mask)
+def backend_for(device: torch.device | str, dtype: torch.dtype) -> str:
+    """The backend `block_forward` and `block_backward` use for this device type and dtype."""
+    return _backend_for(torch.device(device).type, dtype)
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -121,27 +128,31 @@ def _cut_piece(
     return cuts
 
 
-def _combined_mask(
-    mask: torch.Tensor | None, causal: bool, sq: int, sk: int, device: torch.device
-) -> torch.Tensor | None:
-    """Keep-mask (Sq, Sk) or (H, Sq, Sk) combining `mask` with the top-left causal mask."""
-    if mask is not None:
-        if mask.dtype != torch.bool or mask.shape[-2:] != (sq, sk) or mask.dim() not in (2, 3):
-            raise ValueError(
-                f"mask: expected a bool tensor of shape ({sq}, {sk}) or (heads, {sq}, {sk}), "
-                f"got {mask.dtype} {tuple(mask.shape)}"
-            )
-        mask = mask.to(device)
-    if causal:
-        tri = torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
-        mask = tri if mask is None else mask & tri
-    return mask
+Piece = tuple[int, int, int, int, bool]
+"""(q0, q1, k0, k1, causal): queries [q0, q1) against keys [k0, k1); causal only on a square,
+where query q0 + t sees keys k0 .. k0 + t."""
 
 
-def _additive_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 / -inf additive mask for the fused CPU op, which takes 2-D or 4-D masks only."""
-    bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, _NEG_INF)
-    return bias.unsqueeze(0) if bias.dim() == 3 else bias
+@functools.lru_cache(maxsize=4096)
+def causal_pieces(sq: int, sk: int, causal: bool, diagonal: int = 0) -> tuple[Piece, ...]:
+    """Pieces whose union is what a (sq, sk) call computes: every pair, or when causal the pairs
+    j <= i + diagonal. Rows [lo, hi) that see a prefix of the keys are a rectangle of the keys
+    all of them see plus a causal square; rows [hi, sq) see every key; rows i < -diagonal see
+    none and are in no piece. Two pieces' rows are equal or disjoint."""
+    if not causal:
+        if diagonal:
+            raise ValueError(f"diagonal: {diagonal} given without causal")
+        return ((0, sq, 0, sk, False),)
+    lo = min(sq, max(0, -diagonal))
+    hi = min(sq, max(lo, sk - diagonal))
+    pieces: list[Piece] = []
+    if lo < hi:
+        if lo + diagonal > 0:
+            pieces.append((lo, hi, 0, lo + diagonal, False))
+        pieces.append((lo, hi, lo + diagonal, hi + diagonal, True))
+    if hi < sq and sk > 0:
+        pieces.append((hi, sq, 0, sk, False))
+    return tuple(pieces)
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -164,62 +175,79 @@ def block_forward(
     *,
     scale: float,
     causal: bool = False,
-    mask: torch.Tensor | None = None,
+    diagonal: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, H, D) against k, v (B, Sk, H_kv, D): out (B,Sq,H,D), lse (B,H,Sq)
-    in `accumulator_dtype`.
+    in `accumulator_dtype`. `causal`: query i sees key j <= i + diagonal. No autograd graph.
 
-    `causal`: query i sees key j <= i (top-left aligned). `mask`: bool keep-mask (Sq, Sk) or
-    (H, Sq, Sk). No autograd graph is built.
+    One fused call per `causal_pieces` piece; pieces of the same rows are merged.
     """
     global last_backend
     _check_shapes(q, k, v)
-    sq, sk = q.shape[1], k.shape[1]
-    backend = backend_for(q.device, q.dtype, has_mask=mask is not None)
+    sq = q.shape[1]
+    backend = backend_for(q.device, q.dtype)
     last_backend = backend
-    acc = accumulator_dtype(q.dtype)
+    pieces = causal_pieces(sq, k.shape[1], causal, diagonal)
     with torch.no_grad():
-        if backend == "math":
-            keep = _combined_mask(mask, causal, sq, sk, q.device)
-            return _math_forward(q, k, v, scale, keep)
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if backend == "cpu_flash":
-            if mask is None:
-                out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    qt, kt, vt, 0.0, causal, scale=scale
-                )
-                return out.transpose(1, 2).to(acc), lse.to(acc)
-            keep = _combined_mask(mask, causal, sq, sk, q.device)
-            bias = _additive_bias(keep, q.dtype)
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qt, kt, vt, 0.0, False, attn_mask=bias, scale=scale
-            )
-            # The fused op leaves rows without any visible key at lse 0: make them -inf.
-            empty = ~keep.any(-1)
-            lse = lse.to(acc).masked_fill(empty, _NEG_INF)
-            return out.transpose(1, 2).to(acc), lse
-        # The CUDA ops are not relied on for GQA (unchecked there): kv heads are repeated.
-        kt, vt = _repeat_kv(kt, qt.shape[1]), _repeat_kv(vt, qt.shape[1])
-        if backend == "cuda_flash":
-            res = torch.ops.aten._scaled_dot_product_flash_attention(
-                qt, kt, vt, 0.0, causal, False, scale=scale
-            )
-            return res[0].transpose(1, 2).to(acc), res[1].to(acc)
-        # cuda_efficient: its lse may be padded along Sq to a multiple of 32.
-        res = torch.ops.aten._scaled_dot_product_efficient_attention(
-            qt, kt, vt, None, True, 0.0, causal, scale=scale
+        if pieces and pieces[0][:2] == (0, sq):  # every piece has all the rows: no buffer
+            out, lse = _piece_forward(backend, q, k, v, scale, pieces[0])
+            for piece in pieces[1:]:
+                merge_(out, lse, *_piece_forward(backend, q, k, v, scale, piece), scratch_b=True)
+            return out, lse
+        out, lse = empty_result(q)
+        seen: set[tuple[int, int]] = set()
+        for piece in pieces:
+            q0, q1 = piece[:2]
+            o_b, l_b = _piece_forward(backend, q, k, v, scale, piece)
+            o, lse_rows = out[:, q0:q1], lse[:, :, q0:q1]
+            if (q0, q1) in seen:
+                merge_(o, lse_rows, o_b, l_b, scratch_b=True)
+            else:
+                o.copy_(o_b)
+                lse_rows.copy_(l_b)
+                seen.add((q0, q1))
+            del o_b, l_b
+        return out, lse
+
+
+def _piece_forward(
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, piece: Piece
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One piece's fused forward: (out, lse) of its rows in the accumulator dtype."""
+    q0, q1, k0, k1, causal = piece
+    acc = accumulator_dtype(q.dtype)
+    q, k, v = q[:, q0:q1], k[:, k0:k1], v[:, k0:k1]
+    if backend == "math":
+        return _math_forward(q, k, v, scale, causal)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if backend == "cpu_flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qt, kt, vt, 0.0, causal, scale=scale
         )
-        return res[0].transpose(1, 2).to(acc), res[1][..., :sq].to(acc)
+        return out.transpose(1, 2).to(acc), lse.to(acc)
+    # The CUDA ops are not relied on for GQA (unchecked there): kv heads are repeated.
+    kt, vt = _repeat_kv(kt, qt.shape[1]), _repeat_kv(vt, qt.shape[1])
+    if backend == "cuda_flash":
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            qt, kt, vt, 0.0, causal, False, scale=scale
+        )
+        return res[0].transpose(1, 2).to(acc), res[1].to(acc)
+    # cuda_efficient: its lse is padded along Sq to a multiple of 32.
+    res = torch.ops.aten._scaled_dot_product_efficient_attention(
+        qt, kt, vt, None, True, 0.0, causal, scale=scale
+    )
+    return res[0].transpose(1, 2).to(acc), res[1][..., : q1 - q0].to(acc)
 
 
 def _math_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, keep: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-math forward in the accumulator dtype, chunked over query rows to bound the score
-    matrix; GQA by repeating each kv head for its query heads."""
+    """Plain-math forward in the accumulator dtype (causal: top-left), chunked over query rows
+    to bound the score matrix; GQA by repeating each kv head for its query heads."""
     b, sq, h, _ = q.shape
     sk = k.shape[1]
     acc = accumulator_dtype(q.dtype)
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril() if causal else None
     qf, kf, vf = (t.to(acc).transpose(1, 2) for t in (q, k, v))
     kf, vf = (_repeat_kv(t, h) for t in (kf, vf))
     out = torch.empty(b, h, sq, q.shape[3], dtype=acc, device=q.device)
@@ -294,36 +322,123 @@ def block_backward(
     *,
     scale: float,
     causal: bool = False,
-    mask: torch.Tensor | None = None,
+    diagonal: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of one block pair in the accumulator dtype (dk, dv with k's
-    heads), recomputing P = exp(S*scale - lse).
+    heads), recomputing P = exp(S*scale - lse); `causal`, `diagonal` as in `block_forward`.
 
     `out` and `lse` are the FINAL (merged) results for these query rows, so summing the blocks'
     gradients gives the exact gradient of the merged attention (FlashAttention-2 backward).
     """
     _check_shapes(q, k, v)
     sq, sk = q.shape[1], k.shape[1]
-    # Rows without any key: lse -inf -> +inf makes P = exp(S - inf) = 0 instead of NaN.
-    acc = accumulator_dtype(q.dtype)
-    lse = lse.to(acc).masked_fill(torch.isneginf(lse), math.inf)
+    backend = backend_for(q.device, q.dtype)
+    # Rows without any key: lse -inf -> +inf makes P = exp(S - inf) = 0 instead of NaN (and
+    # is flash-attn's own convention for such rows).
+    lse = lse.to(accumulator_dtype(q.dtype)).masked_fill(torch.isneginf(lse), math.inf)
+    pieces = causal_pieces(sq, sk, causal, diagonal)
     with torch.no_grad():
-        if q.device.type == "cpu":
-            qt, kt, vt = (t.to(acc).transpose(1, 2) for t in (q, k, v))
-            dot = dout.to(acc).transpose(1, 2)
-            ot = out.to(acc).transpose(1, 2)
-            bias = None
-            is_causal = causal
-            if mask is not None:
-                keep = _combined_mask(mask, causal, sq, sk, q.device)
-                bias = _additive_bias(keep, acc)
-                is_causal = False
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dot, qt, kt, vt, ot, lse, 0.0, is_causal, attn_mask=bias, scale=scale
-            )
-            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-        keep = _combined_mask(mask, causal, sq, sk, q.device)
-        return _math_backward(dout, q, k, v, out, lse, scale, keep)
+        if len(pieces) == 1 and pieces[0][:4] == (0, sq, 0, sk):
+            return _piece_backward(backend, dout, q, k, v, out, lse, scale, pieces[0])
+        dq, dk, dv = zero_grads(q, k)
+        for piece in pieces:
+            q0, q1, k0, k1, _ = piece
+            dq_b, dk_b, dv_b = _piece_backward(backend, dout, q, k, v, out, lse, scale, piece)
+            dq[:, q0:q1] += dq_b
+            dk[:, k0:k1] += dk_b
+            dv[:, k0:k1] += dv_b
+            del dq_b, dk_b, dv_b
+        return dq, dk, dv
+
+
+def _piece_backward(
+    backend: str,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    piece: Piece,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One piece's fused backward: (dq of its rows, dk and dv of its keys), accumulator dtype."""
+    q0, q1, k0, k1, causal = piece
+    acc = accumulator_dtype(q.dtype)
+    rows, keys = slice(q0, q1), slice(k0, k1)
+    dout, q, out, lse = dout[:, rows], q[:, rows], out[:, rows], lse[:, :, rows]
+    k, v = k[:, keys], v[:, keys]
+    if backend == "math":
+        return _math_backward(dout, q, k, v, out, lse, scale, causal)
+    if backend == "cpu_flash":
+        qt, kt, vt = (t.to(acc).transpose(1, 2) for t in (q, k, v))
+        dot, ot = dout.to(acc).transpose(1, 2), out.to(acc).transpose(1, 2)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dot, qt, kt, vt, ot, lse, 0.0, causal, scale=scale
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    return _cuda_backward(backend, dout, q, k, v, out, lse, scale, causal)
+
+
+def _cuda_backward(
+    backend: str,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused CUDA backward ops fed the final (out, lse), as their forward ops' autograd and
+    PyTorch's context parallelism call them: q, k, v, out and dout in the input dtype in the
+    (B, H, S, D) layout of transposed (B, S, H, D) tensors; lse fp32 (B, H, Sq) and contiguous
+    (the efficient op's padded along Sq to a multiple of 32, as its forward returns it); no
+    dropout, so the philox arguments are placeholders in the forward's dtypes. GQA: kv heads
+    repeated, their gradients summed back. `_cuda_backward_args` holds the calls' arguments so
+    that a CPU test can check them against the ops' schemas on the meta device."""
+    op, args, kwargs = _cuda_backward_args(backend, dout, q, k, v, out, lse, scale, causal)
+    grads = op(*args, **kwargs)  # (B, H, S, D) each; dk, dv with the repeated heads
+    acc, h_kv = accumulator_dtype(q.dtype), k.shape[2]
+    dq = grads[0].transpose(1, 2).to(acc)
+    dk, dv = (_sum_kv(g, h_kv).transpose(1, 2).to(acc) for g in grads[1:3])
+    return dq, dk, dv
+
+
+def _cuda_backward_args(
+    backend: str,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> tuple[object, tuple, dict]:
+    """(op, args, kwargs) of `_cuda_backward`'s fused call (see there)."""
+    dtype, device, h = q.dtype, q.device, q.shape[2]
+    qt = q.transpose(1, 2)
+    kt, vt = (_repeat_kv(t.transpose(1, 2), h) for t in (k, v))
+    dot, ot = (t.to(dtype).transpose(1, 2) for t in (dout, out))
+    sq, sk = q.shape[1], k.shape[1]
+    lse32 = lse.to(torch.float32)
+    if backend == "cuda_flash":
+        seed = torch.empty(2, dtype=torch.uint64, device=device)
+        offset = torch.empty((), dtype=torch.uint64, device=device)
+        op = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+        args = (dot, qt, kt, vt, ot, lse32.contiguous(), None, None, sq, sk, 0.0, causal)
+        return op, (*args, seed, offset), {"scale": scale}
+    if backend == "cuda_efficient":
+        padded = -(-sq // 32) * 32
+        lse_p = torch.nn.functional.pad(lse32, (0, padded - sq), value=math.inf).contiguous()
+        seed = torch.zeros((), dtype=torch.int64)  # its forward returns CPU scalars sans dropout
+        offset = torch.zeros((), dtype=torch.int64)
+        op = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+        args = (dot, qt, kt, vt, None, ot, lse_p, seed, offset, 0.0, [True, True, True, False])
+        return op, (*args, causal), {"scale": scale}
+    raise ValueError(f"backend: {backend!r} has no fused CUDA backward")
 
 
 def _math_backward(
@@ -334,12 +449,14 @@ def _math_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     scale: float,
-    keep: torch.Tensor | None,
+    causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain-math FlashAttention-2 backward in the accumulator dtype, chunked over query rows."""
+    """Plain-math FlashAttention-2 backward in the accumulator dtype (causal: top-left),
+    chunked over query rows."""
     b, sq, h, _ = q.shape
     sk, h_kv = k.shape[1], k.shape[2]
     acc = accumulator_dtype(q.dtype)
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril() if causal else None
     qf, kf, vf, dof, of = (t.to(acc).transpose(1, 2) for t in (q, k, v, dout, out))
     kf, vf = (_repeat_kv(t, h) for t in (kf, vf))
     dq = torch.empty_like(qf)

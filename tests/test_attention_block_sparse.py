@@ -136,11 +136,12 @@ def _spy_pairs(monkeypatch, name: str) -> list[tuple[int, int]]:
     real = getattr(bs_module, name)
     at = 0 if name == "block_forward" else 1  # the backward's q comes after dout
 
-    def spy(*args, mask=None, **kwargs):
+    def spy(*args, causal=False, diagonal=0, **kwargs):
         q, k = args[at], args[at + 1]
-        kept = int(mask.sum()) if mask is not None else q.shape[1] * k.shape[1]
-        calls.append((q.shape[1], q.shape[0] * q.shape[2] * kept))
-        return real(*args, mask=mask, **kwargs)
+        sq, sk = q.shape[1], k.shape[1]
+        kept = int(torch.ones(sq, sk).tril(diagonal).sum()) if causal else sq * sk
+        calls.append((sq, q.shape[0] * q.shape[2] * kept))
+        return real(*args, causal=causal, diagonal=diagonal, **kwargs)
 
     monkeypatch.setattr(bs_module, name, spy)
     return calls

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -43,23 +44,64 @@ def test_block_forward_matches_math_natural_log_lse(causal, sq, sk):
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("per_head", [False, True])
-def test_block_forward_mask_and_empty_rows(per_head):
-    q, k, v = rand(1, 6, 2, 4, seed=4), rand(1, 8, 2, 4, seed=5), rand(1, 8, 2, 4, seed=6)
-    g = torch.Generator().manual_seed(7)
-    keep = torch.rand(2 if per_head else 1, 6, 8, generator=g) > 0.5
-    keep[..., 0, :] = False  # an empty row
-    if not per_head:
-        keep = keep[0]
-    out, lse = block_forward(q, k, v, scale=0.5, mask=keep)
-    ref_out, ref_lse = reference(q, k, v, 0.5, keep)
-    assert torch.isneginf(lse[:, :, 0]).all()
-    assert (out[:, 0] == 0).all()
-    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
-    math_out, math_lse = primitive._math_forward(q, k, v, 0.5, keep)
-    torch.testing.assert_close(math_out.double(), ref_out, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(math_lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+def tril_keep(sq, sk, diagonal):
+    """The explicit keep-mask of the primitive's causal convention: j <= i + diagonal."""
+    return torch.ones(sq, sk, dtype=torch.bool).tril(diagonal)
+
+
+SHAPES = [(sq, sk, d) for sq in (1, 4, 7) for sk in (1, 5, 7) for d in range(-8, 9)]
+
+
+@pytest.mark.parametrize("sq,sk,diagonal", SHAPES)
+def test_causal_pieces_cover_exactly_the_tril_mask(sq, sk, diagonal):
+    """The pieces' union is tril(diagonal) with no pair twice; causal only on squares; two
+    pieces' rows are equal or disjoint (block_forward merges equal ones)."""
+    count = torch.zeros(sq, sk, dtype=torch.int64)
+    pieces = primitive.causal_pieces(sq, sk, True, diagonal)
+    for q0, q1, k0, k1, causal in pieces:
+        assert 0 <= q0 < q1 <= sq and 0 <= k0 < k1 <= sk
+        part = torch.ones(q1 - q0, k1 - k0, dtype=torch.int64)
+        if causal:
+            assert q1 - q0 == k1 - k0
+            part = part.tril()
+        count[q0:q1, k0:k1] += part
+    assert torch.equal(count, tril_keep(sq, sk, diagonal).long())
+    rows = {p[:2] for p in pieces}
+    assert all(a == b or a[1] <= b[0] or b[1] <= a[0] for a in rows for b in rows)
+    assert len(pieces) <= (2 if sq + diagonal <= sk else 3)  # a third: rows that see every key
+    assert primitive.causal_pieces(sq, sk, False) == ((0, sq, 0, sk, False),)
+    with pytest.raises(ValueError, match="diagonal"):
+        primitive.causal_pieces(sq, sk, False, 1)
+
+
+@pytest.mark.parametrize("backend", ["cpu_flash", "math"])
+@pytest.mark.parametrize(
+    "sq,sk,diagonal", [(6, 6, 0), (4, 9, 5), (4, 9, 2), (9, 4, 0), (6, 8, -2), (5, 7, -9)]
+)
+def test_offset_causal_forward_and_backward_equal_the_masked_reference(
+    backend, sq, sk, diagonal, monkeypatch
+):
+    """Forward and gradients of causal=True, diagonal=d against fp64 attention under the explicit
+    mask tril(d), empty rows (i < -d) included, on the fused CPU op and the plain-math path."""
+    monkeypatch.setattr(primitive, "backend_for", lambda device, dtype: backend)
+    q, k, v = rand(2, sq, 4, 8, seed=21), rand(2, sk, 2, 8, seed=22), rand(2, sk, 2, 8, seed=23)
+    dout = rand(2, sq, 4, 8, seed=24)
+    keep = tril_keep(sq, sk, diagonal)
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = reference(
+        qd, kd.repeat_interleave(2, 2), vd.repeat_interleave(2, 2), 0.3, keep
+    )
+    ref_out.backward(dout.double())
+    out, lse = block_forward(q, k, v, scale=0.3, causal=True, diagonal=diagonal)
+    assert primitive.last_backend == backend
+    torch.testing.assert_close(out.double(), ref_out.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=1e-5, rtol=1e-5)
+    empty = ~keep.any(-1)
+    assert torch.isneginf(lse[:, :, empty]).all() and (out[:, empty] == 0).all()
+    grads = block_backward(dout, q, k, v, out, lse, scale=0.3, causal=True, diagonal=diagonal)
+    for got, want in zip(grads, (qd.grad, kd.grad, vd.grad), strict=True):
+        assert not torch.isnan(got).any()
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_merge_of_two_key_halves_equals_whole_and_is_nan_free():
@@ -79,38 +121,33 @@ def test_merge_of_two_key_halves_equals_whole_and_is_nan_free():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("use_mask", [False, True])
-def test_block_backward_with_merged_lse_equals_autograd_of_whole(causal, use_mask):
-    """Two key blocks merged; each block's backward with the FINAL lse sums to the true gradient."""
+def test_block_backward_with_merged_lse_equals_autograd_of_whole(causal):
+    """Two key blocks merged; each block's backward with the FINAL lse sums to the true
+    gradient (causal: query i sees key j <= i + 2, so the second block's diagonal is 2 - 5)."""
     sq, sk = 6, 12
     q, k, v = rand(2, sq, 2, 4, seed=11), rand(2, sk, 2, 4, seed=12), rand(2, sk, 2, 4, seed=13)
-    keep = torch.ones(sq, sk, dtype=torch.bool)
-    if use_mask:
-        keep = torch.rand(sq, sk, generator=torch.Generator().manual_seed(14)) > 0.4
-        keep[1] = False
-    if causal:
-        keep = keep & torch.ones(sq, sk, dtype=torch.bool).tril()
+    keep = tril_keep(sq, sk, 2) if causal else torch.ones(sq, sk, dtype=torch.bool)
     dout = rand(2, sq, 2, 4, seed=15)
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
     ref_out, _ = reference(qd, kd, vd, 0.4, keep)
     ref_out.backward(dout.double())
 
-    halves = [(slice(0, 5), keep[:, :5]), (slice(5, sk), keep[:, 5:])]
+    halves = [(slice(0, 5), 2), (slice(5, sk), 2 - 5)]
     out, lse = None, None
-    for sl, m in halves:
-        o, lse_b = block_forward(q, k[:, sl], v[:, sl], scale=0.4, mask=m)
+    for sl, d in halves:
+        o, lse_b = block_forward(
+            q, k[:, sl], v[:, sl], scale=0.4, causal=causal, diagonal=d * causal
+        )
         out, lse = (o, lse_b) if out is None else merge(out, lse, o, lse_b)
     torch.testing.assert_close(out.double(), ref_out.detach(), atol=1e-5, rtol=1e-5)
     dq = torch.zeros_like(q)
-    for sl, m in halves:
-        gq, gk, gv = block_backward(dout, q, k[:, sl], v[:, sl], out, lse, scale=0.4, mask=m)
+    for sl, d in halves:
+        gq, gk, gv = block_backward(
+            dout, q, k[:, sl], v[:, sl], out, lse, scale=0.4, causal=causal, diagonal=d * causal
+        )
         dq += gq
         torch.testing.assert_close(gk.double(), kd.grad[:, sl], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(gv.double(), vd.grad[:, sl], atol=1e-5, rtol=1e-5)
-        mq, mk, mv = primitive._math_backward(dout, q, k[:, sl], v[:, sl], out, lse, 0.4, m)
-        torch.testing.assert_close(mq, gq, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(mk.double(), kd.grad[:, sl], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(mv.double(), vd.grad[:, sl], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dq.double(), qd.grad, atol=1e-5, rtol=1e-5)
     assert not torch.isnan(dq).any()
 
@@ -120,20 +157,53 @@ def test_block_backward_causal_flag():
     dout = rand(1, 6, 2, 4, seed=19)
     out, lse = block_forward(q, k, v, scale=0.5, causal=True)
     got = block_backward(dout, q, k, v, out, lse, scale=0.5, causal=True)
-    keep = torch.ones(6, 6, dtype=torch.bool).tril()
-    want = primitive._math_backward(dout, q, k, v, out, lse, 0.5, keep)
+    want = primitive._math_backward(dout, q, k, v, out, lse, 0.5, True)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_backend_choice_and_bad_mask():
+def test_backend_choice_and_bad_shapes():
     assert backend_for("cpu", torch.float32) == "cpu_flash"
-    assert backend_for("cpu", torch.float32, has_mask=True) == "cpu_flash"
     assert backend_for("cuda", torch.bfloat16) == "cuda_flash"
     assert backend_for("cuda", torch.float32) == "cuda_efficient"
-    assert backend_for("cuda", torch.bfloat16, has_mask=True) == "math"
+    assert backend_for("cuda", torch.float64) == "math"
     q = rand(1, 4, 1, 4)
-    with pytest.raises(ValueError, match="mask"):
-        block_forward(q, q, q, scale=1.0, mask=torch.ones(3, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="q, k"):
         block_forward(q, rand(1, 4, 2, 4), rand(1, 4, 2, 4), scale=1.0)
+
+
+@pytest.mark.parametrize(
+    "dtype,backend", [(torch.bfloat16, "cuda_flash"), (torch.float32, "cuda_efficient")]
+)
+def test_cuda_backward_calls_bind_to_the_ops_schemas(dtype, backend):
+    """The fused CUDA backward's calls, run on the meta device (PyTorch's shape kernels of the
+    same ops), bind to their schemas and give back gradients in q's and k's shapes (GQA summed
+    back to the kv heads). What only a GPU can check (lse and philox conventions, values) is
+    tests/test_workers_cuda.py's and bench.gpu's."""
+    meta = functools.partial(torch.randn, dtype=dtype, device="meta")
+    q, dout, out = meta(2, 40, 4, 64), meta(2, 40, 4, 64), meta(2, 40, 4, 64, dtype=torch.float32)
+    k, v, lse = meta(2, 48, 2, 64), meta(2, 48, 2, 64), meta(2, 4, 40, dtype=torch.float32)
+    dq, dk, dv = primitive._cuda_backward(backend, dout, q, k, v, out, lse, 0.125, True)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert {t.dtype for t in (dq, dk, dv)} == {torch.float32}
+    op, args, _ = primitive._cuda_backward_args(backend, dout, q, k, v, out, lse, 0.125, True)
+    named = dict(zip([a.name for a in op._schema.arguments], args, strict=False))
+    assert named["query"].shape == (2, 4, 40, 64) and named["key"].shape == (2, 4, 48, 64)
+    assert named["out"].dtype == dtype  # the ops want out in the input dtype, not the fp32 merge
+    lse_arg = named["logsumexp"]
+    padded = 64 if backend == "cuda_efficient" else 40  # the efficient op's forward pads to 32s
+    assert lse_arg.is_contiguous() and lse_arg.shape == (2, 4, padded)
+    assert named["dropout_p"] == 0.0 and named["is_causal"] is True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_fused_cuda_ops_with_a_merged_lse_equal_the_reference(dtype, causal):
+    """On a GPU: two key blocks merged, each block's fused backward fed the final (out, lse),
+    against autograd of the fp32 masked reference (bench.gpu's primitive check)."""
+    from bench.gpu import primitive_check
+
+    result = primitive_check(dtype, torch.device("cuda"), causal)
+    assert result["backend"] == ("cuda_efficient" if dtype == "float32" else "cuda_flash")
+    assert result["ok"], result

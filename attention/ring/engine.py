@@ -50,22 +50,16 @@ MIN_PIECE_TOKENS = 64
 @dataclass(frozen=True)
 class Block:
     """Queries [q0, q1) of this rank against keys [k0, k1) of the held block; `causal` is the
-    primitive's top-left causal mask on that rectangle, `mask` an optional keep-mask."""
+    primitive's top-left causal mask on that rectangle."""
 
     q0: int
     q1: int
     k0: int
     k1: int
     causal: bool = False
-    mask: torch.Tensor | None = None
 
     def pairs(self) -> int:
         """Query-key pairs this block computes (for FLOP accounting)."""
-        if self.mask is not None:
-            keep = self.mask
-            if self.causal:
-                keep = keep & torch.ones(keep.shape[-2:], dtype=torch.bool).tril()
-            return int(keep.sum()) // (keep.shape[0] if keep.dim() == 3 else 1)
         sq, sk = self.q1 - self.q0, self.k1 - self.k0
         if self.causal:
             full = max(0, sq - sk)  # rows below the square see every key
@@ -100,16 +94,12 @@ def step_forward(
     for blk in blocks:
         for a0, a1, c0, c1 in pieces:
             hs = slice(a0, a1)
-            mask = blk.mask
-            if mask is not None and mask.dim() == 3:
-                mask = mask[hs]
             o_b, l_b = block_forward(
                 q[:, blk.q0 : blk.q1, hs],
                 kt[:, blk.k0 : blk.k1, c0:c1],
                 vt[:, blk.k0 : blk.k1, c0:c1],
                 scale=scale,
                 causal=blk.causal,
-                mask=mask,
             )
             o, s_ = out[:, blk.q0 : blk.q1, hs], lse[:, hs, blk.q0 : blk.q1]
             if fresh and blk.q0 == 0 and blk.q1 == n:
@@ -143,7 +133,6 @@ def block_grads(
         lse[:, :, blk.q0 : blk.q1],
         scale=scale,
         causal=blk.causal,
-        mask=blk.mask,
     )
     dq[:, blk.q0 : blk.q1] += dq_b
     return dk_b, dv_b
@@ -173,10 +162,8 @@ def restrict(blk: Block, r0: int, r1: int, c0: int, c1: int) -> list[Block]:
     """The parts of `blk` inside query rows [r0, r1) and keys [c0, c1), keys shifted by -c0.
 
     A causal block splits into a full rectangle (keys every row sees) and a top-left causal
-    rest, so every part is again a primitive call. Blocks with a mask are not split.
+    rest, so every part is again a primitive call.
     """
-    if blk.mask is not None:
-        raise ValueError("restrict: blocks with an explicit mask are not split")
     a, b = max(blk.q0, r0), min(blk.q1, r1)
     c, d = max(blk.k0, c0), min(blk.k1, c1)
     if a >= b or c >= d:
