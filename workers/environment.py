@@ -1,5 +1,6 @@
 """What a rank runs on: host, GPUs, driver, CUDA, torch, NCCL, ray, python, the git state and
-the kernel plugins installed."""
+the kernel plugins installed. `device_facts` needs torch alone (bench.gpu records it on GPU
+machines without the service's packages)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import platform
 import socket
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from attention import plugins
-from workers.results import EnvironmentInfo
+
+if TYPE_CHECKING:
+    from workers.results import EnvironmentInfo
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,8 +55,28 @@ def _gpus(devices: list[int]) -> list[dict[str, object]]:
     return gpus
 
 
+def device_facts(device: torch.device) -> dict[str, Any]:
+    """The device's facts from the real device: GPUs (name, memory, uuid), driver, CUDA, torch
+    and NCCL versions, host and python; GPU fields None or empty off CUDA."""
+    on_cuda = device.type == "cuda"
+    nccl = None
+    if on_cuda and torch.distributed.is_nccl_available():
+        nccl = ".".join(str(x) for x in torch.cuda.nccl.version())
+    return {
+        "hosts": [socket.gethostname()],
+        "gpus": _gpus([device.index or 0]) if on_cuda else [],
+        "driver": _driver_version() if on_cuda else None,
+        "cuda": torch.version.cuda if on_cuda else None,
+        "torch": torch.__version__,
+        "nccl": nccl,
+        "python": platform.python_version(),
+    }
+
+
 def collect(device: torch.device) -> EnvironmentInfo:
     """This process' environment; GPU fields are filled when it runs on CUDA."""
+    from workers.results import EnvironmentInfo
+
     try:
         import ray
 
@@ -60,19 +84,9 @@ def collect(device: torch.device) -> EnvironmentInfo:
     except ImportError:
         ray_version = None
     sha, dirty = git_state()
-    on_cuda = device.type == "cuda"
-    nccl = None
-    if on_cuda and torch.distributed.is_nccl_available():
-        nccl = ".".join(str(x) for x in torch.cuda.nccl.version())
     return EnvironmentInfo(
-        hosts=[socket.gethostname()],
-        gpus=_gpus([device.index or 0]) if on_cuda else [],
-        driver=_driver_version() if on_cuda else None,
-        cuda=torch.version.cuda if on_cuda else None,
-        torch=torch.__version__,
-        nccl=nccl,
+        **device_facts(device),
         ray=ray_version,
-        python=platform.python_version(),
         git_sha=sha,
         git_dirty=dirty,
         plugins=plugins.versions(),
