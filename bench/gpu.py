@@ -1,9 +1,11 @@
 """`python -m bench.gpu`: the kernels on one GPU, torch only (no Ray, no service), one command.
 
 What it runs (issue 21's proof, first part), for every dtype asked:
-- correctness: dense, dilated and block_sparse, forward and the gradients of q, k, v, against an
-  fp32 masked reference of the same definition (attention.masks) at each --check-seq (GPU: 1K
-  and 16K; the issue's 32K needs a chunked reference, see GPU);
+- correctness: the primitive's fused forward and backward with a merged lse (the GPU's aten
+  flash and efficient ops; `primitive_check`), then dense, dilated and block_sparse, causal and
+  not, forward and the gradients of q, k, v, against an fp32 masked reference of the same
+  definition (attention.masks) at each --check-seq (GPU: 1K and 16K; the issue's 32K needs a
+  chunked reference, see GPU);
 - timings: the same kernels and SDPA's flash backend (the `sdpa` kernel, backend flash: an
   unsupported shape is an error, not a fallback) at each --seq, forward and forward+backward
   (bench.kernels' protocol: one warm-up, then --repeats; CUDA events on a GPU), with each
@@ -12,8 +14,13 @@ What it runs (issue 21's proof, first part), for every dtype asked:
 - memory: forward peak over the floor (q, k, v, out in the input dtype, fp32 lse) and the
   forward+backward peak above the inputs, measured before any timing (bench.kernels).
 It prints a markdown table and writes it with JSON lines (one per check and per case) to --out.
+- maximum forward length (bench.gpu_search): dilated (segments up to 32K) on the whole GPU,
+  and dense, dilated and block_sparse under an 8 GB budget emulating a GTX 1080 (h=8, d=64);
+  a deliberate OOM (dense inputs larger than the GPU) that must come back as "oom" with the
+  bytes asked for. On CPU the budgets are emulated by the peak meter and say so;
+- the environment from the real device (workers.environment.device_facts: GPU name and
+  memory, driver, CUDA, torch, NCCL).
 Ring kernels at W > 1 need NCCL over two GPUs or more: this script says so and runs none.
-Not yet here (issue 21): the maximum-length search and the deliberate OOM / 8 GB budget runs.
 
 On CPU (no GPU, or --device cpu) it runs tiny shapes in fp32 so that CI keeps it working:
 
@@ -33,7 +40,9 @@ import torch
 
 import attention
 from attention.masks import block_token_mask, dilated_reference, masked_attention
+from bench import gpu_search
 from bench.kernels import PeakMemory, make_case, measure_case, time_case
+from workers.environment import device_facts
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 """Dense bf16/fp16 tensor-core peak (TFLOP/s, without sparsity) by a substring of the device
@@ -55,6 +64,17 @@ GPU = {"seq": [16384, 32768, 65536, 131072], "check_seq": [1024, 16384], "heads"
 branch for its gradients (16 GB a branch at 32K, five branches), so 32K needs a reference
 computed by query chunks, not written yet."""
 CPU = {"seq": [256], "check_seq": [128], "heads": 2, "dim": 16}
+SEARCH = {
+    "cuda": {"heads": 8, "dim": 64, "dtype": torch.bfloat16, "granularity": 32768,
+             "whole": (1 << 20, 1 << 25), "small": (gpu_search.GTX_1080_BYTES, 1 << 17),
+             "oom_seq": 1 << 27},
+    "cpu": {"heads": 2, "dim": 16, "dtype": torch.float32, "granularity": 256,
+            "whole": None, "small": (4 * 2**20, 1024), "oom_seq": 1 << 16},
+}  # fmt: skip
+"""The searches' shapes: GPU h=8 d=64 bf16 (the issue's), lengths multiples of the largest
+segment; "whole": (start, cap) of dilated's search on the whole GPU (none on CPU); "small":
+(budget, start) of every kernel's; "oom_seq": a dense length whose inputs exceed the device
+(CPU: a 4 MiB emulated budget)."""
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,6 +87,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dim", type=int)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("bench-gpu"))
+    ap.add_argument("--no-search", action="store_true", help="skip the max-length searches")
     args = ap.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -105,20 +126,24 @@ def peak_tflops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
 
 
-def reference(kernel: str, module: Any, q, k, v) -> torch.Tensor:
+def reference(kernel: str, module: Any, q, k, v, causal: bool) -> torch.Tensor:
     """fp32 output of the kernel's definition, with a graph (attention.masks)."""
     seq = q.shape[1]
     if kernel == "dilated":
         p = module.params
-        return dilated_reference(q, k, v, p.segment_lengths, p.dilation_rates)
+        return dilated_reference(q, k, v, p.segment_lengths, p.dilation_rates, causal=causal)
     if kernel == "block_sparse":
         bs = module.params.block_size
-        keep = block_token_mask(module.block_mask(seq), bs, seq_len=seq).to(q.device)
+        blocks = module.block_mask(seq)
+        keep = block_token_mask(blocks, bs, seq_len=seq, causal=causal).to(q.device)
         return masked_attention(q, k, v, keep)[0]
-    return masked_attention(q, k, v, torch.ones(seq, seq, dtype=torch.bool, device=q.device))[0]
+    keep = torch.ones(seq, seq, dtype=torch.bool, device=q.device)
+    return masked_attention(q, k, v, keep.tril() if causal else keep)[0]
 
 
-def check(kernel: str, seq: int, dtype: str, device: torch.device) -> dict[str, Any]:
+def check(
+    kernel: str, seq: int, dtype: str, device: torch.device, causal: bool = False
+) -> dict[str, Any]:
     """Max abs error of out, dq, dk, dv against the fp32 reference; one head (the reference's
     score matrix is seq^2 floats per head), batch 1."""
     params = scaled(kernel, seq)
@@ -128,10 +153,10 @@ def check(kernel: str, seq: int, dtype: str, device: torch.device) -> dict[str, 
     inputs = [torch.randn(1, seq, 1, dim, generator=g, device=device) for _ in range(4)]
     q, k, v = (t.to(getattr(torch, dtype)).requires_grad_() for t in inputs[:3])
     dout = inputs[3].to(q.dtype)
-    out = module(q, k, v)
+    out = module(q, k, v, causal=causal)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref = reference(kernel, module, q32, k32, v32)
+    ref = reference(kernel, module, q32, k32, v32, causal)
     refs = torch.autograd.grad(ref, (q32, k32, v32), dout.float())
     errors = {
         name: (a.float() - b).abs().max().item()
@@ -139,7 +164,7 @@ def check(kernel: str, seq: int, dtype: str, device: torch.device) -> dict[str, 
     }
     worst = max(errors.values())
     return {
-        "check": kernel,
+        "check": kernel + (" causal" if causal else ""),
         "params": params,
         "seq": seq,
         "dtype": dtype,
@@ -147,6 +172,68 @@ def check(kernel: str, seq: int, dtype: str, device: torch.device) -> dict[str, 
         "max_abs_error": errors,
         "tolerance": CHECK_ATOL[dtype],
         "ok": bool(worst <= CHECK_ATOL[dtype]),  # NaN fails
+    }
+
+
+PRIMITIVE_SHAPE = {"sq": 1000, "sk": 1500, "split": 700, "diagonal": 500, "heads": 4, "kv": 2}
+"""The primitive check's call: 1000 queries (not a multiple of 32: the efficient op pads its
+lse) against 1500 keys in two blocks [0, 700) and [700, 1500), GQA 4:2; causal: query i sees
+key j <= i + 500, so each block is one of the primitive's non-square causal cases."""
+
+
+def primitive_check(dtype: str, device: torch.device, causal: int) -> dict[str, Any]:
+    """The primitive on this device's backend as every merging kernel uses it: two key blocks'
+    (out, lse) merged, then each block's fused backward fed the FINAL merged (out, lse) (on a
+    GPU: the aten flash or efficient backward op, whose lse and out conventions only a GPU can
+    check), against autograd of the fp32 masked reference."""
+    from attention import primitive
+
+    sh = PRIMITIVE_SHAPE
+    sq, sk, split, diag = sh["sq"], sh["sk"], sh["split"], sh["diagonal"] if causal else 0
+    dim = 64 if device.type == "cuda" else 16
+    g = torch.Generator(device=device).manual_seed(1)
+
+    def rand(seq: int, heads: int) -> torch.Tensor:
+        return torch.randn(1, seq, heads, dim, generator=g, device=device)
+
+    q32, k32, v32 = rand(sq, sh["heads"]), rand(sk, sh["kv"]), rand(sk, sh["kv"])
+    dout = rand(sq, sh["heads"]).to(getattr(torch, dtype))
+    q, k, v = (t.to(dout.dtype) for t in (q32, k32, v32))
+    scale = dim**-0.5
+    blocks = [(slice(0, split), diag), (slice(split, sk), diag - split if causal else 0)]
+    out, lse = None, None
+    for keys, d in blocks:
+        o_b, l_b = primitive.block_forward(
+            q, k[:, keys], v[:, keys], scale=scale, causal=causal, diagonal=d
+        )
+        out, lse = (o_b, l_b) if out is None else primitive.merge(out, lse, o_b, l_b)
+    assert out is not None and lse is not None
+    grads = [torch.zeros(t.shape, device=device) for t in (q, k, v)]
+    for keys, d in blocks:
+        dq, dk, dv = primitive.block_backward(
+            dout, q, k[:, keys], v[:, keys], out, lse, scale=scale, causal=causal, diagonal=d
+        )
+        grads[0] += dq
+        grads[1][:, keys] += dk
+        grads[2][:, keys] += dv
+    ref_in = [t.to(dout.dtype).float().requires_grad_() for t in (q32, k32, v32)]
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    keep = keep.tril(diag) if causal else keep
+    ref, _ = masked_attention(*ref_in, keep, scale=scale)
+    refs = torch.autograd.grad(ref, ref_in, dout.float())
+    errors = {
+        name: (a.float() - b).abs().max().item()
+        for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *refs), strict=True)
+    }
+    return {
+        "check": "primitive" + (" causal" if causal else ""),
+        "params": sh,
+        "seq": sq,
+        "dtype": dtype,
+        "backend": primitive.backend_for(device, q.dtype),
+        "max_abs_error": errors,
+        "tolerance": CHECK_ATOL[dtype],
+        "ok": bool(max(errors.values()) <= CHECK_ATOL[dtype]),
     }
 
 
@@ -182,12 +269,46 @@ def timed_rows(args: argparse.Namespace, dtype: str, device: torch.device) -> li
     return rows
 
 
+def searches(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """Maximum forward lengths (see SEARCH) and the deliberate OOM, one dict each."""
+    cfg = SEARCH[device.type]
+    shape = (cfg["heads"], cfg["dim"], cfg["dtype"])
+    gran = cfg["granularity"]
+    sized = 32768 if device.type == "cuda" else 256  # the sparse params' scale (`scaled`)
+    rows = []
+    if cfg["whole"]:
+        start, cap = cfg["whole"]
+        found = gpu_search.max_length(
+            "dilated", scaled("dilated", sized), shape, device, None,
+            start=start, granularity=gran, cap=cap,
+        )  # fmt: skip
+        rows.append({"search": "whole device", **found.row()})
+    budget, start = cfg["small"]
+    for kernel in ("dense", "dilated", "block_sparse"):
+        found = gpu_search.max_length(
+            kernel, scaled(kernel, sized), shape, device, budget,
+            start=start, granularity=gran, cap=start << 8,
+        )  # fmt: skip
+        rows.append({"search": "8 GB budget" if device.type == "cuda" else "budget", **found.row()})
+    oom_budget = None if device.type == "cuda" else budget
+    with gpu_search.cuda_budget(device, oom_budget):
+        oom = gpu_search.probe("dense", {}, cfg["oom_seq"], shape, device, oom_budget)
+    rows.append({"search": "deliberate oom", "kernel": "dense", "budget_bytes": oom_budget,
+                 "max_seq": None, "probes": [vars(oom)]})  # fmt: skip
+    return rows
+
+
 def _cell(x: float | None, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
-def markdown(checks: list[dict[str, Any]], rows: list[dict[str, Any]], setup: dict) -> str:
-    """The report: setup, the checks, then one table row per timed case."""
+def markdown(
+    checks: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    setup: dict,
+    found: list[dict[str, Any]] | None = None,
+) -> str:
+    """The report: setup, the checks, one table row per timed case, then the searches."""
     lines = [f"# bench.gpu on {setup['device_name']}", "", "```", json.dumps(setup), "```", ""]
     lines += ["| check | seq | dtype | backend | max abs error | tolerance | ok |",
               "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -208,6 +329,20 @@ def markdown(checks: list[dict[str, Any]], rows: list[dict[str, Any]], setup: di
             f"{_cell(r['fwd_frac_of_peak'], '.2f')} | {r['fwd_peak_over_floor']:.2f} | "
             f"{r['fwd_bwd_peak_above_inputs_bytes'] / 2**20:.1f} |"
         )
+    if found:
+        lines += ["", "| search | kernel | budget MiB | max forward length | probes |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for f in found:
+            budget = _cell(f["budget_bytes"] and f["budget_bytes"] / 2**20, ".0f")
+            probes = ", ".join(
+                f"{p['seq']}:{p['outcome']}"
+                + (f" ({p['requested_bytes'] / 2**20:.0f} MiB)" if p["requested_bytes"] else "")
+                + (" emulated" if p["emulated"] else "")
+                for p in f["probes"]
+            )
+            lines.append(
+                f"| {f['search']} | {f['kernel']} | {budget} | {f['max_seq'] or '-'} | {probes} |"
+            )
     lines += ["", "Ring kernels at W > 1 need NCCL over two or more GPUs: not run by this script."]
     return "\n".join(lines) + "\n"
 
@@ -224,26 +359,55 @@ def main(argv: list[str] | None = None) -> int:
         "head_dim": args.dim,
         "repeats": args.repeats,
         "peak_tflops": peak_tflops(device),
+        **device_facts(device),
     }
-    checks = [
-        check(kernel, seq, dtype, device)
+    # fp32 on a GPU: the efficient op's backward (the flash op takes fp16/bf16 only)
+    prim_dtypes = [*args.dtypes, *(["float32"] if device.type == "cuda" else [])]
+    checks = [primitive_check(d, device, c) for d in dict.fromkeys(prim_dtypes) for c in (0, 1)]
+    checks += [
+        check(kernel, seq, dtype, device, causal)
         for dtype in args.dtypes
         for seq in args.check_seq
         for kernel in ("dense", "dilated", "block_sparse")
+        for causal in (False, True)
     ]
     rows = [row for dtype in args.dtypes for row in timed_rows(args, dtype, device)]
+    found = [] if args.no_search else searches(args, device)
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / "results.jsonl").open("w") as f:
-        for line in [{"setup": setup}, *checks, *rows]:
+        for line in [{"setup": setup}, *checks, *rows, *found]:
             f.write(json.dumps(line) + "\n")
-    report = markdown(checks, rows, setup)
+    report = markdown(checks, rows, setup, found)
     (args.out / "results.md").write_text(report)
     print(report)
     failed = [c for c in checks if not c["ok"]]
     for c in failed:
         print(f"correctness check failed: {c['check']} seq {c['seq']} {c['dtype']}: "
               f"{c['max_abs_error']} over {c['tolerance']}")  # fmt: skip
-    return 1 if failed else 0
+    search_failed = search_failures(found, device)
+    for line in search_failed:
+        print(f"search check failed: {line}")
+    return 1 if failed or search_failed else 0
+
+
+def search_failures(found: list[dict[str, Any]], device: torch.device) -> list[str]:
+    """What the searches must show: the deliberate OOM comes back as "oom" (CPU: emulated
+    "over_budget") with the bytes asked for, and a budget finds a shorter maximum than the
+    whole device (dilated)."""
+    problems = []
+    for f in found:
+        if f["search"] == "deliberate oom":
+            (p,) = f["probes"]
+            want = "oom" if device.type == "cuda" else "over_budget"
+            if p["outcome"] != want or not p["requested_bytes"]:
+                problems.append(f"deliberate oom came back as {p}")
+        elif f["max_seq"] is None:
+            problems.append(f"{f['search']} {f['kernel']}: no length fits")
+    whole = [f for f in found if f["search"] == "whole device"]
+    small = [f for f in found if f["search"] != "whole device" and f["kernel"] == "dilated"]
+    if whole and small and not (small[0]["max_seq"] or 0) < (whole[0]["max_seq"] or 0):
+        problems.append(f"8 GB maximum {small[0]['max_seq']} not below {whole[0]['max_seq']}")
+    return problems
 
 
 if __name__ == "__main__":

@@ -23,9 +23,11 @@ def test_the_cpu_mode_checks_every_kernel_and_its_table_follows_the_raw_numbers(
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     setup, checks = lines[0]["setup"], [x for x in lines if "check" in x]
-    rows = [x for x in lines if "kernel" in x]
+    rows = [x for x in lines if "kernel" in x and "search" not in x]
     assert setup["device"] == "cpu" and setup["peak_tflops"] is None
-    assert {c["check"] for c in checks} == {"dense", "dilated", "block_sparse"}
+    assert setup["gpus"] == [] and setup["torch"] and setup["python"]  # device_facts
+    kernels = ("dense", "dilated", "block_sparse", "primitive")
+    assert {c["check"] for c in checks} == {*kernels, *(k + " causal" for k in kernels)}
     for c in checks:
         assert c["ok"] and max(c["max_abs_error"].values()) <= c["tolerance"] == 1e-4, c
     dilated = next(c for c in checks if c["check"] == "dilated")
@@ -50,6 +52,32 @@ def test_the_cpu_mode_checks_every_kernel_and_its_table_follows_the_raw_numbers(
         )
         assert row in table.splitlines(), (row, table)
     assert "need NCCL over two or more GPUs" in table
+    found = [x for x in lines if "search" in x]
+    assert [(f["search"], f["kernel"]) for f in found] == [
+        ("budget", "dense"), ("budget", "dilated"), ("budget", "block_sparse"),
+        ("deliberate oom", "dense"),
+    ]  # fmt: skip
+    for f in found[:3]:  # each maximum fit and the next step up did not, as the probes say
+        outcomes = {p["seq"]: p for p in f["probes"]}
+        assert outcomes[f["max_seq"]]["outcome"] == "ok"
+        over = [p for p in f["probes"] if p["outcome"] != "ok"]
+        assert over and min(p["seq"] for p in over) <= f["max_seq"] + 256
+        assert all(p["emulated"] and p["requested_bytes"] > f["budget_bytes"] for p in over)
+        assert f"| budget | {f['kernel']} | 4 | {f['max_seq']} |" in table
+    (oom,) = found[3]["probes"]
+    assert oom["outcome"] == "over_budget" and oom["requested_bytes"] > 4 * 2**20
+
+
+def test_an_allocator_error_gives_the_bytes_it_asked_for() -> None:
+    from bench.gpu_search import requested_bytes
+
+    message = (  # PyTorch's CUDA caching allocator message
+        "CUDA out of memory. Tried to allocate 128.00 GiB. GPU 0 has a total capacity of "
+        "79.19 GiB of which 78.52 GiB is free."
+    )
+    assert requested_bytes(RuntimeError(message)) == 128 * 2**30
+    assert requested_bytes(RuntimeError("Tried to allocate 1.50 MiB")) == int(1.5 * 2**20)
+    assert requested_bytes(RuntimeError("some other failure")) is None
 
 
 def test_a_dtype_it_cannot_check_is_one_clear_error(tmp_path) -> None:
