@@ -139,9 +139,11 @@ def causal_pieces(sq: int, sk: int, causal: bool, diagonal: int = 0) -> tuple[Pi
     j <= i + diagonal. Rows [lo, hi) that see a prefix of the keys are a rectangle of the keys
     all of them see plus a causal square; rows [hi, sq) see every key; rows i < -diagonal see
     none and are in no piece. Two pieces' rows are equal or disjoint."""
+    if not causal and diagonal:
+        raise ValueError(f"diagonal: {diagonal} given without causal")
+    if sq == 0 or sk == 0:  # no pair (the fused CPU op dies on zero keys; CUDA's lse is +inf)
+        return ()
     if not causal:
-        if diagonal:
-            raise ValueError(f"diagonal: {diagonal} given without causal")
         return ((0, sq, 0, sk, False),)
     lo = min(sq, max(0, -diagonal))
     hi = min(sq, max(lo, sk - diagonal))
@@ -421,7 +423,8 @@ def _cuda_backward_args(
     dtype, device, h = q.dtype, q.device, q.shape[2]
     qt = q.transpose(1, 2)
     kt, vt = (_repeat_kv(t.transpose(1, 2), h) for t in (k, v))
-    dot, ot = (t.to(dtype).transpose(1, 2) for t in (dout, out))
+    # (B, S, H, D)-contiguous: the efficient kernel assumes out's row stride is H * D, unchecked
+    dot, ot = (t.to(dtype).contiguous().transpose(1, 2) for t in (dout, out))
     sq, sk = q.shape[1], k.shape[1]
     lse32 = lse.to(torch.float32)
     if backend == "cuda_flash":

@@ -162,6 +162,16 @@ def test_block_backward_causal_flag():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_a_call_without_keys_is_empty_rows_not_a_crash():
+    q, k = rand(1, 3, 2, 4), rand(1, 0, 2, 4)
+    assert primitive.causal_pieces(3, 0, False) == ()
+    out, lse = block_forward(q, k, k, scale=0.5)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    grads = block_backward(q, q, k, k, out, lse, scale=0.5)
+    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+    assert all((g == 0).all() for g in grads)
+
+
 def test_backend_choice_and_bad_shapes():
     assert backend_for("cpu", torch.float32) == "cpu_flash"
     assert backend_for("cuda", torch.bfloat16) == "cuda_flash"
