@@ -638,13 +638,6 @@ def _backward_split(call: _Call, bs: int, heads: int) -> tuple[int, int]:
     return tokens // unit * unit, max_heads
 
 
-def _token_chunks(lo: int, hi: int, most: int) -> list[tuple[int, int]]:
-    """[lo, hi) cut into the fewest near-equal ranges of at most `most` tokens."""
-    count = -(-(hi - lo) // most)
-    cuts = [lo + (hi - lo) * i // count for i in range(count + 1)]
-    return list(itertools.pairwise(cuts))
-
-
 def block_sparse_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -705,7 +698,7 @@ def block_sparse_backward(
         else:
             keys, vals = (_gather(x, call.blocks, bs) for x in (k, v))
         first = call.r0 * bs  # query tokens in any cut: the keys are the same for all
-        spans = _token_chunks(first, min(call.r1 * bs, seq_len), tokens)
+        spans = primitive.token_chunks(first, min(call.r1 * bs, seq_len), tokens)
         for (t0, t1), (a0, a1, c0, c1) in itertools.product(spans, pieces):
             rows, hq, hk = slice(t0, t1), slice(a0, a1), slice(c0, c1)
             dq_b, dk_b, dv_b = block_backward(

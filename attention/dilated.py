@@ -26,7 +26,10 @@ every r divides its w, the two are identical (reference.md: ~1e-6).
 The dilated rows of a group are strided views of q/k/v (no copies, `attention.segments`); each
 call of the primitive takes a chunk of segments, so temporaries stay a fraction of the inputs.
 The backward recomputes every branch with the final merged (out, lse) (FlashAttention-2), since
-the fused lse has no grad. k and v may have fewer heads than q (grouped-query attention).
+the fused lse has no grad; it cuts a segment's rows into query and key parts (backward_parts),
+so that its temporaries plus the op's own buffers stay below dense's (measured: train peak
+1.02x dense's at 16K with whole segments, 1.00x with parts). k and v may have fewer heads than
+q (grouped-query attention).
 """
 
 from __future__ import annotations
@@ -49,9 +52,20 @@ from attention.segments import Rows, branch_pairs, branch_rows
 
 CHUNK_TOKENS = 2048
 """Tokens of one batch row per primitive call (whole segments, at least one)."""
-CALL_ROW_HEADS = 4096
-"""Bound on rows x heads of one primitive call (heads split further when a segment's rows are
-many): its block output, and in the backward its dq, dk, dv, are temporaries of that size."""
+CALL_ROW_HEADS = 2048
+"""Bound on rows x heads of one forward call (heads split further when a segment's rows are
+many): its block output is a temporary of that size, on top of the op's buffers that dense
+pays too (4096 took dilated's maximum length under a budget one step below dense's)."""
+BACKWARD_QUERY_TOKENS = 512
+"""Bound on a segment's query rows per backward call: the CPU flash op's backward takes a
+buffer of 1 MiB per thread from 768 queries, 256 KiB below (FlashAttentionKernel.cpp)."""
+BACKWARD_KEY_TOKENS = 768
+"""Bound on a segment's key rows per backward call: its dk and dv are temporaries, and the op
+accumulates them for every query tile (at 2048 keys it ran ~1.4x slower here, a cache's worth)."""
+BACKWARD_ROW_HEADS = 5120
+"""Bound on rows x heads of one backward call's temporaries: per query row its dq and the op's
+contiguous copy of dout, per key row its dk and dv. The CPU op runs batch x heads in parallel
+(one per thread), so this fits two heads of the largest parts."""
 
 
 def _int_tuple(field: str, value: Any) -> tuple[int, ...]:
@@ -110,12 +124,12 @@ def check_dilated(
 
 
 def calls(
-    rows: Rows, batch: int, num_heads: int, num_kv_heads: int
+    rows: Rows, batch: int, num_heads: int, num_kv_heads: int, row_heads: int = CALL_ROW_HEADS
 ) -> list[tuple[int, Rows, Rows]]:
     """(batch row, query rows, kv rows) of each primitive call for `rows`: one per batch row and
-    GQA piece of its heads (query heads reading one kv head run together), at most
-    CALL_ROW_HEADS rows x heads a call."""
-    max_heads = max(1, CALL_ROW_HEADS // (rows.count * rows.m))
+    GQA piece of its heads (query heads reading one kv head run together), at most `row_heads`
+    rows x heads a call (a call's rows: rows.count * rows.m)."""
+    max_heads = max(1, row_heads // (rows.count * rows.m))
     pieces = primitive.kv_head_pieces(rows.h0, rows.h1, num_heads, num_kv_heads, max_heads)
     return [
         (b, dataclasses.replace(rows, h0=a0, h1=a1), dataclasses.replace(rows, h0=k0, h1=k1))
@@ -168,15 +182,35 @@ def backward_rows(
     dq, dk, dv = grads
     for w, r, lo, hi in spans:
         for rows in branch_rows(lo, hi, w, r, heads, chunk_tokens=CHUNK_TOKENS):
-            for b, qr, kr in calls(rows, bsz, heads, k.shape[2]):
-                dq_b, dk_b, dv_b = block_backward(
-                    qr.of(dout, b), qr.of(q, b), kr.of(k, b), kr.of(v, b), qr.of(out, b),
-                    qr.of_lse(lse, b), scale=dim**-0.5, causal=causal,
-                )  # fmt: skip
-                qr.of(dq, b).add_(dq_b)
-                kr.of(dk, b).add_(dk_b)
-                kr.of(dv, b).add_(dv_b)
-                del dq_b, dk_b, dv_b  # before the next call allocates its own
+            parts = backward_parts(rows.m, causal)
+            widest = max(2 * (q1 - q0) + 2 * (k1 - k0) for q0, q1, k0, k1 in parts)
+            row_heads = BACKWARD_ROW_HEADS * rows.m // widest  # calls() counts m rows
+            for b, qr, kr in calls(rows, bsz, heads, k.shape[2], row_heads):
+                for q0, q1, k0, k1 in parts:
+                    qs, ks = slice(q0, q1), slice(k0, k1)
+                    dq_b, dk_b, dv_b = block_backward(
+                        qr.of(dout, b)[:, qs], qr.of(q, b)[:, qs], kr.of(k, b)[:, ks],
+                        kr.of(v, b)[:, ks], qr.of(out, b)[:, qs], qr.of_lse(lse, b)[..., qs],
+                        scale=dim**-0.5, causal=causal, diagonal=q0 - k0 if causal else 0,
+                    )  # fmt: skip
+                    qr.of(dq, b)[:, qs].add_(dq_b)
+                    kr.of(dk, b)[:, ks].add_(dk_b)
+                    kr.of(dv, b)[:, ks].add_(dv_b)
+                    del dq_b, dk_b, dv_b  # before the next call allocates its own
+
+
+def backward_parts(m: int, causal: bool) -> list[tuple[int, int, int, int]]:
+    """(q0, q1, k0, k1) of the backward calls over one segment's m dilated rows: queries and
+    keys in near-equal parts of at most BACKWARD_QUERY_TOKENS and BACKWARD_KEY_TOKENS rows.
+    Every part sees the final merged (out, lse), so the parts' gradients add up to the whole
+    call's; causal: a key part no query of the query part sees is left out, the rest keep the
+    rows' own diagonal (query q0 + i sees key k0 + j when j <= i + q0 - k0)."""
+    return [
+        (q0, q1, k0, k1)
+        for q0, q1 in primitive.token_chunks(0, m, BACKWARD_QUERY_TOKENS)
+        for k0, k1 in primitive.token_chunks(0, m, BACKWARD_KEY_TOKENS)
+        if not causal or k0 < q1
+    ]
 
 
 def dilated_forward(

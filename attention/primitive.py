@@ -26,6 +26,7 @@ The fused ops' lse carries no gradient: never let autograd see a merge; use `blo
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -79,6 +80,16 @@ def zero_grads(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
         torch.zeros(k.shape, dtype=acc, device=k.device),
         torch.zeros(k.shape, dtype=acc, device=k.device),
     )
+
+
+def token_chunks(lo: int, hi: int, most: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into the fewest near-equal ranges of at most `most` tokens (none if empty):
+    how kernels bound the tokens of one call."""
+    if hi <= lo:
+        return []
+    count = -(-(hi - lo) // most)
+    cuts = [lo + (hi - lo) * i // count for i in range(count + 1)]
+    return list(itertools.pairwise(cuts))
 
 
 def kv_head_pieces(

@@ -454,12 +454,6 @@ def test_a_backward_calls_temporaries_stay_within_the_budget(call, heads) -> Non
     assert call.kind != "rel" or tokens % bs == 0
 
 
-def test_query_cuts_are_near_equal_and_within_the_bound() -> None:
-    assert bs_module._token_chunks(0, 1024, 512) == [(0, 512), (512, 1024)]
-    assert bs_module._token_chunks(10, 17, 3) == [(10, 12), (12, 14), (14, 17)]
-    assert bs_module._token_chunks(0, 5, 8) == [(0, 5)]
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("params", PARAMS[:4], ids=lambda p: "-".join(map(str, p.values())))
 def test_the_backward_computes_each_kept_pair_once_within_the_query_bound(

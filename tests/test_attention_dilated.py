@@ -229,3 +229,43 @@ def test_small_chunks_give_the_same_result(causal, monkeypatch) -> None:
     ws, rs = (4, 8, 16), (1, 2, 4)
     module = attention.build("dilated", segment_lengths=ws, dilation_rates=rs)
     assert_matches_reference(module, _dilated_ref(ws, rs), 2, 32, 5, 4, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    ("seq", "heads", "ws", "rs"), [(32, 5, (4, 8, 16), (1, 2, 4)), CONFIGS[-1]]
+)
+def test_small_backward_parts_give_the_same_gradients(seq, heads, ws, rs, causal, monkeypatch):
+    """Query and key parts of 3 and 2 rows, one head a call: every part straddles, lies below
+    or above the causal diagonal somewhere, and the gradients still equal the reference's."""
+    monkeypatch.setattr(dilated_module, "BACKWARD_QUERY_TOKENS", 3)
+    monkeypatch.setattr(dilated_module, "BACKWARD_KEY_TOKENS", 2)
+    monkeypatch.setattr(dilated_module, "BACKWARD_ROW_HEADS", 1)
+    module = attention.build("dilated", segment_lengths=ws, dilation_rates=rs)
+    assert_matches_reference(module, _dilated_ref(ws, rs), 2, seq, heads, 4, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_calls_cover_the_counted_pairs_within_the_bounds(causal, monkeypatch) -> None:
+    """The backward's calls see exactly the forward's pairs (flops()), each call within the
+    query, key and rows x heads bounds."""
+    monkeypatch.setattr(dilated_module, "BACKWARD_QUERY_TOKENS", 5)
+    monkeypatch.setattr(dilated_module, "BACKWARD_KEY_TOKENS", 3)
+    monkeypatch.setattr(dilated_module, "BACKWARD_ROW_HEADS", 40)
+    seen, real = [], dilated_module.block_backward
+
+    def spy(dout, q, k, v, out, lse, **kw):
+        count, sq, heads, _ = q.shape
+        sk, diag = k.shape[1], kw["diagonal"]
+        assert kw["causal"] == causal and sq <= 5 and sk <= 3
+        assert count * heads * (2 * sq + 2 * sk) <= 40 or heads == 1
+        per_head = sum(min(sk, max(0, i + diag + 1)) for i in range(sq)) if causal else sq * sk
+        seen.append(count * heads * per_head)
+        return real(dout, q, k, v, out, lse, **kw)
+
+    monkeypatch.setattr(dilated_module, "block_backward", spy)
+    module = attention.build("dilated", segment_lengths=(8, 16, 32), dilation_rates=(1, 2, 4))
+    q, k, v = (t.float().requires_grad_() for t in _inputs(2, 32, 5, 4, seed=5))
+    out = module(q, k, v, causal=causal)
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert 4 * 4 * sum(seen) == module.flops(2, 32, 5, 4, causal=causal)

@@ -72,6 +72,7 @@ def head_calls(request, monkeypatch) -> None:
         from attention import block_sparse, dilated
 
         monkeypatch.setattr(dilated, "CALL_ROW_HEADS", 2 * SEQ)
+        monkeypatch.setattr(dilated, "BACKWARD_ROW_HEADS", 1)
         monkeypatch.setattr(block_sparse, "CALL_ROW_HEADS", 1)
 
 

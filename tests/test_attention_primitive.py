@@ -217,3 +217,10 @@ def test_the_fused_cuda_ops_with_a_merged_lse_equal_the_reference(dtype, causal)
     result = primitive_check(dtype, torch.device("cuda"), causal)
     assert result["backend"] == ("cuda_efficient" if dtype == "float32" else "cuda_flash")
     assert result["ok"], result
+
+
+def test_token_chunks_are_near_equal_and_within_the_bound() -> None:
+    assert primitive.token_chunks(0, 1024, 512) == [(0, 512), (512, 1024)]
+    assert primitive.token_chunks(10, 17, 3) == [(10, 12), (12, 14), (14, 17)]
+    assert primitive.token_chunks(0, 5, 8) == [(0, 5)]
+    assert primitive.token_chunks(3, 3, 8) == []
