@@ -28,8 +28,8 @@ call of the primitive takes a chunk of segments, so temporaries stay a fraction 
 The backward recomputes every branch with the final merged (out, lse) (FlashAttention-2), since
 the fused lse has no grad; it cuts a segment's rows into query and key parts (backward_parts),
 so that its temporaries plus the op's own buffers stay below dense's (measured: train peak
-1.02x dense's at 16K with whole segments, 1.00x with parts). k and v may have fewer heads than
-q (grouped-query attention).
+1.02x dense's at 16K with whole segments, 1.00x with parts; ring_dilated's segments shared
+across ranks still go whole). k and v may have fewer heads than q (grouped-query attention).
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ CHUNK_TOKENS = 2048
 CALL_ROW_HEADS = 2048
 """Bound on rows x heads of one forward call (heads split further when a segment's rows are
 many): its block output is a temporary of that size, on top of the op's buffers that dense
-pays too (4096 took dilated's maximum length under a budget one step below dense's)."""
+pays too (with 4096, dilated's maximum length under 64 MiB was one step below dense's:
+31,232 against 31,744 tokens)."""
 BACKWARD_QUERY_TOKENS = 512
 """Bound on a segment's query rows per backward call: the CPU flash op's backward takes a
 buffer of 1 MiB per thread from 768 queries, 256 KiB below (FlashAttentionKernel.cpp)."""
@@ -64,8 +65,9 @@ BACKWARD_KEY_TOKENS = 768
 accumulates them for every query tile (at 2048 keys it ran ~1.4x slower here, a cache's worth)."""
 BACKWARD_ROW_HEADS = 5120
 """Bound on rows x heads of one backward call's temporaries: per query row its dq and the op's
-contiguous copy of dout, per key row its dk and dv. The CPU op runs batch x heads in parallel
-(one per thread), so this fits two heads of the largest parts."""
+contiguous copy of dout, per key row its dk and dv (segments and heads are split to stay
+within it, down to one segment and head). The CPU op runs batch x heads in parallel (one per
+thread), so this fits two heads of the largest parts."""
 
 
 def _int_tuple(field: str, value: Any) -> tuple[int, ...]:
@@ -124,12 +126,13 @@ def check_dilated(
 
 
 def calls(
-    rows: Rows, batch: int, num_heads: int, num_kv_heads: int, row_heads: int = CALL_ROW_HEADS
+    rows: Rows, batch: int, num_heads: int, num_kv_heads: int, row_heads: int, row_cost: int
 ) -> list[tuple[int, Rows, Rows]]:
     """(batch row, query rows, kv rows) of each primitive call for `rows`: one per batch row and
-    GQA piece of its heads (query heads reading one kv head run together), at most `row_heads`
-    rows x heads a call (a call's rows: rows.count * rows.m)."""
-    max_heads = max(1, row_heads // (rows.count * rows.m))
+    GQA piece of its heads (query heads reading one kv head run together), as many heads as keep
+    rows.count * row_cost * heads within `row_heads` (at least one); `row_cost` is what one
+    segment of one head costs (forward: its m rows)."""
+    max_heads = max(1, row_heads // (rows.count * row_cost))
     pieces = primitive.kv_head_pieces(rows.h0, rows.h1, num_heads, num_kv_heads, max_heads)
     return [
         (b, dataclasses.replace(rows, h0=a0, h1=a1), dataclasses.replace(rows, h0=k0, h1=k1))
@@ -152,7 +155,7 @@ def forward_rows(
     bsz, _, heads, dim = q.shape
     for index, (w, r, lo, hi) in enumerate(spans):
         for rows in branch_rows(lo, hi, w, r, heads, chunk_tokens=CHUNK_TOKENS):
-            for b, qr, kr in calls(rows, bsz, heads, k.shape[2]):
+            for b, qr, kr in calls(rows, bsz, heads, k.shape[2], CALL_ROW_HEADS, rows.m):
                 o_b, l_b = block_forward(
                     qr.of(q, b), kr.of(k, b), kr.of(v, b), scale=dim**-0.5, causal=causal
                 )
@@ -178,25 +181,48 @@ def backward_rows(
 ) -> None:
     """Add the block backward of every (w, r, lo, hi) of `spans` (see forward_rows), with the
     merged (out, lse), to grads (dq, dk, dv)."""
-    bsz, _, heads, dim = q.shape
-    dq, dk, dv = grads
+    bsz, _, heads, _ = q.shape
     for w, r, lo, hi in spans:
         for rows in branch_rows(lo, hi, w, r, heads, chunk_tokens=CHUNK_TOKENS):
             parts = backward_parts(rows.m, causal)
             widest = max(2 * (q1 - q0) + 2 * (k1 - k0) for q0, q1, k0, k1 in parts)
-            row_heads = BACKWARD_ROW_HEADS * rows.m // widest  # calls() counts m rows
-            for b, qr, kr in calls(rows, bsz, heads, k.shape[2], row_heads):
-                for q0, q1, k0, k1 in parts:
-                    qs, ks = slice(q0, q1), slice(k0, k1)
-                    dq_b, dk_b, dv_b = block_backward(
-                        qr.of(dout, b)[:, qs], qr.of(q, b)[:, qs], kr.of(k, b)[:, ks],
-                        kr.of(v, b)[:, ks], qr.of(out, b)[:, qs], qr.of_lse(lse, b)[..., qs],
-                        scale=dim**-0.5, causal=causal, diagonal=q0 - k0 if causal else 0,
-                    )  # fmt: skip
-                    qr.of(dq, b)[:, qs].add_(dq_b)
-                    kr.of(dk, b)[:, ks].add_(dk_b)
-                    kr.of(dv, b)[:, ks].add_(dv_b)
-                    del dq_b, dk_b, dv_b  # before the next call allocates its own
+            per_call = max(1, BACKWARD_ROW_HEADS // widest)  # segments of one head
+            for s0 in range(0, rows.count, per_call):
+                segs = dataclasses.replace(
+                    rows, start=rows.start + s0 * rows.stride, count=min(per_call, rows.count - s0)
+                )
+                for b, qr, kr in calls(segs, bsz, heads, k.shape[2], BACKWARD_ROW_HEADS, widest):
+                    _backward_parts_into(dout, q, k, v, out, lse, grads, b, qr, kr, parts, causal)
+
+
+def _backward_parts_into(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grads: tuple[torch.Tensor, ...],
+    b: int,
+    qr: Rows,
+    kr: Rows,
+    parts: list[tuple[int, int, int, int]],
+    causal: bool,
+) -> None:
+    """One call's rows (qr, kr of batch row b) by backward_parts, added to grads."""
+    dim = q.shape[3]
+    dq, dk, dv = grads
+    for q0, q1, k0, k1 in parts:
+        qs, ks = slice(q0, q1), slice(k0, k1)
+        dq_b, dk_b, dv_b = block_backward(
+            qr.of(dout, b)[:, qs], qr.of(q, b)[:, qs], kr.of(k, b)[:, ks],
+            kr.of(v, b)[:, ks], qr.of(out, b)[:, qs], qr.of_lse(lse, b)[..., qs],
+            scale=dim**-0.5, causal=causal, diagonal=q0 - k0 if causal else 0,
+        )  # fmt: skip
+        qr.of(dq, b)[:, qs].add_(dq_b)
+        kr.of(dk, b)[:, ks].add_(dk_b)
+        kr.of(dv, b)[:, ks].add_(dv_b)
+        del dq_b, dk_b, dv_b  # before the next call allocates its own
 
 
 def backward_parts(m: int, causal: bool) -> list[tuple[int, int, int, int]]:
