@@ -2,8 +2,11 @@
 
 The fused ops' lse carries no gradient, so such a kernel never lets autograd see a merge: its
 forward runs without a graph and returns the merged (out, lse); its backward is handed the FINAL
-(out, lse) and recomputes each block from them (FlashAttention-2). `MergedFunction` saves
-q, k, v, out and lse, returns out in the inputs' dtype, and casts the gradients back to it.
+(out, lse) and recomputes each block from them (FlashAttention-2). `MergedFunction` returns
+out in the inputs' dtype, saves q, k, v, that returned out and the lse, and casts the
+gradients back to the inputs' dtype. Like FlashAttention, the backward reads the output in the
+inputs' dtype (its rowsum(dout * out)): an fp32 copy of a bf16 output would be held from the
+forward to the backward only to sharpen that one term.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from collections.abc import Callable
 import torch
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""(q, k, v) -> merged (out, lse) in the accumulator dtype, without a graph."""
+"""(q, k, v) -> merged (out, lse), without a graph: lse in the accumulator dtype, out in it or
+already in the inputs' dtype."""
 Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 """(dout, q, k, v, out, lse) -> (dq, dk, dv) in the accumulator dtype."""
 
@@ -24,9 +28,10 @@ class MergedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, forward, backward):
         out, lse = forward(q, k, v)
+        out = out.to(q.dtype)  # `out` itself when it is in the inputs' dtype
         ctx.backward_fn = backward
         ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)  # for inputs in the accumulator dtype: `out` itself, saved above
+        return out
 
     @staticmethod
     def backward(ctx, dout):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from attention.errors import ParamError
+from attention.primitive import ACCUMULATOR_WINDOWS
 
 BACKWARD_FLOP_FACTOR = 2.5
 """Backward FLOPs per forward FLOP (FlashAttention convention: fwd+bwd = 3.5x forward)."""
@@ -85,19 +86,26 @@ def merged_memory(
 ) -> KernelMemory:
     """The memory of a kernel that merges primitive calls into fp32 (out, lse) (dilated,
     block_sparse): it saves q, k, v (hilbert order: their permuted copies and the two int64
-    index vectors), the fp32 merged output and lse. The returned output is that fp32 tensor
-    itself only for fp32 inputs in natural order; otherwise a new tensor in the input dtype.
-    The forward's transient is one primitive call's fp32 block output (`chunk_tokens` rows);
-    the backward's, the fp32 dq, dk, dv accumulators plus their copies in the input dtype
-    when it is not fp32."""
+    index vectors), the output in the input dtype and the fp32 lse (attention.autograd). The
+    returned output is the saved one in natural order; under hilbert, its un-permuted copy.
+    The forward's transient is one primitive call's block output (`chunk_tokens` rows: fp32,
+    plus the fused op's own in the input dtype when it is narrower) and, for inputs narrower
+    than fp32, the fp32 rows of one accumulator window (primitive.windowed_result); the
+    backward's, the fp32 dq, dk, dv accumulators plus their copies in the input dtype when it
+    is not fp32."""
     one = qkv_bytes(batch, seq_len, num_heads, head_dim, dtype_bytes)
     fp32 = qkv_bytes(batch, seq_len, num_heads, head_dim, 4)
     lse = 4 * batch * num_heads * seq_len
     index = 0 if natural else 2 * 8 * seq_len
+    call_rows = min(seq_len, chunk_tokens) * num_heads * head_dim  # one batch row a call
+    block = call_rows * 4
+    if dtype_bytes < 4:
+        window = -(-seq_len // ACCUMULATOR_WINDOWS)
+        block += call_rows * dtype_bytes + qkv_bytes(batch, window, num_heads, head_dim, 4)
     return KernelMemory(
-        saved=3 * one + fp32 + lse + index,
-        output_saved=natural and dtype_bytes == 4,
-        forward_transient=min(seq_len, chunk_tokens) * num_heads * head_dim * 4,
+        saved=4 * one + lse + index,
+        output_saved=natural,
+        forward_transient=block,
         backward_transient=3 * fp32 + (0 if dtype_bytes == 4 else 3 * one),
     )
 

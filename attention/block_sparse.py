@@ -16,6 +16,8 @@ than the number of blocks mean "all blocks".
 A length that is not a multiple of block_size ends in a shorter last block (ceil(S / bs)
 blocks); the mask is the pattern's on those blocks and the short block holds only real tokens,
 so no padding exists to be attended. k and v may have fewer heads than q (grouped-query).
+Inputs narrower than fp32 (bf16, fp16) are finished in accumulator windows of query blocks
+(primitive.windowed_result), so only one window's rows are held in fp32.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from attention.base import MergedKernel, attention_flops, check_qkv
 from attention.errors import ParamError
 from attention.hilbert import check_hilbert_length, check_ordering, in_order
 from attention.primitive import (
-    accumulator_dtype,
     block_backward,
     block_forward,
     merge_,
@@ -308,12 +309,15 @@ def _rel_keys(x: torch.Tensor, b: int, r0: int, r1: int, call: _Call, bs: int) -
     return _band(x, b, r0 + call.a, r1 - r0, call.key_blocks, bs)
 
 
+def _rows(x: torch.Tensor, b: int, r0: int, r1: int, bs: int) -> torch.Tensor:
+    """(rows, bs, H, D) view of x[b] (x: (B, S, H, D)) for query blocks r0..r1."""
+    return x[b, r0 * bs : r1 * bs].view(r1 - r0, bs, x.shape[2], x.shape[3])
+
+
 def _row_views(x: torch.Tensor, lse: torch.Tensor, b: int, r0: int, r1: int, bs: int):
     """(rows, bs, H, D) view of x[b] and (rows, H, bs) view of lse[b] for query blocks r0..r1."""
-    h, d = x.shape[2], x.shape[3]
-    rows = x[b, r0 * bs : r1 * bs].view(r1 - r0, bs, h, d)
-    lse_rows = lse[b, :, r0 * bs : r1 * bs].view(h, r1 - r0, bs).transpose(0, 1)
-    return rows, lse_rows
+    lse_rows = lse[b, :, r0 * bs : r1 * bs].view(lse.shape[1], r1 - r0, bs).transpose(0, 1)
+    return _rows(x, b, r0, r1, bs), lse_rows
 
 
 def _store(o_view, l_view, o_b, l_b, merge: bool) -> None:
@@ -410,10 +414,15 @@ def _stair_rows(rows: int, bs: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _forward_plan(
-    params: BlockSparseParams, seq_len: int, causal: bool, superblock_tokens: int
+    params: BlockSparseParams,
+    seq_len: int,
+    causal: bool,
+    superblock_tokens: int,
+    window_starts: tuple[int, ...] = (),
 ) -> tuple[tuple[_Superblock, ...], tuple[_Call, ...]]:
-    """The forward's superblocks (SUPERBLOCK_TOKENS of queries each, where rows qualify) and
-    the plan calls of every other row; causal superblock rows' diagonals are masked calls."""
+    """The forward's superblocks (SUPERBLOCK_TOKENS of queries each, where rows qualify, none
+    across the query blocks `window_starts` that start the forward's windows) and the plan
+    calls of every other row; causal superblock rows' diagonals are masked calls."""
     bs = params.block_size
     group = superblock_tokens // bs
     if group < 2:
@@ -425,7 +434,8 @@ def _forward_plan(
     supers: list[_Superblock] = []
     i = 0
     while i < n:
-        sup = _superblock(runs, i, min(n, i + group), seq_len // bs)
+        edge = min((w for w in window_starts if w > i), default=n)
+        sup = _superblock(runs, i, min(n, i + group, edge), seq_len // bs)
         if sup is None:
             i += 1
             continue
@@ -462,15 +472,17 @@ def _shared_forward(
     sup: _Superblock,
     bs: int,
     scale: float,
+    at: int,
 ) -> None:
-    """Superblock `sup`'s shared run, stored into its rows of (out, lse)."""
+    """Superblock `sup`'s shared run, stored into its rows of (out, lse), whose row 0 is query
+    block `at`'s first token."""
     seq_len = q.shape[1]
-    rows = slice(sup.r0 * bs, min(seq_len, sup.r1 * bs))
+    t0, t1 = sup.r0 * bs, min(seq_len, sup.r1 * bs)
     a, b = sup.shared
     keys, vals = (x[:, a * bs : min(seq_len, b * bs)] for x in (k, v))
-    o_b, l_b = block_forward(q[:, rows], keys, vals, scale=scale)
-    out[:, rows].copy_(o_b)
-    lse[:, :, rows].copy_(l_b)
+    o_b, l_b = block_forward(q[:, t0:t1], keys, vals, scale=scale)
+    out[:, t0 - at * bs : t1 - at * bs].copy_(o_b)
+    lse[:, :, t0 - at * bs : t1 - at * bs].copy_(l_b)
 
 
 def _stairs_forward(
@@ -483,9 +495,10 @@ def _stairs_forward(
     bs: int,
     scale: float,
     buffers: tuple[torch.Tensor, torch.Tensor],
+    at: int,
 ) -> None:
-    """Superblock `sup`'s stairs merged into (out, lse); `buffers` (batch 1): room for the
-    blocks of k and of v a stairs call gathers."""
+    """Superblock `sup`'s stairs merged into (out, lse) (row 0: query block `at`'s first
+    token); `buffers` (batch 1): room for the blocks of k and of v a stairs call gathers."""
     seq_len = q.shape[1]
     count, width = sup.r1 - sup.r0, sup.r1 - sup.r0 - 1
     per_call = _stair_rows(count, bs)
@@ -499,67 +512,92 @@ def _stairs_forward(
                 for x, buf in zip((k, v), buffers, strict=True)
             )
             stair_k, stair_v = (_band(x, 0, 0, t1 - t0, width, bs) for x in gathered)
-            q_rows, _ = _row_views(q, lse, i, sup.r0 + t0, sup.r0 + t1, bs)
+            q_rows = _rows(q, i, sup.r0 + t0, sup.r0 + t1, bs)
             o_b, l_b = block_forward(q_rows, stair_k, stair_v, scale=scale)
-            merge_(*_row_views(out, lse, i, sup.r0 + t0, sup.r0 + t1, bs), o_b, l_b, scratch_b=True)
+            rows = _row_views(out, lse, i, sup.r0 + t0 - at, sup.r0 + t1 - at, bs)
+            merge_(*rows, o_b, l_b)
             del o_b, l_b  # before the next call allocates its own
         return
     for t, (l0, l1, h0, h1) in enumerate(sup.stairs):
-        row = slice((sup.r0 + t) * bs, min(seq_len, (sup.r0 + t + 1) * bs))
+        row0, row1 = (sup.r0 + t) * bs, min(seq_len, (sup.r0 + t + 1) * bs)
+        mine = slice(row0 - at * bs, row1 - at * bs)
         for j0, j1 in ((l0, l1), (h0, h1)):
             if j1 > j0:
                 keys, vals = (x[:, j0 * bs : min(seq_len, j1 * bs)] for x in (k, v))
-                o_b, l_b = block_forward(q[:, row], keys, vals, scale=scale)
-                merge_(out[:, row], lse[:, :, row], o_b, l_b, scratch_b=True)
+                o_b, l_b = block_forward(q[:, row0:row1], keys, vals, scale=scale)
+                merge_(out[:, mine], lse[:, :, mine], o_b, l_b)
                 del o_b, l_b
 
 
 def block_sparse_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: BlockSparseParams, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B,S,H,D), lse (B,H,S)) in the accumulator dtype over the kept block pairs only;
-    no graph. q, k, v must be contiguous."""
-    bsz, seq_len, heads, dim = q.shape
-    bs, scale = params.block_size, dim**-0.5
-    acc = accumulator_dtype(q.dtype)
-    out = torch.empty(bsz, seq_len, heads, dim, dtype=acc, device=q.device)
-    lse = torch.empty(bsz, heads, seq_len, dtype=acc, device=q.device)
-    rows_per_call = max(1, CHUNK_TOKENS // bs)
-    supers, calls = _forward_plan(params, seq_len, causal, SUPERBLOCK_TOKENS)
-    for sup in supers:  # every shared run first: its block output never meets the buffers
-        _shared_forward(q, k, v, out, lse, sup, bs, scale)
+    """(out (B,S,H,D) in q's dtype, lse (B,H,S) in the accumulator dtype) over the kept block
+    pairs only, finished window by window (primitive.windowed_result); no graph. q, k, v must
+    be contiguous."""
+    seq_len = q.shape[1]
+    bs, scale = params.block_size, q.shape[3] ** -0.5
+    starts = tuple(c0 // bs for c0, _ in primitive.windows(seq_len, q.dtype, bs))
+    supers, calls = _forward_plan(params, seq_len, causal, SUPERBLOCK_TOKENS, starts)
     gathering = [s for s in supers if s.shifted and _stair_rows(s.r1 - s.r0, bs)]
-    if supers:
-        most = max((_stair_rows(s.r1 - s.r0, bs) + s.r1 - s.r0 - 2 for s in gathering), default=0)
-        most *= bs
-        buffers = (k.new_empty(1, most, *k.shape[2:]), v.new_empty(1, most, *v.shape[2:]))
-        for sup in supers:
-            _stairs_forward(q, k, v, out, lse, sup, bs, scale, buffers)
-        del buffers
-    for call in calls:
-        diag = _call_diagonal(call, bs)
-        causal_call = {"causal": diag is not None, "diagonal": diag or 0}
-        if call.kind == "rel":
-            for b in range(bsz):
-                for r0, r1 in _chunks(call, rows_per_call):
-                    q_rows, _ = _row_views(q, lse, b, r0, r1, bs)
-                    keys = _rel_keys(k, b, r0, r1, call, bs)
-                    vals = _rel_keys(v, b, r0, r1, call, bs)
-                    o_b, l_b = block_forward(q_rows, keys, vals, scale=scale, **causal_call)
-                    _store(*_row_views(out, lse, b, r0, r1, bs), o_b, l_b, call.merge)
-                    del o_b, l_b
-            continue
-        if call.kind == "abs":
-            keys, vals = (x[:, call.a * bs : call.b * bs] for x in (k, v))
-        else:
-            keys, vals = (_gather(x, call.blocks, bs) for x in (k, v))
-        for r0, r1 in _chunks(call, rows_per_call):
-            rows = slice(r0 * bs, min(r1 * bs, seq_len))
-            o_b, l_b = block_forward(q[:, rows], keys, vals, scale=scale, **causal_call)
-            _store(out[:, rows], lse[:, :, rows], o_b, l_b, call.merge)
-            del o_b, l_b
-        del keys, vals  # a gather's copies, before the next call gathers
-    return out, lse
+    most = max((_stair_rows(s.r1 - s.r0, bs) + s.r1 - s.r0 - 2 for s in gathering), default=0)
+    buffers: list[torch.Tensor] = []  # the stairs' k and v, allocated at their first use
+
+    def fill(c0: int, c1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        at, end = c0 // bs, -(-c1 // bs)  # the window's query blocks
+        mine = [sup for sup in supers if at <= sup.r0 < end]
+        for sup in mine:  # shared runs first: in one window, their outputs never meet buffers
+            _shared_forward(q, k, v, out, lse, sup, bs, scale, at)
+        if mine and not buffers:
+            buffers.extend(x.new_empty(1, most * bs, *x.shape[2:]) for x in (k, v))
+        for sup in mine:
+            _stairs_forward(q, k, v, out, lse, sup, bs, scale, (buffers[0], buffers[1]), at)
+        for call in calls:
+            r0, r1 = max(call.r0, at), min(call.r1, end)
+            if r0 < r1:
+                _call_forward(q, k, v, out, lse, dataclasses.replace(call, r0=r0, r1=r1), at, bs)
+
+    return primitive.windowed_result(q, fill, bs)
+
+
+def _call_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    call: _Call,
+    at: int,
+    bs: int,
+) -> None:
+    """One plan call's rows, in primitive calls of at most CHUNK_TOKENS queries, stored or
+    merged into (out, lse), whose row 0 is query block `at`'s first token."""
+    bsz, seq_len = q.shape[:2]
+    scale, rows_per_call = q.shape[3] ** -0.5, max(1, CHUNK_TOKENS // bs)
+    diag = _call_diagonal(call, bs)
+    causal_call = {"causal": diag is not None, "diagonal": diag or 0}
+    if call.kind == "rel":
+        for b in range(bsz):
+            for r0, r1 in _chunks(call, rows_per_call):
+                keys = _rel_keys(k, b, r0, r1, call, bs)
+                vals = _rel_keys(v, b, r0, r1, call, bs)
+                o_b, l_b = block_forward(
+                    _rows(q, b, r0, r1, bs), keys, vals, scale=scale, **causal_call
+                )
+                _store(*_row_views(out, lse, b, r0 - at, r1 - at, bs), o_b, l_b, call.merge)
+                del o_b, l_b
+        return
+    if call.kind == "abs":
+        keys, vals = (x[:, call.a * bs : call.b * bs] for x in (k, v))
+    else:
+        keys, vals = (_gather(x, call.blocks, bs) for x in (k, v))
+    for r0, r1 in _chunks(call, rows_per_call):
+        t0, t1 = r0 * bs, min(r1 * bs, seq_len)
+        o_b, l_b = block_forward(q[:, t0:t1], keys, vals, scale=scale, **causal_call)
+        mine = slice(t0 - at * bs, t1 - at * bs)
+        _store(out[:, mine], lse[:, :, mine], o_b, l_b, call.merge)
+        del o_b, l_b
+    del keys, vals  # a gather's copies, before the next call gathers
 
 
 def _key_parts(call: _Call, bs: int, key_tokens: int) -> list[_Call]:

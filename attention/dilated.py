@@ -25,6 +25,9 @@ every r divides its w, the two are identical (reference.md: ~1e-6).
 
 The dilated rows of a group are strided views of q/k/v (no copies, `attention.segments`); each
 call of the primitive takes a chunk of segments, so temporaries stay a fraction of the inputs.
+Inputs narrower than fp32 (bf16, fp16) are finished in accumulator windows of positions
+(primitive.windowed_result): a segment a window cuts runs its queries inside the window
+against all its keys, so the fp32 rows held are one window's, not the whole output's.
 The backward recomputes every branch with the final merged (out, lse) (FlashAttention-2), since
 the fused lse has no grad; it cuts a segment's rows into query and key parts (backward_parts),
 so that its temporaries plus the op's own buffers stay below dense's (measured: train peak
@@ -46,9 +49,9 @@ from attention.autograd import merged_attention
 from attention.base import MergedKernel, attention_flops, check_qkv
 from attention.errors import ParamError
 from attention.hilbert import check_hilbert_length, check_ordering, in_order
-from attention.primitive import block_backward, block_forward, empty_result, merge_, zero_grads
+from attention.primitive import block_backward, block_forward, merge_, zero_grads
 from attention.registry import KernelSpec, register
-from attention.segments import Rows, branch_pairs, branch_rows
+from attention.segments import Rows, branch_pairs, branch_rows, window_parts
 
 CHUNK_TOKENS = 2048
 """Tokens of one batch row per primitive call (whole segments, at least one)."""
@@ -149,23 +152,33 @@ def forward_rows(
     lse: torch.Tensor,
     spans: list[tuple[int, int, int, int]],
     causal: bool,
+    window: tuple[int, int] | None = None,
 ) -> None:
     """Branches (w, r) over positions [lo, hi) (segments from lo), given as (w, r, lo, hi), into
-    (out, lse): the first is copied (it must be the first to touch these rows), the rest merged."""
+    (out, lse): the first is copied (it must be the first to touch these rows), the rest merged.
+    `window` (c0, c1): only the queries at positions [c0, c1), into (out, lse) of those rows
+    (row c0 is their row 0; see primitive.windowed_result); None: every query, out and lse of
+    the whole sequence."""
     bsz, _, heads, dim = q.shape
+    c0, c1 = window or (0, q.shape[1])
     for index, (w, r, lo, hi) in enumerate(spans):
         for rows in branch_rows(lo, hi, w, r, heads, chunk_tokens=CHUNK_TOKENS):
-            for b, qr, kr in calls(rows, bsz, heads, k.shape[2], CALL_ROW_HEADS, rows.m):
-                o_b, l_b = block_forward(
-                    qr.of(q, b), kr.of(k, b), kr.of(v, b), scale=dim**-0.5, causal=causal
-                )
-                o_view, l_view = qr.of(out, b), qr.of_lse(lse, b)
-                if index == 0:  # the first branch covers each (head, position) at most once
-                    o_view.copy_(o_b)
-                    l_view.copy_(l_b)
-                else:
-                    merge_(o_view, l_view, o_b, l_b, scratch_b=True)
-                del o_b, l_b
+            for q_rows, k_rows, i0 in window_parts(rows, c0, c1):
+                keys = q_rows.m + i0 if causal else k_rows.m  # causal: none after the last query
+                for b, qr, kr in calls(q_rows, bsz, heads, k.shape[2], CALL_ROW_HEADS, rows.m):
+                    kr = dataclasses.replace(k_rows, h0=kr.h0, h1=kr.h1)
+                    o_b, l_b = block_forward(
+                        qr.of(q, b), kr.of(k, b)[:, :keys], kr.of(v, b)[:, :keys],
+                        scale=dim**-0.5, causal=causal, diagonal=i0 if causal else 0,
+                    )  # fmt: skip
+                    at = dataclasses.replace(qr, start=qr.start - c0)
+                    o_view, l_view = at.of(out, b), at.of_lse(lse, b)
+                    if index == 0:  # the first branch covers each (head, position) at most once
+                        o_view.copy_(o_b)
+                        l_view.copy_(l_b)
+                    else:
+                        merge_(o_view, l_view, o_b, l_b)
+                    del o_b, l_b
 
 
 def backward_rows(
@@ -242,10 +255,14 @@ def backward_parts(m: int, causal: bool) -> list[tuple[int, int, int, int]]:
 def dilated_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: DilatedParams, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merged (out (B,S,H,D), lse (B,H,S)) of all branches in the accumulator dtype; no graph."""
-    out, lse = empty_result(q)
-    forward_rows(q, k, v, out, lse, _whole(params, q.shape[1]), causal)
-    return out, lse
+    """Merged (out (B,S,H,D) in q's dtype, lse (B,H,S) in the accumulator dtype) of all
+    branches, finished window by window (primitive.windowed_result); no graph."""
+    spans = _whole(params, q.shape[1])
+
+    def fill(c0: int, c1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        forward_rows(q, k, v, out, lse, spans, causal, window=(c0, c1))
+
+    return primitive.windowed_result(q, fill)
 
 
 def dilated_backward(

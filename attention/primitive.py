@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -69,6 +70,52 @@ def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     acc = accumulator_dtype(q.dtype)
     out = torch.zeros(bsz, seq_len, heads, dim, dtype=acc, device=q.device)
     lse = torch.full((bsz, heads, seq_len), float("-inf"), dtype=acc, device=q.device)
+    return out, lse
+
+
+ACCUMULATOR_WINDOWS = 8
+"""Windows a merging kernel finishes its output in when the inputs are narrower than the
+accumulator (bf16, fp16): only one window's rows are held in fp32 at a time, so the forward's
+peak carries an eighth of an fp32 output (a sixteenth of the bf16 floor's per-element bytes)
+instead of an fp32 output and its bf16 copy (1.5x the floor)."""
+
+
+def windows(seq_len: int, dtype: torch.dtype, unit: int = 1) -> list[tuple[int, int]]:
+    """Token ranges [c0, c1) whose rows `windowed_result` finishes one at a time: the whole
+    sequence when `dtype` is its own accumulator dtype (the output is the accumulator), else
+    ACCUMULATOR_WINDOWS equal ranges of a multiple of `unit` tokens (the last one shorter)."""
+    if accumulator_dtype(dtype) == dtype or seq_len <= unit:
+        return [(0, seq_len)] if seq_len else []
+    units = -(-seq_len // unit)
+    size = -(-units // ACCUMULATOR_WINDOWS) * unit
+    return [(c0, min(seq_len, c0 + size)) for c0 in range(0, seq_len, size)]
+
+
+def windowed_result(
+    q: torch.Tensor,
+    fill: Callable[[int, int, torch.Tensor, torch.Tensor], None],
+    unit: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in q's dtype, lse in the accumulator dtype) of a merging kernel, its rows computed
+    window by window (`windows`): `fill(c0, c1, out_w, lse_w)` merges the results of q's rows
+    [c0, c1) into accumulators for those rows (out_w (B, c1 - c0, H, D), lse_w (B, H, c1 - c0),
+    starting as `empty_result`'s 0 and -inf; row c0 is their row 0). A window done, its rows
+    are cast into the output and the fp32 buffer serves the next window."""
+    bsz, seq_len, heads, dim = q.shape
+    acc, spans = accumulator_dtype(q.dtype), windows(seq_len, q.dtype, unit)
+    if acc == q.dtype:
+        out, lse = empty_result(q)
+        for c0, c1 in spans:
+            fill(c0, c1, out[:, c0:c1], lse[:, :, c0:c1])
+        return out, lse
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((bsz, heads, seq_len), _NEG_INF, dtype=acc, device=q.device)
+    most = max((c1 - c0 for c0, c1 in spans), default=0)
+    buffer = torch.empty(bsz, most, heads, dim, dtype=acc, device=q.device)
+    for c0, c1 in spans:
+        out_w = buffer[:, : c1 - c0].zero_()
+        fill(c0, c1, out_w, lse[:, :, c0:c1])
+        out[:, c0:c1].copy_(out_w)
     return out, lse
 
 
@@ -191,7 +238,10 @@ def block_forward(
     diagonal: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, H, D) against k, v (B, Sk, H_kv, D): out (B,Sq,H,D), lse (B,H,Sq)
-    in `accumulator_dtype`. `causal`: query i sees key j <= i + diagonal. No autograd graph.
+    in `accumulator_dtype`, except an out that one fused call produced: that one stays in the
+    op's dtype (the inputs'), since converting it adds no precision, only a block-sized copy
+    (`merge_` and `copy_` into accumulators take it as it is). `causal`: query i sees key
+    j <= i + diagonal. No autograd graph.
 
     One fused call per `causal_pieces` piece; pieces of the same rows are merged.
     """
@@ -204,8 +254,10 @@ def block_forward(
     with torch.no_grad():
         if pieces and pieces[0][:2] == (0, sq):  # every piece has all the rows: no buffer
             out, lse = _piece_forward(backend, q, k, v, scale, pieces[0])
+            if len(pieces) > 1:
+                out = out.to(lse.dtype)
             for piece in pieces[1:]:
-                merge_(out, lse, *_piece_forward(backend, q, k, v, scale, piece), scratch_b=True)
+                merge_(out, lse, *_piece_forward(backend, q, k, v, scale, piece))
             return out, lse
         out, lse = empty_result(q)
         seen: set[tuple[int, int]] = set()
@@ -214,7 +266,7 @@ def block_forward(
             o_b, l_b = _piece_forward(backend, q, k, v, scale, piece)
             o, lse_rows = out[:, q0:q1], lse[:, :, q0:q1]
             if (q0, q1) in seen:
-                merge_(o, lse_rows, o_b, l_b, scratch_b=True)
+                merge_(o, lse_rows, o_b, l_b)
             else:
                 o.copy_(o_b)
                 lse_rows.copy_(l_b)
@@ -226,7 +278,8 @@ def block_forward(
 def _piece_forward(
     backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, piece: Piece
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One piece's fused forward: (out, lse) of its rows in the accumulator dtype."""
+    """One piece's forward: (out, lse) of its rows; lse in the accumulator dtype, out in the
+    fused op's dtype (the inputs'; the math path's: the accumulator dtype)."""
     q0, q1, k0, k1, causal = piece
     acc = accumulator_dtype(q.dtype)
     q, k, v = q[:, q0:q1], k[:, k0:k1], v[:, k0:k1]
@@ -237,19 +290,19 @@ def _piece_forward(
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qt, kt, vt, 0.0, causal, scale=scale
         )
-        return out.transpose(1, 2).to(acc), lse.to(acc)
+        return out.transpose(1, 2), lse.to(acc)
     # The CUDA ops are not relied on for GQA (unchecked there): kv heads are repeated.
     kt, vt = _repeat_kv(kt, qt.shape[1]), _repeat_kv(vt, qt.shape[1])
     if backend == "cuda_flash":
         res = torch.ops.aten._scaled_dot_product_flash_attention(
             qt, kt, vt, 0.0, causal, False, scale=scale
         )
-        return res[0].transpose(1, 2).to(acc), res[1].to(acc)
+        return res[0].transpose(1, 2), res[1].to(acc)
     # cuda_efficient: its lse is padded along Sq to a multiple of 32.
     res = torch.ops.aten._scaled_dot_product_efficient_attention(
         qt, kt, vt, None, True, 0.0, causal, scale=scale
     )
-    return res[0].transpose(1, 2).to(acc), res[1][..., : q1 - q0].to(acc)
+    return res[0].transpose(1, 2), res[1][..., : q1 - q0].to(acc)
 
 
 def _math_forward(
@@ -293,26 +346,18 @@ def _sum_kv(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def merge_(
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    out_b: torch.Tensor,
-    lse_b: torch.Tensor,
-    *,
-    scratch_b: bool = False,
+    out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge partial result b into (out, lse) in place; works on strided views.
 
-    out, out_b: (..., S, H, D); lse, lse_b: (..., H, S), in the accumulator dtype.
-    Returns (out, lse).
-    `scratch_b`: out_b is a fresh block result the caller drops, so it is overwritten instead of
-    allocating two block-sized temporaries (the same roundings either way).
+    out: (..., S, H, D) and lse, lse_b: (..., H, S) in the accumulator dtype; out_b: (..., S,
+    H, D) in it or in a narrower dtype (a fused op's output), read as it is. Returns (out, lse).
+    out = (1 - w) out + w out_b with w = sigmoid(lse_b - lse): two in-place passes and no
+    block-sized temporary (on CUDA; on CPU a narrower out_b is converted for the pass).
     """
     diff = (lse_b - lse).nan_to_num_(nan=0.0)  # -inf - -inf: both empty, weight irrelevant
     weight = torch.sigmoid_(diff).transpose(-1, -2).unsqueeze(-1)  # (..., S, H, 1)
-    if scratch_b:
-        out.sub_(out_b.sub_(out).neg_().mul_(weight))  # out - w (out - out_b)
-    else:
-        out.sub_(weight * (out - out_b))
+    out.mul_(1 - weight).addcmul_(out_b, weight)
     lse.copy_(torch.logaddexp(lse, lse_b))
     return out, lse
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -88,3 +88,38 @@ def branch_pairs(seq_len: int, num_heads: int, w: int, r: int, causal: bool) -> 
     """Query-key pairs of branch (w, r) over a sequence, summed over heads."""
     rows = branch_rows(0, seq_len, w, r, num_heads, chunk_tokens=seq_len)
     return sum((x.h1 - x.h0) * x.pairs(causal) for x in rows)
+
+
+def window_parts(rows: Rows, c0: int, c1: int) -> list[tuple[Rows, Rows, int]]:
+    """`rows`' queries at positions [c0, c1) as (query rows, key rows, i0): the segments wholly
+    inside as one part (queries and keys the same rows, i0 = 0), and each segment that a window
+    edge cuts as a part of its own whose query rows are its rows i0 .. i1 - 1 inside the window
+    (keys: all its rows; query i0 + i is row i of the query rows)."""
+    m, rate, stride = rows.m, rows.rate, rows.stride
+    first = max(0, -(-(c0 - rows.start - (m - 1) * rate) // stride))  # its last row >= c0
+    last = min(rows.count - 1, (c1 - 1 - rows.start) // stride)  # its first row < c1
+    if first > last:
+        return []
+
+    def segments(a: int, b: int) -> Rows:
+        return replace(rows, start=rows.start + a * stride, count=b - a)
+
+    def cut(s: int) -> tuple[int, int]:
+        base = rows.start + s * stride
+        i0 = min(m, max(0, -(-(c0 - base) // rate)))
+        return i0, min(m, max(i0, -(-(c1 - base) // rate)))
+
+    parts: list[tuple[Rows, Rows, int]] = []
+    inner = [first, last + 1]
+    for s in dict.fromkeys((first, last)):
+        i0, i1 = cut(s)
+        if (i0, i1) == (0, m):
+            continue
+        inner[0 if s == first else 1] = s + (s == first)
+        if i1 > i0:
+            seg = segments(s, s + 1)
+            parts.append((replace(seg, start=seg.start + i0 * rate, m=i1 - i0), seg, i0))
+    if inner[0] < inner[1]:
+        whole = segments(*inner)
+        parts.insert(0, (whole, whole, 0))
+    return parts

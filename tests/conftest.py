@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +95,20 @@ def ray_session(_ray_shutdown_at_end: None) -> Any:
     if not ray.is_initialized():
         ray.init(**RAY_INIT_ARGS)
     return ray
+
+
+@pytest.fixture
+def accumulator_windows(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """`accumulator_windows(units)`: merging kernels finish their rows in windows of `units`
+    units (attention.primitive.windowed_result) for every dtype, fp32 and fp64 included, so
+    that the fp64 references check the windowed forward that bf16 and fp16 take."""
+    from attention import primitive
+
+    def use(units: int) -> None:
+        def windows(seq_len: int, dtype: Any, unit: int = 1) -> list[tuple[int, int]]:
+            size = units * unit
+            return [(c0, min(seq_len, c0 + size)) for c0 in range(0, seq_len, size)]
+
+        monkeypatch.setattr(primitive, "windows", windows)
+
+    return use

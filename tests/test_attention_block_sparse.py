@@ -279,6 +279,17 @@ def test_small_chunks_give_the_same_result(params, causal, monkeypatch) -> None:
     assert_matches_reference(module, _reference(module, params["block_size"]), 2, 32, 2, 4, causal)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("units", [1, 3])
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: "-".join(map(str, p.values())))
+def test_windows_match_the_reference(params, units, causal, accumulator_windows) -> None:
+    """The forward in accumulator windows of 1 and 3 query blocks (how bf16 and fp16 run it,
+    forced here for fp32): each call's rows cut at the windows' edges."""
+    accumulator_windows(units)
+    module = attention.build("block_sparse", **params)
+    assert_matches_reference(module, _reference(module, params["block_size"]), 2, 33, 3, 8, causal)
+
+
 def test_query_blocks_with_the_same_key_offsets_share_one_call() -> None:
     params = attention.make_params("block_sparse", {"block_size": 4, "window": 2})
     calls = bs_module._plan(params, 64, False)
@@ -323,6 +334,29 @@ def test_superblocks_equal_the_reference(case, chunk, seq, causal, monkeypatch) 
     module = attention.build("block_sparse", **params)
     assert_matches_reference(module, _reference(module, params["block_size"]), 2, seq, 4, 4, causal)
     assert {sup.shifted for sup in ran} == (expected_causal if causal else expected)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seq", [80, 81])
+def test_superblocks_stay_inside_their_window(seq, causal, monkeypatch, accumulator_windows):
+    """In windows of 7 blocks, superblocks of up to 4 blocks start again at each window (one
+    never holds rows of two windows) and still equal the reference, gathered stairs included."""
+    accumulator_windows(7)
+    monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 8)
+    ran = []
+    real = bs_module._shared_forward
+
+    def spy(*args):
+        sup, at = args[5], args[8]
+        ran.append(sup)
+        assert at % 7 == 0 and at <= sup.r0 < sup.r1 <= at + 7
+        return real(*args)
+
+    monkeypatch.setattr(bs_module, "_shared_forward", spy)
+    params = {"block_size": 2, "pattern": "local_window", "window": 9}
+    module = attention.build("block_sparse", **params)
+    assert_matches_reference(module, _reference(module, 2), 2, seq, 4, 4, causal)
+    assert {sup.shifted for sup in ran} == {True, False}
 
 
 def test_a_superblock_needs_a_shared_run_twice_as_wide_as_a_rows_stairs() -> None:

@@ -76,6 +76,30 @@ def test_the_papers_configuration_matches_the_reference(seq, causal) -> None:
     assert_matches_reference(module, _dilated_ref(*PAPER), 1, seq, 12, 4, causal)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("units", [1, 3, 5])
+@pytest.mark.parametrize(("seq", "heads", "ws", "rs"), CONFIGS)
+def test_windows_that_cut_segments_match_the_reference(
+    seq, heads, ws, rs, units, causal, accumulator_windows
+) -> None:
+    """The forward in accumulator windows (how bf16 and fp16 run it, forced here for fp32):
+    windows of 1, 3 and 5 tokens cut segments, so each cut segment's queries inside a window
+    run against all of its keys (causal: those up to the window's last query)."""
+    accumulator_windows(units)
+    module = attention.build("dilated", segment_lengths=ws, dilation_rates=rs)
+    assert_matches_reference(module, _dilated_ref(ws, rs), 2, seq, heads, 8, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_papers_configuration_in_windows_matches_the_reference(
+    causal, accumulator_windows
+) -> None:
+    """Windows of 37 tokens across segments of 64..300 tokens (512 and 1024 shrunk to 300)."""
+    accumulator_windows(37)
+    module = attention.build("dilated", segment_lengths=PAPER[0], dilation_rates=PAPER[1])
+    assert_matches_reference(module, _dilated_ref(*PAPER), 1, 300, 12, 4, causal)
+
+
 def test_zero_padding_at_the_end_changes_no_causal_output() -> None:
     """Causally, padding the sequence to a multiple of every segment (torchscale's convention)
     gives the same outputs on the real tokens: the conventions agree there."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import pytest
@@ -224,3 +225,44 @@ def test_token_chunks_are_near_equal_and_within_the_bound() -> None:
     assert primitive.token_chunks(10, 17, 3) == [(10, 12), (12, 14), (14, 17)]
     assert primitive.token_chunks(0, 5, 8) == [(0, 5)]
     assert primitive.token_chunks(3, 3, 8) == []
+
+
+def test_windows_split_only_inputs_narrower_than_their_accumulator() -> None:
+    """fp32 and fp64 outputs are their own accumulators: one window. bf16 and fp16 rows are
+    finished in ACCUMULATOR_WINDOWS equal windows of whole units, which cover the sequence."""
+    assert primitive.windows(1000, torch.float32, 64) == [(0, 1000)]
+    assert primitive.windows(1000, torch.float64) == [(0, 1000)]
+    assert primitive.windows(0, torch.bfloat16) == []
+    assert primitive.windows(8, torch.bfloat16, 64) == [(0, 8)]
+    for seq, unit in [(1000, 64), (1024, 1), (17, 1), (16384, 128), (100, 3)]:
+        spans = primitive.windows(seq, torch.bfloat16, unit)
+        assert spans[0][0] == 0 and spans[-1][1] == seq
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+        sizes = {c1 - c0 for c0, c1 in spans[:-1]}
+        assert len(sizes) <= 1 and all(size % unit == 0 for size in sizes)
+        assert len(spans) <= primitive.ACCUMULATOR_WINDOWS
+    assert len(primitive.windows(16384, torch.float16, 128)) == primitive.ACCUMULATOR_WINDOWS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windowed_result_fills_each_window_once_and_casts_it(dtype) -> None:
+    """Each window's fill sees fresh accumulators (0, -inf) for its own rows, row c0 first;
+    what it leaves there is the output (in q's dtype) and lse of those rows."""
+    q = rand(2, 40, 3, 4).to(dtype)
+    seen = []
+
+    def fill(c0: int, c1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        assert out.shape == (2, c1 - c0, 3, 4) and lse.shape == (2, 3, c1 - c0)
+        assert out.dtype == lse.dtype == torch.float32
+        assert (out == 0).all() and torch.isneginf(lse).all()
+        seen.append((c0, c1))
+        positions = torch.arange(c0, c1, dtype=torch.float32)
+        out.copy_(positions[None, :, None, None].expand_as(out))
+        lse.copy_(-positions.expand_as(lse))
+
+    out, lse = primitive.windowed_result(q, fill, unit=3)
+    assert seen == primitive.windows(40, dtype, 3)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    positions = torch.arange(40, dtype=torch.float32)
+    assert torch.equal(out.float(), positions[None, :, None, None].expand(2, 40, 3, 4))
+    assert torch.equal(lse, -positions.expand(2, 3, 40))

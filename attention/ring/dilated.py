@@ -201,7 +201,7 @@ def _far_forward(q, k, v, out, lse, far: Far, rank: int, causal: bool) -> None:
             for s0, s1, cz in _key_parts(before, m, sum(counts), causal):
                 keys = kv[:, :, s0:s1, k0 - c0 : k1 - c0]
                 o_b, l_b = block_forward(q[:, sel, a0:a1], keys[0], keys[1], scale=scale, causal=cz)
-                merge_(o_view, l_view, o_b, l_b, scratch_b=True)
+                merge_(o_view, l_view, o_b, l_b)
 
 
 def _far_backward(dout, q, k, v, out, lse, grads, far: Far, rank: int, causal: bool) -> None:

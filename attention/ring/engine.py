@@ -106,7 +106,7 @@ def step_forward(
                 o.copy_(o_b)
                 s_.copy_(l_b)
             else:
-                merge_(o, s_, o_b, l_b, scratch_b=True)
+                merge_(o, s_, o_b, l_b)
             del o_b, l_b
         fresh = False
     return fresh
