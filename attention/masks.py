@@ -20,7 +20,13 @@ def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tenso
 
 
 def dilated_branch_mask(
-    seq_len: int, num_heads: int, segment_length: int, dilation_rate: int, *, causal: bool = False
+    seq_len: int,
+    num_heads: int,
+    segment_length: int,
+    dilation_rate: int,
+    *,
+    causal: bool = False,
+    rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """LongNet branch (w, r) as keep (H, S, S), from the definition (authors' semantics).
 
@@ -29,17 +35,19 @@ def dilated_branch_mask(
     start) with p % r == g; kept positions of one segment attend among themselves.
     Segments tile from position 0: when S % w != 0 the last one is shorter, and w > S makes the
     whole sequence one segment (no padding exists, so none is attended).
+    `rows` (c0, c1): only the query rows c0 .. c1 - 1, as (H, c1 - c0, S).
     """
     pos = torch.arange(seq_len)
+    rows_pos = pos[slice(*rows)] if rows else pos
     segment = pos // segment_length
     offset = pos % segment_length
     group_size = math.ceil(num_heads / dilation_rate)
     group = torch.arange(num_heads) // group_size  # (H,)
     kept = (offset % dilation_rate)[None, :] == group[:, None]  # (H, S)
-    same_segment = segment[:, None] == segment[None, :]  # (S, S)
-    keep = kept[:, :, None] & kept[:, None, :] & same_segment[None]
+    same_segment = segment[rows_pos, None] == segment[None, :]  # (rows, S)
+    keep = kept[:, rows_pos, None] & kept[:, None, :] & same_segment[None]
     if causal:
-        keep &= causal_mask(seq_len)[None]
+        keep &= (pos[None, :] <= rows_pos[:, None])[None]
     return keep
 
 
@@ -90,15 +98,17 @@ def dilated_reference(
     dilation_rates: Sequence[int],
     *,
     causal: bool = False,
+    rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """LongNet dilated attention: per-branch masked softmax, branches mixed by softmax of lse.
 
     A (head, position) a branch does not cover gets no weight from it; covered by none -> 0.
+    `rows` (c0, c1): q holds only the query rows c0 .. c1 - 1 of the sequence of k and v.
     """
-    seq_len, num_heads = q.shape[1], q.shape[2]
+    seq_len, num_heads = k.shape[1], q.shape[2]
     outs, lses, covered = [], [], []
     for w, r in zip(segment_lengths, dilation_rates, strict=True):
-        keep = dilated_branch_mask(seq_len, num_heads, w, r, causal=causal)
+        keep = dilated_branch_mask(seq_len, num_heads, w, r, causal=causal, rows=rows)
         out, lse = masked_attention(q, k, v, keep)
         outs.append(out)
         lses.append(lse)

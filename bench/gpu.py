@@ -4,8 +4,8 @@ What it runs (issue 21's proof, first part), for every dtype asked:
 - correctness: the primitive's fused forward and backward with a merged lse (the GPU's aten
   flash and efficient ops; `primitive_check`), then dense, dilated and block_sparse, causal and
   not, forward and the gradients of q, k, v, against an fp32 masked reference of the same
-  definition (attention.masks) at each --check-seq (GPU: 1K and 16K; the issue's 32K needs a
-  chunked reference, see GPU);
+  definition (attention.masks) at each --check-seq (GPU: 1K and 32K; the reference runs by
+  query chunks, each recomputed in the backward, so 32K fits: `chunked_reference`);
 - timings: the same kernels and SDPA's flash backend (the `sdpa` kernel, backend flash: an
   unsupported shape is an error, not a fallback) at each --seq, forward and forward+backward
   (bench.kernels' protocol: one warm-up, then --repeats; CUDA events on a GPU), with each
@@ -59,11 +59,11 @@ KERNELS: dict[str, dict[str, Any]] = {
 }
 """The sparse kernels' params at GPU lengths (LongNet's segments up to 32K; FlexAttention's
 block size); at CPU lengths segments and blocks scale down (`scaled`)."""
-GPU = {"seq": [16384, 32768, 65536, 131072], "check_seq": [1024, 16384], "heads": 16, "dim": 128}
-"""The GPU defaults. Checks stop at 16K: the dilated reference keeps about 4 x seq^2 fp32 per
-branch for its gradients (16 GB a branch at 32K, five branches), so 32K needs a reference
-computed by query chunks, not written yet."""
-CPU = {"seq": [256], "check_seq": [128], "heads": 2, "dim": 16}
+GPU = {"seq": [16384, 32768, 65536, 131072], "check_seq": [1024, 32768], "heads": 16, "dim": 128,
+       "reference_rows": 1024}  # fmt: skip
+"""The GPU defaults; the checks' reference runs `reference_rows` queries at a time (its masks
+and scores: about 5 x rows x seq floats per dilated branch, 0.7 GB at 32K)."""
+CPU = {"seq": [256], "check_seq": [128], "heads": 2, "dim": 16, "reference_rows": 48}
 SEARCH = {
     "cuda": {"heads": 8, "dim": 64, "dtype": torch.bfloat16, "granularity": 32768,
              "whole": (1 << 20, 1 << 25), "small": (gpu_search.GTX_1080_BYTES, 1 << 17),
@@ -126,26 +126,65 @@ def peak_tflops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
 
 
-def reference(kernel: str, module: Any, q, k, v, causal: bool) -> torch.Tensor:
-    """fp32 output of the kernel's definition, with a graph (attention.masks)."""
-    seq = q.shape[1]
+def reference(
+    kernel: str, module: Any, q, k, v, causal: bool, rows: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """fp32 output of the kernel's definition, with a graph (attention.masks); `rows` (c0, c1):
+    q holds only the query rows c0 .. c1 - 1 of the sequence of k and v."""
+    seq = k.shape[1]
+    c0, c1 = rows or (0, seq)
     if kernel == "dilated":
         p = module.params
-        return dilated_reference(q, k, v, p.segment_lengths, p.dilation_rates, causal=causal)
+        ws, rs = p.segment_lengths, p.dilation_rates
+        return dilated_reference(q, k, v, ws, rs, causal=causal, rows=(c0, c1))
     if kernel == "block_sparse":
         bs = module.params.block_size
-        blocks = module.block_mask(seq)
-        keep = block_token_mask(blocks, bs, seq_len=seq, causal=causal).to(q.device)
-        return masked_attention(q, k, v, keep)[0]
-    keep = torch.ones(seq, seq, dtype=torch.bool, device=q.device)
-    return masked_attention(q, k, v, keep.tril() if causal else keep)[0]
+        blocks = module.block_mask(seq)[c0 // bs : -(-c1 // bs)]
+        keep = block_token_mask(blocks, bs)[c0 % bs :][: c1 - c0, :seq].to(q.device)
+    else:
+        keep = torch.ones(c1 - c0, seq, dtype=torch.bool, device=q.device)
+    if causal:
+        positions = torch.arange(seq, device=q.device)
+        keep = keep & (positions[None, :] <= positions[c0:c1, None])
+    return masked_attention(q, k, v, keep)[0]
+
+
+def chunked_reference(kernel: str, module: Any, q, k, v, causal: bool, rows: int) -> torch.Tensor:
+    """`reference` by chunks of `rows` queries, each under torch.utils.checkpoint: the graph
+    keeps one chunk's masks and scores at a time (recomputed in the backward), where the whole
+    reference keeps about 4 x seq^2 floats per dilated branch (16 GB a branch at 32K)."""
+    from torch.utils.checkpoint import checkpoint
+
+    seq = q.shape[1]
+    parts = [
+        checkpoint(
+            reference,
+            kernel,
+            module,
+            q[:, c0 : c0 + rows],
+            k,
+            v,
+            causal,
+            (c0, min(seq, c0 + rows)),
+            use_reentrant=False,
+        )
+        for c0 in range(0, seq, rows)
+    ]
+    return torch.cat(parts, dim=1)
 
 
 def check(
-    kernel: str, seq: int, dtype: str, device: torch.device, causal: bool = False
+    kernel: str,
+    seq: int,
+    dtype: str,
+    device: torch.device,
+    causal: bool = False,
+    reference_rows: int | None = None,
 ) -> dict[str, Any]:
-    """Max abs error of out, dq, dk, dv against the fp32 reference; one head (the reference's
-    score matrix is seq^2 floats per head), batch 1."""
+    """Max abs error of out, dq, dk, dv against the fp32 reference (`chunked_reference`, by
+    `reference_rows` queries: the device's default); one head, batch 1."""
+    if reference_rows is None:
+        reference_rows = (GPU if device.type == "cuda" else CPU)["reference_rows"]
     params = scaled(kernel, seq)
     module = attention.build(kernel, **params).to(device)
     g = torch.Generator(device=device).manual_seed(0)
@@ -156,7 +195,7 @@ def check(
     out = module(q, k, v, causal=causal)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref = reference(kernel, module, q32, k32, v32, causal)
+    ref = chunked_reference(kernel, module, q32, k32, v32, causal, reference_rows)
     refs = torch.autograd.grad(ref, (q32, k32, v32), dout.float())
     errors = {
         name: (a.float() - b).abs().max().item()
