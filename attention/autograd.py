@@ -6,7 +6,9 @@ forward runs without a graph and returns the merged (out, lse); its backward is 
 out in the inputs' dtype, saves q, k, v, that returned out and the lse, and casts the
 gradients back to the inputs' dtype. Like FlashAttention, the backward reads the output in the
 inputs' dtype (its rowsum(dout * out)): an fp32 copy of a bf16 output would be held from the
-forward to the backward only to sharpen that one term.
+forward to the backward only to sharpen that one term. The returned output is that saved
+tensor, for every dtype (as FlashAttention's): editing it in place before the backward makes
+autograd refuse the backward ("modified by an inplace operation"); copy it first.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from attention.errors import ParamError
-from attention.primitive import ACCUMULATOR_WINDOWS
+from attention.primitive import windows
 
 BACKWARD_FLOP_FACTOR = 2.5
 """Backward FLOPs per forward FLOP (FlashAttention convention: fwd+bwd = 3.5x forward)."""
@@ -83,6 +83,7 @@ def merged_memory(
     *,
     natural: bool,
     chunk_tokens: int,
+    window_unit: int = 1,
 ) -> KernelMemory:
     """The memory of a kernel that merges primitive calls into fp32 (out, lse) (dilated,
     block_sparse): it saves q, k, v (hilbert order: their permuted copies and the two int64
@@ -90,7 +91,8 @@ def merged_memory(
     returned output is the saved one in natural order; under hilbert, its un-permuted copy.
     The forward's transient is one primitive call's block output (`chunk_tokens` rows: fp32,
     plus the fused op's own in the input dtype when it is narrower) and, for inputs narrower
-    than fp32, the fp32 rows of one accumulator window (primitive.windowed_result); the
+    than fp32, the fp32 rows of one accumulator window (primitive.windows, in `window_unit`
+    tokens: block_sparse's block size); the
     backward's, the fp32 dq, dk, dv accumulators plus their copies in the input dtype when it
     is not fp32."""
     one = qkv_bytes(batch, seq_len, num_heads, head_dim, dtype_bytes)
@@ -100,7 +102,8 @@ def merged_memory(
     call_rows = min(seq_len, chunk_tokens) * num_heads * head_dim  # one batch row a call
     block = call_rows * 4
     if dtype_bytes < 4:
-        window = -(-seq_len // ACCUMULATOR_WINDOWS)
+        spans = windows(seq_len, torch.bfloat16, window_unit)
+        window = max((c1 - c0 for c0, c1 in spans), default=0)
         block += call_rows * dtype_bytes + qkv_bytes(batch, window, num_heads, head_dim, 4)
     return KernelMemory(
         saved=4 * one + lse + index,
@@ -161,10 +164,15 @@ class ExactKernel(Kernel):
 class MergedKernel(Kernel):
     """A kernel that merges primitive calls into (out, lse) accumulators (dilated,
     block_sparse): its memory is `merged_memory`'s, with its params' token ordering and the
-    tokens of one primitive call (`chunk_tokens`)."""
+    tokens of one primitive call (`chunk_tokens`) and the unit of its accumulator windows."""
 
     chunk_tokens: int = 0
     params: Any
+
+    @property
+    def window_unit(self) -> int:
+        """Tokens its accumulator windows come in multiples of (primitive.windows)."""
+        return 1
 
     def memory_model(
         self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int
@@ -178,4 +186,5 @@ class MergedKernel(Kernel):
             dtype_bytes,
             natural=self.params.ordering != "hilbert",
             chunk_tokens=self.chunk_tokens,
+            window_unit=self.window_unit,
         )

@@ -772,6 +772,11 @@ class BlockSparseAttention(MergedKernel):
         super().__init__()
         self.params = params
 
+    @property
+    def window_unit(self) -> int:
+        """Accumulator windows are whole query blocks."""
+        return self.params.block_size
+
     def block_mask(self, seq_len: int, *, causal: bool = False) -> torch.Tensor:
         """bool (n_blocks, n_blocks): key blocks each query block computes (on permuted
         positions under hilbert ordering); causal intersects it with the lower triangle."""

@@ -164,11 +164,10 @@ def forward_rows(
     for index, (w, r, lo, hi) in enumerate(spans):
         for rows in branch_rows(lo, hi, w, r, heads, chunk_tokens=CHUNK_TOKENS):
             for q_rows, k_rows, i0 in window_parts(rows, c0, c1):
-                keys = q_rows.m + i0 if causal else k_rows.m  # causal: none after the last query
                 for b, qr, kr in calls(q_rows, bsz, heads, k.shape[2], CALL_ROW_HEADS, rows.m):
                     kr = dataclasses.replace(k_rows, h0=kr.h0, h1=kr.h1)
                     o_b, l_b = block_forward(
-                        qr.of(q, b), kr.of(k, b)[:, :keys], kr.of(v, b)[:, :keys],
+                        qr.of(q, b), kr.of(k, b), kr.of(v, b),
                         scale=dim**-0.5, causal=causal, diagonal=i0 if causal else 0,
                     )  # fmt: skip
                     at = dataclasses.replace(qr, start=qr.start - c0)

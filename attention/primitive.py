@@ -74,8 +74,8 @@ def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 ACCUMULATOR_WINDOWS = 8
-"""Windows a merging kernel finishes its output in when the inputs are narrower than the
-accumulator (bf16, fp16): only one window's rows are held in fp32 at a time, so the forward's
+"""The most windows a merging kernel finishes its output in when the inputs are narrower than
+the accumulator (bf16, fp16): only one window's rows are held in fp32 at a time, so the forward's
 peak carries an eighth of an fp32 output (a sixteenth of the bf16 floor's per-element bytes)
 instead of an fp32 output and its bf16 copy (1.5x the floor)."""
 
@@ -83,7 +83,8 @@ instead of an fp32 output and its bf16 copy (1.5x the floor)."""
 def windows(seq_len: int, dtype: torch.dtype, unit: int = 1) -> list[tuple[int, int]]:
     """Token ranges [c0, c1) whose rows `windowed_result` finishes one at a time: the whole
     sequence when `dtype` is its own accumulator dtype (the output is the accumulator), else
-    ACCUMULATOR_WINDOWS equal ranges of a multiple of `unit` tokens (the last one shorter)."""
+    at most ACCUMULATOR_WINDOWS ranges of ceil(units / ACCUMULATOR_WINDOWS) units of `unit`
+    tokens each (the last one shorter), `units` being the sequence's (the last one partial)."""
     if accumulator_dtype(dtype) == dtype or seq_len <= unit:
         return [(0, seq_len)] if seq_len else []
     units = -(-seq_len // unit)
@@ -239,8 +240,9 @@ def block_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, H, D) against k, v (B, Sk, H_kv, D): out (B,Sq,H,D), lse (B,H,Sq)
     in `accumulator_dtype`, except an out that one fused call produced: that one stays in the
-    op's dtype (the inputs'), since converting it adds no precision, only a block-sized copy
-    (`merge_` and `copy_` into accumulators take it as it is). `causal`: query i sees key
+    op's dtype (the inputs'), since converting it adds no precision, only a block-sized copy.
+    Which of the two a call returns depends on its pieces, so callers `copy_` or `merge_` out
+    into their accumulators and never rely on its dtype. `causal`: query i sees key
     j <= i + diagonal. No autograd graph.
 
     One fused call per `causal_pieces` piece; pieces of the same rows are merged.

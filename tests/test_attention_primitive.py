@@ -266,3 +266,20 @@ def test_windowed_result_fills_each_window_once_and_casts_it(dtype) -> None:
     positions = torch.arange(40, dtype=torch.float32)
     assert torch.equal(out.float(), positions[None, :, None, None].expand(2, 40, 3, 4))
     assert torch.equal(lse, -positions.expand(2, 3, 40))
+
+
+def test_a_bf16_call_of_several_pieces_merges_them_in_fp32() -> None:
+    """A causal call with a diagonal cuts into a rectangle and a causal square that are merged
+    inside block_forward: that merge is in fp32 (out comes back fp32, equal to the fp32 inputs'
+    result up to the pieces' bf16 roundings); a single fused call's out comes back as the op
+    made it (bf16)."""
+    q, k, v = (rand(1, 48, 2, 8, seed=s).bfloat16() for s in (1, 2, 3))
+    out, lse = block_forward(q, k, v, scale=0.3, causal=True, diagonal=16)
+    ref, ref_lse = block_forward(
+        q.float(), k.float(), v.float(), scale=0.3, causal=True, diagonal=16
+    )
+    assert out.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=1e-2, rtol=0)  # bf16 pieces: their roundings only
+    torch.testing.assert_close(lse, ref_lse, atol=1e-2, rtol=0)
+    single, _ = block_forward(q, k, v, scale=0.3)
+    assert single.dtype == torch.bfloat16

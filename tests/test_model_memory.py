@@ -390,3 +390,39 @@ def test_parameter_counts_build_nothing_real() -> None:
         net = Decoder(big.model, big.training, lambda: torch.nn.Identity())
     assert n == sum(p.numel() for p in net.parameters()) and n > 50_000_000_000
     assert tensors == 2 + 6 * 64
+
+
+@pytest.mark.parametrize(
+    ("kernel", "params", "seq"),
+    [
+        ("dilated", {"segment_lengths": [64], "dilation_rates": [2]}, 1000),
+        ("block_sparse", {"block_size": 256, "pattern": "local_window", "window": 1}, 512),
+        ("block_sparse", {"block_size": 256, "pattern": "local_window", "window": 1}, 1000),
+    ],
+)
+def test_the_bf16_forward_transient_counts_the_largest_window_the_forward_fills(
+    kernel, params, seq, monkeypatch
+) -> None:
+    """memory_model's bf16 forward transient is one call's block output (fp32 and bf16) plus
+    the fp32 rows of the largest accumulator window the forward really fills (block_sparse:
+    whole blocks, so 2 windows of 256 tokens at 512, not 8 of 64)."""
+    from attention import primitive
+
+    module = attention.build(kernel, **params)
+    filled: list[int] = []
+    real = primitive.windowed_result
+
+    def spy(q, fill, unit=1):
+        def counting(c0, c1, out, lse):
+            filled.append(c1 - c0)
+            fill(c0, c1, out, lse)
+
+        return real(q, counting, unit)
+
+    monkeypatch.setattr(primitive, "windowed_result", spy)
+    heads, dim = 2, 8
+    module(*(torch.randn(1, seq, heads, dim, dtype=torch.bfloat16) for _ in range(3)))
+    call_rows = min(seq, module.chunk_tokens) * heads * dim
+    memory = module.memory_model(1, seq, heads, dim, 2)
+    assert memory.forward_transient == call_rows * (4 + 2) + max(filled) * heads * dim * 4
+    assert len(filled) > 1
