@@ -91,10 +91,9 @@ def merged_memory(
     returned output is the saved one in natural order; under hilbert, its un-permuted copy.
     The forward's transient is one primitive call's block output (`chunk_tokens` rows: fp32,
     plus the fused op's own in the input dtype when it is narrower) and, for inputs narrower
-    than fp32, the fp32 rows of one accumulator window (primitive.windows, in `window_unit`
-    tokens: block_sparse's block size); the
-    backward's, the fp32 dq, dk, dv accumulators plus their copies in the input dtype when it
-    is not fp32."""
+    than fp32, the fp32 rows of its largest accumulator window (primitive.windows, in
+    `window_unit` tokens: block_sparse's block size). The backward's transient is the fp32 dq,
+    dk, dv accumulators plus their copies in the input dtype when it is not fp32."""
     one = qkv_bytes(batch, seq_len, num_heads, head_dim, dtype_bytes)
     fp32 = qkv_bytes(batch, seq_len, num_heads, head_dim, 4)
     lse = 4 * batch * num_heads * seq_len

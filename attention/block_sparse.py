@@ -537,7 +537,8 @@ def block_sparse_forward(
     be contiguous."""
     seq_len = q.shape[1]
     bs, scale = params.block_size, q.shape[3] ** -0.5
-    starts = tuple(c0 // bs for c0, _ in primitive.windows(seq_len, q.dtype, bs))
+    spans = primitive.windows(seq_len, q.dtype, bs)
+    starts = tuple(c0 // bs for c0, _ in spans)
     supers, calls = _forward_plan(params, seq_len, causal, SUPERBLOCK_TOKENS, starts)
     gathering = [s for s in supers if s.shifted and _stair_rows(s.r1 - s.r0, bs)]
     most = max((_stair_rows(s.r1 - s.r0, bs) + s.r1 - s.r0 - 2 for s in gathering), default=0)
@@ -557,7 +558,7 @@ def block_sparse_forward(
             if r0 < r1:
                 _call_forward(q, k, v, out, lse, dataclasses.replace(call, r0=r0, r1=r1), at, bs)
 
-    return primitive.windowed_result(q, fill, bs)
+    return primitive.windowed_result(q, fill, spans)
 
 
 def _call_forward(

@@ -261,7 +261,7 @@ def dilated_forward(
     def fill(c0: int, c1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
         forward_rows(q, k, v, out, lse, spans, causal, window=(c0, c1))
 
-    return primitive.windowed_result(q, fill)
+    return primitive.windowed_result(q, fill, primitive.windows(q.shape[1], q.dtype))
 
 
 def dilated_backward(

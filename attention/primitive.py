@@ -83,8 +83,8 @@ instead of an fp32 output and its bf16 copy (1.5x the floor)."""
 def windows(seq_len: int, dtype: torch.dtype, unit: int = 1) -> list[tuple[int, int]]:
     """Token ranges [c0, c1) whose rows `windowed_result` finishes one at a time: the whole
     sequence when `dtype` is its own accumulator dtype (the output is the accumulator), else
-    at most ACCUMULATOR_WINDOWS ranges of ceil(units / ACCUMULATOR_WINDOWS) units of `unit`
-    tokens each (the last one shorter), `units` being the sequence's (the last one partial)."""
+    at most ACCUMULATOR_WINDOWS ranges of equal whole numbers of `unit` tokens (the last one
+    shorter): ceil(n / ACCUMULATOR_WINDOWS) units each, n = ceil(seq_len / unit)."""
     if accumulator_dtype(dtype) == dtype or seq_len <= unit:
         return [(0, seq_len)] if seq_len else []
     units = -(-seq_len // unit)
@@ -95,15 +95,16 @@ def windows(seq_len: int, dtype: torch.dtype, unit: int = 1) -> list[tuple[int, 
 def windowed_result(
     q: torch.Tensor,
     fill: Callable[[int, int, torch.Tensor, torch.Tensor], None],
-    unit: int = 1,
+    spans: list[tuple[int, int]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out in q's dtype, lse in the accumulator dtype) of a merging kernel, its rows computed
-    window by window (`windows`): `fill(c0, c1, out_w, lse_w)` merges the results of q's rows
+    window by window (`spans`, from `windows`, which the kernel may also plan by):
+    `fill(c0, c1, out_w, lse_w)` merges the results of q's rows
     [c0, c1) into accumulators for those rows (out_w (B, c1 - c0, H, D), lse_w (B, H, c1 - c0),
     starting as `empty_result`'s 0 and -inf; row c0 is their row 0). A window done, its rows
     are cast into the output and the fp32 buffer serves the next window."""
     bsz, seq_len, heads, dim = q.shape
-    acc, spans = accumulator_dtype(q.dtype), windows(seq_len, q.dtype, unit)
+    acc = accumulator_dtype(q.dtype)
     if acc == q.dtype:
         out, lse = empty_result(q)
         for c0, c1 in spans:

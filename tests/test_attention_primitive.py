@@ -260,7 +260,7 @@ def test_windowed_result_fills_each_window_once_and_casts_it(dtype) -> None:
         out.copy_(positions[None, :, None, None].expand_as(out))
         lse.copy_(-positions.expand_as(lse))
 
-    out, lse = primitive.windowed_result(q, fill, unit=3)
+    out, lse = primitive.windowed_result(q, fill, primitive.windows(40, dtype, 3))
     assert seen == primitive.windows(40, dtype, 3)
     assert out.dtype == dtype and lse.dtype == torch.float32
     positions = torch.arange(40, dtype=torch.float32)

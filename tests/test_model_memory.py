@@ -412,12 +412,12 @@ def test_the_bf16_forward_transient_counts_the_largest_window_the_forward_fills(
     filled: list[int] = []
     real = primitive.windowed_result
 
-    def spy(q, fill, unit=1):
+    def spy(q, fill, spans):
         def counting(c0, c1, out, lse):
             filled.append(c1 - c0)
             fill(c0, c1, out, lse)
 
-        return real(q, counting, unit)
+        return real(q, counting, spans)
 
     monkeypatch.setattr(primitive, "windowed_result", spy)
     heads, dim = 2, 8
