@@ -8,8 +8,9 @@ What it runs (issue 21's proof, first part), for every dtype asked:
   query chunks, each recomputed in the backward, so 32K fits: `chunked_reference`);
 - timings: the same kernels and SDPA's flash backend (the `sdpa` kernel, backend flash: an
   unsupported shape is an error, not a fallback) at each --seq, forward and forward+backward
-  (bench.kernels' protocol: one warm-up, then --repeats; CUDA events on a GPU), with each
-  kernel's FLOP/s on the FLOPs it computes, its fraction of SDPA flash's, and its fraction of
+  (bench.kernels' protocol: one warm-up, then --repeats; CUDA events on a GPU; each kernel's
+  forward calls alternate with SDPA's), with each kernel's FLOP/s on the FLOPs it computes,
+  its fraction of SDPA flash's (the median of the alternating pairs' ratios), and its fraction of
   the GPU's dense peak (PEAK_TFLOPS, by device name; none on CPU);
 - memory: forward peak over the floor (q, k, v, out in the input dtype, fp32 lse) and the
   forward+backward peak above the inputs, measured before any timing (bench.kernels).
@@ -41,7 +42,14 @@ import torch
 import attention
 from attention.masks import block_token_mask, dilated_reference, masked_attention
 from bench import gpu_search
-from bench.kernels import PeakMemory, make_case, measure_case, time_case
+from bench.kernels import (
+    Case,
+    PeakMemory,
+    fraction_of_baseline,
+    make_case,
+    measure_case,
+    time_case,
+)
 from workers.environment import device_facts
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
@@ -295,14 +303,22 @@ def timed_rows(args: argparse.Namespace, dtype: str, device: torch.device) -> li
 
         keep = heap_keeps_freed()
     rows, peak = [], peak_tflops(device)
+    baseline: Case | None = None  # SDPA at this length: each kernel's forward alternates with it
     with keep:
         for (seq, kernel, params), mem in zip(cases, memory, strict=True):
-            timing = time_case(make_case(kernel, params, seq, ns), ns)
+            case = make_case(kernel, params, seq, ns)
+            if kernel == "sdpa":
+                baseline = None  # the previous length's, before its inputs are freed
+                timing = time_case(case, ns)
+                baseline = case
+            else:
+                timing = time_case(case, ns, baseline)
             rows.append({"kernel": kernel, "params": params, "seq": seq, "dtype": dtype,
                          "heads": args.heads, "head_dim": args.dim, **timing, **mem})  # fmt: skip
+            del case
     for row in rows:
         sdpa = next(r for r in rows if r["kernel"] == "sdpa" and r["seq"] == row["seq"])
-        row["fwd_frac_of_sdpa"] = row["fwd_flop_s"] / sdpa["fwd_flop_s"]
+        row["fwd_frac_of_sdpa"] = fraction_of_baseline(row, sdpa, cpu=False)
         row["fwd_bwd_frac_of_sdpa"] = row["fwd_bwd_flop_s"] / sdpa["fwd_bwd_flop_s"]
         row["fwd_frac_of_peak"] = row["fwd_flop_s"] / (peak * 1e12) if peak else None
     return rows

@@ -2,7 +2,10 @@
 
 For each --seq and kernel (dense first): forward ms and forward+backward ms (median, min, max of
 --repeats after one warm-up), the FLOPs the kernel computes (`module.flops`), achieved FLOP/s and
-its fraction of dense SDPA's at the same length, and forward / forward+backward peak memory
+its fraction of dense SDPA's at the same length: each forward call of a kernel is timed right
+after one of dense's (alternating), and the fraction is the median of the --repeats pairs'
+ratios, printed with their min-max (load on a shared machine moves between calls; neighbours
+see the same load). Then forward / forward+backward peak memory
 above the inputs (CPU: malloc_trim(0), then "5" to /proc/self/clear_refs, then VmHWM; CUDA:
 reset_peak_memory_stats and max_memory_allocated), with the forward floor (q, k, v, out, lse).
 Each kernel first passes a correctness gate: its output on a small shape (params scaled down)
@@ -148,14 +151,16 @@ def measure_peak(meter: PeakMemory, fn: Callable[[], Any]) -> int:
 
 
 def time_ms(
-    fn: Callable[[], Any], repeats: int, device: torch.device
+    fn: Callable[[], Any], repeats: int, device: torch.device, warmup: bool = True
 ) -> tuple[list[float], list[float]]:
-    """Wall and process-CPU milliseconds of each of `repeats` calls after one warm-up.
+    """Wall and process-CPU milliseconds of each of `repeats` calls after one warm-up (none
+    with warmup=False: the caller warmed it up).
 
     CUDA: wall from CUDA events. The CPU time (all threads of this process) shows the work a
     call did even when other processes share the cores and stretch its wall time.
     """
-    fn()
+    if warmup:
+        fn()
     times, cpu = [], []
     for _ in range(repeats):
         c0 = time.process_time()
@@ -295,35 +300,100 @@ def measure_case(case: Case, meter: PeakMemory) -> dict[str, Any]:
     }
 
 
-def time_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
-    """Forward and forward+backward times (wall, process CPU) and what the kernel computes."""
+def paired_ms(
+    fn: Callable[[], Any], base: Callable[[], Any], repeats: int, device: torch.device
+) -> tuple[tuple[list[float], list[float]], tuple[list[float], list[float]]]:
+    """(wall, CPU) ms of `fn` and of `base`, timed alternately: base, fn, base, fn, ... after
+    one warm-up of each, so that each of fn's calls has a baseline call next to it in time. On
+    a shared machine the load moves between calls; a ratio of neighbours sees the same load."""
+    base()
+    fn()
+    mine: tuple[list[float], list[float]] = ([], [])
+    theirs: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for call, into in ((base, theirs), (fn, mine)):
+            wall, cpu = time_ms(call, 1, device, warmup=False)
+            into[0].extend(wall)
+            into[1].extend(cpu)
+    return mine, theirs
+
+
+def time_case(case: Case, args: argparse.Namespace, baseline: Case | None = None) -> dict[str, Any]:
+    """Forward and forward+backward times (wall, process CPU) and what the kernel computes.
+
+    With a `baseline` case (SDPA at the same length), the forward calls alternate with the
+    baseline's (`paired_ms`) and the row adds each pair's ratio of achieved FLOP/s,
+    `fwd_pair_ratios` (wall) and `fwd_pair_ratios_cpu`: the kernel's fraction of the
+    baseline's FLOP/s is their median, and their min and max are its spread."""
     device = case.q.device
-    fwd_ms, fwd_cpu_ms = time_ms(case.fwd, args.repeats, device)
-    fwd_bwd_ms, fwd_bwd_cpu_ms = time_ms(case.fwd_bwd, args.repeats, device)
     b, seq, h, d = case.q.shape
     flops = case.module.flops(b, seq, h, d, causal=args.causal)
     flops_fb = case.module.flops(b, seq, h, d, causal=args.causal, backward=True)
+    paired: dict[str, Any] = {}
+    if baseline is None:
+        fwd_ms, fwd_cpu_ms = time_ms(case.fwd, args.repeats, device)
+    else:
+        (fwd_ms, fwd_cpu_ms), (base_ms, base_cpu_ms) = paired_ms(
+            case.fwd, baseline.fwd, args.repeats, device
+        )
+        base_flops = baseline.module.flops(b, seq, h, d, causal=args.causal)
+        paired = {
+            "baseline": baseline.kernel,
+            "baseline_fwd_ms": base_ms,
+            "baseline_fwd_cpu_ms": base_cpu_ms,
+            "fwd_pair_ratios": pair_ratios(flops, fwd_ms, base_flops, base_ms),
+            "fwd_pair_ratios_cpu": pair_ratios(flops, fwd_cpu_ms, base_flops, base_cpu_ms),
+        }
+    fwd_bwd_ms, fwd_bwd_cpu_ms = time_ms(case.fwd_bwd, args.repeats, device)
     return {
         "backend": case.module.backend,
         "fwd_ms": stats(fwd_ms),
         "fwd_bwd_ms": stats(fwd_bwd_ms),
         "fwd_cpu_ms": stats(fwd_cpu_ms),
         "fwd_bwd_cpu_ms": stats(fwd_bwd_cpu_ms),
+        "fwd_ms_each": fwd_ms,
+        "fwd_cpu_ms_each": fwd_cpu_ms,
         "flops_fwd": flops,
         "flops_fwd_bwd": flops_fb,
         "fwd_flop_s": flops / (statistics.median(fwd_ms) / 1e3),
         "fwd_bwd_flop_s": flops_fb / (statistics.median(fwd_bwd_ms) / 1e3),
         "fwd_flop_per_cpu_s": flops / (statistics.median(fwd_cpu_ms) / 1e3),
+        **paired,
     }
 
 
+def pair_ratios(
+    flops: int, times: list[float], base_flops: int, base_times: list[float]
+) -> list[float]:
+    """Per pair i: (flops / times[i]) / (base_flops / base_times[i])."""
+    return [(flops / t) / (base_flops / tb) for t, tb in zip(times, base_times, strict=True)]
+
+
+def fraction_of_baseline(row: dict[str, Any], baseline: dict[str, Any], cpu: bool) -> float:
+    """The row's fraction of the baseline's forward FLOP/s: the median of its pair ratios when
+    it was timed alternating with the baseline, else the ratio of the two medians (the
+    baseline's own row: 1)."""
+    ratios = row.get("fwd_pair_ratios_cpu" if cpu else "fwd_pair_ratios")
+    if ratios:
+        return statistics.median(ratios)
+    key = "fwd_flop_per_cpu_s" if cpu else "fwd_flop_s"
+    return row[key] / baseline[key]
+
+
+def spread(ratios: list[float] | None) -> str:
+    """The "min-max" of a kernel's pair ratios ("" for the baseline's own row)."""
+    return f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else ""
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    """Wall and CPU-time columns; x SDPA and t/dense compare with dense at the same length;
-    peak/floor is the forward's, fb/dense the forward+backward peak over dense's."""
+    """Wall and CPU-time columns; x SDPA and t/dense compare with dense at the same length
+    (x SDPA: the median of the ratios of forward calls timed alternately with dense's, their
+    min-max beside it); peak/floor is the forward's, fb/dense the forward+backward peak over
+    dense's."""
     head = (
         f"{'kernel':<13}{'seq':>6}{'fwd ms':>9}{'fb ms':>9}{'GFLOP/s':>8}{'xSDPA':>6}"
-        f"{'fwd cpu ms':>11}{'cpu GFLOP/s':>12}{'xSDPA':>6}{'t/dense':>8}{'peak/floor':>11}"
-        f"{'fb/dense':>9}"
+        f"{'(min-max)':>11}{'fwd cpu ms':>11}{'cpu GFLOP/s':>12}{'xSDPA':>6}{'t/dense':>8}"
+        f"{'peak/floor':>11}{'fb/dense':>9}"
     )
     lines = [head, "-" * len(head)]
     dense_cpu = {r["seq"]: r["fwd_cpu_ms"]["median"] for r in rows if r["kernel"] == "dense"}
@@ -340,7 +410,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{name:<13}{r['seq']:>6}{r['fwd_ms']['median']:>9.1f}"
             f"{r['fwd_bwd_ms']['median']:>9.1f}{r['fwd_flop_s'] / 1e9:>8.1f}"
-            f"{r['fwd_frac_of_sdpa']:>6.2f}{cpu_ms:>11.1f}"
+            f"{r['fwd_frac_of_sdpa']:>6.2f}{spread(r.get('fwd_pair_ratios')):>11}{cpu_ms:>11.1f}"
             f"{r['fwd_flop_per_cpu_s'] / 1e9:>12.1f}{r['fwd_frac_of_sdpa_cpu']:>6.2f}"
             f"{cpu_ms / dense_cpu[r['seq']]:>8.3f}{r['fwd_peak_over_floor']:>11.2f}"
             f"{train_peak(r) / dense_fb[r['seq']]:>9.2f}"
@@ -434,12 +504,16 @@ def main() -> None:
 
     rows = []
     dense: dict[str, Any] = {}
+    baseline: Case | None = None  # dense at this length: every kernel's forward alternates with it
     with heap_keeps_freed() if device.type == "cpu" else contextlib.nullcontext():
         for (seq, kernel, params), memory in zip(listed, measured, strict=True):
             case = make_case(kernel, params, seq, args)
-            timing = time_case(case, args)
             if kernel == "dense":
-                dense = timing
+                baseline = None  # the previous length's, before its inputs are freed
+                timing = dense = time_case(case, args)
+                baseline = case
+            else:
+                timing = time_case(case, args, baseline)
             row = {
                 "kernel": kernel,
                 "params": params,
@@ -451,8 +525,8 @@ def main() -> None:
                 "dtype": str(case.q.dtype).removeprefix("torch."),
                 "device": device.type,
                 **timing,
-                "fwd_frac_of_sdpa": timing["fwd_flop_s"] / dense["fwd_flop_s"],
-                "fwd_frac_of_sdpa_cpu": timing["fwd_flop_per_cpu_s"] / dense["fwd_flop_per_cpu_s"],
+                "fwd_frac_of_sdpa": fraction_of_baseline(timing, dense, cpu=False),
+                "fwd_frac_of_sdpa_cpu": fraction_of_baseline(timing, dense, cpu=True),
                 **memory,
             }
             del case
