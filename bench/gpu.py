@@ -21,7 +21,10 @@ It prints a markdown table and writes it with JSON lines (one per check and per 
   bytes asked for. On CPU the budgets are emulated by the peak meter and say so;
 - the environment from the real device (workers.environment.device_facts: GPU name and
   memory, driver, CUDA, torch, NCCL).
-Ring kernels at W > 1 need NCCL over two GPUs or more: this script says so and runs none.
+Ring kernels (ring, ring_dilated, ring_block_sparse) run at W = 1 in a one-rank process group
+(NCCL on a GPU, gloo on CPU), through the same engine as at any W, checked against their
+twin's reference and timed and metered like every kernel. W > 1 needs NCCL over two GPUs or
+more: this script says so and runs none.
 
 On CPU (no GPU, or --device cpu) it runs tiny shapes in fp32 so that CI keeps it working:
 
@@ -32,15 +35,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import attention
+from attention.block_sparse import BlockSparseParams
 from attention.masks import block_token_mask, dilated_reference, masked_attention
+from attention.registry import twin_of
 from bench import gpu_search
 from bench.kernels import (
     Case,
@@ -66,7 +74,11 @@ KERNELS: dict[str, dict[str, Any]] = {
     "block_sparse": {"block_size": 128, "pattern": "local_window", "sparsity_ratio": 0.25},
 }
 """The sparse kernels' params at GPU lengths (LongNet's segments up to 32K; FlexAttention's
-block size); at CPU lengths segments and blocks scale down (`scaled`)."""
+block size); at CPU lengths segments and blocks scale down (`scaled`). Ring kernels take their
+twin's."""
+SINGLE = ("dense", "dilated", "block_sparse")
+RING = ("ring", "ring_dilated", "ring_block_sparse")
+"""The kernels checked and timed: single-process, and the ring kernels at W = 1."""
 GPU = {"seq": [16384, 32768, 65536, 131072], "check_seq": [1024, 32768], "heads": 16, "dim": 128,
        "reference_rows": 1024}  # fmt: skip
 """The GPU defaults; the checks' reference runs `reference_rows` queries at a time (its masks
@@ -114,6 +126,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def scaled(kernel: str, seq: int) -> dict[str, Any]:
     """The kernel's params for `seq`: segments cut to the sequence (the kernel would do the
     same), at CPU lengths scaled down by 32768 / seq; block size at most seq / 8."""
+    kernel = twin_of(kernel) or kernel
     params = dict(KERNELS.get(kernel, {}))
     if kernel == "dilated":
         factor = max(1, 32768 // max(seq, 1)) if seq < 1024 else 1
@@ -124,6 +137,26 @@ def scaled(kernel: str, seq: int) -> dict[str, Any]:
     if kernel == "block_sparse":
         params["block_size"] = max(1, min(params["block_size"], seq // 8))
     return params
+
+
+@contextlib.contextmanager
+def one_rank_group(device: torch.device) -> Iterator[None]:
+    """A process group of this process alone (NCCL on a GPU, gloo on CPU), in which ring kernels
+    run at W = 1 through their engine; an existing group is used as it is."""
+    if dist.is_initialized():
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+_BLOCK_SPARSE_FIELDS = tuple(f.name for f in dataclasses.fields(BlockSparseParams))
 
 
 def peak_tflops(device: torch.device) -> float | None:
@@ -137,8 +170,10 @@ def peak_tflops(device: torch.device) -> float | None:
 def reference(
     kernel: str, module: Any, q, k, v, causal: bool, rows: tuple[int, int] | None = None
 ) -> torch.Tensor:
-    """fp32 output of the kernel's definition, with a graph (attention.masks); `rows` (c0, c1):
-    q holds only the query rows c0 .. c1 - 1 of the sequence of k and v."""
+    """fp32 output of the kernel's definition (a ring kernel's: its twin's), with a graph
+    (attention.masks); `rows` (c0, c1): q holds only the query rows c0 .. c1 - 1 of the
+    sequence of k and v."""
+    kernel = twin_of(kernel) or kernel
     seq = k.shape[1]
     c0, c1 = rows or (0, seq)
     if kernel == "dilated":
@@ -146,8 +181,10 @@ def reference(
         ws, rs = p.segment_lengths, p.dilation_rates
         return dilated_reference(q, k, v, ws, rs, causal=causal, rows=(c0, c1))
     if kernel == "block_sparse":
-        bs = module.params.block_size
-        blocks = module.block_mask(seq)[c0 // bs : -(-c1 // bs)]
+        p = module.params  # ring_block_sparse's params extend its twin's
+        twin = attention.build("block_sparse", **{f: getattr(p, f) for f in _BLOCK_SPARSE_FIELDS})
+        bs = p.block_size
+        blocks = twin.block_mask(seq)[c0 // bs : -(-c1 // bs)]
         keep = block_token_mask(blocks, bs)[c0 % bs :][: c1 - c0, :seq].to(q.device)
     else:
         keep = torch.ones(c1 - c0, seq, dtype=torch.bool, device=q.device)
@@ -293,7 +330,7 @@ def timed_rows(args: argparse.Namespace, dtype: str, device: torch.device) -> li
     cases = [
         (seq, kernel, {"backend": "flash"} if kernel == "sdpa" else scaled(kernel, seq))
         for seq in args.seq
-        for kernel in ("sdpa", "dense", "dilated", "block_sparse")
+        for kernel in ("sdpa", *SINGLE, *RING)
     ]
     meter = PeakMemory(device)
     memory = [measure_case(make_case(k, p, s, ns), meter) for s, k, p in cases]
@@ -398,7 +435,8 @@ def markdown(
             lines.append(
                 f"| {f['search']} | {f['kernel']} | {budget} | {f['max_seq'] or '-'} | {probes} |"
             )
-    lines += ["", "Ring kernels at W > 1 need NCCL over two or more GPUs: not run by this script."]
+    lines += ["", "Ring kernels ran at W = 1 (a one-rank group). W > 1 needs NCCL over two or more "
+              "GPUs: not run by this script."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -419,14 +457,15 @@ def main(argv: list[str] | None = None) -> int:
     # fp32 on a GPU: the efficient op's backward (the flash op takes fp16/bf16 only)
     prim_dtypes = [*args.dtypes, *(["float32"] if device.type == "cuda" else [])]
     checks = [primitive_check(d, device, c) for d in dict.fromkeys(prim_dtypes) for c in (0, 1)]
-    checks += [
-        check(kernel, seq, dtype, device, causal)
-        for dtype in args.dtypes
-        for seq in args.check_seq
-        for kernel in ("dense", "dilated", "block_sparse")
-        for causal in (False, True)
-    ]
-    rows = [row for dtype in args.dtypes for row in timed_rows(args, dtype, device)]
+    with one_rank_group(device):  # the ring kernels' W = 1
+        checks += [
+            check(kernel, seq, dtype, device, causal)
+            for dtype in args.dtypes
+            for seq in args.check_seq
+            for kernel in (*SINGLE, *RING)
+            for causal in (False, True)
+        ]
+        rows = [row for dtype in args.dtypes for row in timed_rows(args, dtype, device)]
     found = [] if args.no_search else searches(args, device)
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / "results.jsonl").open("w") as f:

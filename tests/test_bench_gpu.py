@@ -32,13 +32,16 @@ def test_the_cpu_mode_checks_every_kernel_and_its_table_follows_the_raw_numbers(
     rows = [x for x in lines if "kernel" in x and "search" not in x]
     assert setup["device"] == "cpu" and setup["peak_tflops"] is None
     assert setup["gpus"] == [] and setup["torch"] and setup["python"]  # device_facts
-    kernels = ("dense", "dilated", "block_sparse", "primitive")
+    ring = ("ring", "ring_dilated", "ring_block_sparse")  # at W = 1, in a one-rank group
+    kernels = ("dense", "dilated", "block_sparse", *ring, "primitive")
     assert {c["check"] for c in checks} == {*kernels, *(k + " causal" for k in kernels)}
     for c in checks:
         assert c["ok"] and max(c["max_abs_error"].values()) <= c["tolerance"] == 1e-4, c
     dilated = next(c for c in checks if c["check"] == "dilated")
     assert dilated["params"]["dilation_rates"] == [1, 2, 4, 6, 12]  # LongNet's own rates
-    assert [r["kernel"] for r in rows] == ["sdpa", "dense", "dilated", "block_sparse"]
+    assert [r["kernel"] for r in rows] == ["sdpa", "dense", "dilated", "block_sparse", *ring]
+    ring_dilated = next(c for c in checks if c["check"] == "ring_dilated")
+    assert ring_dilated["params"] == dilated["params"]  # the twin's, through the ring engine
     table = (tmp_path / "results.md").read_text()
     assert table in run.stdout
     sdpa = rows[0]
@@ -57,7 +60,7 @@ def test_the_cpu_mode_checks_every_kernel_and_its_table_follows_the_raw_numbers(
             f"{r['fwd_bwd_peak_above_inputs_bytes'] / 2**20:.1f} |"
         )
         assert row in table.splitlines(), (row, table)
-    assert "need NCCL over two or more GPUs" in table
+    assert "Ring kernels ran at W = 1 (a one-rank group). W > 1 needs NCCL over two" in table
     found = [x for x in lines if "search" in x]
     assert [(f["search"], f["kernel"]) for f in found] == [
         ("budget", "dense"), ("budget", "dilated"), ("budget", "block_sparse"),
