@@ -39,7 +39,7 @@ from attention.ring.comm import (
     resolve_group,
 )
 from attention.ring.dense import check_group, checked_layout, default_layout
-from attention.ring.engine import Block, step_backward, step_forward
+from attention.ring.engine import Block, step_backward, step_forward, window_blocks
 from attention.ring.steps import clock
 
 KV_TAGS = (Tag.SPARSE_KV_EVEN, Tag.SPARSE_KV_ODD)
@@ -183,11 +183,18 @@ def _exchange(comm: RingComm, sched: _Schedule, rank: int, t: int, send, recv) -
 
 def _forward(q, k, v, sched: _Schedule, group, scale: float):
     rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
-    out, lse = empty_result(q)
-    if world == 1:
+    if world == 1:  # one step: the output finished in accumulator windows (in q's dtype)
+        blocks = sched.plan(rank, 0)
+
+        def fill(c0: int, c1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+            mine = window_blocks(blocks, c0, c1)
+            step_forward(q[:, c0:c1], k, v, mine, out, lse, scale, True)
+
         with clock.step("forward", 0):
-            step_forward(q, k, v, sched.plan(rank, 0), out, lse, scale, True)
-        return out, lse
+            return primitive.windowed_result(
+                q, fill, primitive.windows(q.shape[1], q.dtype, sched.rows)
+            )
+    out, lse = empty_result(q)
     mine = torch.stack((k, v))
     bufs = [torch.empty_like(mine), torch.empty_like(mine)]
     comms = [RingComm(group, tag) for tag in KV_TAGS]

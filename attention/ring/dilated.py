@@ -250,9 +250,18 @@ def _ring_dilated(
     causal: bool,
 ) -> torch.Tensor:
     """Local spans through `dilated`'s code, shared segments by P2P gathers; FA2 backward
-    (attention.autograd.MergedFunction)."""
+    (attention.autograd.MergedFunction). With no shared segment (W = 1, or every segment
+    local) the output is finished in accumulator windows as `dilated`'s is (in q's dtype);
+    otherwise it stays fp32 until the far segments have merged into every row."""
 
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not fars:
+
+            def fill(c0: int, c1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+                forward_rows(q, k, v, out, lse, spans, causal, window=(c0, c1))
+
+            with clock.step("forward", 0):
+                return primitive.windowed_result(q, fill, primitive.windows(q.shape[1], q.dtype))
         out, lse = empty_result(q)
         with clock.step("forward", 0):
             forward_rows(q, k, v, out, lse, spans, causal)

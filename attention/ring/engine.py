@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from attention import primitive
 from attention.autograd import merged_attention
 from attention.primitive import (
     block_backward,
@@ -181,6 +182,17 @@ def restrict(blk: Block, r0: int, r1: int, c0: int, c1: int) -> list[Block]:
     return parts
 
 
+def window_blocks(blocks: Sequence[Block], c0: int, c1: int) -> list[Block]:
+    """The parts of `blocks` inside query rows [c0, c1), rows counted from c0 (a window's
+    accumulators, primitive.windowed_result), keys unchanged; causal blocks split as in
+    `restrict`, so every part is again a primitive call."""
+    return [
+        dataclasses.replace(part, q0=part.q0 - c0, q1=part.q1 - c0)
+        for blk in blocks
+        for part in restrict(blk, c0, c1, 0, blk.k1)
+    ]
+
+
 def piece_size(n: int, device: torch.device, row_bytes: int = 0, parts: int = 1) -> int:
     """Rows of a K/V piece and of a query chunk: on CPU the largest divisor of n up to
     PIECE_TOKENS rows and, given `row_bytes` (bytes of one row of K), up to PIECE_BYTES bytes
@@ -310,7 +322,11 @@ def ring_forward(
     scale: float,
     fold: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merged (out fp32 (B,n,H,D), lse fp32 (B,H,n)) over all steps; no autograd graph.
+    """Merged (out, lse fp32 (B,H,n)) over all steps; no autograd graph. out is fp32 (the
+    accumulator dtype) on a ring of W > 1, whose every step merges into every row; alone
+    (`comm` None) it is in q's dtype, finished in accumulator windows of rows
+    (primitive.windowed_result: one window's rows in fp32 at a time, as the single-process
+    kernels do).
 
     The shard's K/V are cut into pieces, each travelling its own ring in turn, so buffers and
     temporaries are a piece, not a shard; the transfer for step t+1 is posted before step t
@@ -323,20 +339,47 @@ def ring_forward(
     p = piece_size(n, q.device, parts=2 if fold else 1)
     g = _head_group(q, p)
     pieces = cut_pieces(n, p, fold)
-    out, lse = empty_result(q)
     bufs, own = _buffers(world, pieces, (2, bsz, p, k.shape[2], dim), k)
+    if comm is None:
+        return _alone_forward(q, k, v, plan[0], pieces, own, p, g, scale)
+    out, lse = empty_result(q)
     for piece in pieces:
         kt, vt = _gather(k, piece, own[0]), _gather(v, piece, own[1])
         for t in range(world):
             with clock.step("forward", t):
-                if comm is not None and t < world - 1:
+                if t < world - 1:
                     _send_kv(comm, kt, vt, bufs[t % 2])
                 blocks = piece_blocks(plan[t], piece, p, n)
                 step_forward(q, kt, vt, blocks, out, lse, scale, False, g)
-                if comm is not None and t < world - 1:
+                if t < world - 1:
                     _wait_kv(comm)
                     kt, vt = bufs[t % 2][0], bufs[t % 2][1]
     return out, lse
+
+
+def _alone_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocks: Sequence[Block],
+    pieces: list[Piece],
+    own: list[torch.Tensor | None],
+    p: int,
+    g: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ring_forward` on one rank (its only step): every K/V piece's blocks for one window of
+    query rows at a time, merged into that window's accumulators."""
+    n = q.shape[1]
+
+    def fill(c0: int, c1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        for piece in pieces:
+            kt, vt = _gather(k, piece, own[0]), _gather(v, piece, own[1])
+            mine = window_blocks(piece_blocks(blocks, piece, p, n), c0, c1)
+            step_forward(q[:, c0:c1], kt, vt, mine, out, lse, scale, False, g)
+
+    with clock.step("forward", 0):
+        return primitive.windowed_result(q, fill, primitive.windows(n, q.dtype))
 
 
 def ring_backward(
