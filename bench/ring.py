@@ -45,7 +45,12 @@ import attention
 from attention import layouts
 from attention.ring.steps import clock
 
-TWINS = {"ring": "dense", "ring_dilated": "dilated", "ring_block_sparse": "block_sparse"}
+TWINS = {
+    name: spec.twin
+    for name, spec in attention.registry.KERNELS.items()
+    if spec.distributed and spec.twin is not None
+}
+"""Each ring kernel's single-process twin, from the registry (the one home of that fact)."""
 GATE_SEQ = 512
 GATE_TOL = 1e-4
 
