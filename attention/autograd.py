@@ -4,7 +4,9 @@ The fused ops' lse carries no gradient, so such a kernel never lets autograd see
 forward runs without a graph and returns the merged (out, lse); its backward is handed the FINAL
 (out, lse) and recomputes each block from them (FlashAttention-2). `MergedFunction` returns
 out in the inputs' dtype, saves q, k, v, that returned out and the lse, and casts the
-gradients back to the inputs' dtype. Like FlashAttention, the backward reads the output in the
+gradients back to the inputs' dtype one at a time, freeing each fp32 accumulator as its copy is
+made (bf16: three fp32 accumulators and one bf16 copy at once, where casting all three together
+held three of each). Like FlashAttention, the backward reads the output in the
 inputs' dtype (its rowsum(dout * out)): an fp32 copy of a bf16 output would be held from the
 forward to the backward only to sharpen that one term. The returned output is that saved
 tensor, for every dtype (as FlashAttention's): editing it in place before the backward makes
@@ -38,8 +40,10 @@ class MergedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.backward_fn(dout.contiguous(), q, k, v, out, lse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        grads = list(ctx.backward_fn(dout.contiguous(), q, k, v, out, lse))
+        for i, x in enumerate((q, k, v)):  # one at a time, each accumulator freed once cast:
+            grads[i] = grads[i].to(x.dtype)  # 3 accumulators + 1 copy at most, not 3 + 3
+        return grads[0], grads[1], grads[2], None, None
 
 
 def merged_attention(

@@ -93,7 +93,8 @@ def merged_memory(
     plus the fused op's own in the input dtype when it is narrower) and, for inputs narrower
     than fp32, the fp32 rows of its largest accumulator window (primitive.windows, in
     `window_unit` tokens: block_sparse's block size). The backward's transient is the fp32 dq,
-    dk, dv accumulators plus their copies in the input dtype when it is not fp32."""
+    dk, dv accumulators plus, when the input dtype is not fp32, one copy in it (MergedFunction
+    casts them one at a time, each accumulator freed once cast)."""
     one = qkv_bytes(batch, seq_len, num_heads, head_dim, dtype_bytes)
     fp32 = qkv_bytes(batch, seq_len, num_heads, head_dim, 4)
     lse = 4 * batch * num_heads * seq_len
@@ -108,7 +109,7 @@ def merged_memory(
         saved=4 * one + lse + index,
         output_saved=natural,
         forward_transient=block,
-        backward_transient=3 * fp32 + (0 if dtype_bytes == 4 else 3 * one),
+        backward_transient=3 * fp32 + (0 if dtype_bytes == 4 else one),
     )
 
 
