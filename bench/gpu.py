@@ -146,8 +146,8 @@ def one_rank_group(device: torch.device) -> Iterator[None]:
     if dist.is_initialized():
         yield
         return
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda":  # "cuda" names no index: set_device needs one
+        torch.cuda.set_device(torch.cuda.current_device() if device.index is None else device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
