@@ -343,9 +343,10 @@ def timed_rows(args: argparse.Namespace, dtype: str, device: torch.device) -> li
     baseline: Case | None = None  # SDPA at this length: each kernel's forward alternates with it
     with keep:
         for (seq, kernel, params), mem in zip(cases, memory, strict=True):
+            if kernel == "sdpa":  # a new length: the previous one's baseline goes first
+                baseline = None
             case = make_case(kernel, params, seq, ns)
             if kernel == "sdpa":
-                baseline = None  # the previous length's, before its inputs are freed
                 timing = time_case(case, ns)
                 baseline = case
             else:

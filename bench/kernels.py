@@ -507,9 +507,10 @@ def main() -> None:
     baseline: Case | None = None  # dense at this length: every kernel's forward alternates with it
     with heap_keeps_freed() if device.type == "cpu" else contextlib.nullcontext():
         for (seq, kernel, params), memory in zip(listed, measured, strict=True):
+            if kernel == "dense":  # a new length: the previous one's baseline goes first
+                baseline = None
             case = make_case(kernel, params, seq, args)
             if kernel == "dense":
-                baseline = None  # the previous length's, before its inputs are freed
                 timing = dense = time_case(case, args)
                 baseline = case
             else:
