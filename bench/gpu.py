@@ -56,6 +56,7 @@ from bench.kernels import (
     fraction_of_baseline,
     make_case,
     measure_case,
+    spread,
     time_case,
 )
 from workers.environment import device_facts
@@ -124,8 +125,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def scaled(kernel: str, seq: int) -> dict[str, Any]:
-    """The kernel's params for `seq`: segments cut to the sequence (the kernel would do the
-    same), at CPU lengths scaled down by 32768 / seq; block size at most seq / 8."""
+    """The kernel's params (a ring kernel's: its twin's) for `seq`: segments cut to the
+    sequence (the kernel would do the same), at CPU lengths scaled down by 32768 / seq; block
+    size at most seq / 8, and for ring_block_sparse a divisor of seq / 2 (its zigzag halves
+    hold whole blocks)."""
+    ring = twin_of(kernel) is not None
     kernel = twin_of(kernel) or kernel
     params = dict(KERNELS.get(kernel, {}))
     if kernel == "dilated":
@@ -136,6 +140,9 @@ def scaled(kernel: str, seq: int) -> dict[str, Any]:
         ]
     if kernel == "block_sparse":
         params["block_size"] = max(1, min(params["block_size"], seq // 8))
+        if ring:  # a zigzag half-shard at W = 1 must hold whole blocks
+            while (seq // 2) % params["block_size"]:
+                params["block_size"] -= 1
     return params
 
 
@@ -412,13 +419,14 @@ def markdown(
             f"{c['tolerance']:g} | {'yes' if c['ok'] else 'NO'} |"
         )
     lines += ["", "| kernel | seq | dtype | fwd ms | fwd+bwd ms | fwd TFLOP/s | x SDPA flash "
-              "| fwd+bwd x SDPA | x GPU peak | peak/floor | fwd+bwd peak MiB |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "| (min-max) | fwd+bwd x SDPA | x GPU peak | peak/floor | fwd+bwd peak MiB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         lines.append(
             f"| {r['kernel']} | {r['seq']} | {r['dtype']} | {r['fwd_ms']['median']:.2f} | "
             f"{r['fwd_bwd_ms']['median']:.2f} | {r['fwd_flop_s'] / 1e12:.3f} | "
-            f"{r['fwd_frac_of_sdpa']:.2f} | {r['fwd_bwd_frac_of_sdpa']:.2f} | "
+            f"{r['fwd_frac_of_sdpa']:.2f} | {spread(r.get('fwd_pair_ratios')) or '-'} | "
+            f"{r['fwd_bwd_frac_of_sdpa']:.2f} | "
             f"{_cell(r['fwd_frac_of_peak'], '.2f')} | {r['fwd_peak_over_floor']:.2f} | "
             f"{r['fwd_bwd_peak_above_inputs_bytes'] / 2**20:.1f} |"
         )

@@ -333,6 +333,11 @@ def time_case(case: Case, args: argparse.Namespace, baseline: Case | None = None
     if baseline is None:
         fwd_ms, fwd_cpu_ms = time_ms(case.fwd, args.repeats, device)
     else:
+        if baseline.q.shape != case.q.shape:
+            raise ValueError(
+                f"baseline: {baseline.kernel} on {tuple(baseline.q.shape)} cannot pair with "
+                f"{case.kernel} on {tuple(case.q.shape)}: a baseline runs the same shape"
+            )
         (fwd_ms, fwd_cpu_ms), (base_ms, base_cpu_ms) = paired_ms(
             case.fwd, baseline.fwd, args.repeats, device
         )

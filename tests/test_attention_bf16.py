@@ -62,7 +62,8 @@ print(json.dumps([buffers, extra]))
 
 
 def test_bf16_backward_casts_one_gradient_at_a_time() -> None:
-    """bench.kernels' meter in a fresh process, bf16 at 8K tokens: each merging kernel's
+    """bench.kernels' meter in a fresh process with 2 threads (dense's backward buffers, the
+    reference, depend on the thread count), bf16 at 8K tokens: each merging kernel's
     forward+backward peak exceeds dense's by less than 2.3 of one bf16 tensor's bytes (q's).
     MergedFunction casts the fp32 dq, dk, dv accumulators to bf16 one at a time, freeing each:
     1.5-1.7 here. Casting the three together held three fp32 and three bf16 at once: 2.9."""
@@ -78,6 +79,7 @@ def test_bf16_backward_casts_one_gradient_at_a_time() -> None:
 _TRAIN = f"""
 import argparse, json, torch
 from bench.kernels import PeakMemory, make_case, measure_peak
+torch.set_num_threads(2)
 args = argparse.Namespace(device="cpu", dtype="bfloat16", batch=1, heads=2, dim=32, causal=False)
 meter = PeakMemory(torch.device("cpu"))
 seq = 8192

@@ -3,6 +3,7 @@ with dense's, and the x SDPA column and its min-max are recomputed from the raw 
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,3 +49,20 @@ def test_x_sdpa_is_the_median_of_alternating_pairs_recomputed_from_the_raw_times
     cells = row.split()
     assert cells[5] == f"{statistics.median(ratios):.2f}"
     assert cells[6] == f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
+def test_paired_calls_alternate_baseline_first_and_a_baseline_of_another_shape_is_refused():
+    from bench.kernels import make_case, paired_ms, time_case
+
+    calls: list[str] = []
+    mine, theirs = paired_ms(
+        lambda: calls.append("kernel"), lambda: calls.append("base"), 3, torch.device("cpu")
+    )
+    assert calls == ["base", "kernel"] * 4  # one warm-up each, then 3 adjacent pairs
+    assert [len(x) for x in (*mine, *theirs)] == [3, 3, 3, 3]
+    args = argparse.Namespace(
+        device="cpu", dtype=None, batch=1, heads=2, dim=16, causal=False, repeats=1
+    )
+    dense_128 = make_case("dense", {}, 128, args)
+    with pytest.raises(ValueError, match=r"baseline: dense on \(1, 128, 2, 16\) cannot pair"):
+        time_case(make_case("dense", {}, 256, args), args, dense_128)
