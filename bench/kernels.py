@@ -280,6 +280,16 @@ def make_case(kernel: str, params: dict[str, Any], seq: int, args: argparse.Name
     return Case(kernel, params, seq, module, q, fwd, fwd_bwd)
 
 
+def held_beyond_output(
+    meter: PeakMemory, kernel: str, params: dict[str, Any], seq: int, args: argparse.Namespace
+) -> int:
+    """Bytes a kernel's forward holds at its peak beyond the inputs and its own output (run once
+    before it is measured): its accumulators, block outputs and the fused op's buffers."""
+    case = make_case(kernel, params, seq, args)
+    case.fwd()
+    return measure_peak(meter, case.fwd) - case.q.numel() * case.q.element_size()
+
+
 def measure_case(case: Case, meter: PeakMemory) -> dict[str, Any]:
     """Forward and forward+backward peaks above the inputs, and the forward floor; each call
     runs once before it is measured, so that one-time allocations (thread pools, the autograd

@@ -4,17 +4,11 @@ output and gradients equal the fp32 kernel's within bf16's precision."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from _fresh import fresh_json
 
 import attention
-
-ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,25 +27,18 @@ def test_bf16_forward_holds_little_beyond_its_output_and_the_ops_buffers() -> No
     output at 4K: they do not grow with the length), less than 15% of the floor (q, k, v, out in
     bf16, fp32 lse): one fp32 accumulator window and one call's block output. An fp32 output
     and its bf16 copy held over 30%."""
-    run = subprocess.run(
-        [sys.executable, "-c", _HELD], cwd=ROOT, capture_output=True, text=True, timeout=240,
-        check=False,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    buffers, extra = json.loads(run.stdout.splitlines()[-1])
+    buffers, extra = fresh_json(_HELD)
     assert 0 <= buffers < 4 * 2**20
     assert max(extra.values()) < 0.15, extra
 
 
 _HELD = f"""
 import argparse, json, torch
-from bench.kernels import PeakMemory, make_case, measure_peak
+from bench.kernels import PeakMemory, held_beyond_output
 args = argparse.Namespace(device="cpu", dtype="bfloat16", batch=1, heads=2, dim=32, causal=False)
 meter = PeakMemory(torch.device("cpu"))
 def held(kernel, params, seq):
-    case = make_case(kernel, params, seq, args)
-    case.fwd()
-    return measure_peak(meter, case.fwd) - case.q.numel() * 2  # minus the output
+    return held_beyond_output(meter, kernel, params, seq, args)
 buffers = held("dense", {{}}, 4096)
 floor = 4 * 32768 * 2 * 32 * 2 + 32768 * 2 * 4
 cases = {CASES!r}
@@ -67,12 +54,7 @@ def test_bf16_backward_casts_one_gradient_at_a_time() -> None:
     forward+backward peak exceeds dense's by less than 2.3 of one bf16 tensor's bytes (q's).
     MergedFunction casts the fp32 dq, dk, dv accumulators to bf16 one at a time, freeing each:
     1.5-1.7 here. Casting the three together held three fp32 and three bf16 at once: 2.9."""
-    run = subprocess.run(
-        [sys.executable, "-c", _TRAIN], cwd=ROOT, capture_output=True, text=True, timeout=240,
-        check=False,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    over_dense = json.loads(run.stdout.splitlines()[-1])
+    over_dense = fresh_json(_TRAIN)
     assert len(over_dense) == 2 and max(over_dense.values()) < 2.3, over_dense
 
 

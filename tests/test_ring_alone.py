@@ -6,18 +6,12 @@ fp32 output (it held 1.49-1.51x the floor)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from _fresh import fresh_json
 
 import attention
 from bench.gpu import one_rank_group, reference
-
-ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,12 +78,7 @@ def test_alone_bf16_forward_holds_little_beyond_its_output() -> None:
     floor (q, k, v, out in bf16, fp32 lse): one fp32 window (about 6%), the folded K/V pieces
     and block outputs (0.09-0.19 measured for ring, heap noise included). With an fp32 output
     and its bf16 copy it held over 40%."""
-    run = subprocess.run(
-        [sys.executable, "-c", _HELD], cwd=ROOT, capture_output=True, text=True, timeout=280,
-        check=False,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    buffers, extra = json.loads(run.stdout.splitlines()[-1])
+    buffers, extra = fresh_json(_HELD, timeout=280)
     assert 0 <= buffers < 4 * 2**20
     assert len(extra) == 3 and max(extra.values()) < 0.3, extra
 
@@ -97,14 +86,12 @@ def test_alone_bf16_forward_holds_little_beyond_its_output() -> None:
 _HELD = """
 import argparse, json, torch
 from bench.gpu import one_rank_group
-from bench.kernels import PeakMemory, make_case, measure_peak
+from bench.kernels import PeakMemory, held_beyond_output
 torch.set_num_threads(2)  # the op's per-thread buffers are in dense's reference too
 args = argparse.Namespace(device="cpu", dtype="bfloat16", batch=1, heads=2, dim=32, causal=True)
 meter = PeakMemory(torch.device("cpu"))
 def held(kernel, params, seq):
-    case = make_case(kernel, params, seq, args)
-    case.fwd()
-    return measure_peak(meter, case.fwd) - case.q.numel() * 2  # minus the output
+    return held_beyond_output(meter, kernel, params, seq, args)
 seq = 16384
 floor = 4 * seq * 2 * 32 * 2 + seq * 2 * 4
 cases = {
