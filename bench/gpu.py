@@ -353,11 +353,9 @@ def timed_rows(args: argparse.Namespace, dtype: str, device: torch.device) -> li
             if kernel == "sdpa":  # a new length: the previous one's baseline goes first
                 baseline = None
             case = make_case(kernel, params, seq, ns)
+            timing = time_case(case, ns, baseline)
             if kernel == "sdpa":
-                timing = time_case(case, ns)
                 baseline = case
-            else:
-                timing = time_case(case, ns, baseline)
             rows.append({"kernel": kernel, "params": params, "seq": seq, "dtype": dtype,
                          "heads": args.heads, "head_dim": args.dim, **timing, **mem})  # fmt: skip
             del case

@@ -525,11 +525,9 @@ def main() -> None:
             if kernel == "dense":  # a new length: the previous one's baseline goes first
                 baseline = None
             case = make_case(kernel, params, seq, args)
+            timing = time_case(case, args, baseline)
             if kernel == "dense":
-                timing = dense = time_case(case, args)
-                baseline = case
-            else:
-                timing = time_case(case, args, baseline)
+                dense, baseline = timing, case
             row = {
                 "kernel": kernel,
                 "params": params,
