@@ -6,8 +6,10 @@ A probe builds q, k, v at a length and runs one forward without a graph:
   the failing allocation asked for (from the error's "Tried to allocate" figure);
 - on CPU nothing stops an allocation, so the budget is emulated: the probe's peak (the meter
   of bench.kernels, inputs included) over the budget is "over_budget", `emulated` true.
-The search doubles from `start` while probes fit, then bisects between the last fit and the
-first failure down to `granularity` tokens (lengths stay multiples of it).
+The search doubles from `start` while probes fit, then narrows the bracket between the last
+fit and the first failure down to `granularity` tokens (lengths stay multiples of it): towards
+the length where the line through the measured peaks meets the budget (the whole GPU's memory
+without one), else by halving (workers.bracket, the service's rule).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 import attention
 from bench.kernels import PeakMemory, measure_peak
+from workers.bracket import next_length
 
 GTX_1080_BYTES = 8 * 2**30
 """The budget that emulates an 8 GB GTX 1080 on a larger GPU."""
@@ -38,6 +41,9 @@ class Probe:
     outcome: str
     requested_bytes: int | None = None
     emulated: bool = False
+    peak_bytes: int | None = None
+    """The forward's peak (CUDA: the allocator's; CPU: the process's, inputs included); None
+    where an allocation failed."""
 
 
 @dataclass
@@ -95,10 +101,11 @@ def probe(
 
     if device.type == "cuda":
         try:
+            torch.cuda.reset_peak_memory_stats(device)
             out = forward()
             torch.cuda.synchronize(device)
             del out
-            return Probe(seq, "ok")
+            return Probe(seq, "ok", peak_bytes=torch.cuda.max_memory_allocated(device))
         except torch.OutOfMemoryError as error:
             asked = requested_bytes(error)
             del error  # its traceback holds the failed call's tensors
@@ -107,8 +114,8 @@ def probe(
             return Probe(seq, "oom", asked)
     peak = measure_peak(PeakMemory(device), forward)
     if budget_bytes is not None and peak > budget_bytes:
-        return Probe(seq, "over_budget", peak, emulated=True)
-    return Probe(seq, "ok")
+        return Probe(seq, "over_budget", peak, emulated=True, peak_bytes=peak)
+    return Probe(seq, "ok", peak_bytes=peak)
 
 
 def max_length(
@@ -135,8 +142,14 @@ def max_length(
                 bad = seq
         if bad is None:
             bad = cap + granularity
+        guesses = 0
         while bad - good > granularity:
-            mid = (good + bad) // 2 // granularity * granularity
+            peaks = {p.seq: p.peak_bytes for p in found.probes if p.peak_bytes is not None}
+            target, guessed = next_length(
+                good, bad, peaks, found.budget_bytes or None, granularity, guesses
+            )
+            guesses += guessed
+            mid = target // granularity * granularity
             if mid in (good, bad):
                 break
             result = probe(kernel, params, mid, shape, device, budget_bytes)

@@ -10,8 +10,8 @@ the `workload: model` decoder (dense attention, AdamW, batch 1):
 2. a maximum-length search (workers.search.run_search) under a memory budget (per size, or
    --budget-mib; emulated on CPU: a peak over it is an OOM, CUDA: the allocator is capped):
    the predicted maximum (model_memory.max_seq_len), the one the search finds (it starts from
-   the prediction, brackets it by x1.125 steps, then bisects to predicted/32), the probes, each
-   with its measured peak against the budget and against its own predicted step peak.
+   the prediction, brackets it by x1.125 steps, then narrows the bracket to predicted/32), the
+   probes, each with its measured peak against the budget and against its own predicted step peak.
 
 A summary table last, PASS/FAIL per target: parameters, gradients and optimizer states within
 2% of the prediction, activations within 15%, the found maximum length within 10% of the
@@ -66,7 +66,7 @@ SHORT = {
     "max_seq_len": "max len",
 }
 SEARCH_RESOLUTION = 32
-"""The search bisects down to predicted max / this (~3%, well inside the 10% target)."""
+"""The search narrows its bracket down to predicted max / this (~3%, well inside the 10% target)."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ def cell_config(cell: Cell, args: argparse.Namespace) -> RunConfig:
 
 
 def search_config(config: RunConfig, budget: int, predicted: int | None) -> RunConfig:
-    """The cell under `budget` bytes with a search bisecting to predicted/32; probes take one
+    """The cell under `budget` bytes with a search narrowing to predicted/32; probes take one
     step beyond the two measured ones (warmup 0, 1 iteration)."""
     granularity = max(16, (predicted or config.seq_len) // SEARCH_RESOLUTION)
     data = config.model_dump()
@@ -272,7 +272,7 @@ def print_search(cell: Cell, config: RunConfig, budget: int) -> None:
     shown = "-" if ratio is None else f"{ratio:.4f}"
     assert cfg.search is not None
     print(
-        f"  search under {budget / MIB:g} MiB (bisecting to {cfg.search.granularity}): "
+        f"  search under {budget / MIB:g} MiB (to within {cfg.search.granularity}): "
         f"predicted max {predicted}, found {found if found is not None else outcome.status}, "
         f"{len(outcome.probes)} probes, found/predicted {shown} "
         f"(±{TARGETS['max_seq_len']:.0%} {_verdict(ratio, 'max_seq_len')})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -9,26 +10,33 @@ from _workers_helpers import config
 
 import attention
 from attention.registry import KernelSpec
+from workers.bracket import MAX_GUESSES, next_length
 from workers.config import RunConfig
 from workers.results import CaseOutcome, RankResult
 from workers.search import run_search, snap_down
 
 
-def _planted(limit: int, log: list[int]) -> Any:
-    """A probe runner whose ranks fit up to `limit` tokens (peak = 100 bytes per token)."""
+def _planted(
+    limit: int,
+    log: list[int],
+    peak_of: Callable[[int], int] = lambda n: 100 * n,
+    oom_peak: bool = True,
+) -> Any:
+    """A probe runner whose ranks fit up to `limit` tokens, measuring `peak_of(length)` bytes
+    (an OOM's too when `oom_peak`: CPU's emulated ones do, a real allocation failure does not)."""
 
     def run_probe(cfg: RunConfig, first: bool) -> list[CaseOutcome]:
         assert first == (not log)
         log.append(cfg.seq_len)
-        peak = 100 * cfg.seq_len
+        peak = peak_of(cfg.seq_len)
         if cfg.seq_len > limit:
             return [
                 CaseOutcome(
                     rank=0,
                     seq_len=cfg.seq_len,
                     status="oom",
-                    emulated=True,
-                    peak_memory_bytes=peak,
+                    emulated=oom_peak,
+                    peak_memory_bytes=peak if oom_peak else None,
                     error="over budget",
                 )
             ]
@@ -65,6 +73,68 @@ def test_doubling_then_bisection_to_the_granularity() -> None:
     assert all((p.outcome == "fit") == (p.seq_len <= 5000) for p in outcome.probes)
     assert all(p.emulated for p in outcome.probes if p.outcome == "oom")
     assert outcome.probes[0].peak_memory_bytes == 102400 and outcome.probes[0].time_s == 0.5
+
+
+def _closes_within(outcome: Any, limit: int, granularity: int) -> bool:
+    """The answer fits and a probe at most `granularity` longer did not: the search's promise."""
+    answer = outcome.answer_seq_len
+    failed = [p.seq_len for p in outcome.probes if p.outcome == "oom"]
+    return answer <= limit and any(answer < n <= answer + granularity for n in failed)
+
+
+@pytest.mark.parametrize("oom_peak", [True, False], ids=["emulated-oom", "real-oom"])
+def test_a_budget_closes_the_bracket_where_the_measured_peaks_predict(oom_peak: bool) -> None:
+    """Peaks of 100 bytes a token under a 500,000-byte budget: after the first OOM (8192) the
+    line through the peaks (the bracket's ends, or the two longest fits when the OOM measured
+    nothing) says 5000; the search probes the last granule below it, then the one above it.
+    Halving the same bracket takes four probes and lands on the same answer."""
+    search = {"start": 1024, "max": 1 << 20, "granularity": 256}
+    log: list[int] = []
+    outcome = run_search(
+        config(search=search, memory_budget_bytes=500_000), _planted(5000, log, oom_peak=oom_peak)
+    )
+    assert log == [1024, 2048, 4096, 8192, 4864, 5120]
+    halving: list[int] = []
+    plain = run_search(config(search=search), _planted(5000, halving, oom_peak=oom_peak))
+    assert halving == [1024, 2048, 4096, 8192, 6144, 5120, 4608, 4864]
+    assert outcome.answer_seq_len == plain.answer_seq_len == 4864
+    assert _closes_within(outcome, 5000, 256)
+
+
+@pytest.mark.parametrize(
+    ("peak_of", "limit"),
+    [
+        (lambda n: n * n // 50, 7071),  # quadratic memory: the line undershoots every time
+        (lambda n: 100 * n + 300_000, 5000),  # OOMs before the peaks say (fragmentation)
+        (lambda n: 10**6 - n, 9000),  # falling peaks: no prediction at all
+        (lambda n: 100 * n + (n % 3) * 40_000, 4321),  # noisy
+    ],
+    ids=["quadratic", "early-oom", "falling", "noisy"],
+)
+def test_wrong_predictions_still_find_the_longest_fit(
+    peak_of: Callable[[int], int], limit: int
+) -> None:
+    """Memory that a line predicts badly costs probes, never the answer: it fits, a probe at
+    most one granule longer did not, and at most MAX_GUESSES probes more than halving."""
+    search = {"start": 1024, "max": 1 << 20, "granularity": 64}
+    log: list[int] = []
+    outcome = run_search(
+        config(search=search, memory_budget_bytes=1_000_000), _planted(limit, log, peak_of)
+    )
+    assert outcome.status == "succeeded" and _closes_within(outcome, limit, 64), log
+    halving: list[int] = []
+    run_search(config(search=search), _planted(limit, halving, peak_of))
+    assert len(log) <= len(halving) + MAX_GUESSES, (log, halving)
+
+
+def test_next_length_predicts_inside_the_bracket_and_halves_otherwise() -> None:
+    peaks = {4096: 409_600, 8192: 819_200}
+    assert next_length(4096, 8192, peaks, 500_000, 256, 0) == (4864, True)
+    assert next_length(4864, 8192, {**peaks, 4864: 486_400}, 500_000, 256, 1) == (5120, True)
+    assert next_length(4096, 8192, peaks, 900_000, 256, 0) == (6144, False)  # beyond hi
+    assert next_length(4096, 8192, peaks, None, 256, 0) == (6144, False)  # no budget
+    assert next_length(4096, 8192, peaks, 500_000, 256, MAX_GUESSES) == (6144, False)
+    assert next_length(4096, 8192, {4096: 409_600}, 500_000, 256, 0) == (6144, False)
 
 
 def test_max_caps_the_search() -> None:

@@ -142,7 +142,9 @@ class TrainingConfig(BaseModel):
 
 
 class SearchConfig(BaseModel):
-    """Maximum sequence length search: double from `start` to the first OOM, then bisect."""
+    """Maximum sequence length search: double from `start` to the first OOM, then narrow the
+    bracket to `granularity` (towards the length the measured peaks predict under a memory
+    budget, else by halving; workers.bracket)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -153,7 +155,12 @@ class SearchConfig(BaseModel):
         "predicted maximum instead (and brackets it).",
     )
     max: int = Field(1 << 24, ge=1, description="Never probe beyond this length.")
-    granularity: int = Field(1024, ge=1, description="Bisection stops at this resolution.")
+    granularity: int = Field(
+        1024,
+        ge=1,
+        description="The search stops once the longest length that fit and the shortest that did "
+        "not are at most this far apart.",
+    )
     fresh_processes: bool = Field(
         False,
         description="Run each probe in fresh actors: an OOM's fragmentation cannot bias the next.",

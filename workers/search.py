@@ -1,7 +1,9 @@
-"""Maximum sequence length search: double from `start` to the first OOM, then bisect.
+"""Maximum sequence length search: double from `start` to the first OOM, then close the bracket.
 
 A model cell with a memory budget starts from its predicted maximum instead and grows or
-shrinks by BRACKET_FACTOR until one length fits and the next does not, then bisects.
+shrinks by BRACKET_FACTOR until one length fits and the next does not. The bracket then
+narrows to `granularity`: with a memory budget, towards where the measured peaks predict the
+budget is met (workers.bracket), else by halving.
 
 Every probed length is one the kernel accepts at the run's world size (attention.validate);
 every probe is returned with its outcome, peak memory and time; the answer is the largest
@@ -14,6 +16,7 @@ import math
 from collections.abc import Callable
 
 from workers import kernels
+from workers.bracket import next_length
 from workers.config import RunConfig
 from workers.results import CaseOutcome, ProbeResult, RunOutcome
 
@@ -167,19 +170,25 @@ def run_search(
                     lo = length
                     break
                 hi = length
-        if lo is not None and hi is not None:  # bisection
-            while hi - lo > search.granularity:
-                # The valid length nearest the middle; else the largest one below hi. None of
-                # either means no accepted length lies between lo and hi: lo is exact.
-                mid = snap_down(config, (lo + hi) // 2, floor=lo + 1, anchors=(lo, hi))
-                if mid is None:
-                    mid = snap_down(config, hi - 1, floor=lo + 1, anchors=(lo, hi))
-                if mid is None:
-                    break
-                if probe(mid):
-                    lo = mid
-                else:
-                    hi = mid
+        guesses = 0
+        while lo is not None and hi is not None and hi - lo > search.granularity:
+            # The valid length nearest the predicted or middle one; else the largest one
+            # below hi. None of either means no accepted length lies between lo and hi: lo
+            # is exact.
+            peaks = {p.seq_len: p.peak_memory_bytes for p in probes if p.peak_memory_bytes}
+            target, guessed = next_length(
+                lo, hi, peaks, config.memory_budget_bytes, search.granularity, guesses
+            )
+            guesses += guessed
+            mid = snap_down(config, target, floor=lo + 1, anchors=(lo, hi))
+            if mid is None:
+                mid = snap_down(config, hi - 1, floor=lo + 1, anchors=(lo, hi))
+            if mid is None:
+                break
+            if probe(mid):
+                lo = mid
+            else:
+                hi = mid
     except _ProbeError as exc:
         return RunOutcome(status="failed", error=f"probe failed: {exc}", probes=probes)
     if lo is None or best is None:
