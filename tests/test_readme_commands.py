@@ -1,5 +1,6 @@
 """Every command of the README's Quick start and CLI blocks, run as written against a live
-`make run` (the demo: service, scheduler and dashboard, joined to the tests' Ray).
+`make run` (the demo: service, scheduler and dashboard, joined to the tests' Ray): the demo's
+own sweep finishes with every run succeeded, and the demo shuts down cleanly on SIGTERM.
 
 `make test` is the one command not run here: it is the command running this test.
 """
@@ -120,13 +121,35 @@ def test_readme_commands_run_as_written(tmp_path: Path, ray_session: Any) -> Non
         base = env["RINGLAB_URL"]
         assert httpx.get(f"{base}/api/v1/sweeps/3", timeout=10).status_code == 404
         assert httpx.get(f"{base}/api/v1/sweeps/2", timeout=10).status_code == 200
-    finally:
-        os.killpg(demo.pid, signal.SIGTERM)
-        try:
-            demo.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(demo.pid, signal.SIGKILL)
-            demo.wait()
+        # the demo's own sweep (examples/cpu-quick.yaml) finished on the CPU, every run fine
+        demo_sweep = _finished(f"{base}/api/v1/sweeps/1", timeout=120)
+        assert demo_sweep["counts"]["succeeded"] == demo_sweep["total"] == 9, demo_sweep
+        assert "cpu-quick" in httpx.get(dashboard, timeout=10).text
+    except BaseException:
+        os.killpg(demo.pid, signal.SIGKILL)
+        demo.wait()
+        raise
+    # Ctrl-C's signal to the whole group: the service shuts down through its lifespan
+    os.killpg(demo.pid, signal.SIGTERM)
+    try:
+        rest, _ = demo.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(demo.pid, signal.SIGKILL)
+        demo.wait()
+        raise
+    assert "Application shutdown complete" in rest, rest
+
+
+def _finished(url: str, timeout: float) -> dict[str, Any]:
+    """The sweep at `url` once it is done (polled each second); fails past `timeout` s."""
+    deadline = time.monotonic() + timeout
+    sweep: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        sweep = httpx.get(url, timeout=10).json()
+        if sweep["done"]:
+            return sweep
+        time.sleep(1.0)
+    raise AssertionError(f"not done within {timeout} s: {sweep}")
 
 
 def _csv_lines(out: str, header: str) -> list[str]:
