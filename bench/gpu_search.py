@@ -144,7 +144,7 @@ def max_length(
             bad = cap + granularity
         guesses = 0
         while bad - good > granularity:
-            peaks = {p.seq: p.peak_bytes for p in found.probes if p.peak_bytes is not None}
+            peaks = {p.seq: p.peak_bytes for p in found.probes if p.peak_bytes}
             target, guessed = next_length(
                 good, bad, peaks, found.budget_bytes or None, granularity, guesses
             )

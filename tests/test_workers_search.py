@@ -127,6 +127,47 @@ def test_wrong_predictions_still_find_the_longest_fit(
     assert len(log) <= len(halving) + MAX_GUESSES, (log, halving)
 
 
+def test_predictions_are_capped_where_each_moves_the_bracket_a_granule() -> None:
+    """A 1e9-byte peak at the first OOM bends the line so that every prediction is lo + one
+    granule: after MAX_GUESSES of those the search only halves, instead of walking up a
+    granule a probe."""
+    search = {"start": 1024, "max": 1 << 20, "granularity": 64}
+    log: list[int] = []
+    steep = _planted(5000, log, lambda n: 100 * n if n <= 5000 else 10**9)
+    outcome = run_search(config(search=search, memory_budget_bytes=500_000), steep)
+    halving: list[int] = []
+    run_search(config(search=search), _planted(5000, halving))
+    assert log[4:7] == [4160, 4224, 4288]  # the three predictions, then halving
+    assert _closes_within(outcome, 5000, 64) and len(log) <= len(halving) + MAX_GUESSES
+
+
+def test_a_real_oom_predicts_from_the_two_longest_fits() -> None:
+    """Quadratic peaks (n^2 / 50) under 600,000 bytes fit up to 5477 tokens; the OOMs measure
+    nothing. The line through the two longest fits (2048 and 4096; not 1024) says 6248: the
+    probe at 6144 fails, the middle 5120 fits, and two more predictions close it."""
+    search = {"start": 1024, "max": 1 << 20, "granularity": 256}
+    log: list[int] = []
+    planted = _planted(5477, log, lambda n: n * n // 50, oom_peak=False)
+    outcome = run_search(config(search=search, memory_budget_bytes=600_000), planted)
+    assert log == [1024, 2048, 4096, 8192, 6144, 5120, 5376, 5632]
+    assert outcome.answer_seq_len == 5376
+
+
+def test_a_prediction_the_kernel_cannot_place_is_a_halving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel of whole 1024-token blocks, granularity 256: the predicted 4352 has no accepted
+    length above 4096, so the search halves as it would without a budget (it does not jump to
+    the far end of the bracket)."""
+    kernel = _register_multiple_of(monkeypatch, 1024)
+    search = {"start": 1024, "max": 1 << 20, "granularity": 256}
+    log: list[int] = []
+    cfg = config(kernel=kernel, seq_len=1024, search=search, memory_budget_bytes=450_000)
+    outcome = run_search(cfg, _planted(4500, log))
+    halving: list[int] = []
+    run_search(config(kernel=kernel, seq_len=1024, search=search), _planted(4500, halving))
+    assert log == halving == [1024, 2048, 4096, 8192, 6144, 5120]
+    assert outcome.answer_seq_len == 4096
+
+
 def test_next_length_predicts_inside_the_bracket_and_halves_otherwise() -> None:
     peaks = {4096: 409_600, 8192: 819_200}
     assert next_length(4096, 8192, peaks, 500_000, 256, 0) == (4864, True)
@@ -135,6 +176,14 @@ def test_next_length_predicts_inside_the_bracket_and_halves_otherwise() -> None:
     assert next_length(4096, 8192, peaks, None, 256, 0) == (6144, False)  # no budget
     assert next_length(4096, 8192, peaks, 500_000, 256, MAX_GUESSES) == (6144, False)
     assert next_length(4096, 8192, {4096: 409_600}, 500_000, 256, 0) == (6144, False)
+    ends = {4096: 409_600, 8000: 800_000}  # a bracket that is no whole number of granules
+    assert next_length(4096, 8000, ends, 790_000, 256, 0) == (7680, True)
+    assert next_length(4096, 8000, ends, 805_000, 256, 0) == (6048, False)  # 8050: beyond hi
+    # within one granule of hi, the step above lo would not be below hi: halve
+    assert next_length(4096, 4200, {4096: 409_600, 4200: 420_000}, 415_000, 256, 0) == (
+        4148,
+        False,
+    )
 
 
 def test_max_caps_the_search() -> None:

@@ -11,8 +11,9 @@ search of examples/cpu-max-seq-len-1gpu.yaml went from four probes after the fir
 Nothing about the answer depends on the prediction: every probe still either fits (the
 bracket's low end moves up) or not (the high end moves down), and the search still ends when
 the bracket is no wider than the granularity. A prediction outside the bracket, fewer than two
-peaks, or more than MAX_GUESSES predictions in one search fall back to the middle, so memory
-that is far from linear costs at most MAX_GUESSES probes more than bisection.
+peaks, or MAX_GUESSES predictions already made in one search fall back to the middle, so
+memory that is far from linear costs about MAX_GUESSES probes more than bisection (a few more
+where rounding to a length the kernel accepts moves the halving points).
 
 Torch-free and config-free: bench/gpu_search.py, which runs where no pydantic is installed,
 uses it as workers/search.py does.

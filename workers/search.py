@@ -172,15 +172,18 @@ def run_search(
                 hi = length
         guesses = 0
         while lo is not None and hi is not None and hi - lo > search.granularity:
-            # The valid length nearest the predicted or middle one; else the largest one
-            # below hi. None of either means no accepted length lies between lo and hi: lo
-            # is exact.
-            peaks = {p.seq_len: p.peak_memory_bytes for p in probes if p.peak_memory_bytes}
+            # The valid length nearest the predicted one; else nearest the middle; else the
+            # largest one below hi. None of them means no accepted length lies between lo
+            # and hi: lo is exact.
             target, guessed = next_length(
-                lo, hi, peaks, config.memory_budget_bytes, search.granularity, guesses
-            )
-            guesses += guessed
+                lo, hi, _measured_peaks(probes), config.memory_budget_bytes,
+                search.granularity, guesses,
+            )  # fmt: skip
             mid = snap_down(config, target, floor=lo + 1, anchors=(lo, hi))
+            if mid is None and guessed:  # no accepted length that close above lo: halve
+                guessed = False
+                mid = snap_down(config, (lo + hi) // 2, floor=lo + 1, anchors=(lo, hi))
+            guesses += guessed
             if mid is None:
                 mid = snap_down(config, hi - 1, floor=lo + 1, anchors=(lo, hi))
             if mid is None:
@@ -198,6 +201,16 @@ def run_search(
             probes=probes,
         )
     return best.model_copy(update={"probes": probes, "answer_seq_len": lo})
+
+
+def _measured_peaks(probes: list[ProbeResult]) -> dict[int, int]:
+    """Peak bytes by length of the probes whose peak is the whole probe's: fits and emulated
+    OOMs. A real OOM's peak (where some ranks report one) is only the ranks that fit."""
+    return {
+        p.seq_len: p.peak_memory_bytes
+        for p in probes
+        if p.peak_memory_bytes and (p.outcome == "fit" or p.emulated)
+    }
 
 
 class _ProbeError(Exception):
