@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import httpx
 import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -52,6 +53,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def finished_sweep(url: str, timeout: float, poll_s: float = 1.0) -> dict[str, Any]:
+    """The sweep at `url` (a live server's /api/v1/sweeps/N) once it is done, polled every
+    `poll_s`; fails past `timeout` s with the last state seen."""
+    deadline = time.monotonic() + timeout
+    sweep: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        sweep = httpx.get(url, timeout=10).json()
+        if sweep["done"]:
+            return sweep
+        time.sleep(poll_s)
+    raise AssertionError(f"not done within {timeout} s: {sweep}")
 
 
 @contextmanager

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _api_helpers import free_port
+from _api_helpers import finished_sweep, free_port
 
 API = "/api/v1"
 SERVE = (
@@ -94,13 +94,7 @@ def test_serve_with_embedded_scheduler_runs_a_sweep(tmp_path: Path, ray_session:
             "grid": {"seq_len": [64, 128]},
         }
         sweep_id = httpx.post(f"{base}{API}/sweeps", json=spec).json()["id"]
-        deadline = time.monotonic() + 180
-        sweep: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            sweep = httpx.get(f"{base}{API}/sweeps/{sweep_id}").json()
-            if sweep["done"]:
-                break
-            time.sleep(0.5)
+        sweep = finished_sweep(f"{base}{API}/sweeps/{sweep_id}", timeout=180, poll_s=0.5)
         assert sweep["counts"]["succeeded"] == 2, sweep
         ready = httpx.get(f"{base}{API}/readyz")
         assert ready.status_code == 200, ready.text

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _api_helpers import free_port
+from _api_helpers import finished_sweep, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -128,7 +128,7 @@ def test_readme_commands_run_as_written(tmp_path: Path, ray_session: Any) -> Non
         assert httpx.get(f"{base}/api/v1/sweeps/3", timeout=10).status_code == 404
         assert httpx.get(f"{base}/api/v1/sweeps/2", timeout=10).status_code == 200
         # the demo's own sweep (examples/cpu-quick.yaml) finished on the CPU, every run fine
-        demo_sweep = _finished(f"{base}/api/v1/sweeps/1", timeout=120)
+        demo_sweep = finished_sweep(f"{base}/api/v1/sweeps/1", timeout=120)
         assert demo_sweep["counts"]["succeeded"] == demo_sweep["total"] == 9, demo_sweep
         assert "cpu-quick" in httpx.get(dashboard, timeout=10).text
         # Ctrl-C (what the demo says stops it): SIGINT to the terminal's whole group, make
@@ -143,18 +143,6 @@ def test_readme_commands_run_as_written(tmp_path: Path, ray_session: Any) -> Non
         with contextlib.suppress(ProcessLookupError):
             os.killpg(demo.pid, signal.SIGKILL)
         demo.wait()
-
-
-def _finished(url: str, timeout: float) -> dict[str, Any]:
-    """The sweep at `url` once it is done (polled each second); fails past `timeout` s."""
-    deadline = time.monotonic() + timeout
-    sweep: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        sweep = httpx.get(url, timeout=10).json()
-        if sweep["done"]:
-            return sweep
-        time.sleep(1.0)
-    raise AssertionError(f"not done within {timeout} s: {sweep}")
 
 
 def _csv_lines(out: str, header: str) -> list[str]:
