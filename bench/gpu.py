@@ -52,7 +52,6 @@ from attention.registry import twin_of
 from bench import gpu_search
 from bench.kernels import (
     Case,
-    PeakMemory,
     fraction_of_baseline,
     make_case,
     measure_case,
@@ -60,6 +59,7 @@ from bench.kernels import (
     time_case,
 )
 from workers.environment import device_facts
+from workers.memory import PeakMeter
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 """Dense bf16/fp16 tensor-core peak (TFLOP/s, without sparsity) by a substring of the device
@@ -339,7 +339,7 @@ def timed_rows(args: argparse.Namespace, dtype: str, device: torch.device) -> li
         for seq in args.seq
         for kernel in ("sdpa", *SINGLE, *RING)
     ]
-    meter = PeakMemory(device)
+    meter = PeakMeter(device)
     memory = [measure_case(make_case(k, p, s, ns), meter) for s, k, p in cases]
     keep: Any = contextlib.nullcontext()
     if device.type == "cpu":

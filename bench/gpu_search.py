@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 import attention
-from bench.kernels import PeakMemory, measure_peak
+from bench.kernels import measure_peak
 from workers.bracket import next_length
+from workers.memory import PeakMeter
 
 GTX_1080_BYTES = 8 * 2**30
 """The budget that emulates an 8 GB GTX 1080 on a larger GPU."""
@@ -112,7 +113,7 @@ def probe(
             gc.collect()
             torch.cuda.empty_cache()
             return Probe(seq, "oom", asked)
-    peak = measure_peak(PeakMemory(device), forward)
+    peak = measure_peak(PeakMeter(device), forward)
     if budget_bytes is not None and peak > budget_bytes:
         return Probe(seq, "over_budget", peak, emulated=True, peak_bytes=peak)
     return Probe(seq, "ok", peak_bytes=peak)

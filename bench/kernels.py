@@ -5,9 +5,9 @@ For each --seq and kernel (dense first): forward ms and forward+backward ms (med
 its fraction of dense SDPA's at the same length: each forward call of a kernel is timed right
 after one of dense's (alternating), and the fraction is the median of the --repeats pairs'
 ratios, printed with their min-max (load on a shared machine moves between calls; neighbours
-see the same load). Then forward / forward+backward peak memory
-above the inputs (CPU: malloc_trim(0), then "5" to /proc/self/clear_refs, then VmHWM; CUDA:
-reset_peak_memory_stats and max_memory_allocated), with the forward floor (q, k, v, out, lse).
+see the same load). Then forward / forward+backward peak memory above the inputs
+(workers.memory.PeakMeter, the workers' meter: on CPU the resident set after malloc_trim and a
+clear_refs reset; CUDA: max_memory_allocated), with the forward floor (q, k, v, out, lse).
 Each kernel first passes a correctness gate: its output on a small shape (params scaled down)
 against the fp64 dense masked reference of attention.masks. One JSON line per case, a table last.
 Every peak (and the --budget-mib search) is measured before any timing, with glibc's heap set to
@@ -31,20 +31,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 import attention
 from attention.masks import block_token_mask, dilated_reference, masked_attention
+from workers.memory import PeakMeter
 
 DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
     "dense": {},
@@ -92,58 +91,12 @@ def parse() -> argparse.Namespace:
 # ---- memory -----------------------------------------------------------------------------------
 
 
-class PeakMemory:
-    """Peak bytes of one device since `reset()`: VmHWM on Linux CPU, the CUDA allocator's peak.
-
-    On CPU glibc's heap is set to follow the tensors as the workers' meter does
-    (workers.memory.heap_follows_tensors): otherwise freed transients below glibc's growing
-    mmap threshold stay resident and the peak counts heap fragmentation, for every kernel
-    differently. Timings are taken under workers.memory.heap_keeps_freed instead."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._libc = ctypes.CDLL("libc.so.6") if device.type == "cpu" else None
-        if device.type == "cpu":
-            from workers.memory import heap_follows_tensors
-
-            heap_follows_tensors()
-
-    @staticmethod
-    def _status_bytes(field: str) -> int:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError(f"/proc/self/status has no {field}")
-
-    def current(self) -> int:
-        """Bytes in use now (RSS after releasing freed heap pages; CUDA: allocated)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.memory_allocated(self.device)
-        self._libc.malloc_trim(0)
-        return self._status_bytes("VmRSS")
-
-    def reset(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        self._libc.malloc_trim(0)  # else freed blocks stay resident and the peak never moves
-        Path("/proc/self/clear_refs").write_text("5")
-
-    def peak(self) -> int:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device)
-        return self._status_bytes("VmHWM")
-
-
-def measure_peak(meter: PeakMemory, fn: Callable[[], Any]) -> int:
+def measure_peak(meter: PeakMeter, fn: Callable[[], Any]) -> int:
     """Peak bytes above what was in use before `fn` ran (its result is held until measured)."""
-    base = meter.current()
+    meter.baseline()
     meter.reset()
     result = fn()
-    peak = meter.peak() - base
+    peak = meter.peak()
     del result
     return peak
 
@@ -282,7 +235,7 @@ def make_case(kernel: str, params: dict[str, Any], seq: int, args: argparse.Name
 
 
 def held_beyond_output(
-    meter: PeakMemory, kernel: str, params: dict[str, Any], seq: int, args: argparse.Namespace
+    meter: PeakMeter, kernel: str, params: dict[str, Any], seq: int, args: argparse.Namespace
 ) -> int:
     """Bytes a kernel's forward holds at its peak beyond the inputs and its own output (run once
     before it is measured): its accumulators, block outputs and the fused op's buffers."""
@@ -291,7 +244,7 @@ def held_beyond_output(
     return measure_peak(meter, case.fwd) - case.q.numel() * case.q.element_size()
 
 
-def measure_case(case: Case, meter: PeakMemory) -> dict[str, Any]:
+def measure_case(case: Case, meter: PeakMeter) -> dict[str, Any]:
     """Forward and forward+backward peaks above the inputs, and the forward floor; each call
     runs once before it is measured, so that one-time allocations (thread pools, the autograd
     engine) are not counted (they were 35 MB at dense's first backward)."""
@@ -501,7 +454,7 @@ def main() -> None:
     # every tensor of 64 KiB or more in its own mapping. Then every timing, on a heap that
     # keeps freed memory for reuse as a user's does; the meter's heap would charge each fresh
     # allocation its page faults (2-3 ms per 2.9 MB here), which taxes kernels of many calls.
-    meter = PeakMemory(device)
+    meter = PeakMeter(device)
     measured = []
     for seq, kernel, params in listed:
         attention.validate(kernel, params, seq_len=seq, num_heads=args.heads)

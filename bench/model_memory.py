@@ -355,7 +355,7 @@ def main() -> None:
     print(
         "       measured: "
         + (
-            "CPU resident set above the baseline (malloc_trim, clear_refs)"
+            "CPU resident set above the baseline (workers.memory.PeakMeter)"
             if args.device == "cpu"
             else "torch.cuda memory_allocated / max_memory_allocated"
         )

@@ -5,7 +5,7 @@ on all the tokens; forward and forward+backward times (median of --repeats after
 a rank's time is the slowest rank's), the ratio ring/twin (twin and ring run alternately for
 --rounds rounds and the median of the rounds' ratios is reported, so that a noisy machine's drift
 falls on both sides of a ratio), and each process's peak memory above
-its baseline (VmHWM after malloc_trim(0) and a clear_refs reset; inputs included). Also the
+its baseline (workers.memory.PeakMeter, as a sweep measures; inputs included). Also the
 peak per rank at --mem-world ranks against the single process. CUDA (--device cuda, one GPU per
 rank, NCCL): the same cases in bf16 with CUDA events, TFLOP/s per GPU and max_memory_allocated.
 Every ring case first passes a correctness gate (a short sequence vs the twin on full tensors).
@@ -28,7 +28,6 @@ rank's times.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import socket
@@ -44,6 +43,7 @@ import torch.multiprocessing as mp
 import attention
 from attention import layouts
 from attention.ring.steps import clock
+from workers.memory import PeakMeter
 
 TWINS = {
     name: spec.twin
@@ -84,37 +84,6 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--step-seqs", default="4096,8192,16384", help="lengths at the first world")
     ap.add_argument("--step-mode", default="fwd", choices=["fwd", "fwd_bwd"])
     return ap.parse_args()
-
-
-# ---- memory -----------------------------------------------------------------------------------
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def reset_peak(device: str) -> int:
-    """Reset the peak-memory mark; returns the current bytes (the baseline of the case)."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back, or VmHWM would not move
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
-    return _status_kib("VmRSS") * 1024
-
-
-def read_peak(device: str) -> int:
-    """Peak bytes since the last reset_peak."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
-    return _status_kib("VmHWM") * 1024
 
 
 # ---- one process's work -----------------------------------------------------------------------
@@ -187,7 +156,8 @@ def measure(args: dict, kernel: str, params: dict, layout: str | None, causal: b
         twin = attention.build(twin_name, **{k: v for k, v in params.items() if k in twin_fields})
         gate(args, module, twin, in_force, causal)
     warm_up(args, module, in_force, causal)
-    baseline = reset_peak(args["device"])
+    meter = PeakMeter(torch.device(args["device"]))  # the workers' meter, as a sweep reads
+    meter.baseline()
     full = _inputs(args, args["seq"], torch.device("cpu"), torch.float32, seed=0)
     if world > 1:
         full = [layouts.shard(t, layout, rank, world) for t in full]
@@ -209,10 +179,10 @@ def measure(args: dict, kernel: str, params: dict, layout: str | None, causal: b
     if args["repeats"] > 0:  # (warm_up ran a short forward+backward already)
         result["fwd_s"] = [_time_call(fwd, device) for _ in range(args["repeats"])]
         fwd_bwd_s = [_time_call(fwd_bwd, device) for _ in range(args["repeats"] - 1)]
-    reset_peak(args["device"])
+    meter.reset()
     fwd_bwd_s.append(_time_call(fwd_bwd, device))  # the peak spans a whole forward+backward
     result["fwd_bwd_s"] = fwd_bwd_s
-    result["peak_bytes"] = read_peak(args["device"]) - baseline
+    result["peak_bytes"] = meter.peak()
     result["flops_fwd"] = module.flops(
         args["batch"], q.shape[1], args["heads"], args["dim"], causal
     )

@@ -20,7 +20,8 @@ CASES = [
 
 
 def test_bf16_forward_holds_little_beyond_its_output_and_the_ops_buffers() -> None:
-    """bench.kernels' meter (VmHWM above the inputs, the forward run once before) in a fresh
+    """bench.kernels' meter (the workers' PeakMeter above the inputs, the forward run once
+    before) in a fresh
     process, as the bench and the workers measure (in the suite's process, heap state left by
     earlier tests moved it by 5% of the floor): at 32K tokens each merging kernel's forward
     holds, beyond its bf16 output and the fused op's per-thread buffers (dense's peak beyond its
@@ -34,9 +35,10 @@ def test_bf16_forward_holds_little_beyond_its_output_and_the_ops_buffers() -> No
 
 _HELD = f"""
 import argparse, json, torch
-from bench.kernels import PeakMemory, held_beyond_output
+from bench.kernels import held_beyond_output
+from workers.memory import PeakMeter
 args = argparse.Namespace(device="cpu", dtype="bfloat16", batch=1, heads=2, dim=32, causal=False)
-meter = PeakMemory(torch.device("cpu"))
+meter = PeakMeter(torch.device("cpu"))
 def held(kernel, params, seq):
     return held_beyond_output(meter, kernel, params, seq, args)
 buffers = held("dense", {{}}, 4096)
@@ -60,10 +62,11 @@ def test_bf16_backward_casts_one_gradient_at_a_time() -> None:
 
 _TRAIN = f"""
 import argparse, json, torch
-from bench.kernels import PeakMemory, make_case, measure_peak
+from bench.kernels import make_case, measure_peak
+from workers.memory import PeakMeter
 torch.set_num_threads(2)
 args = argparse.Namespace(device="cpu", dtype="bfloat16", batch=1, heads=2, dim=32, causal=False)
-meter = PeakMemory(torch.device("cpu"))
+meter = PeakMeter(torch.device("cpu"))
 seq = 8192
 def train_peak(kernel, params):
     case = make_case(kernel, params, seq, args)

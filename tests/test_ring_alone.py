@@ -86,10 +86,11 @@ def test_alone_bf16_forward_holds_little_beyond_its_output() -> None:
 _HELD = """
 import argparse, json, torch
 from bench.gpu import one_rank_group
-from bench.kernels import PeakMemory, held_beyond_output
+from bench.kernels import held_beyond_output
+from workers.memory import PeakMeter
 torch.set_num_threads(2)  # the op's per-thread buffers are in dense's reference too
 args = argparse.Namespace(device="cpu", dtype="bfloat16", batch=1, heads=2, dim=32, causal=True)
-meter = PeakMemory(torch.device("cpu"))
+meter = PeakMeter(torch.device("cpu"))
 def held(kernel, params, seq):
     return held_beyond_output(meter, kernel, params, seq, args)
 seq = 16384
