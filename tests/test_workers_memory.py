@@ -111,3 +111,36 @@ def test_the_protocol_meters_the_first_iteration_and_times_the_rest_on_the_keepi
         assert faults[0] >= 0.9 * pages, case  # metered: each tensor mapped afresh
         assert 2**19 <= case["peak"] < 8 * 2**20, case  # about one 1 MiB tensor at a time
         assert max(faults[-2:]) <= 0.1 * pages, case  # timed on a heap that reuses them
+
+
+REPEATS = r"""
+import json
+from workers.config import RunConfig
+from workers.protocol import run_case
+
+params = {"block_size": 128, "pattern": "local_window", "sparsity_ratio": 0.25}
+peaks = {}
+for seq in (16384, 8192, 32768, 16384, 8192, 32768, 16384):
+    config = RunConfig(kernel="block_sparse", params=params, num_heads=4, head_dim=32,
+                       dtype="float32", device="cpu", warmup=1, iterations=2, seq_len=seq)
+    peaks.setdefault(seq, []).append(run_case(config).result.peak_memory_bytes)
+print(json.dumps(peaks))
+"""
+
+
+def test_a_cases_cpu_peak_does_not_depend_on_the_cases_before_it_in_the_process() -> None:
+    """A rank runs case after case (a search's probes); each case's timed iterations leave the
+    main thread's malloc arena holding freed block-sized chunks, which a metered iteration there
+    reused and faulted back in: block_sparse at 16K read up to 6.8 MB over its floor after a 32K
+    case, and 8K 2.8 MB apart from one run to the next (measured before the metering thread).
+    Now a case repeated after others reads the same peak, and that peak is the floor (q, k, v,
+    out, lse) plus the fused op's buffers and one block call's output. (The first case of a
+    length may read a little more: a new call shape's first use.)"""
+    run = subprocess.run(
+        [sys.executable, "-c", REPEATS], capture_output=True, text=True, check=True, timeout=300
+    )
+    peaks = {int(seq): values for seq, values in json.loads(run.stdout).items()}
+    for seq, repeats in ((16384, peaks[16384][1:]), (8192, peaks[8192])):
+        floor = 4 * seq * 4 * 32 * 4 + seq * 4 * 4
+        assert max(repeats) - min(repeats) < 0.15e6, (seq, peaks)
+        assert all(0 < p - floor < 2e6 for p in repeats), (seq, floor, peaks)

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import ctypes.util
 import functools
 import gc
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
+_T = TypeVar("_T")
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
@@ -98,6 +101,35 @@ def heap_keeps_freed() -> Iterator[None]:
     finally:  # both thresholds back, whichever of the two calls took
         heap_follows_tensors()
         release()
+
+
+@functools.cache
+def _metering_thread() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringlab-meter")
+
+
+def on_metering_thread(fn: Callable[[], _T]) -> _T:
+    """fn() run on the process' one metering thread (with the caller's torch thread count);
+    its result returned, its exception raised.
+
+    Why: glibc gives each thread its own malloc arena, and an arena keeps the chunks freed in
+    it. The timed iterations run on a heap that keeps freed memory (heap_keeps_freed), so the
+    main thread's arena ends a case full of free block-sized chunks; malloc_trim gives their
+    pages back, but a later allocation that fits one is served from it and faults it back in,
+    page by page, where a fresh allocation would have had its own mapping and returned it. A
+    metered iteration on the main thread therefore read more the more chunks earlier cases had
+    left: block_sparse (block 128, h4 d32, 2 threads; a search's probes, 2K-32K tokens) read
+    1.1-4.3 MB over its floor, and the same case run again 0.2-1.3 MB apart; dense 0.8-1.1 MB.
+    On this thread, whose arena only metered iterations use (always on the heap that follows
+    the tensors), block_sparse read 1.4-1.7 MB, the same case again within 0.05 MB."""
+    threads = torch.get_num_threads()
+
+    def call() -> _T:
+        if torch.get_num_threads() != threads:  # OpenMP's thread count is per calling thread
+            torch.set_num_threads(threads)
+        return fn()
+
+    return _metering_thread().submit(call).result()
 
 
 class PeakMeter:

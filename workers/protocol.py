@@ -25,12 +25,24 @@ from workers.artifacts import memory_history, profiled, snapshot
 from workers.config import RunConfig
 from workers.environment import collect
 from workers.kernels import DTYPES
-from workers.memory import PeakMeter, heap_keeps_freed, is_oom, release, requested_bytes
+from workers.memory import (
+    PeakMeter,
+    heap_keeps_freed,
+    is_oom,
+    on_metering_thread,
+    release,
+    requested_bytes,
+)
 from workers.results import Artifact, CaseOutcome, RankResult, StepTime, step_totals
 
 # Max abs error allowed by the correctness check, against a float32 reference.
 CHECK_ATOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
 CHECK_MIN_LEN = 128  # the check runs at the smallest valid length >= this (or seq_len if smaller)
+PRIME_MIN_LEN = 1024
+"""The warm-up run (_prime) runs at the smallest valid length >= this (or seq_len if smaller).
+Shorter, the CPU ops run inline, and the case's first parallel region would fault in its thread
+team's memory inside the metered iteration: measured, block_sparse at 8K tokens (h4 d32) read
+1.7 MB more in a process primed at 128 tokens, nothing more primed at 1024."""
 BLOCK = 1024  # inputs are generated in blocks of this many positions, each with its own seed
 TENSORS = {"q": 0, "k": 1, "v": 2, "dout": 3}
 
@@ -167,6 +179,8 @@ def _timed_loop(
     (workers.memory.heap_keeps_freed), as a user's process does. On the meter's heap every
     fresh allocation pays its page faults, which charged kernels of many primitive calls
     (block_sparse at block 64: about 10% of its forward time); a kept heap cannot be metered.
+    On CPU the first iteration runs on the metering thread (workers.memory.on_metering_thread),
+    whose malloc arena the kept heaps of earlier cases never touched.
     """
     train = config.mode == "train"
     world = config.world_size
@@ -185,6 +199,13 @@ def _timed_loop(
                 out = module(q, k, v, causal=config.causal)
         del out
 
+    def first_step() -> None:
+        """The case's first iteration: on CPU on the metering thread (see above)."""
+        if device.type == "cpu":
+            on_metering_thread(step)
+        else:
+            step()
+
     timer = _timer(device)
     peak = 0
     _barrier(world)
@@ -202,9 +223,11 @@ def _timed_loop(
 
         for i in range(config.warmup):
             _barrier(world)
-            step()
             if i == 0:
+                first_step()
                 first_done()
+            else:
+                step()
         _sync(device)
         times: list[float] = []
         steps: list[StepTime] = []
@@ -214,7 +237,8 @@ def _timed_loop(
         try:
             for i in range(config.iterations):
                 _barrier(world)
-                times.append(timer(step))  # synchronized: the CUDA events of the steps are done
+                first = i == 0 and config.warmup == 0
+                times.append(timer(first_step if first else step))  # synchronized: CUDA events done
                 steps += [StepTime(iteration=i, **row) for row in clock.collect()]
                 if i == 0 and config.warmup == 0:
                     first_done()
@@ -234,7 +258,7 @@ def _prime(config: RunConfig, rank: int, device: torch.device) -> None:
     key += f"{device}|{config.world_size}|{config.parallel}"
     if key in _PRIMED:
         return
-    small = config.model_copy(update={"seq_len": min(config.seq_len, check_length(config))})
+    small = config.model_copy(update={"seq_len": check_length(config, PRIME_MIN_LEN)})
     sworld = kernels.shard_world(config)
     module = kernels.build(small, device)
     positions = kernels.local_positions(
@@ -422,18 +446,19 @@ def measured_case(
     return CaseOutcome(**case, **timing, status="ok", peak_memory_bytes=peak, result=result)
 
 
-def check_length(config: RunConfig) -> int:
+def check_length(config: RunConfig, minimum: int = CHECK_MIN_LEN) -> int:
     """The reduced length of the correctness check: the smallest divisor of seq_len that is
-    >= CHECK_MIN_LEN and that the kernel accepts (seq_len itself when none is smaller).
+    >= `minimum` (CHECK_MIN_LEN; the warm-up run's: PRIME_MIN_LEN) and that the kernel accepts
+    (seq_len itself when none is smaller).
     """
     n = config.seq_len
-    if n <= CHECK_MIN_LEN:
+    if n <= minimum:
         return n
     divisors = set()
     for d in range(1, math.isqrt(n) + 1):
         if n % d == 0:
             divisors.update((d, n // d))
-    for length in sorted(d for d in divisors if d >= CHECK_MIN_LEN):
+    for length in sorted(d for d in divisors if d >= minimum):
         if kernels.is_valid_length(config, length):
             return length
     return n
