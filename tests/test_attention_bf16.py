@@ -21,15 +21,17 @@ CASES = [
 
 def test_bf16_forward_holds_little_beyond_its_output_and_the_ops_buffers() -> None:
     """bench.kernels' meter (the workers' PeakMeter above the inputs, the forward run once
-    before) in a fresh
-    process, as the bench and the workers measure (in the suite's process, heap state left by
-    earlier tests moved it by 5% of the floor): at 32K tokens each merging kernel's forward
-    holds, beyond its bf16 output and the fused op's per-thread buffers (dense's peak beyond its
-    output at 4K: they do not grow with the length), less than 15% of the floor (q, k, v, out in
-    bf16, fp32 lse): one fp32 accumulator window and one call's block output. An fp32 output
-    and its bf16 copy held over 30%."""
+    before) in a fresh process, as the bench and the workers measure (in the suite's process,
+    heap state left by earlier tests moved it by 5% of the floor): at 32K tokens each merging
+    kernel's forward holds, beyond its bf16 output and the fused op's buffers for a call of up
+    to 8K keys (dense's peak beyond its output at 8K), less than 15% of the floor (q, k, v, out
+    in bf16, fp32 lse): one fp32 accumulator window and one call's block output. An fp32
+    output and its bf16 copy held over 30%. In bf16 the op's buffers grow with a call's keys
+    (on this AMX machine it holds a padded bf16 copy of K and of V: 2 x 1 MB for block 64's
+    shared calls of 7,552 keys), so the reference is dense at a length no call here exceeds;
+    against dense at 4K, block 64 read 15.3-17.3%."""
     buffers, extra = fresh_json(_HELD)
-    assert 0 <= buffers < 4 * 2**20
+    assert 0 <= buffers < 6 * 2**20  # per-thread tiles, the K and V copies: 3.5-3.8 MB here
     assert max(extra.values()) < 0.15, extra
 
 
@@ -41,7 +43,7 @@ args = argparse.Namespace(device="cpu", dtype="bfloat16", batch=1, heads=2, dim=
 meter = PeakMeter(torch.device("cpu"))
 def held(kernel, params, seq):
     return held_beyond_output(meter, kernel, params, seq, args)
-buffers = held("dense", {{}}, 4096)
+buffers = held("dense", {{}}, 8192)
 floor = 4 * 32768 * 2 * 32 * 2 + 32768 * 2 * 4
 cases = {CASES!r}
 extra = {{f"{{k}}/{{p.get('block_size')}}": held(k, p, 32768) for k, p in cases}}

@@ -136,7 +136,8 @@ class PeakMeter:
     """Measures the peak above a baseline on one device: `baseline()`, `reset()`, then `peak()`.
 
     On CPU it reads the resident set, with glibc's heap set to follow the tensors
-    (heap_follows_tensors); time elsewhere, under heap_keeps_freed."""
+    (heap_follows_tensors); time elsewhere, under heap_keeps_freed, and in a process that has
+    timed, meter on the metering thread (on_metering_thread)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
