@@ -332,7 +332,7 @@ def timed_rows(args: argparse.Namespace, dtype: str, device: torch.device) -> li
     """Every kernel (and SDPA flash) at every --seq: memory first, then timings."""
     ns = argparse.Namespace(
         device=args.device, dtype=dtype, batch=1, heads=args.heads, dim=args.dim,
-        causal=False, repeats=args.repeats,
+        causal=False, repeats=args.repeats, forward_only=False,
     )  # fmt: skip
     cases = [
         (seq, kernel, {"backend": "flash"} if kernel == "sdpa" else scaled(kernel, seq))

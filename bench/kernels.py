@@ -21,6 +21,7 @@ dilated segments longer than --seq are cut to --seq (default w = 2048, 4096, 819
 show the work done even when other processes share the cores; wall times then stretch.
 
     .venv/bin/python bench/kernels.py --seq 4096 8192 16384 --repeats 3 --device cpu
+    .venv/bin/python bench/kernels.py --seq 65536 --repeats 3 --forward-only   # ~25 min here
 
 --budget-mib M adds each kernel's maximum forward length under an M MiB CPU budget, searched
 by the workers' own code (dilated segments stay as given: a segment longer than the length is
@@ -81,6 +82,12 @@ def parse() -> argparse.Namespace:
         default=None,
         help="also search each kernel's maximum forward length under this CPU memory budget "
         "(the workers' search and protocol, in this process; --search-heads/--search-dim)",
+    )
+    ap.add_argument(
+        "--forward-only",
+        action="store_true",
+        help="time and meter the forward only (at 64K one dense forward+backward takes minutes "
+        "on 2 cores); the fb columns print -",
     )
     ap.add_argument("--search-heads", type=int, default=4)
     ap.add_argument("--search-dim", type=int, default=32)
@@ -244,12 +251,14 @@ def held_beyond_output(
     return measure_peak(meter, case.fwd) - case.q.numel() * case.q.element_size()
 
 
-def measure_case(case: Case, meter: PeakMeter) -> dict[str, Any]:
-    """Forward and forward+backward peaks above the inputs, and the forward floor; each call
-    runs once before it is measured, so that one-time allocations (thread pools, the autograd
-    engine) are not counted (they were 35 MB at dense's first backward)."""
+def measure_case(case: Case, meter: PeakMeter, backward: bool = True) -> dict[str, Any]:
+    """Forward and forward+backward peaks above the inputs (the latter None without
+    `backward`), and the forward floor; each call runs once before it is measured, so that
+    one-time allocations (thread pools, the autograd engine) are not counted (they were 35 MB
+    at dense's first backward)."""
     case.fwd()
-    case.fwd_bwd()
+    if backward:
+        case.fwd_bwd()
     q = case.q
     b, seq, h, _ = q.shape
     inputs = 3 * q.numel() * q.element_size()
@@ -257,7 +266,7 @@ def measure_case(case: Case, meter: PeakMeter) -> dict[str, Any]:
     fwd_peak = measure_peak(meter, case.fwd)
     return {
         "fwd_peak_above_inputs_bytes": fwd_peak,
-        "fwd_bwd_peak_above_inputs_bytes": measure_peak(meter, case.fwd_bwd),
+        "fwd_bwd_peak_above_inputs_bytes": measure_peak(meter, case.fwd_bwd) if backward else None,
         "inputs_bytes": inputs,
         "floor_bytes": floor,
         "fwd_peak_over_floor": (inputs + fwd_peak) / floor,
@@ -283,7 +292,8 @@ def paired_ms(
 
 
 def time_case(case: Case, args: argparse.Namespace, baseline: Case | None = None) -> dict[str, Any]:
-    """Forward and forward+backward times (wall, process CPU) and what the kernel computes.
+    """Forward and forward+backward times (wall, process CPU; the latter None with
+    --forward-only) and what the kernel computes.
 
     With a `baseline` case (SDPA at the same length), the forward calls alternate with the
     baseline's (`paired_ms`) and the row adds each pair's ratio of achieved FLOP/s,
@@ -313,19 +323,24 @@ def time_case(case: Case, args: argparse.Namespace, baseline: Case | None = None
             "fwd_pair_ratios": pair_ratios(flops, fwd_ms, base_flops, base_ms),
             "fwd_pair_ratios_cpu": pair_ratios(flops, fwd_cpu_ms, base_flops, base_cpu_ms),
         }
-    fwd_bwd_ms, fwd_bwd_cpu_ms = time_ms(case.fwd_bwd, args.repeats, device)
+    backward: dict[str, Any] = dict.fromkeys(("fwd_bwd_ms", "fwd_bwd_cpu_ms", "fwd_bwd_flop_s"))
+    if not args.forward_only:
+        fwd_bwd_ms, fwd_bwd_cpu_ms = time_ms(case.fwd_bwd, args.repeats, device)
+        backward = {
+            "fwd_bwd_ms": stats(fwd_bwd_ms),
+            "fwd_bwd_cpu_ms": stats(fwd_bwd_cpu_ms),
+            "fwd_bwd_flop_s": flops_fb / (statistics.median(fwd_bwd_ms) / 1e3),
+        }
     return {
         "backend": case.module.backend,
         "fwd_ms": stats(fwd_ms),
-        "fwd_bwd_ms": stats(fwd_bwd_ms),
         "fwd_cpu_ms": stats(fwd_cpu_ms),
-        "fwd_bwd_cpu_ms": stats(fwd_bwd_cpu_ms),
+        **backward,
         "fwd_ms_each": fwd_ms,
         "fwd_cpu_ms_each": fwd_cpu_ms,
         "flops_fwd": flops,
         "flops_fwd_bwd": flops_fb,
         "fwd_flop_s": flops / (statistics.median(fwd_ms) / 1e3),
-        "fwd_bwd_flop_s": flops_fb / (statistics.median(fwd_bwd_ms) / 1e3),
         "fwd_flop_per_cpu_s": flops / (statistics.median(fwd_cpu_ms) / 1e3),
         **paired,
     }
@@ -358,7 +373,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     """Wall and CPU-time columns; x SDPA and t/dense compare with dense at the same length
     (x SDPA: the median of the ratios of forward calls timed alternately with dense's, their
     min-max beside it); peak/floor is the forward's, fb/dense the forward+backward peak over
-    dense's."""
+    dense's; the fb columns are - where the backward did not run (--forward-only)."""
     head = (
         f"{'kernel':<13}{'seq':>6}{'fwd ms':>9}{'fb ms':>9}{'GFLOP/s':>8}{'xSDPA':>6}"
         f"{'(min-max)':>11}{'fwd cpu ms':>11}{'cpu GFLOP/s':>12}{'xSDPA':>6}{'t/dense':>8}"
@@ -367,22 +382,26 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [head, "-" * len(head)]
     dense_cpu = {r["seq"]: r["fwd_cpu_ms"]["median"] for r in rows if r["kernel"] == "dense"}
 
-    def train_peak(r: dict[str, Any]) -> int:
-        return int(r["inputs_bytes"] + r["fwd_bwd_peak_above_inputs_bytes"])
+    def train_peak(r: dict[str, Any]) -> int | None:
+        above = r["fwd_bwd_peak_above_inputs_bytes"]
+        return None if above is None else int(r["inputs_bytes"] + above)
 
     dense_fb = {r["seq"]: train_peak(r) for r in rows if r["kernel"] == "dense"}
     for r in rows:
         cpu_ms = r["fwd_cpu_ms"]["median"]
+        fb_ms, fb_peak, fb_dense = r["fwd_bwd_ms"], train_peak(r), dense_fb[r["seq"]]
+        fb = "-" if fb_ms is None else f"{fb_ms['median']:.1f}"
+        fb_ratio = "-" if fb_peak is None or fb_dense is None else f"{fb_peak / fb_dense:.2f}"
         name = r["kernel"]
         if "block_size" in r["params"]:
             name = f"{name[:8]}/{r['params']['block_size']}"
         lines.append(
             f"{name:<13}{r['seq']:>6}{r['fwd_ms']['median']:>9.1f}"
-            f"{r['fwd_bwd_ms']['median']:>9.1f}{r['fwd_flop_s'] / 1e9:>8.1f}"
+            f"{fb:>9}{r['fwd_flop_s'] / 1e9:>8.1f}"
             f"{r['fwd_frac_of_sdpa']:>6.2f}{spread(r.get('fwd_pair_ratios')):>11}{cpu_ms:>11.1f}"
             f"{r['fwd_flop_per_cpu_s'] / 1e9:>12.1f}{r['fwd_frac_of_sdpa_cpu']:>6.2f}"
             f"{cpu_ms / dense_cpu[r['seq']]:>8.3f}{r['fwd_peak_over_floor']:>11.2f}"
-            f"{train_peak(r) / dense_fb[r['seq']]:>9.2f}"
+            f"{fb_ratio:>9}"
         )
     return "\n".join(lines)
 
@@ -460,7 +479,10 @@ def main() -> None:
         attention.validate(kernel, params, seq_len=seq, num_heads=args.heads)
         err = gate(kernel, params, seq, args.causal)
         measured.append(
-            {"gate_max_err": err, **measure_case(make_case(kernel, params, seq, args), meter)}
+            {
+                "gate_max_err": err,
+                **measure_case(make_case(kernel, params, seq, args), meter, not args.forward_only),
+            }
         )
     searched = None
     if args.budget_mib is not None:

@@ -51,6 +51,28 @@ def test_x_sdpa_is_the_median_of_alternating_pairs_recomputed_from_the_raw_times
     assert cells[6] == f"{min(ratios):.2f}-{max(ratios):.2f}"
 
 
+def test_forward_only_times_and_meters_no_backward_and_prints_dashes_for_it() -> None:
+    """--forward-only (for 64K, where one dense forward+backward takes minutes here): the rows
+    carry no backward time or peak, the table prints - in its two fb columns, and x SDPA is
+    still the median of the alternating pairs."""
+    run = subprocess.run(
+        [sys.executable, "bench/kernels.py", "--seq", "256", "--heads", "2", "--dim", "16",
+         "--repeats", "3", "--kernels", "dilated", "--forward-only"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [json.loads(x) for x in run.stdout.splitlines() if x.startswith('{"kernel"')]
+    assert [r["kernel"] for r in rows] == ["dense", "dilated"]
+    for r in rows:
+        assert r["fwd_bwd_ms"] is None and r["fwd_bwd_peak_above_inputs_bytes"] is None, r
+        assert r["fwd_ms"]["median"] > 0 and r["fwd_peak_over_floor"] > 0, r
+    dilated = rows[1]
+    table = run.stdout[run.stdout.index("kernel ") :].splitlines()
+    cells = next(x for x in table if x.startswith("dilated")).split()
+    assert cells[3] == "-" and cells[-1] == "-", cells  # fb ms, fb/dense
+    assert cells[5] == f"{statistics.median(dilated['fwd_pair_ratios']):.2f}", cells
+
+
 def test_paired_calls_alternate_baseline_first_and_a_baseline_of_another_shape_is_refused():
     from bench.kernels import make_case, paired_ms, time_case
 
