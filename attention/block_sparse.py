@@ -412,6 +412,19 @@ def _stair_rows(rows: int, bs: int) -> int:
     return max(0, min(rows, fit))
 
 
+def _forward_heads(q: torch.Tensor, k: torch.Tensor, queries: int) -> list[tuple[int, ...]]:
+    """(a0, a1, c0, c1) query and kv head pieces of one forward call of `queries` queries per
+    batch row. From SUPERBLOCK_TOKENS queries the CPU flash op holds the per-thread buffers of
+    dense's one call (256-row tiles), so all such a call adds beyond dense's peak is its block
+    output: in two head halves it holds half of it. Measured at the README example's shape
+    (64 MiB, h4 d32, 31,744 tokens): block 1024 held 1.66 MB over the floor in whole calls,
+    over the budget by 0.07 MB where dense fits. Smaller calls, and CUDA (where halving the
+    heads halves a call's thread blocks), take all heads at once."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    halves = q.device.type == "cpu" and queries >= SUPERBLOCK_TOKENS and heads > 1
+    return primitive.kv_head_pieces(0, heads, heads, kv_heads, heads // 2 if halves else None)
+
+
 @functools.lru_cache(maxsize=64)
 def _forward_plan(
     params: BlockSparseParams,
@@ -480,9 +493,14 @@ def _shared_forward(
     t0, t1 = sup.r0 * bs, min(seq_len, sup.r1 * bs)
     a, b = sup.shared
     keys, vals = (x[:, a * bs : min(seq_len, b * bs)] for x in (k, v))
-    o_b, l_b = block_forward(q[:, t0:t1], keys, vals, scale=scale)
-    out[:, t0 - at * bs : t1 - at * bs].copy_(o_b)
-    lse[:, :, t0 - at * bs : t1 - at * bs].copy_(l_b)
+    mine = slice(t0 - at * bs, t1 - at * bs)
+    for a0, a1, c0, c1 in _forward_heads(q, k, t1 - t0):
+        o_b, l_b = block_forward(
+            q[:, t0:t1, a0:a1], keys[:, :, c0:c1], vals[:, :, c0:c1], scale=scale
+        )
+        out[:, mine, a0:a1].copy_(o_b)
+        lse[:, a0:a1, mine].copy_(l_b)
+        del o_b, l_b
 
 
 def _stairs_forward(
@@ -571,22 +589,28 @@ def _call_forward(
     at: int,
     bs: int,
 ) -> None:
-    """One plan call's rows, in primitive calls of at most CHUNK_TOKENS queries, stored or
+    """One plan call's rows, in primitive calls of at most CHUNK_TOKENS queries (blocks of
+    SUPERBLOCK_TOKENS or more: one at a time, in head halves, see _forward_heads), stored or
     merged into (out, lse), whose row 0 is query block `at`'s first token."""
     bsz, seq_len = q.shape[:2]
-    scale, rows_per_call = q.shape[3] ** -0.5, max(1, CHUNK_TOKENS // bs)
+    big = bs >= SUPERBLOCK_TOKENS
+    scale, rows_per_call = q.shape[3] ** -0.5, 1 if big else max(1, CHUNK_TOKENS // bs)
     diag = _call_diagonal(call, bs)
     causal_call = {"causal": diag is not None, "diagonal": diag or 0}
     if call.kind == "rel":
-        for b in range(bsz):
-            for r0, r1 in _chunks(call, rows_per_call):
-                keys = _rel_keys(k, b, r0, r1, call, bs)
-                vals = _rel_keys(v, b, r0, r1, call, bs)
-                o_b, l_b = block_forward(
-                    _rows(q, b, r0, r1, bs), keys, vals, scale=scale, **causal_call
-                )
-                _store(*_row_views(out, lse, b, r0 - at, r1 - at, bs), o_b, l_b, call.merge)
-                del o_b, l_b
+        heads = _forward_heads(q, k, bs)
+        for b, (r0, r1), (a0, a1, c0, c1) in itertools.product(
+            range(bsz), _chunks(call, rows_per_call), heads
+        ):
+            hq, hk = slice(a0, a1), slice(c0, c1)
+            keys = _rel_keys(k, b, r0, r1, call, bs)[:, :, hk]
+            vals = _rel_keys(v, b, r0, r1, call, bs)[:, :, hk]
+            o_b, l_b = block_forward(
+                _rows(q, b, r0, r1, bs)[:, :, hq], keys, vals, scale=scale, **causal_call
+            )
+            o_rows, l_rows = _row_views(out, lse, b, r0 - at, r1 - at, bs)
+            _store(o_rows[:, :, hq], l_rows[:, hq], o_b, l_b, call.merge)
+            del o_b, l_b
         return
     if call.kind == "abs":
         keys, vals = (x[:, call.a * bs : call.b * bs] for x in (k, v))
@@ -594,10 +618,14 @@ def _call_forward(
         keys, vals = (_gather(x, call.blocks, bs) for x in (k, v))
     for r0, r1 in _chunks(call, rows_per_call):
         t0, t1 = r0 * bs, min(r1 * bs, seq_len)
-        o_b, l_b = block_forward(q[:, t0:t1], keys, vals, scale=scale, **causal_call)
         mine = slice(t0 - at * bs, t1 - at * bs)
-        _store(out[:, mine], lse[:, :, mine], o_b, l_b, call.merge)
-        del o_b, l_b
+        for a0, a1, c0, c1 in _forward_heads(q, k, t1 - t0):
+            hq, hk = slice(a0, a1), slice(c0, c1)
+            o_b, l_b = block_forward(
+                q[:, t0:t1, hq], keys[:, :, hk], vals[:, :, hk], scale=scale, **causal_call
+            )
+            _store(out[:, mine, hq], lse[:, hq, mine], o_b, l_b, call.merge)
+            del o_b, l_b
     del keys, vals  # a gather's copies, before the next call gathers
 
 

@@ -419,6 +419,47 @@ def test_superblocks_with_grouped_query_heads_equal_sdpa(causal, monkeypatch) ->
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_size", [2, 4])  # superblocks of 4 blocks; blocks of 4 alone
+def test_forward_calls_of_dense_sized_tiles_run_in_head_halves(block_size, causal, monkeypatch):
+    """Calls of SUPERBLOCK_TOKENS queries or more (here 4: superblocks' shared runs at block 2,
+    every block at block 4) hold the CPU op's dense-sized buffers, so they run one block row
+    and half the heads at a time (kv heads to match, GQA 4:2): the forward and its gradients
+    equal SDPA with enable_gqa on the pattern's token mask, and no such call had all heads."""
+    monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 4 if block_size == 4 else 8)
+    calls: list[tuple[int, int, int]] = []  # q's (block rows or batch, queries, heads)
+    real = bs_module.block_forward
+
+    def spy(q, k, v, **kw):
+        calls.append((q.shape[0], q.shape[1], q.shape[2]))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(bs_module, "block_forward", spy)
+    params = {"block_size": block_size, "pattern": "local_window", "window": 9}
+    module = attention.build("block_sparse", **params)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 81, 4, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 81, 2, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = module(q, k, v, causal=causal)
+    keep = block_token_mask(module.block_mask(81), block_size, causal=causal, seq_len=81)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=keep, enable_gqa=True
+    ).transpose(1, 2)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(
+        torch.autograd.grad(out, (q, k, v), dout),
+        torch.autograd.grad(ref, (q, k, v), dout),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    big = [c for c in calls if c[1] >= bs_module.SUPERBLOCK_TOKENS]
+    assert big and all(heads == 2 for _, _, heads in big), calls
+    if block_size == 4:  # a block fills such a call: one row (of each batch row) at a time
+        assert all(rows * queries <= 2 * block_size for rows, queries, _ in big), calls
+
+
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seq", [48, 50])
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: "-".join(map(str, p.values())))
 def test_the_backwards_small_calls_equal_the_reference(params, seq, causal, monkeypatch) -> None:

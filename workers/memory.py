@@ -121,7 +121,7 @@ def on_metering_thread(fn: Callable[[], _T]) -> _T:
     left: block_sparse (block 128, h4 d32, 2 threads; a search's probes, 2K-32K tokens) read
     1.1-4.3 MB over its floor, and the same case run again 0.2-1.3 MB apart; dense 0.8-1.1 MB.
     On this thread, whose arena only metered iterations use (always on the heap that follows
-    the tensors), block_sparse read 1.4-1.7 MB, the same case again within 0.05 MB."""
+    the tensors), block_sparse read 1.2-1.7 MB, the same case again within 0.2 MB."""
     threads = torch.get_num_threads()
 
     def call() -> _T:
