@@ -10,12 +10,15 @@ see the same load). Then forward / forward+backward peak memory above the inputs
 clear_refs reset; CUDA: max_memory_allocated), with the forward floor (q, k, v, out, lse).
 Each kernel first passes a correctness gate: its output on a small shape (params scaled down)
 against the fp64 dense masked reference of attention.masks. One JSON line per case, a table last.
-Every peak (and the --budget-mib search) is measured before any timing, with glibc's heap set to
-follow the tensors; the timings then run on a heap that keeps freed memory, as a user's does
+Every peak is measured before any timing, with glibc's heap set to follow the tensors; the
+timings then run on a heap that keeps freed memory, as a user's does
 (workers.memory.heap_keeps_freed): the meter's setting charges every fresh allocation its page
 faults, which taxed kernels of many primitive calls (block_sparse at block 64: 0.80x SDPA's
 forward FLOP/s under it, 0.89-0.93x without). A heap that has kept memory cannot be metered
-again, hence the order.
+again, hence the order. The --budget-mib search runs last: it meters on the workers' metering
+thread (its own heap), whose OpenMP team, once it exists, makes libgomp throttle its workers'
+spinning (more threads than CPUs), which slowed the timings of kernels of many calls (block 64
+at 16K: 0.87x SDPA's FLOP/s before a search, 0.815x after).
 dilated segments longer than --seq are cut to --seq (default w = 2048, 4096, 8192 at 4K runs
 2048, 4096, 4096); each line records the params that ran. The CPU columns (process CPU time)
 show the work done even when other processes share the cores; wall times then stretch.
@@ -469,7 +472,7 @@ def main() -> None:
             for params in given if isinstance(given, list) else [given]:
                 listed.append((seq, kernel, fit_params(kernel, params, seq)))
     device = torch.device(args.device)
-    # Memory first (the correctness gate, the peaks, the search), on the heap the meter needs:
+    # Memory first (the correctness gate, the peaks), on the heap the meter needs:
     # every tensor of 64 KiB or more in its own mapping. Then every timing, on a heap that
     # keeps freed memory for reuse as a user's does; the meter's heap would charge each fresh
     # allocation its page faults (2-3 ms per 2.9 MB here), which taxes kernels of many calls.
@@ -484,13 +487,6 @@ def main() -> None:
                 **measure_case(make_case(kernel, params, seq, args), meter, not args.forward_only),
             }
         )
-    searched = None
-    if args.budget_mib is not None:
-        cases = []
-        for kernel in kernels:
-            given = overrides.get(kernel, DEFAULT_PARAMS.get(kernel, {}))
-            cases += [(kernel, p) for p in (given if isinstance(given, list) else [given])]
-        searched = max_lengths(cases, args)
     from workers.memory import heap_keeps_freed
 
     rows = []
@@ -523,8 +519,12 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(table(rows))
-    if searched is not None:
-        print(searched)
+    if args.budget_mib is not None:
+        cases = []
+        for kernel in kernels:
+            given = overrides.get(kernel, DEFAULT_PARAMS.get(kernel, {}))
+            cases += [(kernel, p) for p in (given if isinstance(given, list) else [given])]
+        print(max_lengths(cases, args))
 
 
 if __name__ == "__main__":

@@ -121,7 +121,13 @@ def on_metering_thread(fn: Callable[[], _T]) -> _T:
     left: block_sparse (block 128, h4 d32, 2 threads; a search's probes, 2K-32K tokens) read
     1.1-4.3 MB over its floor, and the same case run again 0.2-1.3 MB apart; dense 0.8-1.1 MB.
     On this thread, whose arena only metered iterations use (always on the heap that follows
-    the tensors), block_sparse read 1.2-1.7 MB, the same case again within 0.2 MB."""
+    the tensors), block_sparse read 1.2-1.7 MB, the same case again within 0.2 MB.
+
+    With more than one torch thread the thread has its own OpenMP team, and once two teams
+    exist libgomp throttles its idle workers' spinning (more threads than CPUs): block_sparse
+    at block 64 (16K, 2 threads) then ran at 0.815x SDPA's FLOP/s instead of 0.87x on the main
+    thread. The service's CPU ranks run one thread each (Ray sets OMP_NUM_THREADS to an
+    actor's one CPU), so they have no team; bench.kernels searches after its timings."""
     threads = torch.get_num_threads()
 
     def call() -> _T:
