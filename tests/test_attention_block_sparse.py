@@ -399,12 +399,18 @@ def test_superblocks_with_grouped_query_heads_equal_sdpa(causal, monkeypatch) ->
     forward and its gradients equal SDPA with enable_gqa on the pattern's token mask."""
     monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 8)
     module = attention.build("block_sparse", block_size=2, pattern="local_window", window=9)
-    g = torch.Generator().manual_seed(3)
+    _assert_gqa_equals_sdpa(module, 2, causal, seed=3)
+
+
+def _assert_gqa_equals_sdpa(module, block_size: int, causal: bool, seed: int) -> None:
+    """The kernel on q with 4 heads and k, v with 2 (2 x 81 tokens, fp64): forward and gradients
+    equal SDPA with enable_gqa on the pattern's token mask within 1e-10."""
+    g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 81, 4, 4, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, 81, 2, 4, generator=g, dtype=torch.float64) for _ in range(2))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = module(q, k, v, causal=causal)
-    keep = block_token_mask(module.block_mask(81), 2, causal=causal, seq_len=81)
+    keep = block_token_mask(module.block_mask(81), block_size, causal=causal, seq_len=81)
     ref = torch.nn.functional.scaled_dot_product_attention(
         *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=keep, enable_gqa=True
     ).transpose(1, 2)
@@ -436,23 +442,7 @@ def test_forward_calls_of_dense_sized_tiles_run_in_head_halves(block_size, causa
     monkeypatch.setattr(bs_module, "block_forward", spy)
     params = {"block_size": block_size, "pattern": "local_window", "window": 9}
     module = attention.build("block_sparse", **params)
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(2, 81, 4, 4, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(2, 81, 2, 4, generator=g, dtype=torch.float64) for _ in range(2))
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = module(q, k, v, causal=causal)
-    keep = block_token_mask(module.block_mask(81), block_size, causal=causal, seq_len=81)
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=keep, enable_gqa=True
-    ).transpose(1, 2)
-    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
-    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
-    for a, b in zip(
-        torch.autograd.grad(out, (q, k, v), dout),
-        torch.autograd.grad(ref, (q, k, v), dout),
-        strict=True,
-    ):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    _assert_gqa_equals_sdpa(module, block_size, causal, seed=4)
     big = [c for c in calls if c[1] >= bs_module.SUPERBLOCK_TOKENS]
     assert big and all(heads == 2 for _, _, heads in big), calls
     if block_size == 4:  # a block fills such a call: one row (of each batch row) at a time

@@ -240,7 +240,7 @@ def _timed_loop(
                 first = i == 0 and config.warmup == 0
                 times.append(timer(first_step if first else step))  # synchronized: CUDA events done
                 steps += [StepTime(iteration=i, **row) for row in clock.collect()]
-                if i == 0 and config.warmup == 0:
+                if first:
                     first_done()
         finally:
             clock.stop()
