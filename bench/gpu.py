@@ -3,7 +3,7 @@
 What it runs (issue 21's proof, first part), for every dtype asked:
 - correctness: the primitive's fused forward and backward with a merged lse (the GPU's aten
   flash and efficient ops; `primitive_check`), then dense, dilated and block_sparse, causal and
-  not, forward and the gradients of q, k, v, against an fp32 masked reference of the same
+  not, forward and the gradients of q, k, v, against a float64 masked reference of the same
   definition (attention.masks) at each --check-seq (GPU: 1K and 32K; the reference runs by
   query chunks, each recomputed in the backward, so 32K fits: `chunked_reference`);
 - timings: the same kernels and SDPA's flash backend (the `sdpa` kernel, backend flash: an
@@ -65,8 +65,9 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10"
 """Dense bf16/fp16 tensor-core peak (TFLOP/s, without sparsity) by a substring of the device
 name; the first match wins."""
 CHECK_ATOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
-"""Max abs error against the fp32 reference, as the workers' correctness check allows
-(workers.protocol.CHECK_ATOL; not imported: this script must run without pydantic)."""
+"""Max abs error against the float64 reference, as the workers' correctness check allows
+(workers.protocol.CHECK_ATOL and references.REFERENCE_DTYPE; not imported: this script must run
+without pydantic)."""
 KERNELS: dict[str, dict[str, Any]] = {
     "dilated": {
         "segment_lengths": [2048, 4096, 8192, 16384, 32768],
@@ -177,9 +178,9 @@ def peak_tflops(device: torch.device) -> float | None:
 def reference(
     kernel: str, module: Any, q, k, v, causal: bool, rows: tuple[int, int] | None = None
 ) -> torch.Tensor:
-    """fp32 output of the kernel's definition (a ring kernel's: its twin's), with a graph
-    (attention.masks); `rows` (c0, c1): q holds only the query rows c0 .. c1 - 1 of the
-    sequence of k and v."""
+    """Output of the kernel's definition (a ring kernel's: its twin's; attention.masks) in the
+    inputs' dtype (float64 from `check`), with a graph; `rows` (c0, c1): q holds only the query
+    rows c0 .. c1 - 1 of the sequence of k and v."""
     kernel = twin_of(kernel) or kernel
     seq = k.shape[1]
     c0, c1 = rows or (0, seq)
@@ -233,7 +234,7 @@ def check(
     causal: bool = False,
     reference_rows: int | None = None,
 ) -> dict[str, Any]:
-    """Max abs error of out, dq, dk, dv against the fp32 reference (`chunked_reference`, by
+    """Max abs error of out, dq, dk, dv against the float64 reference (`chunked_reference`, by
     `reference_rows` queries: the device's default); one head, batch 1."""
     if reference_rows is None:
         reference_rows = (GPU if device.type == "cuda" else CPU)["reference_rows"]
@@ -246,11 +247,11 @@ def check(
     dout = inputs[3].to(q.dtype)
     out = module(q, k, v, causal=causal)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref = chunked_reference(kernel, module, q32, k32, v32, causal, reference_rows)
-    refs = torch.autograd.grad(ref, (q32, k32, v32), dout.float())
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = chunked_reference(kernel, module, q64, k64, v64, causal, reference_rows)
+    refs = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
     errors = {
-        name: (a.float() - b).abs().max().item()
+        name: (a.double() - b).abs().max().item()
         for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *refs), strict=True)
     }
     worst = max(errors.values())
@@ -276,7 +277,7 @@ def primitive_check(dtype: str, device: torch.device, causal: int) -> dict[str, 
     """The primitive on this device's backend as every merging kernel uses it: two key blocks'
     (out, lse) merged, then each block's fused backward fed the FINAL merged (out, lse) (on a
     GPU: the aten flash or efficient backward op, whose lse and out conventions only a GPU can
-    check), against autograd of the fp32 masked reference."""
+    check), against autograd of the float64 masked reference."""
     from attention import primitive
 
     sh = PRIMITIVE_SHAPE
@@ -307,13 +308,13 @@ def primitive_check(dtype: str, device: torch.device, causal: int) -> dict[str, 
         grads[0] += dq
         grads[1][:, keys] += dk
         grads[2][:, keys] += dv
-    ref_in = [t.to(dout.dtype).float().requires_grad_() for t in (q32, k32, v32)]
+    ref_in = [t.to(dout.dtype).double().requires_grad_() for t in (q32, k32, v32)]
     keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
     keep = keep.tril(diag) if causal else keep
     ref, _ = masked_attention(*ref_in, keep, scale=scale)
-    refs = torch.autograd.grad(ref, ref_in, dout.float())
+    refs = torch.autograd.grad(ref, ref_in, dout.double())
     errors = {
-        name: (a.float() - b).abs().max().item()
+        name: (a.double() - b).abs().max().item()
         for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *refs), strict=True)
     }
     return {

@@ -138,8 +138,9 @@ def test_the_layer_projects_k_and_v_to_its_kv_heads(kv_heads) -> None:
     from workers.references import layer_reference
 
     x = torch.randn(1, SEQ, HEADS * DIM)
+    x64 = x.double()  # the reference runs in float64 (references.REFERENCE_DTYPE)
     torch.testing.assert_close(
-        layer(x), layer_reference(layer)(x, x, x, False), atol=1e-5, rtol=1e-5
+        layer(x).double(), layer_reference(layer)(x64, x64, x64, False), atol=1e-5, rtol=1e-5
     )
     full = attention.build("multihead", embed_dim=HEADS * DIM, num_heads=HEADS)
     saved = 2 * 2 * 1 * SEQ * HEADS * DIM * (HEADS - kv_heads) * DIM  # k, v projections shrink

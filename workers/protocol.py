@@ -35,7 +35,8 @@ from workers.memory import (
 )
 from workers.results import Artifact, CaseOutcome, RankResult, StepTime, step_totals
 
-# Max abs error allowed by the correctness check, against a float32 reference.
+# Max abs error allowed by the correctness check, against a float64 reference
+# (references.REFERENCE_DTYPE).
 CHECK_ATOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
 CHECK_MIN_LEN = 128  # the check runs at the smallest valid length >= this (or seq_len if smaller)
 PRIME_MIN_LEN = 1024
@@ -465,10 +466,10 @@ def check_length(config: RunConfig, minimum: int = CHECK_MIN_LEN) -> int:
 
 
 def check_correctness(config: RunConfig, rank: int, device: torch.device, length: int) -> float:
-    """Max abs error of the kernel at `length` against its float32 reference (output, and grads
+    """Max abs error of the kernel at `length` against its float64 reference (output, and grads
     in train mode); the maximum over all ranks.
 
-    A layer kernel's reference holds a float32 copy of the built module's weights
+    A layer kernel's reference holds a float64 copy of the built module's weights
     (references.layer_reference); other kernels' references need only their params.
     """
     small = config.model_copy(update={"seq_len": length})
@@ -499,20 +500,23 @@ def max_error(
     names = ["q", "k", "v", "dout"] if train else ["q", "k", "v"]
     full = {n: make_input(n, config, length, full_pos, rows, device) for n in names}
     grads = train  # a forward-mode check compares outputs only (some kernels have no backward)
-    ref = {n: t.float().requires_grad_(grads and n != "dout") for n, t in full.items()}
+    ref = {
+        n: t.to(references.REFERENCE_DTYPE).requires_grad_(grads and n != "dout")
+        for n, t in full.items()
+    }
     loc = {
         n: t[:, local_pos].detach().requires_grad_(grads and n != "dout") for n, t in full.items()
     }
 
     ref_out = reference(ref["q"], ref["k"], ref["v"], config.causal)
     out = module(loc["q"], loc["k"], loc["v"], causal=config.causal)
-    errors = [(out.float() - ref_out.detach()[:, local_pos]).abs().max()]
+    errors = [(out.to(ref_out.dtype) - ref_out.detach()[:, local_pos]).abs().max()]
     if train:
         ref_out.backward(ref["dout"])
         out.backward(loc["dout"])
         for n in ("q", "k", "v"):
             ref_grad = ref[n].grad[:, local_pos]
-            errors.append((loc[n].grad.float() - ref_grad).abs().max())
+            errors.append((loc[n].grad.to(ref_grad.dtype) - ref_grad).abs().max())
     error = torch.stack(errors).max().detach().to(device)
     if config.world_size > 1:
         dist.all_reduce(error, op=dist.ReduceOp.MAX)

@@ -3,9 +3,14 @@
 Plain einsum softmax attention for dense; for sparse kernels the same, restricted to the
 kernel's explicit token masks (attention.masks, as in the attention tests); a ring kernel is
 checked against the reference of its single-process twin. A layer kernel (multihead) is checked
-with a float32 copy of the built layer's weights (`layer_reference`): torch.nn.MultiheadAttention
-around dense attention, explicit projections around the inner kernel's reference otherwise.
-Kernels without a reference are refused.
+with a REFERENCE_DTYPE copy of the built layer's weights (`layer_reference`):
+torch.nn.MultiheadAttention around dense attention, explicit projections around the inner
+kernel's reference otherwise. Kernels without a reference are refused.
+
+References run in REFERENCE_DTYPE (float64), so that the error the gate reports is the kernel's
+own: a float32 reference adds its own rounding, which for the einsum softmax's gradients was
+5x the kernel's (1.9e-5 against 3.6e-6 at 128 tokens) and on another CPU reached the float32
+tolerance by itself.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from attention.multihead import MultiheadAttention
 from workers import kernels
 
 Reference = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+REFERENCE_DTYPE = torch.float64
 
 
 def _ordered(params: Any, inner: Reference) -> Reference:
@@ -125,7 +131,7 @@ def describe(kernel: str, params: dict[str, Any]) -> str:
 
 
 def _mha_reference(layer: MultiheadAttention) -> Reference:
-    """torch.nn.MultiheadAttention (batch_first, float32) holding a copy of the layer's weights.
+    """torch.nn.MultiheadAttention (batch_first, REFERENCE_DTYPE) holding the layer's weights.
 
     need_weights=True makes it compute softmax(QK^T)V with explicit matmuls, not SDPA (which
     the dense kernel under test runs); a causal call passes an explicit causal attn_mask.
@@ -137,15 +143,15 @@ def _mha_reference(layer: MultiheadAttention) -> Reference:
         bias=layer.params.bias,
         batch_first=True,
         device=device,
-        dtype=torch.float32,
+        dtype=REFERENCE_DTYPE,
     )
     projections = (layer.q_proj, layer.k_proj, layer.v_proj)
     with torch.no_grad():
-        mha.in_proj_weight.copy_(torch.cat([p.weight.float() for p in projections]))
-        mha.out_proj.weight.copy_(layer.out_proj.weight.float())
+        mha.in_proj_weight.copy_(torch.cat([p.weight for p in projections]))
+        mha.out_proj.weight.copy_(layer.out_proj.weight)
         if layer.params.bias:
-            mha.in_proj_bias.copy_(torch.cat([p.bias.float() for p in projections]))
-            mha.out_proj.bias.copy_(layer.out_proj.bias.float())
+            mha.in_proj_bias.copy_(torch.cat([p.bias for p in projections]))
+            mha.out_proj.bias.copy_(layer.out_proj.bias)
 
     def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         seq_len = q.shape[1]
@@ -159,12 +165,15 @@ def _mha_reference(layer: MultiheadAttention) -> Reference:
 
 
 def _projected_reference(layer: MultiheadAttention) -> Reference:
-    """Explicit float32 projections with a copy of the layer's weights around the reference of
-    its inner kernel (for inner kernels other than dense)."""
+    """Explicit REFERENCE_DTYPE projections with a copy of the layer's weights around the
+    reference of its inner kernel (for inner kernels other than dense)."""
     inner = reference_for(layer.params.kernel, layer.params.kernel_params)
     linears = (layer.q_proj, layer.k_proj, layer.v_proj, layer.out_proj)
-    weights = [lin.weight.detach().float().clone() for lin in linears]
-    biases = [None if lin.bias is None else lin.bias.detach().float().clone() for lin in linears]
+    weights = [lin.weight.detach().to(REFERENCE_DTYPE, copy=True) for lin in linears]
+    biases = [
+        None if lin.bias is None else lin.bias.detach().to(REFERENCE_DTYPE, copy=True)
+        for lin in linears
+    ]
     heads = layer.num_heads
 
     def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -180,7 +189,7 @@ def _projected_reference(layer: MultiheadAttention) -> Reference:
 
 
 def layer_reference(layer: nn.Module) -> Reference:
-    """The float32 reference of a built layer kernel, on a copy of its weights taken now.
+    """The REFERENCE_DTYPE reference of a built layer kernel, on a copy of its weights taken now.
 
     A dense inner kernel without grouped-query heads: torch.nn.MultiheadAttention (which has
     none); any other: explicit projections around the inner kernel's own reference. The copy
@@ -206,7 +215,7 @@ def check_available(kernel: str, params: dict[str, Any]) -> None:
 
 
 def reference_for(kernel: str, params: dict[str, Any]) -> Reference:
-    """The exact float32-capable reference of `kernel(params)`; ValueError if there is none.
+    """The exact reference of `kernel(params)`, run in REFERENCE_DTYPE; ValueError if none.
 
     A layer kernel's reference needs the built layer's weights: `layer_reference(module)`.
     A plugin kernel's is ours on its declared keep_mask (never the plugin's own code).
