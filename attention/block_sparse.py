@@ -57,6 +57,9 @@ MAX_VIEW_RUNS = 2
 """A query block whose kept key blocks form more contiguous runs than this gathers them."""
 CHUNK_TOKENS = 2048
 """Bound on query tokens (forward) or per-row key tokens (backward) of one primitive call."""
+FORWARD_TOKENS_PER_THREAD = 1024
+"""On CPU, a forward call's query tokens per torch thread (at most CHUNK_TOKENS; see
+_forward_tokens)."""
 SUPERBLOCK_TOKENS = 768
 """Query tokens of the forward's superblocks (see _Superblock): consecutive query blocks whose
 kept blocks are one wide run each (a local window) share most of it, computed by one call with
@@ -404,11 +407,37 @@ def _superblock(
     return _Superblock(r0, r1, shared, stairs, shifted)
 
 
-def _stair_rows(rows: int, bs: int) -> int:
+def _forward_tokens(device: torch.device) -> int:
+    """Bound on the query tokens of one forward call (and on a stairs call's gathers).
+
+    A call's transient bytes (its block output, a stairs call's gathered k and v) grow with
+    its tokens, not with the sequence: under a memory budget they are the kernel's whole cost
+    over the floor. On CPU the flash op needs a call's work only to keep every thread busy, so
+    the bound is FORWARD_TOKENS_PER_THREAD per torch thread, at most CHUNK_TOKENS. Measured at
+    the README example's shape (h4 d32, 31,744 tokens) in one thread, as a service rank runs:
+    2048-token calls held 1.5-1.7 MB over the floor where the budget leaves 1.59 MB; 1024-token
+    calls held 1.0 MB (0.05) and 1.25-1.6 MB with 2048-token stairs gathers (0.25). At two
+    threads 1024-token calls ran block 64 at 0.92x SDPA against 0.93-0.96x (h8 d64, 16K)."""
+    if device.type != "cpu":
+        return CHUNK_TOKENS
+    return min(CHUNK_TOKENS, FORWARD_TOKENS_PER_THREAD * torch.get_num_threads())
+
+
+def _rows_per_call(device: torch.device, bs: int) -> int:
+    """Query blocks of one forward plan call's primitive call: as many as _forward_tokens holds
+    (at least one); on CPU one block at a time from SUPERBLOCK_TOKENS tokens, which already
+    fills the flash op's dense-sized tiles. On CUDA a call's thread blocks grow with its rows,
+    so rows are never cut below the bound there."""
+    if device.type == "cpu" and bs >= SUPERBLOCK_TOKENS:
+        return 1
+    return max(1, _forward_tokens(device) // bs)
+
+
+def _stair_rows(rows: int, bs: int, tokens: int) -> int:
     """Rows per stairs call of a shifted superblock of `rows` query blocks: c rows gather
-    c + rows - 2 blocks of k and of v and output c blocks, within CHUNK_TOKENS tokens like any
-    primitive call (memory_model); 0 when not even one row fits (then a call per run)."""
-    fit = (CHUNK_TOKENS // bs - 2 * (rows - 2)) // 3
+    c + rows - 2 blocks of k and of v and output c blocks, within `tokens` (_forward_tokens)
+    like any forward call; 0 when not even one row fits (then a call per run)."""
+    fit = (tokens // bs - 2 * (rows - 2)) // 3
     return max(0, min(rows, fit))
 
 
@@ -519,7 +548,7 @@ def _stairs_forward(
     token); `buffers` (batch 1): room for the blocks of k and of v a stairs call gathers."""
     seq_len = q.shape[1]
     count, width = sup.r1 - sup.r0, sup.r1 - sup.r0 - 1
-    per_call = _stair_rows(count, bs)
+    per_call = _stair_rows(count, bs, _forward_tokens(q.device))
     if sup.shifted and per_call:
         l0, h0 = sup.stairs[0][0], sup.stairs[0][2]
         for i, t0 in itertools.product(range(q.shape[0]), range(0, count, per_call)):
@@ -558,8 +587,11 @@ def block_sparse_forward(
     spans = primitive.windows(seq_len, q.dtype, bs)
     starts = tuple(c0 // bs for c0, _ in spans)
     supers, calls = _forward_plan(params, seq_len, causal, SUPERBLOCK_TOKENS, starts)
-    gathering = [s for s in supers if s.shifted and _stair_rows(s.r1 - s.r0, bs)]
-    most = max((_stair_rows(s.r1 - s.r0, bs) + s.r1 - s.r0 - 2 for s in gathering), default=0)
+    tokens = _forward_tokens(q.device)
+    gathering = [s for s in supers if s.shifted and _stair_rows(s.r1 - s.r0, bs, tokens)]
+    most = max(
+        (_stair_rows(s.r1 - s.r0, bs, tokens) + s.r1 - s.r0 - 2 for s in gathering), default=0
+    )
     buffers: list[torch.Tensor] = []  # the stairs' k and v, allocated at their first use
 
     def fill(c0: int, c1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -589,12 +621,12 @@ def _call_forward(
     at: int,
     bs: int,
 ) -> None:
-    """One plan call's rows, in primitive calls of at most CHUNK_TOKENS queries (blocks of
-    SUPERBLOCK_TOKENS or more: one at a time, in head halves, see _forward_heads), stored or
-    merged into (out, lse), whose row 0 is query block `at`'s first token."""
+    """One plan call's rows, _rows_per_call at a time (on CPU in head halves from
+    SUPERBLOCK_TOKENS queries, see _forward_heads), stored or merged into (out, lse), whose
+    row 0 is query block `at`'s first token."""
     bsz, seq_len = q.shape[:2]
-    big = bs >= SUPERBLOCK_TOKENS
-    scale, rows_per_call = q.shape[3] ** -0.5, 1 if big else max(1, CHUNK_TOKENS // bs)
+    rows_per_call = _rows_per_call(q.device, bs)
+    scale = q.shape[3] ** -0.5
     diag = _call_diagonal(call, bs)
     causal_call = {"causal": diag is not None, "diagonal": diag or 0}
     if call.kind == "rel":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -322,7 +324,8 @@ def test_superblocks_equal_the_reference(case, chunk, seq, causal, monkeypatch) 
     params, expected, expected_causal = case
     monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 8)
     monkeypatch.setattr(bs_module, "CHUNK_TOKENS", chunk)
-    assert bs_module._stair_rows(4, 2) == {2048: 4, 20: 2, 12: 0}[chunk]
+    tokens = bs_module._forward_tokens(torch.device("cpu"))
+    assert bs_module._stair_rows(4, 2, tokens) == {2048: 4, 20: 2, 12: 0}[chunk]
     ran = []
     real = bs_module._shared_forward
 
@@ -447,6 +450,49 @@ def test_forward_calls_of_dense_sized_tiles_run_in_head_halves(block_size, causa
     assert big and all(heads == 2 for _, _, heads in big), calls
     if block_size == 4:  # a block fills such a call: one row (of each batch row) at a time
         assert all(rows * queries <= 2 * block_size for rows, queries, _ in big), calls
+
+
+def test_a_forward_calls_rows_follow_its_device() -> None:
+    """On CPU a block of SUPERBLOCK_TOKENS or more runs alone (the op's tiles are full), smaller
+    ones as many as FORWARD_TOKENS_PER_THREAD per thread allow; CUDA's calls take CHUNK_TOKENS
+    of rows at every block size (one row of 1024 would halve a call's thread blocks)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
+    per_cpu_call = bs_module._forward_tokens(cpu)
+    assert bs_module._rows_per_call(cpu, 64) == per_cpu_call // 64
+    assert bs_module._rows_per_call(cpu, bs_module.SUPERBLOCK_TOKENS) == 1
+    assert bs_module._rows_per_call(cpu, 4096) == 1
+    assert bs_module._forward_tokens(cuda) == bs_module.CHUNK_TOKENS == 2048
+    assert [bs_module._rows_per_call(cuda, bs) for bs in (64, 768, 1024, 4096)] == [32, 2, 2, 1]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_cpu_forward_calls_queries_scale_with_the_threads(threads, monkeypatch) -> None:
+    """On CPU a forward call holds FORWARD_TOKENS_PER_THREAD queries per torch thread (here 8):
+    one thread runs a local window's rows (plan calls, no superblocks) 4 blocks of 2 a call, two
+    threads 8 (and a superblock of 4 rows gathers no stairs row a call, or one); the forward and
+    its gradients equal SDPA on the token mask either way."""
+    monkeypatch.setattr(bs_module, "FORWARD_TOKENS_PER_THREAD", 8)
+    monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 10**6)  # plan calls only
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        bound = bs_module._forward_tokens(torch.device("cpu"))
+        assert bound == 8 * threads
+        assert bs_module._stair_rows(4, 2, bound) == threads - 1
+        rows_a_call: list[int] = []
+        real = bs_module._chunks
+
+        def spy(call, rows_per_call):
+            if sys._getframe(1).f_code.co_name == "_call_forward":  # the backward cuts its own
+                rows_a_call.append(rows_per_call)
+            return real(call, rows_per_call)
+
+        monkeypatch.setattr(bs_module, "_chunks", spy)
+        params = {"block_size": 2, "pattern": "local_window", "window": 9}
+        _assert_gqa_equals_sdpa(attention.build("block_sparse", **params), 2, False, seed=6)
+    finally:
+        torch.set_num_threads(before)
+    assert set(rows_a_call) == {bound // 2}, rows_a_call
 
 
 @pytest.mark.parametrize("causal", [False, True])

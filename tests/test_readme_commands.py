@@ -120,11 +120,18 @@ def test_readme_commands_run_as_written(tmp_path: Path, ray_session: Any) -> Non
         header = next(x for x in out.splitlines() if x.startswith("run_id,"))
         rows = list(csv.DictReader(io.StringIO("\n".join([header, *_csv_lines(out, header)]))))
         assert {r["kernel"] for r in rows} == {"block_sparse"} and len(rows) == 2, rows
+        # under one memory budget the sparse kernels reach at least dense's length (issue 16)
+        base = env["RINGLAB_URL"]
+        dense, dilated = (
+            httpx.get(f"{base}/api/v1/sweeps/{n}/results.json", timeout=10).json() for n in (2, 4)
+        )
+        longest = dense[0]["max_seq_len"]
+        reached = [int(r["max_seq_len"]) for r in rows] + [dilated[0]["max_seq_len"]]
+        assert longest and all(n >= longest for n in reached), (longest, reached)
         report = (work / "report.md").read_text()
         assert report.startswith("# cpu max-seq-len 1 rank - block_sparse")
         assert "## Maximum sequence length" in report
         # delete 3 --yes: gone
-        base = env["RINGLAB_URL"]
         assert httpx.get(f"{base}/api/v1/sweeps/3", timeout=10).status_code == 404
         assert httpx.get(f"{base}/api/v1/sweeps/2", timeout=10).status_code == 200
         # the demo's own sweep (examples/cpu-quick.yaml) finished on the CPU, every run fine
