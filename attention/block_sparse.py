@@ -423,14 +423,14 @@ def _forward_tokens(device: torch.device) -> int:
     return min(CHUNK_TOKENS, FORWARD_TOKENS_PER_THREAD * torch.get_num_threads())
 
 
-def _rows_per_call(device: torch.device, bs: int) -> int:
-    """Query blocks of one forward plan call's primitive call: as many as _forward_tokens holds
-    (at least one); on CPU one block at a time from SUPERBLOCK_TOKENS tokens, which already
-    fills the flash op's dense-sized tiles. On CUDA a call's thread blocks grow with its rows,
-    so rows are never cut below the bound there."""
+def _rows_per_call(device: torch.device, bs: int, tokens: int) -> int:
+    """Query blocks of one forward plan call's primitive call: as many as `tokens`
+    (_forward_tokens) hold, at least one; on CPU one block at a time from SUPERBLOCK_TOKENS
+    tokens, which already fill the flash op's dense-sized tiles. On CUDA a call's thread blocks
+    grow with its rows, so rows are never cut below the bound there."""
     if device.type == "cpu" and bs >= SUPERBLOCK_TOKENS:
         return 1
-    return max(1, _forward_tokens(device) // bs)
+    return max(1, tokens // bs)
 
 
 def _stair_rows(rows: int, bs: int, tokens: int) -> int:
@@ -543,12 +543,14 @@ def _stairs_forward(
     scale: float,
     buffers: tuple[torch.Tensor, torch.Tensor],
     at: int,
+    tokens: int,
 ) -> None:
     """Superblock `sup`'s stairs merged into (out, lse) (row 0: query block `at`'s first
-    token); `buffers` (batch 1): room for the blocks of k and of v a stairs call gathers."""
+    token); `buffers` (batch 1): room for the blocks of k and of v a stairs call of at most
+    `tokens` (_forward_tokens, the same value that sized them) gathers."""
     seq_len = q.shape[1]
     count, width = sup.r1 - sup.r0, sup.r1 - sup.r0 - 1
-    per_call = _stair_rows(count, bs, _forward_tokens(q.device))
+    per_call = _stair_rows(count, bs, tokens)
     if sup.shifted and per_call:
         l0, h0 = sup.stairs[0][0], sup.stairs[0][2]
         for i, t0 in itertools.product(range(q.shape[0]), range(0, count, per_call)):
@@ -587,7 +589,7 @@ def block_sparse_forward(
     spans = primitive.windows(seq_len, q.dtype, bs)
     starts = tuple(c0 // bs for c0, _ in spans)
     supers, calls = _forward_plan(params, seq_len, causal, SUPERBLOCK_TOKENS, starts)
-    tokens = _forward_tokens(q.device)
+    tokens = _forward_tokens(q.device)  # once: it sizes the stairs' buffers
     gathering = [s for s in supers if s.shifted and _stair_rows(s.r1 - s.r0, bs, tokens)]
     most = max(
         (_stair_rows(s.r1 - s.r0, bs, tokens) + s.r1 - s.r0 - 2 for s in gathering), default=0
@@ -602,11 +604,13 @@ def block_sparse_forward(
         if mine and not buffers:
             buffers.extend(x.new_empty(1, most * bs, *x.shape[2:]) for x in (k, v))
         for sup in mine:
-            _stairs_forward(q, k, v, out, lse, sup, bs, scale, (buffers[0], buffers[1]), at)
+            pair = (buffers[0], buffers[1])
+            _stairs_forward(q, k, v, out, lse, sup, bs, scale, pair, at, tokens)
         for call in calls:
             r0, r1 = max(call.r0, at), min(call.r1, end)
             if r0 < r1:
-                _call_forward(q, k, v, out, lse, dataclasses.replace(call, r0=r0, r1=r1), at, bs)
+                part = dataclasses.replace(call, r0=r0, r1=r1)
+                _call_forward(q, k, v, out, lse, part, at, bs, _rows_per_call(q.device, bs, tokens))
 
     return primitive.windowed_result(q, fill, spans)
 
@@ -620,12 +624,12 @@ def _call_forward(
     call: _Call,
     at: int,
     bs: int,
+    rows_per_call: int,
 ) -> None:
-    """One plan call's rows, _rows_per_call at a time (on CPU in head halves from
-    SUPERBLOCK_TOKENS queries, see _forward_heads), stored or merged into (out, lse), whose
-    row 0 is query block `at`'s first token."""
+    """One plan call's rows, `rows_per_call` (_rows_per_call) at a time (on CPU in head halves
+    from SUPERBLOCK_TOKENS queries, see _forward_heads), stored or merged into (out, lse),
+    whose row 0 is query block `at`'s first token."""
     bsz, seq_len = q.shape[:2]
-    rows_per_call = _rows_per_call(q.device, bs)
     scale = q.shape[3] ** -0.5
     diag = _call_diagonal(call, bs)
     causal_call = {"causal": diag is not None, "diagonal": diag or 0}

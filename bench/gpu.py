@@ -84,7 +84,7 @@ RING = ("ring", "ring_dilated", "ring_block_sparse")
 GPU = {"seq": [16384, 32768, 65536, 131072], "check_seq": [1024, 32768], "heads": 16, "dim": 128,
        "reference_rows": 1024}  # fmt: skip
 """The GPU defaults; the checks' reference runs `reference_rows` queries at a time (its masks
-and scores: about 5 x rows x seq floats per dilated branch, 0.7 GB at 32K)."""
+and scores: about 5 x rows x seq float64s per dilated branch, 1.3 GB at 32K)."""
 CPU = {"seq": [256], "check_seq": [128], "heads": 2, "dim": 16, "reference_rows": 48}
 SEARCH = {
     "cuda": {"heads": 8, "dim": 64, "dtype": torch.bfloat16, "granularity": 32768,
@@ -205,7 +205,7 @@ def reference(
 def chunked_reference(kernel: str, module: Any, q, k, v, causal: bool, rows: int) -> torch.Tensor:
     """`reference` by chunks of `rows` queries, each under torch.utils.checkpoint: the graph
     keeps one chunk's masks and scores at a time (recomputed in the backward), where the whole
-    reference keeps about 4 x seq^2 floats per dilated branch (16 GB a branch at 32K)."""
+    reference keeps about 4 x seq^2 float64s per dilated branch (32 GB a branch at 32K)."""
     from torch.utils.checkpoint import checkpoint
 
     seq = q.shape[1]

@@ -457,12 +457,13 @@ def test_a_forward_calls_rows_follow_its_device() -> None:
     ones as many as FORWARD_TOKENS_PER_THREAD per thread allow; CUDA's calls take CHUNK_TOKENS
     of rows at every block size (one row of 1024 would halve a call's thread blocks)."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
-    per_cpu_call = bs_module._forward_tokens(cpu)
-    assert bs_module._rows_per_call(cpu, 64) == per_cpu_call // 64
-    assert bs_module._rows_per_call(cpu, bs_module.SUPERBLOCK_TOKENS) == 1
-    assert bs_module._rows_per_call(cpu, 4096) == 1
-    assert bs_module._forward_tokens(cuda) == bs_module.CHUNK_TOKENS == 2048
-    assert [bs_module._rows_per_call(cuda, bs) for bs in (64, 768, 1024, 4096)] == [32, 2, 2, 1]
+    on_cpu, on_cuda = bs_module._forward_tokens(cpu), bs_module._forward_tokens(cuda)
+    assert bs_module._rows_per_call(cpu, 64, on_cpu) == on_cpu // 64
+    assert bs_module._rows_per_call(cpu, bs_module.SUPERBLOCK_TOKENS, on_cpu) == 1
+    assert bs_module._rows_per_call(cpu, 4096, on_cpu) == 1
+    assert on_cuda == bs_module.CHUNK_TOKENS == 2048
+    rows = [bs_module._rows_per_call(cuda, bs, on_cuda) for bs in (64, 768, 1024, 4096)]
+    assert rows == [32, 2, 2, 1]
 
 
 @pytest.mark.parametrize("threads", [1, 2])

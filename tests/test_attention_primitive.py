@@ -212,7 +212,7 @@ def test_cuda_backward_calls_bind_to_the_ops_schemas(dtype, backend):
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_fused_cuda_ops_with_a_merged_lse_equal_the_reference(dtype, causal):
     """On a GPU: two key blocks merged, each block's fused backward fed the final (out, lse),
-    against autograd of the fp32 masked reference (bench.gpu's primitive check)."""
+    against autograd of the float64 masked reference (bench.gpu's primitive check)."""
     from bench.gpu import primitive_check
 
     result = primitive_check(dtype, torch.device("cuda"), causal)

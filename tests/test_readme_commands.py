@@ -126,7 +126,7 @@ def test_readme_commands_run_as_written(tmp_path: Path, ray_session: Any) -> Non
             httpx.get(f"{base}/api/v1/sweeps/{n}/results.json", timeout=10).json() for n in (2, 4)
         )
         longest = dense[0]["max_seq_len"]
-        reached = [int(r["max_seq_len"]) for r in rows] + [dilated[0]["max_seq_len"]]
+        reached = [int(r["max_seq_len"] or 0) for r in rows] + [dilated[0]["max_seq_len"] or 0]
         assert longest and all(n >= longest for n in reached), (longest, reached)
         report = (work / "report.md").read_text()
         assert report.startswith("# cpu max-seq-len 1 rank - block_sparse")
