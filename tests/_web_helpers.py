@@ -141,6 +141,7 @@ def _env(hash_: str, gpus: list[dict[str, Any]]) -> Environment:
         python="3.11.9",
         git_sha="0123456789abcdef0123456789abcdef01234567",
         git_dirty=False,
+        cpu_threads=16 if gpus else 2,
     )
 
 

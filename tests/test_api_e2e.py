@@ -74,9 +74,14 @@ def test_tiny_cpu_sweep_runs_and_reports(tmp_path: Path, ray_session: Any) -> No
         detail = client.get(f"{API}/runs/{two_ranks['run_id']}").json()
         assert [rr["rank"] for rr in detail["rank_results"]] == [0, 1]
         assert detail["environment"]["torch"]
+        assert detail["environment"]["cpu_threads"] == 1  # a Ray rank runs on its one CPU
 
         md = client.get(f"{API}/sweeps/{sweep_id}/report.md").text
         assert "## Results per run and sequence length" in md and "## Environment" in md
+        env_lines = md[md.index("## Environment") :].splitlines()[2:]
+        cells = [[c.strip() for c in line.strip("|").split("|")] for line in env_lines[:3]]
+        header, rows = cells[0], [r for r in cells[2:] if len(r) == len(cells[0])]
+        assert rows and all(r[header.index("CPU threads")] == "1" for r in rows), cells
         assert "| ring · " in md and "| dense · " in md
         assert "| W=1 | " in md or "| dense W=1 | " in md  # W=2 rows name their baseline
         assert md.count("| ok |") == 8

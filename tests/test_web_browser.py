@@ -218,7 +218,10 @@ def test_run_page(page: Page, service: tuple[str, Seeded]) -> None:
     pg = page.open(f"/runs/{seeded.ring_run}")
     page.charts_drawn(1)
     assert pg.locator("#ranks tbody tr").count() == 2
-    assert "NVIDIA H100 80GB HBM3" in pg.locator("#environment").inner_text()
+    env = pg.locator("#environment")
+    assert "NVIDIA H100 80GB HBM3" in env.inner_text()
+    threads = env.locator("tr", has=pg.locator("th", has_text="CPU threads per rank"))
+    assert threads.locator("td").inner_text() == "16"
     assert '"kernel": "ring"' in pg.locator("#config").inner_text()
     pg = page.open(f"/runs/{seeded.failed_run}")
     assert "gloo timeout" in pg.locator("#error").inner_text()

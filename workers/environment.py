@@ -57,7 +57,8 @@ def _gpus(devices: list[int]) -> list[dict[str, object]]:
 
 def device_facts(device: torch.device) -> dict[str, Any]:
     """The device's facts from the real device: GPUs (name, memory, uuid), driver, CUDA, torch
-    and NCCL versions, host and python; GPU fields None or empty off CUDA."""
+    and NCCL versions, host, python and the process' torch CPU threads; GPU fields None or empty
+    off CUDA."""
     on_cuda = device.type == "cuda"
     nccl = None
     if on_cuda and torch.distributed.is_nccl_available():
@@ -70,6 +71,7 @@ def device_facts(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "nccl": nccl,
         "python": platform.python_version(),
+        "cpu_threads": torch.get_num_threads(),
     }
 
 

@@ -75,6 +75,7 @@ ENVIRONMENT_COLUMNS = (
     "git_sha",
     "git_dirty",
     "plugins",
+    "cpu_threads",
 )
 
 
@@ -237,6 +238,12 @@ class EnvironmentInfo(BaseModel):
     git_dirty: bool | None = None
     plugins: dict[str, str] = Field(
         default_factory=dict, description="Kernel plugins installed: package -> version."
+    )
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch's intra-op CPU threads in each rank: what a CPU kernel runs on (a "
+        "Ray rank gets its num_cpus, 1 by default), so CPU times compare only at equal counts.",
     )
 
     def hash(self) -> str:

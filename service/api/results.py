@@ -606,11 +606,13 @@ def _environment_section(environments: Sequence[Environment]) -> list[str]:
             e.nccl or "-",
             e.ray or "-",
             e.python,
+            str(e.cpu_threads or "-"),
             (e.git_sha or "-") + (" (dirty)" if e.git_dirty else ""),
         ]
         for e in environments
     ]
-    header = ["Env", "Hosts", "GPUs", "Driver", "torch", "CUDA", "NCCL", "Ray", "Python", "git"]
+    header = ["Env", "Hosts", "GPUs", "Driver", "torch", "CUDA", "NCCL", "Ray", "Python"]
+    header += ["CPU threads", "git"]
     return ["## Environment", "", *_table(header, rows), ""]
 
 

@@ -150,6 +150,9 @@ class EnvironmentOut(BaseModel):
     git_sha: str | None
     git_dirty: bool | None
     plugins: dict[str, Any] | None = Field(None, description="Kernel plugins: package -> version.")
+    cpu_threads: int | None = Field(
+        None, description="torch's intra-op CPU threads in each rank (None: not recorded)."
+    )
 
 
 class Headline(BaseModel):

@@ -151,6 +151,8 @@ class Environment(Base):
     git_dirty: Mapped[bool | None] = mapped_column(Boolean)
     plugins: Mapped[dict[str, Any] | None]
     """Kernel plugins installed (attention.plugins): package -> version."""
+    cpu_threads: Mapped[int | None] = mapped_column(Integer)
+    """torch's intra-op CPU threads in each rank (workers.results.EnvironmentInfo)."""
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
