@@ -243,7 +243,8 @@ class EnvironmentInfo(BaseModel):
         None,
         ge=1,
         description="torch's intra-op CPU threads in each rank: what a CPU kernel runs on (a "
-        "Ray rank gets its num_cpus, 1 by default), so CPU times compare only at equal counts.",
+        "CPU rank holds one Ray CPU, and Ray sets its OMP_NUM_THREADS to it), so CPU times "
+        "compare only at equal counts.",
     )
 
     def hash(self) -> str:

@@ -1,5 +1,5 @@
 """The torch CPU threads each rank ran with, in its environment: CPU times compare only at equal
-counts (a Ray rank runs on its num_cpus, 1 by default). Environments stored before read NULL.
+counts (a CPU rank holds one Ray CPU and runs one thread). Environments stored before read NULL.
 
 Revision ID: 0007
 Revises: 0006
