@@ -590,6 +590,7 @@ def block_sparse_forward(
     starts = tuple(c0 // bs for c0, _ in spans)
     supers, calls = _forward_plan(params, seq_len, causal, SUPERBLOCK_TOKENS, starts)
     tokens = _forward_tokens(q.device)  # once: it sizes the stairs' buffers
+    rows_per_call = _rows_per_call(q.device, bs, tokens)
     gathering = [s for s in supers if s.shifted and _stair_rows(s.r1 - s.r0, bs, tokens)]
     most = max(
         (_stair_rows(s.r1 - s.r0, bs, tokens) + s.r1 - s.r0 - 2 for s in gathering), default=0
@@ -610,7 +611,7 @@ def block_sparse_forward(
             r0, r1 = max(call.r0, at), min(call.r1, end)
             if r0 < r1:
                 part = dataclasses.replace(call, r0=r0, r1=r1)
-                _call_forward(q, k, v, out, lse, part, at, bs, _rows_per_call(q.device, bs, tokens))
+                _call_forward(q, k, v, out, lse, part, at, bs, rows_per_call)
 
     return primitive.windowed_result(q, fill, spans)
 
