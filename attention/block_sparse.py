@@ -191,6 +191,20 @@ def _cached_block_mask(params: BlockSparseParams, seq_len: int) -> torch.Tensor:
     return mask
 
 
+def block_sparse_periods(params: BlockSparseParams) -> tuple[int, ...]:
+    """The gate's token periods: the block, and a window pattern's span in tokens when the
+    pattern gives its size (with sparsity_ratio the window follows the length, so only the
+    run's own length shows it: the gate's sampled check)."""
+    periods = [params.block_size]
+    size = getattr(params, _SIZE_FIELD[params.pattern])
+    if size is not None and params.pattern != "random":
+        dilation = params.dilation if params.dilation is not None else 1
+        periods.append(params.block_size * (size * dilation + 1))
+    if params.num_global:
+        periods.append(params.block_size * params.num_global)
+    return tuple(periods)
+
+
 def check_block_sparse(
     params: BlockSparseParams,
     *,
@@ -893,5 +907,6 @@ register(
         params=BlockSparseParams,
         factory=BlockSparseAttention,
         check=check_block_sparse,
+        periods=block_sparse_periods,
     )
 )

@@ -341,5 +341,6 @@ register(
         params=DilatedParams,
         factory=DilatedAttention,
         check=check_dilated,
+        periods=lambda params: params.segment_lengths,
     )
 )

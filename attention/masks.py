@@ -26,7 +26,7 @@ def dilated_branch_mask(
     dilation_rate: int,
     *,
     causal: bool = False,
-    rows: tuple[int, int] | None = None,
+    rows: tuple[int, int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """LongNet branch (w, r) as keep (H, S, S), from the definition (authors' semantics).
 
@@ -35,10 +35,11 @@ def dilated_branch_mask(
     start) with p % r == g; kept positions of one segment attend among themselves.
     Segments tile from position 0: when S % w != 0 the last one is shorter, and w > S makes the
     whole sequence one segment (no padding exists, so none is attended).
-    `rows` (c0, c1): only the query rows c0 .. c1 - 1, as (H, c1 - c0, S).
+    `rows` (c0, c1): only the query rows c0 .. c1 - 1, as (H, c1 - c0, S); a 1-D tensor: only
+    the query rows at those positions, as (H, len(rows), S).
     """
     pos = torch.arange(seq_len)
-    rows_pos = pos[slice(*rows)] if rows else pos
+    rows_pos = _row_positions(pos, rows)
     segment = pos // segment_length
     offset = pos % segment_length
     group_size = math.ceil(num_heads / dilation_rate)
@@ -49,6 +50,15 @@ def dilated_branch_mask(
     if causal:
         keep &= (pos[None, :] <= rows_pos[:, None])[None]
     return keep
+
+
+def _row_positions(pos: torch.Tensor, rows: tuple[int, int] | torch.Tensor | None) -> torch.Tensor:
+    """The query positions `rows` names: all, a (c0, c1) range, or a tensor of positions."""
+    if rows is None:
+        return pos
+    if isinstance(rows, torch.Tensor):
+        return rows.to(pos.device, torch.int64)
+    return pos[slice(*rows)]
 
 
 def block_token_mask(
@@ -98,12 +108,13 @@ def dilated_reference(
     dilation_rates: Sequence[int],
     *,
     causal: bool = False,
-    rows: tuple[int, int] | None = None,
+    rows: tuple[int, int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """LongNet dilated attention: per-branch masked softmax, branches mixed by softmax of lse.
 
     A (head, position) a branch does not cover gets no weight from it; covered by none -> 0.
-    `rows` (c0, c1): q holds only the query rows c0 .. c1 - 1 of the sequence of k and v.
+    `rows` (c0, c1): q holds only the query rows c0 .. c1 - 1 of the sequence of k and v; a
+    1-D tensor: q holds the query rows at those positions.
     """
     seq_len, num_heads = k.shape[1], q.shape[2]
     outs, lses, covered = [], [], []

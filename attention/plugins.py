@@ -38,8 +38,9 @@ def _specs(ep: EntryPoint) -> list[KernelSpec]:
             raise TypeError(f"expected attention.KernelSpec objects, got {type(spec).__name__}")
         if spec.name in KERNELS:
             raise ValueError(f"kernel {spec.name!r} is already registered")
-        if spec.keep_mask is not None and not callable(spec.keep_mask):
-            raise TypeError(f"kernel {spec.name!r}: keep_mask must be callable")
+        for hook in ("keep_mask", "keep_rows", "periods"):
+            if getattr(spec, hook) is not None and not callable(getattr(spec, hook)):
+                raise TypeError(f"kernel {spec.name!r}: {hook} must be callable")
     if not specs:
         raise ValueError("the entry point returned no kernel specs")
     return specs

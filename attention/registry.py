@@ -38,6 +38,12 @@ class Unavailable:
 
 KeepMask = Callable[[Any, int, bool, torch.device], torch.Tensor]
 """(params, seq_len, causal, device) -> bool (seq_len, seq_len): query i attends to key j."""
+KeepRows = Callable[[Any, int, bool, torch.Tensor], torch.Tensor]
+"""(params, seq_len, causal, rows) -> bool (len(rows), seq_len), or (heads, len(rows),
+seq_len): the keep-mask's rows at the query positions `rows` (a 1-D int64 tensor, on the device
+the mask is wanted on), without building the (seq_len, seq_len) mask."""
+Periods = Callable[[Any], tuple[int, ...]]
+"""params -> the token periods of the kernel's structure (segments, windows, blocks)."""
 
 
 @dataclass(frozen=True)
@@ -57,8 +63,14 @@ class KernelSpec:
     RING_PARAMS.
 
     `keep_mask` (plugins): the tokens each query attends to, from which the correctness gate
-    builds the plugin's reference (None: exact dense attention, causal when asked). `plugin`:
-    set by attention.plugins for a plugin's kernel (None for ours).
+    builds the plugin's reference (None: exact dense attention, causal when asked).
+    `keep_rows` (plugins): the same mask's rows at given query positions; the gate's sampled
+    check at a run's full length needs it beyond GATE_MASK_TOKENS (without it, keep_mask's rows
+    are taken from the whole mask up to that length).
+    `periods`: the token periods of the kernel's structure (a segment, window or block length):
+    the gate checks every row at the smallest length holding each period twice, and its
+    sampled rows at the run's length include every period boundary. None: no structure.
+    `plugin`: set by attention.plugins for a plugin's kernel (None for ours).
     """
 
     name: str
@@ -70,6 +82,8 @@ class KernelSpec:
     input_layout: Literal["bshd", "bse"] = "bshd"
     twin: str | None = None
     keep_mask: KeepMask | None = None
+    keep_rows: KeepRows | None = None
+    periods: Periods | None = None
     plugin: PluginInfo | None = None
 
 
@@ -182,6 +196,26 @@ def twin_of(name: str) -> str | None:
 def twin_params(params: dict[str, Any]) -> dict[str, Any]:
     """A ring kernel's params as its twin takes them (RING_PARAMS dropped)."""
     return {k: v for k, v in params.items() if k not in RING_PARAMS}
+
+
+def structural_periods(name: str, params: dict[str, Any]) -> tuple[int, ...]:
+    """The token periods of kernel `name` built with `params` (KernelSpec.periods); a ring
+    kernel's are its twin's, a layer kernel's its inner kernel's; () when it declares none."""
+    spec = _spec(name)
+    if spec.twin is not None and spec.periods is None:
+        fields = {f.name for f in dataclasses.fields(KERNELS[spec.twin].params)}
+        return structural_periods(
+            spec.twin, {k: v for k, v in twin_params(params).items() if k in fields}
+        )
+    parsed = make_params(name, params)
+    if spec.input_layout == "bse":
+        return structural_periods(parsed.kernel, parsed.kernel_params or {})
+    if spec.periods is None:
+        return ()
+    periods = tuple(int(p) for p in spec.periods(parsed))
+    if any(p < 1 for p in periods):
+        raise ValueError(f"kernel {name!r}: periods must be >= 1, got {periods}")
+    return periods
 
 
 def check_parallel(kernel: str, parallel: str, world_size: int) -> None:

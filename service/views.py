@@ -168,6 +168,9 @@ class RankView:
     backend: str
     max_abs_error: float | None
     check_seq_len: int | None
+    sampled_check_error: float | None
+    sampled_check_seq_len: int | None
+    sampled_check_rows: int | None
     forward_s: float | None = None
     backward_s: float | None = None
     optimizer_s: float | None = None
@@ -222,6 +225,9 @@ class RunRow:
     backend: str | None = None
     max_abs_error: float | None = None
     check_seq_len: int | None = None
+    sampled_check_error: float | None = None
+    sampled_check_seq_len: int | None = None
+    sampled_check_rows: int | None = None
     # Ring kernels: where the time goes (see the module docstring).
     exposed_comm_share: float | None = None
     link_bytes_per_s: float | None = None
@@ -285,13 +291,18 @@ class RunRow:
         return out
 
 
-def _outcome(status: str, max_abs_error: float | None, check_seq_len: int | None) -> str:
-    """A short outcome: ok (with the correctness error and the length it was checked at)."""
+def _outcome(status: str, row: RunRow) -> str:
+    """A short outcome: ok with the gate's errors and both lengths they were checked at
+    (every row at the full check's, sampled rows at the run's), or ok (not checked)."""
     if status == "succeeded":
-        if max_abs_error is None:
-            return "ok"
-        at = f" at {check_seq_len:,}" if check_seq_len is not None else ""
-        return f"ok (max abs err {max_abs_error:.1e}{at})"
+        if row.max_abs_error is None:
+            return "ok (not checked)"
+        at = f" at {row.check_seq_len:,}" if row.check_seq_len is not None else ""
+        text = f"ok (max abs err {row.max_abs_error:.1e}{at}"
+        if row.sampled_check_error is not None and row.sampled_check_seq_len is not None:
+            text += f"; {row.sampled_check_error:.1e} at {row.sampled_check_seq_len:,}"
+            text += f" on {row.sampled_check_rows} rows"
+        return text + ")"
     return {"oom": "OOM", "timed_out": "timed out"}.get(status, status)
 
 
@@ -342,6 +353,9 @@ def run_row(
                 backend=r.backend,
                 max_abs_error=r.max_abs_error,
                 check_seq_len=r.check_seq_len,
+                sampled_check_error=r.sampled_check_error,
+                sampled_check_seq_len=r.sampled_check_seq_len,
+                sampled_check_rows=r.sampled_check_rows,
                 forward_s=r.forward_s,
                 backward_s=r.backward_s,
                 optimizer_s=r.optimizer_s,
@@ -379,7 +393,7 @@ def run_row(
         )
     if row.peak_memory_bytes is not None:
         row.memory_per_token_bytes = row.peak_memory_bytes / tokens
-    row.outcome = _outcome(status, row.max_abs_error, row.check_seq_len)
+    row.outcome = _outcome(status, row)
     if cfg.get("workload") == "model":
         _model(row, components, tokens)
     return row
@@ -473,6 +487,11 @@ def _measured(row: RunRow) -> None:
     row.max_abs_error = max(errors) if errors else None
     checked = [r.check_seq_len for r in ranks if r.check_seq_len is not None]
     row.check_seq_len = min(checked) if checked else None
+    sampled = [r.sampled_check_error for r in ranks if r.sampled_check_error is not None]
+    row.sampled_check_error = max(sampled) if sampled else None
+    first = ranks[0]  # every rank checks the same rows at the same length
+    row.sampled_check_seq_len = first.sampled_check_seq_len
+    row.sampled_check_rows = first.sampled_check_rows
     _steps(row)
 
 

@@ -35,10 +35,10 @@ def test_the_installed_plugins_are_listed_with_their_package_or_their_error(
     assert "ImportError" in broken["error"] and "not-installed-anywhere" in broken["error"]
 
 
-def _sweep(kernel: str, params: dict[str, Any]) -> dict[str, Any]:
+def _sweep(kernel: str, params: dict[str, Any], seq_len: int = 256) -> dict[str, Any]:
     base = {"kernel": kernel, "params": params, "num_heads": 2, "head_dim": 16, "device": "cpu"}
     base |= {"warmup": 0, "iterations": 2, "mode": "train", "causal": True}
-    return {"name": f"plugin {kernel}", "base": base, "grid": {"seq_len": [256]}}
+    return {"name": f"plugin {kernel}", "base": base, "grid": {"seq_len": [seq_len]}}
 
 
 def test_a_sweep_naming_a_broken_plugin_or_a_bad_param_is_a_422(tmp_path: Path) -> None:
@@ -56,8 +56,13 @@ def test_a_sweep_naming_a_broken_plugin_or_a_bad_param_is_a_422(tmp_path: Path) 
 
 
 def test_a_plugin_kernel_always_passes_the_gate_and_counts_its_own_flops() -> None:
-    cfg = config(kernel="sliding_window", params={"window": 40}, seq_len=256, mode="train")
-    assert not cfg.correctness_check
+    cfg = config(
+        kernel="sliding_window",
+        params={"window": 40},
+        seq_len=256,
+        mode="train",
+        correctness_check=False,
+    )
     case = protocol.run_case(cfg)
     assert case.status == "ok", case.error
     assert case.result.max_abs_error is not None and case.result.max_abs_error <= 1e-4
@@ -70,13 +75,16 @@ def test_a_plugin_kernel_always_passes_the_gate_and_counts_its_own_flops() -> No
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_plugin_sweeps_through_the_service(tmp_path: Path, ray_session: Any) -> None:
-    """The example plugin's sweep succeeds; the plugin that drops the softmax scale is stopped
-    by the correctness gate, which the error names; the environment records the plugins."""
+    """The example plugin's sweep succeeds; the plugin that drops the softmax scale, and the
+    one wrong only at offset 200 of its 256-token window, are stopped by the correctness gate,
+    which the error names; the environment records the plugins, failed runs' too."""
     with api_client(f"sqlite:///{tmp_path / 'p.db'}", artifact_root=str(tmp_path)) as client:
-        ids = [
-            client.post(f"{API}/sweeps", json=_sweep(k, p)).json()["id"]
-            for k, p in (("sliding_window", {"window": 64}), ("unscaled_dense", {}))
+        sweeps = [
+            _sweep("sliding_window", {"window": 64}),
+            _sweep("unscaled_dense", {}),
+            _sweep("offset_window", {"window": 256}, seq_len=1024),
         ]
+        ids = [client.post(f"{API}/sweeps", json=sweep).json()["id"] for sweep in sweeps]
         pool = GangPool(placement_timeout_s=120)
         scheduler = Scheduler(client.app.state.sessionmaker, pool=pool, lease_s=60, heartbeat_s=5)
         try:
@@ -91,6 +99,10 @@ def test_plugin_sweeps_through_the_service(tmp_path: Path, ray_session: Any) -> 
         (bad,) = client.get(f"{API}/sweeps/{ids[1]}/results.json").json()
         assert bad["status"] == "failed"
         assert "correctness check failed" in bad["error"] and "unscaled_dense" in bad["error"]
+        (offset,) = client.get(f"{API}/sweeps/{ids[2]}/results.json").json()
+        assert offset["status"] == "failed" and "at 512 (every row)" in offset["error"]
+        env = client.get(f"{API}/runs/{offset['run_id']}").json()["environment"]
+        assert env["plugins"]["ringlab-test-plugins"] == "0.0.1"
 
 
 def two_kernels_one_name() -> list[attention.KernelSpec]:
@@ -123,9 +135,11 @@ def test_a_plugin_that_fails_midway_registers_none_of_its_kernels(
 def test_a_plugin_inside_a_layer_is_gated_too() -> None:
     from workers.kernels import gated
 
-    layer = config(kernel="multihead", params={"kernel": "unscaled_dense"})
+    off = {"correctness_check": False}
+    layer = config(kernel="multihead", params={"kernel": "unscaled_dense"}, **off)
     assert gated(layer, "benchmark")
-    assert not gated(config(kernel="multihead", params={"kernel": "dense"}), "benchmark")
+    assert not gated(config(kernel="multihead", params={"kernel": "dense"}, **off), "benchmark")
+    assert gated(config(kernel="multihead", params={"kernel": "dense"}), "benchmark")
 
 
 def test_a_dense_baseline_matches_whether_its_params_name_the_defaults_or_not() -> None:

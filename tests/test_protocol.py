@@ -11,7 +11,7 @@ from _workers_helpers import config
 import attention
 from attention.dense import DenseAttention
 from attention.registry import KernelSpec
-from workers import kernels, protocol, references
+from workers import gate, inputs, kernels, protocol, references
 
 FP32 = 4
 
@@ -64,7 +64,8 @@ def test_inputs_over_the_budget_are_not_allocated() -> None:
 
 
 def test_allocation_failure_is_an_oom_and_the_rank_stays_usable() -> None:
-    huge = config(seq_len=4096, num_heads=65536, head_dim=1024)  # 1 TiB per input
+    # 1 TiB per input; ungated, so the timed run's own allocation fails (the gate's: below)
+    huge = config(seq_len=4096, num_heads=65536, head_dim=1024, correctness_check=False)
     case = protocol.run_case(huge)
     assert case.status == "oom" and not case.emulated
     assert "can't allocate memory" in case.error
@@ -78,7 +79,9 @@ def test_allocation_failure_in_the_correctness_check_is_an_oom() -> None:
     huge = config(seq_len=4096, num_heads=65536, head_dim=1024)  # 1 TiB per input
     case = protocol.run_case(huge, kind="correctness")
     assert case.status == "oom" and not case.emulated
-    assert case.error.startswith("the correctness check at seq_len 4096 ran out of memory")
+    assert case.error.startswith(
+        "the correctness check at seq_len 4096 (every row) ran out of memory"
+    )
     assert protocol.run_case(config()).status == "ok"
 
 
@@ -105,19 +108,19 @@ def skewed(monkeypatch: pytest.MonkeyPatch) -> str:
 def test_correctness_check_fails_a_wrong_kernel(skewed: str) -> None:
     case = protocol.run_case(config(kernel=skewed, correctness_check=True))
     assert case.status == "failed" and case.result is None
-    assert "correctness check failed: max abs error 0.01" in case.error
+    assert "correctness check failed: max abs error 1.0e-02 at 128 (every row)" in case.error
 
 
 @pytest.mark.parametrize("mode", ["forward", "train"])
 def test_correctness_check_passes_dense_and_is_recorded(mode: str) -> None:
     case = protocol.run_case(config(correctness_check=True, mode=mode))
     assert case.status == "ok"
-    assert 0 < case.result.max_abs_error <= protocol.CHECK_ATOL["float32"]
+    assert 0 < case.result.max_abs_error <= gate.CHECK_ATOL["float32"]
 
 
 def test_correctness_kind_checks_at_the_full_length(skewed: str) -> None:
     case = protocol.run_case(config(kernel=skewed, seq_len=256), kind="correctness")
-    assert case.status == "failed" and "at seq_len 256" in case.error
+    assert case.status == "failed" and "at 256 (every row)" in case.error
 
 
 SPARSE = [
@@ -191,7 +194,7 @@ def test_multihead_runs_as_a_layer_and_passes_the_gate(layer: str, mode: str, ca
     case = protocol.run_case(cfg)
     assert case.status == "ok", case.error
     result = case.result
-    assert 0 < result.max_abs_error <= protocol.CHECK_ATOL["float32"]
+    assert 0 < result.max_abs_error <= gate.CHECK_ATOL["float32"]
     assert result.check_seq_len == 128
     train = mode == "train"
     module = attention.build("multihead", **params, embed_dim=32, num_heads=2)
@@ -207,8 +210,8 @@ def test_layer_inputs_are_the_heads_inputs_flattened() -> None:
     layer = config(kernel="multihead", seq_len=256, batch_size=2)
     positions = torch.arange(256)
     for name in ("q", "dout"):
-        want = protocol.make_input(name, heads, 256, positions, slice(None), CPU)
-        got = protocol.make_input(name, layer, 256, positions, slice(None), CPU)
+        want = inputs.make_input(name, heads, 256, positions, slice(None), CPU)
+        got = inputs.make_input(name, layer, 256, positions, slice(None), CPU)
         assert got.shape == (2, 256, 32)
         assert torch.equal(got, want.flatten(2))
 
@@ -234,24 +237,24 @@ def test_the_layer_gate_sees_a_changed_weight(layer: str) -> None:
     cfg = config(kernel="multihead", params=LAYERS[layer], seq_len=128, mode="train", causal=True)
     module = kernels.build(cfg, CPU)
     reference = references.layer_reference(module)
-    assert protocol.max_error(cfg, module, reference, 0, CPU) <= protocol.CHECK_ATOL["float32"]
+    assert gate.max_error(cfg, module, reference, 0, CPU) <= gate.CHECK_ATOL["float32"]
     with torch.no_grad():
         module.out_proj.weight.copy_(module.out_proj.weight.T.clone())
-    error = protocol.max_error(cfg, module, reference, 0, CPU)
-    assert error > 1000 * protocol.CHECK_ATOL["float32"], error
+    error = gate.max_error(cfg, module, reference, 0, CPU)
+    assert error > 1000 * gate.CHECK_ATOL["float32"], error
 
 
-def test_check_length_is_the_smallest_valid_divisor() -> None:
-    assert protocol.check_length(config(seq_len=1 << 20)) == 128
-    assert protocol.check_length(config(seq_len=100)) == 100
+def test_shorter_length_is_the_smallest_valid_divisor() -> None:
+    assert inputs.shorter_length(config(seq_len=1 << 20), 128) == 128
+    assert inputs.shorter_length(config(seq_len=100), 128) == 100
     hilbert = config(
         kernel="dilated",
         params={"segment_lengths": [2048, 4096], "dilation_rates": [1, 2], "ordering": "hilbert"},
         seq_len=1 << 14,
     )
-    assert protocol.check_length(hilbert) == 256  # the smallest power of 4 >= 128 dividing it
+    assert inputs.shorter_length(hilbert, 128) == 256  # the smallest power of 4 >= 128 dividing it
     ring = config(kernel="ring", world_size=4, seq_len=3000, params={"layout": "contiguous"})
-    assert protocol.check_length(ring) == 200
+    assert inputs.shorter_length(ring, 128) == 200
 
 
 RING_HILBERT = [

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 import socket
-import traceback
 from datetime import timedelta
 from typing import Any
 
 import ray
 
 from workers.config import RunConfig
+from workers.errors import error_text
 from workers.results import CaseOutcome
 
 PORT_ATTEMPTS = 8
@@ -114,14 +114,9 @@ class RankActor:
         rank = 0 if self._rank is None else self._rank
         try:
             return protocol.run_case(config, rank=rank, kind=kind)
-        except Exception as exc:
-            last = traceback.extract_tb(exc.__traceback__)[-1:]
-            where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
+        except Exception as exc:  # before the case knew its environment (run_case keeps it)
             return CaseOutcome(
-                rank=rank,
-                seq_len=config.seq_len,
-                status="failed",
-                error=f"{type(exc).__name__}: {exc}{where}",
+                rank=rank, seq_len=config.seq_len, status="failed", error=error_text(exc)
             )
 
     def ping(self) -> int:

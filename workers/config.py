@@ -211,7 +211,12 @@ class RunConfig(BaseModel):
     max_attempts: int = Field(1, ge=1, le=10)
     placement: Placement = "pack"
     fresh_processes: bool = False
-    correctness_check: bool = False
+    correctness_check: bool = Field(
+        True,
+        description="Check the kernel against its float64 reference before timing it (workers."
+        "gate): every row at twice its structural period, sampled rows at seq_len. false: "
+        "the run is not checked, and its outcome says so.",
+    )
     profile: bool = Field(
         False,
         description="Save a torch.profiler Chrome trace of the warm-up and timed iterations of "

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import traceback
+
+
+def error_text(exc: BaseException) -> str:
+    """One line for an error a case ended with: its type, message and where it was raised."""
+    last = traceback.extract_tb(exc.__traceback__)[-1:]
+    where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
 
 class GangError(Exception):
     """Base of every error about a gang of rank actors."""

@@ -24,6 +24,9 @@ from workers import kernels, references
 from workers.artifacts import memory_history, profiled, snapshot
 from workers.config import RunConfig
 from workers.environment import collect
+from workers.errors import error_text
+from workers.gate import CHECK_ATOL, CheckOutOfMemory, GateResult, run_gate
+from workers.inputs import batch_rows, make_input, shorter_length
 from workers.kernels import DTYPES
 from workers.memory import (
     PeakMeter,
@@ -35,17 +38,11 @@ from workers.memory import (
 )
 from workers.results import Artifact, CaseOutcome, RankResult, StepTime, step_totals
 
-# Max abs error allowed by the correctness check, against a float64 reference
-# (references.REFERENCE_DTYPE).
-CHECK_ATOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
-CHECK_MIN_LEN = 128  # the check runs at the smallest valid length >= this (or seq_len if smaller)
 PRIME_MIN_LEN = 1024
 """The warm-up run (_prime) runs at the smallest valid length >= this (or seq_len if smaller).
 Shorter, the CPU ops run inline, and the case's first parallel region would fault in its thread
 team's memory inside the metered iteration: measured, block_sparse at 8K tokens (h4 d32) read
 1.7 MB more in a process primed at 128 tokens, nothing more primed at 1024."""
-BLOCK = 1024  # inputs are generated in blocks of this many positions, each with its own seed
-TENSORS = {"q": 0, "k": 1, "v": 2, "dout": 3}
 
 
 def resolve_device(config: RunConfig) -> torch.device:
@@ -55,51 +52,6 @@ def resolve_device(config: RunConfig) -> torch.device:
             raise RuntimeError("device=cuda but no CUDA device is visible to this rank")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def make_input(
-    which: str,
-    config: RunConfig,
-    seq_len: int,
-    positions: torch.Tensor,
-    rows: slice,
-    device: torch.device,
-) -> torch.Tensor:
-    """This rank's part of one global (batch, seq, heads, dim) tensor, built block by block.
-
-    Every block of BLOCK positions has its own seed, so a rank materializes only the rows and
-    positions it holds, and the global tensor is the same at every world size and layout.
-    A layer kernel (kernels.is_layer) gets the same values as (batch, seq, embed_dim), embed_dim
-    = heads x dim: a view of the same memory, so inputs and input bytes match the heads layout.
-    """
-    dtype = DTYPES[config.dtype]
-    grouped = which in ("k", "v") and not kernels.is_layer(config.kernel)  # a layer projects
-    h = config.kv_heads if grouped else config.num_heads
-    d = config.head_dim
-    n_rows = len(range(config.batch_size)[rows])
-    out = torch.empty(n_rows, positions.numel(), h, d, device=device, dtype=dtype)
-    sorted_pos, order = positions.sort()
-    gen = torch.Generator(device=device)
-    for block in range(math.ceil(seq_len / BLOCK)):
-        lo_pos, hi_pos = block * BLOCK, min(seq_len, (block + 1) * BLOCK)
-        lo = int(torch.searchsorted(sorted_pos, lo_pos))
-        hi = int(torch.searchsorted(sorted_pos, hi_pos))
-        if lo == hi:
-            continue
-        gen.manual_seed(((config.seed * 4 + TENSORS[which]) << 32) + block)
-        shape = (config.batch_size, hi_pos - lo_pos, h, d)
-        values = torch.randn(shape, generator=gen, device=device, dtype=dtype)[rows]
-        src = (sorted_pos[lo:hi] - lo_pos).to(device)
-        out[:, order[lo:hi].to(device)] = values[:, src]
-        del values
-    return out.flatten(2) if kernels.is_layer(config.kernel) else out
-
-
-def _rows(config: RunConfig, rank: int) -> slice:
-    if config.parallel == "data":
-        lb = config.local_batch
-        return slice(rank * lb, (rank + 1) * lb)
-    return slice(None)
 
 
 @contextlib.contextmanager
@@ -259,14 +211,14 @@ def _prime(config: RunConfig, rank: int, device: torch.device) -> None:
     key += f"{device}|{config.world_size}|{config.parallel}"
     if key in _PRIMED:
         return
-    small = config.model_copy(update={"seq_len": check_length(config, PRIME_MIN_LEN)})
+    small = config.model_copy(update={"seq_len": shorter_length(config, PRIME_MIN_LEN)})
     sworld = kernels.shard_world(config)
     module = kernels.build(small, device)
     positions = kernels.local_positions(
         module, small, small.seq_len, rank if sworld > 1 else 0, sworld
     )
     names = ["q", "k", "v", "dout"] if config.mode == "train" else ["q", "k", "v"]
-    rows = _rows(config, rank)
+    rows = batch_rows(config, rank)
     inputs = {n: make_input(n, small, small.seq_len, positions, rows, device) for n in names}
     quiet = small.model_copy(update={"warmup": 0, "iterations": 1})
     _timed_loop(module, inputs, quiet, None, device, record_steps=False)
@@ -289,58 +241,80 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
     """Run one case as `rank` of config.world_size and return what it measured.
 
     Status ok, oom (a caught allocation failure, or on CPU a peak over the memory budget,
-    flagged emulated) or failed (the correctness check). With world_size > 1 the process group
-    must be initialized (the gang does it). kind `correctness` checks at the full length.
+    flagged emulated) or failed (the correctness gate, or an error). With world_size > 1 the
+    process group must be initialized (the gang does it). A failed case keeps the environment
+    and, when the error came after the gate, the gate's result in its error.
     """
     world = config.world_size
     if world > 1 and not dist.is_initialized():
         raise RuntimeError(f"world_size={world} needs an initialized process group")
     kernels.check_mode(config)
     device = resolve_device(config)
-    environment = collect(device)
-    case = {"rank": rank, "seq_len": config.seq_len, "environment": environment}
+    case = {"rank": rank, "seq_len": config.seq_len, "environment": collect(device)}
+    gate: GateResult | None = None
+    try:
+        if kernels.gated(config, kind):
+            checked = _gate(config, rank, device, kind, case)
+            if isinstance(checked, CaseOutcome):
+                return checked
+            gate = checked
+        if config.workload == "model":
+            from workers.training import run_model_case  # training imports this module
 
-    budget = config.memory_budget_bytes
-    max_abs_error = None
-    checked_at = None
-    if kernels.gated(config, kind):
-        length = config.seq_len if kind == "correctness" else check_length(config)
-        checked_at = length
-        try:
-            with memory_fraction(device, budget):
-                max_abs_error = check_correctness(config, rank, device, length)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            where = f"the correctness check at seq_len {length}"
-            return _oom_outcome(case, f"{where} ran out of memory: {_error_line(exc)}")
-        tol = CHECK_ATOL[config.dtype]
-        if not max_abs_error <= tol:  # also catches NaN
-            return CaseOutcome(
-                **case,
-                status="failed",
-                error=f"correctness check failed: max abs error {max_abs_error:.3g} at "
-                f"seq_len {length} exceeds {tol:g} ({config.kernel} vs "
-                f"{references.describe(config.kernel, config.params)}, {config.dtype}, "
-                f"{config.mode})",
-            )
+            outcome = run_model_case(config, rank, case)
+        else:
+            outcome = _measure(config, rank, device, case)
+    except Exception as exc:  # the case's error, kept with what it ran on
+        after = f" (after the correctness gate passed: {gate.summary()})" if gate else ""
+        return CaseOutcome(**case, status="failed", error=error_text(exc) + after)
+    return _with_gate(outcome, gate)
 
-    if config.workload == "model":
-        from workers.training import run_model_case
 
-        outcome = run_model_case(config, rank, case)
-        if outcome.result is not None and max_abs_error is not None:
-            checked = {"max_abs_error": max_abs_error, "check_seq_len": checked_at}
-            outcome = outcome.model_copy(
-                update={"result": outcome.result.model_copy(update=checked)}
-            )
+def _gate(
+    config: RunConfig, rank: int, device: torch.device, kind: str, case: dict[str, Any]
+) -> GateResult | CaseOutcome:
+    """The correctness gate (workers.gate), or the case it ends: failed beyond the tolerance,
+    oom when the check itself ran out of memory. Not capped by the memory budget: the gate's
+    float64 reference is not the measured workload."""
+    try:
+        gate = run_gate(config, rank, device, kind)
+    except CheckOutOfMemory as exc:
+        return _oom_outcome(case, str(exc))
+    if gate.passed(config.dtype):
+        return gate
+    return CaseOutcome(
+        **case,
+        status="failed",
+        error=f"correctness check failed: max abs error {gate.summary()} exceeds "
+        f"{CHECK_ATOL[config.dtype]:g} ({config.kernel} vs "
+        f"{references.describe(config.kernel, config.params)}, {config.dtype}, {config.mode})",
+    )
+
+
+def _with_gate(outcome: CaseOutcome, gate: GateResult | None) -> CaseOutcome:
+    """The outcome with the gate's figures on its result (a run without a gate: None)."""
+    if outcome.result is None or gate is None:
         return outcome
+    checked = {
+        "max_abs_error": gate.full_error,
+        "check_seq_len": gate.full_seq_len,
+        "sampled_check_error": gate.sampled_error,
+        "sampled_check_seq_len": gate.sampled_seq_len,
+        "sampled_check_rows": gate.sampled_rows,
+    }
+    return outcome.model_copy(update={"result": outcome.result.model_copy(update=checked)})
 
+
+def _measure(
+    config: RunConfig, rank: int, device: torch.device, case: dict[str, Any]
+) -> CaseOutcome:
+    """The attention workload: inputs, warm-up, the timed and metered iterations."""
+    budget = config.memory_budget_bytes
     sworld = kernels.shard_world(config)
     srank = rank if sworld > 1 else 0
     module = kernels.build(config, device)
     positions = kernels.local_positions(module, config, config.seq_len, srank, sworld)
-    rows = _rows(config, rank)
+    rows = batch_rows(config, rank)
     train = config.mode == "train"
     tokens = config.local_batch * positions.numel()
 
@@ -414,8 +388,6 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
         input_memory_bytes=resident_inputs,
         memory_budget_bytes=budget,
         backend=backend,
-        max_abs_error=max_abs_error,
-        check_seq_len=checked_at,
         steps=steps,
         **step_totals(steps),
     )
@@ -445,79 +417,3 @@ def measured_case(
             error=f"peak {peak} bytes over the {budget}-byte CPU memory budget",
         )
     return CaseOutcome(**case, **timing, status="ok", peak_memory_bytes=peak, result=result)
-
-
-def check_length(config: RunConfig, minimum: int = CHECK_MIN_LEN) -> int:
-    """The reduced length of the correctness check: the smallest divisor of seq_len that is
-    >= `minimum` (CHECK_MIN_LEN; the warm-up run's: PRIME_MIN_LEN) and that the kernel accepts
-    (seq_len itself when none is smaller).
-    """
-    n = config.seq_len
-    if n <= minimum:
-        return n
-    divisors = set()
-    for d in range(1, math.isqrt(n) + 1):
-        if n % d == 0:
-            divisors.update((d, n // d))
-    for length in sorted(d for d in divisors if d >= minimum):
-        if kernels.is_valid_length(config, length):
-            return length
-    return n
-
-
-def check_correctness(config: RunConfig, rank: int, device: torch.device, length: int) -> float:
-    """Max abs error of the kernel at `length` against its float64 reference (output, and grads
-    in train mode); the maximum over all ranks.
-
-    A layer kernel's reference holds a float64 copy of the built module's weights
-    (references.layer_reference); other kernels' references need only their params.
-    """
-    small = config.model_copy(update={"seq_len": length})
-    module = kernels.build(small, device)
-    if kernels.is_layer(config.kernel):
-        reference = references.layer_reference(module)
-    else:
-        reference = references.reference_for(config.kernel, config.params)
-    return max_error(small, module, reference, rank, device)
-
-
-def max_error(
-    config: RunConfig,
-    module: torch.nn.Module,
-    reference: references.Reference,
-    rank: int,
-    device: torch.device,
-) -> float:
-    """Max abs difference of `module` and `reference` at config.seq_len on the seeded inputs:
-    output, and in train mode the gradients of q, k and v; the maximum over all ranks."""
-    length = config.seq_len
-    sworld = kernels.shard_world(config)
-    srank = rank if sworld > 1 else 0
-    rows = _rows(config, rank)
-    full_pos = torch.arange(length)
-    local_pos = kernels.local_positions(module, config, length, srank, sworld).to(device)
-    train = config.mode == "train"
-    names = ["q", "k", "v", "dout"] if train else ["q", "k", "v"]
-    full = {n: make_input(n, config, length, full_pos, rows, device) for n in names}
-    grads = train  # a forward-mode check compares outputs only (some kernels have no backward)
-    ref = {
-        n: t.to(references.REFERENCE_DTYPE).requires_grad_(grads and n != "dout")
-        for n, t in full.items()
-    }
-    loc = {
-        n: t[:, local_pos].detach().requires_grad_(grads and n != "dout") for n, t in full.items()
-    }
-
-    ref_out = reference(ref["q"], ref["k"], ref["v"], config.causal)
-    out = module(loc["q"], loc["k"], loc["v"], causal=config.causal)
-    errors = [(out.to(ref_out.dtype) - ref_out.detach()[:, local_pos]).abs().max()]
-    if train:
-        ref_out.backward(ref["dout"])
-        out.backward(loc["dout"])
-        for n in ("q", "k", "v"):
-            ref_grad = ref[n].grad[:, local_pos]
-            errors.append((loc[n].grad.to(ref_grad.dtype) - ref_grad).abs().max())
-    error = torch.stack(errors).max().detach().to(device)
-    if config.world_size > 1:
-        dist.all_reduce(error, op=dist.ReduceOp.MAX)
-    return float(error)

@@ -2,10 +2,16 @@
 
 Plain einsum softmax attention for dense; for sparse kernels the same, restricted to the
 kernel's explicit token masks (attention.masks, as in the attention tests); a ring kernel is
-checked against the reference of its single-process twin. A layer kernel (multihead) is checked
-with a REFERENCE_DTYPE copy of the built layer's weights (`layer_reference`):
-torch.nn.MultiheadAttention around dense attention, explicit projections around the inner
-kernel's reference otherwise. Kernels without a reference are refused.
+checked against the reference of its single-process twin.
+
+Every reference takes the query rows it computes: `reference(q, k, v, causal, rows)` with q
+holding the query rows at the positions `rows` (a 1-D int64 tensor; None: every row) and k, v
+the whole sequence. It builds only those rows of its mask, so the gate (workers.gate) checks a
+few hundred rows at a run's full length in O(rows x seq_len) memory.
+
+A layer kernel (multihead) is checked with a REFERENCE_DTYPE copy of the built layer's weights
+(`layer_reference`): torch.nn.MultiheadAttention around dense attention, explicit projections
+around the inner kernel's reference otherwise. Kernels without a reference are refused.
 
 References run in REFERENCE_DTYPE (float64), so that the error the gate reports is the kernel's
 own: a float32 reference adds its own rounding, which for the einsum softmax's gradients was
@@ -27,8 +33,23 @@ import attention
 from attention.multihead import MultiheadAttention
 from workers import kernels
 
-Reference = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+Reference = Callable[..., torch.Tensor]
+"""(q, k, v, causal, rows=None) -> the output at the query rows `rows` (see the docstring)."""
 REFERENCE_DTYPE = torch.float64
+GATE_MASK_TOKENS = 8192
+"""Up to this length a plugin without keep_rows has its rows taken from its whole keep_mask
+(64 MiB of bools); beyond it the plugin must declare keep_rows."""
+
+
+def _all_rows(q: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """The query positions a reference computes: `rows`, or every row q holds."""
+    return torch.arange(q.shape[1], device=q.device) if rows is None else rows.to(q.device)
+
+
+def _causal_rows(keep: torch.Tensor, rows: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """keep (..., R, S) restricted to keys at or before each query row."""
+    keys = torch.arange(seq_len, device=keep.device)
+    return keep & (keys[None, :] <= rows.to(keep.device)[:, None])
 
 
 def _ordered(params: Any, inner: Reference) -> Reference:
@@ -37,30 +58,53 @@ def _ordered(params: Any, inner: Reference) -> Reference:
         return inner
     from attention.hilbert import hilbert_permutation, inverse_permutation
 
-    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        perm = hilbert_permutation(q.shape[1], q.device)
-        out = inner(q[:, perm], k[:, perm], v[:, perm], causal)
-        return out[:, inverse_permutation(perm)]
+    def reference(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # natural row i is row inverse[i] of the permuted sequence, whose query is q[i]
+        perm = hilbert_permutation(k.shape[1], k.device)
+        inverse = inverse_permutation(perm)
+        return inner(q, k[:, perm], v[:, perm], causal, inverse[_all_rows(q, rows)])
 
     return reference
 
 
-def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+def _dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Plain einsum softmax attention (not SDPA: the kernel under test must not check itself)."""
-    from attention.masks import causal_mask, masked_attention
+    from attention.masks import masked_attention
 
-    seq_len = q.shape[1]
-    keep = causal_mask(seq_len, q.device) if causal else torch.ones(seq_len, seq_len, dtype=bool)
-    return masked_attention(q, k, v, keep)[0]
+    at = _all_rows(q, rows)
+    keep = torch.ones(len(at), k.shape[1], dtype=torch.bool, device=q.device)
+    return masked_attention(q, k, v, _causal_rows(keep, at, k.shape[1]) if causal else keep)[0]
 
 
 def _documents(lengths: tuple[int, ...]) -> Reference:
     """Packed documents: einsum softmax attention under the block-diagonal document mask."""
-    from attention.documents import document_mask
     from attention.masks import masked_attention
 
-    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        return masked_attention(q, k, v, document_mask(lengths, causal, q.device))[0]
+    def reference(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        at = _all_rows(q, rows)
+        doc = torch.repeat_interleave(
+            torch.arange(len(lengths), device=q.device), torch.tensor(lengths, device=q.device)
+        )
+        keep = doc[at][:, None] == doc[None, :]
+        return masked_attention(q, k, v, _causal_rows(keep, at, k.shape[1]) if causal else keep)[0]
 
     return reference
 
@@ -68,40 +112,84 @@ def _documents(lengths: tuple[int, ...]) -> Reference:
 def _dilated(params: Any) -> Reference:
     from attention.masks import dilated_reference
 
-    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    def reference(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         ws, rs = params.segment_lengths, params.dilation_rates
-        return dilated_reference(q, k, v, ws, rs, causal=causal)
+        return dilated_reference(q, k, v, ws, rs, causal=causal, rows=_all_rows(q, rows).cpu())
 
     return _ordered(params, reference)
 
 
 def _block_sparse(params: Any) -> Reference:
-    from attention.masks import block_token_mask, masked_attention
+    from attention.masks import masked_attention
 
     module = attention.build("block_sparse", **_as_dict(params))
 
-    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        keep = block_token_mask(
-            module.block_mask(q.shape[1]), params.block_size, causal=causal, seq_len=q.shape[1]
-        )
-        return masked_attention(q, k, v, keep)[0]
+    def reference(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        at, seq_len, bs = _all_rows(q, rows), k.shape[1], params.block_size
+        blocks = module.block_mask(seq_len).to(q.device)  # (n, n)
+        keys = torch.arange(seq_len, device=q.device)
+        keep = blocks[at // bs][:, keys // bs]
+        return masked_attention(q, k, v, _causal_rows(keep, at, seq_len) if causal else keep)[0]
 
     return _ordered(params, reference)
 
 
 def _plugin(spec: attention.KernelSpec, params: Any) -> Reference:
-    """A plugin kernel's reference: einsum softmax attention on its keep_mask (dense, with the
-    causal mask when asked, without one)."""
-    keep_mask = spec.keep_mask
-    if keep_mask is None:
+    """A plugin kernel's reference: einsum softmax attention on its keep_rows, else on its
+    keep_mask's rows (dense, with the causal mask when asked, when it declares neither)."""
+    if spec.keep_mask is None and spec.keep_rows is None:
         return _dense
     from attention.masks import masked_attention
 
-    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        keep = keep_mask(params, q.shape[1], causal, q.device)
-        return masked_attention(q, k, v, keep)[0]
+    def reference(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return masked_attention(
+            q, k, v, plugin_rows(spec, params, k.shape[1], causal, _all_rows(q, rows))
+        )[0]
 
     return reference
+
+
+def plugin_rows(
+    spec: attention.KernelSpec, params: Any, seq_len: int, causal: bool, rows: torch.Tensor
+) -> torch.Tensor:
+    """The rows `rows` of a plugin's mask: its keep_rows, or its keep_mask's rows up to
+    GATE_MASK_TOKENS; a ValueError naming keep_rows beyond that (no silent shorter check)."""
+    if spec.keep_rows is not None:
+        keep = spec.keep_rows(params, seq_len, causal, rows)
+    elif spec.keep_mask is not None and seq_len <= GATE_MASK_TOKENS:
+        keep = spec.keep_mask(params, seq_len, causal, rows.device)[..., rows, :]
+    else:
+        raise ValueError(
+            f"correctness_check: kernel {spec.name!r} declares keep_mask but no keep_rows, so "
+            f"its rows at seq_len {seq_len} (over {GATE_MASK_TOKENS:,}) cannot be checked "
+            "without the whole (seq_len, seq_len) mask; add keep_rows to its KernelSpec "
+            "(docs/plugins.md)"
+        )
+    want = (len(rows), seq_len)
+    if keep.dtype != torch.bool or tuple(keep.shape[-2:]) != want:
+        raise ValueError(
+            f"kernel {spec.name!r}: its mask rows must be bool (..., {want[0]}, {want[1]}), "
+            f"got {keep.dtype} {tuple(keep.shape)}"
+        )
+    return keep
 
 
 def _as_dict(params: Any) -> dict[str, Any]:
@@ -114,7 +202,7 @@ def describe(kernel: str, params: dict[str, Any]) -> str:
     """What `kernel(params)` is checked against, in words (for error messages)."""
     spec = attention.KERNELS.get(kernel)
     if spec is not None and spec.plugin is not None and spec.twin is None:
-        if spec.keep_mask is None:
+        if spec.keep_mask is None and spec.keep_rows is None:
             return "einsum softmax attention (the plugin declares no keep_mask)"
         return "einsum softmax attention on the plugin's keep_mask"
     twin = attention.twin_of(kernel)
@@ -153,11 +241,17 @@ def _mha_reference(layer: MultiheadAttention) -> Reference:
             mha.in_proj_bias.copy_(torch.cat([p.bias for p in projections]))
             mha.out_proj.bias.copy_(layer.out_proj.bias)
 
-    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        seq_len = q.shape[1]
+    def reference(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         mask = None
         if causal:  # True: the key is masked out, i.e. every key after the query
-            mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
+            keys = torch.arange(k.shape[1], device=q.device)
+            mask = keys[None, :] > _all_rows(q, rows)[:, None]
         out, _ = mha(q, k, v, attn_mask=mask, need_weights=True)
         return out
 
@@ -176,13 +270,19 @@ def _projected_reference(layer: MultiheadAttention) -> Reference:
     ]
     heads = layer.num_heads
 
-    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        b, s, e = q.shape
+    def reference(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        e = q.shape[-1]
         split = [
-            F.linear(x, w, bias).view(b, s, -1, e // heads)  # k, v: num_kv_heads
+            F.linear(x, w, bias).unflatten(-1, (-1, e // heads))  # k, v: num_kv_heads
             for x, w, bias in zip((q, k, v), weights[:3], biases[:3], strict=True)
         ]
-        out = inner(*split, causal).reshape(b, s, e)
+        out = inner(*split, causal, rows).flatten(-2)
         return F.linear(out, weights[3], biases[3])
 
     return reference

@@ -32,6 +32,9 @@ RANK_RESULT_COLUMNS = (
     "backend",
     "max_abs_error",
     "check_seq_len",
+    "sampled_check_error",
+    "sampled_check_seq_len",
+    "sampled_check_rows",
     "forward_s",
     "backward_s",
     "optimizer_s",
@@ -164,9 +167,26 @@ class RankResult(BaseModel):
     )
     memory_budget_bytes: int | None = None
     backend: str = Field(description="The kernel backend that ran (kernel.backend).")
-    max_abs_error: float | None = Field(None, description="Correctness check vs the reference.")
+    max_abs_error: float | None = Field(
+        None,
+        description="The correctness gate's full check: max abs error of every row against "
+        "the float64 reference (None: not checked).",
+    )
     check_seq_len: int | None = Field(
-        None, description="The length the correctness check ran at (it may be shorter)."
+        None,
+        description="The length the full check ran at: twice the kernel's largest structural "
+        "period, at most the run's (workers.gate.full_length).",
+    )
+    sampled_check_error: float | None = Field(
+        None,
+        description="The gate's sampled check at the run's own length: max abs error on "
+        "sampled_check_rows query rows (None: the full check ran at the run's length).",
+    )
+    sampled_check_seq_len: int | None = Field(
+        None, description="The length of the sampled check: the run's own."
+    )
+    sampled_check_rows: int | None = Field(
+        None, description="Query rows the sampled check compared (edges, boundaries, random)."
     )
     emulated_oom: bool = Field(
         False, description="CPU: the peak exceeded memory_budget_bytes (an emulated OOM)."

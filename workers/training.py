@@ -26,10 +26,10 @@ import torch.distributed as dist
 
 from workers import kernels, model_memory
 from workers.config import RunConfig
+from workers.inputs import shorter_length
 from workers.memory import PeakMeter, is_oom, release
 from workers.model import Decoder, token_ids
 from workers.protocol import (
-    check_length,
     measured_case,
     memory_fraction,
     percentile,
@@ -37,6 +37,8 @@ from workers.protocol import (
 )
 from workers.results import CaseOutcome, MemoryComponent, RankResult
 
+PRIME_MIN_LEN = 128
+"""The one-block warm-up step runs at the smallest valid length >= this (or seq_len)."""
 AUTOCAST_DTYPES = {"bf16_autocast": torch.bfloat16, "fp16_autocast": torch.float16}
 FIRST_STEP_TRIES = 3
 """Steps tried for the optimizer's first real step (fp16's grad scaler skips overflows)."""
@@ -173,7 +175,7 @@ def _prime(config: RunConfig, rank: int, device: torch.device) -> None:
         return
     model = config.model.model_copy(update={"n_layers": 1})
     small = config.model_copy(update={"model": model})
-    small = small.model_copy(update={"seq_len": min(config.seq_len, check_length(small))})
+    small = small.model_copy(update={"seq_len": shorter_length(small, PRIME_MIN_LEN)})
     trainer = _Trainer(small, rank, device)
     trainer.backward(trainer.forward())
     trainer.step()

@@ -33,7 +33,12 @@ except ImportError:
     AuxRequest = None
 
 from attention.base import Kernel
-from attention.block_sparse import BlockSparseAttention, BlockSparseParams, check_block_sparse
+from attention.block_sparse import (
+    BlockSparseAttention,
+    BlockSparseParams,
+    block_sparse_periods,
+    check_block_sparse,
+)
 from attention.dilated import DilatedAttention, DilatedParams
 from attention.errors import ParamError
 from attention.masks import block_token_mask
@@ -226,6 +231,7 @@ def block_sparse_specs() -> list[KernelSpec]:
             factory=FlexBlockSparse,
             keep_mask=block_sparse_keep,
             check=check_flex_block_sparse,
+            periods=lambda params: block_sparse_periods(params.ours()),
         )
     ]
 

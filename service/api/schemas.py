@@ -108,6 +108,9 @@ class RankResultOut(BaseModel):
     backend: str
     max_abs_error: float | None
     check_seq_len: int | None
+    sampled_check_error: float | None = None
+    sampled_check_seq_len: int | None = None
+    sampled_check_rows: int | None = None
     step_compute_s: float | None = Field(
         None, description="Ring kernels: compute seconds of every step, summed over iterations."
     )
@@ -304,8 +307,16 @@ class ResultRow(BaseModel):
         description="What the crossover's FLOP/s is: device peak or measured compute."
     )
     backend: str | None = Field(description="The backends the ranks ran, comma-separated.")
-    max_abs_error: float | None
-    check_seq_len: int | None = Field(description="The length the correctness check ran at.")
+    max_abs_error: float | None = Field(
+        description="The correctness gate's full check (every row); None: not checked."
+    )
+    check_seq_len: int | None = Field(description="The length the full check ran at.")
+    sampled_check_error: float | None = Field(
+        description="The gate's sampled rows at the run's own length (None: the full check "
+        "ran at the run's length)."
+    )
+    sampled_check_seq_len: int | None = Field(description="The sampled check's length.")
+    sampled_check_rows: int | None = Field(description="Rows the sampled check compared.")
     baseline_run_id: int | None = Field(description="The run the ratios compare with.")
     baseline: str | None = Field(description="What the baseline changes (e.g. W=1, dense).")
     speedup: float | None = Field(description="tokens_per_s / the baseline's.")

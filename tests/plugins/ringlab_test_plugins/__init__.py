@@ -1,1 +1,1 @@
-"""Deliberately wrong (unscaled) and broken (import fails) ringlab kernel plugins."""
+"""Deliberately wrong (unscaled, offset) and broken (import fails) ringlab kernel plugins."""
