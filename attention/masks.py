@@ -74,6 +74,33 @@ def block_token_mask(
     return keep
 
 
+def causal_rows(keep: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """keep (..., len(rows), S) restricted to keys at or before each query row."""
+    keys = torch.arange(keep.shape[-1], device=keep.device)
+    return keep & (keys[None, :] <= rows.to(keep.device)[:, None])
+
+
+def block_token_rows(
+    block_mask: torch.Tensor, block_size: int, rows: torch.Tensor, seq_len: int, causal: bool
+) -> torch.Tensor:
+    """The rows `rows` of block_token_mask(block_mask, block_size, causal=causal,
+    seq_len=seq_len), (len(rows), S) or (H, len(rows), S), without the (S, S) mask."""
+    keys = torch.arange(seq_len, device=rows.device)
+    keep = block_mask.to(rows.device)[..., rows // block_size, :][..., keys // block_size]
+    return causal_rows(keep, rows) if causal else keep
+
+
+def document_rows(lengths: Sequence[int], rows: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The rows `rows` of the packed documents' mask (attention.documents.document_mask):
+    (len(rows), S), a query attending to the keys of its own document."""
+    doc = torch.repeat_interleave(
+        torch.arange(len(lengths), device=rows.device),
+        torch.tensor(list(lengths), device=rows.device),
+    )
+    keep = doc[rows][:, None] == doc[None, :]
+    return causal_rows(keep, rows) if causal else keep
+
+
 def masked_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -168,9 +168,9 @@ class RankView:
     backend: str
     max_abs_error: float | None
     check_seq_len: int | None
-    sampled_check_error: float | None
-    sampled_check_seq_len: int | None
-    sampled_check_rows: int | None
+    sampled_check_error: float | None = None
+    sampled_check_seq_len: int | None = None
+    sampled_check_rows: int | None = None
     forward_s: float | None = None
     backward_s: float | None = None
     optimizer_s: float | None = None

@@ -55,8 +55,19 @@ def test_tiny_cpu_sweep_runs_and_reports(tmp_path: Path, ray_session: Any) -> No
 
         rows = client.get(f"{API}/sweeps/{sweep_id}/results.json").json()
         assert len(rows) == 8
-        for row in rows:
-            assert row["outcome"] == "ok" and row["environment_id"] is not None
+        for row in rows:  # the gate runs by default: its error and lengths in every outcome
+            assert row["environment_id"] is not None
+            assert 0 < row["max_abs_error"] <= 1e-4, row
+            n, full = row["seq_len"], row["check_seq_len"]
+            assert full == 128  # dense and ring have no structure: 128 tokens, every row
+            if n == 128:
+                assert row["outcome"] == f"ok (max abs err {row['max_abs_error']:.1e} at 128)"
+            else:  # and sampled rows at the run's own length
+                assert 0 < row["sampled_check_error"] <= 1e-4 and row["sampled_check_seq_len"] == n
+                assert row["outcome"] == (
+                    f"ok (max abs err {row['max_abs_error']:.1e} at 128; "
+                    f"{row['sampled_check_error']:.1e} at {n} on {row['sampled_check_rows']} rows)"
+                )
             assert row["median_s"] > 0 and row["tflops_per_s"] > 0
             expected = row["batch_size"] * row["seq_len"] / row["median_s"]
             assert row["tokens_per_s"] == pytest.approx(expected)
@@ -84,4 +95,4 @@ def test_tiny_cpu_sweep_runs_and_reports(tmp_path: Path, ray_session: Any) -> No
         assert rows and all(r[header.index("CPU threads")] == "1" for r in rows), cells
         assert "| ring · " in md and "| dense · " in md
         assert "| W=1 | " in md or "| dense W=1 | " in md  # W=2 rows name their baseline
-        assert md.count("| ok |") == 8
+        assert md.count("| ok (max abs err ") == 8

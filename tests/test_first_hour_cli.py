@@ -111,8 +111,8 @@ def submitted_ids(stdout: str) -> list[int]:
 def test_submit_watch_follows_every_sweep_of_the_file(
     service: tuple[str, str], env: dict[str, str]
 ) -> None:
-    """The README's `ringlab submit examples/cpu-max-seq-len-1gpu.yaml --watch`: three sweeps,
-    one progress line each, ended when all three are; a failed run makes the exit status 1."""
+    """The README's `ringlab submit examples/cpu-max-seq-len-1gpu.yaml --watch`: four sweeps,
+    one progress line each, ended when all four are; a failed run makes the exit status 1."""
     base, database = service
     proc = subprocess.Popen(
         [RINGLAB, "submit", "examples/cpu-max-seq-len-1gpu.yaml", "--watch"],
@@ -125,13 +125,13 @@ def test_submit_watch_follows_every_sweep_of_the_file(
     try:
         deadline = time.monotonic() + 30
         sweeps: list[dict] = []
-        while len(sweeps) < 3 and time.monotonic() < deadline and proc.poll() is None:
+        while len(sweeps) < 4 and time.monotonic() < deadline and proc.poll() is None:
             page = httpx.get(f"{base}/api/v1/sweeps", params={"name": "cpu max-seq-len 1"}).json()
             sweeps = sorted(page["data"], key=lambda s: s["id"])
             time.sleep(0.2)
-        assert len(sweeps) == 3, proc.communicate(timeout=10)
+        assert len(sweeps) == 4, proc.communicate(timeout=10)
         ids = [s["id"] for s in sweeps]
-        dense, sparse, dilated = ids
+        dense, sparse, dilated, naive = ids
         set_status(database, ids, RunStatus.running)
         time.sleep(1.5)  # the watcher sees them running
         failed_run = httpx.get(f"{base}/api/v1/sweeps/{sparse}/results.json").json()[0]["run_id"]
@@ -141,15 +141,17 @@ def test_submit_watch_follows_every_sweep_of_the_file(
     finally:
         proc.kill()
     assert proc.returncode == 1, (stdout, stderr)
-    assert submitted_ids(stdout)[:3] == ids
+    assert submitted_ids(stdout)[:4] == ids
     assert f"sweep {dense} ended: succeeded 1" in stdout
     assert f"sweep {sparse} ended: succeeded 1, failed 1" in stdout
     assert f"sweep {dilated} ended: succeeded 1" in stdout
+    assert f"sweep {naive} ended: succeeded 1" in stdout
     # the one progress display, final state: a line per sweep with done/total and the counts
     for sweep_id, name, total, failed in (
         (dense, "dense", 1, 0),
         (sparse, "block_sparse", 2, 1),
         (dilated, "dilated", 1, 0),
+        (naive, "naive dense baseline (sdpa math)", 1, 0),
     ):
         (line,) = [ln for ln in stderr.splitlines() if f"sweep {sweep_id} " in ln]
         assert f"cpu max-seq-len 1 rank - {name}" in line, stderr

@@ -129,6 +129,7 @@ def _rows_equal_whole(reference: references.Reference, shape: tuple[int, ...], k
         ("block_sparse", {"block_size": 16, "pattern": "random", "num_random": 2}),
         ("ring_block_sparse", {"block_size": 16, "window": 1}),
         ("sliding_window", {"window": 20}),
+        ("flex_block_sparse", {"block_size": 16, "window": 1}),
         ("offset_window", {"window": 20}),
     ],
 )
@@ -149,6 +150,12 @@ def test_a_layer_reference_on_rows_is_the_whole_reference_restricted(inner: str)
     for causal in (False, True):
         whole = reference(x, x, x, causal)
         torch.testing.assert_close(reference(x[:, rows], x, x, causal, rows), whole[:, rows])
+
+
+def test_every_shipped_kernel_with_a_mask_gives_its_rows() -> None:
+    """Beyond GATE_MASK_TOKENS the sampled check needs keep_rows: none of ours may lack it."""
+    lacking = [n for n, s in attention.KERNELS.items() if s.keep_mask and not s.keep_rows]
+    assert lacking == []
 
 
 def test_a_plugin_without_keep_rows_is_refused_beyond_the_mask_limit() -> None:

@@ -111,11 +111,11 @@ def test_readme_commands_run_as_written(tmp_path: Path, ray_session: Any) -> Non
         )
         out = run.stdout + run.stderr
         assert run.returncode == 0, out
-        # submit --watch: the file's three sweeps, each followed to its end
+        # submit --watch: the file's four sweeps, each followed to its end
         assert re.search(r"sweep 2 \(cpu max-seq-len 1 rank - dense\)", out), out
-        assert len(re.findall(r"sweep [234] ended", out)) == 3, out
-        # the bundled example by name: the fifth sweep
-        assert "sweep 5 (cpu-quick" in out or "sweep 5 (cpu quick" in out, out
+        assert len(re.findall(r"sweep [2345] ended", out)) == 4, out
+        # the bundled example by name: the sixth sweep
+        assert "sweep 6 (cpu-quick" in out or "sweep 6 (cpu quick" in out, out
         # results as CSV: a header and the sweep's runs (sweep 3: block_sparse x 2 ratios)
         header = next(x for x in out.splitlines() if x.startswith("run_id,"))
         rows = list(csv.DictReader(io.StringIO("\n".join([header, *_csv_lines(out, header)]))))
@@ -128,6 +128,9 @@ def test_readme_commands_run_as_written(tmp_path: Path, ray_session: Any) -> Non
         longest = dense[0]["max_seq_len"]
         reached = [int(r["max_seq_len"] or 0) for r in rows] + [dilated[0]["max_seq_len"] or 0]
         assert longest and all(n >= longest for n in reached), (longest, reached)
+        # the naive baseline (sdpa math, its O(n^2) scores) stops far below: the seeds' gap
+        (naive,) = httpx.get(f"{base}/api/v1/sweeps/5/results.json", timeout=10).json()
+        assert naive["kernel"] == "sdpa" and 0 < naive["max_seq_len"] <= longest // 4, naive
         report = (work / "report.md").read_text()
         assert report.startswith("# cpu max-seq-len 1 rank - block_sparse")
         assert "## Maximum sequence length" in report

@@ -30,6 +30,13 @@ from torch import nn
 from torch.nn import functional as F
 
 import attention
+from attention.masks import (
+    block_token_rows,
+    causal_rows,
+    dilated_reference,
+    document_rows,
+    masked_attention,
+)
 from attention.multihead import MultiheadAttention
 from workers import kernels
 
@@ -44,12 +51,6 @@ GATE_MASK_TOKENS = 8192
 def _all_rows(q: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     """The query positions a reference computes: `rows`, or every row q holds."""
     return torch.arange(q.shape[1], device=q.device) if rows is None else rows.to(q.device)
-
-
-def _causal_rows(keep: torch.Tensor, rows: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """keep (..., R, S) restricted to keys at or before each query row."""
-    keys = torch.arange(seq_len, device=keep.device)
-    return keep & (keys[None, :] <= rows.to(keep.device)[:, None])
 
 
 def _ordered(params: Any, inner: Reference) -> Reference:
@@ -81,16 +82,13 @@ def _dense(
     rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain einsum softmax attention (not SDPA: the kernel under test must not check itself)."""
-    from attention.masks import masked_attention
-
     at = _all_rows(q, rows)
     keep = torch.ones(len(at), k.shape[1], dtype=torch.bool, device=q.device)
-    return masked_attention(q, k, v, _causal_rows(keep, at, k.shape[1]) if causal else keep)[0]
+    return masked_attention(q, k, v, causal_rows(keep, at) if causal else keep)[0]
 
 
 def _documents(lengths: tuple[int, ...]) -> Reference:
     """Packed documents: einsum softmax attention under the block-diagonal document mask."""
-    from attention.masks import masked_attention
 
     def reference(
         q: torch.Tensor,
@@ -99,19 +97,12 @@ def _documents(lengths: tuple[int, ...]) -> Reference:
         causal: bool,
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        at = _all_rows(q, rows)
-        doc = torch.repeat_interleave(
-            torch.arange(len(lengths), device=q.device), torch.tensor(lengths, device=q.device)
-        )
-        keep = doc[at][:, None] == doc[None, :]
-        return masked_attention(q, k, v, _causal_rows(keep, at, k.shape[1]) if causal else keep)[0]
+        return masked_attention(q, k, v, document_rows(lengths, _all_rows(q, rows), causal))[0]
 
     return reference
 
 
 def _dilated(params: Any) -> Reference:
-    from attention.masks import dilated_reference
-
     def reference(
         q: torch.Tensor,
         k: torch.Tensor,
@@ -126,8 +117,6 @@ def _dilated(params: Any) -> Reference:
 
 
 def _block_sparse(params: Any) -> Reference:
-    from attention.masks import masked_attention
-
     module = attention.build("block_sparse", **_as_dict(params))
 
     def reference(
@@ -137,11 +126,11 @@ def _block_sparse(params: Any) -> Reference:
         causal: bool,
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        at, seq_len, bs = _all_rows(q, rows), k.shape[1], params.block_size
-        blocks = module.block_mask(seq_len).to(q.device)  # (n, n)
-        keys = torch.arange(seq_len, device=q.device)
-        keep = blocks[at // bs][:, keys // bs]
-        return masked_attention(q, k, v, _causal_rows(keep, at, seq_len) if causal else keep)[0]
+        seq_len = k.shape[1]
+        keep = block_token_rows(
+            module.block_mask(seq_len), params.block_size, _all_rows(q, rows), seq_len, causal
+        )
+        return masked_attention(q, k, v, keep)[0]
 
     return _ordered(params, reference)
 
@@ -151,7 +140,6 @@ def _plugin(spec: attention.KernelSpec, params: Any) -> Reference:
     keep_mask's rows (dense, with the causal mask when asked, when it declares neither)."""
     if spec.keep_mask is None and spec.keep_rows is None:
         return _dense
-    from attention.masks import masked_attention
 
     def reference(
         q: torch.Tensor,

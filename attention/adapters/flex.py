@@ -41,7 +41,7 @@ from attention.block_sparse import (
 )
 from attention.dilated import DilatedAttention, DilatedParams
 from attention.errors import ParamError
-from attention.masks import block_token_mask
+from attention.masks import block_token_mask, block_token_rows
 from attention.registry import KernelSpec
 
 
@@ -145,6 +145,14 @@ def block_sparse_keep(
     return keep.to(device)
 
 
+def block_sparse_keep_rows(
+    params: FlexBlockSparseParams, seq_len: int, causal: bool, rows: torch.Tensor
+) -> torch.Tensor:
+    """The rows `rows` of block_sparse_keep, without the (seq_len, seq_len) mask."""
+    ours = BlockSparseAttention(params.ours())
+    return block_token_rows(ours.block_mask(seq_len), params.block_size, rows, seq_len, causal)
+
+
 @dataclass(frozen=True)
 class FlexDilatedParams(DilatedParams):
     """dilated's params, and `compiled` (torch.compile the FlexAttention calls; None: where
@@ -230,6 +238,7 @@ def block_sparse_specs() -> list[KernelSpec]:
             params=FlexBlockSparseParams,
             factory=FlexBlockSparse,
             keep_mask=block_sparse_keep,
+            keep_rows=block_sparse_keep_rows,
             check=check_flex_block_sparse,
             periods=lambda params: block_sparse_periods(params.ours()),
         )

@@ -29,6 +29,7 @@ from attention import documents
 from attention.adapters import RingAdapter, require_cuda_half
 from attention.errors import ParamError
 from attention.layouts import check_seq_len
+from attention.masks import document_rows
 from attention.registry import KernelSpec
 
 VERSION = version("ring-flash-attn")
@@ -72,6 +73,13 @@ def keep_mask(
 ) -> torch.Tensor:
     """The gate's mask: attention inside each document (the whole sequence: one document)."""
     return documents.document_mask(params.document_lengths or (seq_len,), causal, device)
+
+
+def keep_rows(
+    params: RingFlashAttnParams, seq_len: int, causal: bool, rows: torch.Tensor
+) -> torch.Tensor:
+    """keep_mask's rows `rows`, without the (seq_len, seq_len) mask."""
+    return document_rows(params.document_lengths or (seq_len,), rows, causal)
 
 
 class RingFlashAttn(RingAdapter):
@@ -124,5 +132,6 @@ def kernel_specs() -> list[KernelSpec]:
             distributed=True,
             check=check,
             keep_mask=keep_mask,
+            keep_rows=keep_rows,
         )
     ]

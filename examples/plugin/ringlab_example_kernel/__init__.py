@@ -1,9 +1,10 @@
 """`sliding_window`: each query attends to the keys less than `window` positions away (and,
 causal, not after it), computed by torch SDPA with a boolean mask.
 
-A complete ringlab kernel plugin: a parameter dataclass that validates itself, a Kernel with
-`flops`, the keep-mask the correctness gate builds its reference from, and `kernel_specs`, the
-object the `ringlab.kernels` entry point names.
+A complete ringlab kernel plugin (docs/plugins.md): a parameter dataclass that validates
+itself, a Kernel with `flops`, the mask the correctness gate builds its reference from (its rows
+at given query positions, `keep_rows`, and the whole mask, `keep_mask`), the kernel's structural
+period (the window) and `kernel_specs`, the callable the `ringlab.kernels` entry point names.
 """
 
 from __future__ import annotations
@@ -27,14 +28,21 @@ class SlidingWindowParams:
             raise ParamError("params.window", f"must be an integer >= 1, got {self.window!r}")
 
 
+def keep_rows(
+    params: SlidingWindowParams, seq_len: int, causal: bool, rows: torch.Tensor
+) -> torch.Tensor:
+    """(len(rows), seq_len) bool: the mask's rows at the query positions `rows` (1-D int64, on
+    the device the mask is wanted on), built without the (seq_len, seq_len) mask."""
+    offset = rows[:, None] - torch.arange(seq_len, device=rows.device)[None, :]
+    keep = offset.abs() < params.window
+    return keep & (offset >= 0) if causal else keep
+
+
 def keep_mask(
     params: SlidingWindowParams, seq_len: int, causal: bool, device: torch.device
 ) -> torch.Tensor:
-    """(seq_len, seq_len) bool: True where query i attends to key j."""
-    i = torch.arange(seq_len, device=device)
-    offset = i[:, None] - i[None, :]
-    keep = offset.abs() < params.window
-    return keep & (offset >= 0) if causal else keep
+    """(seq_len, seq_len) bool: True where query i attends to key j (every row of keep_rows)."""
+    return keep_rows(params, seq_len, causal, torch.arange(seq_len, device=device))
 
 
 def window_pairs(n: int, window: int, causal: bool) -> int:
@@ -87,5 +95,7 @@ def kernel_specs() -> list[KernelSpec]:
             params=SlidingWindowParams,
             factory=SlidingWindowAttention,
             keep_mask=keep_mask,
+            keep_rows=keep_rows,
+            periods=lambda p: (p.window,),
         )
     ]
