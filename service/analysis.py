@@ -12,6 +12,18 @@ the same shape for a sparse or dilated cell. The ratios against it:
 - scaling efficiency (only where the world sizes differ) = speedup (or the max-length gain for a
   search) / (world size / baseline world size): strong scaling keeps the global batch and length,
   weak scaling (`analysis.scaling: weak`) gives the baseline one rank's share of them.
+
+Every ratio of two times carries its noise: from both runs' median intervals (service.views),
+ratio_lo = a_lo / b_hi and ratio_hi = a_hi / b_lo (workers.noise.ratio_interval): speedup_lo/hi,
+efficiency_lo/hi (timed runs), checkpoint_time_ratio_lo/hi. A ratio whose interval holds 1.0 is
+named in the row's `within_noise`. Peak memory and maximum length are one measurement each (no
+repeats, no spread): their ratios have no interval.
+
+A ratio above its physical limit is flagged (views.Flag), never shown plainly: a speedup above
+the world-size ratio (W / baseline W, for W above the baseline's) beyond its interval
+(speedup_above_world_size), and so a scaling efficiency above 100% beyond its interval
+(efficiency_above_100; for a max_seq_len run, a max-length gain above the world-size ratio).
+Without an interval (one iteration) a ratio above its limit is flagged all the same.
 """
 
 from __future__ import annotations
@@ -24,8 +36,9 @@ from typing import Any
 
 import attention
 from service.spec import NESTED, AnalysisSpec, PivotSpec, nested_axis
-from service.views import RunRow
+from service.views import Flag, RunRow
 from workers.config import PRECISION_DTYPES
+from workers.noise import Interval, ratio_interval, scaled
 
 DENSE_KERNELS = frozenset({"dense", "ring", "multihead"})
 
@@ -219,10 +232,82 @@ def fill(rows: Sequence[RunRow], by_id: dict[int, RunRow], refs: dict[int, Refs]
             gain = r.max_len_gain if r.searched else r.speedup
             if base.world_size != r.world_size and gain is not None:
                 r.efficiency = gain / (r.world_size / base.world_size)
+            _speedup_noise(r, base)
+            r.flags += limit_flags(r, base)
         if ref.without_checkpointing is not None:  # the step-time cost of checkpointing
             without = by_id[ref.without_checkpointing]
             if not r.searched and r.median_s and without.median_s:
                 r.checkpoint_time_ratio = r.median_s / without.median_s
+                spread = ratio_interval(r.time_interval, without.time_interval)
+                if spread is not None:
+                    r.checkpoint_time_ratio_lo, r.checkpoint_time_ratio_hi = spread.lo, spread.hi
+                    _within(r, "checkpoint_time_ratio", spread)
+
+
+def _within(row: RunRow, name: str, spread: Interval) -> None:
+    """Name ratio `name` in row.within_noise when its interval holds 1.0."""
+    if spread.holds(1.0) and name not in row.within_noise:
+        row.within_noise.append(name)
+
+
+def _speedup_noise(row: RunRow, base: RunRow) -> None:
+    """The speedup's interval from both runs' tokens/s intervals, and the efficiency's (a
+    timed run at another world size: the speedup's over the world-size ratio)."""
+    spread = ratio_interval(row.tokens_per_s_interval, base.tokens_per_s_interval)
+    if spread is None or row.speedup is None:
+        return
+    row.speedup_lo, row.speedup_hi = spread.lo, spread.hi
+    _within(row, "speedup", spread)
+    if not row.searched and row.efficiency is not None:
+        eff = scaled(spread, base.world_size / row.world_size)
+        assert eff is not None  # spread is not None
+        row.efficiency_lo, row.efficiency_hi = eff.lo, eff.hi
+
+
+def limit_flags(row: RunRow, base: RunRow) -> list[Flag]:
+    """Flags of ratios above the physical limit of a run at W ranks against a baseline at
+    fewer: W / baseline W for the speedup, 100% for the efficiency; beyond the interval where
+    there is one (see the module docstring)."""
+    limit = row.world_size / base.world_size
+    if limit <= 1:
+        return []
+    flags = []
+    speedup, low = row.speedup, row.speedup_lo
+    beyond = speedup is not None and (low if low is not None else speedup) > limit
+    if not row.searched and speedup is not None and beyond:
+        noise = (
+            f"its interval {low:.2f}-{row.speedup_hi:.2f}x lies above"
+            if low is not None
+            else "with no interval to tell the noise (a run of 1 iteration), above"
+        )
+        why = f"{row.world_size} ranks against {base.world_size} can at most reach {limit:g}x"
+        flags.append(
+            Flag(
+                "speedup_above_world_size",
+                "speedup",
+                f"speedup {speedup:.2f}x above the physical limit: {noise} {limit:g}x ({why})",
+            )
+        )
+        flags.append(
+            Flag(
+                "efficiency_above_100",
+                "efficiency",
+                f"scaling efficiency {speedup / limit:.0%} above 100% beyond the noise: "
+                "the speedup it follows from is above the world-size ratio",
+            )
+        )
+    gain = row.max_len_gain
+    if row.searched and gain is not None and gain > limit:
+        flags.append(
+            Flag(
+                "efficiency_above_100",
+                "efficiency",
+                f"scaling efficiency {gain / limit:.0%} above 100%: a max-length gain of "
+                f"{gain:.2f}x at {limit:g}x the ranks (each rank holds a 1/{limit:g} share, "
+                "so its memory per token would have to fall)",
+            )
+        )
+    return flags
 
 
 def apply(rows: Sequence[RunRow], spec: AnalysisSpec | None) -> None:
