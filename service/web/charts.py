@@ -344,13 +344,14 @@ CHANGE_COLOURS = {"slower": "#d62728", "faster": "#2ca02c", None: "#8c8c8c"}
 
 
 def compare_figure(pairs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Tokens/s ratio B/A per matching cell, coloured by that metric alone: red where B is slower
-    and green where it is faster outside both runs' p10-p90 spread, grey within the noise."""
+    """Tokens/s ratio B/A per matching cell with its interval (both runs' median intervals) as
+    an error bar, coloured by that metric alone: red where B is slower and green where it is
+    faster beyond both runs' noise, grey within the noise."""
     with_ratio = [p for p in pairs if p.get("tps_ratio") is not None]
     fig = go.Figure(
         layout=_layout(
-            "Throughput ratio B / A per matching cell (red: slower, green: faster, beyond the "
-            "p10-p90 spread)",
+            "Throughput ratio B / A per matching cell, with its interval (red: slower, green: "
+            "faster, beyond both medians' 95% intervals)",
             "tokens/s B / A",
             "",
             xaxis={"type": "log", "title": {"text": "tokens/s B / A"}},
@@ -360,12 +361,25 @@ def compare_figure(pairs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     )
     if not with_ratio:
         return _empty(fig, "No matching cells with a throughput in both sweeps")
+    ratios = [p["tps_ratio"] for p in with_ratio]
     fig.add_trace(
         go.Bar(
             y=[p["label"] for p in with_ratio],
-            x=[p["tps_ratio"] for p in with_ratio],
+            x=ratios,
             orientation="h",
             marker={"color": [CHANGE_COLOURS[p["time_change"]] for p in with_ratio]},
+            error_x={
+                "type": "data",
+                "symmetric": False,
+                "array": [
+                    None if p.get("tps_hi") is None else p["tps_hi"] - r
+                    for p, r in zip(with_ratio, ratios, strict=True)
+                ],
+                "arrayminus": [
+                    None if p.get("tps_lo") is None else r - p["tps_lo"]
+                    for p, r in zip(with_ratio, ratios, strict=True)
+                ],
+            },
             name="tokens/s B / A",
             hovertemplate="%{y}<br>%{x:.3f}<extra></extra>",
         )
