@@ -111,6 +111,16 @@ def test_report_flags_speedups_above_w_and_marks_those_within_noise(database_url
         rows = client.get(f"{API}/sweeps/{sweep_id}/results.json").json()
         raw = _raw_times(client, rows)
         md = report(client, sweep_id)
+        (superlinear,) = [r for r in rows if r["speedup_lo"] and r["speedup_lo"] > 2]
+        page = client.get(f"/runs/{superlinear['run_id']}").text
+        dash = client.get(f"/sweeps/{sweep_id}/dashboard.json").json()["rows"]
+    # the run page and the sweep page's rows carry the same flags (the page marks them)
+    assert 'data-code="speedup_above_world_size"' in page
+    assert 'data-code="efficiency_above_100"' in page
+    assert "above the physical limit" in page
+    (dash_row,) = [r for r in dash if r["run_id"] == superlinear["run_id"]]
+    assert dash_row["flags"] == superlinear["flags"]
+    assert dash_row["speedup_lo"] == superlinear["speedup_lo"]
     by_id = {r["run_id"]: r for r in rows}
     against = section(md, "## Against the baseline")
     flagged = 0
