@@ -207,3 +207,14 @@ def test_two_identical_sweeps_compare_without_regression_a_2x_slower_one_with(
     )
     rows = re.findall(r'<tr class="regression">(.*?)</tr>', planted, re.S)
     assert len(rows) == 1 and "ring" in rows[0] and "4,096" in rows[0] and "slower" in rows[0]
+
+
+def test_the_terminal_table_marks_speedups_as_the_report_does() -> None:
+    """`ringlab results`: ⚠ beside a flagged speedup, ~ beside one within noise."""
+    from service.cli import _speedup_note
+
+    flag = {"code": "speedup_above_world_size", "field": "speedup", "text": "above W"}
+    assert _speedup_note({"flags": [flag], "within_noise": []}) == " ⚠"
+    assert _speedup_note({"flags": [], "within_noise": ["speedup"]}) == " ~"
+    peak = {**flag, "field": "peak_memory_bytes"}
+    assert _speedup_note({"flags": [peak], "within_noise": []}) == ""
