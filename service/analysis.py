@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import attention
@@ -449,6 +449,8 @@ class Pivot:
     row_header: str
     columns: list[str]
     rows: list[tuple[str, list[float | None]]]
+    flags: dict[tuple[int, int], list[str]] = field(default_factory=dict)
+    """(row index, column index) -> the flag codes on the value shown there (views.Flag)."""
 
 
 def _axis_value(row: RunRow, name: str) -> Any:
@@ -493,6 +495,7 @@ def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
     other_fields = [] if "label" in used else [f for f in vf if f not in used]
     with_kernel = not used & {"kernel", "label"} and len({r.kernel for r in rows}) > 1
     cells: dict[tuple[Any, str], dict[str, float | None]] = {}
+    flagged: dict[tuple[Any, str], dict[str, list[str]]] = {}
     col_keys: dict[str, tuple[Any, ...]] = {}
     for r in rows:
         name = label(r, other_params, other_fields)
@@ -507,6 +510,9 @@ def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
         )
         col_keys[ctext] = tuple(_sort_key(v) for v in cvals)
         cells.setdefault(rkey, {})[ctext] = getattr(r, spec.value)
+        codes = [f.code for f in r.flags_on(spec.value)]
+        if codes:
+            flagged.setdefault(rkey, {})[ctext] = codes
     columns = sorted(col_keys, key=lambda c: col_keys[c])
     ordered = sorted(cells, key=lambda k: (k[1], _sort_key(k[0])))
 
@@ -523,4 +529,10 @@ def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
         for k in ordered
     ]
     header = spec.rows.removeprefix("params.").replace("_", " ")
-    return Pivot(value=spec.value, row_header=header, columns=columns, rows=body)
+    marks = {
+        (i, j): flagged[k][c]
+        for i, k in enumerate(ordered)
+        for j, c in enumerate(columns)
+        if c in flagged.get(k, {})
+    }
+    return Pivot(value=spec.value, row_header=header, columns=columns, rows=body, flags=marks)

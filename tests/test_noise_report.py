@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy.orm import Session
 from test_seed_tables import API, MiB, client_for, report, section, submit
 
+from service.cli import load_specs
 from service.db.models import Environment, RankResult, Run, RunStatus
 
 ITERATIONS = 12
@@ -69,11 +70,26 @@ LOW_PEAK = (2048, "train")
 """The cell whose ring run's rank 1 reports a peak below its inputs."""
 
 
-def store_dp_sweep(client: Any, seed: int, slower: tuple[int, str] | None = None) -> int:
+def store_dp_sweep(
+    client: Any,
+    seed: int,
+    slower: tuple[int, str] | None = None,
+    analysis: dict[str, Any] | None = None,
+) -> int:
     """cpu-dp-vs-ring-2gpu.yaml with times drawn +-4% around t (W=1), t / 1.8 (data parallel;
-    t / 2.6 at SUPERLINEAR) and t (ring: no faster); the ring at `slower` takes 2 t."""
+    t / 2.6 at SUPERLINEAR) and t (ring: no faster); the ring at `slower` takes 2 t. With
+    `analysis`, the spec carries that analysis block."""
     rng = random.Random(seed)
-    runs = submit(client, "cpu-dp-vs-ring-2gpu.yaml")
+    if analysis is None:
+        runs = submit(client, "cpu-dp-vs-ring-2gpu.yaml")
+    else:
+        doc = {**load_specs("cpu-dp-vs-ring-2gpu.yaml")[0], "analysis": analysis}
+        created = client.post(f"{API}/sweeps", json=doc)
+        assert created.status_code == 201, created.text
+        listed = client.get(
+            f"{API}/runs", params={"sweep_id": created.json()["id"], "sort": "id", "limit": 500}
+        )
+        runs = listed.json()["data"]
     for r in runs:
         c = r["config"]
         cell = (c["seq_len"], c["mode"])
@@ -218,3 +234,16 @@ def test_the_terminal_table_marks_speedups_as_the_report_does() -> None:
     assert _speedup_note({"flags": [], "within_noise": ["speedup"]}) == " ~"
     peak = {**flag, "field": "peak_memory_bytes"}
     assert _speedup_note({"flags": [peak], "within_noise": []}) == ""
+
+
+def test_a_pivot_of_speedups_marks_the_flagged_one(database_url: str) -> None:
+    pivot = {"rows": "seq_len", "columns": ["parallel"], "value": "speedup"}
+    with client_for(database_url) as client:
+        sweep_id = store_dp_sweep(client, seed=6, analysis={"pivot": pivot})
+        rows = client.get(f"{API}/sweeps/{sweep_id}/results.json").json()
+        md = report(client, sweep_id)
+    table = section(md, "## Speedup by seq len and parallel")
+    (flagged,) = [r for r in rows if r["flags"] and r["speedup_lo"] and r["speedup_lo"] > 2]
+    line = next(x for x in table.splitlines() if x.startswith("| dense · W=2 · forward · 1,024 |"))
+    assert f"{flagged['speedup']:.2f}x ⚠[^speedup_above_world_size]" in line, table
+    assert sum("⚠" in x for x in table.splitlines()) == 1

@@ -603,12 +603,27 @@ def _pivot_section(rows: Sequence[RunRow], spec: PivotSpec) -> list[str]:
     if not table.columns or not table.rows:
         return []
     show = FORMATS[spec.value]
-    body = [[name, *(show(v) for v in values)] for name, values in table.rows]
+
+    def cell(i: int, j: int, value: Any) -> str:
+        marked = "".join(f" ⚠[^{code}]" for code in table.flags.get((i, j), []))
+        return show(value) + marked
+
+    body = [
+        [name, *(cell(i, j, v) for j, v in enumerate(values))]
+        for i, (name, values) in enumerate(table.rows)
+    ]
     title = analysis.PIVOT_VALUES[spec.value]
+    note = []
+    if spec.value in SPANS:
+        note = [
+            "Each ratio's interval and whether it is within noise: see Against the baseline.",
+            "",
+        ]
     return [
         f"## {title[0].upper() + title[1:]} by {table.row_header} and "
         + " x ".join(c.removeprefix("params.").replace("_", " ") for c in spec.columns),
         "",
+        *note,
         *_table([table.row_header.capitalize(), *table.columns], body),
         "",
     ]
