@@ -216,6 +216,23 @@ def test_two_identical_sweeps_compare_without_regression_a_2x_slower_one_with(
         c = store_dp_sweep(client, seed=5, slower=(4096, "forward"))
         same = client.get("/compare", params={"a": a, "b": b}).text
         planted = client.get("/compare", params={"a": a, "b": c}).text
+        api_same = client.get(f"{API}/sweeps/{a}/compare/{b}").json()
+        api_planted = client.get(f"{API}/sweeps/{a}/compare/{c}").json()
+        pivot = {"pivot": {"rows": "seq_len", "columns": ["parallel"], "value": "speedup"}}
+        other = store_dp_sweep(client, seed=3, analysis=pivot)  # another spec, the same times
+        api_other = client.get(f"{API}/sweeps/{a}/compare/{other}").json()
+        missing = client.get(f"{API}/sweeps/{a}/compare/999999")
+    # the API says what the page says
+    assert api_same["same_spec"] and api_same["regressions"] == 0
+    assert len(api_same["pairs"]) == 24 and api_same["within_noise"] >= 1
+    for p in api_same["pairs"]:  # every pair's interval holds 1 or the time_change says why
+        assert p["tps_lo"] <= p["tps_ratio"] <= p["tps_hi"]
+        assert p["within_noise"] == (p["tps_lo"] <= 1 <= p["tps_hi"])
+    assert api_planted["regressions"] == 1 and api_planted["same_spec"]
+    (slow,) = [p for p in api_planted["pairs"] if p["regression"]]
+    assert slow["reasons"] == ["slower"] and slow["tps_hi"] < 1
+    assert not api_other["same_spec"] and api_other["regressions"] == 0
+    assert missing.status_code == 404
     assert "A and B ran identical specs" in same
     assert _verdict(same).startswith("24 matching cells (0 only in A, 0 only in B); 0 regressions")
     assert _verdict(planted).startswith(

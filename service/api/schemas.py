@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -396,3 +396,36 @@ class ClusterOut(BaseModel):
         "shape reuses them, and another run gets them back when it needs them."
     )
     idle_gang_gpus: float = Field(description="As idle_gang_cpus, for GPUs.")
+
+
+class ComparePair(BaseModel):
+    """One cell run in both sweeps: B against A (service.web.data.compare_rows)."""
+
+    label: str
+    a_run_id: int
+    b_run_id: int
+    tps_ratio: float | None = Field(description="B tokens/s / A tokens/s.")
+    tps_lo: float | None = Field(description="Its interval from both medians': b_lo / a_hi.")
+    tps_hi: float | None = Field(description="b_hi / a_lo.")
+    within_noise: bool = Field(description="The interval holds 1.0.")
+    time_change: Literal["slower", "faster"] | None = Field(
+        description="B's median interval wholly above (slower) or below A's; None: overlapping "
+        "(noise), or a run without an interval."
+    )
+    memory_ratio: float | None = Field(description="B peak / A peak (one measurement each).")
+    max_len_ratio: float | None = Field(description="B max length / A max length.")
+    regression: bool
+    reasons: list[str] = Field(description="slower, more memory, shorter max length, B <status>.")
+
+
+class CompareOut(BaseModel):
+    """Two sweeps cell by cell (the /compare page's data)."""
+
+    a: int
+    b: int
+    same_spec: bool = Field(description="Both specs are identical once their names are dropped.")
+    only_a: int = Field(description="Cells only in A.")
+    only_b: int = Field(description="Cells only in B.")
+    regressions: int
+    within_noise: int
+    pairs: list[ComparePair]

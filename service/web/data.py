@@ -104,3 +104,25 @@ def compare_rows(a_rows: Sequence[RunRow], b_rows: Sequence[RunRow]) -> list[dic
             }
         )
     return pairs
+
+
+def compare_out(a_id: int, b_id: int, a_rows: Sequence[RunRow], b_rows: Sequence[RunRow],
+                same: bool) -> dict[str, Any]:  # fmt: skip
+    """The comparison as plain JSON values (GET /api/v1/sweeps/{a}/compare/{b})."""
+    pairs = compare_rows(a_rows, b_rows)
+    only_a, only_b = unmatched(a_rows, b_rows)
+    keep = ("label", "tps_ratio", "tps_lo", "tps_hi", "within_noise", "time_change",
+            "memory_ratio", "max_len_ratio", "regression", "reasons")  # fmt: skip
+    return {
+        "a": a_id,
+        "b": b_id,
+        "same_spec": same,
+        "only_a": only_a,
+        "only_b": only_b,
+        "regressions": sum(p["regression"] for p in pairs),
+        "within_noise": sum(p["within_noise"] for p in pairs),
+        "pairs": [
+            {"a_run_id": p["a"].run_id, "b_run_id": p["b"].run_id, **{k: p[k] for k in keep}}
+            for p in pairs
+        ],
+    }
