@@ -264,3 +264,34 @@ def test_a_pivot_of_speedups_marks_the_flagged_one(database_url: str) -> None:
     line = next(x for x in table.splitlines() if x.startswith("| dense · W=2 · forward · 1,024 |"))
     assert f"{flagged['speedup']:.2f}x ⚠[^speedup_above_world_size]" in line, table
     assert sum("⚠" in x for x in table.splitlines()) == 1
+
+
+def test_limit_flags_without_an_interval_and_for_a_maximum_length() -> None:
+    """A speedup above W from runs of one iteration (no interval to tell the noise) is flagged
+    all the same; a max-length gain above W at 2 ranks flags the efficiency."""
+    from test_web import _row
+
+    from service import analysis
+
+    one = _row(1, median=1.0)
+    two = _row(2, median=0.4, world_size=2)  # 2.5x at W=2
+    for r in (one, two):
+        r.median_lo_s = r.median_hi_s = r.median_ci_level = None
+        r.iterations = 1
+    analysis.apply([one, two], None)
+    assert two.speedup == 2.5 and two.speedup_lo is None
+    codes = {(f.code, f.field) for f in two.flags}
+    assert codes == {
+        ("speedup_above_world_size", "speedup"),
+        ("efficiency_above_100", "efficiency"),
+    }
+    assert "no interval to tell the noise" in two.flag("speedup_above_world_size", "speedup").text
+    base = _row(11, median=1.0, search={"start": 1024})
+    wide = _row(12, median=1.0, world_size=2, search={"start": 1024})
+    for r, found in ((base, 8192), (wide, 20480)):
+        r.searched, r.max_seq_len = True, found
+    analysis.apply([base, wide], None)
+    assert wide.max_len_gain == 2.5 and wide.efficiency == 1.25
+    (flag,) = wide.flags
+    assert (flag.code, flag.field) == ("efficiency_above_100", "efficiency")
+    assert "max-length gain of 2.50x" in flag.text

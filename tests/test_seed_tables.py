@@ -34,8 +34,8 @@ interval is their range [LOW x median, HIGH x median] (covering 75%)."""
 
 
 def timed(t: float) -> str:
-    """A time as the baseline table shows it: the median and its interval (ms)."""
-    return f"{fmt_ms(t)} ({t * LOW * 1e3:.2f}-{t * HIGH * 1e3:.2f})"
+    """A time as the baseline table shows it: the median, its interval (ms), 3 iterations."""
+    return f"{fmt_ms(t)} ({t * LOW * 1e3:.2f}-{t * HIGH * 1e3:.2f}, n=3)"
 
 
 def faster(t_base: float, t_run: float, world_ratio: float = 1.0) -> tuple[str, str]:

@@ -244,12 +244,14 @@ def ratio_cell(row: RunRow, field: str, fmt: Callable[[Any], str]) -> str:
 
 
 def time_cell(row: RunRow) -> str:
-    """The median time with its interval: "1.00 ms (0.95-1.05)" (in ms)."""
+    """The median time with its interval and the iterations it came from: "1.00 ms
+    (0.95-1.05, n=3)" (in ms); one iteration has no interval: "1.00 ms (n=1)"."""
     if row.median_s is None:
         return "-"
     if row.median_lo_s is None or row.median_hi_s is None:
-        return fmt_ms(row.median_s)
-    return f"{fmt_ms(row.median_s)} ({row.median_lo_s * 1e3:.2f}-{row.median_hi_s * 1e3:.2f})"
+        return f"{fmt_ms(row.median_s)} (n={row.iterations})"
+    span = f"{row.median_lo_s * 1e3:.2f}-{row.median_hi_s * 1e3:.2f}"
+    return f"{fmt_ms(row.median_s)} ({span}, n={row.iterations})"
 
 
 FORMATS: dict[str, Callable[[Any], str]] = {
