@@ -295,3 +295,22 @@ def test_limit_flags_without_an_interval_and_for_a_maximum_length() -> None:
     (flag,) = wide.flags
     assert (flag.code, flag.field) == ("efficiency_above_100", "efficiency")
     assert "max-length gain of 2.50x" in flag.text
+
+
+def test_the_scaling_chart_draws_the_intervals_and_crosses_the_flagged_point(
+    database_url: str,
+) -> None:
+    with client_for(database_url) as client:
+        sweep_id = store_dp_sweep(client, seed=7)
+        payload = client.get(f"/sweeps/{sweep_id}/dashboard.json").json()
+    rows = {r["run_id"]: r for r in payload["rows"]}
+    fig = payload["figures"]["chart-scaling"]
+    (cross,) = [t for t in fig["data"] if t.get("name") == "above 100% (flagged)"]
+    (flagged,) = [r for r in rows.values() if r["efficiency_lo"] and r["efficiency_lo"] > 1]
+    assert cross["x"] == [2] and cross["y"] == [flagged["efficiency"]]
+    assert "above 100%" in cross["text"][0]
+    series = [t for t in fig["data"] if t.get("error_y")]
+    assert len(series) == 16  # one per W=2 cell; each line's W=2 point carries its interval
+    for t in series:
+        (w2,) = [i for i, w in enumerate(t["x"]) if w == 2]
+        assert t["error_y"]["array"][w2] > 0 and t["error_y"]["arrayminus"][w2] > 0
