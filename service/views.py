@@ -62,10 +62,15 @@ from workers.noise import Interval, inverse, median_interval
 BYTES_PER_ELEMENT = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 NOT_MEASURED_FIELDS = frozenset(
-    {"name", "tags", "label", "timeout_s", "dist_timeout_s", "max_attempts"}
-)
+    {
+        "name", "tags", "label", "timeout_s", "dist_timeout_s", "max_attempts", "iterations",
+        "time_cap_s",
+    }
+)  # fmt: skip
 """Fields that name or bound a run without changing what it measures: two sweeps' cells match
-(compare page) when their configs are equal once these are dropped."""
+(compare page) when their configs are equal once these are dropped. The iteration count and
+time cap decide how many samples, not what is sampled (each run's interval says how sure its
+median is): a cell rerun under `iterations: auto` matches its predecessor at 5."""
 
 
 def config_key(config: dict[str, Any]) -> str:

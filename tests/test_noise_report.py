@@ -314,3 +314,12 @@ def test_the_scaling_chart_draws_the_intervals_and_crosses_the_flagged_point(
     for t in series:
         (w2,) = [i for i, w in enumerate(t["x"]) if w == 2]
         assert t["error_y"]["array"][w2] > 0 and t["error_y"]["arrayminus"][w2] > 0
+
+
+def test_a_cell_rerun_under_auto_matches_its_predecessor_on_the_compare_page() -> None:
+    from service.views import config_key
+
+    old = {"kernel": "dense", "seq_len": 1024, "warmup": 2, "iterations": 5}
+    assert config_key(old) == config_key({**old, "iterations": "auto", "time_cap_s": None})
+    assert config_key(old) == config_key({**old, "iterations": "auto", "time_cap_s": 5.0})
+    assert config_key(old) != config_key({**old, "warmup": 1})
