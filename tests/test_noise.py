@@ -155,3 +155,17 @@ def test_ranks_of_a_gloo_group_run_the_same_count() -> None:
     assert run_ranks(_votes_on_rank, 2, 1e-9) == [noise.AUTO_MIN_ITERATIONS] * 2
     counts = run_ranks(_case_on_rank, 2)
     assert counts[0] == counts[1] and counts[0] >= noise.AUTO_MIN_ITERATIONS
+
+
+def test_a_model_cell_under_auto_stops_by_the_same_rule() -> None:
+    """workload: model: the timed steps follow Iterations too (its times are whole steps)."""
+    from test_model_workload import model_cell
+
+    cfg = RunConfig.model_validate(model_cell(iterations="auto", time_cap_s=0.3))
+    case = protocol.run_case(cfg)
+    assert case.status == "ok", case.error
+    times = case.result.times_s
+    assert noise.AUTO_MIN_ITERATIONS <= len(times) <= noise.AUTO_MAX_ITERATIONS
+    assert all(not noise.settled(times[:k]) for k in range(noise.AUTO_MIN_ITERATIONS, len(times)))
+    wall = case.last_iteration_at - case.first_iteration_at
+    assert noise.settled(times) or wall >= 0.3 or len(times) == noise.AUTO_MAX_ITERATIONS
