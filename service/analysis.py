@@ -19,8 +19,9 @@ efficiency_lo/hi (timed runs), checkpoint_time_ratio_lo/hi. A ratio whose interv
 named in the row's `within_noise`. Peak memory and maximum length are one measurement each (no
 repeats, no spread): their ratios have no interval.
 
-A ratio above its physical limit is flagged (views.Flag), never shown plainly: a speedup above
-the world-size ratio (W / baseline W, for W above the baseline's) beyond its interval
+A ratio above its physical limit is flagged (views.Flag), never shown plainly: against the same
+work on fewer ranks (same_work), a speedup above the world-size ratio (W / baseline W) beyond
+its interval
 (speedup_above_world_size), and so a scaling efficiency above 100% beyond its interval
 (efficiency_above_100; for a max_seq_len run, a max-length gain above the world-size ratio).
 Without an interval (one iteration) a ratio above its limit is flagged all the same.
@@ -264,12 +265,37 @@ def _speedup_noise(row: RunRow, base: RunRow) -> None:
         row.efficiency_lo, row.efficiency_hi = eff.lo, eff.hi
 
 
+SCALING_FIELDS = frozenset({"world_size", "parallel", "batch_size", "seq_len", "kernel", "params"})
+"""What a world-size baseline may change: the ranks, how they split the work, and (weak
+scaling) its size; the kernel only for its single-process twin."""
+
+
+def same_work(row: RunRow, base: RunRow) -> bool:
+    """Whether `base` is `row` at another world size (the same kernel, or its single-process
+    twin with the twin's params), so W / baseline W bounds the speedup; a baseline that also
+    changes the kernel, a param or the dtype (a custom `analysis.baseline`) bounds nothing."""
+    kept = [
+        {k: v for k, v in r.config.items() if k not in SCALING_FIELDS | IGNORED_FOR_MATCHING}
+        for r in (row, base)
+    ]
+    if kept[0] != kept[1]:
+        return False
+    params = {k: v for k, v in row.params.items() if v is not None}
+    base_params = {k: v for k, v in base.params.items() if v is not None}
+    if row.kernel == base.kernel:
+        return params == base_params
+    if row.kernel not in attention.KERNELS or attention.twin_of(row.kernel) != base.kernel:
+        return False
+    twin = {k: v for k, v in attention.twin_params(row.params).items() if v is not None}
+    return twin == base_params
+
+
 def limit_flags(row: RunRow, base: RunRow) -> list[Flag]:
-    """Flags of ratios above the physical limit of a run at W ranks against a baseline at
-    fewer: W / baseline W for the speedup, 100% for the efficiency; beyond the interval where
-    there is one (see the module docstring)."""
+    """Flags of ratios above the physical limit of a run at W ranks against the same work at
+    fewer (same_work): W / baseline W for the speedup, 100% for the efficiency; beyond the
+    interval where there is one (see the module docstring)."""
     limit = row.world_size / base.world_size
-    if limit <= 1:
+    if limit <= 1 or not same_work(row, base):
         return []
     flags = []
     speedup, low = row.speedup, row.speedup_lo

@@ -323,3 +323,24 @@ def test_a_cell_rerun_under_auto_matches_its_predecessor_on_the_compare_page() -
     assert config_key(old) == config_key({**old, "iterations": "auto", "time_cap_s": None})
     assert config_key(old) == config_key({**old, "iterations": "auto", "time_cap_s": 5.0})
     assert config_key(old) != config_key({**old, "warmup": 1})
+
+
+def test_no_limit_flag_against_a_baseline_that_changes_more_than_the_ranks() -> None:
+    """W / baseline W bounds a speedup only against the same work on fewer ranks: a sparse
+    kernel at W=2 against dense at W=1 (a custom baseline) may well be 3x faster."""
+    from test_web import _row
+
+    from service import analysis
+
+    dense = _row(1, median=1.0)
+    sparse = _row(2, median=1 / 3, world_size=2, kernel="block_sparse",
+                  params={"block_size": 64, "sparsity_ratio": 0.1})  # fmt: skip
+    same = _row(3, median=1 / 3, world_size=2)
+    for r in (sparse, same):
+        r.speedup, r.speedup_lo, r.speedup_hi, r.iterations = 3.0, 2.8, 3.2, 12
+    assert not analysis.same_work(sparse, dense) and analysis.limit_flags(sparse, dense) == []
+    assert analysis.same_work(same, dense)
+    assert [f.code for f in analysis.limit_flags(same, dense)] == [
+        "speedup_above_world_size",
+        "efficiency_above_100",
+    ]

@@ -424,7 +424,8 @@ FLAG_TITLES = {
     "speedup_above_world_size": "Speedup above the world-size ratio (W / baseline W), beyond "
     "the noise: more ranks cannot do more than their share; suspect contention in the "
     "baseline (threads, cores) or a mismeasured run.",
-    "efficiency_above_100": "Scaling efficiency above 100%, beyond the noise.",
+    "efficiency_above_100": "Scaling efficiency above 100% (beyond the noise where the run "
+    "has an interval; a maximum length has none).",
     "peak_below_inputs": "Peak memory below the inputs the rank held while it was metered: "
     "the peak includes them, so the meter missed memory.",
 }
