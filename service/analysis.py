@@ -12,6 +12,19 @@ the same shape for a sparse or dilated cell. The ratios against it:
 - scaling efficiency (only where the world sizes differ) = speedup (or the max-length gain for a
   search) / (world size / baseline world size): strong scaling keeps the global batch and length,
   weak scaling (`analysis.scaling: weak`) gives the baseline one rank's share of them.
+
+Every ratio of two times carries its noise: from both runs' median intervals (service.views),
+ratio_lo = a_lo / b_hi and ratio_hi = a_hi / b_lo (workers.noise.ratio_interval): speedup_lo/hi,
+efficiency_lo/hi (timed runs), checkpoint_time_ratio_lo/hi. A ratio whose interval holds 1.0 is
+named in the row's `within_noise`. Peak memory and maximum length are one measurement each (no
+repeats, no spread): their ratios have no interval.
+
+A ratio above its physical limit is flagged (views.Flag), never shown plainly: against the same
+work on fewer ranks (same_work), a speedup above the world-size ratio (W / baseline W) beyond
+its interval
+(speedup_above_world_size), and so a scaling efficiency above 100% beyond its interval
+(efficiency_above_100; for a max_seq_len run, a max-length gain above the world-size ratio).
+Without an interval (one iteration) a ratio above its limit is flagged all the same.
 """
 
 from __future__ import annotations
@@ -19,21 +32,22 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import attention
 from service.spec import NESTED, AnalysisSpec, PivotSpec, nested_axis
-from service.views import RunRow
+from service.views import Flag, RunRow
 from workers.config import PRECISION_DTYPES
+from workers.noise import Interval, ratio_interval, scaled
 
 DENSE_KERNELS = frozenset({"dense", "ring", "multihead"})
 
 IGNORED_FOR_MATCHING = frozenset(
     {
         "name", "tags", "label", "timeout_s", "dist_timeout_s", "max_attempts", "warmup",
-        "iterations", "placement", "fresh_processes", "env", "correctness_check", "search",
-        "seed",
+        "iterations", "time_cap_s", "placement", "fresh_processes", "env", "correctness_check",
+        "search", "seed",
     }
 )  # fmt: skip
 """Fields that do not change what a run computes: a baseline matches whatever their values."""
@@ -219,10 +233,107 @@ def fill(rows: Sequence[RunRow], by_id: dict[int, RunRow], refs: dict[int, Refs]
             gain = r.max_len_gain if r.searched else r.speedup
             if base.world_size != r.world_size and gain is not None:
                 r.efficiency = gain / (r.world_size / base.world_size)
+            _speedup_noise(r, base)
+            r.flags += limit_flags(r, base)
         if ref.without_checkpointing is not None:  # the step-time cost of checkpointing
             without = by_id[ref.without_checkpointing]
             if not r.searched and r.median_s and without.median_s:
                 r.checkpoint_time_ratio = r.median_s / without.median_s
+                spread = ratio_interval(r.time_interval, without.time_interval)
+                if spread is not None:
+                    r.checkpoint_time_ratio_lo, r.checkpoint_time_ratio_hi = spread.lo, spread.hi
+                    _within(r, "checkpoint_time_ratio", spread)
+
+
+def _within(row: RunRow, name: str, spread: Interval) -> None:
+    """Name ratio `name` in row.within_noise when its interval holds 1.0."""
+    if spread.holds(1.0) and name not in row.within_noise:
+        row.within_noise.append(name)
+
+
+def _speedup_noise(row: RunRow, base: RunRow) -> None:
+    """The speedup's interval from both runs' tokens/s intervals, and the efficiency's (a
+    timed run at another world size: the speedup's over the world-size ratio)."""
+    spread = ratio_interval(row.tokens_per_s_interval, base.tokens_per_s_interval)
+    if spread is None or row.speedup is None:
+        return
+    row.speedup_lo, row.speedup_hi = spread.lo, spread.hi
+    _within(row, "speedup", spread)
+    if not row.searched and row.efficiency is not None:
+        eff = scaled(spread, base.world_size / row.world_size)
+        assert eff is not None  # spread is not None
+        row.efficiency_lo, row.efficiency_hi = eff.lo, eff.hi
+
+
+SCALING_FIELDS = frozenset({"world_size", "parallel", "batch_size", "seq_len", "kernel", "params"})
+"""What a world-size baseline may change: the ranks, how they split the work, and (weak
+scaling) its size; the kernel only for its single-process twin."""
+
+
+def same_work(row: RunRow, base: RunRow) -> bool:
+    """Whether `base` is `row` at another world size (the same kernel, or its single-process
+    twin with the twin's params), so W / baseline W bounds the speedup; a baseline that also
+    changes the kernel, a param or the dtype (a custom `analysis.baseline`) bounds nothing."""
+    kept = [
+        {k: v for k, v in r.config.items() if k not in SCALING_FIELDS | IGNORED_FOR_MATCHING}
+        for r in (row, base)
+    ]
+    if kept[0] != kept[1]:
+        return False
+    params = {k: v for k, v in row.params.items() if v is not None}
+    base_params = {k: v for k, v in base.params.items() if v is not None}
+    if row.kernel == base.kernel:
+        return params == base_params
+    if row.kernel not in attention.KERNELS or attention.twin_of(row.kernel) != base.kernel:
+        return False
+    twin = {k: v for k, v in attention.twin_params(row.params).items() if v is not None}
+    return twin == base_params
+
+
+def limit_flags(row: RunRow, base: RunRow) -> list[Flag]:
+    """Flags of ratios above the physical limit of a run at W ranks against the same work at
+    fewer (same_work): W / baseline W for the speedup, 100% for the efficiency; beyond the
+    interval where there is one (see the module docstring)."""
+    limit = row.world_size / base.world_size
+    if limit <= 1 or not same_work(row, base):
+        return []
+    flags = []
+    speedup, low = row.speedup, row.speedup_lo
+    beyond = speedup is not None and (low if low is not None else speedup) > limit
+    if not row.searched and speedup is not None and beyond:
+        noise = (
+            f"its interval {low:.2f}-{row.speedup_hi:.2f}x lies above"
+            if low is not None
+            else "with no interval to tell the noise (a run of 1 iteration), above"
+        )
+        why = f"{row.world_size} ranks against {base.world_size} can at most reach {limit:g}x"
+        flags.append(
+            Flag(
+                "speedup_above_world_size",
+                "speedup",
+                f"speedup {speedup:.2f}x above the physical limit: {noise} {limit:g}x ({why})",
+            )
+        )
+        flags.append(
+            Flag(
+                "efficiency_above_100",
+                "efficiency",
+                f"scaling efficiency {speedup / limit:.0%} above 100% beyond the noise: "
+                "the speedup it follows from is above the world-size ratio",
+            )
+        )
+    gain = row.max_len_gain
+    if row.searched and gain is not None and gain > limit:
+        flags.append(
+            Flag(
+                "efficiency_above_100",
+                "efficiency",
+                f"scaling efficiency {gain / limit:.0%} above 100%: a max-length gain of "
+                f"{gain:.2f}x at {limit:g}x the ranks (each rank holds a 1/{limit:g} share, "
+                "so its memory per token would have to fall)",
+            )
+        )
+    return flags
 
 
 def apply(rows: Sequence[RunRow], spec: AnalysisSpec | None) -> None:
@@ -364,6 +475,8 @@ class Pivot:
     row_header: str
     columns: list[str]
     rows: list[tuple[str, list[float | None]]]
+    flags: dict[tuple[int, int], list[str]] = field(default_factory=dict)
+    """(row index, column index) -> the flag codes on the value shown there (views.Flag)."""
 
 
 def _axis_value(row: RunRow, name: str) -> Any:
@@ -408,6 +521,7 @@ def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
     other_fields = [] if "label" in used else [f for f in vf if f not in used]
     with_kernel = not used & {"kernel", "label"} and len({r.kernel for r in rows}) > 1
     cells: dict[tuple[Any, str], dict[str, float | None]] = {}
+    flagged: dict[tuple[Any, str], dict[str, list[str]]] = {}
     col_keys: dict[str, tuple[Any, ...]] = {}
     for r in rows:
         name = label(r, other_params, other_fields)
@@ -422,6 +536,9 @@ def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
         )
         col_keys[ctext] = tuple(_sort_key(v) for v in cvals)
         cells.setdefault(rkey, {})[ctext] = getattr(r, spec.value)
+        codes = [f.code for f in r.flags_on(spec.value)]
+        if codes:
+            flagged.setdefault(rkey, {})[ctext] = codes
     columns = sorted(col_keys, key=lambda c: col_keys[c])
     ordered = sorted(cells, key=lambda k: (k[1], _sort_key(k[0])))
 
@@ -438,4 +555,10 @@ def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
         for k in ordered
     ]
     header = spec.rows.removeprefix("params.").replace("_", " ")
-    return Pivot(value=spec.value, row_header=header, columns=columns, rows=body)
+    marks = {
+        (i, j): flagged[k][c]
+        for i, k in enumerate(ordered)
+        for j, c in enumerate(columns)
+        if c in flagged.get(k, {})
+    }
+    return Pivot(value=spec.value, row_header=header, columns=columns, rows=body, flags=marks)

@@ -625,7 +625,8 @@ RESULT_COLUMNS = (
     ("speedup", "speedup"),
 )
 """The terminal table: the label already names the world size, parallel mode and dtype where
-they vary; a run without a time shows its status there; every other number is in
+they vary; a run without a time shows its status there; a speedup within noise carries ~,
+one above its physical limit ⚠ with the reason below the table; every other number is in
 --format csv/json. A column no row has a value for is left
 out, so the table fits an 80-column terminal."""
 
@@ -689,8 +690,21 @@ def results(
         cells = [_cell(key, row.get(key)) for key, _ in shown]
         if row.get("median_s") is None and ("median_s", "time") in shown:
             cells[shown.index(("median_s", "time"))] = row["status"]
+        if ("speedup", "speedup") in shown and row.get("speedup") is not None:
+            cells[shown.index(("speedup", "speedup"))] += _speedup_note(row)
         table.add_row(*cells)
     out.print(table)
+    for row in rows:  # a number above its physical limit is never shown without why
+        for flag in row.get("flags") or []:
+            out.print(f"⚠ run {row['run_id']}: {flag['text']}", markup=False, highlight=False)
+
+
+def _speedup_note(row: dict[str, Any]) -> str:
+    """' ⚠' beside a flagged speedup (explained below the table), ' ~' beside one whose
+    interval holds 1.0 (within noise)."""
+    if any(f["field"] == "speedup" for f in row.get("flags") or []):
+        return " ⚠"
+    return " ~" if "speedup" in (row.get("within_noise") or []) else ""
 
 
 @app.command()

@@ -5,14 +5,20 @@ these rows, so every number has exactly one definition, here:
 - measured length: the length the ranks measured (``RankResult.seq_len``): the cell's length for
   a benchmark, the search's answer for a max_seq_len run;
 - time: the slowest rank's median per iteration (a ring step ends when its last rank does), with
-  that rank's p10-p90 as the spread;
+  that rank's p10-p90 as the spread, and that rank's 95% confidence interval of the median
+  (order statistics, workers.noise.median_interval; from 6 iterations on; with 2-5 the range of
+  all its samples at the lower level median_ci_level says; none with 1) as the noise every
+  ratio carries (service.analysis);
+- iterations: the timed iterations the run ran (the length of its ranks' times_s);
 - tokens/s: batch_size x measured length / time;
 - FLOP/s: the FLOPs of every rank summed, over the time; per rank: that sum / world size;
 - peak memory: each rank's own peak (reset for the case); the headline is the largest;
 - memory floor (attention cells): q, k, v, out in the input dtype plus the fp32 lse, for the tokens
   one rank holds;
 - memory per token: the largest rank peak over the tokens that rank holds;
-- maximum length: the longest probe that fit.
+- maximum length: the longest probe that fit;
+- flags: a result above the physical limit (Flag), never shown without its mark: here a rank's
+  peak below the inputs it held (peak_below_inputs); service.analysis adds the ratios' flags.
 
 A ring run adds, from its ranks' steps (attention.ring.steps; table ring_step, and each rank's
 totals in rank_result):
@@ -51,14 +57,20 @@ from service.db.models import (
     RunStatus,
 )
 from service.web.peaks import dense_peak_flops
+from workers.noise import Interval, inverse, median_interval
 
 BYTES_PER_ELEMENT = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 NOT_MEASURED_FIELDS = frozenset(
-    {"name", "tags", "label", "timeout_s", "dist_timeout_s", "max_attempts"}
-)
+    {
+        "name", "tags", "label", "timeout_s", "dist_timeout_s", "max_attempts", "iterations",
+        "time_cap_s",
+    }
+)  # fmt: skip
 """Fields that name or bound a run without changing what it measures: two sweeps' cells match
-(compare page) when their configs are equal once these are dropped."""
+(compare page) when their configs are equal once these are dropped. The iteration count and
+time cap decide how many samples, not what is sampled (each run's interval says how sure its
+median is): a cell rerun under `iterations: auto` matches its predecessor at 5."""
 
 
 def config_key(config: dict[str, Any]) -> str:
@@ -181,6 +193,16 @@ class RankView:
     link_bytes_per_s: float | None = None
 
 
+@dataclass(frozen=True)
+class Flag:
+    """A number above its physical limit: `code` (short, stable), the row `field` it marks,
+    and a sentence that says what is wrong with it."""
+
+    code: str
+    field: str
+    text: str
+
+
 @dataclass
 class RunRow:
     """One run with every number a table or chart shows for it (see the module docstring)."""
@@ -212,6 +234,10 @@ class RunRow:
     median_s: float | None = None
     p10_s: float | None = None
     p90_s: float | None = None
+    median_lo_s: float | None = None
+    median_hi_s: float | None = None
+    median_ci_level: float | None = None
+    iterations: int | None = None
     tokens_per_s: float | None = None
     flops_per_s: float | None = None
     flops_per_s_per_rank: float | None = None
@@ -244,6 +270,12 @@ class RunRow:
     memory_ratio: float | None = None
     max_len_gain: float | None = None
     efficiency: float | None = None
+    speedup_lo: float | None = None
+    speedup_hi: float | None = None
+    efficiency_lo: float | None = None
+    efficiency_hi: float | None = None
+    within_noise: list[str] = field(default_factory=list)
+    flags: list[Flag] = field(default_factory=list)
     # Model cells (workload: model); None / empty for attention-only cells.
     workload: str = "attention"
     model: str | None = None
@@ -261,11 +293,35 @@ class RunRow:
     backward_s: float | None = None
     optimizer_s: float | None = None
     checkpoint_time_ratio: float | None = None  # filled by analysis: time / no checkpointing
+    checkpoint_time_ratio_lo: float | None = None
+    checkpoint_time_ratio_hi: float | None = None
     predicted_peaks: list[tuple[int, int]] = field(default_factory=list)
 
     def component(self, name: str) -> ComponentView | None:
         """The limiting rank's component `name`, if stored."""
         return next((c for c in self.components if c.component == name), None)
+
+    @property
+    def time_interval(self) -> Interval | None:
+        """The median time's interval (None without one: 1 iteration, or nothing measured)."""
+        if self.median_lo_s is None or self.median_hi_s is None or self.median_ci_level is None:
+            return None
+        return Interval(self.median_lo_s, self.median_hi_s, self.median_ci_level)
+
+    @property
+    def tokens_per_s_interval(self) -> Interval | None:
+        """tokens/s from the time's interval: batch x measured length / [hi, lo]."""
+        if self.measured_seq_len is None:
+            return None
+        return inverse(self.time_interval, self.batch_size * self.measured_seq_len)
+
+    def flag(self, code: str, field: str) -> Flag | None:
+        """This row's flag `code` on `field`, if raised."""
+        return next((f for f in self.flags if f.code == code and f.field == field), None)
+
+    def flags_on(self, field: str) -> list[Flag]:
+        """The flags that mark `field` (a number never shown without them)."""
+        return [f for f in self.flags if f.field == field]
 
     @property
     def tflops_per_s(self) -> float | None:
@@ -472,6 +528,10 @@ def _measured(row: RunRow) -> None:
     row.measured_seq_len = lengths.pop()
     slow = max(ranks, key=lambda r: r.median_s)
     row.median_s, row.p10_s, row.p90_s = slow.median_s, slow.p10_s, slow.p90_s
+    row.iterations = len(slow.times_s)
+    spread = median_interval(slow.times_s)
+    if spread is not None:
+        row.median_lo_s, row.median_hi_s, row.median_ci_level = spread.lo, spread.hi, spread.level
     if slow.median_s > 0:
         row.tokens_per_s = row.batch_size * row.measured_seq_len / slow.median_s
         row.flops_per_s = sum(r.flops for r in ranks) / slow.median_s
@@ -482,6 +542,7 @@ def _measured(row: RunRow) -> None:
     row.peak_memory_bytes = max(row.rank_peak_bytes)
     inputs = [r.input_memory_bytes for r in ranks if r.input_memory_bytes is not None]
     row.input_memory_bytes = max(inputs) if inputs else None
+    row.flags += peak_flags(ranks)
     row.backend = ",".join(sorted({r.backend for r in ranks}))
     errors = [r.max_abs_error for r in ranks if r.max_abs_error is not None]
     row.max_abs_error = max(errors) if errors else None
@@ -493,6 +554,24 @@ def _measured(row: RunRow) -> None:
     row.sampled_check_seq_len = first.sampled_check_seq_len
     row.sampled_check_rows = first.sampled_check_rows
     _steps(row)
+
+
+def peak_flags(ranks: Sequence[RankView]) -> list[Flag]:
+    """peak_below_inputs for a rank whose peak is below the inputs it held while that peak
+    was metered: the peak counts those inputs, so the meter missed memory."""
+    low = [
+        r
+        for r in ranks
+        if r.input_memory_bytes is not None and r.peak_memory_bytes < r.input_memory_bytes
+    ]
+    if not low:
+        return []
+    which = "; ".join(
+        f"rank {r.rank}: peak {r.peak_memory_bytes:,} B < inputs {r.input_memory_bytes:,} B"
+        for r in low
+    )
+    text = f"peak below the inputs the rank held ({which}): the meter missed memory"
+    return [Flag("peak_below_inputs", "peak_memory_bytes", text)]
 
 
 def _steps(row: RunRow) -> None:

@@ -211,9 +211,11 @@ def test_run_detail_exports_and_report(database_url: str) -> None:
         assert "## Results per run and sequence length" in md
         # per-rank peaks in their own columns; 4 ms -> 2.5 ms on 2 ranks: 1.60x, 80% efficient.
         assert "| dense · W=2 | 128 | 2 | 2.50 ms | 2.25 ms - 2.75 ms | 102,400 |" in md
+        # the intervals: stored times are median x (0.9, 1, 1.1), so speedup 3.6/2.75-4.4/2.25
+        lo, hi = 0.004 * 0.9 / (0.0025 * 1.1), 0.004 * 1.1 / (0.0025 * 0.9)
         assert (
-            "| 2.00 MiB | 2.00 MiB | 16.00 KiB | W=1 | 1.60x | 0.67x | 80% | ok (not checked) |"
-            in md
+            f"| 2.00 MiB | 2.00 MiB | 16.00 KiB | W=1 | 1.60x ({lo:.2f}-{hi:.2f}) | 0.67x | "
+            f"80% ({lo / 2:.0%}-{hi / 2:.0%}) | ok (not checked) |" in md
         )
         assert "## Time by seq len and world size" in md and "| 128 | 4.00 ms | 2.50 ms |" in md
         assert "## Environment" in md and "2.13.0+cpu" in md

@@ -28,6 +28,27 @@ from service.db.models import Environment, Probe, RankResult, Run, RunStatus
 
 API = "/api/v1"
 MiB = 1 << 20
+LOW, HIGH = 0.95, 1.05
+"""put() stores each rank's times as median x (LOW, 1, HIGH): three iterations, whose median
+interval is their range [LOW x median, HIGH x median] (covering 75%)."""
+
+
+def timed(t: float) -> str:
+    """A time as the baseline table shows it: the median, its interval (ms), 3 iterations."""
+    return f"{fmt_ms(t)} ({t * LOW * 1e3:.2f}-{t * HIGH * 1e3:.2f}, n=3)"
+
+
+def faster(t_base: float, t_run: float, world_ratio: float = 1.0) -> tuple[str, str]:
+    """(speedup, efficiency) cells of a run taking t_run against t_base, with the intervals
+    from both stored spreads: lo = base_lo / run_hi, hi = base_hi / run_lo."""
+    speedup = t_base / t_run
+    lo, hi = t_base * LOW / (t_run * HIGH), t_base * HIGH / (t_run * LOW)
+    noise = ", within noise" if lo <= 1 <= hi else ""
+    w = world_ratio
+    return (
+        f"{speedup:.2f}x ({lo:.2f}-{hi:.2f}{noise})",
+        f"{speedup / w:.0%} ({lo / w:.0%}-{hi / w:.0%})",
+    )
 
 
 @contextmanager
@@ -77,10 +98,10 @@ def put(
                     run_id=run_id,
                     rank=rank,
                     seq_len=length,
-                    times_s=[median * 0.95, median, median * 1.05],
+                    times_s=[median * LOW, median, median * HIGH],
                     median_s=median,
-                    p10_s=median * 0.95,
-                    p90_s=median * 1.05,
+                    p10_s=median * LOW,
+                    p90_s=median * HIGH,
                     tokens_per_s=length / median,
                     flops=flops,
                     flops_per_s=flops / median,
@@ -181,8 +202,12 @@ def test_seed_000_block_sparse_time_by_sparsity(database_url: str) -> None:
     )
     # and each sparse cell against its dense-in-blocks baseline: 10x and 17.78x faster
     against = section(md, "## Against the baseline")
-    assert "| 2,048 | sparsity_ratio=1.0 | 40.00 ms | 4.00 ms | 10.00x |" in against
-    assert f"| 4,096 | sparsity_ratio=1.0 | 160.00 ms | 9.00 ms | {0.160 / 0.009:.2f}x |" in against
+    for seq, base, t in ((2048, 0.040, 0.004), (4096, 0.160, 0.009)):
+        line = (
+            f"| {seq:,} | sparsity_ratio=1.0 | {timed(base)} | {timed(t)} | {faster(base, t)[0]} |"
+        )
+        assert line in against, against
+    assert "| 10.00x (9.05-11.05) |" in against  # the first line, written out
 
 
 def test_seed_000_data_parallel_memory_per_gpu(database_url: str) -> None:
@@ -240,10 +265,11 @@ def test_seed_001_002_data_parallel_speedup(database_url: str) -> None:
         speedup = one["median_s"] / two["median_s"]
         assert two["speedup"] == pytest.approx(speedup) == pytest.approx(1 / 0.6)
         assert two["efficiency"] == pytest.approx(speedup / 2)
+        x, eff = faster(one["median_s"], two["median_s"], 2)
         assert (
             f"| dense · W=2 · data-parallel · forward | {seq:,} | W=1 | "
-            f"{fmt_ms(one['median_s'])} | {fmt_ms(two['median_s'])} | {speedup:.2f}x | "
-            f"40.00 MiB | 22.00 MiB | 0.55x | {speedup / 2:.0%} |" in against
+            f"{timed(one['median_s'])} | {timed(two['median_s'])} | {x} | "
+            f"40.00 MiB | 22.00 MiB | 0.55x | {eff} |" in against
         ), against
     # seed 002's memory distribution: each rank's peak in its own column
     assert "| Peak rank 0 | Peak rank 1 |" in md
@@ -277,7 +303,7 @@ def test_seed_003_dilation_impact_and_max_tokens_per_world_size(database_url: st
         assert (
             f"| ring_dilated · {label} | segment_lengths=[1024], dilation_rates=[1] | 8,192 | "
             f"{answer:,} | {answer / 8192:.2f}x | {fmt_num(base)} | {fmt_num(answer / t)} | "
-            f"{impact:.2f}x | - |" in table
+            f"{impact:.2f}x ({impact * LOW / HIGH:.2f}-{impact * HIGH / LOW:.2f}) | - |" in table
         ), table
     # table 3: max tokens per world size, in the maximum-length table
     maxlen = section(md, "## Maximum sequence length")

@@ -18,6 +18,7 @@ from service.spec import AnalysisSpec
 from service.views import RankView, RunRow, config_key, local_tokens, memory_floor
 from service.web import charts, data
 from service.web.peaks import dense_peak_flops
+from workers.noise import median_interval
 
 
 def _row(run_id: int = 1, median: float | None = 1.0, spread: float = 0.05, **cfg: Any) -> RunRow:
@@ -63,11 +64,17 @@ def _row(run_id: int = 1, median: float | None = 1.0, spread: float = 0.05, **cf
     )
     if median is not None:
         row.measured_seq_len = row.seq_len
-        row.median_s, row.p10_s, row.p90_s = median, median * (1 - spread), median * (1 + spread)
+        times = [median * (1 - spread), median, median * (1 + spread)]
+        row.median_s, row.p10_s, row.p90_s = median, times[0], times[-1]
+        # as views does: the median's interval from the times (3 samples: their range)
+        found = median_interval(times)
+        assert found is not None
+        row.median_lo_s, row.median_hi_s, row.median_ci_level = found.lo, found.hi, found.level
+        row.iterations = len(times)
         row.tokens_per_s = row.batch_size * row.seq_len / median
         row.peak_memory_bytes = 100
         row.ranks = [
-            RankView(0, row.seq_len, [median], median, median, median, 1.0, 100, None, None,
+            RankView(0, row.seq_len, times, median, times[0], times[-1], 1.0, 100, None, None,
                      "x", None, None)
         ]  # fmt: skip
     return row

@@ -7,7 +7,7 @@ sweep spec (service/) expands into a list of these.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -203,7 +203,21 @@ class RunConfig(BaseModel):
     device: Device = "auto"
     memory_budget_bytes: int | None = Field(None, ge=1)
     warmup: int = Field(2, ge=0)
-    iterations: int = Field(5, ge=1)
+    iterations: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description="Timed iterations: an int runs exactly that many; auto (the default) "
+        "repeats until the 95% confidence interval of the median (order statistics) is within "
+        "+-3% of the median, with at least 6 and at most 200 iterations, or until time_cap_s "
+        "(workers.noise). A model cell's timed steps follow the same rule. The count that ran "
+        "is the length of each rank's times_s; every rank of a run runs the same count.",
+    )
+    time_cap_s: float | None = Field(
+        None,
+        gt=0,
+        le=3600,
+        description="iterations auto only: stop repeating after this many seconds of timed "
+        "iterations once 6 have run (None: 2 s). Refused beside an explicit iteration count.",
+    )
     timeout_s: float = Field(600.0, gt=0)
     dist_timeout_s: float = Field(
         120.0, gt=0, description="torch.distributed init/collective timeout."
@@ -262,6 +276,15 @@ class RunConfig(BaseModel):
             data = {"dtype": PRECISION_DTYPES[precision], **data}
         return {"mode": "train", "causal": True, **data}
 
+    @field_validator("iterations", mode="before")
+    @classmethod
+    def _iterations(cls, value: Any) -> Any:
+        """One message for both forms (the union's own names each branch)."""
+        ok_int = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        if value != "auto" and not ok_int:
+            raise ValueError(f"an iteration count >= 1 or 'auto', got {value!r}")
+        return value
+
     @field_validator("env")
     @classmethod
     def _only_nccl(cls, value: dict[str, str]) -> dict[str, str]:
@@ -288,6 +311,16 @@ class RunConfig(BaseModel):
                 f"copy), got {size}"
             )
         return value
+
+    @model_validator(mode="after")
+    def _time_cap(self) -> RunConfig:
+        if self.time_cap_s is not None and self.iterations != "auto":
+            raise ParamError(
+                "time_cap_s",
+                f"bounds iterations: auto only; this cell runs exactly {self.iterations} "
+                "iterations (leave time_cap_s out, or set iterations: auto)",
+            )
+        return self
 
     @model_validator(mode="after")
     def _workload(self) -> RunConfig:

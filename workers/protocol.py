@@ -36,6 +36,7 @@ from workers.memory import (
     release,
     requested_bytes,
 )
+from workers.noise import Iterations
 from workers.results import Artifact, CaseOutcome, RankResult, StepTime, step_totals
 
 PRIME_MIN_LEN = 1024
@@ -121,10 +122,11 @@ def _timed_loop(
     device: torch.device,
     record_steps: bool = True,
 ) -> tuple[list[float], float, float, list[StepTime], int]:
-    """Warm-up, then every timed iteration (barrier before each); returns (times, t0, t1,
-    steps, peak): `steps` are the ring steps of every timed iteration (attention.ring.steps;
-    none for a kernel without a ring, or when `record_steps` is off); `peak` the meter's (0
-    without one).
+    """Warm-up, then every timed iteration (barrier before each; config.iterations of them,
+    under auto as many as workers.noise.Iterations decides, the same on every rank); returns
+    (times, t0, t1, steps, peak): `steps` are the ring steps of every timed iteration
+    (attention.ring.steps; none for a kernel without a ring, or when `record_steps` is off);
+    `peak` the meter's (0 without one).
 
     The peak meter is reset once the inputs exist and read after the case's first iteration
     (the first warm-up one, else the first timed one): every iteration computes the same, and
@@ -187,8 +189,11 @@ def _timed_loop(
         first_at = time.time()
         if record_steps:
             clock.start(device)
+        count = Iterations(config.iterations, config.time_cap_s, world, device)
+        count.start()
         try:
-            for i in range(config.iterations):
+            while count.more(times):  # under auto a collective: every rank runs the same count
+                i = len(times)
                 _barrier(world)
                 first = i == 0 and config.warmup == 0
                 times.append(timer(first_step if first else step))  # synchronized: CUDA events done
@@ -220,7 +225,7 @@ def _prime(config: RunConfig, rank: int, device: torch.device) -> None:
     names = ["q", "k", "v", "dout"] if config.mode == "train" else ["q", "k", "v"]
     rows = batch_rows(config, rank)
     inputs = {n: make_input(n, small, small.seq_len, positions, rows, device) for n in names}
-    quiet = small.model_copy(update={"warmup": 0, "iterations": 1})
+    quiet = small.model_copy(update={"warmup": 0, "iterations": 1, "time_cap_s": None})
     _timed_loop(module, inputs, quiet, None, device, record_steps=False)
     _sync(device)
     del inputs, module

@@ -3,8 +3,9 @@
 Step 1 is measured phase by phase, the peak reset between phases: parameters (after the
 build), the forward (what stays: activations; above it: the forward transient), the backward
 (what stays: gradients; its peak), the optimizer's first step (what stays: its states, checked
-against the bytes in optimizer.state). Then `warmup` steps and `iterations` timed steps, each
-split into forward / backward / optimizer, whose peak is the step peak a budget is held to.
+against the bytes in optimizer.state). Then `warmup` steps and `iterations` timed steps (a
+count, or auto: workers.noise), each split into forward / backward / optimizer, whose peak is
+the step peak a budget is held to.
 Every component is stored beside its prediction (workers.model_memory).
 
 A ring kernel trains sequence-parallel (each rank holds seq/W tokens at its kernel's global
@@ -29,6 +30,7 @@ from workers.config import RunConfig
 from workers.inputs import shorter_length
 from workers.memory import PeakMeter, is_oom, release
 from workers.model import Decoder, token_ids
+from workers.noise import Iterations
 from workers.protocol import (
     measured_case,
     memory_fraction,
@@ -300,7 +302,10 @@ def _measure(
         trainer.step()
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
     first_at = time.time()
-    for _ in range(config.iterations):
+    count = Iterations(config.iterations, config.time_cap_s, world, device)
+    count.start()
+    steps: list[float] = []  # each timed step's forward + backward + optimizer seconds
+    while count.more(steps):  # under auto a collective: every rank runs the same count
         if world > 1:
             dist.barrier()
         loss, t_fwd = _timed(device, trainer.forward)
@@ -310,6 +315,7 @@ def _measure(
         phases["forward"].append(t_fwd)
         phases["backward"].append(t_bwd)
         phases["optimizer"].append(t_opt)
+        steps.append(t_fwd + t_bwd + t_opt)
     last_at = time.time()
     peak = max(first_step_peak, forward_peak, backward_peak, meter.peak())
     measured["step_peak"] = peak
@@ -321,7 +327,7 @@ def _measure(
     del trainer
     release()
 
-    times = [sum(t) for t in zip(*phases.values(), strict=True)]
+    times = steps
     median = statistics.median(times)
     tokens = config.local_batch * config.local_seq_len
     flops = model_flops(config)

@@ -41,6 +41,10 @@ CSV_COLUMNS = (
     "median_s",
     "p10_s",
     "p90_s",
+    "median_lo_s",
+    "median_hi_s",
+    "median_ci_level",
+    "iterations",
     "tokens_per_s",
     "tflops_per_s",
     "flops_per_s_per_rank",
@@ -68,6 +72,12 @@ CSV_COLUMNS = (
     "memory_ratio",
     "max_len_gain",
     "efficiency",
+    "speedup_lo",
+    "speedup_hi",
+    "efficiency_lo",
+    "efficiency_hi",
+    "within_noise",
+    "flags",
     "workload",
     "model",
     "model_shape",
@@ -83,6 +93,8 @@ CSV_COLUMNS = (
     "backward_s",
     "optimizer_s",
     "checkpoint_time_ratio",
+    "checkpoint_time_ratio_lo",
+    "checkpoint_time_ratio_hi",
     "device",
     "environment_id",
     "error",
@@ -101,8 +113,9 @@ COMPONENT_CSV_COLUMNS = (
 
 def result_row(row: RunRow) -> dict[str, Any]:
     """One flat row of results.json / results.csv."""
-    out = {k: getattr(row, k) for k in CSV_COLUMNS if k != "params"}
+    out = {k: getattr(row, k) for k in CSV_COLUMNS if k not in ("params", "flags")}
     out["params"] = canonical_json(row.params)
+    out["flags"] = [{"code": f.code, "field": f.field, "text": f.text} for f in row.flags]
     out["components"] = [
         {
             "rank": c.rank,
@@ -152,7 +165,9 @@ def to_csv(rows: Sequence[dict[str, Any]], *, header: bool = True) -> str:
     if header:
         writer.writeheader()
     for row in rows:
-        writer.writerow({k: _csv_cell(row[k]) for k in CSV_COLUMNS})
+        cells = {k: _csv_cell(row[k]) for k in CSV_COLUMNS if k != "flags"}
+        cells["flags"] = ";".join(f"{f['field']}:{f['code']}" for f in row["flags"])
+        writer.writerow(cells)
     return buf.getvalue()
 
 
@@ -204,6 +219,44 @@ def fmt_pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
+SPANS: dict[str, Callable[[float, float], str]] = {
+    "speedup": lambda lo, hi: f"{lo:.2f}-{hi:.2f}",
+    "efficiency": lambda lo, hi: f"{lo:.0%}-{hi:.0%}",
+    "checkpoint_time_ratio": lambda lo, hi: f"{lo:.2f}-{hi:.2f}",
+}
+"""The ratios that carry an interval (service.analysis), and how it is written."""
+
+
+def marks(row: RunRow, field: str) -> str:
+    """The flag marks of `field` on `row`: a warning sign and a footnote per flag code."""
+    return "".join(f" ⚠[^{f.code}]" for f in row.flags_on(field))
+
+
+def ratio_cell(row: RunRow, field: str, fmt: Callable[[Any], str]) -> str:
+    """A ratio as the report shows it: the value, its interval (and "within noise" when the
+    interval holds 1.0), then its flags' marks: "1.02x (0.95-1.10, within noise)"."""
+    value = getattr(row, field)
+    if value is None:
+        return "-"
+    text = fmt(value)
+    lo, hi = getattr(row, f"{field}_lo", None), getattr(row, f"{field}_hi", None)
+    if field in SPANS and lo is not None and hi is not None:
+        noise = ", within noise" if field in row.within_noise else ""
+        text += f" ({SPANS[field](lo, hi)}{noise})"
+    return text + marks(row, field)
+
+
+def time_cell(row: RunRow) -> str:
+    """The median time with its interval and the iterations it came from: "1.00 ms
+    (0.95-1.05, n=3)" (in ms); one iteration has no interval: "1.00 ms (n=1)"."""
+    if row.median_s is None:
+        return "-"
+    if row.median_lo_s is None or row.median_hi_s is None:
+        return f"{fmt_ms(row.median_s)} (n={row.iterations})"
+    span = f"{row.median_lo_s * 1e3:.2f}-{row.median_hi_s * 1e3:.2f}"
+    return f"{fmt_ms(row.median_s)} ({span}, n={row.iterations})"
+
+
 FORMATS: dict[str, Callable[[Any], str]] = {
     "median_s": fmt_ms,
     "tokens_per_s": fmt_num,
@@ -238,10 +291,18 @@ def _rank_peaks(rows: Sequence[RunRow]) -> list[str]:
     return ["Peak memory per rank"]
 
 
-def _rank_peak_cells(values: Sequence[int | None], columns: int, joined: bool) -> list[str]:
+def _rank_peak_cells(r: RunRow, columns: int, joined: bool) -> list[str]:
+    """Each rank's peak, marked where it is below that rank's inputs (peak_below_inputs)."""
+    low = {
+        v.rank
+        for v in r.ranks
+        if v.input_memory_bytes is not None and v.peak_memory_bytes < v.input_memory_bytes
+    }
+    mark = marks(r, "peak_memory_bytes")
+    cells = [fmt_bytes(v) + (mark if i in low else "") for i, v in enumerate(r.rank_peak_bytes)]
     if joined:
-        return [" / ".join(fmt_bytes(v) for v in values) or "-"]
-    return [fmt_bytes(values[i]) if i < len(values) else "-" for i in range(columns)]
+        return [" / ".join(cells) or "-"]
+    return [cells[i] if i < len(cells) else "-" for i in range(columns)]
 
 
 def _tail_header(peaks: Sequence[str], ratios: Sequence[tuple[str, str]]) -> list[str]:
@@ -260,10 +321,10 @@ def _tail_cells(
 ) -> list[str]:
     """One row's cells under _tail_header: per-rank peaks, memory per token, ratios, outcome."""
     return [
-        *_rank_peak_cells(r.rank_peak_bytes, columns, joined),
+        *_rank_peak_cells(r, columns, joined),
         fmt_bytes(r.memory_per_token_bytes),
         *([r.baseline or "-"] if ratios else []),
-        *(FORMATS[f](getattr(r, f)) for _, f in ratios),
+        *(ratio_cell(r, f, FORMATS[f]) for _, f in ratios),
         r.outcome,
     ]
 
@@ -327,9 +388,22 @@ def report_markdown(
         "case; memory/token divides the largest rank peak by the tokens that rank holds. "
         "Ratios compare each run with its baseline (named in the Baseline column): speedup = "
         "tokens/s / baseline tokens/s, memory ratio = peak / baseline peak, max-length gain = "
-        "max tokens / baseline max tokens, scaling efficiency = gain / world-size ratio.",
+        "max tokens / baseline max tokens, scaling efficiency = gain / world-size ratio. "
+        "The noise: a time's interval is the 95% confidence interval of the slowest rank's "
+        "median (order statistics; with 2-5 iterations the range of all of them, which covers "
+        "less: median_ci_level in results.json); a ratio of times carries (lo-hi) = a_lo / b_hi "
+        "to a_hi / b_lo from both runs' intervals, and says within noise when that holds 1.0. "
+        "Peak memory and maximum length are one measurement each: their ratios have no "
+        "interval. A number above its physical limit carries ⚠ and a footnote.",
         "",
     ]
+    flagged = [r for r in rows if r.flags]
+    if flagged:
+        lines += [
+            f"**{len(flagged)} of {len(rows)} runs show a result above its physical limit** "
+            "(marked ⚠, explained in the footnotes): read those numbers as suspect.",
+            "",
+        ]
     ordered = sorted(rows, key=lambda r: (r.label, r.length, r.run_id))
     bench = [r for r in ordered if not r.searched]
     if bench:
@@ -345,7 +419,37 @@ def report_markdown(
         lines += _max_len_section(searched)
         lines += _probe_sections(searched)
     lines += _environment_section(environments)
+    lines += flag_footnotes(rows)
     return "\n".join(lines)
+
+
+FLAG_TITLES = {
+    "speedup_above_world_size": "Speedup above the world-size ratio (W / baseline W), beyond "
+    "the noise: more ranks cannot do more than their share; suspect contention in the "
+    "baseline (threads, cores) or a mismeasured run.",
+    "efficiency_above_100": "Scaling efficiency above 100% (beyond the noise where the run "
+    "has an interval; a maximum length has none).",
+    "peak_below_inputs": "Peak memory below the inputs the rank held while it was metered: "
+    "the peak includes them, so the meter missed memory.",
+}
+"""The footnote each flag code opens with (service.analysis and service.views raise them)."""
+
+
+def flag_footnotes(rows: Sequence[RunRow]) -> list[str]:
+    """One footnote per flag code raised in these rows: what it means, then each run's own
+    sentence (markdown footnotes; the ⚠[^code] marks point here)."""
+    by_code: dict[str, list[str]] = {}
+    for r in rows:
+        for f in r.flags:
+            by_code.setdefault(f.code, []).append(
+                f"run {r.run_id} ({r.label}, seq {r.length:,}): {f.text}"
+            )
+    lines: list[str] = []
+    for code, texts in by_code.items():
+        lines.append(f"[^{code}]: {FLAG_TITLES.get(code, code)}")
+        lines += [f"    - {t}" for t in texts]
+        lines.append("")
+    return lines
 
 
 def _errors(failed: Sequence[RunRow]) -> list[str]:
@@ -446,13 +550,13 @@ def _baseline_section(rows: Sequence[RunRow]) -> list[str]:
                 r.label,
                 f"{r.length:,}",
                 r.baseline or "-",
-                fmt_ms(b.median_s),
-                fmt_ms(r.median_s),
-                fmt_x(r.speedup),
-                fmt_bytes(b.peak_memory_bytes),
-                fmt_bytes(r.peak_memory_bytes),
+                time_cell(b),
+                time_cell(r),
+                ratio_cell(r, "speedup", fmt_x),
+                fmt_bytes(b.peak_memory_bytes) + marks(b, "peak_memory_bytes"),
+                fmt_bytes(r.peak_memory_bytes) + marks(r, "peak_memory_bytes"),
                 fmt_x(r.memory_ratio),
-                fmt_pct(r.efficiency),
+                ratio_cell(r, "efficiency", fmt_pct),
             ]
             for r, b in bench
         ]
@@ -460,8 +564,8 @@ def _baseline_section(rows: Sequence[RunRow]) -> list[str]:
             "Run",
             "Seq len",
             "Baseline",
-            "Baseline time",
-            "Time",
+            "Baseline time (interval, ms)",
+            "Time (interval, ms)",
             "Speedup",
             "Baseline peak",
             "Peak",
@@ -480,8 +584,8 @@ def _baseline_section(rows: Sequence[RunRow]) -> list[str]:
                 fmt_x(r.max_len_gain),
                 fmt_num(b.tokens_per_s),
                 fmt_num(r.tokens_per_s),
-                fmt_x(r.speedup),
-                fmt_pct(r.efficiency),
+                ratio_cell(r, "speedup", fmt_x),
+                ratio_cell(r, "efficiency", fmt_pct),
             ]
             for r, b in searched
         ]
@@ -505,12 +609,27 @@ def _pivot_section(rows: Sequence[RunRow], spec: PivotSpec) -> list[str]:
     if not table.columns or not table.rows:
         return []
     show = FORMATS[spec.value]
-    body = [[name, *(show(v) for v in values)] for name, values in table.rows]
+
+    def cell(i: int, j: int, value: Any) -> str:
+        marked = "".join(f" ⚠[^{code}]" for code in table.flags.get((i, j), []))
+        return show(value) + marked
+
+    body = [
+        [name, *(cell(i, j, v) for j, v in enumerate(values))]
+        for i, (name, values) in enumerate(table.rows)
+    ]
     title = analysis.PIVOT_VALUES[spec.value]
+    note = []
+    if spec.value in SPANS:
+        note = [
+            "Each ratio's interval and whether it is within noise: see Against the baseline.",
+            "",
+        ]
     return [
         f"## {title[0].upper() + title[1:]} by {table.row_header} and "
         + " x ".join(c.removeprefix("params.").replace("_", " ") for c in spec.columns),
         "",
+        *note,
         *_table([table.row_header.capitalize(), *table.columns], body),
         "",
     ]
@@ -743,7 +862,7 @@ def model_sections(rows: Sequence[RunRow]) -> list[str]:
                 fmt_ms(r.median_s),
                 fmt_num(r.tokens_per_s),
                 fmt_pct(r.peak_fraction),
-                fmt_x(r.checkpoint_time_ratio),
+                ratio_cell(r, "checkpoint_time_ratio", fmt_x),
             ]
             for r in timed
         ]

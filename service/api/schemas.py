@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -251,6 +251,16 @@ class ComponentOut(BaseModel):
     ratio: float | None = Field(description="measured / predicted.")
 
 
+class FlagOut(BaseModel):
+    """A number above its physical limit (service.views.Flag)."""
+
+    code: str = Field(
+        description="speedup_above_world_size, efficiency_above_100 or peak_below_inputs."
+    )
+    field: str = Field(description="The row field it marks (speedup, efficiency, ...).")
+    text: str = Field(description="What is wrong with it, with the numbers.")
+
+
 class ResultRow(BaseModel):
     """One run in results.json / results.csv: its cell, outcome, numbers and ratios.
 
@@ -281,6 +291,15 @@ class ResultRow(BaseModel):
     median_s: float | None = Field(description="Slowest rank's median seconds per iteration.")
     p10_s: float | None = Field(description="That rank's 10th percentile.")
     p90_s: float | None = Field(description="That rank's 90th percentile.")
+    median_lo_s: float | None = Field(
+        description="That rank's confidence interval of the median, low end (order "
+        "statistics; None with one iteration)."
+    )
+    median_hi_s: float | None = Field(description="Its high end.")
+    median_ci_level: float | None = Field(
+        description="Its coverage: >= 0.95 from 6 iterations, below with 2-5 (their range)."
+    )
+    iterations: int | None = Field(description="Timed iterations run (length of times_s).")
     tokens_per_s: float | None = Field(description="batch_size * measured_seq_len / median_s.")
     tflops_per_s: float | None = Field(description="FLOPs summed over ranks / median_s / 1e12.")
     flops_per_s_per_rank: float | None = Field(description="FLOPs summed / median_s / ranks.")
@@ -323,6 +342,16 @@ class ResultRow(BaseModel):
     memory_ratio: float | None = Field(description="peak_memory_bytes / the baseline's.")
     max_len_gain: float | None = Field(description="max_seq_len / the baseline's.")
     efficiency: float | None = Field(description="Gain / world-size ratio (W differs only).")
+    speedup_lo: float | None = Field(
+        description="The speedup's interval from both runs' median intervals: a_lo / b_hi."
+    )
+    speedup_hi: float | None = Field(description="a_hi / b_lo.")
+    efficiency_lo: float | None = Field(description="speedup_lo / world-size ratio (timed).")
+    efficiency_hi: float | None = Field(description="speedup_hi / world-size ratio (timed).")
+    within_noise: list[str] = Field(
+        description="The ratios whose interval holds 1.0 (speedup, checkpoint_time_ratio)."
+    )
+    flags: list[FlagOut] = Field(description="Numbers of this row above a physical limit.")
     workload: str = Field(description="attention (the kernel alone) or model (training).")
     model: str | None = Field(description="Model cells: the model's name, else its shape.")
     model_shape: str | None = Field(description="Model cells: d_model x heads x layers.")
@@ -342,6 +371,8 @@ class ResultRow(BaseModel):
     checkpoint_time_ratio: float | None = Field(
         description="Step time / the same cell's without checkpointing."
     )
+    checkpoint_time_ratio_lo: float | None = Field(description="Its interval's low end.")
+    checkpoint_time_ratio_hi: float | None = Field(description="Its interval's high end.")
     components: list[ComponentOut] = Field(
         description="Model cells: the limiting rank's memory components."
     )
@@ -376,3 +407,36 @@ class ClusterOut(BaseModel):
         "shape reuses them, and another run gets them back when it needs them."
     )
     idle_gang_gpus: float = Field(description="As idle_gang_cpus, for GPUs.")
+
+
+class ComparePair(BaseModel):
+    """One cell run in both sweeps: B against A (service.web.data.compare_rows)."""
+
+    label: str
+    a_run_id: int
+    b_run_id: int
+    tps_ratio: float | None = Field(description="B tokens/s / A tokens/s.")
+    tps_lo: float | None = Field(description="Its interval from both medians': b_lo / a_hi.")
+    tps_hi: float | None = Field(description="b_hi / a_lo.")
+    within_noise: bool = Field(description="The interval holds 1.0.")
+    time_change: Literal["slower", "faster"] | None = Field(
+        description="B's median interval wholly above (slower) or below A's; None: overlapping "
+        "(noise), or a run without an interval."
+    )
+    memory_ratio: float | None = Field(description="B peak / A peak (one measurement each).")
+    max_len_ratio: float | None = Field(description="B max length / A max length.")
+    regression: bool
+    reasons: list[str] = Field(description="slower, more memory, shorter max length, B <status>.")
+
+
+class CompareOut(BaseModel):
+    """Two sweeps cell by cell (the /compare page's data)."""
+
+    a: int
+    b: int
+    same_spec: bool = Field(description="Both specs are identical once their names are dropped.")
+    only_a: int = Field(description="Cells only in A.")
+    only_b: int = Field(description="Cells only in B.")
+    regressions: int
+    within_noise: int
+    pairs: list[ComparePair]

@@ -243,6 +243,13 @@ def max_len_figure(rows: Sequence[Row]) -> dict[str, Any]:
     return _to_json(fig)
 
 
+def _scaling_name(r: Row, base: Row) -> str:
+    name = f"{r['series']} · seq {r['length']:,}"
+    if base["kernel"] != r["kernel"]:
+        name += f" (vs {base['kernel']} W={base['world_size']})"
+    return name
+
+
 def scaling_points(rows: Sequence[Row]) -> dict[str, list[tuple[int, float]]]:
     """Scaling efficiency (service.analysis) per series and length: (world size, efficiency),
     starting at the baseline's world size with 1.0."""
@@ -250,20 +257,36 @@ def scaling_points(rows: Sequence[Row]) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for r in _succeeded(rows, "efficiency"):
         base = by_id[r["baseline_run_id"]]
-        name = f"{r['series']} · seq {r['length']:,}"
-        if base["kernel"] != r["kernel"]:
-            name += f" (vs {base['kernel']} W={base['world_size']})"
+        name = _scaling_name(r, base)
         if not series[name]:
             series[name].append((base["world_size"], 1.0))
         series[name].append((r["world_size"], r["efficiency"]))
     return {name: sorted(set(line)) for name, line in sorted(series.items())}
 
 
+def scaling_noise(rows: Sequence[Row]) -> dict[tuple[str, int], tuple[float, float, str]]:
+    """(series, world size) -> (efficiency_lo, efficiency_hi, the flags' sentences) of each
+    point of scaling_points that has an interval or a flag (the baseline's 1.0 has neither)."""
+    by_id = {r["run_id"]: r for r in rows}
+    out = {}
+    for r in _succeeded(rows, "efficiency"):
+        name = _scaling_name(r, by_id[r["baseline_run_id"]])
+        lo, hi = r.get("efficiency_lo"), r.get("efficiency_hi")
+        flags = " ".join(f["text"] for f in r.get("flags") or [] if f["field"] == "efficiency")
+        if (lo is not None and hi is not None) or flags:
+            eff = r["efficiency"]
+            out[(name, r["world_size"])] = (eff if lo is None else lo, eff if hi is None else hi,
+                                            flags)  # fmt: skip
+    return out
+
+
 def scaling_figure(rows: Sequence[Row]) -> dict[str, Any]:
-    """Scaling efficiency vs world size (1.0 = linear), for configs measured at W=1 and beyond."""
+    """Scaling efficiency vs world size (1.0 = linear), for configs measured at W=1 and beyond,
+    each point with its interval (both runs' noise) as an error bar; a point above 100% beyond
+    the noise (flagged) is drawn as a red cross, its reason in the hover."""
     fig = go.Figure(
         layout=_layout(
-            "Scaling efficiency",
+            "Scaling efficiency (bars: interval from both runs' noise; ✕: above 100%, flagged)",
             "world size",
             "efficiency",
             xaxis={"type": "log", "title": {"text": "world size (ranks)"}},
@@ -273,6 +296,7 @@ def scaling_figure(rows: Sequence[Row]) -> dict[str, Any]:
     points = scaling_points(rows)
     if not points:
         return _empty(fig, "Scaling needs the same config measured at world size 1 and above")
+    noise = scaling_noise(rows)
     worlds = sorted({w for line in points.values() for w, _ in line} | {1})
     fig.update_xaxes(tickvals=worlds, ticktext=[str(w) for w in worlds])
     fig.add_trace(
@@ -285,13 +309,34 @@ def scaling_figure(rows: Sequence[Row]) -> dict[str, Any]:
         )
     )
     for name, line in points.items():
+        spans = [noise.get((name, w), (e, e, "")) for w, e in line]
         fig.add_trace(
             go.Scatter(
                 x=[w for w, _ in line],
                 y=[e for _, e in line],
                 mode="lines+markers",
                 name=name,
+                error_y={
+                    "type": "data",
+                    "symmetric": False,
+                    "array": [hi - e for (_, e), (_, hi, _) in zip(line, spans, strict=True)],
+                    "arrayminus": [e - lo for (_, e), (lo, _, _) in zip(line, spans, strict=True)],
+                },
                 hovertemplate="W=%{x}<br>efficiency %{y:.2f}<extra></extra>",
+            )
+        )
+    flagged = [(name, w, e, noise[(name, w)][2]) for name, line in points.items()
+               for w, e in line if noise.get((name, w), (0, 0, ""))[2]]  # fmt: skip
+    if flagged:
+        fig.add_trace(
+            go.Scatter(
+                x=[w for _, w, _, _ in flagged],
+                y=[e for _, _, e, _ in flagged],
+                mode="markers",
+                name="above 100% (flagged)",
+                marker={"symbol": "x", "color": "#d62728", "size": 14},
+                text=[f"{name}: {text}" for name, _, _, text in flagged],
+                hovertemplate="W=%{x}<br>efficiency %{y:.2f}<br>%{text}<extra></extra>",
             )
         )
     return _to_json(fig)
@@ -344,13 +389,14 @@ CHANGE_COLOURS = {"slower": "#d62728", "faster": "#2ca02c", None: "#8c8c8c"}
 
 
 def compare_figure(pairs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Tokens/s ratio B/A per matching cell, coloured by that metric alone: red where B is slower
-    and green where it is faster outside both runs' p10-p90 spread, grey within the noise."""
+    """Tokens/s ratio B/A per matching cell with its interval (both runs' median intervals) as
+    an error bar, coloured by that metric alone: red where B is slower and green where it is
+    faster beyond both runs' noise, grey within the noise."""
     with_ratio = [p for p in pairs if p.get("tps_ratio") is not None]
     fig = go.Figure(
         layout=_layout(
-            "Throughput ratio B / A per matching cell (red: slower, green: faster, beyond the "
-            "p10-p90 spread)",
+            "Throughput ratio B / A per matching cell, with its interval (red: slower, green: "
+            "faster, beyond both medians' 95% intervals)",
             "tokens/s B / A",
             "",
             xaxis={"type": "log", "title": {"text": "tokens/s B / A"}},
@@ -360,12 +406,25 @@ def compare_figure(pairs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     )
     if not with_ratio:
         return _empty(fig, "No matching cells with a throughput in both sweeps")
+    ratios = [p["tps_ratio"] for p in with_ratio]
     fig.add_trace(
         go.Bar(
             y=[p["label"] for p in with_ratio],
-            x=[p["tps_ratio"] for p in with_ratio],
+            x=ratios,
             orientation="h",
             marker={"color": [CHANGE_COLOURS[p["time_change"]] for p in with_ratio]},
+            error_x={
+                "type": "data",
+                "symmetric": False,
+                "array": [
+                    None if p.get("tps_hi") is None else p["tps_hi"] - r
+                    for p, r in zip(with_ratio, ratios, strict=True)
+                ],
+                "arrayminus": [
+                    None if p.get("tps_lo") is None else r - p["tps_lo"]
+                    for p, r in zip(with_ratio, ratios, strict=True)
+                ],
+            },
             name="tokens/s B / A",
             hovertemplate="%{y}<br>%{x:.3f}<extra></extra>",
         )

@@ -1,5 +1,11 @@
 """The compare page's logic on the one read model (service.views rows): matching cells of two
-sweeps, their B/A ratios and a verdict that respects the measured spread.
+sweeps, their B/A ratios and a verdict that respects the measured noise.
+
+A time changed only when the two runs' median intervals (service.views: the slowest rank's
+95% order-statistic interval) do not overlap, so the B/A tokens/s interval (both spreads:
+b_lo / a_hi .. b_hi / a_lo) excludes 1.0; a run without an interval (one iteration) cannot
+tell a change from noise and is never called slower. Two sweeps whose specs are identical
+but for their names ran the same cells: every difference between them is the machine's.
 """
 
 from __future__ import annotations
@@ -7,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from service.spec import canonical_json
 from service.views import RunRow
+from workers.noise import ratio_interval
 
 MEMORY_TOLERANCE = 0.10
 """Peak memory and maximum length have no repeats to give a spread: a change counts beyond this."""
@@ -24,16 +32,30 @@ def _ratio(b: float | None, a: float | None) -> float | None:
     return b / a if a and b is not None else None
 
 
+SPEC_NAME_FIELDS = ("name",)
+"""What two specs may differ in and still be the same experiment."""
+
+
+def same_spec(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Whether two sweeps' specs are identical once their names are dropped."""
+    if a is None or b is None:
+        return False
+
+    def kept(spec: dict[str, Any]) -> str:
+        return canonical_json({k: v for k, v in spec.items() if k not in SPEC_NAME_FIELDS})
+
+    return kept(a) == kept(b)
+
+
 def time_change(a: RunRow, b: RunRow) -> str | None:
-    """'slower' or 'faster' when B's p10-p90 time lies wholly above or below A's, else None
-    (the two spreads overlap: the difference is within the noise)."""
-    if None in (a.p10_s, a.p90_s, b.p10_s, b.p90_s):
+    """'slower' or 'faster' when B's median interval lies wholly above or below A's, else None
+    (they overlap: within the noise; or a run has no interval: the noise is unknown)."""
+    ia, ib = a.time_interval, b.time_interval
+    if ia is None or ib is None:
         return None
-    assert a.p10_s is not None and a.p90_s is not None  # for mypy: checked just above
-    assert b.p10_s is not None and b.p90_s is not None
-    if b.p10_s > a.p90_s:
+    if ib.lo > ia.hi:
         return "slower"
-    if b.p90_s < a.p10_s:
+    if ib.hi < ia.lo:
         return "faster"
     return None
 
@@ -41,8 +63,8 @@ def time_change(a: RunRow, b: RunRow) -> str | None:
 def compare_rows(a_rows: Sequence[RunRow], b_rows: Sequence[RunRow]) -> list[dict[str, Any]]:
     """Pairs of runs with the same config in sweeps A and B, with B/A ratios and a verdict.
 
-    Regression: B slower outside both spreads, B's peak memory above A's or its maximum length
-    below A's by more than MEMORY_TOLERANCE, or A succeeded and B did not.
+    Regression: B slower beyond both spreads (time_change), B's peak memory above A's or its
+    maximum length below A's by more than MEMORY_TOLERANCE, or A succeeded and B did not.
     """
     b_by_key = {r.cell_key: r for r in b_rows}
     tol = MEMORY_TOLERANCE
@@ -52,6 +74,7 @@ def compare_rows(a_rows: Sequence[RunRow], b_rows: Sequence[RunRow]) -> list[dic
         if b is None:
             continue
         tps = _ratio(b.tokens_per_s, a.tokens_per_s)
+        tps_spread = ratio_interval(b.tokens_per_s_interval, a.tokens_per_s_interval)
         mem = _ratio(b.peak_memory_bytes, a.peak_memory_bytes)
         maxlen = _ratio(b.max_seq_len, a.max_seq_len)
         change = time_change(a, b)
@@ -70,6 +93,9 @@ def compare_rows(a_rows: Sequence[RunRow], b_rows: Sequence[RunRow]) -> list[dic
                 "a": a,
                 "b": b,
                 "tps_ratio": tps,
+                "tps_lo": None if tps_spread is None else tps_spread.lo,
+                "tps_hi": None if tps_spread is None else tps_spread.hi,
+                "within_noise": tps_spread is not None and tps_spread.holds(1.0),
                 "time_change": change,
                 "memory_ratio": mem,
                 "max_len_ratio": maxlen,
@@ -78,3 +104,25 @@ def compare_rows(a_rows: Sequence[RunRow], b_rows: Sequence[RunRow]) -> list[dic
             }
         )
     return pairs
+
+
+def compare_out(a_id: int, b_id: int, a_rows: Sequence[RunRow], b_rows: Sequence[RunRow],
+                same: bool) -> dict[str, Any]:  # fmt: skip
+    """The comparison as plain JSON values (GET /api/v1/sweeps/{a}/compare/{b})."""
+    pairs = compare_rows(a_rows, b_rows)
+    only_a, only_b = unmatched(a_rows, b_rows)
+    keep = ("label", "tps_ratio", "tps_lo", "tps_hi", "within_noise", "time_change",
+            "memory_ratio", "max_len_ratio", "regression", "reasons")  # fmt: skip
+    return {
+        "a": a_id,
+        "b": b_id,
+        "same_spec": same,
+        "only_a": only_a,
+        "only_b": only_b,
+        "regressions": sum(p["regression"] for p in pairs),
+        "within_noise": sum(p["within_noise"] for p in pairs),
+        "pairs": [
+            {"a_run_id": p["a"].run_id, "b_run_id": p["b"].run_id, **{k: p[k] for k in keep}}
+            for p in pairs
+        ],
+    }

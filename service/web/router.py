@@ -303,7 +303,9 @@ def compare_page(
             a_rows, b_rows = _sweep_rows(session, a), _sweep_rows(session, b)
             pairs = data.compare_rows(a_rows, b_rows)
             only_a, only_b = data.unmatched(a_rows, b_rows)
+            specs = [session.get(Sweep, i) for i in (a, b)]
             context.update(
+                same_spec=data.same_spec(*(None if x is None else x.spec for x in specs)),
                 only_a=only_a,
                 only_b=only_b,
                 sa=sa,

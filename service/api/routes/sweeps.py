@@ -24,10 +24,18 @@ from service.api.deps import (
     require_write,
 )
 from service.api.events import sweep_events
-from service.api.schemas import Message, ResultRow, SweepAction, SweepList, SweepOut
+from service.api.schemas import (
+    CompareOut,
+    Message,
+    ResultRow,
+    SweepAction,
+    SweepList,
+    SweepOut,
+)
 from service.db.models import RunStatus, Sweep
 from service.spec import PivotSpec, PivotValue, SpecError, SweepSpec, iter_cells, nul_characters
 from service.views import RunRow
+from service.web import data
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
 read = [Depends(require_read)]
@@ -320,6 +328,23 @@ def _pivot_csv(
             [{**err, "loc": ["query", *err["loc"]]} for err in e.errors()]
         ) from e
     return PlainTextResponse(results.pivot_csv(run_rows, spec), media_type="text/csv")
+
+
+@router.get(
+    "/{sweep_id}/compare/{other_id}",
+    dependencies=read,
+    response_model=CompareOut,
+    responses={**NOT_FOUND, **AUTH},
+)
+def compare(sweep_id: SweepId, other_id: SweepId, session: SessionDep) -> dict[str, Any]:
+    """This sweep (A) and another (B) cell by cell, as the /compare page: B/A with intervals
+    from both runs' noise, regressions only beyond both spreads, and whether the two specs
+    are identical (names aside)."""
+    with queries.whole_sweep_read(session, sweep_id, other_id):
+        (sa, a_rows), (sb, b_rows) = _sweep_rows(session, sweep_id), _sweep_rows(session, other_id)
+        return data.compare_out(
+            sweep_id, other_id, a_rows, b_rows, data.same_spec(sa.spec, sb.spec)
+        )
 
 
 @router.get(

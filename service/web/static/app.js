@@ -64,6 +64,25 @@ const ringlab = (() => {
     return v === null || v === undefined ? "—" : `${v.toFixed(2)}x`;
   }
 
+  // A number above its physical limit is never shown plainly: a mark whose title says why.
+  function marks(r, field) {
+    return (r.flags || []).filter((f) => f.field === field).map((f) =>
+      ` <span class="flag" data-code="${esc(f.code)}" title="${esc(f.text)}">⚠</span>`).join("");
+  }
+
+  // A ratio with its interval from both runs' noise, "within noise" when it holds 1.0, marks.
+  function noisy(r, field, show) {
+    const v = r[field];
+    if (v === null || v === undefined) return "—";
+    let text = show(v);
+    const lo = r[`${field}_lo`], hi = r[`${field}_hi`];
+    if (lo !== null && lo !== undefined && hi !== null && hi !== undefined) {
+      text += ` <span class="muted">(${show(lo)}-${show(hi)})</span>`;
+    }
+    if ((r.within_noise || []).includes(field)) text += ' <span class="within-noise">within noise</span>';
+    return text + marks(r, field);
+  }
+
   function perRank(list) {
     return list && list.length ? list.map(nbytes).join(" / ") : "—";
   }
@@ -74,21 +93,23 @@ const ringlab = (() => {
     ["length", "length", (r) => int(r.length) + (r.searched ? " (max)" : "")],
     ["world_size", "W", (r) => r.world_size],
     ["status", "status", (r) => `<span class="state state-${esc(r.status)}">${esc(r.status)}</span>`],
-    ["median_s", "time (p10-p90)", (r) => (r.median_s === null ? "—"
-      : `${secs(r.median_s)} <span class="muted">(${secs(r.p10_s)}-${secs(r.p90_s)})</span>`)],
+    ["median_s", "time (median interval)", (r) => (r.median_s === null ? "—"
+      : `${secs(r.median_s)} <span class="muted" title="p10-p90 ${secs(r.p10_s)}-${secs(r.p90_s)}; ${r.iterations} iterations">`
+        + (r.median_lo_s === null ? `(no interval: ${r.iterations} iteration)`
+          : `(${secs(r.median_lo_s)}-${secs(r.median_hi_s)})`) + "</span>")],
     ["tokens_per_s", "tokens/s", (r) => si(r.tokens_per_s)],
     ["tflops_per_s", "TFLOP/s", (r) => (r.tflops_per_s === null ? "—" : r.tflops_per_s.toFixed(4))],
     ["peak_fraction", "of dense peak",
       (r) => (r.peak_fraction === null ? (r.status === "succeeded" ? "no reference peak" : "—")
         : pct(r.peak_fraction))],
     ["exposed_comm_share", "exposed comm", (r) => pct(r.exposed_comm_share)],
-    ["peak_memory_bytes", "peak mem per rank", (r) => perRank(r.rank_peak_bytes)],
+    ["peak_memory_bytes", "peak mem per rank", (r) => perRank(r.rank_peak_bytes) + marks(r, "peak_memory_bytes")],
     ["floor_bytes", "floor / rank", (r) => nbytes(r.floor_bytes)],
     ["max_seq_len", "max len", (r) => int(r.max_seq_len)],
     ["baseline", "baseline", (r) => (r.baseline ? `<a href="/runs/${r.baseline_run_id}">${esc(r.baseline)}</a>` : "—")],
-    ["speedup", "speedup", (r) => ratio(r.speedup)],
+    ["speedup", "speedup", (r) => noisy(r, "speedup", ratio)],
     ["memory_ratio", "memory ratio", (r) => ratio(r.memory_ratio)],
-    ["efficiency", "efficiency", (r) => pct(r.efficiency)],
+    ["efficiency", "efficiency", (r) => noisy(r, "efficiency", pct)],
     ["outcome", "outcome", (r) => esc(r.outcome)],
     ["error", "error", (r) => (r.error ? `<span class="err" title="${esc(r.error)}">${esc(r.error.split("\n")[0].slice(0, 80))}</span>` : "")],
   ];
