@@ -5,7 +5,7 @@ the `workload: model` decoder (dense attention, AdamW, batch 1):
 
 1. one benchmark run at a fixed length (--seq; default 1024 on CPU, 4096 on CUDA): every
    memory component workers.model_memory.predict() names, predicted, measured (what
-   workers.training measures phase by phase: CPU resident set above the baseline, CUDA
+   workers.training measures phase by phase: CPU allocator (c10) bytes above the baseline, CUDA
    allocated bytes) and measured/predicted;
 2. a maximum-length search (workers.search.run_search) under a memory budget (per size, or
    --budget-mib; emulated on CPU: a peak over it is an OOM, CUDA: the allocator is capped):
