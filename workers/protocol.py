@@ -35,8 +35,9 @@ CHECK_MIN_LEN = 128  # the check runs at the smallest valid length >= this (or s
 PRIME_MIN_LEN = 1024
 """The warm-up run (_prime) runs at the smallest valid length >= this (or seq_len if smaller).
 Shorter, the CPU ops run inline, and the case's first parallel region would fault in its thread
-team's memory inside the metered iteration: measured, block_sparse at 8K tokens (h4 d32) read
-1.7 MB more in a process primed at 128 tokens, nothing more primed at 1024."""
+team's memory inside the metered iteration: measured with the resident-set meter, block_sparse
+at 8K tokens (h4 d32) read 1.7 MB more in a process primed at 128 tokens, nothing more primed
+at 1024 (that memory is not the allocator's: it now shows in the resident figure only)."""
 BLOCK = 1024  # inputs are generated in blocks of this many positions, each with its own seed
 TENSORS = {"q": 0, "k": 1, "v": 2, "dout": 3}
 
