@@ -342,24 +342,18 @@ def timed_rows(args: argparse.Namespace, dtype: str, device: torch.device) -> li
     ]
     meter = PeakMeter(device)
     memory = [measure_case(make_case(k, p, s, ns), meter) for s, k, p in cases]
-    keep: Any = contextlib.nullcontext()
-    if device.type == "cpu":
-        from workers.memory import heap_keeps_freed  # torch only
-
-        keep = heap_keeps_freed()
     rows, peak = [], peak_tflops(device)
     baseline: Case | None = None  # SDPA at this length: each kernel's forward alternates with it
-    with keep:
-        for (seq, kernel, params), mem in zip(cases, memory, strict=True):
-            if kernel == "sdpa":  # a new length: the previous one's baseline goes first
-                baseline = None
-            case = make_case(kernel, params, seq, ns)
-            timing = time_case(case, ns, baseline)
-            if kernel == "sdpa":
-                baseline = case
-            rows.append({"kernel": kernel, "params": params, "seq": seq, "dtype": dtype,
-                         "heads": args.heads, "head_dim": args.dim, **timing, **mem})  # fmt: skip
-            del case
+    for (seq, kernel, params), mem in zip(cases, memory, strict=True):
+        if kernel == "sdpa":  # a new length: the previous one's baseline goes first
+            baseline = None
+        case = make_case(kernel, params, seq, ns)
+        timing = time_case(case, ns, baseline)
+        if kernel == "sdpa":
+            baseline = case
+        rows.append({"kernel": kernel, "params": params, "seq": seq, "dtype": dtype,
+                     "heads": args.heads, "head_dim": args.dim, **timing, **mem})  # fmt: skip
+        del case
     for row in rows:
         sdpa = next(r for r in rows if r["kernel"] == "sdpa" and r["seq"] == row["seq"])
         row["fwd_frac_of_sdpa"] = fraction_of_baseline(row, sdpa, cpu=False)

@@ -6,19 +6,16 @@ its fraction of dense SDPA's at the same length: each forward call of a kernel i
 after one of dense's (alternating), and the fraction is the median of the --repeats pairs'
 ratios, printed with their min-max (load on a shared machine moves between calls; neighbours
 see the same load). Then forward / forward+backward peak memory above the inputs
-(workers.memory.PeakMeter, the workers' meter: on CPU the resident set after malloc_trim and a
-clear_refs reset; CUDA: max_memory_allocated), with the forward floor (q, k, v, out, lse).
+(workers.memory.PeakMeter, the workers' meter: the bytes the allocator handed out, CUDA's
+max_memory_allocated, on CPU c10's CPU allocator read through torch.profiler's memory events,
+the ops' internal buffers included), with the forward floor (q, k, v, out, lse).
 Each kernel first passes a correctness gate: its output on a small shape (params scaled down)
 against the fp64 dense masked reference of attention.masks. One JSON line per case, a table last.
-Every peak is measured before any timing, with glibc's heap set to follow the tensors; the
-timings then run on a heap that keeps freed memory, as a user's does
-(workers.memory.heap_keeps_freed): the meter's setting charges every fresh allocation its page
-faults, which taxed kernels of many primitive calls (block_sparse at block 64: 0.80x SDPA's
-forward FLOP/s under it, 0.89-0.93x without). A heap that has kept memory cannot be metered
-again, hence the order. The --budget-mib search runs last: it meters on the workers' metering
-thread (its own heap), whose OpenMP team, once it exists, makes libgomp throttle its workers'
-spinning (more threads than CPUs), which slowed the timings of kernels of many calls (block 64
-at 16K: 0.87x SDPA's FLOP/s before a search, 0.815x after).
+Every peak is measured before any timing, each under its own profiler session that ends before
+the timings start (the profiler's overhead never reaches a time); the --budget-mib search runs
+last, metered the same way. With more than one torch thread the CPU meter counts what the
+calling thread allocates, which is every allocation of these kernels (the fused op sizes its
+scratch by the thread count before its parallel region); see workers.memory.CpuAllocatorLedger.
 dilated segments longer than --seq are cut to --seq (default w = 2048, 4096, 8192 at 4K runs
 2048, 4096, 4096); each line records the params that ran. The CPU columns (process CPU time)
 show the work done even when other processes share the cores; wall times then stretch.
@@ -34,7 +31,6 @@ the whole sequence, see attention.dilated).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -102,11 +98,15 @@ def parse() -> argparse.Namespace:
 
 
 def measure_peak(meter: PeakMeter, fn: Callable[[], Any]) -> int:
-    """Peak bytes above what was in use before `fn` ran (its result is held until measured)."""
+    """Peak bytes above what was in use before `fn` ran (its result is held until measured);
+    the meter is stopped after (on CPU its profiler session must not run during timings)."""
     meter.baseline()
-    meter.reset()
-    result = fn()
-    peak = meter.peak()
+    try:
+        meter.reset()
+        result = fn()
+        peak = meter.peak()
+    finally:
+        meter.stop()
     del result
     return peak
 
@@ -472,10 +472,7 @@ def main() -> None:
             for params in given if isinstance(given, list) else [given]:
                 listed.append((seq, kernel, fit_params(kernel, params, seq)))
     device = torch.device(args.device)
-    # Memory first (the correctness gate, the peaks), on the heap the meter needs:
-    # every tensor of 64 KiB or more in its own mapping. Then every timing, on a heap that
-    # keeps freed memory for reuse as a user's does; the meter's heap would charge each fresh
-    # allocation its page faults (2-3 ms per 2.9 MB here), which taxes kernels of many calls.
+    # Memory first (the correctness gate, the peaks), then every timing.
     meter = PeakMeter(device)
     measured = []
     for seq, kernel, params in listed:
@@ -487,37 +484,34 @@ def main() -> None:
                 **measure_case(make_case(kernel, params, seq, args), meter, not args.forward_only),
             }
         )
-    from workers.memory import heap_keeps_freed
-
     rows = []
     dense: dict[str, Any] = {}
     baseline: Case | None = None  # dense at this length: every kernel's forward alternates with it
-    with heap_keeps_freed() if device.type == "cpu" else contextlib.nullcontext():
-        for (seq, kernel, params), memory in zip(listed, measured, strict=True):
-            if kernel == "dense":  # a new length: the previous one's baseline goes first
-                baseline = None
-            case = make_case(kernel, params, seq, args)
-            timing = time_case(case, args, baseline)
-            if kernel == "dense":
-                dense, baseline = timing, case
-            row = {
-                "kernel": kernel,
-                "params": params,
-                "seq": seq,
-                "batch": args.batch,
-                "heads": args.heads,
-                "head_dim": args.dim,
-                "causal": args.causal,
-                "dtype": str(case.q.dtype).removeprefix("torch."),
-                "device": device.type,
-                **timing,
-                "fwd_frac_of_sdpa": fraction_of_baseline(timing, dense, cpu=False),
-                "fwd_frac_of_sdpa_cpu": fraction_of_baseline(timing, dense, cpu=True),
-                **memory,
-            }
-            del case
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for (seq, kernel, params), memory in zip(listed, measured, strict=True):
+        if kernel == "dense":  # a new length: the previous one's baseline goes first
+            baseline = None
+        case = make_case(kernel, params, seq, args)
+        timing = time_case(case, args, baseline)
+        if kernel == "dense":
+            dense, baseline = timing, case
+        row = {
+            "kernel": kernel,
+            "params": params,
+            "seq": seq,
+            "batch": args.batch,
+            "heads": args.heads,
+            "head_dim": args.dim,
+            "causal": args.causal,
+            "dtype": str(case.q.dtype).removeprefix("torch."),
+            "device": device.type,
+            **timing,
+            "fwd_frac_of_sdpa": fraction_of_baseline(timing, dense, cpu=False),
+            "fwd_frac_of_sdpa_cpu": fraction_of_baseline(timing, dense, cpu=True),
+            **memory,
+        }
+        del case
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     print(table(rows))
     if args.budget_mib is not None:
         cases = []

@@ -175,14 +175,14 @@ def measure(args: dict, kernel: str, params: dict, layout: str | None, causal: b
         q.grad = k.grad = v.grad = None
 
     result: dict[str, Any] = {"rank": rank, "local_seq": q.shape[1], "fwd_s": []}
-    fwd_bwd_s = []
-    if args["repeats"] > 0:  # (warm_up ran a short forward+backward already)
-        result["fwd_s"] = [_time_call(fwd, device) for _ in range(args["repeats"])]
-        fwd_bwd_s = [_time_call(fwd_bwd, device) for _ in range(args["repeats"] - 1)]
+    # The peak spans a whole forward+backward (warm_up ran a short one already), metered
+    # before any timing: the CPU meter's profiler session ends before the first timed call.
     meter.reset()
-    fwd_bwd_s.append(_time_call(fwd_bwd, device))  # the peak spans a whole forward+backward
-    result["fwd_bwd_s"] = fwd_bwd_s
+    fwd_bwd()
     result["peak_bytes"] = meter.peak()
+    meter.stop()
+    result["fwd_s"] = [_time_call(fwd, device) for _ in range(args["repeats"])]
+    result["fwd_bwd_s"] = [_time_call(fwd_bwd, device) for _ in range(args["repeats"])]
     result["flops_fwd"] = module.flops(
         args["batch"], q.shape[1], args["heads"], args["dim"], causal
     )

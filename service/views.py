@@ -183,6 +183,8 @@ class RankView:
     sampled_check_error: float | None = None
     sampled_check_seq_len: int | None = None
     sampled_check_rows: int | None = None
+    resident_peak_bytes: int | None = None
+    """CPU: the process' RSS high-water mark above the baseline (not the allocator's peak)."""
     forward_s: float | None = None
     backward_s: float | None = None
     optimizer_s: float | None = None
@@ -245,6 +247,7 @@ class RunRow:
     peak_memory_bytes: int | None = None
     rank_peak_bytes: list[int] = field(default_factory=list)
     input_memory_bytes: int | None = None
+    resident_peak_bytes: int | None = None
     floor_bytes: int | None = None
     memory_per_token_bytes: float | None = None
     max_seq_len: int | None = None
@@ -405,6 +408,7 @@ def run_row(
                 flops=r.flops,
                 peak_memory_bytes=r.peak_memory_bytes,
                 input_memory_bytes=r.input_memory_bytes,
+                resident_peak_bytes=r.resident_peak_bytes,
                 memory_budget_bytes=r.memory_budget_bytes,
                 backend=r.backend,
                 max_abs_error=r.max_abs_error,
@@ -543,6 +547,8 @@ def _measured(row: RunRow) -> None:
     inputs = [r.input_memory_bytes for r in ranks if r.input_memory_bytes is not None]
     row.input_memory_bytes = max(inputs) if inputs else None
     row.flags += peak_flags(ranks)
+    resident = [r.resident_peak_bytes for r in ranks if r.resident_peak_bytes is not None]
+    row.resident_peak_bytes = max(resident) if resident else None
     row.backend = ",".join(sorted({r.backend for r in ranks}))
     errors = [r.max_abs_error for r in ranks if r.max_abs_error is not None]
     row.max_abs_error = max(errors) if errors else None

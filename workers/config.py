@@ -233,8 +233,9 @@ class RunConfig(BaseModel):
     )
     profile: bool = Field(
         False,
-        description="Save a torch.profiler Chrome trace of the warm-up and timed iterations of "
-        "every rank (artifact trace-rank{r}.json; its times include the profiler's overhead); "
+        description="Save a torch.profiler Chrome trace of every iteration after the first "
+        "(metered) one on every rank, the CPU meter being a profiler session itself (artifact "
+        "trace-rank{r}.json; its times include the profiler's overhead); "
         "on CUDA also record the allocator's history for an OOM's memory snapshot.",
     )
     seed: int = Field(

@@ -1,21 +1,25 @@
-"""Peak memory of exactly one case: CUDA allocator stats, or the process' peak RSS on Linux CPU."""
+"""Peak memory of exactly one case, with CUDA's meaning on every device: the bytes the device's
+allocator handed out. On CUDA the caching allocator's stats; on CPU c10's CPU allocator, read
+through torch.profiler's memory events (the ops' own internal buffers included). The process'
+resident-set high-water mark stays as a second CPU figure, named as such."""
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import ctypes
 import ctypes.util
 import functools
 import gc
+import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import torch
+from torch._C._profiler import _ExtraFields_Allocation, _ProfilerEvent
+from torch.profiler import ProfilerActivity, profile
 
-_T = TypeVar("_T")
+log = logging.getLogger(__name__)
+
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
@@ -36,8 +40,8 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} missing from {_STATUS}")
 
 
-def cpu_peak_supported() -> bool:
-    """Linux with a writable clear_refs: the only place the CPU peak can be reset."""
+def resident_peak_supported() -> bool:
+    """Linux with a writable clear_refs: the only place the resident-set peak can be reset."""
     return _STATUS.exists() and _CLEAR_REFS.exists()
 
 
@@ -56,139 +60,211 @@ def release(collect_cycles: bool = False) -> None:
         libc.malloc_trim(0)
 
 
-M_TRIM_THRESHOLD = -1  # glibc mallopt parameters
-M_MMAP_THRESHOLD = -3
-HEAP_MMAP_THRESHOLD = 64 * 1024
-HEAP_TRIM_THRESHOLD = 128 * 1024  # glibc's default
-KEEP_MMAP_THRESHOLD = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
-KEEP_TRIM_THRESHOLD = 2 * KEEP_MMAP_THRESHOLD  # what glibc's dynamic threshold pairs it with
+def _walk(nodes: list[_ProfilerEvent]) -> Iterator[_ProfilerEvent]:
+    for node in nodes:
+        yield node
+        yield from _walk(node.children)
 
 
-def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool:
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mallopt"):
-        return False
-    trimmed = libc.mallopt(M_TRIM_THRESHOLD, trim_threshold)
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) and trimmed)
+def _allocations(session: profile) -> list[tuple[int, int]]:
+    """(address, bytes) of every CPU allocation (bytes > 0) and free (bytes < 0) a stopped
+    session recorded, in time order."""
+    if session.profiler is None or session.profiler.kineto_results is None:
+        raise RuntimeError("the profiler session recorded no results")
+    timed = []
+    for node in _walk(session.profiler.kineto_results.experimental_event_tree()):
+        fields = node.extra_fields
+        if isinstance(fields, _ExtraFields_Allocation) and fields.device.type == "cpu":
+            timed.append((node.start_time_ns, fields.ptr, fields.alloc_size))
+    timed.sort(key=lambda row: row[0])
+    return [(ptr, size) for _, ptr, size in timed]
 
 
-def heap_follows_tensors() -> bool:
-    """Make glibc serve every allocation of 64 KiB or more by its own mmap, returned to the
-    system when freed (process-wide). glibc's default threshold grows to 32 MiB, so freed
-    tensors below it stay in the heap and the resident set (what the CPU meter reads) counts
-    fragmentation as if it were tensors: measured here, a model's forward transient read 1.33x
-    its logits with the default and 1.00x with this. Returns whether it applied.
+class CpuAllocatorLedger:
+    """The bytes c10's CPU allocator handed out since `start()` and still holds, and their
+    high-water mark: torch.cuda.memory_allocated / max_memory_allocated for the CPU.
 
-    The price is a page fault per page of every fresh allocation: on the 2-core VM, 2-3 ms
-    per 2.9 MB tensor. Time therefore under `heap_keeps_freed`, never under this."""
-    return _mallopt(HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD)
+    c10's CPU allocator reports every allocation and free to the profiler of the calling
+    thread (ProfiledCPUMemoryReporter), so a torch.profiler session with profile_memory=True
+    sees every tensor and every buffer an op allocates inside itself (the CPU flash op's
+    per-thread scratch, autograd's temporaries), wherever the Python code cannot. A session's
+    events are only readable once it stops, so each reading stops it, folds its allocation
+    events (in time order, by address) into the ledger and starts the next one: nothing runs
+    between the two. Only frees of blocks allocated since `start()` count; a free of an older
+    block (garbage of earlier work) leaves the ledger alone, so a figure does not depend on
+    what the process did before.
 
+    Not seen: allocations and frees made on other threads than the one that started the
+    ledger (the reporter is thread-local; OpenMP's worker threads and Python threads do not
+    inherit it, autograd's do). The ops ringlab runs allocate on the calling thread and a
+    parallel region only uses buffers allocated before it (measured: the flash op's scratch,
+    sized by the thread count, reads exactly twice as much at 2 threads as at 1); a block freed
+    unseen is dropped when its address is handed out again. Nor memory that does not come from
+    c10's allocator (MKL's or oneDNN's own workspaces). Only one profiler session can exist in
+    a process: start() refuses to run under another one.
+    """
 
-@contextlib.contextmanager
-def heap_keeps_freed() -> Iterator[None]:
-    """Within: glibc keeps freed memory below 32 MiB for reuse, as its default heap does once
-    warm (its dynamic mmap threshold rises to the largest freed chunk, up to 32 MiB). Timings
-    are taken here, so a kernel that allocates many block-sized results is not charged the page
-    faults of `heap_follows_tensors` (measured: block_sparse at block 64, 16K tokens, forward
-    0.80-0.82x of SDPA's FLOP/s under it, 0.89-0.93x here). On exit the heap follows the
-    tensors again and what was kept is given back (`release`). Freed chunks stay in glibc's
-    bins (not resident) and are reused by later allocations that fit: a peak metered after
-    this counts that fragmentation, so meter before timing (bench/kernels.py does).
-    Reuse settles after some rounds (about ten of 1 MiB tensors here)."""
-    _mallopt(KEEP_MMAP_THRESHOLD, KEEP_TRIM_THRESHOLD)
-    try:
-        yield
-    finally:  # both thresholds back, whichever of the two calls took
-        heap_follows_tensors()
-        release()
+    def __init__(self) -> None:
+        self._session: profile | None = None
+        self._live: dict[int, int] = {}
+        self._current = 0
+        self._high = 0
 
+    @property
+    def running(self) -> bool:
+        return self._session is not None
 
-@functools.cache
-def _metering_thread() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringlab-meter")
+    def start(self) -> None:
+        """Forget what was counted and start counting from zero bytes."""
+        if self._session is not None:
+            self.stop()
+        if torch._C._autograd._profiler_enabled():
+            raise RuntimeError(
+                "the CPU peak meter needs torch.profiler's memory events, and another profiler "
+                "session is active on this thread (torch allows one at a time)"
+            )
+        self._live.clear()
+        self._current = self._high = 0
+        self._open()
 
+    def _open(self) -> None:
+        session = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        session.start()
+        self._session = session
 
-def on_metering_thread(fn: Callable[[], _T]) -> _T:
-    """fn() run on the process' one metering thread (with the caller's torch thread count);
-    its result returned, its exception raised.
+    def _fold(self) -> None:
+        """Stop the session and fold its CPU allocations and frees into the ledger."""
+        session = self._session
+        if session is None:
+            raise RuntimeError("the CPU allocator ledger is not running: call start() first")
+        self._session = None
+        session.stop()
+        for ptr, size in _allocations(session):
+            if size > 0:
+                # An address handed out again was freed unseen (on another thread): drop it.
+                self._current += size - self._live.get(ptr, 0)
+                self._live[ptr] = size
+                self._high = max(self._high, self._current)
+            else:
+                self._current -= self._live.pop(ptr, 0)
 
-    Why: glibc gives each thread its own malloc arena, and an arena keeps the chunks freed in
-    it. The timed iterations run on a heap that keeps freed memory (heap_keeps_freed), so the
-    main thread's arena ends a case full of free block-sized chunks; malloc_trim gives their
-    pages back, but a later allocation that fits one is served from it and faults it back in,
-    page by page, where a fresh allocation would have had its own mapping and returned it. A
-    metered iteration on the main thread therefore read more the more chunks earlier cases had
-    left: block_sparse (block 128, h4 d32, 2 threads; a search's probes, 2K-32K tokens) read
-    1.1-4.3 MB over its floor, and the same case run again 0.2-1.3 MB apart; dense 0.8-1.1 MB.
-    On this thread, whose arena only metered iterations use (always on the heap that follows
-    the tensors), block_sparse read 1.2-1.7 MB, the same case again within 0.2 MB.
+    def sync(self) -> None:
+        """Bring the ledger up to now (the session restarts at once)."""
+        self._fold()
+        self._open()
 
-    With more than one torch thread the thread has its own OpenMP team, and once two teams
-    exist libgomp throttles its idle workers' spinning (more threads than CPUs): block_sparse
-    at block 64 (16K, 2 threads) then ran at 0.815x SDPA's FLOP/s instead of 0.87x on the main
-    thread. The service's CPU ranks run one thread each (Ray sets OMP_NUM_THREADS to an
-    actor's one CPU), so they have no team; bench.kernels searches after its timings."""
-    threads = torch.get_num_threads()
+    def stop(self) -> None:
+        """Fold what the session saw and end it (idempotent): nothing more is counted."""
+        if self._session is not None:
+            self._fold()
 
-    def call() -> _T:
-        if torch.get_num_threads() != threads:  # OpenMP's thread count is per calling thread
-            torch.set_num_threads(threads)
-        return fn()
+    def _running(self) -> None:
+        """Refuse a reading when nothing is being counted (before start(), after stop())."""
+        if self._session is None:
+            raise RuntimeError("the CPU allocator ledger is not running: start() it first")
 
-    return _metering_thread().submit(call).result()
+    def current(self) -> int:
+        """Bytes allocated since start() and still held."""
+        self._running()
+        self.sync()
+        return self._current
+
+    def reset_peak(self) -> None:
+        """The high-water mark restarts from what is held now."""
+        self._running()
+        self.sync()
+        self._high = self._current
+
+    def peak(self) -> int:
+        """The most bytes held at once since start() or the last reset_peak()."""
+        self._running()
+        self.sync()
+        return self._high
 
 
 class PeakMeter:
-    """Measures the peak above a baseline on one device: `baseline()`, `reset()`, then `peak()`.
+    """Memory of one case above a baseline, with torch.cuda.max_memory_allocated's meaning on
+    every device: the bytes the device's allocator handed out, the ops' internal buffers
+    included. `baseline()` before the inputs exist, `current()` (after the inputs: memory
+    after inputs), `reset()`, then `peak()`; `stop()` when done.
 
-    On CPU it reads the resident set, with glibc's heap set to follow the tensors
-    (heap_follows_tensors); time elsewhere, under heap_keeps_freed, and in a process that has
-    timed, meter on the metering thread (on_metering_thread)."""
+    CUDA: the caching allocator's stats. CPU: a CpuAllocatorLedger (c10's CPU allocator through
+    torch.profiler), so the figure is the same in a fresh process and in one whose heap earlier
+    work left resident, and never below the tensors held. A second CPU figure,
+    `resident_peak()`, is the process' resident-set high-water mark above the baseline (VmHWM
+    after a clear_refs reset, Linux), read when peak() is: what the OS saw, glibc's heap reuse
+    and fragmentation included (it misses heap pages earlier work left resident, so it can
+    read below the inputs), never the allocator's figure. It also holds the profiler's own
+    records of the metered work (measured: +0.5 MB over a block_sparse forward at 8K tokens,
+    +2-8 MB over its backward at 4K); it is read before the events are processed, which would
+    add 5-8 MB more.
+
+    The CPU ledger runs a profiler session from baseline() to stop(): its overhead (measured
+    1.0-1.15x over a block_sparse forward or backward, plus 0.03-0.06 s to read the events)
+    lands on the metered work only; a caller stops the meter before timing, and no other
+    torch.profiler may run meanwhile."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._base = 0
-        if device.type == "cpu":
-            if not cpu_peak_supported():
-                raise RuntimeError("CPU peak memory needs Linux /proc/self/clear_refs")
-            heap_follows_tensors()
+        self._resident_base: int | None = None
+        self._resident_high: int | None = None  # read by peak()
+        self._ledger = CpuAllocatorLedger() if device.type == "cpu" else None
 
-    def baseline(self) -> int:
-        """Record what is resident before the inputs exist; returns it in bytes."""
+    def baseline(self) -> None:
+        """What the allocator holds now becomes the zero of every figure (CPU: the ledger
+        starts counting here); on CPU also the resident set's zero."""
         release()
-        if self.device.type == "cuda":
+        if self._ledger is None:
             torch.cuda.synchronize(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
-        else:
-            self._base = _status_kib("VmRSS") * 1024
-        return self._base
+            return
+        self._ledger.start()
+        self._resident_high = None
+        if resident_peak_supported():
+            self._resident_base = _status_kib("VmRSS") * 1024
 
     def reset(self) -> None:
-        """Start the peak from what is resident now (inputs included)."""
-        if self.device.type == "cuda":
+        """Start the peak from what is held now (inputs included); on CPU also the resident
+        set's high-water mark (freed heap given back first, see reference.md)."""
+        if self._ledger is None:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        else:
+            return
+        self._ledger.reset_peak()
+        if self._resident_base is not None:
             release()
             _CLEAR_REFS.write_text("5")
 
     def current(self) -> int:
-        """What is resident now above the baseline, in bytes (never negative)."""
-        if self.device.type == "cuda":
+        """What the allocator holds now above the baseline, in bytes (never negative)."""
+        if self._ledger is None:
             torch.cuda.synchronize(self.device)
-            now = torch.cuda.memory_allocated(self.device)
-        else:
-            now = _status_kib("VmRSS") * 1024
-        return max(0, now - self._base)
+            return max(0, torch.cuda.memory_allocated(self.device) - self._base)
+        return self._ledger.current()
 
     def peak(self) -> int:
-        """Peak since reset() above the baseline, in bytes (never negative)."""
-        if self.device.type == "cuda":
+        """Peak the allocator held since reset() above the baseline, in bytes (never
+        negative). On CPU also reads the resident figure (resident_peak), first."""
+        if self._ledger is None:
             torch.cuda.synchronize(self.device)
-            high = torch.cuda.max_memory_allocated(self.device)
-        else:
+            return max(0, torch.cuda.max_memory_allocated(self.device) - self._base)
+        if self._resident_base is not None:
             high = _status_kib("VmHWM") * 1024
-        return max(0, high - self._base)
+            self._resident_high = max(0, high - self._resident_base)
+        return self._ledger.peak()
+
+    def resident_peak(self) -> int | None:
+        """CPU: the process' resident-set high-water mark from reset() to the last peak(),
+        above the baseline's resident set, in bytes (never negative); None on CUDA, without
+        clear_refs, or before a peak() was read."""
+        return self._resident_high
+
+    def stop(self) -> None:
+        """Stop counting (CPU: end the profiler session, so later work runs without it); on
+        CPU current(), peak() and reset() refuse until the next baseline(). Idempotent."""
+        if self._ledger is not None:
+            self._ledger.stop()
 
 
 _SIZE = re.compile(r"(?:allocate|allocating)\s+([0-9.]+)\s*(bytes|KiB|MiB|GiB|TiB|B)?", re.I)

@@ -12,7 +12,7 @@ Per rank, by component (bytes):
   copies included (the graph keeps them);
 - forward_transient: the largest extra the forward allocates above the kept activations (the
   logits and their fp32 copy, or one loss chunk's);
-- backward_peak: the peak of the backward above what is resident before the forward;
+- backward_peak: the peak of the backward above what is held before the forward;
 - step_peak: the whole step's peak above the pre-model baseline, the number a memory budget
   is held against; `max_seq_len` solves step_peak(L) <= budget.
 

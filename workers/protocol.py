@@ -2,7 +2,7 @@
 
 `run_case(config, rank)` makes seeded inputs on the device (this rank's shard only), warms up,
 times every iteration, measures the peak above the pre-input baseline (over the case's first
-iteration; on CPU the later ones run on a heap that keeps freed memory, see `_timed_loop`),
+iteration, see `_timed_loop`; on CPU the CPU allocator's bytes, workers.memory.PeakMeter),
 applies the memory budget, and turns an allocation failure into status `oom`; the rank stays
 usable.
 """
@@ -28,22 +28,16 @@ from workers.errors import error_text
 from workers.gate import CHECK_ATOL, CheckOutOfMemory, GateResult, run_gate
 from workers.inputs import batch_rows, make_input, shorter_length
 from workers.kernels import DTYPES
-from workers.memory import (
-    PeakMeter,
-    heap_keeps_freed,
-    is_oom,
-    on_metering_thread,
-    release,
-    requested_bytes,
-)
+from workers.memory import PeakMeter, is_oom, release, requested_bytes
 from workers.noise import Iterations
 from workers.results import Artifact, CaseOutcome, RankResult, StepTime, step_totals
 
 PRIME_MIN_LEN = 1024
 """The warm-up run (_prime) runs at the smallest valid length >= this (or seq_len if smaller).
 Shorter, the CPU ops run inline, and the case's first parallel region would fault in its thread
-team's memory inside the metered iteration: measured, block_sparse at 8K tokens (h4 d32) read
-1.7 MB more in a process primed at 128 tokens, nothing more primed at 1024."""
+team's memory inside the metered iteration: measured with the resident-set meter, block_sparse
+at 8K tokens (h4 d32) read 1.7 MB more in a process primed at 128 tokens, nothing more primed
+at 1024 (that memory is not the allocator's: it now shows in the resident figure only)."""
 
 
 def resolve_device(config: RunConfig) -> torch.device:
@@ -121,6 +115,7 @@ def _timed_loop(
     meter: PeakMeter | None,
     device: torch.device,
     record_steps: bool = True,
+    trace: contextlib.AbstractContextManager[None] | None = None,
 ) -> tuple[list[float], float, float, list[StepTime], int]:
     """Warm-up, then every timed iteration (barrier before each; config.iterations of them,
     under auto as many as workers.noise.Iterations decides, the same on every rank); returns
@@ -128,14 +123,12 @@ def _timed_loop(
     (attention.ring.steps; none for a kernel without a ring, or when `record_steps` is off);
     `peak` the meter's (0 without one).
 
-    The peak meter is reset once the inputs exist and read after the case's first iteration
-    (the first warm-up one, else the first timed one): every iteration computes the same, and
-    on CPU the ones after it run on a heap that keeps freed memory for reuse
-    (workers.memory.heap_keeps_freed), as a user's process does. On the meter's heap every
-    fresh allocation pays its page faults, which charged kernels of many primitive calls
-    (block_sparse at block 64: about 10% of its forward time); a kept heap cannot be metered.
-    On CPU the first iteration runs on the metering thread (workers.memory.on_metering_thread),
-    whose malloc arena the kept heaps of earlier cases never touched.
+    The peak meter is reset once the inputs exist, read after the case's first iteration (the
+    first warm-up one, else the first timed one: every iteration computes the same) and then
+    stopped. On CPU it meters through a torch.profiler session (workers.memory.PeakMeter),
+    whose overhead therefore lands on the first iteration only: a timing with warmup 0
+    includes it in its first time. `trace` (the run's own profiler, `profile: true`) starts
+    once the meter has stopped, since torch runs one profiler session at a time.
     """
     train = config.mode == "train"
     world = config.world_size
@@ -154,35 +147,27 @@ def _timed_loop(
                 out = module(q, k, v, causal=config.causal)
         del out
 
-    def first_step() -> None:
-        """The case's first iteration: on CPU on the metering thread (see above)."""
-        if device.type == "cpu":
-            on_metering_thread(step)
-        else:
-            step()
-
     timer = _timer(device)
     peak = 0
     _barrier(world)
     if meter is not None:
         meter.reset()
-    with contextlib.ExitStack() as heap:
+    with contextlib.ExitStack() as after_first:
 
         def first_done() -> None:
-            """The case's first iteration is over: read the peak; on CPU keep freed memory."""
+            """The case's first iteration is over: read the peak, stop the meter, trace."""
             nonlocal peak
             if meter is not None:
                 peak = meter.peak()
-            if device.type == "cpu":
-                heap.enter_context(heap_keeps_freed())
+                meter.stop()
+            if trace is not None:
+                after_first.enter_context(trace)
 
         for i in range(config.warmup):
             _barrier(world)
+            step()
             if i == 0:
-                first_step()
                 first_done()
-            else:
-                step()
         _sync(device)
         times: list[float] = []
         steps: list[StepTime] = []
@@ -195,10 +180,9 @@ def _timed_loop(
             while count.more(times):  # under auto a collective: every rank runs the same count
                 i = len(times)
                 _barrier(world)
-                first = i == 0 and config.warmup == 0
-                times.append(timer(first_step if first else step))  # synchronized: CUDA events done
+                times.append(timer(step))  # synchronized: CUDA events done
                 steps += [StepTime(iteration=i, **row) for row in clock.collect()]
-                if first:
+                if i == 0 and config.warmup == 0:
                     first_done()
         finally:
             clock.stop()
@@ -355,11 +339,11 @@ def _measure(
             try:
                 for name in names:
                     inputs[name] = make_input(name, config, config.seq_len, positions, rows, device)
-                resident_inputs = meter.current()
-                with profiled(config.profile, device, rank, artifacts):
-                    times, first_at, last_at, steps, peak = _timed_loop(
-                        module, inputs, config, meter, device
-                    )
+                after_inputs = meter.current()
+                trace = profiled(config.profile, device, rank, artifacts)
+                times, first_at, last_at, steps, peak = _timed_loop(
+                    module, inputs, config, meter, device, trace=trace
+                )
                 backend = kernels.backend_of(module)
             except Exception as exc:
                 if is_oom(exc):  # the failing rank's allocations, its inputs still held
@@ -374,6 +358,7 @@ def _measure(
         oom = _oom_outcome(case, message)
         return oom.model_copy(update={"artifacts": artifacts})
     finally:
+        meter.stop()  # a failed case's profiler session ends here (CPU)
         inputs.clear()
         release()
 
@@ -390,7 +375,8 @@ def _measure(
         flops=flops,
         flops_per_s=flops / median,
         peak_memory_bytes=peak,
-        input_memory_bytes=resident_inputs,
+        input_memory_bytes=after_inputs,
+        resident_peak_bytes=meter.resident_peak(),
         memory_budget_bytes=budget,
         backend=backend,
         steps=steps,

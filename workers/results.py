@@ -28,6 +28,7 @@ RANK_RESULT_COLUMNS = (
     "flops_per_s",
     "peak_memory_bytes",
     "input_memory_bytes",
+    "resident_peak_bytes",
     "memory_budget_bytes",
     "backend",
     "max_abs_error",
@@ -161,9 +162,22 @@ class RankResult(BaseModel):
     tokens_per_s: float = Field(description="Tokens this rank processed per second (median).")
     flops: float = Field(description="FLOPs this rank computed per iteration (kernel.flops).")
     flops_per_s: float
-    peak_memory_bytes: int = Field(ge=0, description="Peak above the pre-input baseline.")
+    peak_memory_bytes: int = Field(
+        ge=0,
+        description="Peak the device's allocator held above the pre-input baseline "
+        "(max_memory_allocated's meaning; on CPU c10's CPU allocator, the ops' buffers included).",
+    )
     input_memory_bytes: int | None = Field(
-        None, ge=0, description="Resident above the baseline once the inputs were allocated."
+        None,
+        ge=0,
+        description="What the allocator held above the baseline once the inputs were allocated.",
+    )
+    resident_peak_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="CPU: the process' resident-set (RSS) high-water mark above the baseline's "
+        "resident set over the metered iteration, not the allocator's figure: it misses heap "
+        "pages earlier work left resident and counts glibc's fragmentation. None on CUDA.",
     )
     memory_budget_bytes: int | None = None
     backend: str = Field(description="The kernel backend that ran (kernel.backend).")

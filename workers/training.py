@@ -3,9 +3,12 @@
 Step 1 is measured phase by phase, the peak reset between phases: parameters (after the
 build), the forward (what stays: activations; above it: the forward transient), the backward
 (what stays: gradients; its peak), the optimizer's first step (what stays: its states, checked
-against the bytes in optimizer.state). Then `warmup` steps and `iterations` timed steps (a
-count, or auto: workers.noise), each split into forward / backward / optimizer, whose peak is
-the step peak a budget is held to.
+against the bytes in optimizer.state). Then `warmup` steps and `iterations` timed steps (a count, or
+auto: workers.noise), each
+split into forward / backward / optimizer. The step peak a budget is held to is the largest of
+the phases' peaks and of the steps from step 2's optimizer step to the last warm-up step: the
+meter (workers.memory.PeakMeter, on CPU c10's allocator through a profiler session) stops
+before the timed steps, which repeat the warm-up ones, so they run without it.
 Every component is stored beside its prediction (workers.model_memory).
 
 A ring kernel trains sequence-parallel (each rank holds seq/W tokens at its kernel's global
@@ -188,7 +191,7 @@ def _prime(config: RunConfig, rank: int, device: torch.device) -> None:
 
 
 def _settled(meter: PeakMeter) -> int:
-    """What is resident now above the baseline, freed memory given back first (CPU heap)."""
+    """What the allocator holds now above the baseline (CUDA: its cache given back first)."""
     release()
     return meter.current()
 
@@ -230,10 +233,11 @@ def run_model_case(config: RunConfig, rank: int, case: dict[str, Any]) -> CaseOu
             error=f"not run: its predicted step peak {peak_guess} bytes is over "
             f"{PREDICTION_GUARD:g}x the {budget}-byte CPU memory budget",
         )
+    meter = PeakMeter(device)
     try:
         with memory_fraction(device, budget):
             _prime(config, rank, device)
-            return _measure(config, rank, device, case, predicted, predicted_max)
+            return _measure(config, rank, device, case, predicted, predicted_max, meter)
     except Exception as exc:
         if not is_oom(exc):
             raise
@@ -241,6 +245,8 @@ def run_model_case(config: RunConfig, rank: int, case: dict[str, Any]) -> CaseOu
         text = str(exc).splitlines()[0] if str(exc) else ""
         note = f" ({no_prediction})" if no_prediction else ""
         return CaseOutcome(**case, status="oom", error=f"{type(exc).__name__}: {text}{note}")
+    finally:
+        meter.stop()  # CPU: a failed case's profiler session ends here
 
 
 def _measure(
@@ -250,8 +256,8 @@ def _measure(
     case: dict[str, Any],
     predicted: dict[str, int | None],
     predicted_max: int | None,
+    meter: PeakMeter,
 ) -> CaseOutcome:
-    meter = PeakMeter(device)
     meter.baseline()
     trainer = _Trainer(config, rank, device)
     measured: dict[str, int | None] = dict.fromkeys(model_memory.COMPONENTS)
@@ -277,12 +283,14 @@ def _measure(
             "scaler skipped every one: gradients overflow)"
         )
     first_step_peak = meter.peak()
+    resident = [meter.resident_peak()]
     # Step 2, phase by phase, in the steady state every later step repeats.
     before = _settled(meter)
     meter.reset()
     loss = trainer.forward()
     after_forward = _settled(meter)
     forward_peak = meter.peak()
+    resident.append(meter.resident_peak())
     measured["activations"] = after_forward - before
     measured["forward_transient"] = max(0, forward_peak - after_forward)
     meter.reset()
@@ -290,16 +298,19 @@ def _measure(
     del loss
     measured["gradients"] = _settled(meter) - before
     backward_peak = meter.peak()
+    resident.append(meter.resident_peak())
     measured["backward_peak"] = backward_peak - before
-    trainer.step()
-
     world = config.world_size
     meter.reset()
+    trainer.step()
     for _ in range(max(0, config.warmup - 1)):  # step 2 was one
         if world > 1:
             dist.barrier()
         trainer.backward(trainer.forward())
         trainer.step()
+    steady_peak = meter.peak()  # step 2's optimizer step and the warm-up steps after it
+    resident.append(meter.resident_peak())
+    meter.stop()  # CPU: the timed steps run without the meter's profiler session
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
     first_at = time.time()
     count = Iterations(config.iterations, config.time_cap_s, world, device)
@@ -317,7 +328,7 @@ def _measure(
         phases["optimizer"].append(t_opt)
         steps.append(t_fwd + t_bwd + t_opt)
     last_at = time.time()
-    peak = max(first_step_peak, forward_peak, backward_peak, meter.peak())
+    peak = max(first_step_peak, forward_peak, backward_peak, steady_peak)
     measured["step_peak"] = peak
     if device.type == "cuda":
         measured["allocator_overhead"] = torch.cuda.max_memory_reserved(
@@ -356,6 +367,7 @@ def _measure(
         flops_per_s=flops / median,
         peak_memory_bytes=peak,
         input_memory_bytes=inputs,
+        resident_peak_bytes=None if None in resident else max(r for r in resident if r is not None),
         memory_budget_bytes=config.memory_budget_bytes,
         backend=backend,
         forward_s=statistics.median(phases["forward"]),

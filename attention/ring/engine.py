@@ -43,7 +43,8 @@ accumulators) and one block's gradients, so its memory beyond inputs, output and
 few MiB at any shard size. The forward, whose peak is well below the backward's, keeps
 PIECE_TOKENS pieces (every piece costs a merge of each query row) and instead computes a
 block a group of heads at a time. Small transients also keep glibc's heap from growing: freed
-blocks of a few MiB stay resident and count in the process's peak."""
+blocks of a few MiB stay resident and count in the process's resident-set peak (a rank's second
+memory figure; its peak is the allocator's)."""
 MIN_PIECE_TOKENS = 64
 """PIECE_BYTES never cuts pieces below this many rows (wide rows would make blocks too thin)."""
 

@@ -52,6 +52,7 @@ CSV_COLUMNS = (
     "peak_memory_bytes",
     "rank_peak_bytes",
     "input_memory_bytes",
+    "resident_peak_bytes",
     "floor_bytes",
     "memory_per_token_bytes",
     "max_seq_len",

@@ -102,8 +102,18 @@ class RankResultOut(BaseModel):
     tokens_per_s: float
     flops: float
     flops_per_s: float
-    peak_memory_bytes: int
-    input_memory_bytes: int | None
+    peak_memory_bytes: int = Field(
+        description="Peak the allocator held above the pre-input baseline (max_memory_allocated's "
+        "meaning; on CPU c10's CPU allocator, the ops' internal buffers included)."
+    )
+    input_memory_bytes: int | None = Field(
+        description="What the allocator held above the baseline once the inputs existed."
+    )
+    resident_peak_bytes: int | None = Field(
+        None,
+        description="CPU: the process' resident-set (RSS) high-water mark above the baseline "
+        "over the metered iteration; not the allocator's figure. None on CUDA and before 0009.",
+    )
     memory_budget_bytes: int | None
     backend: str
     max_abs_error: float | None
@@ -167,7 +177,12 @@ class Headline(BaseModel):
     median_s: float | None = Field(description="Slowest rank's median time per iteration.")
     tokens_per_s: float | None = Field(description="batch_size * measured_seq_len / median_s.")
     tflops_per_s: float | None = Field(description="FLOPs summed over ranks / median_s / 1e12.")
-    peak_memory_bytes: int | None = Field(description="Largest peak memory over the ranks.")
+    peak_memory_bytes: int | None = Field(
+        description="Largest allocator peak over the ranks (CPU: c10's CPU allocator)."
+    )
+    resident_peak_bytes: int | None = Field(
+        None, description="CPU: largest resident-set (RSS) high-water mark over the ranks."
+    )
     max_seq_len: int | None = Field(description="max_seq_len runs: the longest length that fit.")
     exposed_comm_share: float | None = Field(
         description="Ring kernels: time blocked on transfers / time in steps, all ranks."
@@ -307,6 +322,11 @@ class ResultRow(BaseModel):
     peak_memory_bytes: int | None = Field(description="Largest per-rank peak memory.")
     rank_peak_bytes: list[int] = Field(description="Each rank's peak memory, in rank order.")
     input_memory_bytes: int | None = Field(description="Largest memory after the inputs.")
+    resident_peak_bytes: int | None = Field(
+        None,
+        description="CPU: the largest per-rank resident-set (RSS) high-water mark above the "
+        "baseline, a second figure beside the allocator's peak_memory_bytes.",
+    )
     floor_bytes: int | None = Field(description="q, k, v, out and lse for one rank's tokens.")
     memory_per_token_bytes: float | None = Field(description="Peak / tokens one rank holds.")
     max_seq_len: int | None = Field(description="max_seq_len runs: the longest length that fit.")

@@ -244,7 +244,10 @@ class RankResult(Base):
     flops: Mapped[float] = mapped_column(Float)
     flops_per_s: Mapped[float] = mapped_column(Float)
     peak_memory_bytes: Mapped[int] = mapped_column(BigInteger)
+    """The allocator's peak above the baseline (workers.memory.PeakMeter; CPU: c10's allocator)."""
     input_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    resident_peak_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    """CPU: the process' RSS high-water mark above the baseline, not the allocator's (0009)."""
     memory_budget_bytes: Mapped[int | None] = mapped_column(BigInteger)
     backend: Mapped[str] = mapped_column(String(64))
     max_abs_error: Mapped[float | None] = mapped_column(Float)
