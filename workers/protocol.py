@@ -25,6 +25,7 @@ from workers.artifacts import memory_history, profiled, snapshot
 from workers.config import RunConfig
 from workers.environment import collect
 from workers.kernels import DTYPES
+from workers.link import LinkFigures, probe_ring_link
 from workers.memory import (
     PeakMeter,
     heap_keeps_freed,
@@ -345,9 +346,8 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
     tokens = config.local_batch * positions.numel()
 
     elem = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
-    kv = config.num_heads if kernels.is_layer(config.kernel) else config.kv_heads
-    heads = (2 if train else 1) * config.num_heads + 2 * kv  # q (and dout), k, v
-    input_bytes = tokens * heads * config.head_dim * elem
+    heads = (2 if train else 1) * config.num_heads  # q (and dout)
+    input_bytes = tokens * heads * config.head_dim * elem + kv_block_bytes(config, tokens)
     if device.type == "cpu" and budget is not None and input_bytes > budget:
         # The inputs alone exceed the budget, so would the peak: do not allocate them.
         return CaseOutcome(
@@ -366,6 +366,7 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
             raise
         message = _error_line(exc)
         return _oom_outcome(case, f"the warm-up run at a short length ran out of memory: {message}")
+    link = measure_link(config, device, tokens)
     meter = PeakMeter(device)
     meter.baseline()
     names = ["q", "k", "v", "dout"] if train else ["q", "k", "v"]
@@ -418,9 +419,41 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
         check_seq_len=checked_at,
         steps=steps,
         **step_totals(steps),
+        **link_fields(link),
     )
     measured = measured_case(case, result, device, (first_at, last_at))
     return measured.model_copy(update={"artifacts": artifacts})
+
+
+def kv_block_bytes(config: RunConfig, tokens: int) -> int:
+    """Bytes of this rank's k and v for `tokens` (batch rows x positions it holds): what one
+    ring step sends on. A layer kernel gets k and v at num_heads (it projects them itself)."""
+    elem = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
+    kv = config.num_heads if kernels.is_layer(config.kernel) else config.kv_heads
+    return 2 * tokens * kv * config.head_dim * elem
+
+
+def measure_link(config: RunConfig, device: torch.device, tokens: int) -> LinkFigures | None:
+    """A sequence-parallel run over W > 1 ranks: this rank's link to its next ring neighbour,
+    pinged with one K/V block (workers.link), before anything of the case is metered; its
+    buffers are released before the meter's baseline. None for one rank or data parallelism
+    (no ring). Every rank of the run calls it at the same point."""
+    if kernels.shard_world(config) < 2:
+        return None
+    figures = probe_ring_link(kv_block_bytes(config, tokens), device)
+    release()
+    return figures
+
+
+def link_fields(link: LinkFigures | None) -> dict[str, Any]:
+    """The RankResult fields of a link measurement (None each without one)."""
+    if link is None:
+        return {"link_probe_bytes": None, "link_probe_bytes_per_s": None, "link_latency_s": None}
+    return {
+        "link_probe_bytes": link.probe_bytes,
+        "link_probe_bytes_per_s": link.bytes_per_s,
+        "link_latency_s": link.latency_s,
+    }
 
 
 def measured_case(
