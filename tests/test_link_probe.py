@@ -1,10 +1,11 @@
 """The measured ring link (workers.link): before its timed loop a sequence-parallel run pings one
 K/V block to each rank's next ring neighbour and back. On real gloo ranks: the probe gives every
-rank of W=2, 3 and 4 its figures (no deadlock) in well under a second, a 4-rank run stores
-them, a data-parallel run has none; a W=2 ring run, stored through the scheduler, reads within
-2x of a plain torch.distributed send/recv test of the same bytes run in the same processes;
-the F/B crossover the user reads in results.json and report.md is recomputed here from the raw
-stored numbers; and the loopback label shows wherever the figure does."""
+rank of W=2, 3 and 4 its figures (no deadlock) in well under a second; a 4-rank run stores
+them, and so does a model trained on the ring; a data-parallel run has none. A W=2 ring run,
+stored through the scheduler, reads within 2x of a plain torch.distributed send/recv test of
+the same bytes run in the same processes; the F/B crossover the user reads in results.json and
+report.md is recomputed here from the raw stored numbers; and the loopback label shows
+wherever the figure does."""
 
 from __future__ import annotations
 
@@ -215,6 +216,25 @@ def test_every_rank_of_a_4_rank_ring_run_measures_its_link() -> None:
     for r in got:
         assert r["link_probe_bytes"] == block
         assert r["link_probe_bytes_per_s"] > 0 and 0 < r["link_latency_s"] < 1
+
+
+def model_probed(rank: int, world: int) -> dict[str, Any | None]:
+    """One rank of a 2-layer model trained sequence-parallel on the ring."""
+    model = {"d_model": 32, "n_layers": 2, "n_heads": 4, "num_kv_heads": 2, "vocab_size": 97}
+    config = RunConfig.model_validate(
+        {"workload": "model", "kernel": "ring", "seq_len": 64, "world_size": world,
+         "device": "cpu", "warmup": 1, "iterations": 1, "model": model}
+    )  # fmt: skip
+    case = protocol.run_case(config, rank)
+    assert case.status == "ok" and case.result is not None, case.error
+    return case.result.model_dump(include={"link_probe_bytes", "link_probe_bytes_per_s"})
+
+
+def test_a_model_trained_on_the_ring_probes_its_link_too() -> None:
+    for r in run_ranks(model_probed, 2):
+        # 32 tokens' k and v per rank: 2 kv heads x head size 8 x fp32
+        assert r["link_probe_bytes"] == 2 * 32 * 2 * 8 * 4
+        assert r["link_probe_bytes_per_s"] > 0
 
 
 def no_link(rank: int, world: int) -> dict[str, Any]:

@@ -26,10 +26,13 @@ import torch.distributed as dist
 
 from workers import kernels, model_memory
 from workers.config import RunConfig
+from workers.link import LinkFigures
 from workers.memory import PeakMeter, is_oom, release
 from workers.model import Decoder, token_ids
 from workers.protocol import (
     check_length,
+    link_fields,
+    measure_link,
     measured_case,
     memory_fraction,
     percentile,
@@ -229,7 +232,9 @@ def run_model_case(config: RunConfig, rank: int, case: dict[str, Any]) -> CaseOu
     try:
         with memory_fraction(device, budget):
             _prime(config, rank, device)
-            return _measure(config, rank, device, case, predicted, predicted_max)
+            tokens = config.local_batch * config.local_seq_len
+            link = measure_link(config, device, tokens)  # a ring trains sequence-parallel
+            return _measure(config, rank, device, case, predicted, predicted_max, link)
     except Exception as exc:
         if not is_oom(exc):
             raise
@@ -246,6 +251,7 @@ def _measure(
     case: dict[str, Any],
     predicted: dict[str, int | None],
     predicted_max: int | None,
+    link: LinkFigures | None,
 ) -> CaseOutcome:
     meter = PeakMeter(device)
     meter.baseline()
@@ -355,6 +361,7 @@ def _measure(
         optimizer_s=statistics.median(phases["optimizer"]),
         predicted_max_seq_len=predicted_max,
         components=components,
+        **link_fields(link),
     )
     return measured_case(case, result, device, (first_at, last_at))
 
