@@ -189,6 +189,9 @@ def test_the_loopback_label_goes_with_the_figure(stored: StoredSweep) -> None:
     (row,) = stored.rows
     assert row["link_kind"] == LOOPBACK
     client, sweep_id = stored.client, stored.sweep_id
+    headline = client.get(f"{API}/runs/{row['run_id']}").json()["headline"]
+    assert headline["link_kind"] == LOOPBACK
+    assert headline["link_probe_bytes_per_s"] == row["link_probe_bytes_per_s"]
     csv_text = client.get(f"{API}/sweeps/{sweep_id}/results.csv").text
     header, values = csv_text.splitlines()[:2]
     assert "link_probe_bytes_per_s" in header.split(",") and LOOPBACK in values
