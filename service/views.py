@@ -527,11 +527,11 @@ def link_kind(environment: Environment | None) -> str | None:
 def _link(row: RunRow, environment: Environment | None) -> None:
     """The run's probed ring link: the slowest rank's bandwidth (a ring step lasts as long as
     its slowest hop), the largest latency, and what kind of link it was."""
-    probed = [r for r in row.ranks if r.link_probe_bytes_per_s is not None]
-    if not probed:
+    rates = [r.link_probe_bytes_per_s for r in row.ranks if r.link_probe_bytes_per_s is not None]
+    if not rates:
         return
-    row.link_probe_bytes_per_s = min(r.link_probe_bytes_per_s or 0.0 for r in probed)
-    latencies = [r.link_latency_s for r in probed if r.link_latency_s is not None]
+    row.link_probe_bytes_per_s = min(rates)
+    latencies = [r.link_latency_s for r in row.ranks if r.link_latency_s is not None]
     row.link_latency_s = max(latencies) if latencies else None
     row.link_kind = link_kind(environment)
 

@@ -281,6 +281,23 @@ def test_each_rank_measures_the_link_to_its_next_rank(world: int) -> None:
     assert max(f["probe_s"] for f in got) < 2.0
 
 
+def probe_out_of_memory(rank: int, world: int) -> dict[str, Any]:
+    """A rank whose link probe cannot allocate its block (as on a full GPU)."""
+
+    def no_memory(block_bytes: int, device: torch.device) -> link.LinkFigures:
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {block_bytes} B")
+
+    protocol.probe_ring_link = no_memory  # type: ignore[assignment]
+    config = {**RING, "num_heads": 2, "head_dim": 16, "seq_len": 512, "world_size": world}
+    return protocol.run_case(RunConfig.model_validate(config), rank).model_dump()
+
+
+def test_a_probe_out_of_memory_is_an_oom_case_that_says_where() -> None:
+    for case in run_ranks(probe_out_of_memory, 2):
+        assert case["status"] == "oom" and case["requested_bytes"] == 2 * 256 * 2 * 16 * 4
+        assert case["error"].startswith("the link probe (one K/V block, before the inputs) ran")
+
+
 def test_the_timed_round_trips_fit_the_budget_within_bounds() -> None:
     assert link.round_trips_for(link.TIMED_BUDGET_S / 7) == 7
     assert link.round_trips_for(10.0) == link.MIN_ROUND_TRIPS

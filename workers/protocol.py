@@ -358,15 +358,16 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
             error=f"inputs need {input_bytes} bytes, over the {budget}-byte CPU memory budget",
         )
 
+    stage = "the warm-up run at a short length"
     try:
         with memory_fraction(device, budget):
             _prime(config, rank, device)
+            stage = "the link probe (one K/V block, before the inputs)"
+            link = measure_link(config, device, tokens)
     except Exception as exc:
         if not is_oom(exc):
             raise
-        message = _error_line(exc)
-        return _oom_outcome(case, f"the warm-up run at a short length ran out of memory: {message}")
-    link = measure_link(config, device, tokens)
+        return _oom_outcome(case, f"{stage} ran out of memory: {_error_line(exc)}")
     meter = PeakMeter(device)
     meter.baseline()
     names = ["q", "k", "v", "dout"] if train else ["q", "k", "v"]
