@@ -4,7 +4,8 @@
 times every iteration, measures the peak above the pre-input baseline (over the case's first
 iteration; on CPU the later ones run on a heap that keeps freed memory, see `_timed_loop`),
 applies the memory budget, and turns an allocation failure into status `oom`; the rank stays
-usable.
+usable. A sequence-parallel run over W > 1 ranks first measures its ring link (`measure_link`,
+workers.link), before the inputs exist and outside the memory meter.
 """
 
 from __future__ import annotations
