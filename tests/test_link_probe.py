@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,31 +46,34 @@ RING = {
 is steadier from about 1 MiB)."""
 
 
-def plain_send_recv_bytes_per_s(rank: int, nbytes: int, repeats: int = 5, sends: int = 4) -> float:
-    """A plain bandwidth test of `nbytes` between ranks 0 and 1, torch.distributed alone: rank 0
-    sends the block `sends` times, rank 1 answers with a 4-byte ack; bytes sent / time to the
-    ack, the median of `repeats` after one warm-up. Rank 1 returns 0.0 (it timed nothing)."""
+def plain_send_recv_bytes_per_s(rank: int, nbytes: int, repeats: int = 20) -> float:
+    """A plain bandwidth test of `nbytes` between ranks 0 and 1 with torch.distributed alone,
+    Intel MPI Benchmarks' PingPong: rank 0 sends the block, rank 1 sends it back; nbytes / half
+    the round trip, the best of `repeats` after two warm-ups (as STREAM keeps its best trial:
+    on this busy machine a slower one holds time a rank waited for a CPU). Rank 1 returns 0.0
+    (it timed nothing).
+
+    Not a send answered by a 4-byte ack: under load here a tiny message waits about 2 ms for
+    its receiver to be scheduled (the probe's latency shows it), which a 2 MiB message hides
+    behind its own transfer, so send + ack read 0.4-0.5x the link."""
     block = torch.zeros(nbytes, dtype=torch.uint8)
-    ack = torch.zeros(1)
-    rates = []
-    for _ in range(1 + repeats):
-        dist.barrier()
+    seconds = []
+    dist.barrier()
+    for _ in range(2 + repeats):
         if rank == 0:
             t0 = time.perf_counter()
-            for _ in range(sends):
-                dist.send(block, 1)
-            dist.recv(ack, 1)
-            rates.append(sends * nbytes / (time.perf_counter() - t0))
+            dist.send(block, 1)
+            dist.recv(block, 1)
+            seconds.append(time.perf_counter() - t0)
         else:
-            for _ in range(sends):
-                dist.recv(block, 0)
-            dist.send(ack, 0)
-    return statistics.median(rates[1:]) if rank == 0 else 0.0
+            dist.recv(block, 0)
+            dist.send(block, 0)
+    return nbytes / (min(seconds[2:]) / 2) if rank == 0 else 0.0
 
 
 def ring_case_then_plain(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
     """One rank of a run (protocol.run_case), then, in the same process group, the plain
-    send/recv test of the bytes this rank's link probe pinged."""
+    send/recv test of the bytes its link probe pinged."""
     case = protocol.run_case(RunConfig.model_validate(config), rank)
     assert case.status == "ok" and case.result is not None, case.error
     nbytes = case.result.link_probe_bytes

@@ -209,13 +209,13 @@ class RankResult(BaseModel):
     link_probe_bytes_per_s: float | None = Field(
         None,
         gt=0,
-        description="That link's bandwidth: link_probe_bytes / one-way time (the median "
-        "timed round trip / 2), measured alone, nothing else running.",
+        description="That link's bandwidth: link_probe_bytes / one-way time (the fastest "
+        "timed round trip / 2), measured one link at a time, nothing else of the run going on.",
     )
     link_latency_s: float | None = Field(
         None,
         gt=0,
-        description="That link's one-way time of a 4-byte message (median round trip / 2).",
+        description="That link's one-way time of a 4-byte message (fastest round trip / 2).",
     )
 
     def row(self) -> dict[str, Any]:

@@ -126,10 +126,12 @@ class RankResultOut(BaseModel):
         "pinged to the next ring rank and back before the timed loop.",
     )
     link_probe_bytes_per_s: float | None = Field(
-        None, description="That link's bandwidth: the block's bytes / one-way time (median)."
+        None,
+        description="That link's bandwidth: the block's bytes / one-way time (the fastest timed "
+        "round trip / 2).",
     )
     link_latency_s: float | None = Field(
-        None, description="That link's one-way time of a 4-byte message (median)."
+        None, description="That link's one-way time of a 4-byte message (fastest round trip / 2)."
     )
 
 
