@@ -307,3 +307,18 @@ def test_the_timed_round_trips_fit_the_budget_within_bounds() -> None:
     assert link.round_trips_for(link.TIMED_BUDGET_S / 7) == 7
     assert link.round_trips_for(10.0) == link.MIN_ROUND_TRIPS
     assert link.round_trips_for(1e-9) == link.MAX_ROUND_TRIPS
+
+
+def test_the_link_kind_follows_the_hosts_and_devices_the_ranks_ran_on() -> None:
+    from service.db.models import Environment
+    from service.views import link_kind
+
+    def env(hosts: list[str], gpus: list[dict[str, Any]]) -> Environment:
+        return Environment(hosts=hosts, gpus=gpus, torch="2.x", python="3.x", hash="h")
+
+    h100 = {"name": "NVIDIA H100 80GB HBM3"}
+    assert link_kind(env(["vm"], [])) == LOOPBACK
+    assert link_kind(env(["gpu-box"], [h100, h100])) == "one host (GPU to GPU)"
+    assert link_kind(env(["node-a", "node-b"], [h100, h100])) == "network (2 hosts)"
+    assert link_kind(env(["node-a", "node-b"], [])) == "network (2 hosts)"
+    assert link_kind(None) is None
