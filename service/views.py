@@ -24,11 +24,21 @@ A ring run adds, from its ranks' steps (attention.ring.steps; table ring_step, a
 totals in rank_result):
 - exposed-communication share: the time every rank spent blocked on a transfer over its time in
   steps (compute + wait), summed over ranks and timed iterations;
-- link bandwidth: the best bytes / window (posting to completion) of any transfer (a lower bound);
 - step coverage: the smallest share of a rank's iteration time its steps account for;
 - crossover (`ring` only): the tokens per rank at which a step's compute would hide its
-  transfer (F/B), from the device's peak FLOP/s (or, with none known, the rate the steps
-  computed at) and the link bandwidth measured.
+  transfer (F/B), from the rate the steps computed at (their FLOPs over their compute time)
+  and the run's probed link.
+
+Every sequence-parallel run over W > 1 ranks (any ring kernel, ours or a plugin's) measures its
+ring links before its timed loop (workers.link: each rank pings one K/V block to its next
+neighbour and back, alone, nothing else running); each rank stores its link's figures:
+- link: the slowest rank's link bandwidth (a ring step ends when its slowest hop does), and the
+  largest latency;
+- link kind: what the link was: "loopback (one host)" for CPU ranks on one host (gloo over
+  loopback TCP), "one host (GPU to GPU)" for GPU ranks on one host, "network (N hosts)" when
+  the ranks spanned N hosts (the environment's hosts); it goes wherever the figure goes.
+A step's transfer window (posting to completion, stored per step and each rank's best) is not a
+link figure: it includes waiting for the peer to post its side.
 
 A model cell (`workload: model`) adds, from its limiting rank (the largest measured step peak):
 its memory components predicted and measured (ComponentView, ratio = measured / predicted);
@@ -192,7 +202,10 @@ class RankView:
     step_compute_s: float | None = None
     step_wait_s: float | None = None
     step_received_bytes: int | None = None
-    link_bytes_per_s: float | None = None
+    transfer_window_bytes_per_s: float | None = None
+    link_probe_bytes: int | None = None
+    link_probe_bytes_per_s: float | None = None
+    link_latency_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -259,8 +272,11 @@ class RunRow:
     sampled_check_rows: int | None = None
     # Ring kernels: where the time goes (see the module docstring).
     exposed_comm_share: float | None = None
-    link_bytes_per_s: float | None = None
     step_coverage: float | None = None
+    # W > 1 sequence parallel: the probed ring link (see the module docstring).
+    link_probe_bytes_per_s: float | None = None
+    link_latency_s: float | None = None
+    link_kind: str | None = None
     crossover_tokens: float | None = None
     crossover_basis: str | None = None
     outcome: str = ""
@@ -423,7 +439,10 @@ def run_row(
                 step_compute_s=r.step_compute_s,
                 step_wait_s=r.step_wait_s,
                 step_received_bytes=r.step_received_bytes,
-                link_bytes_per_s=r.link_bytes_per_s,
+                transfer_window_bytes_per_s=r.transfer_window_bytes_per_s,
+                link_probe_bytes=r.link_probe_bytes,
+                link_probe_bytes_per_s=r.link_probe_bytes_per_s,
+                link_latency_s=r.link_latency_s,
             )
             for r in sorted(ranks, key=lambda r: r.rank)
         ],
@@ -445,6 +464,7 @@ def run_row(
     fits = [p.seq_len for p in row.probes if p.outcome == "fit"]
     row.max_seq_len = max(fits) if fits else None
     if row.ranks:
+        _link(row, environment)
         _measured(row)
     tokens = local_tokens(row.parallel, row.world_size, row.batch_size, row.length)
     if cfg.get("workload") != "model":  # the kernel's floor is no floor of a training step
@@ -594,37 +614,54 @@ def _steps(row: RunRow) -> None:
         for r in stepped
         if sum(r.times_s) > 0
     )
-    rates = [r.link_bytes_per_s for r in stepped if r.link_bytes_per_s]
-    row.link_bytes_per_s = max(rates) if rates else None
     _crossover(row, stepped)
+
+
+def link_kind(environment: Environment | None) -> str | None:
+    """What a run's ring links were, from where its ranks ran (None: environment unknown):
+    loopback for CPU ranks on one host, GPU to GPU on one host, network across hosts."""
+    if environment is None or not environment.hosts:
+        return None
+    hosts = len(environment.hosts)
+    if hosts > 1:
+        return f"network ({hosts} hosts)"
+    return "one host (GPU to GPU)" if environment.gpus else "loopback (one host)"
+
+
+def _link(row: RunRow, environment: Environment | None) -> None:
+    """The run's probed ring link: the slowest rank's bandwidth (a ring step lasts as long as
+    its slowest hop), the largest latency, and what kind of link it was."""
+    rates = [r.link_probe_bytes_per_s for r in row.ranks if r.link_probe_bytes_per_s is not None]
+    if not rates:
+        return
+    row.link_probe_bytes_per_s = min(rates)
+    latencies = [r.link_latency_s for r in row.ranks if r.link_latency_s is not None]
+    row.link_latency_s = max(latencies) if latencies else None
+    row.link_kind = link_kind(environment)
 
 
 def _crossover(row: RunRow, stepped: Sequence[RankView]) -> None:
     """`ring` only: the tokens per rank at which a step's compute takes as long as its transfer
     (F/B), scaled from this run. A ring step's FLOPs grow with the square of the tokens per rank
     and its bytes linearly, so c* = c x (F / B) x (bytes / FLOPs) of one iteration, all ranks
-    summed. (Not for ring_dilated, whose FLOPs grow linearly, nor ring_block_sparse, whose
+    summed. F is one rank's rate in its steps (FLOPs per iteration x iterations / step
+    compute seconds, averaged over ranks as sums over sums), B the run's probed link (its
+    slowest). (Not for ring_dilated, whose FLOPs grow linearly, nor ring_block_sparse, whose
     mask decides.)"""
-    if row.kernel != "ring" or not row.link_bytes_per_s:
+    if row.kernel != "ring" or not row.link_probe_bytes_per_s:
         return
     received = sum(r.step_received_bytes or 0 for r in stepped)
     flops = sum(r.flops for r in stepped)
+    compute = sum(r.step_compute_s or 0.0 for r in stepped)
     iterations = len(stepped[0].times_s)
-    if not (received and flops and iterations):
+    if not (received and flops and compute and iterations):
         return
-    # One rank's FLOP/s; the bytes / FLOPs ratio below is the ranks' average (sums over sums).
-    flops_per_s = dense_peak_flops(row.device, row.dtype)
-    row.crossover_basis = "device peak"
-    if not flops_per_s:  # no known peak (a CPU): the rate its steps computed at, per rank
-        compute = sum(r.step_compute_s or 0.0 for r in stepped)
-        if not compute:
-            return
-        flops_per_s = flops * iterations / compute
-        row.crossover_basis = "measured compute"
+    flops_per_s = flops * iterations / compute
     tokens = local_tokens(row.parallel, row.world_size, row.batch_size, row.length)
     row.crossover_tokens = (
-        tokens * flops_per_s * (received / iterations) / (row.link_bytes_per_s * flops)
+        tokens * flops_per_s * (received / iterations) / (row.link_probe_bytes_per_s * flops)
     )
+    row.crossover_basis = f"step compute rate, probed link: {row.link_kind or 'kind unknown'}"
 
 
 def rows_of(

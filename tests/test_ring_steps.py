@@ -67,10 +67,13 @@ def test_steps_tile_every_iteration_and_count_the_bytes(kernel: str, params: dic
             assert [s["step"] for s in fwd] == [0, 1]
             assert fwd[0]["received_bytes"] == 2 * 512 * 2 * 16 * 4
             assert fwd[1]["received_bytes"] == 0  # the last step posts nothing
-        # every step that received bytes timed their transfer; the rank's best is its bound
-        rates = [s["link_bytes_per_s"] for s in steps if s["received_bytes"]]
+        # every step that received bytes timed their transfer's window; the rank keeps its best
+        rates = [s["transfer_window_bytes_per_s"] for s in steps if s["received_bytes"]]
         assert all(rate > 0 for rate in rates)
-        assert r["link_bytes_per_s"] == pytest.approx(max(rates))
+        assert r["transfer_window_bytes_per_s"] == pytest.approx(max(rates))
+        # the link was probed apart, before the loop, with this rank's K and V shard
+        assert r["link_probe_bytes"] == 2 * 512 * 2 * 16 * 4
+        assert r["link_probe_bytes_per_s"] > 0 and r["link_latency_s"] > 0
 
 
 def slow_rank_case(rank: int, world: int, delay_s: float) -> dict[str, Any]:

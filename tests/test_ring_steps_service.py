@@ -79,16 +79,18 @@ def test_a_ring_sweep_stores_its_steps_and_profiles(tmp_path: Path, ray_session:
             k_and_v = 2 * (row["seq_len"] // 2) * 2 * 16 * 4  # one shard's K and V, fp32
             assert [s["received_bytes"] for s in steps if s["step"] == 0] == [k_and_v] * 6
             assert 0 < row["step_coverage"] <= 1
-            # F/B from the raw numbers: no device peak on a CPU, so F is what the steps computed
+            # F/B from the raw numbers: F what the steps computed, B the slowest probed link
             ranks = client.get(f"{API}/runs/{row['run_id']}").json()["rank_results"]
             its = len(ranks[0]["times_s"])
             flops = sum(r["flops"] for r in ranks)
             flops_per_s = flops * its / sum(r["step_compute_s"] for r in ranks)
-            link = max(s["link_bytes_per_s"] for s in steps if s["link_bytes_per_s"])
-            assert row["link_bytes_per_s"] == pytest.approx(link)
+            assert [r["link_probe_bytes"] for r in ranks] == [k_and_v] * 2
+            link = min(r["link_probe_bytes_per_s"] for r in ranks)
+            assert row["link_probe_bytes_per_s"] == pytest.approx(link)
+            assert row["link_kind"] == "loopback (one host)"
             per_it = sum(r["step_received_bytes"] for r in ranks) / its
             expected = (row["seq_len"] // 2) * flops_per_s * per_it / (link * flops)
-            assert row["crossover_basis"] == "measured compute"
+            assert row["crossover_basis"] == "step compute rate, probed link: loopback (one host)"
             assert row["crossover_tokens"] == pytest.approx(expected)
 
         report = client.get(f"{API}/sweeps/{sweep_id}/report.md").text

@@ -4,7 +4,8 @@
 times every iteration, measures the peak above the pre-input baseline (over the case's first
 iteration, see `_timed_loop`; on CPU the CPU allocator's bytes, workers.memory.PeakMeter),
 applies the memory budget, and turns an allocation failure into status `oom`; the rank stays
-usable.
+usable. A sequence-parallel run over W > 1 ranks first measures its ring link (`measure_link`,
+workers.link), before the inputs exist and outside the memory meter.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from workers.errors import error_text
 from workers.gate import CHECK_ATOL, CheckOutOfMemory, GateResult, run_gate
 from workers.inputs import batch_rows, make_input, shorter_length
 from workers.kernels import DTYPES
+from workers.link import LinkFigures, probe_ring_link
 from workers.memory import PeakMeter, is_oom, release, requested_bytes
 from workers.noise import Iterations
 from workers.results import Artifact, CaseOutcome, RankResult, StepTime, step_totals
@@ -308,9 +310,8 @@ def _measure(
     tokens = config.local_batch * positions.numel()
 
     elem = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
-    kv = config.num_heads if kernels.is_layer(config.kernel) else config.kv_heads
-    heads = (2 if train else 1) * config.num_heads + 2 * kv  # q (and dout), k, v
-    input_bytes = tokens * heads * config.head_dim * elem
+    heads = (2 if train else 1) * config.num_heads  # q (and dout)
+    input_bytes = tokens * heads * config.head_dim * elem + kv_block_bytes(config, tokens)
     if device.type == "cpu" and budget is not None and input_bytes > budget:
         # The inputs alone exceed the budget, so would the peak: do not allocate them.
         return CaseOutcome(
@@ -321,14 +322,16 @@ def _measure(
             error=f"inputs need {input_bytes} bytes, over the {budget}-byte CPU memory budget",
         )
 
+    stage = "the warm-up run at a short length"
     try:
         with memory_fraction(device, budget):
             _prime(config, rank, device)
+            stage = "the link probe (one K/V block, before the inputs)"
+            link = measure_link(config, device, tokens)
     except Exception as exc:
         if not is_oom(exc):
             raise
-        message = _error_line(exc)
-        return _oom_outcome(case, f"the warm-up run at a short length ran out of memory: {message}")
+        return _oom_outcome(case, f"{stage} ran out of memory: {_error_line(exc)}")
     meter = PeakMeter(device)
     meter.baseline()
     names = ["q", "k", "v", "dout"] if train else ["q", "k", "v"]
@@ -381,9 +384,41 @@ def _measure(
         backend=backend,
         steps=steps,
         **step_totals(steps),
+        **link_fields(link),
     )
     measured = measured_case(case, result, device, (first_at, last_at))
     return measured.model_copy(update={"artifacts": artifacts})
+
+
+def kv_block_bytes(config: RunConfig, tokens: int) -> int:
+    """Bytes of this rank's k and v for `tokens` (batch rows x positions it holds): what one
+    ring step sends on. A layer kernel gets k and v at num_heads (it projects them itself)."""
+    elem = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
+    kv = config.num_heads if kernels.is_layer(config.kernel) else config.kv_heads
+    return 2 * tokens * kv * config.head_dim * elem
+
+
+def measure_link(config: RunConfig, device: torch.device, tokens: int) -> LinkFigures | None:
+    """A sequence-parallel run over W > 1 ranks: this rank's link to its next ring neighbour,
+    pinged with one K/V block (workers.link), before anything of the case is metered; its
+    buffers are released before the meter's baseline. None for one rank or data parallelism
+    (no ring). Every rank of the run calls it at the same point."""
+    if kernels.shard_world(config) < 2:
+        return None
+    figures = probe_ring_link(kv_block_bytes(config, tokens), device)
+    release()
+    return figures
+
+
+def link_fields(link: LinkFigures | None) -> dict[str, Any]:
+    """The RankResult fields of a link measurement (None each without one)."""
+    if link is None:
+        return {"link_probe_bytes": None, "link_probe_bytes_per_s": None, "link_latency_s": None}
+    return {
+        "link_probe_bytes": link.probe_bytes,
+        "link_probe_bytes_per_s": link.bytes_per_s,
+        "link_latency_s": link.latency_s,
+    }
 
 
 def measured_case(

@@ -43,7 +43,10 @@ RANK_RESULT_COLUMNS = (
     "step_compute_s",
     "step_wait_s",
     "step_received_bytes",
-    "link_bytes_per_s",
+    "transfer_window_bytes_per_s",
+    "link_probe_bytes",
+    "link_probe_bytes_per_s",
+    "link_latency_s",
 )
 STEP_COLUMNS = (
     "iteration",
@@ -53,7 +56,7 @@ STEP_COLUMNS = (
     "wait_s",
     "sent_bytes",
     "received_bytes",
-    "link_bytes_per_s",
+    "transfer_window_bytes_per_s",
 )
 COMPONENT_COLUMNS = ("component", "predicted_bytes", "measured_bytes")
 PROBE_COLUMNS = (
@@ -112,8 +115,11 @@ class StepTime(BaseModel):
     received_bytes: int = Field(
         0, ge=0, description="Bytes of the transfers that completed in the step."
     )
-    link_bytes_per_s: float | None = Field(
-        None, description="The best bytes / (posting to completion) of those transfers."
+    transfer_window_bytes_per_s: float | None = Field(
+        None,
+        description="The best bytes / window (posting to completion) of those transfers. The "
+        "window includes waiting for the peer to post its side: not the link's bandwidth "
+        "(RankResult.link_probe_bytes_per_s is).",
     )
 
     def row(self) -> dict[str, Any]:
@@ -126,23 +132,25 @@ def step_totals(steps: list[StepTime]) -> dict[str, Any]:
 
     - step_compute_s, step_wait_s: summed over every step of every iteration;
     - step_received_bytes: bytes received, summed likewise;
-    - link_bytes_per_s: the best of the steps' (a transfer's bytes over its window from posting
-      to completion: a lower bound of the link's bandwidth, close to it for a transfer nothing
-      else delayed).
+    - transfer_window_bytes_per_s: the best of the steps' (a transfer's bytes over its window
+      from posting to completion, which includes waiting for the peer to post: how fast the
+      ring's transfers completed in the run, not the link's bandwidth; see workers.link).
     """
     if not steps:
         return {
             "step_compute_s": None,
             "step_wait_s": None,
             "step_received_bytes": None,
-            "link_bytes_per_s": None,
+            "transfer_window_bytes_per_s": None,
         }
-    rates = [s.link_bytes_per_s for s in steps if s.link_bytes_per_s is not None]
+    rates = [
+        s.transfer_window_bytes_per_s for s in steps if s.transfer_window_bytes_per_s is not None
+    ]
     return {
         "step_compute_s": sum(s.compute_s for s in steps),
         "step_wait_s": sum(s.wait_s for s in steps),
         "step_received_bytes": sum(s.received_bytes for s in steps),
-        "link_bytes_per_s": max(rates, default=None),
+        "transfer_window_bytes_per_s": max(rates, default=None),
     }
 
 
@@ -222,7 +230,27 @@ class RankResult(BaseModel):
     step_compute_s: float | None = Field(None, description="Ring kernels: see step_totals.")
     step_wait_s: float | None = None
     step_received_bytes: int | None = None
-    link_bytes_per_s: float | None = None
+    transfer_window_bytes_per_s: float | None = Field(
+        None, description="Ring kernels: the best of its steps' (see step_totals)."
+    )
+    link_probe_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Sequence parallel over W > 1: bytes of the K/V block (this rank's k and "
+        "v shard, what one ring step sends) pinged to the next ring rank (rank + 1 mod W) and "
+        "back before the timed loop (workers.link).",
+    )
+    link_probe_bytes_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="That link's bandwidth: link_probe_bytes / one-way time (the fastest "
+        "timed round trip / 2), measured one link at a time, nothing else of the run going on.",
+    )
+    link_latency_s: float | None = Field(
+        None,
+        gt=0,
+        description="That link's one-way time of a 4-byte message (fastest round trip / 2).",
+    )
 
     def row(self) -> dict[str, Any]:
         """The columns of the rank_result table."""

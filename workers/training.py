@@ -31,10 +31,13 @@ import torch.distributed as dist
 from workers import kernels, model_memory
 from workers.config import RunConfig
 from workers.inputs import shorter_length
+from workers.link import LinkFigures
 from workers.memory import PeakMeter, is_oom, release
 from workers.model import Decoder, token_ids
 from workers.noise import Iterations
 from workers.protocol import (
+    link_fields,
+    measure_link,
     measured_case,
     memory_fraction,
     percentile,
@@ -237,7 +240,9 @@ def run_model_case(config: RunConfig, rank: int, case: dict[str, Any]) -> CaseOu
     try:
         with memory_fraction(device, budget):
             _prime(config, rank, device)
-            return _measure(config, rank, device, case, predicted, predicted_max, meter)
+            tokens = config.local_batch * config.local_seq_len
+            link = measure_link(config, device, tokens)  # a ring trains sequence-parallel
+            return _measure(config, rank, device, case, predicted, predicted_max, meter, link)
     except Exception as exc:
         if not is_oom(exc):
             raise
@@ -257,6 +262,7 @@ def _measure(
     predicted: dict[str, int | None],
     predicted_max: int | None,
     meter: PeakMeter,
+    link: LinkFigures | None,
 ) -> CaseOutcome:
     meter.baseline()
     trainer = _Trainer(config, rank, device)
@@ -375,6 +381,7 @@ def _measure(
         optimizer_s=statistics.median(phases["optimizer"]),
         predicted_max_seq_len=predicted_max,
         components=components,
+        **link_fields(link),
     )
     return measured_case(case, result, device, (first_at, last_at))
 

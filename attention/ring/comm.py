@@ -33,6 +33,7 @@ class Tag(enum.IntEnum):
     RELAYOUT = 20  # relayout: the all-to-all between layouts
     SEGMENT_GATHER = 30  # ring_dilated: a shared segment's dilated K/V rows
     SEGMENT_REDUCE = 31  # ring_dilated: a shared segment's dK/dV rows sent home
+    LINK_PROBE = 40  # workers.link: the ping-pong that measures a ring link before a run
 
 
 def resolve_group(group: Any) -> Any:

@@ -57,8 +57,10 @@ CSV_COLUMNS = (
     "memory_per_token_bytes",
     "max_seq_len",
     "exposed_comm_share",
-    "link_bytes_per_s",
     "step_coverage",
+    "link_probe_bytes_per_s",
+    "link_latency_s",
+    "link_kind",
     "crossover_tokens",
     "crossover_basis",
     "backend",
@@ -496,16 +498,24 @@ def _results_section(rows: Sequence[RunRow]) -> list[str]:
         *_tail_header(peaks, ratios),
     ]
     lines = ["## Results per run and sequence length", "", *_table(header, body), ""]
-    return lines + (_comm_section(rows) if comm else [])
+    linked = any(r.link_probe_bytes_per_s is not None for r in rows)
+    return lines + (_comm_section(rows) if comm or linked else [])
 
 
 def fmt_rate(bytes_per_s: float | None) -> str:
     return "-" if bytes_per_s is None else f"{fmt_bytes(bytes_per_s)}/s"
 
 
+def fmt_latency(seconds: float | None) -> str:
+    """A latency in microseconds (`-` when none was measured)."""
+    return "-" if seconds is None else f"{seconds * 1e6:,.0f} us"
+
+
 def _comm_section(rows: Sequence[RunRow]) -> list[str]:
     """Where a ring run's time goes: the seeds blame 'communication overhead' unmeasured."""
-    ring = [r for r in rows if r.exposed_comm_share is not None]
+    ring = [
+        r for r in rows if r.exposed_comm_share is not None or r.link_probe_bytes_per_s is not None
+    ]
     body = [
         [
             r.label,
@@ -513,7 +523,9 @@ def _comm_section(rows: Sequence[RunRow]) -> list[str]:
             str(r.world_size),
             fmt_num(local_tokens(r.parallel, r.world_size, r.batch_size, r.length)),
             fmt_pct(r.exposed_comm_share),
-            fmt_rate(r.link_bytes_per_s),
+            fmt_rate(r.link_probe_bytes_per_s),
+            fmt_latency(r.link_latency_s),
+            r.link_kind or "-",
             fmt_pct(r.step_coverage),
             fmt_num(r.crossover_tokens),
             r.crossover_basis or "-",
@@ -521,17 +533,21 @@ def _comm_section(rows: Sequence[RunRow]) -> list[str]:
         for r in ring
     ]
     header = ["Run", "Seq len", "World", "Tokens per rank", "Exposed comm", "Link bandwidth",
-              "Steps cover", "Crossover tokens", "Crossover from"]  # fmt: skip
+              "Link latency", "Link", "Steps cover", "Crossover tokens",
+              "Crossover from"]  # fmt: skip
     return [
         "## Where the time goes (ring kernels)",
         "",
         "Exposed comm = time every rank spent blocked on a transfer / its time in ring steps "
-        "(compute + wait), over all timed iterations. Link bandwidth = the best bytes / "
-        "window (posting to completion) of any transfer (a lower bound). Steps cover = the "
-        "smallest share of a rank's iteration time its steps account for. Crossover (ring "
-        "only) = the tokens per rank at which a step's compute would take as long as its "
-        "transfer (F/B), from the device's peak FLOP/s or, with none known (CPU), the rate the "
-        "steps computed at.",
+        "(compute + wait), over all timed iterations. Link bandwidth and latency = the ring "
+        "link measured before the timed loop: each rank pings one K/V block (and a 4-byte "
+        "message) to its next ring rank and back, alone; bandwidth = the block's bytes / "
+        "one-way time (the fastest timed round trip / 2), the slowest rank's; latency the "
+        "largest. Link = what that link was "
+        "(loopback on one host is no network). Steps cover = the smallest share of a rank's "
+        "iteration time its steps account for. Crossover (ring only) = the tokens per rank at "
+        "which a step's compute would take as long as its transfer (F/B): F the rate the "
+        "steps computed at, B the link bandwidth.",
         "",
         *_table(header, body),
         "",

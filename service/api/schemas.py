@@ -128,8 +128,23 @@ class RankResultOut(BaseModel):
         None, description="Ring kernels: seconds blocked on transfers, summed likewise."
     )
     step_received_bytes: int | None = Field(None, description="Ring kernels: bytes received.")
-    link_bytes_per_s: float | None = Field(
-        None, description="Ring kernels: the best bytes / window of a transfer (a lower bound)."
+    transfer_window_bytes_per_s: float | None = Field(
+        None,
+        description="Ring kernels: the best bytes / window (posting to completion) of its "
+        "steps' transfers; the window includes waiting for the peer: not the link's bandwidth.",
+    )
+    link_probe_bytes: int | None = Field(
+        None,
+        description="W > 1 sequence parallel: bytes of the K/V block (this rank's k and v) "
+        "pinged to the next ring rank and back before the timed loop.",
+    )
+    link_probe_bytes_per_s: float | None = Field(
+        None,
+        description="That link's bandwidth: the block's bytes / one-way time (the fastest timed "
+        "round trip / 2).",
+    )
+    link_latency_s: float | None = Field(
+        None, description="That link's one-way time of a 4-byte message (fastest round trip / 2)."
     )
 
 
@@ -187,8 +202,11 @@ class Headline(BaseModel):
     exposed_comm_share: float | None = Field(
         description="Ring kernels: time blocked on transfers / time in steps, all ranks."
     )
-    link_bytes_per_s: float | None = Field(
-        description="Ring kernels: the measured link bandwidth (a lower bound)."
+    link_probe_bytes_per_s: float | None = Field(
+        description="W > 1 sequence parallel: the slowest rank's probed ring link bandwidth."
+    )
+    link_kind: str | None = Field(
+        description="What that link was: loopback (one host), one host (GPU to GPU), network."
     )
 
 
@@ -205,8 +223,9 @@ class RingStepOut(BaseModel):
     wait_s: float = Field(description="Seconds blocked waiting for a transfer.")
     sent_bytes: int = Field(description="Bytes of the transfers the step posted.")
     received_bytes: int = Field(description="Bytes of the transfers that completed in it.")
-    link_bytes_per_s: float | None = Field(
-        description="The best bytes / window (posting to completion) of those transfers."
+    transfer_window_bytes_per_s: float | None = Field(
+        description="The best bytes / window (posting to completion) of those transfers; the "
+        "window includes waiting for the peer to post: not the link's bandwidth."
     )
 
 
@@ -333,17 +352,26 @@ class ResultRow(BaseModel):
     exposed_comm_share: float | None = Field(
         description="Ring kernels: time blocked on transfers / time in steps, all ranks."
     )
-    link_bytes_per_s: float | None = Field(
-        description="Ring kernels: the best bytes / window of a transfer (a lower bound)."
-    )
     step_coverage: float | None = Field(
         description="Ring kernels: the smallest share of a rank's time its steps account for."
     )
+    link_probe_bytes_per_s: float | None = Field(
+        description="W > 1 sequence parallel: the ring link's bandwidth, probed before the "
+        "timed loop (one K/V block pinged to the next rank and back); the slowest rank's."
+    )
+    link_latency_s: float | None = Field(
+        description="The probed links' largest one-way time of a 4-byte message."
+    )
+    link_kind: str | None = Field(
+        description="What the probed link was: loopback (one host), one host (GPU to GPU), "
+        "network (N hosts)."
+    )
     crossover_tokens: float | None = Field(
-        description="Ring kernels: tokens per rank where compute would hide a step's transfer."
+        description="ring: tokens per rank where compute would hide a step's transfer (F/B)."
     )
     crossover_basis: str | None = Field(
-        description="What the crossover's FLOP/s is: device peak or measured compute."
+        description="Where F and B come from: the steps' compute rate and the probed link "
+        "(with its kind)."
     )
     backend: str | None = Field(description="The backends the ranks ran, comma-separated.")
     max_abs_error: float | None = Field(

@@ -263,7 +263,12 @@ class RankResult(Base):
     """Ring kernels: the sums of this rank's ring_step rows (workers.results.step_totals)."""
     step_wait_s: Mapped[float | None] = mapped_column(Float)
     step_received_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    link_bytes_per_s: Mapped[float | None] = mapped_column(Float)
+    transfer_window_bytes_per_s: Mapped[float | None] = mapped_column(Float)
+    """The best bytes / window of its ring steps' transfers (waits for the peer included)."""
+    link_probe_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    """W > 1 sequence parallel: the K/V block pinged to the next ring rank (workers.link)."""
+    link_probe_bytes_per_s: Mapped[float | None] = mapped_column(Float)
+    link_latency_s: Mapped[float | None] = mapped_column(Float)
 
     run: Mapped[Run] = relationship(back_populates="rank_results")
 
@@ -319,7 +324,7 @@ class RingStep(Base):
     wait_s: Mapped[float] = mapped_column(Float)
     sent_bytes: Mapped[int] = mapped_column(BigInteger)
     received_bytes: Mapped[int] = mapped_column(BigInteger)
-    link_bytes_per_s: Mapped[float | None] = mapped_column(Float)
+    transfer_window_bytes_per_s: Mapped[float | None] = mapped_column(Float)
 
 
 class Artifact(Base):

@@ -103,6 +103,8 @@ const ringlab = (() => {
       (r) => (r.peak_fraction === null ? (r.status === "succeeded" ? "no reference peak" : "—")
         : pct(r.peak_fraction))],
     ["exposed_comm_share", "exposed comm", (r) => pct(r.exposed_comm_share)],
+    ["link_probe_bytes_per_s", "ring link", (r) => (r.link_probe_bytes_per_s === null ? "—"
+      : `${nbytes(r.link_probe_bytes_per_s)}/s <span class="muted">(${esc(r.link_kind || "kind unknown")})</span>`)],
     ["peak_memory_bytes", "peak mem per rank", (r) => perRank(r.rank_peak_bytes) + marks(r, "peak_memory_bytes")],
     ["floor_bytes", "floor / rank", (r) => nbytes(r.floor_bytes)],
     ["max_seq_len", "max len", (r) => int(r.max_seq_len)],
