@@ -113,13 +113,19 @@ def masked_attention(
 
     Rows with no kept key output 0; their lse is `_BIG_NEG`-like (finite) so that merging by
     softmax over lse gives them no weight and autograd stays NaN-free.
+
+    Keys that no row keeps carry no weight and are left out of the scores: a few query rows of
+    a local kernel (a segment, a window) then cost their own keys, not the whole sequence.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    keep = keep.to(q.device)
+    cols = keep.reshape(-1, keep.shape[-1]).any(0).nonzero().flatten()
+    if 0 < len(cols) < keep.shape[-1]:
+        k, v, keep = k.index_select(1, cols), v.index_select(1, cols), keep.index_select(-1, cols)
     if k.shape[2] != q.shape[2]:  # grouped-query: kv head j serves query heads j*G .. (j+1)*G-1
         group = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    keep = keep.to(q.device)
     scores = scores.masked_fill(~keep, _BIG_NEG)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1)) * keep
