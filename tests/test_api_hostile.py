@@ -69,3 +69,41 @@ def test_an_unreachable_ratio_still_names_the_nearest_density(tmp_path: Path) ->
         assert "cannot reach density 0.1 within one block per row" in err["msg"]
         assert "(16 blocks); nearest is 0.7812" in err["msg"], err["msg"]
         assert client.get("/api/v1/sweeps").json()["count"] == 0
+
+
+DENSE = {"kernel": "dense", "seq_len": 64, "num_heads": 2, "head_dim": 16, "device": "cpu"}
+
+
+@pytest.mark.parametrize(
+    ("env", "named", "why"),
+    [
+        ({"NCCL_A=B": "1"}, "'NCCL_A=B'", "is no environment variable name"),
+        ({"NCCL_debug": "1"}, "'NCCL_debug'", "is no environment variable name"),
+        ({"NCCL_É": "1"}, "'NCCL_É'", "is no environment variable name"),
+        ({"NCCL_DEBUG": "INFO\nNCCL_X=1"}, "NCCL_DEBUG", "no NUL, CR or LF"),
+    ],
+)
+def test_env_names_and_values_ray_cannot_start_are_422_naming_the_key(
+    tmp_path: Path, env, named, why
+) -> None:
+    """Ray fails to start a rank with an illegal variable name, and the run hung 360 s."""
+    with api_client(f"sqlite:///{tmp_path / 'ringlab.db'}") as client:
+        r = client.post("/api/v1/sweeps", json={"name": "e", "base": {**DENSE, "env": env}})
+        assert r.status_code == 422, r.text
+        (err,) = r.json()["detail"]
+        assert err["loc"] == ["body", "base", "env"], err
+        assert named in err["msg"] and why in err["msg"], err["msg"]
+        assert client.get("/api/v1/sweeps").json()["count"] == 0
+        ok = {**DENSE, "env": {"NCCL_SOCKET_IFNAME": "lo", "NCCL_P2P_LEVEL": "NVL"}}
+        assert client.post("/api/v1/sweeps", json={"name": "ok", "base": ok}).status_code == 201
+
+
+def test_env_values_with_nul_are_refused_where_the_config_is_built() -> None:
+    """The API refuses NUL in any string first (service.spec); the config refuses it itself
+    for every other caller (the CLI's files, the scheduler's stored configs)."""
+    from pydantic import ValidationError
+
+    from workers.config import RunConfig
+
+    with pytest.raises(ValidationError, match="NCCL_DEBUG: a value holds no NUL, CR or LF"):
+        RunConfig.model_validate({**DENSE, "env": {"NCCL_DEBUG": "a\x00b"}})
