@@ -107,3 +107,132 @@ def test_env_values_with_nul_are_refused_where_the_config_is_built() -> None:
 
     with pytest.raises(ValidationError, match="NCCL_DEBUG: a value holds no NUL, CR or LF"):
         RunConfig.model_validate({**DENSE, "env": {"NCCL_DEBUG": "a\x00b"}})
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "cap"),
+    [
+        ("timeout_s", 1e308, "must be <= 86,400 (RINGLAB_MAX_TIMEOUT_S), got 1e+308"),
+        ("dist_timeout_s", 1e6, "must be <= 86,400 (RINGLAB_MAX_TIMEOUT_S), got 1,000,000"),
+        ("iterations", 10**9, "must be <= 10,000 (RINGLAB_MAX_ITERATIONS), got 1,000,000,000"),
+        ("warmup", 10**6, "must be <= 1,000 (RINGLAB_MAX_WARMUP), got 1,000,000"),
+        ("batch_size", 2**40, "must be <= 65,536 (RINGLAB_MAX_BATCH_SIZE)"),
+        (
+            "seq_len",
+            2**40,
+            "seq_len x num_heads x head_dim = 35,184,372,088,832 must be <= 1,099,511,627,776",
+        ),
+    ],
+)
+def test_runs_are_bounded_by_the_services_caps(tmp_path: Path, field, value, cap) -> None:
+    with api_client(f"sqlite:///{tmp_path / 'ringlab.db'}") as client:
+        r = client.post("/api/v1/sweeps", json={"name": "c", "base": {**DENSE, field: value}})
+        assert r.status_code == 422, r.text
+        (err,) = r.json()["detail"]
+        assert err["loc"] == ["body", "base", field], err
+        assert cap in err["msg"], err["msg"]
+        assert client.get("/api/v1/sweeps").json()["count"] == 0
+
+
+def test_caps_follow_the_settings_and_name_the_axis_value(tmp_path: Path) -> None:
+    """RINGLAB_MAX_* move the caps; an axis value over one is blamed at its place in the grid."""
+    url = f"sqlite:///{tmp_path / 'ringlab.db'}"
+    with api_client(url, max_iterations=50, max_cells=3, max_elements=64 * 2 * 16) as client:
+        spec = {"name": "c", "base": DENSE, "grid": {"iterations": [10, 51]}}
+        r = client.post("/api/v1/sweeps", json=spec)
+        assert r.status_code == 422, r.text
+        (err,) = r.json()["detail"]
+        assert err["loc"] == ["body", "grid", "iterations", 1], err
+        assert "must be <= 50 (RINGLAB_MAX_ITERATIONS), got 51" in err["msg"], err["msg"]
+
+        spec = {"name": "c", "base": DENSE, "grid": {"seed": [1, 2, 3, 4]}}
+        r = client.post("/api/v1/sweeps", json=spec)
+        assert r.status_code == 422 and "the sweep has 4 cells; at most 3" in r.text, r.text
+
+        search = {"start": 32, "max": 128, "granularity": 32}
+        base = {k: v for k, v in DENSE.items() if k != "seq_len"}
+        spec = {"name": "s", "kind": "max_seq_len", "base": base, "search": search}
+        r = client.post("/api/v1/sweeps", json=spec)
+        assert r.status_code == 422, r.text
+        (err,) = r.json()["detail"]
+        assert err["loc"] == ["body", "search", "max"], err
+        assert "search.max x num_heads x head_dim = 4,096 must be <= 2,048" in err["msg"]
+        assert client.get("/api/v1/sweeps").json()["count"] == 0
+        auto = {"name": "a", "base": {**DENSE, "iterations": "auto"}}
+        assert client.post("/api/v1/sweeps", json=auto).status_code == 201
+
+
+@pytest.mark.parametrize(
+    ("body", "loc", "why"),
+    [
+        ('{"name":"\\ud800","base":{}}', ["body", "name"], "unicode"),
+        (
+            '{"name":"n","base":{"kernel":"dense","seq_len":64,"params":{"x\\udfff":1}}}',
+            ["body", "base", "params", "x\\udfff"],
+            "key holds a lone surrogate (\\udfff)",
+        ),
+        (
+            '{"name":"n","base":{"kernel":"dense","seq_len":64,"env":{"NCCL_X":"\\ud800"}}}',
+            ["body", "base", "env", "NCCL_X"],
+            "holds a lone surrogate (\\ud800) at character 0",
+        ),
+        (
+            '{"name":"n","kind":"max_seq_len","base":{"kernel":"dense"},'
+            '"search":{"start":64,"max":Infinity}}',
+            ["body", "search", "max"],
+            "finite",
+        ),
+        (
+            '{"name":"n","base":{"kernel":"dense","seq_len":64,"timeout_s":NaN}}',
+            ["body", "base", "timeout_s"],
+            "must be a finite number, got nan",
+        ),
+        (
+            '{"name":"n","base":{"kernel":"block_sparse","seq_len":4096,"params":'
+            '{"block_size":64,"pattern":"dilated","window":4611686018427387904}}}',
+            ["body", "base", "params", "window"],
+            "must be within +-9,007,199,254,740,991 (2^53 - 1)",
+        ),
+        (
+            '{"name":"n","base":{"kernel":"dense","seq_len":64,"batch_size":9223372036854775808}}',
+            ["body", "base", "batch_size"],
+            "must be within +-9,007,199,254,740,991 (2^53 - 1), got 9.22e+18",
+        ),
+        (
+            '{"name":"n","base":{"kernel":"dense","seq_len":64,"params":{"a":'
+            + "[" * 40
+            + "]" * 40
+            + "}}}",
+            ["body", "base", "params", "a", *[0] * 29],
+            "nested deeper than 32 levels",
+        ),
+    ],
+)
+def test_every_hostile_input_is_a_422_naming_its_place(tmp_path: Path, body, loc, why) -> None:
+    with api_client(f"sqlite:///{tmp_path / 'ringlab.db'}") as client:
+        r = client.post(
+            "/api/v1/sweeps", content=body.encode(), headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 422, r.text
+        err = r.json()["detail"][0]
+        assert err["loc"] == loc and why in err["msg"], err
+        assert client.get("/api/v1/sweeps").json()["count"] == 0
+
+
+def test_error_lists_stop_at_20_and_count_the_rest(tmp_path: Path) -> None:
+    """50,000 unknown axes (800 KB) once answered 20.8 MB: now 20 errors and a count."""
+    grid = {f"x{i}": [1] for i in range(50_000)}
+    body = {"name": "axes", "base": DENSE, "grid": grid}
+    with api_client(f"sqlite:///{tmp_path / 'ringlab.db'}") as client:
+        r = client.post("/api/v1/sweeps", json=body)
+        assert r.status_code == 422
+        detail = r.json()["detail"]
+        assert len(detail) == 21 and len(r.content) < 30_000, len(r.content)
+        assert (
+            detail[0]["loc"] == ["body", "grid", "x0"] and "unknown axis 'x0'" in detail[0]["msg"]
+        )
+        assert detail[-1] == {
+            "loc": ["body"],
+            "msg": "49,980 more errors not shown (the first 20 are listed)",
+            "type": "too_many_errors",
+        }

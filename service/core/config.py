@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -41,6 +42,20 @@ def normalize_database_url(url: str) -> str:
     )
 
 
+@dataclass(frozen=True)
+class RunLimits:
+    """Server-side caps on what one sweep may ask of the cluster (RINGLAB_MAX_*): a cell over
+    one is refused at submit with a 422 naming the field and the cap, so no request holds
+    ranks for a day-long timeout, a billion iterations or a 2^63 batch."""
+
+    timeout_s: float = 86_400.0
+    iterations: int = 10_000
+    warmup: int = 1_000
+    batch_size: int = 65_536
+    elements: int = 1 << 40
+    cells: int = 100_000
+
+
 class Settings(BaseSettings):
     """Everything a ringlab process reads from its environment."""
 
@@ -58,6 +73,23 @@ class Settings(BaseSettings):
     )
     artifact_max_bytes: int = Field(default=64 << 20, ge=1)
     run_artifacts_max_bytes: int = Field(default=256 << 20, ge=1)
+    max_timeout_s: float = Field(
+        default=RunLimits.timeout_s,
+        gt=0,
+        allow_inf_nan=False,
+        description="Cap on a cell's timeout_s and dist_timeout_s.",
+    )
+    max_iterations: int = Field(
+        default=RunLimits.iterations, ge=1, description="Cap on an integer `iterations`."
+    )
+    max_warmup: int = Field(default=RunLimits.warmup, ge=0, description="Cap on `warmup`.")
+    max_batch_size: int = Field(default=RunLimits.batch_size, ge=1, description="Cap on batch.")
+    max_elements: int = Field(
+        default=RunLimits.elements,
+        ge=1,
+        description="Cap on seq_len x num_heads x head_dim (a search's max for seq_len).",
+    )
+    max_cells: int = Field(default=RunLimits.cells, ge=1, description="Cap on cells per sweep.")
 
     @field_validator("database_url")
     @classmethod
@@ -68,6 +100,17 @@ class Settings(BaseSettings):
     @classmethod
     def _blank_is_unset(cls, value: str | None) -> str | None:
         return value or None
+
+    def run_limits(self) -> RunLimits:
+        """The caps a submitted sweep is held to (service.spec)."""
+        return RunLimits(
+            timeout_s=self.max_timeout_s,
+            iterations=self.max_iterations,
+            warmup=self.max_warmup,
+            batch_size=self.max_batch_size,
+            elements=self.max_elements,
+            cells=self.max_cells,
+        )
 
 
 @lru_cache
