@@ -17,9 +17,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.engine import make_url
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import queries
-from service.api.errors import validation_error
+from service.api.errors import http_error, validation_error
 from service.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from service.api.routes import cluster, health, kernels, runs, sweeps
 from service.core.config import Settings
@@ -130,6 +131,7 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_exception_handler(queries.WholeSweepBusy, _busy)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
     app.include_router(api_router())
     app.include_router(web_router)  # the dashboard's HTML pages at /
     for router in extra_routers:

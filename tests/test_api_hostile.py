@@ -236,3 +236,23 @@ def test_error_lists_stop_at_20_and_count_the_rest(tmp_path: Path) -> None:
             "msg": "49,980 more errors not shown (the first 20 are listed)",
             "type": "too_many_errors",
         }
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ('{"name":"a","base":' + "[" * 200_000 + "]" * 200_000 + "}", "nests too deeply"),
+        ('{"name":"a","base":{"seq_len":' + "9" * 5000 + "}}", "Exceeds the limit (4300 digits)"),
+    ],
+)
+def test_a_body_json_cannot_parse_is_a_422_saying_why(tmp_path: Path, body, why) -> None:
+    """FastAPI answers these with a bare 400 'There was an error parsing the body'."""
+    with api_client(f"sqlite:///{tmp_path / 'ringlab.db'}") as client:
+        r = client.post(
+            "/api/v1/sweeps", content=body.encode(), headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 422, r.text
+        (err,) = r.json()["detail"]
+        assert err["loc"] == ["body"] and why in err["msg"], err
+        assert client.get("/api/v1/sweeps/999").json() == {"detail": "sweep 999 not found"}
+        assert client.get("/api/v1/sweeps").json()["count"] == 0

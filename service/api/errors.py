@@ -10,8 +10,11 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 
 MAX_ERRORS = 20
 """Errors a 422 lists; the rest are counted in one more entry."""
@@ -78,3 +81,25 @@ async def validation_error(request: Request, exc: Exception) -> JSONResponse:
     """422 with the capped, safe error list (replaces FastAPI's, which echoes every input)."""
     errors = exc.errors() if isinstance(exc, RequestValidationError) else []
     return JSONResponse({"detail": jsonable_encoder(capped_errors(errors))}, status_code=422)
+
+
+def _unparsable_reason(exc: StarletteHTTPException) -> str | None:
+    """Why FastAPI could not parse a JSON body (its 400 hides the cause), or None."""
+    cause = exc.__cause__
+    if exc.status_code != 400 or cause is None:
+        return None
+    if isinstance(cause, RecursionError):
+        return "the JSON body nests too deeply to parse (a spec nests at most 32 levels)"
+    if isinstance(cause, ValueError):  # e.g. an integer literal of thousands of digits
+        return f"the JSON body cannot be read: {safe_text(str(cause), 200)}"
+    return None
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's HTTPException answer, except that a JSON body too deep or too large in a
+    number to parse is a 422 saying so (FastAPI answers a bare 400 'error parsing the body')."""
+    assert isinstance(exc, StarletteHTTPException)
+    if (reason := _unparsable_reason(exc)) is not None:
+        error = {"loc": ["body"], "msg": reason, "type": "json_invalid"}
+        return JSONResponse({"detail": [error]}, status_code=422)
+    return await http_exception_handler(request, exc)
