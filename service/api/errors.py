@@ -5,6 +5,7 @@ the valid axes), and an error echoing a lone surrogate could not be encoded (a 5
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,8 +14,11 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+
+log = logging.getLogger(__name__)
 
 MAX_ERRORS = 20
 """Errors a 422 lists; the rest are counted in one more entry."""
@@ -103,3 +107,29 @@ async def http_error(request: Request, exc: Exception) -> Response:
         error = {"loc": ["body"], "msg": reason, "type": "json_invalid"}
         return JSONResponse({"detail": [error]}, status_code=422)
     return await http_exception_handler(request, exc)
+
+
+DATABASE_RETRY_AFTER_S = 5
+"""Retry-After of a 503 while the database cannot be reached."""
+DATABASE_ERRORS = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)
+"""What SQLAlchemy raises when the database is down, unreachable, locked or out of
+connections (psycopg's connection failures, SQLite's 'database is locked', a pool timeout)."""
+
+
+def database_reason(exc: BaseException) -> str:
+    """The driver's first line (no URL, no password: psycopg names host and port only)."""
+    orig = getattr(exc, "orig", None) or exc
+    first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+    return safe_text(f"{type(orig).__name__}: {first}", 300)
+
+
+async def database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    """503 with Retry-After and the reason as JSON, instead of a plain-text 500, when the
+    database cannot answer: the request did nothing and may be repeated."""
+    log.warning("database unavailable for %s %s: %s", request.method, request.url.path, exc)
+    detail = f"database unavailable ({database_reason(exc)}); retry later"
+    return JSONResponse(
+        {"detail": detail},
+        status_code=503,
+        headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
+    )

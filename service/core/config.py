@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -111,6 +112,37 @@ class Settings(BaseSettings):
             elements=self.max_elements,
             cells=self.max_cells,
         )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (127.0.0.0/8, ::1) or `localhost`; a wildcard
+    (0.0.0.0, ::, empty) or any other name or address is not."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_problem(settings: Settings, host: str, *, insecure: bool = False) -> str | None:
+    """Why a server with `settings` must not start on `host`, in one line, or None.
+
+    Fails closed: reads locked without a token would admit everyone (there is nothing to
+    check against), and a non-loopback address without a token lets anyone who reaches it
+    submit runs on the cluster (--insecure: the operator says the network is the guard)."""
+    if settings.require_token_for_reads and settings.api_token is None:
+        return (
+            "RINGLAB_REQUIRE_TOKEN_FOR_READS=true needs RINGLAB_API_TOKEN (without a token "
+            "there is nothing to check, and reads would stay open); set RINGLAB_API_TOKEN"
+        )
+    if settings.api_token is None and not is_loopback(host) and not insecure:
+        return (
+            f"refusing to serve on {host or '(all addresses)'} without RINGLAB_API_TOKEN: "
+            "anyone who reaches it could submit and delete sweeps; set RINGLAB_API_TOKEN, "
+            "listen on 127.0.0.1, or pass --insecure"
+        )
+    return None
 
 
 @lru_cache
