@@ -183,6 +183,12 @@ def test_caps_follow_the_settings_and_name_the_axis_value(tmp_path: Path) -> Non
             "finite",
         ),
         (
+            '{"name":"n","base":{"workload":"model","kernel":"dense","seq_len":64,'
+            '"model":{"d_model":64,"n_layers":1,"n_heads":2},"training":{"precision":["bf16"]}}}',
+            ["body", "base", "training", "precision"],
+            "Input should be 'fp32', 'bf16_autocast', 'fp16_autocast' or 'bf16'",
+        ),
+        (
             '{"name":"n","base":{"kernel":"dense","seq_len":64,"timeout_s":NaN}}',
             ["body", "base", "timeout_s"],
             "must be a finite number, got nan",
@@ -208,8 +214,9 @@ def test_caps_follow_the_settings_and_name_the_axis_value(tmp_path: Path) -> Non
         ),
     ],
 )
-def test_every_hostile_input_is_a_422_naming_its_place(tmp_path: Path, body, loc, why) -> None:
-    with api_client(f"sqlite:///{tmp_path / 'ringlab.db'}") as client:
+def test_every_hostile_input_is_a_422_naming_its_place(database_url: str, body, loc, why) -> None:
+    """On SQLite and on Postgres (whose text and JSON refuse NUL and lone surrogates)."""
+    with api_client(database_url) as client:
         r = client.post(
             "/api/v1/sweeps", content=body.encode(), headers={"content-type": "application/json"}
         )

@@ -278,7 +278,7 @@ class RunConfig(BaseModel):
             data = {**data, "training": {}}
             training = {}
         precision = training.get("precision", "fp32") if isinstance(training, dict) else None
-        if precision in PRECISION_DTYPES:
+        if isinstance(precision, str) and precision in PRECISION_DTYPES:  # else its own error
             data = {"dtype": PRECISION_DTYPES[precision], **data}
         return {"mode": "train", "causal": True, **data}
 
