@@ -253,11 +253,6 @@ def unstorable_values(value: Any, loc: Loc = ()) -> list[dict[str, Any]]:
     return found
 
 
-def nul_characters(value: Any, loc: Loc = ()) -> list[dict[str, Any]]:
-    """The errors of unstorable_values (the name from when NUL was its only case)."""
-    return unstorable_values(value, loc)
-
-
 @dataclass(frozen=True)
 class Cell:
     """One expanded cell: its validated config (and its JSON form), key, and axis values."""
