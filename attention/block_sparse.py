@@ -27,6 +27,7 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -134,17 +135,22 @@ class BlockSparseParams:
 
 
 def _pattern_mask(params: BlockSparseParams, n: int, size: int) -> torch.Tensor:
-    """Block keep-mask (n, n) of the pattern with size parameter `size` (window or num_random)."""
+    """Block keep-mask (n, n) of the pattern with size parameter `size` (window or num_random).
+
+    Built on a rank at run time only; submit-time checks count its pairs in closed form
+    (`_kept_pairs`). A window or dilation beyond n blocks means the same as n (all blocks
+    within reach), so both are clamped before they meet int64 tensors."""
     i = torch.arange(n)[:, None]
     j = torch.arange(n)[None, :]
     dist = (i - j).abs()
+    size = min(size, n)
     if params.pattern == "local_window":
         return dist <= size
     if params.pattern == "dilated":
-        d = params.dilation if params.dilation is not None else 2
+        d = min(params.dilation if params.dilation is not None else 2, n)
         return (dist % d == 0) & (dist <= size * d)
     if params.pattern == "global_local":
-        g = params.num_global if params.num_global is not None else 1
+        g = min(params.num_global if params.num_global is not None else 1, n)
         return (dist <= size) | (i < g) | (j < g)
     # random: the diagonal ranks first, then a seeded random order of the other blocks
     gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
@@ -154,41 +160,76 @@ def _pattern_mask(params: BlockSparseParams, n: int, size: int) -> torch.Tensor:
     return torch.zeros(n, n, dtype=torch.bool).scatter_(1, top, True)
 
 
+def _band_pairs(m: int, reach: int, step: int = 1) -> int:
+    """Pairs (i, j) of an m x m grid with |i - j| a multiple of `step` and at most
+    reach x step: the diagonal plus two bands per kept offset k x step (m - k x step each)."""
+    if m <= 0:
+        return 0
+    k = min(reach, (m - 1) // step)
+    return m * (2 * k + 1) - step * k * (k + 1)
+
+
+def _kept_pairs(params: BlockSparseParams, n: int, size: int) -> int:
+    """The number of True entries of `_pattern_mask(params, n, size)`, from the pattern's
+    formula in O(1) (Python ints: any n, any size), so a check never builds the mask."""
+    if params.pattern == "local_window":
+        return _band_pairs(n, size)
+    if params.pattern == "dilated":
+        return _band_pairs(n, size, params.dilation if params.dilation is not None else 2)
+    if params.pattern == "global_local":
+        g = min(n, params.num_global if params.num_global is not None else 1)
+        return g * n + (n - g) * g + _band_pairs(n - g, size)
+    return n * min(n, size + 1)  # random: the diagonal and `size` others per row
+
+
+def _density(params: BlockSparseParams, n: int, size: int) -> Fraction:
+    """The mask's exact density (kept pairs / n^2)."""
+    return Fraction(_kept_pairs(params, n, size), n * n)
+
+
 def _size_for_ratio(params: BlockSparseParams, n: int, ratio: float) -> int:
-    """The size parameter whose mask density is nearest to `ratio` (ties: the smaller)."""
+    """The size parameter whose mask density is nearest to `ratio` (ties: the smaller),
+    by bisection over the closed-form density (exact rationals, O(log n) steps)."""
     if params.pattern == "random":
         return max(0, min(n, math.floor(ratio * n + 0.5)) - 1)
-
-    def density(size: int) -> float:
-        return _pattern_mask(params, n, size).float().mean().item()
-
+    target = Fraction(ratio)
     lo, hi = 0, n  # densities grow with the window; find the first window reaching the ratio
     while lo < hi:
         mid = (lo + hi) // 2
-        if density(mid) >= ratio:
+        if _density(params, n, mid) >= target:
             hi = mid
         else:
             lo = mid + 1
-    if lo > 0 and abs(density(lo - 1) - ratio) <= abs(density(lo) - ratio):
+    if lo > 0 and abs(_density(params, n, lo - 1) - target) <= abs(
+        _density(params, n, lo) - target
+    ):
         return lo - 1
     return lo
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_block_mask(params: BlockSparseParams, seq_len: int) -> torch.Tensor:
+def _pattern_size(params: BlockSparseParams, seq_len: int) -> int:
+    """The pattern's size parameter at `seq_len`: the given one, or the one nearest to
+    sparsity_ratio, which must lie within one block per row (1/n) of it (else ParamError)."""
     n = -(-seq_len // params.block_size)
     if params.sparsity_ratio is None:
-        return _pattern_mask(params, n, getattr(params, _SIZE_FIELD[params.pattern]))
-    mask = _pattern_mask(params, n, _size_for_ratio(params, n, params.sparsity_ratio))
-    got = mask.float().mean().item()
-    if abs(got - params.sparsity_ratio) > 1 / n + 1e-9:
+        return int(getattr(params, _SIZE_FIELD[params.pattern]))
+    size = _size_for_ratio(params, n, params.sparsity_ratio)
+    got = _density(params, n, size)
+    if abs(got - Fraction(params.sparsity_ratio)) > Fraction(1, n) + Fraction(1, 10**9):
         raise ParamError(
             "params.sparsity_ratio",
             f"pattern {params.pattern!r} cannot reach density "
             f"{params.sparsity_ratio} within one block per row at seq_len {seq_len} "
-            f"({n} blocks); nearest is {got:.4f}",
+            f"({n} blocks); nearest is {float(got):.4f}",
         )
-    return mask
+    return size
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_block_mask(params: BlockSparseParams, seq_len: int) -> torch.Tensor:
+    """The (n, n) mask a rank computes with (run time only: O(n^2) memory)."""
+    n = -(-seq_len // params.block_size)
+    return _pattern_mask(params, n, _pattern_size(params, seq_len))
 
 
 def block_sparse_periods(params: BlockSparseParams) -> tuple[int, ...]:
@@ -217,7 +258,7 @@ def check_block_sparse(
     reachable at that length (any length otherwise: the last block may be shorter)."""
     if params.ordering == "hilbert":
         check_hilbert_length(seq_len)
-    _cached_block_mask(params, seq_len)
+    _pattern_size(params, seq_len)  # closed form: a submit never builds the (n, n) mask
 
 
 def _runs(cols: list[int]) -> list[tuple[int, int]]:

@@ -14,12 +14,21 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.engine import make_url
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import queries
+from service.api.errors import (
+    DATABASE_ERRORS,
+    database_unavailable,
+    http_error,
+    validation_error,
+)
 from service.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from service.api.routes import cluster, health, kernels, runs, sweeps
+from service.api.security import SecurityHeaders
 from service.core.config import Settings
 from service.db.engine import make_engine, make_sessionmaker
 from service.db.migrate import upgrade
@@ -126,7 +135,12 @@ def create_app(
     app.state.scheduler_thread = None
     app.state.scheduler_error = None
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(SecurityHeaders)  # outermost: a 413 carries the headers too
     app.add_exception_handler(queries.WholeSweepBusy, _busy)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    for error in DATABASE_ERRORS:
+        app.add_exception_handler(error, database_unavailable)
     app.include_router(api_router())
     app.include_router(web_router)  # the dashboard's HTML pages at /
     for router in extra_routers:

@@ -17,7 +17,7 @@ from rich.markup import escape
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 
 from service.client import ClientError
-from service.core.config import Settings
+from service.core.config import Settings, exposure_problem
 
 app = typer.Typer(
     name="ringlab",
@@ -221,10 +221,19 @@ def serve(
     no_scheduler: Annotated[
         bool, typer.Option("--no-scheduler", help="Serve the API only; run `ringlab scheduler`.")
     ] = False,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="Serve on a non-loopback address without RINGLAB_API_TOKEN (refused without).",
+        ),
+    ] = False,
 ) -> None:
     settings = load_settings()
     host = settings.host if host is None else host
     port = port or settings.port
+    if problem := exposure_problem(settings, host, insecure=insecure):
+        raise CliError(problem)
     sockets = _start_serving(settings, host, port, "pick another: ringlab serve --port {port}")
     from service.app import run_server
 
@@ -280,6 +289,8 @@ def demo(
     if database_url:
         overrides["database_url"] = database_url
     settings = Settings(**overrides)
+    if problem := exposure_problem(settings, "127.0.0.1"):
+        raise CliError(problem)
     (spec,) = load_specs(DEMO_EXAMPLE)
     base = f"http://127.0.0.1:{port}"
 

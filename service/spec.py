@@ -26,10 +26,11 @@ from pydantic import (
 )
 
 from attention.errors import ParamError
+from service.core.config import RunLimits
 from workers.config import RunConfig, SearchConfig
 
-MAX_CELLS = 100_000
-"""A grid larger than this is rejected before anything is expanded."""
+MAX_CELLS = RunLimits.cells
+"""A grid larger than this (by default; RINGLAB_MAX_CELLS) is rejected before expanding."""
 MAX_SEQ_LEN = 2**63 - 1
 """seq_len is a 64-bit column."""
 MAX_ERRORS = 20
@@ -186,26 +187,69 @@ class SweepSpec(BaseModel):
     )
 
 
-def nul_characters(value: Any, loc: Loc = ()) -> list[dict[str, Any]]:
-    """Errors (pydantic's shape) for every string or key holding a NUL character.
+MAX_JSON_INT = 2**53 - 1
+"""The largest integer every JSON reader holds exactly (a double's 53 bits); any larger is no
+size or count a run can mean (window 2^62, batch_size 2^63), so it is refused, not stored."""
+MAX_DEPTH = 32
+"""Deepest nesting of objects and lists a spec may have (real specs nest 4 levels)."""
 
-    Postgres cannot store NUL in text or JSON: rejected here with its path, the spec is valid
-    on every database the service runs on, instead of a 500 on one of them.
-    """
-    found: list[dict[str, Any]] = []
+
+def _string_problem(text: str) -> tuple[str, str] | None:
+    """(message, type) when `text` cannot be stored or sent back as UTF-8 text, else None."""
+    if "\x00" in text:
+        return "must not contain NUL (\\x00) characters", "string_nul"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (
+            f"holds a lone surrogate (\\u{ord(text[e.start]):04x}) at character {e.start}, "
+            "which is no Unicode text",
+            "string_unicode",
+        )
+    return None
+
+
+def _scalar_problem(value: Any) -> tuple[str, str] | None:
+    """(message, type) for a string, number or key that no database column or JSON reader
+    holds as given: NUL, a lone surrogate, NaN or an infinity, an integer beyond 2^53 - 1."""
     if isinstance(value, str):
-        if "\x00" in value:
-            found.append(
-                {"loc": loc, "msg": "must not contain NUL (\\x00) characters", "type": "string_nul"}
-            )
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            shown = str(key).replace("\x00", "\\x00")
-            found += nul_characters(key, (*loc, shown))
-            found += nul_characters(item, (*loc, shown))
-    elif isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            found += nul_characters(item, (*loc, i))
+        return _string_problem(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, got {value}", "finite_number"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_JSON_INT:
+        return f"must be within +-{MAX_JSON_INT:,} (2^53 - 1), got {value:.3g}", "int_too_big"
+    return None
+
+
+def _shown_key(key: Any) -> str:
+    """A key as an error's loc shows it: NUL and lone surrogates escaped."""
+    return str(key).encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+
+
+def unstorable_values(value: Any, loc: Loc = ()) -> list[dict[str, Any]]:
+    """Errors (pydantic's shape) for every value or key of a submitted document that cannot
+    be stored and read back as given (_scalar_problem), and for nesting deeper than MAX_DEPTH.
+
+    Checked before anything is expanded or stored, so every database the service runs on
+    (Postgres refuses NUL and lone surrogates in text) answers one 422 with the path, never a
+    500. Iterative: a hostile depth cannot exhaust the interpreter's stack."""
+    found: list[dict[str, Any]] = []
+    stack: list[tuple[Any, Loc]] = [(value, loc)]
+    while stack and len(found) <= MAX_ERRORS:
+        item, where = stack.pop()
+        if isinstance(item, dict | list | tuple) and len(where) - len(loc) >= MAX_DEPTH:
+            found.append(_err(where, f"nested deeper than {MAX_DEPTH} levels", "too_deep"))
+            continue
+        if isinstance(item, dict):
+            for key, sub in reversed(item.items()):
+                shown = (*where, _shown_key(key))
+                if (problem := _scalar_problem(key)) is not None:
+                    found.append(_err(shown, f"key {problem[0]}", problem[1]))
+                stack.append((sub, shown))
+        elif isinstance(item, list | tuple):
+            stack.extend((sub, (*where, i)) for i, sub in reversed(list(enumerate(item))))
+        elif (problem := _scalar_problem(item)) is not None:
+            found.append(_err(where, *problem))
     return found
 
 
@@ -306,7 +350,7 @@ def _check_axis(where: str, axis: str) -> dict[str, Any] | None:
     return None
 
 
-def _check_structure(spec: SweepSpec) -> None:
+def _check_structure(spec: SweepSpec, limits: RunLimits) -> None:
     """Field names, axis shapes and the cell count: everything checked before expanding."""
     errors: list[dict[str, Any]] = []
     for key in spec.base:
@@ -371,10 +415,56 @@ def _check_structure(spec: SweepSpec) -> None:
     if errors:
         raise SpecError(errors)
     n = cell_count(spec)
-    if n > MAX_CELLS:
+    if n > limits.cells:
         raise SpecError(
-            [_err(("grid",), f"the sweep has {n:,} cells; at most {MAX_CELLS:,} are allowed")]
+            [
+                _err(
+                    ("grid",),
+                    f"the sweep has {n:,} cells; at most {limits.cells:,} are allowed "
+                    "(RINGLAB_MAX_CELLS)",
+                )
+            ]
         )
+
+
+def _over(field: str, value: float, cap: float, setting: str) -> tuple[str, str] | None:
+    """(field, message) when value exceeds the cap named by RINGLAB_<setting>."""
+    if value <= cap:
+        return None
+    return field, f"must be <= {_num(cap)} (RINGLAB_{setting}), got {_num(value)}"
+
+
+def _num(value: float) -> str:
+    """A cap or value as a message shows it: integers in full, other floats short."""
+    if isinstance(value, int) or (float(value).is_integer() and abs(value) < 1e15):
+        return f"{int(value):,}"
+    return f"{value:,g}"
+
+
+def limit_problems(config: RunConfig, limits: RunLimits) -> list[tuple[tuple[str, ...], str]]:
+    """(path, message) for every field of `config` above the service's caps (RunLimits)."""
+    longest = config.search.max if config.search is not None else config.seq_len
+    elements = longest * config.num_heads * config.head_dim
+    what = "search.max" if config.search is not None else "seq_len"
+    checks = [
+        _over("timeout_s", config.timeout_s, limits.timeout_s, "MAX_TIMEOUT_S"),
+        _over("dist_timeout_s", config.dist_timeout_s, limits.timeout_s, "MAX_TIMEOUT_S"),
+        _over("warmup", config.warmup, limits.warmup, "MAX_WARMUP"),
+        _over("batch_size", config.batch_size, limits.batch_size, "MAX_BATCH_SIZE"),
+    ]
+    if config.iterations != "auto":
+        checks.append(_over("iterations", config.iterations, limits.iterations, "MAX_ITERATIONS"))
+    problems = [(tuple(field.split(".")), msg) for field, msg in filter(None, checks)]
+    if elements > limits.elements:
+        path = ("search", "max") if config.search is not None else ("seq_len",)
+        problems.append(
+            (
+                path,
+                f"{what} x num_heads x head_dim = {elements:,} must be <= {limits.elements:,} "
+                "(RINGLAB_MAX_ELEMENTS)",
+            )
+        )
+    return problems
 
 
 @lru_cache(maxsize=64)
@@ -438,8 +528,9 @@ def normalize_params(kernel: Any, params: Any) -> ParamsCheck:
 class _Expander:
     """Builds and validates cells, mapping every error back to where the user wrote the value."""
 
-    def __init__(self, spec: SweepSpec) -> None:
+    def __init__(self, spec: SweepSpec, limits: RunLimits) -> None:
         self.spec = spec
+        self.limits = limits
         # every axis once, grid axes first: (name, grid|zip, values)
         self.axes = [(a, "grid", v) for a, v in spec.grid.items()]
         self.axes += [(a, "zip", v) for a, v in spec.zip.items()]
@@ -609,6 +700,11 @@ class _Expander:
             loc = self.locate(self.position(idx), ("seq_len",))
             self.add(loc, f"must be <= {MAX_SEQ_LEN}", axes)
             return None
+        if problems := limit_problems(config, self.limits):
+            for path, msg in problems:
+                where = path if path[0] == "search" else self.locate(self.position(idx), path)
+                self.add(where, msg, axes)
+            return None
         config_json = config.model_dump(mode="json")
         try:
             key = cell_key_of(config_json)
@@ -645,14 +741,16 @@ class _Expander:
             raise SpecError(self.errors[:MAX_ERRORS])
 
 
-def iter_cells(spec: SweepSpec) -> Iterator[Cell]:
+def iter_cells(spec: SweepSpec, limits: RunLimits | None = None) -> Iterator[Cell]:
     """The sweep's cells one at a time as validated RunConfigs; a SpecError (with field paths)
     once the expansion is over if any cell was invalid, after the valid ones before it were
-    yielded: a caller that stores them does so in a transaction it rolls back then."""
-    _check_structure(spec)
-    return _Expander(spec).cells()
+    yielded: a caller that stores them does so in a transaction it rolls back then. `limits`:
+    the service's caps (default: RunLimits' defaults)."""
+    limits = limits or RunLimits()
+    _check_structure(spec, limits)
+    return _Expander(spec, limits).cells()
 
 
-def expand(spec: SweepSpec) -> list[Cell]:
+def expand(spec: SweepSpec, limits: RunLimits | None = None) -> list[Cell]:
     """Every cell of the sweep as a validated RunConfig; SpecError (with field paths) otherwise."""
-    return list(iter_cells(spec))
+    return list(iter_cells(spec, limits))

@@ -200,6 +200,29 @@ def test_sweep_page_charts_table_and_screenshot(page: Page, service: tuple[str, 
     page.check()
 
 
+def test_the_content_security_policy_admits_the_page_and_blocks_injected_script(
+    page: Page, service: tuple[str, Seeded]
+) -> None:
+    """The sweep page draws every chart under its CSP (no violation reaches the console), and
+    a script injected into it (what an XSS would add) does not run."""
+    response = page.page.goto(
+        f"{service[0]}/sweeps/{service[1].benchmark}", wait_until="networkidle"
+    )
+    assert response is not None and response.status == 200
+    headers = response.headers
+    assert "frame-ancestors 'none'" in headers["content-security-policy"], headers
+    assert headers["x-frame-options"] == "DENY" and headers["x-content-type-options"] == "nosniff"
+    page.charts_drawn(5)
+    ran = page.page.evaluate(
+        """() => { const s = document.createElement("script");
+                   s.textContent = "window.__injected = 1"; document.body.appendChild(s);
+                   return window.__injected === 1; }"""
+    )
+    assert ran is False
+    blocked = [p for p in page.problems if "Content Security Policy" in p]
+    assert blocked and len(blocked) == len(page.problems), page.problems
+
+
 def test_max_len_sweep_page_shows_probes(page: Page, service: tuple[str, Seeded]) -> None:
     pg = page.open(f"/sweeps/{service[1].maxlen}")
     page.charts_drawn(5)

@@ -7,6 +7,7 @@ sweep spec (service/) expands into a list of these.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -36,6 +37,10 @@ MAX_ENV_VARS = 32
 MAX_ENV_CHARS = 256
 """NCCL_* names and values are short; a cap keeps one request from writing megabytes into
 every run of a sweep (each run stores its whole config)."""
+ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+"""A portable environment variable name (POSIX's portable set, upper case as NCCL's are)."""
+ENV_VALUE_FORBIDDEN = ("\0", "\n", "\r")
+"""Characters no environment value may hold (NUL ends a C string; line breaks split env files)."""
 MAX_PARAMS_CHARS = 4096
 """A kernel's parameters as JSON (the longest real ones, LongNet's lists, are ~150)."""
 
@@ -273,7 +278,7 @@ class RunConfig(BaseModel):
             data = {**data, "training": {}}
             training = {}
         precision = training.get("precision", "fp32") if isinstance(training, dict) else None
-        if precision in PRECISION_DTYPES:
+        if isinstance(precision, str) and precision in PRECISION_DTYPES:  # else its own error
             data = {"dtype": PRECISION_DTYPES[precision], **data}
         return {"mode": "train", "causal": True, **data}
 
@@ -289,6 +294,9 @@ class RunConfig(BaseModel):
     @field_validator("env")
     @classmethod
     def _only_nccl(cls, value: dict[str, str]) -> dict[str, str]:
+        """NCCL_* names that are valid environment variable names, values without NUL or line
+        breaks: anything else makes Ray fail to start the ranks (the run then hangs until its
+        timeout), so it is refused at submit, naming the key."""
         bad = sorted(k for k in value if not k.startswith("NCCL_"))
         if bad:
             raise ValueError(f"only NCCL_* variables pass through, got {', '.join(bad)}")
@@ -300,6 +308,13 @@ class RunConfig(BaseModel):
                     f"{key[:40]}: names and values are at most {MAX_ENV_CHARS} characters "
                     f"(every run stores its own copy), got {max(len(key), len(text))}"
                 )
+            if not ENV_NAME.fullmatch(key):
+                raise ValueError(
+                    f"{key!r} is no environment variable name (upper-case letters, digits "
+                    "and _, not starting with a digit)"
+                )
+            if any(c in text for c in ENV_VALUE_FORBIDDEN):
+                raise ValueError(f"{key}: a value holds no NUL, CR or LF character")
         return value
 
     @field_validator("params")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -41,6 +43,20 @@ def normalize_database_url(url: str) -> str:
     )
 
 
+@dataclass(frozen=True)
+class RunLimits:
+    """Server-side caps on what one sweep may ask of the cluster (RINGLAB_MAX_*): a cell over
+    one is refused at submit with a 422 naming the field and the cap, so no request holds
+    ranks for a day-long timeout, a billion iterations or a 2^63 batch."""
+
+    timeout_s: float = 86_400.0
+    iterations: int = 10_000
+    warmup: int = 1_000
+    batch_size: int = 65_536
+    elements: int = 1 << 40
+    cells: int = 100_000
+
+
 class Settings(BaseSettings):
     """Everything a ringlab process reads from its environment."""
 
@@ -58,6 +74,23 @@ class Settings(BaseSettings):
     )
     artifact_max_bytes: int = Field(default=64 << 20, ge=1)
     run_artifacts_max_bytes: int = Field(default=256 << 20, ge=1)
+    max_timeout_s: float = Field(
+        default=RunLimits.timeout_s,
+        gt=0,
+        allow_inf_nan=False,
+        description="Cap on a cell's timeout_s and dist_timeout_s.",
+    )
+    max_iterations: int = Field(
+        default=RunLimits.iterations, ge=1, description="Cap on an integer `iterations`."
+    )
+    max_warmup: int = Field(default=RunLimits.warmup, ge=0, description="Cap on `warmup`.")
+    max_batch_size: int = Field(default=RunLimits.batch_size, ge=1, description="Cap on batch.")
+    max_elements: int = Field(
+        default=RunLimits.elements,
+        ge=1,
+        description="Cap on seq_len x num_heads x head_dim (a search's max for seq_len).",
+    )
+    max_cells: int = Field(default=RunLimits.cells, ge=1, description="Cap on cells per sweep.")
 
     @field_validator("database_url")
     @classmethod
@@ -68,6 +101,48 @@ class Settings(BaseSettings):
     @classmethod
     def _blank_is_unset(cls, value: str | None) -> str | None:
         return value or None
+
+    def run_limits(self) -> RunLimits:
+        """The caps a submitted sweep is held to (service.spec)."""
+        return RunLimits(
+            timeout_s=self.max_timeout_s,
+            iterations=self.max_iterations,
+            warmup=self.max_warmup,
+            batch_size=self.max_batch_size,
+            elements=self.max_elements,
+            cells=self.max_cells,
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (127.0.0.0/8, ::1) or `localhost`; a wildcard
+    (0.0.0.0, ::, empty) or any other name or address is not."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_problem(settings: Settings, host: str, *, insecure: bool = False) -> str | None:
+    """Why a server with `settings` must not start on `host`, in one line, or None.
+
+    Fails closed: reads locked without a token would admit everyone (there is nothing to
+    check against), and a non-loopback address without a token lets anyone who reaches it
+    submit runs on the cluster (--insecure: the operator says the network is the guard)."""
+    if settings.require_token_for_reads and settings.api_token is None:
+        return (
+            "RINGLAB_REQUIRE_TOKEN_FOR_READS=true needs RINGLAB_API_TOKEN (without a token "
+            "there is nothing to check, and reads would stay open); set RINGLAB_API_TOKEN"
+        )
+    if settings.api_token is None and not is_loopback(host) and not insecure:
+        return (
+            f"refusing to serve on {host or '(all addresses)'} without RINGLAB_API_TOKEN: "
+            "anyone who reaches it could submit and delete sweeps; set RINGLAB_API_TOKEN, "
+            "listen on 127.0.0.1, or pass --insecure"
+        )
+    return None
 
 
 @lru_cache

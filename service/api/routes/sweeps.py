@@ -19,6 +19,7 @@ from service.api.deps import (
     NO_NUL,
     SKIP_HELP,
     SessionDep,
+    SettingsDep,
     SweepId,
     require_read,
     require_write,
@@ -33,7 +34,7 @@ from service.api.schemas import (
     SweepOut,
 )
 from service.db.models import RunStatus, Sweep
-from service.spec import PivotSpec, PivotValue, SpecError, SweepSpec, iter_cells, nul_characters
+from service.spec import PivotSpec, PivotValue, SpecError, SweepSpec, iter_cells, unstorable_values
 from service.views import RunRow
 from service.web import data
 
@@ -66,6 +67,7 @@ def _sweep_or_404(session: SessionDep, sweep_id: int) -> SweepOut:
 def create_sweep(
     spec: SweepSpec,
     session: SessionDep,
+    settings: SettingsDep,
     response: Response,
     idempotency_key: Annotated[
         str | None,
@@ -81,8 +83,8 @@ def create_sweep(
     An invalid spec answers 422 with the field path of every problem; nothing is stored then.
     """
     location = "/api/v1/sweeps/{}"
-    if nul := nul_characters(spec.model_dump(exclude_unset=True)):
-        raise RequestValidationError([{**err, "loc": ["body", *err["loc"]]} for err in nul])
+    if bad := unstorable_values(spec.model_dump(exclude_unset=True)):
+        raise RequestValidationError([{**err, "loc": ["body", *err["loc"]]} for err in bad])
     try:
         existing = store.sweep_for_key(session, idempotency_key, spec) if idempotency_key else None
     except store.IdempotencyConflict as e:
@@ -94,7 +96,7 @@ def create_sweep(
     try:
         # Expanded lazily while inserting, in one transaction rolled back on any invalid cell.
         sweep, stored, created = store.create_sweep(
-            session, spec, iter_cells(spec), idempotency_key
+            session, spec, iter_cells(spec, settings.run_limits()), idempotency_key
         )
     except SpecError as e:
         raise RequestValidationError(
