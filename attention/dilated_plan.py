@@ -190,21 +190,43 @@ def backward(
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the accumulator dtype: each call's fused backward with the final merged
-    (out, lse), added through the call's views (dout, q, k, v, out contiguous (B, S, H, D))."""
+    (out, lse), added through the call's views (dout, q, k, v, out contiguous (B, S, H, D)).
+    The accumulators are made at the first call, one at a time, each op gradient freed once
+    added: a first call over every row (rate 1, whole segments) fills them instead of adding to
+    zeros, so the op's three gradients and three zeroed accumulators never coexist."""
     bsz, seq_len, heads, dim = q.shape
     _check_dense(dout, q, k, v, out, lse.transpose(1, 2))
     backend = primitive.backend_for(q.device, q.dtype)
-    grads = primitive.zero_grads(q, k)
-    dq, dk, dv = grads
+    acc = primitive.accumulator_dtype(q.dtype)
+    grads: list[torch.Tensor | None] = [None, None, None]
     for call in plan(branches, bsz, seq_len, heads, k.shape[2]):
         for b in _batch_rows(call, bsz):
-            g_q, g_k, g_v = primitive.fused_backward(
+            parts = list(primitive.fused_backward(
                 backend, rows(dout, call, b), rows(q, call, b), rows(k, call, b, kv=True),
                 rows(v, call, b, kv=True), rows(out, call, b), lse_rows(lse, call, b),
                 scale=dim**-0.5, causal=causal,
-            )  # fmt: skip
-            rows(dq, call, b).add_(g_q)
-            rows(dk, call, b, kv=True).add_(g_k)
-            rows(dv, call, b, kv=True).add_(g_v)
-            del g_q, g_k, g_v
-    return dq, dk, dv
+            ))  # fmt: skip
+            for i, like in enumerate((q, k, v)):
+                part = parts.pop(0)  # the op's gradient lives until added
+                grad = grads[i]
+                if grad is None:
+                    make = torch.empty if _covers_all(call, like, kv=i > 0) else torch.zeros
+                    grads[i] = grad = make(like.shape, dtype=acc, device=like.device)
+                    if make is torch.empty:
+                        rows(grad, call, b, kv=i > 0).copy_(part)
+                        continue
+                rows(grad, call, b, kv=i > 0).add_(part)
+            del part
+    if grads[0] is None:  # no call (empty sequence)
+        return primitive.zero_grads(q, k)  # type: ignore[return-value]
+    return grads[0], grads[1], grads[2]  # type: ignore[return-value]
+
+
+def _covers_all(call: Call, like: torch.Tensor, kv: bool) -> bool:
+    """Whether the call's rows are every row of every head of `like` (B, S, H, D) (kv: its kv
+    heads): a rate-1 call over whole segments of every batch row."""
+    h0, h1 = (call.k0, call.k1) if kv else (call.h0, call.h1)
+    return (
+        call.rate == 1 and call.fold and call.count * call.stride == like.shape[1]
+        and (h0, h1) == (0, like.shape[2])
+    )  # fmt: skip
