@@ -23,8 +23,17 @@ on how far its length is from the next multiple of w, and a sequence would not e
 tokens with padding that the user added and masked. Where every w divides the sequence and
 every r divides its w, the two are identical (reference.md: ~1e-6).
 
-The dilated rows of a group are strided views of q/k/v (no copies, `attention.segments`); each
-call of the primitive takes a chunk of segments, so temporaries stay a fraction of the inputs.
+Two plans cut this work into fused calls (`params.plan`: auto | cpu | cuda; auto by the
+inputs' device type), with the same semantics and the same correctness tests: the cpu plan
+(this module, below) bounds every call to keep the CPU op's buffers and our temporaries small;
+the cuda plan (`attention.dilated_plan`) folds the segments into the batch and makes one fused
+call per branch and head group, since a GPU is host-bound on thousands of small calls
+(`python -m bench.plan` counts both). The plan that ran ends the kernel's `backend`
+("cpu_flash/plan-cpu").
+
+The cpu plan: the dilated rows of a group are strided views of q/k/v (no copies,
+`attention.segments`); each call of the primitive takes a chunk of segments, so temporaries
+stay a fraction of the inputs.
 Inputs narrower than fp32 (bf16, fp16) are finished in accumulator windows of positions
 (primitive.windowed_result): a segment a window cuts runs its queries inside the window
 against all its keys, so the fp32 rows held are one window's, not the whole output's.
