@@ -77,7 +77,9 @@ class Count:
 
     def live_bytes(self) -> int:
         """Bytes of the storages this phase created that are still alive (expired ones dropped)."""
-        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        gone = [k for k, (ref, _) in self.live.items() if ref.expired()]
+        for k in gone:
+            del self.live[k]
         return sum(nbytes for _, nbytes in self.live.values())
 
 
@@ -97,11 +99,14 @@ class Counter(TorchDispatchMode):
         c.calls += name in FUSED
         c.syncs += name in SYNCS
         c.h2d += _is_h2d(name, args, kwargs)
-        seen = {_cdata(t) for t in _tensors((args, kwargs))}
         out = func(*args, **kwargs)
+        seen: set[int] | None = None  # the inputs' storages, found only when an output is new
         for t in _tensors(out):
             key = _cdata(t)
-            if key not in seen and key not in c.live:
+            if key in c.live:
+                continue
+            seen = {_cdata(x) for x in _tensors((args, kwargs))} if seen is None else seen
+            if key not in seen:
                 c.live[key] = (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
         c.peak = max(c.peak, c.live_bytes())
         return out
