@@ -328,3 +328,24 @@ def test_backward_calls_cover_the_counted_pairs_within_the_bounds(causal, monkey
     out = module(q, k, v, causal=causal)
     torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     assert 4 * 4 * sum(seen) == module.flops(2, 32, 5, 4, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_cuda_plan_is_as_close_to_float64_as_the_cpu_plan(causal) -> None:
+    """The cuda plan merges bf16 outputs in bf16 (one rounding per branch) where the cpu plan
+    keeps fp32 windows: against the float64 reference, its output and gradients stay within
+    twice the cpu plan's error (and within bf16's few ulps)."""
+    ws, rs = PAPER[0][:3], PAPER[1][:3]
+    q64, k64, v64 = (t.requires_grad_() for t in _inputs(1, 300, 12, 8, seed=5))
+    ref = dilated_reference(q64, k64, v64, ws, rs, causal=causal)
+    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    refs = [ref, *torch.autograd.grad(ref, (q64, k64, v64), g)]
+    errors = {}
+    for plan in PLANS:
+        q, k, v = (t.detach().bfloat16().requires_grad_() for t in (q64, k64, v64))
+        module = attention.build("dilated", segment_lengths=ws, dilation_rates=rs, plan=plan)
+        out = module(q, k, v, causal=causal)
+        got = [out, *torch.autograd.grad(out, (q, k, v), g.bfloat16())]
+        errors[plan] = [(a.double() - b).abs().max().item() for a, b in zip(got, refs, strict=True)]
+    for cuda, cpu, r in zip(errors["cuda"], errors["cpu"], refs, strict=True):
+        assert cuda <= 2 * cpu and cuda <= 0.02 * r.abs().max().item()
