@@ -23,8 +23,17 @@ on how far its length is from the next multiple of w, and a sequence would not e
 tokens with padding that the user added and masked. Where every w divides the sequence and
 every r divides its w, the two are identical (reference.md: ~1e-6).
 
-The dilated rows of a group are strided views of q/k/v (no copies, `attention.segments`); each
-call of the primitive takes a chunk of segments, so temporaries stay a fraction of the inputs.
+Two plans cut this work into fused calls (`params.plan`: auto | cpu | cuda; auto by the
+inputs' device type), with the same semantics and the same correctness tests: the cpu plan
+(this module, below) bounds every call to keep the CPU op's buffers and our temporaries small;
+the cuda plan (`attention.dilated_plan`) folds the segments into the batch and makes one fused
+call per branch and head group, since a GPU is host-bound on thousands of small calls
+(`python -m bench.plan` counts both). The plan that ran ends the kernel's `backend`
+("cpu_flash/plan-cpu").
+
+The cpu plan: the dilated rows of a group are strided views of q/k/v (no copies,
+`attention.segments`); each call of the primitive takes a chunk of segments, so temporaries
+stay a fraction of the inputs.
 Inputs narrower than fp32 (bf16, fp16) are finished in accumulator windows of positions
 (primitive.windowed_result): a segment a window cuts runs its queries inside the window
 against all its keys, so the fp32 rows held are one window's, not the whole output's.
@@ -44,7 +53,7 @@ from typing import Any
 
 import torch
 
-from attention import primitive
+from attention import dilated_plan, primitive
 from attention.autograd import merged_attention
 from attention.base import MergedKernel, attention_flops, check_qkv
 from attention.errors import ParamError
@@ -91,6 +100,7 @@ class DilatedParams:
     segment_lengths: tuple[int, ...] = (2048, 4096, 8192)
     dilation_rates: tuple[int, ...] = (1, 2, 4)
     ordering: str = "natural"
+    plan: str = "auto"
 
     def __post_init__(self) -> None:
         w = _int_tuple("segment_lengths", self.segment_lengths)
@@ -106,12 +116,34 @@ class DilatedParams:
                 f"rates for {len(w)} segment lengths",
             )
         check_ordering(self.ordering)
+        check_plan(self.plan)
 
     def branches(self) -> list[tuple[int, int]]:
         """(w, r) pairs by increasing rate: the first (widest coverage) is copied, the rest
         merged."""
         pairs = zip(self.segment_lengths, self.dilation_rates, strict=True)
         return sorted(pairs, key=lambda p: p[1])
+
+
+PLANS = ("auto", "cpu", "cuda")
+"""A kernel's `plan`: how its work is cut into fused calls. "cpu": bounded calls whose buffers
+stay small (the CPU op's scratch, cache-sized parts); "cuda": the fewest calls (segments folded
+into the batch, `attention.dilated_plan`), since a GPU is host-bound on many small calls;
+"auto": the plan of the inputs' device type (a meta tensor: the type it stands for)."""
+
+
+def check_plan(plan: str) -> None:
+    """Raise ParamError('params.plan') unless `plan` is one of PLANS."""
+    if plan not in PLANS:
+        raise ParamError("params.plan", f"expected one of {', '.join(PLANS)}, got {plan!r}")
+
+
+def resolve_plan(plan: str, device: torch.device) -> str:
+    """The plan that runs: `plan` itself, or under "auto" "cuda" for a CUDA device (or a meta
+    device standing for one, primitive.meta_stands_for) and "cpu" for any other."""
+    if plan != "auto":
+        return plan
+    return "cuda" if primitive.device_type_of(device) == "cuda" else "cpu"
 
 
 def check_dilated(
@@ -289,6 +321,8 @@ class DilatedAttention(MergedKernel):
     """LongNet dilated attention over (B, S, H, D); see the module docstring for the semantics."""
 
     chunk_tokens = CHUNK_TOKENS
+    plan: str | None = None
+    """The plan the last call ran ("cpu" or "cuda"; also the suffix of `backend`)."""
 
     def __init__(self, params: DilatedParams | None = None) -> None:
         super().__init__()
@@ -299,9 +333,16 @@ class DilatedAttention(MergedKernel):
     ) -> torch.Tensor:
         check_qkv(q, k, v)
         check_dilated(self.params, seq_len=q.shape[1], num_heads=q.shape[2])
-        self.backend = primitive.backend_for(q.device, q.dtype)
-        fwd = functools.partial(dilated_forward, params=self.params, causal=causal)
-        bwd = functools.partial(dilated_backward, params=self.params, causal=causal)
+        plan = resolve_plan(self.params.plan, q.device)
+        self.plan = plan
+        self.backend = f"{primitive.backend_for(q.device, q.dtype)}/plan-{plan}"
+        if plan == "cuda":
+            branches = tuple(self.params.branches())
+            fwd = functools.partial(dilated_plan.forward, branches=branches, causal=causal)
+            bwd = functools.partial(dilated_plan.backward, branches=branches, causal=causal)
+        else:
+            fwd = functools.partial(dilated_forward, params=self.params, causal=causal)
+            bwd = functools.partial(dilated_backward, params=self.params, causal=causal)
         return in_order(
             self.params.ordering, lambda q, k, v: merged_attention(q, k, v, fwd, bwd), q, k, v
         )

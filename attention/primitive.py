@@ -25,10 +25,11 @@ The fused ops' lse carries no gradient: never let autograd see a merge; use `blo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -54,9 +55,36 @@ def _backend_for(device_type: str, dtype: torch.dtype) -> str:
     return "math"
 
 
+_meta_stands_for: str | None = None
+"""The device type a meta tensor stands for (`meta_stands_for`); None: meta runs "math"."""
+
+
+@contextlib.contextmanager
+def meta_stands_for(device_type: str) -> Iterator[None]:
+    """Inside, meta tensors take the backend of `device_type` ("cpu" or "cuda"): the fused ops
+    that device would call, through PyTorch's meta kernels of those ops, so that counting a
+    kernel's calls, ops and bytes on the meta device (bench.plan) follows the branch the real
+    device takes instead of the "math" path."""
+    global _meta_stands_for
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type: expected 'cpu' or 'cuda', got {device_type!r}")
+    before, _meta_stands_for = _meta_stands_for, device_type
+    try:
+        yield
+    finally:
+        _meta_stands_for = before
+
+
+def device_type_of(device: torch.device | str) -> str:
+    """The device type whose backend and plan a tensor on `device` takes (a meta tensor: the
+    type `meta_stands_for` names, else "meta")."""
+    kind = torch.device(device).type
+    return _meta_stands_for if kind == "meta" and _meta_stands_for else kind
+
+
 def backend_for(device: torch.device | str, dtype: torch.dtype) -> str:
     """The backend `block_forward` and `block_backward` use for this device type and dtype."""
-    return _backend_for(torch.device(device).type, dtype)
+    return _backend_for(device_type_of(device), dtype)
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -540,3 +568,72 @@ def _math_backward(
         dk += (ds.transpose(-1, -2) @ qf[:, :, s0:s1]) * scale
     dk, dv = (_sum_kv(t, h_kv) for t in (dk, dv))
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def fused_forward(
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused forward call on (B, H, S, D) views (any strides, the last dimension dense):
+    q (B, H, Sq, D), k, v (B, H_kv, Sk, D); causal only with Sq == Sk (a square: every op
+    agrees). Returns out (B, H, Sq, D) in the inputs' dtype (the math path: the accumulator's)
+    and lse (B, H, Sq) in the accumulator dtype. No autograd graph. Kernels that fold their
+    blocks into the batch (dilated's cuda plan) call it directly, once per block shape."""
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"causal fused call needs a square, got {q.shape[2]} x {k.shape[2]}")
+    acc = accumulator_dtype(q.dtype)
+    with torch.no_grad():
+        if backend == "cpu_flash":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, causal, scale=scale
+            )
+            return out, lse.to(acc)
+        if backend == "math":
+            qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+            out, lse = _math_forward(qs, ks, vs, scale, causal)
+            return out.transpose(1, 2), lse
+        k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+        if backend == "cuda_flash":
+            res = torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, causal, False, scale=scale
+            )
+            return res[0], res[1]
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale
+        )
+        return res[0], res[1][..., : q.shape[2]]
+
+
+def fused_backward(
+    backend: str,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, ...]:
+    """One fused backward call on (B, H, S, D) views as `fused_forward` takes them, fed the
+    FINAL merged out (inputs' dtype) and lse (B, H, Sq) of these rows, every row of which sees
+    a key (finite lse). Returns (dq, dk, dv) as (B, H, S, D) tensors (dk, dv with k's heads),
+    in the op's dtype: the caller adds them into its accumulators."""
+    if backend in ("cuda_flash", "cuda_efficient"):
+        d_s, q_s, k_s, v_s, o_s = (t.transpose(1, 2) for t in (dout, q, k, v, out))
+        op, args, kwargs = _cuda_backward_args(backend, d_s, q_s, k_s, v_s, o_s, lse, scale, causal)
+        with torch.no_grad():
+            grads = op(*args, **kwargs)  # type: ignore[operator]
+        return grads[0], _sum_kv(grads[1], k.shape[1]), _sum_kv(grads[2], k.shape[1])
+    acc = accumulator_dtype(q.dtype)
+    dout, q, k, v, out = (t.to(acc) for t in (dout, q, k, v, out))
+    with torch.no_grad():
+        if backend == "cpu_flash":
+            return tuple(
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale
+                )
+            )
+        d_s, q_s, k_s, v_s, o_s = (t.transpose(1, 2) for t in (dout, q, k, v, out))
+        grads = _math_backward(d_s, q_s, k_s, v_s, o_s, lse, scale, causal)
+        return tuple(g.transpose(1, 2) for g in grads)

@@ -160,3 +160,10 @@ def test_compiled_flex_equals_ours_and_says_what_cpu_cannot_do() -> None:
         attention.build("flex_dilated", **dilated, compiled=True)(q, k, v)
     with pytest.raises(ValueError, match="no backward on CPU"):
         attention.build("flex_block_sparse", **sparse)(q.requires_grad_(), k, v)
+
+
+def test_flex_dilated_refuses_the_plan_it_would_ignore() -> None:
+    """dilated's `plan` reaches flex_dilated's params by inheritance; only auto is taken."""
+    assert attention.build("flex_dilated").params.plan == "auto"
+    with pytest.raises(attention.ParamError, match=r"^params\.plan: is dilated's"):
+        attention.build("flex_dilated", plan="cpu")

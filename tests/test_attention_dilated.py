@@ -56,23 +56,29 @@ CONFIGS = [
     (20, 6, (8, 12, 32), (1, 6, 4)),  # 12 % 6 == 0 but 20 % 12 != 0; w = 32 > seq
     (13, 5, (3, 5, 7), (2, 3, 4)),  # nothing divides anything
 ]
+PLANS = ["cpu", "cuda"]
+"""Both plans of the kernel, the cuda plan forced on CPU: every correctness test runs each."""
 PAPER = ((64, 128, 256, 512, 1024), (1, 2, 4, 6, 12))
 """LongNet's configuration (w = 2048..32768, r = 1, 2, 4, 6, 12) scaled to CPU by 1/32."""
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("seq", "heads", "ws", "rs"), CONFIGS)
-def test_dilated_matches_masked_reference(seq, heads, ws, rs, causal) -> None:
-    module = attention.build("dilated", segment_lengths=ws, dilation_rates=rs)
+@pytest.mark.parametrize("plan", PLANS)
+def test_dilated_matches_masked_reference(plan, seq, heads, ws, rs, causal) -> None:
+    module = attention.build("dilated", plan=plan, segment_lengths=ws, dilation_rates=rs)
     assert_matches_reference(module, _dilated_ref(ws, rs), 2, seq, heads, 8, causal)
 
 
 @pytest.mark.parametrize("seq", [700, 1100])
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_papers_configuration_matches_the_reference(seq, causal) -> None:
+@pytest.mark.parametrize("plan", PLANS)
+def test_the_papers_configuration_matches_the_reference(plan, seq, causal) -> None:
     """The paper's rates on lengths below the largest segment (700: one shrunk segment) and
     above it (1100: a segment of 1024 and a tail of 76); w = 256, 512 do not divide by 6, 12."""
-    module = attention.build("dilated", segment_lengths=PAPER[0], dilation_rates=PAPER[1])
+    module = attention.build(
+        "dilated", plan=plan, segment_lengths=PAPER[0], dilation_rates=PAPER[1]
+    )
     assert_matches_reference(module, _dilated_ref(*PAPER), 1, seq, 12, 4, causal)
 
 
@@ -100,21 +106,23 @@ def test_the_papers_configuration_in_windows_matches_the_reference(
     assert_matches_reference(module, _dilated_ref(*PAPER), 1, 300, 12, 4, causal)
 
 
-def test_zero_padding_at_the_end_changes_no_causal_output() -> None:
+@pytest.mark.parametrize("plan", PLANS)
+def test_zero_padding_at_the_end_changes_no_causal_output(plan) -> None:
     """Causally, padding the sequence to a multiple of every segment (torchscale's convention)
     gives the same outputs on the real tokens: the conventions agree there."""
     ws, rs = (6, 10), (4, 3)
-    module = attention.build("dilated", segment_lengths=ws, dilation_rates=rs)
+    module = attention.build("dilated", plan=plan, segment_lengths=ws, dilation_rates=rs)
     q, k, v = (t.float() for t in _inputs(1, 23, 4, 8, seed=7))
     padded = [torch.cat([t, torch.zeros(1, 7, 4, 8)], dim=1) for t in (q, k, v)]
     torch.testing.assert_close(module(*padded, causal=True)[:, :23], module(q, k, v, causal=True))
 
 
-def test_fp64_inputs_keep_fp64_accuracy() -> None:
+@pytest.mark.parametrize("plan", PLANS)
+def test_fp64_inputs_keep_fp64_accuracy(plan) -> None:
     """fp64 in, fp64 accumulators: agreement with the fp64 reference far below fp32's 1e-7."""
     ws, rs = (8, 16), (1, 2)
     q, k, v = _inputs(1, 32, 3, 8, seed=11)
-    out = attention.build("dilated", segment_lengths=ws, dilation_rates=rs)(q, k, v)
+    out = attention.build("dilated", plan=plan, segment_lengths=ws, dilation_rates=rs)(q, k, v)
     assert out.dtype == torch.float64
     ref = dilated_reference(q, k, v, ws, rs)
     assert (out - ref).abs().max().item() < 1e-12
@@ -133,8 +141,9 @@ def test_branch_mask_follows_the_authors_head_groups() -> None:
     assert causal[2, 5].tolist() == [False] * 5 + [True, False, False]
 
 
-def test_uncovered_positions_output_zero_and_get_no_gradient() -> None:
-    module = attention.build("dilated", segment_lengths=(8,), dilation_rates=(2,))
+@pytest.mark.parametrize("plan", PLANS)
+def test_uncovered_positions_output_zero_and_get_no_gradient(plan) -> None:
+    module = attention.build("dilated", plan=plan, segment_lengths=(8,), dilation_rates=(2,))
     q, k, v = (t.float().requires_grad_() for t in _inputs(1, 16, 1, 4, seed=3))
     out = module(q, k, v)
     assert (out[:, 1::2] == 0).all() and (out[:, 0::2] != 0).any()
@@ -142,7 +151,8 @@ def test_uncovered_positions_output_zero_and_get_no_gradient() -> None:
     assert (q.grad[:, 1::2] == 0).all() and (k.grad[:, 1::2] == 0).all()
 
 
-def test_hilbert_ordering_equals_reference_on_permuted_positions() -> None:
+@pytest.mark.parametrize("plan", PLANS)
+def test_hilbert_ordering_equals_reference_on_permuted_positions(plan) -> None:
     from attention.hilbert import hilbert_permutation
 
     ws, rs = (4, 16), (1, 2)
@@ -153,7 +163,9 @@ def test_hilbert_ordering_equals_reference_on_permuted_positions() -> None:
         out = dilated_reference(q[:, perm], k[:, perm], v[:, perm], ws, rs, causal=causal)
         return out[:, inv]
 
-    module = attention.build("dilated", segment_lengths=ws, dilation_rates=rs, ordering="hilbert")
+    module = attention.build(
+        "dilated", plan=plan, segment_lengths=ws, dilation_rates=rs, ordering="hilbert"
+    )
     for causal in (False, True):
         assert_matches_reference(module, reference, 2, 16, 3, 8, causal)
 
@@ -188,8 +200,9 @@ def test_flops_count_segments_of_dilated_rows() -> None:
     assert longnet / dense == pytest.approx(14 * 2048**2 / 16384**2)
 
 
-def test_low_precision_input_gives_output_of_that_dtype() -> None:
-    module = attention.build("dilated", segment_lengths=(4, 8), dilation_rates=(1, 2))
+@pytest.mark.parametrize("plan", PLANS)
+def test_low_precision_input_gives_output_of_that_dtype(plan) -> None:
+    module = attention.build("dilated", plan=plan, segment_lengths=(4, 8), dilation_rates=(1, 2))
     q, k, v = (t.float() for t in _inputs(1, 16, 2, 8, seed=7))
     out32 = module(q, k, v)
     out16 = module(q.bfloat16(), k.bfloat16(), v.bfloat16())
@@ -205,6 +218,7 @@ def test_low_precision_input_gives_output_of_that_dtype() -> None:
         ({"segment_lengths": (4,), "dilation_rates": (0,)}, 16, r"^params\.dilation_rates: "),
         ({"segment_lengths": 4, "dilation_rates": (1,)}, 16, r"^params\.segment_lengths: "),
         ({"segment_lengths": (4,), "dilation_rates": (1,), "ordering": "zorder"}, 16, "ordering"),
+        ({"segment_lengths": (4,), "dilation_rates": (1,), "plan": "gpu"}, 16, r"^params\.plan: "),
         ({"segment_lengths": (4,), "dilation_rates": (1,), "ordering": "hilbert"}, 32, "^seq_len"),
     ],
 )
@@ -218,6 +232,25 @@ def test_invalid_configurations_raise_named_errors(params, seq_len, match) -> No
         module = attention.build("dilated", **params)
         with pytest.raises(ValueError, match=match):
             module(*(torch.zeros(1, seq_len, 1, 4) for _ in range(3)))
+
+
+def test_the_plan_that_ran_is_in_the_backend_and_auto_follows_the_device() -> None:
+    """auto on CPU runs the cpu plan; a forced plan runs as asked; a meta tensor standing for
+    CUDA (bench.plan) resolves auto to the cuda plan and the CUDA op's backend."""
+    from attention.primitive import meta_stands_for
+
+    q = torch.randn(1, 16, 2, 8)
+    for plan, ran in (("auto", "cpu"), ("cpu", "cpu"), ("cuda", "cuda")):
+        module = attention.build(
+            "dilated", segment_lengths=(4, 8), dilation_rates=(1, 2), plan=plan
+        )
+        module(q, q, q)
+        assert (module.plan, module.backend) == (ran, f"cpu_flash/plan-{ran}")
+    meta = q.to("meta", torch.bfloat16)
+    module = attention.build("dilated", segment_lengths=(4, 8), dilation_rates=(1, 2))
+    with meta_stands_for("cuda"):
+        assert module(meta, meta, meta).device.type == "meta"
+    assert module.backend == "cuda_flash/plan-cuda"
 
 
 def test_lists_from_json_become_tuples() -> None:
@@ -239,11 +272,12 @@ def dilated_configs(draw):
     return seq, draw(st.integers(1, 5)), tuple(ws), tuple(rs), draw(st.booleans())
 
 
+@pytest.mark.parametrize("plan", PLANS)
 @settings(max_examples=25, deadline=None)
 @given(config=dilated_configs(), batch=st.integers(1, 2), seed=st.integers(0, 1000))
-def test_property_random_valid_configs_match_reference(config, batch, seed) -> None:
+def test_property_random_valid_configs_match_reference(plan, config, batch, seed) -> None:
     seq, heads, ws, rs, causal = config
-    module = attention.build("dilated", segment_lengths=ws, dilation_rates=rs)
+    module = attention.build("dilated", plan=plan, segment_lengths=ws, dilation_rates=rs)
     assert_matches_reference(module, _dilated_ref(ws, rs), batch, seq, heads, 4, causal, seed)
 
 
@@ -294,3 +328,24 @@ def test_backward_calls_cover_the_counted_pairs_within_the_bounds(causal, monkey
     out = module(q, k, v, causal=causal)
     torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     assert 4 * 4 * sum(seen) == module.flops(2, 32, 5, 4, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_cuda_plan_is_as_close_to_float64_as_the_cpu_plan(causal) -> None:
+    """The cuda plan merges bf16 outputs in bf16 (one rounding per branch) where the cpu plan
+    keeps fp32 windows: against the float64 reference, its output and gradients stay within
+    twice the cpu plan's error (and within bf16's few ulps)."""
+    ws, rs = PAPER[0][:3], PAPER[1][:3]
+    q64, k64, v64 = (t.requires_grad_() for t in _inputs(1, 300, 12, 8, seed=5))
+    ref = dilated_reference(q64, k64, v64, ws, rs, causal=causal)
+    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    refs = [ref, *torch.autograd.grad(ref, (q64, k64, v64), g)]
+    errors = {}
+    for plan in PLANS:
+        q, k, v = (t.detach().bfloat16().requires_grad_() for t in (q64, k64, v64))
+        module = attention.build("dilated", segment_lengths=ws, dilation_rates=rs, plan=plan)
+        out = module(q, k, v, causal=causal)
+        got = [out, *torch.autograd.grad(out, (q, k, v), g.bfloat16())]
+        errors[plan] = [(a.double() - b).abs().max().item() for a, b in zip(got, refs, strict=True)]
+    for cuda, cpu, r in zip(errors["cuda"], errors["cpu"], refs, strict=True):
+        assert cuda <= 2 * cpu and cuda <= 0.02 * r.abs().max().item()

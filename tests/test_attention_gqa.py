@@ -99,14 +99,15 @@ def test_block_sparse_matches_sdpa_enable_gqa(params, kv_heads, causal) -> None:
 @pytest.mark.usefixtures("head_calls")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kv_heads", KV_HEADS)
-def test_dilated_matches_the_masked_reference(kv_heads, causal) -> None:
+@pytest.mark.parametrize("plan", ["cpu", "cuda"])
+def test_dilated_matches_the_masked_reference(plan, kv_heads, causal) -> None:
     ws, rs = (4, 8, 16, 64), (1, 2, 4, 6)  # r = 4: head groups of 2 across kv groups of 3
 
     def reference(q, k, v, causal):
         return dilated_reference(q, k, v, ws, rs, causal=causal)
 
     _check(
-        attention.build("dilated", segment_lengths=ws, dilation_rates=rs),
+        attention.build("dilated", segment_lengths=ws, dilation_rates=rs, plan=plan),
         reference,
         kv_heads,
         causal,

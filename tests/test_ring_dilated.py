@@ -149,3 +149,12 @@ def rank_bad_shard(rank: int, world: int) -> None:
 def test_bad_shard_fails_fast_with_the_rule():
     with pytest.raises(RankFailed, match=r"seq_len: 8 must be a power of 4"):
         run_ranks(rank_bad_shard, 2)
+
+
+def test_the_plan_reaches_the_twin_and_the_ring_refuses_the_cuda_plan():
+    """ring_dilated runs the cpu plan (auto and cpu); its twin takes the plan as given; a cuda
+    plan is refused by name, never accepted and ignored."""
+    params = attention.make_params("ring_dilated", {"plan": "cpu"})
+    assert params.twin().plan == "cpu"
+    with pytest.raises(ValueError, match=r"^params\.plan: ring_dilated runs the cpu plan"):
+        attention.build("ring_dilated", plan="cuda")

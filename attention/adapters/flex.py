@@ -102,6 +102,10 @@ class FlexBlockSparseParams(BlockSparseParams):
     def __post_init__(self) -> None:
         super().__post_init__()
         _natural(self)
+        if self.plan != "auto":  # inherited from dilated's params: none to choose here
+            raise ParamError(
+                "params.plan", "is dilated's; this kernel makes one FlexAttention call per branch"
+            )
 
     def ours(self) -> BlockSparseParams:
         names = [f.name for f in dataclasses.fields(BlockSparseParams)]
@@ -163,6 +167,10 @@ class FlexDilatedParams(DilatedParams):
     def __post_init__(self) -> None:
         super().__post_init__()
         _natural(self)
+        if self.plan != "auto":  # inherited from dilated's params: none to choose here
+            raise ParamError(
+                "params.plan", "is dilated's; this kernel makes one FlexAttention call per branch"
+            )
 
     def ours(self) -> DilatedParams:
         return DilatedParams(self.segment_lengths, self.dilation_rates, self.ordering)

@@ -33,6 +33,7 @@ from attention import primitive
 from attention.autograd import merged_attention
 from attention.base import Kernel, attention_flops, check_qkv
 from attention.dilated import DilatedParams, backward_rows, check_dilated, forward_rows
+from attention.errors import ParamError
 from attention.hilbert import hilbert_permutation
 from attention.layouts import check_layout, check_seq_len
 from attention.layouts import positions as layout_positions
@@ -70,13 +71,19 @@ class RingDilatedParams(DilatedParams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.plan == "cuda":
+            raise ParamError(
+                "params.plan",
+                "ring_dilated runs the cpu plan only (auto and cpu select it); the cuda plan "
+                "is dilated's (W=1)",
+            )
         if self.layout is not None:
             check_layout(self.layout)
         check_group(self.group)
 
     def twin(self) -> DilatedParams:
-        """The single-process `dilated` parameters."""
-        return DilatedParams(self.segment_lengths, self.dilation_rates, self.ordering)
+        """The single-process `dilated` parameters (its plan included)."""
+        return DilatedParams(self.segment_lengths, self.dilation_rates, self.ordering, self.plan)
 
 
 def check_ring_dilated(
@@ -316,7 +323,7 @@ class RingDilatedAttention(Kernel):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         n = q.shape[1]
         check_ring_dilated(self.params, seq_len=n * world, world_size=world, num_heads=q.shape[2])
-        self.backend = primitive.backend_for(q.device, q.dtype)
+        self.backend = f"{primitive.backend_for(q.device, q.dtype)}/plan-cpu"
         spans, fars = _plan(self.params, n * world, rank, n)
         args = (spans, tuple(dataclasses.replace(f, group=group) for f in fars), rank, causal)
         if self.layout == "contiguous" or world == 1:

@@ -1,0 +1,265 @@
+"""Count each kernel's plan: fused calls, aten ops, host-to-device copies, syncs, transient bytes.
+
+`python -m bench.plan [--seq 32768 131072] [--json]` runs every kernel (dense, dilated,
+block_sparse) forward and backward on the META device under a TorchDispatchMode, at h=16, d=128,
+bf16 by default, under each plan it accepts (a kernel whose params have a `plan` field: cpu and
+cuda, forced; any other: its one plan, "-"). Nothing is computed and no GPU is needed; every
+figure is exact for the shapes:
+
+- fused calls: the fused attention ops dispatched (CUDA flash / efficient / cuDNN, the CPU flash
+  op; forward and backward ops), per forward and per backward;
+- ops: every aten op dispatched (views, allocations and in-place ops included);
+- h2d: copies from a CPU tensor to a non-CPU one (aten._to_copy, copy_); syncs: ops that read
+  a device value on the host (aten._local_scalar_dense: .item(), bool(), int(); aten.nonzero);
+- transient bytes: the high-water mark of the storages the ops returned and that were still
+  alive, beyond the floor (forward: out in the dtype and an fp32 lse; q, k, v exist before).
+  The ops' own workspaces are not seen. The backward's floor adds dout, dq, dk, dv.
+
+What the meta run stands for: `attention.primitive.meta_stands_for(device)` (default cuda) makes
+the primitive pick the fused op that device's backend calls (bf16 on CUDA: the flash op), run
+through PyTorch's meta kernels of those ops, and makes `plan: auto` resolve as on that device.
+dense calls F.scaled_dot_product_attention, whose dispatch on meta would take the math path: here
+it is sent to the fused op SDPA picks on that device for these shapes (CUDA: flash, which cuDNN
+may replace on some builds; CPU: the CPU flash op), with its autograd backward.
+Ring kernels are not counted (they need a process group); ring_dilated runs dilated's cpu plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import attention
+from attention import primitive
+
+FUSED_FORWARD = {
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+}
+FUSED = FUSED_FORWARD | {f"{name}_backward" for name in FUSED_FORWARD}
+SYNCS = {"_local_scalar_dense", "nonzero"}
+LONGNET = {
+    "segment_lengths": [2048, 4096, 8192, 16384, 32768],
+    "dilation_rates": [1, 2, 4, 6, 12],
+}
+"""LongNet's configuration (the paper's 5 branches): the targets of issue 37 are set on it."""
+PARAMS: dict[str, dict[str, Any]] = {
+    "dense": {},
+    "dilated": LONGNET,
+    "block_sparse": {"block_size": 128, "pattern": "local_window", "sparsity_ratio": 0.25},
+}
+
+
+@dataclass
+class Count:
+    """What one phase (forward or backward) dispatched, and its live-bytes high-water mark."""
+
+    calls: int = 0
+    ops: int = 0
+    h2d: int = 0
+    syncs: int = 0
+    peak: int = 0
+    live: dict[int, tuple[StorageWeakRef, int]] = field(default_factory=dict)
+
+    def live_bytes(self) -> int:
+        """Bytes of the storages this phase created that are still alive (expired ones dropped)."""
+        gone = [k for k, (ref, _) in self.live.items() if ref.expired()]
+        for k in gone:
+            del self.live[k]
+        return sum(nbytes for _, nbytes in self.live.values())
+
+
+class Counter(TorchDispatchMode):
+    """Counts every aten op into `count` (see the module docstring) and tracks the storages the
+    ops return: new ones (not an input's) are held weakly with their bytes."""
+
+    def __init__(self, count: Count) -> None:
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        c = self.count
+        c.ops += 1
+        c.calls += name in FUSED
+        c.syncs += name in SYNCS
+        c.h2d += _is_h2d(name, args, kwargs)
+        out = func(*args, **kwargs)
+        seen: set[int] | None = None  # the inputs' storages, found only when an output is new
+        for t in _tensors(out):
+            key = _cdata(t)
+            if key in c.live:
+                continue
+            seen = {_cdata(x) for x in _tensors((args, kwargs))} if seen is None else seen
+            if key not in seen:
+                c.live[key] = (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+        c.peak = max(c.peak, c.live_bytes())
+        return out
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a nested args/outputs structure."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, list | tuple):
+        return [t for x in tree for t in _tensors(x)]
+    if isinstance(tree, dict):
+        return [t for x in tree.values() for t in _tensors(x)]
+    return []
+
+
+def _cdata(t: torch.Tensor) -> int:
+    return int(t.untyped_storage()._cdata)
+
+
+def _is_h2d(name: str, args: tuple, kwargs: dict) -> bool:
+    """A copy from a CPU tensor to a non-CPU device (what a real run sends over the bus)."""
+    if name == "_to_copy":
+        dst = kwargs.get("device")
+        return args[0].device.type == "cpu" and dst is not None and torch.device(dst).type != "cpu"
+    if name == "copy_":
+        return args[1].device.type == "cpu" and args[0].device.type != "cpu"
+    return False
+
+
+class FusedSdpa(TorchFunctionMode):
+    """F.scaled_dot_product_attention on meta tensors -> the fused op SDPA picks on the device
+    the meta run stands for (see the module docstring), with autograd."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or args[0].device.type != "meta":
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        causal = bool(kwargs.get("is_causal", False))
+        if self.device_type == "cuda":
+            op = torch.ops.aten._scaled_dot_product_flash_attention
+            return op(q, k, v, 0.0, causal, False)[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)[0]
+
+
+def plans_of(kernel: str) -> list[str]:
+    """cpu and cuda for a kernel whose params take `plan`; "-" (its one plan) otherwise."""
+    fields = {f.name for f in dataclasses.fields(attention.KERNELS[kernel].params)}
+    return ["cpu", "cuda"] if "plan" in fields else ["-"]
+
+
+def count_plan(
+    kernel: str,
+    params: dict[str, Any],
+    plan: str,
+    *,
+    seq_len: int,
+    heads: int = 16,
+    dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    device_type: str = "cuda",
+    causal: bool = False,
+) -> dict[str, Any]:
+    """One kernel's counts under `plan` ("-": none passed) at batch 1: forward, then backward
+    through autograd, on meta tensors standing for `device_type`."""
+    module = attention.build(kernel, **params, **({} if plan == "-" else {"plan": plan}))
+    q, k, v, dout = (
+        torch.empty(1, seq_len, heads, dim, dtype=dtype, device="meta") for _ in range(4)
+    )
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    fwd, bwd = Count(), Count()
+    with primitive.meta_stands_for(device_type), FusedSdpa(device_type):
+        with Counter(fwd):
+            out = module(q, k, v, causal=causal)
+        with Counter(bwd):
+            torch.autograd.grad(out, (q, k, v), dout)
+    one = seq_len * heads * dim * dtype.itemsize
+    floor = 4 * one + seq_len * heads * 4
+    return {
+        "kernel": kernel, "seq_len": seq_len, "plan": plan,
+        "fwd_calls": fwd.calls, "bwd_calls": bwd.calls, "fwd_ops": fwd.ops, "bwd_ops": bwd.ops,
+        "h2d_copies": fwd.h2d + bwd.h2d, "syncs": fwd.syncs + bwd.syncs,
+        "transient_bytes": max(0, fwd.peak - (one + seq_len * heads * 4)),
+        "floor_bytes": floor,
+        "bwd_transient_bytes": max(0, bwd.peak - 3 * one), "bwd_floor_bytes": floor + 4 * one,
+        "backend": getattr(module, "backend", None),
+    }  # fmt: skip
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a fixed-width table (transient as a fraction of its floor)."""
+    head = (
+        f"{'kernel':<13}{'seq':>7} {'plan':<5}{'fwd calls':>10}{'bwd calls':>10}{'fwd ops':>9}"
+        f"{'bwd ops':>9}{'h2d':>5}{'syncs':>6}{'fwd trans/floor':>16}{'bwd trans/floor':>16}"
+    )
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r['kernel']:<13}{r['seq_len']:>7} {r['plan']:<5}{r['fwd_calls']:>10}"
+            f"{r['bwd_calls']:>10}{r['fwd_ops']:>9}{r['bwd_ops']:>9}{r['h2d_copies']:>5}"
+            f"{r['syncs']:>6}{r['transient_bytes'] / r['floor_bytes']:>16.3f}"
+            f"{r['bwd_transient_bytes'] / r['bwd_floor_bytes']:>16.3f}"
+        )
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--device", default="cuda", choices=["cuda", "cpu"], help="what meta stands for"
+    )
+    ap.add_argument("--kernels", nargs="+", default=list(PARAMS))
+    ap.add_argument("--params", default="{}", help="JSON {kernel: params} over the defaults")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--json", action="store_true", help="one JSON object per (kernel, seq, plan)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> None:
+    args = parse(argv)
+    dtype = getattr(torch, args.dtype)
+    params = {**PARAMS, **json.loads(args.params)}
+    setup = {
+        "torch": torch.__version__, "device": "meta", "meta_stands_for": args.device,
+        "batch": 1, "heads": args.heads, "head_dim": args.dim, "dtype": args.dtype,
+        "causal": args.causal, "seq": args.seq, "params": {k: params[k] for k in args.kernels},
+        "fused_op": primitive.backend_for(args.device, dtype),
+    }  # fmt: skip
+    emit(json.dumps({"setup": setup}))
+    rows = []
+    for seq in args.seq:
+        for kernel in args.kernels:
+            for plan in plans_of(kernel):
+                row = count_plan(
+                    kernel, params[kernel], plan, seq_len=seq, heads=args.heads, dim=args.dim,
+                    dtype=dtype, device_type=args.device, causal=args.causal,
+                )  # fmt: skip
+                rows.append(row)
+                if args.json:
+                    emit(json.dumps(row))
+    if not args.json:
+        emit(f"meta stands for {args.device} ({setup['fused_op']}): exact counts, nothing run")
+        emit(table(rows))
+
+
+if __name__ == "__main__":
+    main()
