@@ -21,6 +21,7 @@ block_backward), so on CPU the same plan runs the CPU flash op: exact, gradients
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +29,16 @@ from torch import Tensor
 
 from attention.primitive import block_backward, block_forward, merge_
 
-CALL_FRACTION = 8
+CALL_FRACTION = 4
 """A call gathers at most seq_len / CALL_FRACTION tokens (queries + keys) per batch row (at
-least one item): its transient (gathered q, k, v, its block output and the rows' fp32 results;
-the backward's gathered dout and out and fp32 dq, dk, dv) stays near 0.2x the bf16 floor, and
-a group's calls do not grow with the length (a fixed window's pieces grow as the length)."""
+least one item): its transient (gathered q, k, v, its block output and the rows' fp32 results)
+stays within about 0.25x the bf16 floor (q, k, v, out), and a group's calls do not grow with
+the length (a fixed window's pieces grow as the length). The price: a group of items x
+(q_tokens + k_tokens) gathered tokens runs in CALL_FRACTION x that / seq_len calls, so the
+calls grow with the kept blocks per row (a window given as a sparsity_ratio grows with n)."""
+BACKWARD_CALL_FRACTION = 8
+"""The backward's CALL_FRACTION: a backward call also holds its gathered dout and out and its
+dq, dk, dv (fp32 from the op's), about twice a forward call's bytes per gathered token."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,8 @@ class Batch:
     k_tokens: int
     start: int = 0
     """The first query block of the accumulator window the rows lie in (forward)."""
+    store: bool = False
+    """Forward: no earlier call wrote these rows, so the call's result is stored, not merged."""
 
 
 @dataclass(frozen=True)
@@ -59,9 +67,9 @@ class CudaPlan:
     batches: tuple[Batch, ...]
 
 
-def call_budget(seq_len: int) -> int:
-    """Gathered tokens (queries + keys) per batch row of one call."""
-    return max(1, seq_len // CALL_FRACTION)
+def call_budget(seq_len: int, forward: bool = True) -> int:
+    """Gathered tokens (queries + keys) per batch row of one forward (backward) call."""
+    return max(1, seq_len // (CALL_FRACTION if forward else BACKWARD_CALL_FRACTION))
 
 
 def _most_blocks(budget: int, bs: int) -> int:
@@ -111,7 +119,8 @@ def build_plan(
     (`distinct_rows`): batches hold no row twice and stay inside one accumulator window
     (query blocks from each of `window_starts`); backward: neither is needed."""
     mask = mask.tril() if causal else mask
-    budget = call_budget(seq_len)
+    budget = call_budget(seq_len, distinct_rows)
+    n = mask.shape[0]
     groups: dict[tuple[int, int, int], list[tuple[int, int, tuple[int, ...]]]] = {}
     rank: dict[tuple[tuple[int, int, int], int], int] = {}
     for i, piece in _pieces(mask, seq_len, bs, causal, _most_blocks(budget, bs)):
@@ -123,18 +132,45 @@ def build_plan(
         rank[key, i] = r + 1
         groups.setdefault(key, []).append((r, i, piece))
     batches: list[Batch] = []
+    written = set(range(n)) if causal else set()  # the diagonal calls write every row first
     for (window, q_tokens, k_tokens), items in groups.items():
-        per_call = max(1, budget // (q_tokens + k_tokens))
-        items.sort()
-        start = 0
-        for end in range(1, len(items) + 1):
-            if end == len(items) or items[end][0] != items[start][0] or end - start == per_call:
-                part = items[start:end]
+        for same_rank in _ranks(sorted(items)):
+            rows_in_window = _window_rows(window, window_starts, n) if distinct_rows else n
+            for part in _slices(same_rank, q_tokens + k_tokens, budget, rows_in_window):
                 rows = tuple(i for _, i, _ in part)
                 keys = tuple(p for _, _, p in part)
-                batches.append(Batch(rows, keys, q_tokens, k_tokens, window))
-                start = end
+                store = distinct_rows and written.isdisjoint(rows)
+                written.update(rows)
+                batches.append(Batch(rows, keys, q_tokens, k_tokens, window, store))
     return CudaPlan(seq_len, bs, causal, tuple(batches))
+
+
+def _window_rows(start: int, window_starts: tuple[int, ...], n: int) -> int:
+    """Query blocks of the accumulator window starting at block `start`."""
+    later = [w for w in window_starts if w > start]
+    return (later[0] if later else n) - start
+
+
+def _slices(items: list, tokens: int, budget: int, n: int) -> list[list]:
+    """`items` (of `tokens` gathered tokens each) in calls of at most `budget` tokens, spread
+    evenly. The call count is that of ceil(items / n) * n items (n: query blocks of the
+    window), at most one per item: the same at every length for a pattern of fixed size, never
+    over budget."""
+    whole = -(-len(items) // n) * n
+    calls = min(len(items), -(-whole * tokens // budget))
+    cuts = [len(items) * c // calls for c in range(calls + 1)]
+    return [items[a:b] for a, b in itertools.pairwise(cuts)]
+
+
+def _ranks(items: list[tuple[int, int, tuple[int, ...]]]) -> list[list]:
+    """Sorted (rank, row, piece) items cut where the rank changes (a forward batch holds each
+    row once; the backward's items all have rank 0)."""
+    runs: list[list] = []
+    for item in items:
+        if not runs or runs[-1][-1][0] != item[0]:
+            runs.append([])
+        runs[-1].append(item)
+    return runs
 
 
 def _token_positions(blocks: list[tuple[int, ...]], tokens: int, bs: int) -> torch.Tensor:
@@ -173,6 +209,16 @@ def _diagonal_views(x: torch.Tensor, b: int, r0: int, r1: int, bs: int) -> torch
     return x[b, r0 * bs : r1 * bs].view(r1 - r0, bs, x.shape[2], x.shape[3])
 
 
+def _diagonal_cuts(r0: int, r1: int, bs: int, budget: int) -> list[tuple[int, int]]:
+    """Query blocks [r0, r1) cut into the fewest near-equal ranges whose diagonal calls gather
+    (view) at most `budget` query + key tokens, like the plan's batches."""
+    if r1 <= r0:
+        return []
+    calls = -(-(r1 - r0) * 2 * bs // budget)
+    cuts = [r0 + (r1 - r0) * c // calls for c in range(calls + 1)]
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
+
+
 def _diagonal_forward(
     q: Tensor,
     k: Tensor,
@@ -184,22 +230,24 @@ def _diagonal_forward(
     r1: int,
     scale: float,
 ) -> None:
-    """Causal diagonal blocks of query blocks [r0, r1) merged into the window's (out, lse),
-    whose row 0 is block r0's first token: whole blocks per batch row in one call, the short
-    last block (if in range) in one more."""
+    """Causal diagonal blocks of query blocks [r0, r1) stored into the window's (out, lse)
+    (their first result), whose row 0 is block r0's first token: whole blocks per batch row
+    in calls within the forward's budget (_diagonal_cuts), the short last block in one more."""
     bs, seq_len = plan.block_size, plan.seq_len
     whole = min(r1, seq_len // bs)
-    for b in range(q.shape[0]) if whole > r0 else ():
-        qb, kb, vb = (_diagonal_views(x, b, r0, whole, bs) for x in (q, k, v))
+    cuts = _diagonal_cuts(r0, whole, bs, call_budget(seq_len, True))
+    for b, (a, c) in itertools.product(range(q.shape[0]), cuts):
+        qb, kb, vb = (_diagonal_views(x, b, a, c, bs) for x in (q, k, v))
         o_b, l_b = block_forward(qb, kb, vb, scale=scale, causal=True)
-        o_rows = _diagonal_views(out, b, 0, whole - r0, bs)
-        l_rows = lse[b, :, : (whole - r0) * bs].view(lse.shape[1], whole - r0, bs)
-        merge_(o_rows, l_rows.transpose(0, 1), o_b, l_b)
+        _diagonal_views(out, b, a - r0, c - r0, bs).copy_(o_b)
+        l_rows = lse[b, :, (a - r0) * bs : (c - r0) * bs].view(lse.shape[1], c - a, bs)
+        l_rows.transpose(0, 1).copy_(l_b)
     if whole < r1:  # the short last block
         t0 = whole * bs
         o_b, l_b = block_forward(q[:, t0:], k[:, t0:], v[:, t0:], scale=scale, causal=True)
         at = (whole - r0) * bs
-        merge_(out[:, at:], lse[:, :, at:], o_b, l_b)
+        out[:, at:].copy_(o_b)
+        lse[:, :, at:].copy_(l_b)
 
 
 def plan_forward(
@@ -225,6 +273,10 @@ def plan_forward(
             continue
         # (m, q_tokens, H, D) queries, (m, k_tokens, H_kv, D) keys: m = B * items
         o_b, l_b = block_forward(q[b, tq], k[b, tk], v[b, tk], scale=scale)
+        if batch.store:
+            out.index_put_((b, rows), o_b.to(out.dtype))
+            lse_t.index_put_((b, rows), l_b.transpose(1, 2))
+            continue
         o_acc, l_acc = out[b, rows], lse_t[b, rows]  # gathered copies of the rows' results
         merge_(o_acc, l_acc.transpose(1, 2), o_b, l_b)
         out.index_put_((b, rows), o_acc)
@@ -243,17 +295,17 @@ def _diagonal_backward(
     plan: CudaPlan,
     scale: float,
 ) -> None:
-    """The causal diagonal blocks' gradients added into grads (dq, dk, dv)."""
+    """The causal diagonal blocks' gradients added into grads (dq, dk, dv), in calls within
+    the backward's budget (_diagonal_cuts)."""
     bs, seq_len = plan.block_size, plan.seq_len
     whole = seq_len // bs
-    for b in range(q.shape[0]) if whole else ():
-        d_b, q_b, k_b, v_b, o_b = (
-            _diagonal_views(x, b, 0, whole, bs) for x in (dout, q, k, v, out)
-        )
-        l_rows = lse[b, :, : whole * bs].view(lse.shape[1], whole, bs).transpose(0, 1)
+    cuts = _diagonal_cuts(0, whole, bs, call_budget(seq_len, False))
+    for b, (a, c) in itertools.product(range(q.shape[0]), cuts):
+        d_b, q_b, k_b, v_b, o_b = (_diagonal_views(x, b, a, c, bs) for x in (dout, q, k, v, out))
+        l_rows = lse[b, :, a * bs : c * bs].view(lse.shape[1], c - a, bs).transpose(0, 1)
         parts = block_backward(d_b, q_b, k_b, v_b, o_b, l_rows, scale=scale, causal=True)
         for acc, part in zip(grads, parts, strict=True):
-            _diagonal_views(acc, b, 0, whole, bs).add_(part)
+            _diagonal_views(acc, b, a, c, bs).add_(part)
     if whole * bs < seq_len:
         t0 = whole * bs
         d_s, q_s, k_s, v_s, o_s = (x[:, t0:] for x in (dout, q, k, v, out))
