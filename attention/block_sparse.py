@@ -18,6 +18,12 @@ blocks); the mask is the pattern's on those blocks and the short block holds onl
 so no padding exists to be attended. k and v may have fewer heads than q (grouped-query).
 Inputs narrower than fp32 (bf16, fp16) are finished in accumulator windows of query blocks
 (primitive.windowed_result), so only one window's rows are held in fp32.
+
+Two execution plans compute the same kept pairs (`plan`; "auto": by the inputs' device type):
+"cpu", many small calls sized for the CPU flash op (superblocks, stairs, rel views; below), and
+"cuda" (attention.block_sparse_cuda), a few batched calls on gathered K/V, since a CUDA call
+costs its kernel launches whatever its size. Either runs on either device (the primitive picks
+the fused op by device); the backend string names the plan that ran.
 """
 
 from __future__ import annotations

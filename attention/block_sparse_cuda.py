@@ -1,10 +1,10 @@
-"""`block_sparse`'s CUDA plan: few large batched fused calls instead of the CPU plan's many
-small ones (a CUDA call costs ~15 kernel launches whatever its size: the CPU plan's 135K calls
-of a 128K backward are host-bound on an H100).
+"""`block_sparse`'s CUDA plan: a few hundred large batched fused calls at most instead of the
+CPU plan's many small ones (a CUDA call costs ~15 kernel launches whatever its size: the CPU
+plan's 135K calls of a 128K backward are host-bound on an H100).
 
 The plan (a pure function of the block mask, the length, causal and the accumulator windows):
-- causal: every whole query block's diagonal block in one batched causal call per batch row
-  (views of q, k, v: no copy), the short last block's in one more;
+- causal: the whole query blocks' diagonal blocks as batched causal calls on views of q, k, v
+  (no copy; per batch row, within the call budget), the short last block's in one more;
 - every other kept block pair as a "piece" (query block i, key blocks of i): each row's key
   list cut into chunks of at most `most` blocks (a power of two) and its remainder into powers
   of two, so every piece has one of log2(most) + 1 sizes; the short last key block is a piece
@@ -152,10 +152,10 @@ def _window_rows(start: int, window_starts: tuple[int, ...], n: int) -> int:
 
 
 def _slices(items: list, tokens: int, budget: int, n: int) -> list[list]:
-    """`items` (of `tokens` gathered tokens each) in calls of at most `budget` tokens, spread
-    evenly. The call count is that of ceil(items / n) * n items (n: query blocks of the
-    window), at most one per item: the same at every length for a pattern of fixed size, never
-    over budget."""
+    """`items` (of `tokens` gathered tokens each) in calls of about `budget` tokens at most
+    (one item more where the items do not divide evenly), spread evenly. The call count is that
+    of ceil(items / n) * n items (n: query blocks of the window), at most one per item: the
+    same at every length for a pattern of fixed size."""
     whole = -(-len(items) // n) * n
     calls = min(len(items), -(-whole * tokens // budget))
     cuts = [len(items) * c // calls for c in range(calls + 1)]
