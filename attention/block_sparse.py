@@ -18,6 +18,12 @@ blocks); the mask is the pattern's on those blocks and the short block holds onl
 so no padding exists to be attended. k and v may have fewer heads than q (grouped-query).
 Inputs narrower than fp32 (bf16, fp16) are finished in accumulator windows of query blocks
 (primitive.windowed_result), so only one window's rows are held in fp32.
+
+Two execution plans compute the same kept pairs (`plan`; "auto": by the inputs' device type):
+"cpu", many small calls sized for the CPU flash op (superblocks, stairs, rel views; below), and
+"cuda" (attention.block_sparse_cuda), a few batched calls on gathered K/V, since a CUDA call
+costs its kernel launches whatever its size. Either runs on either device (the primitive picks
+the fused op by device); the backend string names the plan that ran.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from fractions import Fraction
 
 import torch
 
-from attention import primitive
+from attention import block_sparse_cuda, primitive
 from attention.autograd import merged_attention
 from attention.base import MergedKernel, attention_flops, check_qkv
 from attention.errors import ParamError
@@ -45,6 +51,7 @@ from attention.primitive import (
 from attention.registry import KernelSpec, register
 
 PATTERNS = ("local_window", "dilated", "global_local", "random")
+PLANS = ("auto", "cpu", "cuda")
 _PATTERN_FIELDS = {
     "local_window": ("window",),
     "dilated": ("window", "dilation"),
@@ -96,6 +103,9 @@ class BlockSparseParams:
     num_random: int | None = None
     seed: int | None = None
     ordering: str = "natural"
+    plan: str = "auto"
+    """Execution plan: "cpu" (many small calls tuned to the CPU flash op), "cuda" (few large
+    batched calls, attention.block_sparse_cuda) or "auto" (by the inputs' device type)."""
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
@@ -132,6 +142,15 @@ class BlockSparseParams:
                 f"give sparsity_ratio or params.{size} for pattern {self.pattern!r}",
             )
         check_ordering(self.ordering)
+        if self.plan not in PLANS:
+            raise ParamError("params.plan", f"must be one of {', '.join(PLANS)}, got {self.plan!r}")
+
+
+def resolve_plan(plan: str, device: torch.device) -> str:
+    """The plan that runs: `plan`, or for "auto" "cuda" on a CUDA device and "cpu" elsewhere."""
+    if plan != "auto":
+        return plan
+    return "cuda" if device.type == "cuda" else "cpu"
 
 
 def _pattern_mask(params: BlockSparseParams, n: int, size: int) -> torch.Tensor:
@@ -884,6 +903,74 @@ def block_sparse_backward(
     return dq, dk, dv
 
 
+@functools.lru_cache(maxsize=64)
+def cuda_plan(
+    params: BlockSparseParams,
+    seq_len: int,
+    causal: bool,
+    window_starts: tuple[int, ...] = (),
+    forward: bool = True,
+) -> block_sparse_cuda.CudaPlan:
+    """The CUDA plan (attention.block_sparse_cuda) of the cached block mask: the forward's
+    (batches inside the accumulator windows starting at query blocks `window_starts`, no row
+    twice in a batch) or the backward's."""
+    mask = _cached_block_mask(params, seq_len)
+    return block_sparse_cuda.build_plan(
+        mask, seq_len, params.block_size, causal, window_starts, forward
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _cuda_indices(
+    params: BlockSparseParams,
+    seq_len: int,
+    causal: bool,
+    window_starts: tuple[int, ...],
+    forward: bool,
+    bsz: int,
+    device: torch.device,
+) -> block_sparse_cuda.Indices:
+    """cuda_plan's index tensors on `device`, built once per (plan, batch size, device)."""
+    plan = cuda_plan(params, seq_len, causal, window_starts, forward)
+    return block_sparse_cuda.plan_indices(plan, bsz, device)
+
+
+def cuda_plan_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: BlockSparseParams, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_sparse_forward under the CUDA plan: (out in q's dtype, lse), window by window."""
+    bsz, seq_len = q.shape[:2]
+    bs = params.block_size
+    spans = primitive.windows(seq_len, q.dtype, bs)
+    starts = tuple(c0 // bs for c0, _ in spans)
+    plan = cuda_plan(params, seq_len, causal, starts, True)
+    index = _cuda_indices(params, seq_len, causal, starts, True, bsz, q.device)
+
+    def fill(c0: int, c1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        block_sparse_cuda.plan_forward(q, k, v, out, lse, plan, index, c0 // bs, -(-c1 // bs))
+
+    return primitive.windowed_result(q, fill, spans)
+
+
+def cuda_plan_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    params: BlockSparseParams,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """block_sparse_backward under the CUDA plan: (dq, dk, dv) in the accumulator dtype."""
+    bsz, seq_len = q.shape[:2]
+    plan = cuda_plan(params, seq_len, causal, (), False)
+    index = _cuda_indices(params, seq_len, causal, (), False, bsz, q.device)
+    dq, dk, dv = zero_grads(q, k)
+    block_sparse_cuda.plan_backward(dout, q, k, v, out, lse, (dq, dk, dv), plan, index)
+    return dq, dk, dv
+
+
 class BlockSparseAttention(MergedKernel):
     """Attention over (B, S, H, D) restricted to `block_mask`; see the module docstring."""
 
@@ -910,9 +997,17 @@ class BlockSparseAttention(MergedKernel):
     ) -> torch.Tensor:
         check_qkv(q, k, v)
         check_block_sparse(self.params, seq_len=q.shape[1], num_heads=q.shape[2])
-        self.backend = primitive.backend_for(q.device, q.dtype)
-        fwd = functools.partial(block_sparse_forward, params=self.params, causal=causal)
-        bwd = functools.partial(block_sparse_backward, params=self.params, causal=causal)
+        plan = resolve_plan(self.params.plan, q.device)
+        self.backend = f"{primitive.backend_for(q.device, q.dtype)}-plan-{plan}"
+        cuda = plan == "cuda"
+        fwd = functools.partial(
+            cuda_plan_forward if cuda else block_sparse_forward, params=self.params, causal=causal
+        )
+        bwd = functools.partial(
+            cuda_plan_backward if cuda else block_sparse_backward,
+            params=self.params,
+            causal=causal,
+        )
         return in_order(
             self.params.ordering, lambda q, k, v: merged_attention(q, k, v, fwd, bwd), q, k, v
         )

@@ -78,10 +78,15 @@ PARAMS = [
 ]
 
 
+PLANS = ["cpu", "cuda"]
+"""Both execution plans, on CPU (the CUDA plan forced: the CPU flash op in its call structure)."""
+
+
+@pytest.mark.parametrize("plan", PLANS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: "-".join(map(str, p.values())))
-def test_block_sparse_matches_masked_reference(params, causal) -> None:
-    module = attention.build("block_sparse", **params)
+def test_block_sparse_matches_masked_reference(params, causal, plan) -> None:
+    module = attention.build("block_sparse", plan=plan, **params)
     assert_matches_reference(module, _reference(module, params["block_size"]), 2, 32, 3, 8, causal)
 
 
@@ -173,8 +178,10 @@ def test_flops_count_kept_blocks() -> None:
     assert module.flops(1, 32, 2, 8, causal=True) == 4 * 8 * 2 * (7 * 16 + 8 * 10)
 
 
-def test_hilbert_ordering_equals_reference_on_permuted_positions() -> None:
+@pytest.mark.parametrize("plan", PLANS)
+def test_hilbert_ordering_equals_reference_on_permuted_positions(plan) -> None:
     params = {"block_size": 4, "pattern": "local_window", "window": 1, "ordering": "hilbert"}
+    params["plan"] = plan
     module = attention.build("block_sparse", **params)
     perm = hilbert_permutation(64)
     inv = torch.argsort(perm)
@@ -203,6 +210,7 @@ def test_hilbert_ordering_equals_reference_on_permuted_positions() -> None:
         ({"pattern": "dilated", "window": 1, "dilation": 0}, r"^params\.dilation: "),
         ({"window": -1}, r"^params\.window: expected an integer >= 0"),
         ({"window": 1, "ordering": "zorder"}, r"^params\.ordering: "),
+        ({"window": 1, "plan": "gpu"}, r"^params\.plan: must be one of auto, cpu, cuda"),
     ],
 )
 def test_invalid_parameters_raise_named_errors(params, match) -> None:
@@ -210,12 +218,15 @@ def test_invalid_parameters_raise_named_errors(params, match) -> None:
         attention.build("block_sparse", **params)
 
 
+@pytest.mark.parametrize("plan", PLANS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: "-".join(map(str, p.values())))
-def test_a_length_that_is_no_multiple_of_the_block_ends_in_a_short_block(params, causal) -> None:
+def test_a_length_that_is_no_multiple_of_the_block_ends_in_a_short_block(
+    params, causal, plan
+) -> None:
     """30 tokens in blocks of 4 (or 2, then 31): the last block holds 2 (1) real tokens, which
     the mask treats as any block; nothing else is attended."""
-    module = attention.build("block_sparse", **params)
+    module = attention.build("block_sparse", plan=plan, **params)
     seq = 30 if params["block_size"] == 4 else 31
     assert module.block_mask(seq).shape[0] == -(-seq // params["block_size"])
     keep = block_token_mask(
@@ -257,6 +268,7 @@ def block_sparse_configs(draw):
         params["num_random"] = draw(st.integers(0, 4))
     else:
         params["window"] = draw(st.integers(0, 3))
+    params["plan"] = draw(st.sampled_from(PLANS))
     return params, n * block_size - draw(st.integers(0, block_size - 1)), draw(st.booleans())
 
 
@@ -281,14 +293,15 @@ def test_small_chunks_give_the_same_result(params, causal, monkeypatch) -> None:
     assert_matches_reference(module, _reference(module, params["block_size"]), 2, 32, 2, 4, causal)
 
 
+@pytest.mark.parametrize("plan", PLANS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("units", [1, 3])
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: "-".join(map(str, p.values())))
-def test_windows_match_the_reference(params, units, causal, accumulator_windows) -> None:
+def test_windows_match_the_reference(params, units, causal, plan, accumulator_windows) -> None:
     """The forward in accumulator windows of 1 and 3 query blocks (how bf16 and fp16 run it,
     forced here for fp32): each call's rows cut at the windows' edges."""
     accumulator_windows(units)
-    module = attention.build("block_sparse", **params)
+    module = attention.build("block_sparse", plan=plan, **params)
     assert_matches_reference(module, _reference(module, params["block_size"]), 2, 33, 3, 8, causal)
 
 

@@ -90,8 +90,9 @@ def head_calls(request, monkeypatch) -> None:
     ],
     ids=lambda p: p["pattern"],
 )
-def test_block_sparse_matches_sdpa_enable_gqa(params, kv_heads, causal) -> None:
-    module = attention.build("block_sparse", **params)
+@pytest.mark.parametrize("plan", ["cpu", "cuda"])
+def test_block_sparse_matches_sdpa_enable_gqa(params, kv_heads, causal, plan) -> None:
+    module = attention.build("block_sparse", plan=plan, **params)
     keep = block_token_mask(module.block_mask(SEQ), 4, causal=causal, seq_len=SEQ)
     _check(module, _sdpa(keep), kv_heads, causal)
 

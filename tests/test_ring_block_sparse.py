@@ -132,3 +132,15 @@ def test_validate_names_the_shard_rules():
     with pytest.raises(ValueError, match=r"params.window: conflicts with params.sparsity_ratio"):
         attention.build("ring_block_sparse", sparsity_ratio=0.5, **params)
     assert attention.KERNELS["ring_block_sparse"].distributed
+
+
+def test_the_ring_refuses_a_plan_it_would_not_run():
+    """`plan` picks block_sparse's single-process plan; the ring's per-step schedule is its own,
+    so a ring accepts only the default, never a plan it would ignore (its twin keeps it)."""
+    params = {"block_size": 8, "pattern": "local_window", "window": 1}
+    attention.validate("ring_block_sparse", {**params, "plan": "auto"}, seq_len=64, world_size=2)
+    for plan in ("cpu", "cuda"):
+        with pytest.raises(ValueError, match=r"^params\.plan: '.*' selects block_sparse's"):
+            attention.build("ring_block_sparse", plan=plan, **params)
+    twin = attention.registry.twin_params({**params, "plan": "auto", "layout": "zigzag"})
+    assert attention.build("block_sparse", **twin).params.plan == "auto"

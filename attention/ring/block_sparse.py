@@ -58,6 +58,12 @@ class RingBlockSparseParams(BlockSparseParams):
         if self.layout is not None:
             check_layout(self.layout)
         check_group(self.group)
+        if self.plan != "auto":  # accepted only where it is honoured
+            raise ParamError(
+                "params.plan",
+                f"{self.plan!r} selects block_sparse's single-process execution plan; "
+                "ring_block_sparse runs its own per-step schedule (leave plan unset)",
+            )
 
     def twin(self) -> BlockSparseParams:
         """The single-process `block_sparse` parameters."""

@@ -1,0 +1,212 @@
+"""block_sparse's CUDA plan (attention.block_sparse_cuda), forced on CPU and counted on the meta
+device: its fused calls and aten ops per forward and backward do not grow with the length, it
+copies nothing from the host and never syncs inside them, it computes each kept pair exactly
+once, and the plan that ran is in the backend string. Correctness against the float64 masked
+reference is in test_attention_block_sparse.py (every test there runs both plans)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import attention
+from attention import block_sparse, block_sparse_cuda, primitive
+from attention.masks import block_token_mask
+
+pytestmark = pytest.mark.timeout(120)
+
+FUSED = {
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward",
+}
+"""The primitive's fused ops and their backward ops: one fused call each."""
+
+COUNTED = [
+    {"block_size": 64, "pattern": "local_window", "window": 2},
+    {"block_size": 64, "pattern": "dilated", "window": 2, "dilation": 2},
+    {"block_size": 64, "pattern": "global_local", "window": 1, "num_global": 1},
+    {"block_size": 64, "pattern": "random", "num_random": 3, "seed": 1},
+]
+"""Patterns with a fixed size parameter: their kept pairs per query block do not depend on the
+length, so the plan's calls must not either."""
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops by name; records host-to-device copies and syncs
+    (_local_scalar_dense: a tensor read back to the host)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.bad: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        self.ops[name] += 1
+        if name == "_local_scalar_dense":
+            self.bad.append(name)
+        if name in ("_to_copy", "copy_"):
+            devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
+            target = (kwargs or {}).get("device")
+            if target is not None:
+                devices.add(torch.device(target).type)
+            if len(devices) > 1:
+                self.bad.append(f"{name} {sorted(devices)}")
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def fused(self) -> int:
+        return sum(n for name, n in self.ops.items() if name in FUSED)
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+def count_plan(
+    params: dict,
+    seq_len: int,
+    causal: bool,
+    device: str,
+    *,
+    heads: int = 2,
+    dim: int = 8,
+    dtype: torch.dtype = torch.float32,
+    plan: str = "cuda",
+) -> tuple[OpCounter, OpCounter]:
+    """(forward, backward) OpCounters of block_sparse's `plan` on (1, seq_len, heads, dim)
+    inputs on `device`, each after one uncounted run (the index tensors' one-time build and
+    copy)."""
+    p = attention.make_params("block_sparse", {**params, "plan": plan})
+    fwd, bwd = (
+        (block_sparse.cuda_plan_forward, block_sparse.cuda_plan_backward)
+        if plan == "cuda"
+        else (block_sparse.block_sparse_forward, block_sparse.block_sparse_backward)
+    )
+    q, k, v, dout = (
+        torch.randn(1, seq_len, heads, dim, device=device, dtype=dtype) for _ in range(4)
+    )
+    counters = (OpCounter(), OpCounter())
+    for counted in (False, True):
+        with counters[0] if counted else _null():
+            out, lse = fwd(q, k, v, p, causal)
+            out = out.to(dtype)
+        with counters[1] if counted else _null():
+            bwd(dout, q, k, v, out, lse, p, causal)
+    return counters
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@pytest.fixture
+def meta_takes_the_cuda_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the meta device the primitive runs the CUDA flash ops (PyTorch's meta kernels of them):
+    meta counts then stand for the CUDA path's aten ops and fused calls."""
+    real = primitive.backend_for
+
+    def backend_for(device, dtype):  # type: ignore[no-untyped-def]
+        if torch.device(device).type == "meta":
+            return "cuda_efficient" if dtype == torch.float32 else "cuda_flash"
+        return real(device, dtype)
+
+    monkeypatch.setattr(primitive, "backend_for", backend_for)
+
+
+@pytest.mark.usefixtures("meta_takes_the_cuda_ops")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("params", COUNTED, ids=lambda p: p["pattern"])
+def test_the_cuda_plans_calls_and_ops_do_not_grow_with_the_length(params, causal) -> None:
+    """On the CUDA ops' path (meta device), 4K and 16K tokens: the same fused calls and the
+    same aten ops (by name and count), no copy from another device and no sync inside forward
+    or backward."""
+    small, large = (count_plan(params, s, causal, "meta") for s in (4096, 16384))
+    for a, b in zip(small, large, strict=True):
+        if params["pattern"] == "global_local" and not causal:
+            # the global rows keep every block: at 4K their pieces (as many at every length)
+            # share the other rows' shape and calls, at 16K they are a group of their own
+            assert b.fused <= a.fused and b.total <= a.total
+        else:
+            assert a.ops == b.ops
+        assert not a.bad and not b.bad, (a.bad, b.bad)
+    fwd, bwd = large  # CALL_FRACTION x (pieces + kept blocks) of a row, or so
+    assert 0 < fwd.fused <= 40 and 0 < bwd.fused <= 64, (fwd.fused, bwd.fused)
+    assert fwd.total <= 32 * fwd.fused and bwd.total <= 40 * bwd.fused, (fwd.total, bwd.total)
+
+
+@pytest.mark.usefixtures("meta_takes_the_cuda_ops")
+@pytest.mark.parametrize("causal", [False, True])
+def test_on_cpu_the_cuda_plan_makes_the_same_calls(causal) -> None:
+    """The CUDA plan forced on CPU (the CPU flash op) makes the fused calls it makes on the CUDA
+    ops' path, flat from 4K to 16K, without syncs."""
+    params = COUNTED[0]
+    meta = count_plan(params, 4096, causal, "meta")
+    small, large = (count_plan(params, s, causal, "cpu") for s in (4096, 16384))
+    for m, a, b in zip(meta, small, large, strict=True):
+        assert a.fused == b.fused == m.fused
+        assert a.ops == b.ops
+        assert not a.bad and not b.bad, (a.bad, b.bad)
+
+
+def test_the_cuda_plan_computes_each_kept_pair_once(monkeypatch) -> None:
+    """Token pairs the fused calls are asked for (forward and backward) == the mask's, for every
+    pattern, causal or not, with a short last block."""
+    seen: list[int] = []
+    for name in ("block_forward", "block_backward"):
+        real = getattr(block_sparse_cuda, name)
+        at = 0 if name == "block_forward" else 1
+
+        def spy(*args, causal=False, _real=real, _at=at, **kwargs):  # type: ignore[no-untyped-def]
+            q, k = args[_at], args[_at + 1]
+            sq, sk = q.shape[1], k.shape[1]
+            kept = int(torch.ones(sq, sk).tril().sum()) if causal else sq * sk
+            seen.append(q.shape[0] * kept)
+            return _real(*args, causal=causal, **kwargs)
+
+        monkeypatch.setattr(block_sparse_cuda, name, spy)
+    for params in COUNTED:
+        module = attention.build("block_sparse", plan="cuda", **{**params, "block_size": 4})
+        for seq, causal in ((32, False), (30, True), (30, False)):
+            seen.clear()
+            q = torch.randn(2, seq, 1, 4, requires_grad=True)
+            module(q, q, q, causal=causal).sum().backward()
+            keep = block_token_mask(module.block_mask(seq), 4, causal=causal, seq_len=seq)
+            assert sum(seen) == 2 * 2 * int(keep.sum()), (params, seq, causal)
+
+
+def test_the_backend_names_the_plan_that_ran() -> None:
+    """auto runs the CPU plan on CPU; a forced plan runs as asked, and says so."""
+    q = torch.randn(1, 16, 1, 4)
+    for plan, ran in (("auto", "cpu"), ("cpu", "cpu"), ("cuda", "cuda")):
+        module = attention.build("block_sparse", block_size=4, window=1, plan=plan)
+        module(q, q, q)
+        assert module.backend == f"cpu_flash-plan-{ran}"
+    assert block_sparse.resolve_plan("auto", torch.device("cuda")) == "cuda"
+
+
+def test_pieces_take_few_shapes() -> None:
+    """A row's keys cut into chunks of the largest piece and powers of two below it: a pattern
+    whose rows keep every count from 1 to 40 blocks still runs pieces of at most 6 shapes."""
+    assert block_sparse_cuda._cuts(list(range(13)), 4) == [
+        (0, 1, 2, 3),
+        (4, 5, 6, 7),
+        (8, 9, 10, 11),
+        (12,),
+    ]
+    assert block_sparse_cuda._cuts(list(range(7)), 8) == [(0, 1, 2, 3), (4, 5), (6,)]
+    mask = torch.ones(40, 40, dtype=torch.bool)
+    plan = block_sparse_cuda.build_plan(mask, 40 * 64, 64, True, (0,), True)
+    assert len({b.k_tokens for b in plan.batches}) <= 6
+    assert all(len(set(b.rows)) == len(b.rows) for b in plan.batches)
