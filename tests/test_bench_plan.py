@@ -58,7 +58,10 @@ def test_the_table_names_what_the_meta_run_stands_for() -> None:
         ["--seq", "256", "--heads", "2", "--dim", "8", "--kernels", "dense"], out.append
     )
     out = "\n".join(out).splitlines()
-    assert out[1] == "meta stands for cuda (cuda_flash): exact counts, nothing run"
+    assert out[1] == (
+        "meta stands for cuda (cuda_flash): exact counts of a call after one warm-up call, "
+        "nothing run"
+    )
     assert out[2].split()[:3] == ["kernel", "seq", "plan"]
     assert out[3].split()[:5] == ["dense", "256", "-", "1", "1"]
 
