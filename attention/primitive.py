@@ -54,6 +54,33 @@ def _backend_for(device_type: str, dtype: torch.dtype) -> str:
     return "math"
 
 
+CUDA_FLASH_HEAD_DIM_MULTIPLE = 8
+CUDA_FLASH_HEAD_DIM_MAX = 256
+"""aten's CUDA flash op (fp16/bf16) checks head_dim % 8 == 0 (SDPA pads the last dim to a
+multiple of 8 before calling it; this module calls it directly, unpadded) and head_dim <= 256
+(SDPA's check_head_dim_size_flash and flash-attn 2's own limit)."""
+
+
+def cuda_head_dim_problem(dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the fused CUDA op this module calls for `dtype` cannot run `head_dim` (None when it
+    can): the one rule for config validation and for a rank whose device resolved to CUDA.
+
+    fp16/bf16 run aten's flash op: a multiple of 8, at most 256. fp32 runs the efficient op,
+    for which torch documents no head_dim bound of its own (its kernels come aligned and
+    unaligned): no rule is made up for it."""
+    backend = _backend_for("cuda", dtype)
+    if backend != "cuda_flash":
+        return None
+    if head_dim % CUDA_FLASH_HEAD_DIM_MULTIPLE or head_dim > CUDA_FLASH_HEAD_DIM_MAX:
+        return (
+            f"{head_dim} does not run on CUDA in {str(dtype).removeprefix('torch.')}: aten's "
+            f"flash op, which this kernel calls directly, needs a multiple of "
+            f"{CUDA_FLASH_HEAD_DIM_MULTIPLE} of at most {CUDA_FLASH_HEAD_DIM_MAX} "
+            "(SDPA pads, the op does not); pick such a head_dim, or float32"
+        )
+    return None
+
+
 def backend_for(device: torch.device | str, dtype: torch.dtype) -> str:
     """The backend `block_forward` and `block_backward` use for this device type and dtype."""
     return _backend_for(torch.device(device).type, dtype)

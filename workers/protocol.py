@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import attention
 from attention.ring.comm import AbortScope, PeerAborted, abort_scope, group_broken, wait_all
 from attention.ring.steps import clock
 from workers import kernels, references
@@ -290,6 +291,8 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
         raise RuntimeError(f"world_size={world} needs an initialized process group")
     kernels.check_mode(config)
     device = resolve_device(config)
+    if device.type == "cuda":  # device auto resolved to CUDA: the fused ops' head_dim limits
+        attention.check_cuda_head_dim(config.kernel, DTYPES[config.dtype], config.head_dim)
     case = {"rank": rank, "seq_len": config.seq_len, "environment": collect(device)}
     gate: GateResult | None = None
     try:
