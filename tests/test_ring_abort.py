@@ -51,7 +51,23 @@ def _inject_oom(name: str, rank: int, bad_rank: int, at_call: int) -> None:
         setattr(engine, name, failing)
 
 
-def oom_mid_ring(rank: int, world: int, bad_rank: int, backward: bool) -> dict[str, Any]:
+KERNELS: dict[str, dict[str, Any]] = {
+    "ring": {"layout": "contiguous"},
+    "ring_block_sparse": {
+        "layout": "contiguous",
+        "block_size": 4,
+        "pattern": "global_local",
+        "window": 1,
+        "num_global": 1,
+    },
+}
+"""The ring kernels whose blocks go through the engine's primitive calls (where the failure
+is injected); ring_dilated gathers its segments with `exchange`, another wait_all caller."""
+
+
+def oom_mid_ring(
+    rank: int, world: int, bad_rank: int, backward: bool, kernel: str = "ring"
+) -> dict[str, Any]:
     """One ring forward (and backward) in an abort scope, `bad_rank` failing at its second
     block; returns how this rank left the scope and how long it took."""
     engine.PIECE_TOKENS = 8  # several pieces per shard: the failure lands mid-ring
@@ -61,7 +77,7 @@ def oom_mid_ring(rank: int, world: int, bad_rank: int, backward: bool) -> dict[s
         layouts.shard(torch.randn(*SHAPE, generator=g), "contiguous", rank, world).requires_grad_()
         for _ in range(3)
     )
-    module = attention.build("ring", layout="contiguous")
+    module = attention.build(kernel, **KERNELS[kernel])
     dist.barrier()
     start = time.monotonic()
     try:
@@ -90,11 +106,14 @@ def _keep_the_store_up(rank: int, world: int) -> None:
         store.wait([f"test/returned/{r}" for r in range(world)], timedelta(seconds=30))
 
 
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
-def test_an_oom_mid_ring_returns_every_rank_promptly(world: int, backward: bool) -> None:
+def test_an_oom_mid_ring_returns_every_rank_promptly(
+    world: int, backward: bool, kernel: str
+) -> None:
     bad = world - 1
-    results = run_ranks(oom_mid_ring, world, bad, backward, deadline_s=60)
+    results = run_ranks(oom_mid_ring, world, bad, backward, kernel, deadline_s=60)
     assert results[bad]["how"] == "oom" and results[bad]["broken"]
     assert "Tried to allocate 2.00 GiB" in results[bad]["error"]
     for rank, got in enumerate(results):
@@ -179,3 +198,33 @@ def test_a_run_whose_rank_ooms_mid_ring_is_an_oom_with_the_bytes_asked(
     assert all("stopped waiting: rank" in (c.error or "") for c in cases[:-1])
     outcome = outcome_of(cases, world)
     assert outcome.status == "oom" and "Tried to allocate 2.00 GiB" in (outcome.error or "")
+
+
+def send_after_the_peer_left(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 raises in its scope (not an oom) and its process exits; rank 0 then posts a send
+    to it, which fails at once: the peer's abort, not the lost connection, is what it raises."""
+    with pytest.raises(BaseException) as caught, comm.abort_scope() as scope:
+        if rank == 1:
+            raise ValueError("rank one gives up")
+        scope.store.wait([scope.key], timedelta(seconds=20))
+        time.sleep(1.0)  # rank 1's process is gone by now
+        ring = comm.RingComm(dist.group.WORLD)
+        ring.start(torch.ones(4), torch.empty(4))
+        ring.wait()
+    exc = caught.value
+    if rank == 1:
+        return {"type": type(exc).__name__}
+    assert isinstance(exc, comm.PeerAborted)
+    return {
+        "type": "PeerAborted",
+        "oom": exc.oom,
+        "reason": exc.reason,
+        "cause": repr(exc.__cause__),
+    }
+
+
+def test_a_transfer_to_a_peer_that_left_raises_its_abort() -> None:
+    left, stayed = run_ranks(send_after_the_peer_left, 2)[::-1]
+    assert left == {"type": "ValueError"}
+    assert stayed["type"] == "PeerAborted" and not stayed["oom"]
+    assert stayed["reason"] == "ValueError: rank one gives up"

@@ -353,6 +353,9 @@ def abort_scope() -> Iterator[AbortScope]:
         raise
     except BaseException as exc:
         if dist.get_world_size(group) > 1:
+            peer = _peer_abort_behind(scope, exc)
+            if peer is not None:
+                raise peer from exc
             try:
                 scope.publish(exc)
             except dist.DistError as lost:  # the store is gone too: the error stays the cause
@@ -361,6 +364,21 @@ def abort_scope() -> Iterator[AbortScope]:
     finally:
         _active = None
         _mark_broken(scope.broken)
+
+
+def _peer_abort_behind(scope: AbortScope, exc: BaseException) -> PeerAborted | None:
+    """The peer's abort behind this rank's error, when one was published and the error is not
+    this rank's own allocation failure: a transfer posted to a peer that left fails at once
+    ("Connection closed by peer"), before any wait could read the flag."""
+    if is_allocation_failure(exc):
+        return None
+    try:
+        scope.check()
+    except PeerAborted as peer:
+        return peer
+    except dist.DistError:  # the store is unreachable: this rank's error is all there is
+        return None
+    return None
 
 
 def group_broken() -> bool:
