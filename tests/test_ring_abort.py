@@ -228,3 +228,36 @@ def test_a_transfer_to_a_peer_that_left_raises_its_abort() -> None:
     assert left == {"type": "ValueError"}
     assert stayed["type"] == "PeerAborted" and not stayed["oom"]
     assert stayed["reason"] == "ValueError: rank one gives up"
+
+
+def run_case_oom_in_the_gate(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
+    """protocol.run_case as `rank`; the last rank runs out of memory at its second ring block,
+    which the correctness gate (the case's first kernel calls) runs."""
+    _inject_oom("block_forward", rank, world - 1, at_call=2)
+    case = protocol.run_case(RunConfig.model_validate(config), rank)
+    returned_at = time.time()
+    _keep_the_store_up(rank, world)
+    return {"case": case.model_dump(mode="json"), "at": returned_at, "failed_at": FAILED_AT}
+
+
+def test_an_oom_in_the_gates_ring_stops_every_rank_as_oom() -> None:
+    config = {
+        "kernel": "ring",
+        "num_heads": 2,
+        "head_dim": 8,
+        "seq_len": 256,
+        "world_size": 2,
+        "mode": "forward",
+        "device": "cpu",
+        "warmup": 1,
+        "iterations": 2,
+    }
+    got = run_ranks(run_case_oom_in_the_gate, 2, config, deadline_s=60)
+    cases = [CaseOutcome.model_validate(g["case"]) for g in got]
+    (failed_at,) = got[-1]["failed_at"]
+    for g, case in zip(got, cases, strict=True):
+        assert case.status == "oom" and case.group_broken, case.error
+        assert g["at"] - failed_at <= RETURN_WITHIN_S
+    assert "the correctness check" in (cases[1].error or "")
+    assert cases[1].requested_bytes == 2 << 30
+    assert "stopped waiting: rank 1" in (cases[0].error or "")

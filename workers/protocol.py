@@ -320,9 +320,12 @@ def _gate(
     oom when the check itself ran out of memory. Not capped by the memory budget: the gate's
     float64 reference is not the measured workload."""
     try:
-        gate = run_gate(config, rank, device, kind)
+        with _ring_scope(config.world_size):  # its ring kernels and all_reduce, as the loop's
+            gate = run_gate(config, rank, device, kind)
     except CheckOutOfMemory as exc:
         return _oom_outcome(case, str(exc))
+    except PeerAborted as exc:
+        return _peer_outcome(case, exc)
     if gate.passed(config.dtype):
         return gate
     return CaseOutcome(

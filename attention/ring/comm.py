@@ -262,9 +262,11 @@ _SLEEP_MAX_S = 1e-3
 the second: a transfer that lands at once costs microseconds, a long wait no CPU."""
 
 
-class PeerAborted(RuntimeError):
+class PeerAborted(Exception):
     """A peer of the ring published an abort (it raised mid-ring): this rank stopped waiting
-    for it. `oom`: the peer's error was an allocation failure."""
+    for it. `oom`: the peer's error was an allocation failure. Not a RuntimeError: its message
+    quotes the peer's ("CUDA out of memory ..."), which must not read as this rank's own oom
+    (attention.errors.is_allocation_failure)."""
 
     def __init__(self, rank: int, oom: bool, reason: str) -> None:
         super().__init__(f"rank {rank} stopped the ring: {reason}")
