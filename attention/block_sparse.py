@@ -1036,6 +1036,7 @@ class BlockSparseAttention(MergedKernel):
 register(
     KernelSpec(
         name="block_sparse",
+        primitive=True,
         description=(
             "Block-sparse attention (local_window, dilated, global_local or random block "
             "pattern); computes only the kept block pairs."

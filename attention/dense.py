@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 from attention import documents
 from attention.base import (
@@ -43,7 +44,8 @@ def check_dense(
 
 class DenseAttention(Kernel):
     """softmax(q k^T / sqrt(d)) v over the whole sequence, causal optional; k and v may have
-    fewer heads (grouped-query attention: SDPA's enable_gqa)."""
+    fewer heads (grouped-query attention: SDPA's enable_gqa). `backend` names the SDPA backend
+    that ran its last call (sdpa-flash-cpu, sdpa-cudnn-cuda, ...: torch's own choice)."""
 
     def __init__(self, params: DenseParams | None = None) -> None:
         super().__init__()
@@ -53,15 +55,17 @@ class DenseAttention(Kernel):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
         check_qkv(q, k, v)
-        self.backend = "sdpa"
         lengths = self.params.document_lengths
         if lengths is None:
-            return _sdpa(q, k, v, causal)
+            out, ran = _sdpa(q, k, v, causal)
+            self.backend = _backend_name([ran], q.device)
+            return out
         documents.check_total(lengths, q.shape[1])
-        return torch.cat(
-            [_sdpa(q[:, a:b], k[:, a:b], v[:, a:b], causal) for a, b in documents.bounds(lengths)],
-            dim=1,
-        )
+        pieces = [
+            _sdpa(q[:, a:b], k[:, a:b], v[:, a:b], causal) for a, b in documents.bounds(lengths)
+        ]
+        self.backend = _backend_name([ran for _, ran in pieces], q.device)
+        return torch.cat([out for out, _ in pieces], dim=1)
 
     def flops(
         self,
@@ -87,16 +91,40 @@ class DenseAttention(Kernel):
         )
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """SDPA on (b, s, h, d) tensors ((b, h, s, d) inside, and back)."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        is_causal=causal,
-        enable_gqa=k.shape[2] != q.shape[2],
-    )
-    return out.transpose(1, 2)
+SDPA_BACKEND_NAMES = {
+    SDPBackend.FLASH_ATTENTION: "flash",
+    SDPBackend.EFFICIENT_ATTENTION: "efficient",
+    SDPBackend.CUDNN_ATTENTION: "cudnn",
+    SDPBackend.MATH: "math",
+    SDPBackend.OVERRIDEABLE: "overrideable",
+}
+"""SDPA's backends by the names the `sdpa` kernel's params.backend uses."""
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, SDPBackend]:
+    """SDPA on (b, s, h, d) tensors ((b, h, s, d) inside, and back), and the backend that ran:
+    torch's own choice for these inputs and flags (aten::_fused_sdp_choice, the function SDPA
+    dispatches by, under the same sdpa_kernel context), since SDPA may pick cuDNN before flash
+    on Hopper with CUDA 13 and flash or math on the CPU."""
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    gqa = k.shape[2] != q.shape[2]
+    chosen = SDPBackend(torch._fused_sdp_choice(qt, kt, vt, None, 0.0, causal, enable_gqa=gqa))
+    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
+    if chosen == SDPBackend.ERROR:  # SDPA ran although its choice function found no backend
+        raise RuntimeError(
+            "dense: SDPA ran but torch._fused_sdp_choice names no backend for this call; "
+            "the backend that ran is unknown"
+        )
+    return out.transpose(1, 2), chosen
+
+
+def _backend_name(ran: list[SDPBackend], device: torch.device) -> str:
+    """sdpa-<backend>-<device> (the `sdpa` kernel's form); several documents whose calls ran
+    on different backends name each, joined by '+'."""
+    names = sorted({SDPA_BACKEND_NAMES[b] for b in ran})
+    return f"sdpa-{'+'.join(names)}-{device.type}"
 
 
 register(

@@ -375,6 +375,7 @@ class DilatedAttention(MergedKernel):
 register(
     KernelSpec(
         name="dilated",
+        primitive=True,
         description=(
             "LongNet dilated attention: segments w_i with dilation r_i, every head in every "
             "branch (contiguous head groups per offset), branches mixed by log-sum-exp."

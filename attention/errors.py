@@ -16,3 +16,15 @@ class ParamError(ValueError):
     def __reduce__(self) -> tuple[type[ParamError], tuple[str, str]]:
         """Picklable (errors cross process boundaries: gloo ranks, Ray actors)."""
         return ParamError, (".".join(self.path), self.reason)
+
+
+def is_allocation_failure(exc: BaseException) -> bool:
+    """A CUDA OOM or a CPU allocation failure: the one rule for "this error is an oom" (the
+    ring's abort flag and the worker's case status both read it)."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and (
+        "DefaultCPUAllocator: can't allocate memory" in str(exc) or "CUDA out of memory" in str(exc)
+    )

@@ -30,6 +30,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -80,6 +81,33 @@ def device_type_of(device: torch.device | str) -> str:
     type `meta_stands_for` names, else "meta")."""
     kind = torch.device(device).type
     return _meta_stands_for if kind == "meta" and _meta_stands_for else kind
+
+
+CUDA_FLASH_HEAD_DIM_MULTIPLE = 8
+CUDA_FLASH_HEAD_DIM_MAX = 256
+"""aten's CUDA flash op (fp16/bf16) checks head_dim % 8 == 0 (SDPA pads the last dim to a
+multiple of 8 before calling it; this module calls it directly, unpadded) and head_dim <= 256
+(SDPA's check_head_dim_size_flash and flash-attn 2's own limit)."""
+
+
+def cuda_head_dim_problem(dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the fused CUDA op this module calls for `dtype` cannot run `head_dim` (None when it
+    can): the one rule for config validation and for a rank whose device resolved to CUDA.
+
+    fp16/bf16 run aten's flash op: a multiple of 8, at most 256. fp32 runs the efficient op,
+    for which torch documents no head_dim bound of its own (its kernels come aligned and
+    unaligned): no rule is made up for it."""
+    backend = _backend_for("cuda", dtype)
+    if backend != "cuda_flash":
+        return None
+    if head_dim % CUDA_FLASH_HEAD_DIM_MULTIPLE or head_dim > CUDA_FLASH_HEAD_DIM_MAX:
+        return (
+            f"{head_dim} does not run on CUDA in {str(dtype).removeprefix('torch.')}: aten's "
+            f"flash op, which this kernel calls directly, needs a multiple of "
+            f"{CUDA_FLASH_HEAD_DIM_MULTIPLE} of at most {CUDA_FLASH_HEAD_DIM_MAX} "
+            "(SDPA pads, the op does not); pick such a head_dim, or float32"
+        )
+    return None
 
 
 def backend_for(device: torch.device | str, dtype: torch.dtype) -> str:
@@ -322,18 +350,34 @@ def _piece_forward(
             qt, kt, vt, 0.0, causal, scale=scale
         )
         return out.transpose(1, 2), lse.to(acc)
-    # The CUDA ops are not relied on for GQA (unchecked there): kv heads are repeated.
-    kt, vt = _repeat_kv(kt, qt.shape[1]), _repeat_kv(vt, qt.shape[1])
-    if backend == "cuda_flash":
-        res = torch.ops.aten._scaled_dot_product_flash_attention(
-            qt, kt, vt, 0.0, causal, False, scale=scale
-        )
-        return res[0].transpose(1, 2), res[1].to(acc)
-    # cuda_efficient: its lse is padded along Sq to a multiple of 32.
-    res = torch.ops.aten._scaled_dot_product_efficient_attention(
-        qt, kt, vt, None, True, 0.0, causal, scale=scale
-    )
+    op, args, kwargs = _cuda_forward_args(backend, qt, kt, vt, scale, causal)
+    res = op(*args, **kwargs)
+    # the efficient op's lse is padded along Sq to a multiple of 32
     return res[0].transpose(1, 2), res[1][..., : q1 - q0].to(acc)
+
+
+def _gqa_kv(backend: str, x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The (B, H_kv, S, D) K or V a fused CUDA op of `backend` takes: as it is for the flash op,
+    which runs grouped heads natively (torch documents GQA for SDPA's flash and math kernels on
+    CUDA, and SDPA's flash path hands the op K/V unrepeated); repeated to num_heads for the
+    efficient op, which has no grouped heads (a copy of K/V per call: a strided view cannot map
+    query head h to kv head h // G)."""
+    return x if backend == "cuda_flash" else _repeat_kv(x, num_heads)
+
+
+def _cuda_forward_args(
+    backend: str, qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, scale: float, causal: bool
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """(op, args, kwargs) of a fused CUDA forward on (B, H, S, D) views (kept apart so that a
+    CPU test can check what a call allocates before the op)."""
+    kt, vt = (_gqa_kv(backend, t, qt.shape[1]) for t in (kt, vt))
+    if backend == "cuda_flash":
+        op = torch.ops.aten._scaled_dot_product_flash_attention.default
+        return op, (qt, kt, vt, 0.0, causal, False), {"scale": scale}
+    if backend == "cuda_efficient":
+        op = torch.ops.aten._scaled_dot_product_efficient_attention.default
+        return op, (qt, kt, vt, None, True, 0.0, causal), {"scale": scale}
+    raise ValueError(f"backend: {backend!r} has no fused CUDA forward")
 
 
 def _math_forward(
@@ -484,11 +528,12 @@ def _cuda_backward(
     PyTorch's context parallelism call them: q, k, v, out and dout in the input dtype in the
     (B, H, S, D) layout of transposed (B, S, H, D) tensors; lse fp32 (B, H, Sq) and contiguous
     (the efficient op's padded along Sq to a multiple of 32, as its forward returns it); no
-    dropout, so the philox arguments are placeholders in the forward's dtypes. GQA: kv heads
-    repeated, their gradients summed back. `_cuda_backward_args` holds the calls' arguments so
-    that a CPU test can check them against the ops' schemas on the meta device."""
+    dropout, so the philox arguments are placeholders in the forward's dtypes. GQA: the flash
+    op takes the kv heads as they are (its dk, dv come back per kv head), the efficient op
+    repeated ones, whose gradients are summed back. `_cuda_backward_args` holds the calls'
+    arguments so that a CPU test can check them against the ops' schemas on the meta device."""
     op, args, kwargs = _cuda_backward_args(backend, dout, q, k, v, out, lse, scale, causal)
-    grads = op(*args, **kwargs)  # (B, H, S, D) each; dk, dv with the repeated heads
+    grads = op(*args, **kwargs)  # (B, H, S, D) each; dk, dv with the heads k, v were given
     acc, h_kv = accumulator_dtype(q.dtype), k.shape[2]
     dq = grads[0].transpose(1, 2).to(acc)
     dk, dv = (_sum_kv(g, h_kv).transpose(1, 2).to(acc) for g in grads[1:3])
@@ -509,7 +554,7 @@ def _cuda_backward_args(
     """(op, args, kwargs) of `_cuda_backward`'s fused call (see there)."""
     dtype, device, h = q.dtype, q.device, q.shape[2]
     qt = q.transpose(1, 2)
-    kt, vt = (_repeat_kv(t.transpose(1, 2), h) for t in (k, v))
+    kt, vt = (_gqa_kv(backend, t.transpose(1, 2), h) for t in (k, v))
     # (B, S, H, D)-contiguous: the efficient kernel assumes out's row stride is H * D, unchecked
     dot, ot = (t.to(dtype).contiguous().transpose(1, 2) for t in (dout, out))
     sq, sk = q.shape[1], k.shape[1]

@@ -71,6 +71,8 @@ class KernelSpec:
     the gate checks every row at the smallest length holding each period twice, and its
     sampled rows at the run's length include every period boundary. None: no structure.
     `plugin`: set by attention.plugins for a plugin's kernel (None for ours).
+    `primitive`: the kernel computes its blocks through attention.primitive's fused ops, so
+    their CUDA head_dim limits apply (check_cuda_head_dim).
     """
 
     name: str
@@ -85,6 +87,7 @@ class KernelSpec:
     keep_rows: KeepRows | None = None
     periods: Periods | None = None
     plugin: PluginInfo | None = None
+    primitive: bool = False
 
 
 RING_PARAMS = ("layout", "group")
@@ -123,6 +126,18 @@ def _spec(name: str) -> KernelSpec:
     if name not in KERNELS:
         raise ParamError("kernel", f"unknown kernel {name!r}; valid: {', '.join(sorted(KERNELS))}")
     return KERNELS[name]
+
+
+def check_cuda_head_dim(name: str, dtype: torch.dtype, head_dim: int) -> None:
+    """Raise ParamError("head_dim") when kernel `name` runs attention.primitive's fused CUDA
+    ops and the one for `dtype` cannot run `head_dim` (call it once the device is CUDA)."""
+    from attention.primitive import cuda_head_dim_problem
+
+    if not _spec(name).primitive:
+        return
+    problem = cuda_head_dim_problem(dtype, head_dim)
+    if problem is not None:
+        raise ParamError("head_dim", f"{name}: {problem}")
 
 
 def make_params(name: str, params: dict[str, Any]) -> Any:

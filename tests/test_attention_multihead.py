@@ -83,7 +83,7 @@ def test_multihead_dense_equals_torch_multihead_attention() -> None:
     torch.testing.assert_close(
         module.out_proj.weight.grad, torch_mha.out_proj.weight.grad, atol=1e-5, rtol=1e-5
     )
-    assert module.backend == "sdpa"
+    assert module.backend == "sdpa-flash-cpu"
 
 
 def test_flops_add_projections_to_the_inner_kernel() -> None:

@@ -90,7 +90,7 @@ def test_model_case_measures_every_component_beside_its_prediction(one_thread: N
     n_params = predicted.parameters // 4
     assert result.flops > 6 * n_params * 1024  # plus the attention of both blocks
     assert result.peak_memory_bytes >= components["activations"].measured_bytes
-    assert result.backend == "sdpa"
+    assert result.backend == "sdpa-flash-cpu"
 
 
 # --- refusals ---------------------------------------------------------------------------------

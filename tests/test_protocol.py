@@ -32,7 +32,7 @@ def test_times_and_throughput_follow_each_iteration() -> None:
     kernel = attention.build("dense")
     assert result.flops == kernel.flops(1, 1024, 2, 16, False)
     assert result.flops_per_s == pytest.approx(result.flops / result.median_s)
-    assert result.backend == "sdpa"
+    assert result.backend == "sdpa-flash-cpu"
     assert case.first_iteration_at < case.last_iteration_at
     assert case.environment.torch and case.environment.python
 

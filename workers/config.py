@@ -437,6 +437,10 @@ class RunConfig(BaseModel):
             num_heads=self.num_heads,
             causal=self.causal,
         )
+        if self.device == "cuda":  # on auto the rank checks once its device resolved to CUDA
+            import torch
+
+            attention.check_cuda_head_dim(self.kernel, getattr(torch, self.dtype), self.head_dim)
         return self
 
     @property

@@ -364,6 +364,9 @@ class RunHandle:
                         f"ended with {first_bad.status}",
                     )
                 break
+        if any(c.group_broken for c in cases.values()):
+            # A ring abort left transfers unfinished in the process group: fresh ranks next.
+            self._gang.kill_actors()
         return [cases[r] for r in range(len(refs))]
 
 

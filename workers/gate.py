@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import attention
+from attention.ring.comm import wait_all
 from workers import kernels, references
 from workers.config import RunConfig
 from workers.inputs import batch_rows, make_input, shorter_length
@@ -185,8 +186,8 @@ def max_error(
         errors.append(_diff(got["q"][:, held], want["q"][:, in_at]))
         errors += [_diff(got[n], want[n][:, local]) for n in ("k", "v")]
     error = torch.stack(errors).max().to(device)
-    if config.world_size > 1:
-        dist.all_reduce(error, op=dist.ReduceOp.MAX)
+    if config.world_size > 1:  # async + wait_all: in the gate's ring abort scope
+        wait_all([dist.all_reduce(error, op=dist.ReduceOp.MAX, async_op=True)])
     return float(error)
 
 

@@ -18,6 +18,8 @@ import torch
 from torch._C._profiler import _ExtraFields_Allocation, _ProfilerEvent
 from torch.profiler import ProfilerActivity, profile
 
+from attention.errors import is_allocation_failure
+
 log = logging.getLogger(__name__)
 
 _STATUS = Path("/proc/self/status")
@@ -281,9 +283,6 @@ def requested_bytes(message: str) -> int | None:
 
 
 def is_oom(exc: BaseException) -> bool:
-    """A CUDA OOM or a CPU allocation failure (both leave the process usable once freed)."""
-    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and (
-        "DefaultCPUAllocator: can't allocate memory" in str(exc) or "CUDA out of memory" in str(exc)
-    )
+    """A CUDA OOM or a CPU allocation failure (both leave the process usable once freed);
+    the rule lives in attention.errors, which the ring's abort flag reads too."""
+    return is_allocation_failure(exc)

@@ -189,7 +189,10 @@ class Iterations:
             import torch
             import torch.distributed as dist
 
+            from attention.ring.comm import wait_all
+
             votes = torch.tensor([int(wants_more), int(capped)], device=self.device)
-            dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+            # async + wait_all: inside a ring abort scope a peer's abort ends the wait
+            wait_all([dist.all_reduce(votes, op=dist.ReduceOp.MAX, async_op=True)])
             wants_more, capped = bool(votes[0]), bool(votes[1])
         return wants_more and not capped

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import attention
+from attention.ring.comm import AbortScope, PeerAborted, abort_scope, group_broken, wait_all
 from attention.ring.steps import clock
 from workers import kernels, references
 from workers.artifacts import memory_history, profiled, snapshot
@@ -101,8 +103,34 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def _barrier(world: int) -> None:
+    """All ranks meet (inside a ring abort scope: a peer's abort flag ends the wait)."""
     if world > 1:
-        dist.barrier()
+        wait_all([dist.barrier(async_op=True)])
+
+
+@contextlib.contextmanager
+def _ring_scope(world: int) -> Iterator[AbortScope | None]:
+    """The timed loop's abort scope at W > 1 (attention.ring.comm.abort_scope): a rank that
+    raises there, out of memory above all, flags it, and its waiting peers stop within
+    ABORT_POLL_S instead of at the process-group timeout. None at W = 1."""
+    if world == 1:
+        yield None
+        return
+    with abort_scope() as scope:
+        yield scope
+
+
+def _peer_outcome(case: dict[str, Any], exc: PeerAborted) -> CaseOutcome:
+    """This rank stopped waiting because a peer left the ring: oom when the peer's error was
+    an allocation failure (the run is then an oom, the peer's case carries the bytes asked
+    for), else failed; the process group is broken either way."""
+    release(collect_cycles=True)
+    return CaseOutcome(
+        **case,
+        status="oom" if exc.oom else "failed",
+        error=f"stopped waiting: {exc}",
+        group_broken=group_broken(),
+    )
 
 
 def _error_line(exc: BaseException) -> str:
@@ -131,6 +159,10 @@ def _timed_loop(
     whose overhead therefore lands on the first iteration only: a timing with warmup 0
     includes it in its first time. `trace` (the run's own profiler, `profile: true`) starts
     once the meter has stopped, since torch runs one profiler session at a time.
+
+    At W > 1 the loop runs in a ring abort scope (attention.ring.comm.abort_scope): a rank
+    that raises in it (out of memory above all) flags it, and its peers leave their waits
+    with PeerAborted within ABORT_POLL_S instead of at the process-group timeout.
     """
     train = config.mode == "train"
     world = config.world_size
@@ -149,6 +181,20 @@ def _timed_loop(
                 out = module(q, k, v, causal=config.causal)
         del out
 
+    with _ring_scope(world):
+        return _scoped_loop(step, config, meter, device, record_steps, trace)
+
+
+def _scoped_loop(
+    step: Callable[[], None],
+    config: RunConfig,
+    meter: PeakMeter | None,
+    device: torch.device,
+    record_steps: bool,
+    trace: contextlib.AbstractContextManager[None] | None,
+) -> tuple[list[float], float, float, list[StepTime], int]:
+    """_timed_loop's iterations, inside its ring abort scope."""
+    world = config.world_size
     timer = _timer(device)
     peak = 0
     _barrier(world)
@@ -224,7 +270,11 @@ def _oom_outcome(case: dict[str, Any], message: str) -> CaseOutcome:
     memory given back first so the rank stays usable."""
     release(collect_cycles=True)
     return CaseOutcome(
-        **case, status="oom", error=message, requested_bytes=requested_bytes(message)
+        **case,
+        status="oom",
+        error=message,
+        requested_bytes=requested_bytes(message),
+        group_broken=group_broken(),
     )
 
 
@@ -241,6 +291,8 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
         raise RuntimeError(f"world_size={world} needs an initialized process group")
     kernels.check_mode(config)
     device = resolve_device(config)
+    if device.type == "cuda":  # device auto resolved to CUDA: the fused ops' head_dim limits
+        attention.check_cuda_head_dim(config.kernel, DTYPES[config.dtype], config.head_dim)
     case = {"rank": rank, "seq_len": config.seq_len, "environment": collect(device)}
     gate: GateResult | None = None
     try:
@@ -268,9 +320,12 @@ def _gate(
     oom when the check itself ran out of memory. Not capped by the memory budget: the gate's
     float64 reference is not the measured workload."""
     try:
-        gate = run_gate(config, rank, device, kind)
+        with _ring_scope(config.world_size):  # its ring kernels and all_reduce, as the loop's
+            gate = run_gate(config, rank, device, kind)
     except CheckOutOfMemory as exc:
         return _oom_outcome(case, str(exc))
+    except PeerAborted as exc:
+        return _peer_outcome(case, exc)
     if gate.passed(config.dtype):
         return gate
     return CaseOutcome(
@@ -328,6 +383,8 @@ def _measure(
             _prime(config, rank, device)
             stage = "the link probe (one K/V block, before the inputs)"
             link = measure_link(config, device, tokens)
+    except PeerAborted as exc:
+        return _peer_outcome(case, exc)
     except Exception as exc:
         if not is_oom(exc):
             raise
@@ -352,6 +409,9 @@ def _measure(
                 if is_oom(exc):  # the failing rank's allocations, its inputs still held
                     artifacts += snapshot(device, rank)
                 raise
+    except PeerAborted as exc:
+        inputs.clear()
+        return _peer_outcome(case, exc).model_copy(update={"artifacts": artifacts})
     except Exception as exc:
         if not is_oom(exc):
             raise

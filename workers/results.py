@@ -411,6 +411,11 @@ class CaseOutcome(BaseModel):
     emulated: bool = False
     peak_memory_bytes: int | None = None
     requested_bytes: int | None = Field(None, description="The failed allocation, if known.")
+    group_broken: bool = Field(
+        False,
+        description="This rank left its ring mid-step (an abort: its own error or a peer's): "
+        "its process group holds unfinished transfers, so the gang runs no further case on it.",
+    )
     environment: EnvironmentInfo | None = None
     first_iteration_at: float | None = None
     last_iteration_at: float | None = None

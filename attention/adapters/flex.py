@@ -14,6 +14,11 @@ compiled kernel cannot return the log-sum-exp the branch merge needs (asking for
 a params.compiled error). `backend` in the results says which ran. Natural token order only.
 On CPU torch's FlexAttention has no backward: train mode runs on CUDA only, and a CPU train
 run fails saying so.
+
+BlockMasks are cached on the module per (pattern, heads, length, device), at most
+MASK_CACHE_SIZE of them (MaskCache): a shape's masks are built by its first forward, which in a
+run is the warm-up's, so the timed iterations (warmup >= 1) time the kernel alone; each forward
+records the seconds it spent building masks as `mask_build_s` (0.0 from the cache).
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,13 +71,52 @@ def _check_trainable(q: torch.Tensor) -> None:
         )
 
 
+MASK_CACHE_SIZE = 8
+"""BlockMasks a flex module keeps (least recently used dropped first): a sweep's lengths, each
+causal or not, without holding every mask a long search probed."""
+
+
+class MaskCache:
+    """A flex module's BlockMasks by (pattern key, heads, seq_len, device), bounded by
+    MASK_CACHE_SIZE. create_block_mask is not free (on CPU it materializes a (1, H, S, S) mask
+    eagerly), so a mask is built on the first forward of a shape (the warm-up's) and reused;
+    `build_s` holds the seconds the module's last forward spent building masks (0.0 when every
+    mask came from the cache), which the module reports as `mask_build_s`."""
+
+    def __init__(self) -> None:
+        self._masks: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self.build_s = 0.0
+
+    def get(self, pattern: tuple[Any, ...], mask_mod: Callable[[], Any], q: torch.Tensor) -> Any:
+        """The BlockMask of `pattern` for q's heads, length and device; `mask_mod()` makes the
+        mask_mod on a miss only (its own inputs, e.g. a block table, are built then)."""
+        _, s, h, _ = q.shape
+        key = (*pattern, h, s, str(q.device))
+        if key in self._masks:
+            self._masks.move_to_end(key)
+            return self._masks[key]
+        start = time.perf_counter()
+        mask = create_block_mask(mask_mod(), None, h, s, s, device=q.device)
+        if q.device.type == "cuda":  # its kernels run asynchronously: time them whole
+            torch.cuda.synchronize(q.device)
+        self.build_s += time.perf_counter() - start
+        self._masks[key] = mask
+        while len(self._masks) > MASK_CACHE_SIZE:
+            self._masks.popitem(last=False)
+        return mask
+
+
 def _flex(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_mod: Any, compiled: bool, lse: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: Any,
+    compiled: bool,
+    lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """FlexAttention on (b, s, h, d) tensors under `mask_mod`: out (b, s, h, d), and with `lse`
-    the log-sum-exp (b, h, s)."""
-    _, s, h, _ = q.shape
-    block_mask = create_block_mask(mask_mod, None, h, s, s, device=q.device)
+    """FlexAttention on (b, s, h, d) tensors under `block_mask`: out (b, s, h, d), and with
+    `lse` the log-sum-exp (b, h, s)."""
+    h = q.shape[2]
     run = _compiled() if compiled else flex_attention
     extra: dict[str, Any] = {}
     if lse:
@@ -119,21 +166,30 @@ class FlexBlockSparse(Kernel):
         super().__init__()
         self.params = params
         self.ours = BlockSparseAttention(params.ours())
+        self.masks = MaskCache()
+        self.mask_build_s = 0.0
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
         _check_trainable(q)
         bs = self.params.block_size
-        blocks = self.ours.block_mask(q.shape[1], causal=causal).to(q.device)
 
-        def mask_mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
-            keep = blocks[qi // bs, ki // bs]
-            return keep & (qi >= ki) if causal else keep
+        def mask_mod() -> Any:
+            blocks = self.ours.block_mask(q.shape[1], causal=causal).to(q.device)
+
+            def keep_mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
+                keep = blocks[qi // bs, ki // bs]
+                return keep & (qi >= ki) if causal else keep
+
+            return keep_mod
 
         compiled = self.params.compiled is not False
         self.backend = _backend(compiled)
-        return _flex(q, k, v, mask_mod, compiled, lse=False)[0]
+        self.masks.build_s = 0.0
+        block_mask = self.masks.get(("block_sparse", causal), mask_mod, q)
+        self.mask_build_s = self.masks.build_s
+        return _flex(q, k, v, block_mask, compiled, lse=False)[0]
 
     def flops(self, *args: Any, **kwargs: Any) -> int:
         return self.ours.flops(*args, **kwargs)
@@ -190,6 +246,17 @@ def _merge(
     return out * wa + out_b * wb, total
 
 
+def _dilated_mask_mod(w: int, r: int, g: int, causal: bool) -> Any:
+    """The mask_mod of dilated branch (w, r) whose head groups have g heads (LongNet's)."""
+
+    def keep_mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
+        group = h // g
+        keep = (qi // w == ki // w) & ((qi % w) % r == group) & ((ki % w) % r == group)
+        return keep & (qi >= ki) if causal else keep
+
+    return keep_mod
+
+
 class FlexDilated(Kernel):
     """LongNet dilated attention, one FlexAttention call per branch, merged by lse."""
 
@@ -197,6 +264,8 @@ class FlexDilated(Kernel):
         super().__init__()
         self.params = params
         self.ours = DilatedAttention(params.ours())
+        self.masks = MaskCache()
+        self.mask_build_s = 0.0
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
@@ -211,21 +280,16 @@ class FlexDilated(Kernel):
             )
         compiled = self.params.compiled if self.params.compiled is not None else not on_cpu
         self.backend = _backend(compiled)
-        heads = q.shape[2]
         out: torch.Tensor | None = None
         lse: torch.Tensor | None = None
+        self.masks.build_s = 0.0
         for w, r in zip(self.params.segment_lengths, self.params.dilation_rates, strict=True):
-            group_size = math.ceil(heads / r)
-
-            def mask_mod(b: Any, h: Any, qi: Any, ki: Any, w: int = w, r: int = r,
-                         g: int = group_size) -> Any:  # fmt: skip
-                group = h // g
-                keep = (qi // w == ki // w) & ((qi % w) % r == group) & ((ki % w) % r == group)
-                return keep & (qi >= ki) if causal else keep
-
-            out_b, lse_b = _flex(q, k, v, mask_mod, compiled, lse=True)
+            mask_mod = functools.partial(_dilated_mask_mod, w, r, math.ceil(q.shape[2] / r), causal)
+            block_mask = self.masks.get(("dilated", w, r, causal), mask_mod, q)
+            out_b, lse_b = _flex(q, k, v, block_mask, compiled, lse=True)
             assert lse_b is not None
             out, lse = _merge(out, lse, out_b.float(), lse_b.float())
+        self.mask_build_s = self.masks.build_s
         assert out is not None
         return out.to(q.dtype)
 

@@ -344,6 +344,7 @@ class RingBlockSparseAttention(Kernel):
 register(
     KernelSpec(
         name="ring_block_sparse",
+        primitive=True,
         description=(
             "Block-sparse attention across ranks: only the kept block pairs are computed, and "
             "K/V go only to the ranks whose query blocks keep them."

@@ -7,16 +7,20 @@ group made with backend "cpu:gloo,cuda:nccl" dispatches by the tensors' device).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import hashlib
-from collections.abc import Callable
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from attention.errors import ParamError
+from attention.errors import ParamError, is_allocation_failure
 from attention.ring.steps import clock
 
 
@@ -109,7 +113,7 @@ def check_same_call(
         [*row, params_fingerprint(params), int(local_error is not None)], dtype=torch.int64
     ).to(q.device)
     gathered = [torch.empty_like(meta) for _ in range(world)]
-    dist.all_gather(gathered, meta, group=group)
+    wait_all([dist.all_gather(gathered, meta, group=group, async_op=True)])
     rows = [tuple(int(x) for x in m.cpu()) for m in gathered]
     if local_error is not None:
         raise local_error
@@ -216,8 +220,7 @@ class RingComm:
         if self._reqs is None:
             raise RuntimeError("RingComm.wait: nothing was started")
         with clock.waiting():
-            for req in self._reqs:
-                req.wait()
+            wait_all(self._reqs)
         clock.received(self._posted[1], self._posted[0])
         self._reqs = None
 
@@ -247,6 +250,235 @@ def exchange(
         for j, t in recvs.items()
     ]
     with clock.waiting():  # posted and completed here: all of it is time blocked
-        for req in dist.batch_isend_irecv(ops) if ops else []:
-            req.wait()
+        wait_all(dist.batch_isend_irecv(ops) if ops else [])
     clock.received(received, posted)
+
+
+ABORT_POLL_S = 0.05
+"""How often a rank waiting on its peers reads the abort flag (inside an abort_scope)."""
+_SLEEP_MIN_S = 5e-5
+_SLEEP_MAX_S = 1e-3
+"""Between completion checks of an NCCL work a waiting rank sleeps, doubling from the first to
+the second: a transfer that lands at once costs microseconds, a long wait no CPU."""
+
+
+class PeerAborted(Exception):
+    """A peer of the ring published an abort (it raised mid-ring): this rank stopped waiting
+    for it. `oom`: the peer's error was an allocation failure. Not a RuntimeError: its message
+    quotes the peer's ("CUDA out of memory ..."), which must not read as this rank's own oom
+    (attention.errors.is_allocation_failure)."""
+
+    def __init__(self, rank: int, oom: bool, reason: str) -> None:
+        super().__init__(f"rank {rank} stopped the ring: {reason}")
+        self.rank = rank
+        self.oom = oom
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[PeerAborted], tuple[int, bool, str]]:
+        return PeerAborted, (self.rank, self.oom, self.reason)
+
+
+@dataclasses.dataclass
+class AbortScope:
+    """One abort_scope: its flag's key in the rendezvous store, and whether the ring broke
+    (this rank published an abort or saw a peer's): its process group then holds unfinished
+    transfers, and the process must run no further collective on it."""
+
+    store: Any
+    key: str
+    rank: int
+    nccl: bool
+    broken: bool = False
+
+    def check(self) -> None:
+        """Raise PeerAborted if a peer published an abort in this scope."""
+        if not self.store.check([self.key]):
+            return
+        rank, oom, reason = self.store.get(self.key).decode().split("\t", 2)
+        self.broken = True
+        self._abort_nccl()
+        raise PeerAborted(int(rank), oom == "1", reason)
+
+    def publish(self, exc: BaseException) -> None:
+        """Tell every peer that this rank left the ring because of `exc` (first flag wins)."""
+        self.broken = True
+        oom = "1" if is_allocation_failure(exc) else "0"
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        value = f"{self.rank}\t{oom}\t{type(exc).__name__}: {text}"
+        self.store.compare_set(self.key, "", value)
+        self._abort_nccl()
+
+    def _abort_nccl(self) -> None:
+        """Abort this process's NCCL communicators: their kernels waiting on a peer that left
+        would hang every later CUDA synchronisation (gloo's unfinished transfers stay on a
+        waiter thread, harmless to the host). Not run on this CPU-only machine."""
+        if self.nccl:
+            dist.distributed_c10d._abort_process_group()
+
+
+_active: AbortScope | None = None
+_generation = 0
+_broken = False
+
+
+@contextlib.contextmanager
+def abort_scope() -> Iterator[AbortScope]:
+    """While open, every wait of the ring kernels (and of wait_all's other callers) also reads
+    the rendezvous store for a peer's abort flag, and an error raised inside publishes this
+    rank's flag, so that the peers of a rank that ran out of memory mid-ring stop within
+    ABORT_POLL_S instead of waiting out the process group's timeout.
+
+    Every rank must open the same number of scopes in the same order (one per case): the
+    flag's key counts them. After an abort (`scope.broken`) the process group holds
+    unfinished transfers: the caller must run no further collective on it.
+    """
+    global _active, _generation
+    if _active is not None:
+        raise RuntimeError("abort_scope: a scope is already open")
+    if _broken:
+        raise RuntimeError(
+            "abort_scope: an earlier ring abort left this process group with unfinished "
+            "transfers; run no further collective on it (start fresh processes)"
+        )
+    group = resolve_group(None)
+    _generation += 1
+    scope = AbortScope(
+        store=dist.distributed_c10d._get_default_store(),
+        key=f"ringlab/abort/{_generation}",
+        rank=dist.get_rank(group),
+        nccl="nccl" in str(dist.get_backend(group)).lower(),
+    )
+    _active = scope
+    try:
+        yield scope
+    except PeerAborted:
+        raise
+    except BaseException as exc:
+        if dist.get_world_size(group) > 1:
+            peer = _peer_abort_behind(scope, exc)
+            if peer is not None:
+                raise peer from exc
+            try:
+                scope.publish(exc)
+            except dist.DistError as lost:  # the store is gone too: the error stays the cause
+                exc.add_note(f"abort_scope: could not tell the peers: {lost}")
+        raise
+    finally:
+        _active = None
+        _mark_broken(scope.broken)
+
+
+def _peer_abort_behind(scope: AbortScope, exc: BaseException) -> PeerAborted | None:
+    """The peer's abort behind this rank's error, when one was published and the error is not
+    this rank's own allocation failure: a transfer posted to a peer that left fails at once
+    ("Connection closed by peer"), before any wait could read the flag."""
+    if is_allocation_failure(exc):
+        return None
+    try:
+        scope.check()
+    except PeerAborted as peer:
+        return peer
+    except dist.DistError:  # the store is unreachable: this rank's error is all there is
+        return None
+    return None
+
+
+def group_broken() -> bool:
+    """Whether a ring abort (this rank's own error or a peer's) ever left this process's group
+    with unfinished transfers: sticky, since those transfers never finish."""
+    return _broken
+
+
+def _mark_broken(broken: bool) -> None:
+    global _broken
+    _broken = _broken or broken
+
+
+def wait_all(works: Iterable[Any]) -> None:
+    """Complete every posted transfer or collective of `works` (their errors raised); outside
+    an abort_scope, by blocking in `wait()`. Inside one the wait also reads the abort flag
+    every ABORT_POLL_S and raises PeerAborted when a peer published one: gloo's P2P works
+    cannot be polled (is_completed() stays False until wait() returns, and a wait with a
+    timeout ends the work), so their wait() blocks on a waiter thread while this thread reads
+    the flag; NCCL works are polled with is_completed() (their wait() only orders streams of
+    the calling thread, so it stays here)."""
+    scope = _active
+    works = list(works)
+    if scope is None:
+        for work in works:
+            work.wait()
+    elif scope.nccl:
+        _poll_works(scope, works)
+    else:
+        _waiter.wait(scope, works)
+
+
+def _poll_works(scope: AbortScope, works: list[Any]) -> None:
+    """Poll each work's is_completed() (sleeping a little longer each time), reading the abort
+    flag every ABORT_POLL_S; then wait() (it raises the work's error)."""
+    next_check = time.monotonic() + ABORT_POLL_S
+    for work in works:
+        delay = _SLEEP_MIN_S
+        while not work.is_completed():
+            if time.monotonic() >= next_check:
+                scope.check()
+                next_check = time.monotonic() + ABORT_POLL_S
+            time.sleep(delay)
+            delay = min(2 * delay, _SLEEP_MAX_S)
+        try:
+            work.wait()
+        except RuntimeError:
+            scope.check()  # a peer's abort is the cause of a lost connection
+            raise
+
+
+class _Waiter:
+    """One daemon thread per process that blocks in the works' wait() for the calling thread,
+    so that thread can read the abort flag meanwhile. After an abort the thread stays blocked
+    on the transfers that never finish (the process group is broken: scope.broken), and a
+    daemon thread does not keep the process from exiting."""
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue[tuple[list[Any], _Done]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def wait(self, scope: AbortScope, works: list[Any]) -> None:
+        """Block until `works` are done (raising their error) or a peer aborts (PeerAborted)."""
+        self._start()
+        done = _Done()
+        self._requests.put((works, done))
+        while not done.event.wait(ABORT_POLL_S):
+            scope.check()
+        if done.error is not None:
+            scope.check()  # a peer that aborted and exited resets its connections: the cause
+            raise done.error
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="ringlab-ring-waiter", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            works, done = self._requests.get()
+            try:
+                for work in works:
+                    work.wait()
+            except BaseException as exc:  # handed to the calling thread, raised there
+                done.error = exc
+            done.event.set()
+
+
+@dataclasses.dataclass
+class _Done:
+    """A waiter request's completion: set once its works finished, with their error if any."""
+
+    event: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+_waiter = _Waiter()

@@ -200,6 +200,7 @@ class RingAttention(Kernel):
 register(
     KernelSpec(
         name="ring",
+        primitive=True,
         description=(
             "Ring attention: exact attention over a sequence sharded across ranks (contiguous, "
             "zigzag or striped); K/V travel the ring, dK/dV travel home in the backward."

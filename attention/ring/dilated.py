@@ -366,6 +366,7 @@ class RingDilatedAttention(Kernel):
 register(
     KernelSpec(
         name="ring_dilated",
+        primitive=True,
         description=(
             "LongNet dilated attention across ranks: segments inside a shard run locally, "
             "longer ones all-gather only their dilated K/V rows among the ranks they span; "

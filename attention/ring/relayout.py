@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from attention.layouts import positions
-from attention.ring.comm import Tag
+from attention.ring.comm import Tag, wait_all
 
 
 @functools.lru_cache(maxsize=16)
@@ -69,8 +69,7 @@ def _move(x: torch.Tensor, src: str, dst: str, group: Any) -> torch.Tensor:
             ops.append(dist.P2POp(dist.irecv, buf, global_peer, group, Tag.RELAYOUT))
             landed.append((recv[peer], buf))
     if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+        wait_all(dist.batch_isend_irecv(ops))
     for idx, buf in landed:
         out[:, idx.to(x.device)] = buf
     return out
