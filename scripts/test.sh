@@ -31,4 +31,5 @@ if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
 fi
 
-exec "$BIN/python" -m pytest "$@"
+# --durations: the slowest tests, so the suite can be kept within its 12 minutes on 2 cores
+exec "$BIN/python" -m pytest --durations=30 "$@"
