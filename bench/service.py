@@ -67,6 +67,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--depth", type=int, default=200, help="pages walked per filter by cursor")
     ap.add_argument("--limit", type=int, default=50, help="runs per page")
     ap.add_argument(
+        "--offsets", type=int, default=40, help="pages read by skip= per filter and depth band"
+    )
+    ap.add_argument(
         "--database-url",
         default=os.environ.get("RINGLAB_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1/test"),
     )
@@ -279,7 +282,38 @@ def main() -> None:
                 f"{pct(get_s, 0.95) * 1e3:.1f} ms, max {max(get_s) * 1e3:.1f} ms (target p95 "
                 f"<= 50 ms at 100,000 runs, <= 100 ms at 1,000,000)"
             )
+            report_offsets(http, args)
             engine.dispose()
+
+
+OFFSET_BANDS = [(0, 2_000), (2_000, 10_000)]
+"""The depths a page by `skip` is read at: a UI's first pages, then deep ones (MAX_SKIP)."""
+
+
+def report_offsets(http: httpx.Client, args: argparse.Namespace) -> None:
+    """For each depth band, pages by `skip` at evenly spread offsets of every filter, with the
+    count (the first page of a listing) and without it (`count=false`: a client that has it)."""
+    for lo, hi in OFFSET_BANDS:
+        for with_count in (True, False):
+            times: list[float] = []
+            for f in FILTERS:
+                if f.get("sweep_id") == "first filled":
+                    f = {**f, "sweep_id": args.posts + 1}
+                for i in range(args.offsets):
+                    skip = lo + (hi - lo) * i // args.offsets
+                    query = {**f, "limit": args.limit, "skip": skip}
+                    if not with_count:
+                        query["count"] = "false"
+                    t0 = time.perf_counter()
+                    http.get(f"{API}/runs", params=query).raise_for_status()
+                    times.append(time.perf_counter() - t0)
+            label = "with count" if with_count else "count=false"
+            print(
+                f"GET /runs by skip in [{lo:,}, {hi:,}), {label}: {len(times):,} requests over "
+                f"{len(FILTERS)} filters; p50 {pct(times, 0.5) * 1e3:.1f} ms, p95 "
+                f"{pct(times, 0.95) * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms "
+                f"(target p95 <= 50 ms under 2,000)"
+            )
 
 
 def walk_pages(

@@ -118,4 +118,8 @@ MAX_SKIP = 10_000
 """`skip` is for small offsets; a deeper page follows the `next` cursor, which costs the same at
 any depth (OFFSET reads and discards every row before the page)."""
 SKIP_HELP = f"Rows to skip (at most {MAX_SKIP:,}); deeper pages follow `next` as `cursor`."
+WITH_COUNT_HELP = (
+    "false: leave `count` out (null), so a client paging on with the count it already has "
+    "pays for no count."
+)
 CURSOR_HELP = "The `next` of the previous page (same sort); overrides nothing else."

@@ -152,21 +152,16 @@ def page_statement(
 
 def page_of(
     session: Session,
-    query: Select[Any],
+    statement: Select[Any],
     *,
     sort: str,
     column: InstrumentedAttribute[Any],
     id_column: InstrumentedAttribute[Any],
-    cursor: str | None,
-    skip: int,
     limit: int,
 ) -> tuple[list[Any], str | None]:
-    """One page of `query` (see page_statement) and the cursor of the page after it (None on
-    the last page). The query's selected columns must include `column` and `id_column`."""
-    statement = page_statement(
-        query, sort=sort, column=column, id_column=id_column, cursor=cursor, skip=skip,
-        limit=limit,
-    )  # fmt: skip
+    """The rows of `statement` (a page_statement of `limit` rows and one more, or a select
+    of wider rows ordered by one) and the cursor of the page after it (None on the last page).
+    The statement's selected columns must include `column` and `id_column`."""
     rows = session.execute(statement).all()
     if len(rows) <= limit:
         return list(rows), None

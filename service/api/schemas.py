@@ -85,8 +85,8 @@ class RunList(BaseModel):
     """A page of runs, how many match the filters in all, and where the next page starts."""
 
     data: list[RunOut]
-    count: int = Field(description=COUNT_HELP)
-    count_exact: bool = Field(description="False when `count` stopped at its cap.")
+    count: int | None = Field(description=COUNT_HELP + " Null when asked with count=false.")
+    count_exact: bool = Field(description="False when `count` stopped at its cap (or is null).")
     next: str | None = Field(description=NEXT_HELP)
 
 

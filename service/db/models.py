@@ -168,6 +168,12 @@ class Run(Base):
             "ix_run_kernel_status_world_size_seq_len", "kernel", "status", "world_size", "seq_len"
         ),
         Index("ix_run_sweep_id_status", "sweep_id", "status"),
+        # Pages by offset (migration 0011): a filter's rows in the page's order, straight from
+        # an index, so `skip` steps over index entries, not over other filters' rows.
+        Index("ix_run_sweep_id_id", "sweep_id", "id"),
+        Index("ix_run_kernel_id", "kernel", "id"),
+        Index("ix_run_status_seq_len", "status", "seq_len"),
+        Index("ix_run_dtype_seq_len", "dtype", "seq_len"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -179,11 +185,11 @@ class Run(Base):
     kernel: Mapped[str] = mapped_column(String(64))
     seq_len: Mapped[int] = mapped_column(BigInteger, index=True)
     world_size: Mapped[int] = mapped_column(Integer, index=True)
-    dtype: Mapped[str] = mapped_column(String(16), index=True)
+    dtype: Mapped[str] = mapped_column(String(16))
     mode: Mapped[str] = mapped_column(String(16))
     causal: Mapped[bool] = mapped_column(Boolean)
     status: Mapped[RunStatus] = mapped_column(
-        _enum(RunStatus, "run_status"), default=RunStatus.queued, index=True
+        _enum(RunStatus, "run_status"), default=RunStatus.queued
     )
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     lease_owner: Mapped[str | None] = mapped_column(String(128))

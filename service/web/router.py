@@ -149,6 +149,7 @@ def sweeps_page(
     )
     # Beyond the count's cap the page count is unknown: "page 3 of 200+", and "older" follows
     # whether a next page exists.
+    assert found.count is not None  # list_sweeps always counts (only run pages may skip it)
     pages = max(1, -(-found.count // per_page))
     return _page(
         request,

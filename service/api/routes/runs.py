@@ -17,6 +17,7 @@ from service.api.deps import (
     MAX_SKIP,
     NO_NUL,
     SKIP_HELP,
+    WITH_COUNT_HELP,
     RunId,
     SessionDep,
     require_read,
@@ -54,6 +55,7 @@ def list_runs(
     skip: Annotated[int, Query(ge=0, le=MAX_SKIP, description=SKIP_HELP)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     cursor: Annotated[str | None, Query(max_length=400, description=CURSOR_HELP)] = None,
+    count: Annotated[bool, Query(description=WITH_COUNT_HELP)] = True,
 ) -> Response:
     """Runs matching every given filter, one page at a time, with the count and the next
     page's cursor."""
@@ -67,7 +69,7 @@ def list_runs(
         dtype=dtype,
     )
     found = store.list_runs(
-        session, filters, sort=sort.value, skip=skip, limit=limit, cursor=cursor
+        session, filters, sort=sort.value, skip=skip, limit=limit, cursor=cursor, with_count=count
     )
     page = RunList(
         data=[RunOut.model_validate(r) for r in found.data],
