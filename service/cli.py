@@ -829,6 +829,10 @@ def _safe(settings: Settings) -> str:
     return make_url(settings.database_url).render_as_string(hide_password=True)
 
 
+# The commands of their own modules register on `app` (kept apart to keep this file small).
+from service import cli_results  # noqa: E402, F401
+
+
 def main() -> None:
     """Console-script entry point."""
     try:

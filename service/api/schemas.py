@@ -181,6 +181,11 @@ class EnvironmentOut(BaseModel):
     cpu_threads: int | None = Field(
         None, description="torch's intra-op CPU threads in each rank (None: not recorded)."
     )
+    plugin_code: dict[str, Any] | None = Field(
+        None,
+        description="Code version of each plugin package installed editable from a git "
+        "checkout: package -> {git_sha, git_dirty, path} (None: not recorded).",
+    )
 
 
 class Headline(BaseModel):
@@ -475,6 +480,17 @@ class ComparePair(BaseModel):
     max_len_ratio: float | None = Field(description="B max length / A max length.")
     regression: bool
     reasons: list[str] = Field(description="slower, more memory, shorter max length, B <status>.")
+    time_ratio: float | None = Field(None, description="B median_s / A median_s.")
+    a_status: str | None = None
+    b_status: str | None = None
+    a_median_s: float | None = Field(None, description="A's slowest rank's median time.")
+    b_median_s: float | None = Field(None, description="B's slowest rank's median time.")
+    a_tokens_per_s: float | None = None
+    b_tokens_per_s: float | None = None
+    a_peak_memory_bytes: int | None = None
+    b_peak_memory_bytes: int | None = None
+    a_max_seq_len: int | None = None
+    b_max_seq_len: int | None = None
 
 
 class CompareOut(BaseModel):
