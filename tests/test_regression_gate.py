@@ -97,6 +97,11 @@ def test_code_version_and_regression_gate_through_the_service(
         assert shown in httpx.get(f"{base}/runs/{run_id}").text
         assert shown in httpx.get(f"{base}{API}/sweeps/{c}/report.md").text
 
+        # the cell's history: one run in each of the three sweeps, with that code version
+        past = httpx.get(f"{base}{API}/cells/history", params={"run": run_id}).json()["entries"]
+        assert [e["sweep_id"] for e in past] == [a, b, c]
+        assert all(e["plugin_code"]["ringlab-test-plugins"]["git_sha"] == sha for e in past)
+
         # the gate: same code passes, the planted 2x slowdown fails and is named
         same = _gate(base, monkeypatch, str(a), str(b), "--fail-on-regression", "--threshold",
                      "25%")  # fmt: skip

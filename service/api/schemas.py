@@ -504,3 +504,36 @@ class CompareOut(BaseModel):
     regressions: int
     within_noise: int
     pairs: list[ComparePair]
+
+
+class CellHistoryEntry(BaseModel):
+    """One run of the cell (service.history)."""
+
+    run_id: int
+    sweep_id: int
+    sweep_name: str
+    status: str
+    at: datetime = Field(description="When it finished (started, or was queued, if not yet).")
+    median_s: float | None = Field(description="Slowest rank's median time per iteration.")
+    median_lo_s: float | None = Field(description="Its 95% interval's lower end.")
+    median_hi_s: float | None = Field(description="Its 95% interval's upper end.")
+    tokens_per_s: float | None
+    peak_memory_bytes: int | None = Field(description="Largest allocator peak over the ranks.")
+    environment_id: int | None
+    git_sha: str | None = Field(description="The ringlab checkout's commit that ran it.")
+    git_dirty: bool | None = Field(description="Whether that checkout had local changes.")
+    plugin_code: dict[str, Any] | None = Field(
+        description="Plugins installed editable from a checkout: package -> {git_sha, "
+        "git_dirty, path}."
+    )
+
+
+class CellHistoryOut(BaseModel):
+    """One cell across every sweep that ran it, oldest first."""
+
+    cell: dict[str, Any] = Field(
+        description="The cell: its run config without the fields that do not change what is "
+        "measured (name, tags, timeouts, iterations)."
+    )
+    truncated: bool = Field(description="More runs exist than the newest ones returned.")
+    entries: list[CellHistoryEntry]
