@@ -3,7 +3,8 @@ service.cli's own, registered on its app when service.cli loads."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
@@ -51,3 +52,58 @@ def compare(
     )
     if fail_on_regression and worse:
         raise typer.Exit(1)
+
+
+EXPORTERS = {"mlflow": "mlruns", "wandb": ".", "tensorboard": "runs"}
+"""Each tool and its default --uri: MLflow's tracking URI (a path: a file store), the directory
+W&B writes its offline runs under, TensorBoard's log directory."""
+
+
+def _exporter(tool: str) -> Any:
+    """The tool's exporter module; a CliError naming the extra to install when its library is
+    missing."""
+    import importlib
+
+    try:
+        importlib.import_module({"mlflow": "mlflow", "wandb": "wandb",
+                                 "tensorboard": "tensorboard"}[tool])  # fmt: skip
+    except ImportError:
+        raise CliError(
+            f"--to {tool}: its client library is not installed: pip install 'ringlab[{tool}]'"
+        ) from None
+    return importlib.import_module(f"service.export.{tool}_export")
+
+
+@app.command()
+@friendly_errors
+def export(
+    sweep_id: Annotated[int, typer.Argument(help="Sweep id.")],
+    to: Annotated[str, typer.Option("--to", help="mlflow | wandb | tensorboard")],
+    uri: Annotated[
+        str | None,
+        typer.Option(
+            help="MLflow tracking URI (default ./mlruns, a file store), the directory "
+            "W&B writes offline runs under (default .), or TensorBoard's log directory "
+            "(default ./runs)."
+        ),
+    ] = None,
+) -> None:
+    """Write the sweep's runs to MLflow, W&B or TensorBoard: the cell as params, time,
+    tokens/s, TFLOP/s, peak memory (per rank too), gate error and exposed communication as
+    metrics, the environment and code version as tags, report.md attached. Exporting again
+    updates the same runs."""
+    import tempfile
+
+    from service.export import collect
+
+    if to not in EXPORTERS:
+        raise CliError(f"--to: one of {', '.join(EXPORTERS)}, got {to!r}")
+    module = _exporter(to)
+    with client() as c:
+        record = collect(c, sweep_id)
+    target = uri or EXPORTERS[to]
+    if to == "tensorboard":
+        out.print(module.export(record, target), markup=False)
+        return
+    with tempfile.TemporaryDirectory(prefix="ringlab-export-") as work:
+        out.print(module.export(record, target, Path(work)), markup=False)
