@@ -78,7 +78,7 @@ def _exporter(tool: str) -> Any:
 @friendly_errors
 def export(
     sweep_id: Annotated[int, typer.Argument(help="Sweep id.")],
-    to: Annotated[str, typer.Option("--to", help="mlflow | wandb | tensorboard")],
+    to: Annotated[str | None, typer.Option("--to", help="mlflow | wandb | tensorboard")] = None,
     uri: Annotated[
         str | None,
         typer.Option(
@@ -97,7 +97,8 @@ def export(
     from service.export import collect
 
     if to not in EXPORTERS:
-        raise CliError(f"--to: one of {', '.join(EXPORTERS)}, got {to!r}")
+        got = "nothing" if to is None else repr(to)
+        raise CliError(f"--to: one of {', '.join(EXPORTERS)}, got {got}")
     module = _exporter(to)
     with client() as c:
         record = collect(c, sweep_id)

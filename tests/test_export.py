@@ -156,3 +156,6 @@ def test_a_bad_target_is_one_line(service: Any, monkeypatch: pytest.MonkeyPatch)
     assert result.exit_code == 1
     (line,) = result.stderr.strip().splitlines()
     assert line == "error: --to: one of mlflow, wandb, tensorboard, got 'neptune'"
+    result = CliRunner().invoke(cli.app, ["export", str(service[1])])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == "error: --to: one of mlflow, wandb, tensorboard, got nothing"
