@@ -131,3 +131,30 @@ def test_bad_gate_flags_are_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
         assert result.exit_code == 1
         (line,) = result.stderr.strip().splitlines()
         assert line.startswith("error: ") and needle in line, line
+
+
+def test_git_state_counts_only_tracked_code_and_changes_below_a_plugin(tmp_path: Path) -> None:
+    """A directory git ignores (an install under a repository's .venv) has no code version;
+    a plugin's dirty state counts only changes under its own directory."""
+    from workers.environment import git_state
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                       cwd=tmp_path, check=True, capture_output=True)  # fmt: skip
+
+    (tmp_path / "plugin").mkdir()
+    (tmp_path / "plugin" / "k.py").write_text("x = 1\n")
+    (tmp_path / "other.py").write_text("y = 1\n")
+    (tmp_path / ".gitignore").write_text(".venv/\n")
+    (tmp_path / ".venv" / "site").mkdir(parents=True)
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "c")
+    (tmp_path / "other.py").write_text("y = 2\n")  # a change outside the plugin
+    sha, dirty = git_state(tmp_path / "plugin", below=True)
+    assert len(sha or "") == 40 and dirty is False
+    assert git_state(tmp_path)[1] is True
+    assert git_state(tmp_path / ".venv" / "site") == (None, None)
+    (tmp_path / "plugin" / "k.py").write_text("x = 2\n")
+    git_state.cache_clear()
+    assert git_state(tmp_path / "plugin", below=True)[1] is True
