@@ -136,3 +136,21 @@ def test_the_history_page_shows_the_cell_across_three_sweeps_with_their_code(
         finally:
             page.close()
             browser.close()
+
+
+def test_the_history_query_on_each_database(database_url: str) -> None:
+    """The same cell in two sweeps, another cell beside it: SQLite and Postgres agree."""
+    from _api_helpers import api_client
+
+    with api_client(database_url) as client:
+        runs = []
+        for name in ("one", "two"):
+            sweep = client.post(f"{API}/sweeps", json=_spec(name, [128, 256])).json()
+            listed = client.get(f"{API}/runs", params={"sweep_id": sweep["id"]}).json()["data"]
+            runs.append(next(r["id"] for r in listed if r["seq_len"] == 128))
+            with client.app.state.sessionmaker() as session:
+                for r in listed:
+                    store_result(session, r["id"], medians=(0.01,))
+        answer = client.get(f"{API}/cells/history", params={"run": runs[1]}).json()
+        assert [e["run_id"] for e in answer["entries"]] == runs
+        assert all(e["git_sha"] == "abc1234" for e in answer["entries"])
