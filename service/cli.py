@@ -842,4 +842,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m service.cli`: run the app of the module imported as service.cli, the one the
+    # commands of service.cli_results registered on (not this __main__ copy's).
+    from service.cli import main as imported_main
+
+    imported_main()
