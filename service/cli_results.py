@@ -100,11 +100,10 @@ def export(
         got = "nothing" if to is None else repr(to)
         raise CliError(f"--to: one of {', '.join(EXPORTERS)}, got {got}")
     module = _exporter(to)
-    with client() as c:
-        record = collect(c, sweep_id)
     target = uri or EXPORTERS[to]
-    if to == "tensorboard":
-        out.print(module.export(record, target), markup=False)
-        return
-    with tempfile.TemporaryDirectory(prefix="ringlab-export-") as work:
+    with tempfile.TemporaryDirectory(prefix="ringlab-export-") as work, client() as c:
+        if to == "tensorboard":  # event files hold no files: no artifacts to fetch
+            out.print(module.export(collect(c, sweep_id), target), markup=False)
+            return
+        record = collect(c, sweep_id, artifacts_to=Path(work))
         out.print(module.export(record, target, Path(work)), markup=False)

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from service import cli
 from service.core.config import Settings
 from service.db.engine import make_engine, make_sessionmaker
-from service.db.models import Environment
+from service.db.models import Artifact, Environment
 
 pytestmark = pytest.mark.timeout(300)
 API = "/api/v1"
@@ -33,6 +33,7 @@ SPEC = {
 }  # fmt: skip
 MEDIANS = {1: (0.010,), 2: (0.006, 0.007)}
 CODE = {"ext-kernels": {"git_sha": "feedbeef", "git_dirty": True, "path": "/src/ext"}}
+TRACE = b'{"traceEvents": []}'
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,12 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int
                 store_result(session, run["id"], medians=MEDIANS[run["world_size"]])
             env = session.query(Environment).one()
             env.plugin_code = CODE
+            trace = tmp_path_factory.mktemp("artifacts") / "trace-rank0.json"
+            trace.write_bytes(TRACE)
+            one = next(r["id"] for r in runs if r["world_size"] == 1)
+            session.add(Artifact(run_id=one, rank=0, name="trace-rank0.json",
+                                 kind="chrome_trace", size_bytes=len(TRACE),
+                                 location=str(trace)))  # fmt: skip
             session.commit()
         engine.dispose()
         yield base, sweep
@@ -103,6 +110,13 @@ def test_mlflow_file_store(service: Any, expected: dict[str, Any], tmp_path: Pat
         assert json.loads(run.data.tags["env.plugin_code"]) == CODE
         path = client.download_artifacts(run.info.run_id, "report.md", str(tmp_path / "dl"))
         assert Path(path).read_text() == expected["report"]
+        traces = [a.path for a in client.list_artifacts(run.info.run_id, "artifacts")]
+        assert traces == (["artifacts/trace-rank0.json"] if row["world_size"] == 1 else [])
+    (traced,) = [r for r in runs if r.data.params["world_size"] == "1"]
+    path = client.download_artifacts(
+        traced.info.run_id, "artifacts/trace-rank0.json", str(tmp_path)
+    )
+    assert Path(path).read_bytes() == TRACE
 
 
 def test_tensorboard_event_files(service: Any, expected: dict[str, Any], tmp_path: Path,
@@ -148,6 +162,9 @@ def test_wandb_offline_run_files(service: Any, expected: dict[str, Any], tmp_pat
         assert peaks == list(enumerate(row["rank_peak_bytes"]))
         assert json.loads(config["environment"]["env.plugin_code"]) == CODE
         assert (directory / "files" / "report.md").read_text() == expected["report"]
+        trace = directory / "files" / "artifacts" / "trace-rank0.json"
+        assert trace.exists() == (row["world_size"] == 1)
+        assert row["world_size"] != 1 or trace.read_bytes() == TRACE
 
 
 def test_a_bad_target_is_one_line(service: Any, monkeypatch: pytest.MonkeyPatch) -> None:

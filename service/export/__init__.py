@@ -1,18 +1,19 @@
-"""`ringlab export SWEEP --to mlflow|wandb|tensorboard`: a sweep's runs written where
-researchers already keep experiments, through each tool's own client library (optional extras:
+"""`ringlab export SWEEP --to mlflow|wandb|tensorboard`: a sweep's runs written where researchers
+already keep experiments, through each tool's own client library (optional extras:
 ringlab[mlflow], ringlab[wandb], ringlab[tensorboard]).
 
 Every exporter writes the same records, read from the service's API (the one read model,
 service.views): one per run, with the cell as params, the run's numbers as metrics (per rank
-with the rank as the step), the environment and code version as tags, report.md attached.
-Each run is found again by its tags or its deterministic id, so exporting again updates what is
-there and never duplicates it.
-"""
+with the rank as the step), the environment and code version as tags, report.md attached (and,
+in MLflow and W&B, the run's kept artifacts: profiler traces, memory snapshots). Each run is
+found again by its tags or its deterministic id, so exporting again updates what is there and
+never duplicates it."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from service.views import NOT_MEASURED_FIELDS
@@ -50,6 +51,8 @@ class RunRecord:
     metrics: dict[str, float]
     rank_metrics: dict[str, list[tuple[int, float]]]
     tags: dict[str, str]
+    artifacts: list[Path] = field(default_factory=list)
+    """The run's kept files (profiler traces, memory snapshots), downloaded."""
 
 
 @dataclass
@@ -124,12 +127,30 @@ def run_record(row: dict[str, Any], run: dict[str, Any], sweep: SweepRecord) -> 
     )
 
 
-def collect(client: Any, sweep_id: int) -> SweepRecord:
+def _download(client: Any, run_id: int, directory: Path) -> list[Path]:
+    """The run's kept artifacts, downloaded into `directory` (refused ones have no bytes)."""
+    files = []
+    for artifact in client.request("GET", f"/runs/{run_id}/artifacts").json():
+        if artifact["url"] is None:
+            continue
+        path = directory / f"run-{run_id}" / artifact["name"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(
+            client.request("GET", f"/runs/{run_id}/artifacts/{artifact['name']}").content
+        )
+        files.append(path)
+    return files
+
+
+def collect(client: Any, sweep_id: int, artifacts_to: Path | None = None) -> SweepRecord:
     """The sweep's records through the API: results.json (the read model), each run's ranks,
-    config and environment, and report.md."""
+    config and environment, report.md, and with `artifacts_to` each run's kept artifacts
+    downloaded there."""
     sweep = client.sweep(sweep_id)
     record = SweepRecord(sweep_id, sweep["name"], sweep["created_at"], client.report(sweep_id))
     for row in client.results(sweep_id):
         run = client.request("GET", f"/runs/{row['run_id']}").json()
         record.runs.append(run_record(row, run, record))
+        if artifacts_to is not None:
+            record.runs[-1].artifacts = _download(client, row["run_id"], artifacts_to)
     return record

@@ -76,6 +76,8 @@ def _write_run(client: Any, experiment_id: str, record: RunRecord, old: Any, rep
     for start in range(1000, len(metrics), 1000):  # MLflow takes 1000 metrics a batch
         client.log_batch(run_id, metrics=metrics[start : start + 1000])
     client.log_artifact(run_id, str(report))
+    for path in record.artifacts:  # traces, memory snapshots
+        client.log_artifact(run_id, str(path), artifact_path="artifacts")
     client.set_terminated(run_id, "FINISHED" if record.status == "succeeded" else "FAILED")
 
 

@@ -2,8 +2,9 @@
 SummaryWriter (the `tensorboard` package is its extra). Each run's directory holds the cell as
 hparams (with the run's metrics, so TensorBoard's HParams view compares cells), the per-rank
 metrics with the rank as the step, the environment as text; report.md is the text of the
-sweep's `report` directory. TensorBoard has no update: exporting again removes the event files
-it wrote before (and only those) and writes them anew."""
+sweep's `report` directory (event files hold no files: a run's traces are not exported here).
+TensorBoard has no update: exporting again removes the event files it wrote before (and only
+those) and writes them anew."""
 
 from __future__ import annotations
 

@@ -57,6 +57,11 @@ def _write_run(wandb: Any, sweep: SweepRecord, record: RunRecord, directory: Pat
     saved = Path(run.dir) / "report.md"  # a copy: wandb.save would only link to `report`
     shutil.copyfile(report, saved)
     run.save(str(saved), base_path=run.dir, policy="now")
+    for path in record.artifacts:  # traces, memory snapshots, under files/artifacts/
+        kept = Path(run.dir) / "artifacts" / path.name
+        kept.parent.mkdir(exist_ok=True)
+        shutil.copyfile(path, kept)
+        run.save(str(kept), base_path=run.dir, policy="now")
     run.finish(exit_code=0 if record.status == "succeeded" else 1)
 
 
