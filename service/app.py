@@ -27,7 +27,7 @@ from service.api.errors import (
     validation_error,
 )
 from service.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
-from service.api.routes import cluster, health, kernels, runs, sweeps
+from service.api.routes import cells, cluster, health, kernels, runs, sweeps
 from service.api.security import SecurityHeaders
 from service.core.config import Settings
 from service.db.engine import make_engine, make_sessionmaker
@@ -46,7 +46,7 @@ SCHEDULER_JOIN_TIMEOUT_S = 120.0
 def api_router() -> APIRouter:
     """Every /api/v1 route."""
     router = APIRouter(prefix=API_PREFIX)
-    for module in (sweeps, runs, kernels, cluster, health):
+    for module in (sweeps, runs, kernels, cluster, health, cells):
         router.include_router(module.router)
     return router
 

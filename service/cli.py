@@ -829,6 +829,10 @@ def _safe(settings: Settings) -> str:
     return make_url(settings.database_url).render_as_string(hide_password=True)
 
 
+# The commands of their own modules register on `app` (kept apart to keep this file small).
+from service import cli_results  # noqa: E402, F401
+
+
 def main() -> None:
     """Console-script entry point."""
     try:
@@ -838,4 +842,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m service.cli`: run the app of the module imported as service.cli, the one the
+    # commands of service.cli_results registered on (not this __main__ copy's).
+    from service.cli import main as imported_main
+
+    imported_main()

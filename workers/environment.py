@@ -5,11 +5,14 @@ machines without the service's packages)."""
 from __future__ import annotations
 
 import functools
+import json
 import platform
 import socket
 import subprocess
+from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlparse
 
 import torch
 
@@ -30,13 +33,49 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
 
 
 @functools.cache
-def git_state(root: Path = PROJECT_ROOT) -> tuple[str | None, bool | None]:
-    """(sha, dirty) of the project checkout; (None, None) when it is not a git checkout."""
+def git_state(root: Path = PROJECT_ROOT, below: bool = False) -> tuple[str | None, bool | None]:
+    """(sha, dirty) of the checkout holding `root`; (None, None) when `root` is not a tracked
+    part of a git checkout (an install under site-packages, even one inside a repository's
+    ignored .venv, has no code version). `below`: dirty counts only changes under `root`
+    (a plugin package that lives inside a larger repository)."""
     sha = _run(["git", "rev-parse", "HEAD"], cwd=root)
-    if sha is None:
+    if sha is None or not _run(["git", "ls-files", "--", "."], cwd=root):
         return None, None
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root)
+    cmd = ["git", "status", "--porcelain", "--untracked-files=no"]
+    status = _run([*cmd, "--", "."] if below else cmd, cwd=root)
     return sha, bool(status) if status is not None else None
+
+
+def editable_source(package: str) -> Path | None:
+    """The directory an editable install of `package` runs its code from (PEP 610's
+    direct_url.json), None for a regular install: only there can the code running differ from
+    any released version."""
+    try:
+        text = distribution(package).read_text("direct_url.json")
+    except PackageNotFoundError:
+        return None
+    if not text:
+        return None
+    info = json.loads(text)
+    url = urlparse(info.get("url", ""))
+    if url.scheme != "file" or not info.get("dir_info", {}).get("editable"):
+        return None
+    return Path(unquote(url.path))
+
+
+def plugin_code(packages: list[str]) -> dict[str, dict[str, Any]]:
+    """package -> {git_sha, git_dirty, path} for each plugin package installed editable from a
+    git checkout (dirty: changes under the package's directory). ringlab's own kernels are left
+    out: EnvironmentInfo.git_sha is their version."""
+    found: dict[str, dict[str, Any]] = {}
+    for package in packages:
+        source = editable_source(package) if package != "ringlab" else None
+        if source is None:
+            continue
+        sha, dirty = git_state(source, below=True)
+        if sha is not None:
+            found[package] = {"git_sha": sha, "git_dirty": dirty, "path": str(source)}
+    return found
 
 
 @functools.cache
@@ -86,10 +125,12 @@ def collect(device: torch.device) -> EnvironmentInfo:
     except ImportError:
         ray_version = None
     sha, dirty = git_state()
+    versions = plugins.versions()
     return EnvironmentInfo(
         **device_facts(device),
         ray=ray_version,
         git_sha=sha,
         git_dirty=dirty,
-        plugins=plugins.versions(),
+        plugins=versions,
+        plugin_code=plugin_code(list(versions)),
     )

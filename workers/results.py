@@ -83,6 +83,7 @@ ENVIRONMENT_COLUMNS = (
     "git_dirty",
     "plugins",
     "cpu_threads",
+    "plugin_code",
 )
 
 
@@ -300,6 +301,11 @@ class EnvironmentInfo(BaseModel):
     git_dirty: bool | None = None
     plugins: dict[str, str] = Field(
         default_factory=dict, description="Kernel plugins installed: package -> version."
+    )
+    plugin_code: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="The code version of each plugin package installed editable from a git "
+        "checkout: package -> {git_sha, git_dirty (changes under its directory), path}.",
     )
     cpu_threads: int | None = Field(
         None,

@@ -731,6 +731,15 @@ def _host(h: Any) -> str:
     return str(h)
 
 
+def _plugin_code(code: dict[str, Any] | None) -> str:
+    """'package sha (dirty)' of each plugin installed from a checkout, '-' when none."""
+    parts = [
+        f"{package} {c.get('git_sha')}" + (" (dirty)" if c.get("git_dirty") else "")
+        for package, c in (code or {}).items()
+    ]
+    return ", ".join(parts) or "-"
+
+
 def _environment_section(environments: Sequence[Environment]) -> list[str]:
     if not environments:
         return []
@@ -747,11 +756,12 @@ def _environment_section(environments: Sequence[Environment]) -> list[str]:
             e.python,
             str(e.cpu_threads or "-"),
             (e.git_sha or "-") + (" (dirty)" if e.git_dirty else ""),
+            _plugin_code(e.plugin_code),
         ]
         for e in environments
     ]
     header = ["Env", "Hosts", "GPUs", "Driver", "torch", "CUDA", "NCCL", "Ray", "Python"]
-    header += ["CPU threads", "git"]
+    header += ["CPU threads", "git", "plugin code"]
     return ["## Environment", "", *_table(header, rows), ""]
 
 

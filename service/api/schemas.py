@@ -181,6 +181,11 @@ class EnvironmentOut(BaseModel):
     cpu_threads: int | None = Field(
         None, description="torch's intra-op CPU threads in each rank (None: not recorded)."
     )
+    plugin_code: dict[str, Any] | None = Field(
+        None,
+        description="Code version of each plugin package installed editable from a git "
+        "checkout: package -> {git_sha, git_dirty, path} (None: not recorded).",
+    )
 
 
 class Headline(BaseModel):
@@ -475,6 +480,17 @@ class ComparePair(BaseModel):
     max_len_ratio: float | None = Field(description="B max length / A max length.")
     regression: bool
     reasons: list[str] = Field(description="slower, more memory, shorter max length, B <status>.")
+    time_ratio: float | None = Field(None, description="B median_s / A median_s.")
+    a_status: str | None = None
+    b_status: str | None = None
+    a_median_s: float | None = Field(None, description="A's slowest rank's median time.")
+    b_median_s: float | None = Field(None, description="B's slowest rank's median time.")
+    a_tokens_per_s: float | None = None
+    b_tokens_per_s: float | None = None
+    a_peak_memory_bytes: int | None = None
+    b_peak_memory_bytes: int | None = None
+    a_max_seq_len: int | None = None
+    b_max_seq_len: int | None = None
 
 
 class CompareOut(BaseModel):
@@ -488,3 +504,36 @@ class CompareOut(BaseModel):
     regressions: int
     within_noise: int
     pairs: list[ComparePair]
+
+
+class CellHistoryEntry(BaseModel):
+    """One run of the cell (service.history)."""
+
+    run_id: int
+    sweep_id: int
+    sweep_name: str
+    status: str
+    at: datetime = Field(description="When it finished (started, or was queued, if not yet).")
+    median_s: float | None = Field(description="Slowest rank's median time per iteration.")
+    median_lo_s: float | None = Field(description="Its 95% interval's lower end.")
+    median_hi_s: float | None = Field(description="Its 95% interval's upper end.")
+    tokens_per_s: float | None
+    peak_memory_bytes: int | None = Field(description="Largest allocator peak over the ranks.")
+    environment_id: int | None
+    git_sha: str | None = Field(description="The ringlab checkout's commit that ran it.")
+    git_dirty: bool | None = Field(description="Whether that checkout had local changes.")
+    plugin_code: dict[str, Any] | None = Field(
+        description="Plugins installed editable from a checkout: package -> {git_sha, "
+        "git_dirty, path}."
+    )
+
+
+class CellHistoryOut(BaseModel):
+    """One cell across every sweep that ran it, oldest first."""
+
+    cell: dict[str, Any] = Field(
+        description="The cell: its run config without the fields that do not change what is "
+        "measured (name, tags, timeouts, iterations)."
+    )
+    truncated: bool = Field(description="More runs exist than the newest ones returned.")
+    entries: list[CellHistoryEntry]

@@ -153,6 +153,8 @@ class Environment(Base):
     """Kernel plugins installed (attention.plugins): package -> version."""
     cpu_threads: Mapped[int | None] = mapped_column(Integer)
     """torch's intra-op CPU threads in each rank (workers.results.EnvironmentInfo)."""
+    plugin_code: Mapped[dict[str, Any] | None]
+    """package -> {git_sha, git_dirty, path} of each plugin installed editable from a checkout."""
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -92,6 +92,7 @@ def compare_rows(a_rows: Sequence[RunRow], b_rows: Sequence[RunRow]) -> list[dic
                 "label": f"{a.label} · seq {a.length:,}",
                 "a": a,
                 "b": b,
+                "time_ratio": _ratio(b.median_s, a.median_s),
                 "tps_ratio": tps,
                 "tps_lo": None if tps_spread is None else tps_spread.lo,
                 "tps_hi": None if tps_spread is None else tps_spread.hi,
@@ -112,7 +113,8 @@ def compare_out(a_id: int, b_id: int, a_rows: Sequence[RunRow], b_rows: Sequence
     pairs = compare_rows(a_rows, b_rows)
     only_a, only_b = unmatched(a_rows, b_rows)
     keep = ("label", "tps_ratio", "tps_lo", "tps_hi", "within_noise", "time_change",
-            "memory_ratio", "max_len_ratio", "regression", "reasons")  # fmt: skip
+            "memory_ratio", "max_len_ratio", "regression", "reasons", "time_ratio")  # fmt: skip
+    values = ("status", "median_s", "tokens_per_s", "peak_memory_bytes", "max_seq_len")
     return {
         "a": a_id,
         "b": b_id,
@@ -122,7 +124,13 @@ def compare_out(a_id: int, b_id: int, a_rows: Sequence[RunRow], b_rows: Sequence
         "regressions": sum(p["regression"] for p in pairs),
         "within_noise": sum(p["within_noise"] for p in pairs),
         "pairs": [
-            {"a_run_id": p["a"].run_id, "b_run_id": p["b"].run_id, **{k: p[k] for k in keep}}
+            {
+                "a_run_id": p["a"].run_id,
+                "b_run_id": p["b"].run_id,
+                **{k: p[k] for k in keep},
+                **{f"a_{v}": getattr(p["a"], v) for v in values},
+                **{f"b_{v}": getattr(p["b"], v) for v in values},
+            }
             for p in pairs
         ],
     }

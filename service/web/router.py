@@ -319,6 +319,39 @@ def compare_page(
     return _page(request, "compare.html", **context)
 
 
+def _history_figure(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cell's median time per run in the order they ran, with its 95% interval."""
+    done = [e for e in entries if e["median_s"] is not None]
+    x = [f"sweep {e['sweep_id']} · run {e['run_id']}" for e in done]
+    y = [e["median_s"] * 1e3 for e in done]
+    up = [((e["median_hi_s"] or e["median_s"]) - e["median_s"]) * 1e3 for e in done]
+    down = [(e["median_s"] - (e["median_lo_s"] or e["median_s"])) * 1e3 for e in done]
+    text = [(e["git_sha"] or "no git")[:10] + (" (dirty)" if e["git_dirty"] else "") for e in done]
+    trace = {"type": "scatter", "mode": "lines+markers+text", "x": x, "y": y, "text": text,
+             "textposition": "top center", "name": "median time",
+             "error_y": {"type": "data", "array": up, "arrayminus": down}}  # fmt: skip
+    layout = {"title": {"text": "Median time per run (95% interval), labelled by commit"},
+              "yaxis": {"title": {"text": "ms"}, "rangemode": "tozero"},
+              "xaxis": {"type": "category"}, "margin": {"t": 50}}  # fmt: skip
+    return {"data": [trace], "layout": layout}
+
+
+@router.get("/cells/history", response_class=HTMLResponse)
+def cell_history_page(
+    request: Request,
+    session: SessionDep,
+    run: Annotated[int | None, Query(ge=1, le=MAX_ID, description="A run of the cell.")] = None,
+    cell: Annotated[str | None, Query(max_length=20_000, description="A config.")] = None,
+) -> HTMLResponse:
+    """One cell across every sweep that ran it: time, peak memory and code version."""
+    from service import history
+    from service.api.routes.cells import cell_config
+
+    found = history.cell_history(session, cell_config(session, run, cell))
+    return _page(request, "cell_history.html", history=found, run=run,
+                 figure=_history_figure(found["entries"]))  # fmt: skip
+
+
 dashboard = APIRouter()
 """Everything the dashboard serves at /: its pages, its static files and its login."""
 dashboard.include_router(router)
