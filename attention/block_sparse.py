@@ -21,8 +21,10 @@ Inputs narrower than fp32 (bf16, fp16) are finished in accumulator windows of qu
 
 Two execution plans compute the same kept pairs (`plan`; "auto": by the inputs' device type):
 "cpu", many small calls sized for the CPU flash op (superblocks, stairs, rel views; below), and
-"cuda" (attention.block_sparse_cuda), a few batched calls on gathered K/V, since a CUDA call
-costs its kernel launches whatever its size. Either runs on either device (the primitive picks
+"cuda", a few large calls, since a CUDA call costs its kernel launches whatever its size: for
+the band patterns (local_window, dilated, global_local) one call per chunk diagonal on strided
+views (attention.block_sparse_band), for random batched calls on gathered K/V
+(attention.block_sparse_cuda). Either runs on either device (the primitive picks
 the fused op by device); the backend string names the plan that ran.
 """
 
