@@ -160,7 +160,7 @@ def test_the_plan_reaches_the_twin():
 
 CUDA_CASES = [
     (cfg, layout, causal)
-    for cfg in (CONFIGS[0], CONFIGS[4], CONFIGS[5])
+    for cfg in (CONFIGS[4], CONFIGS[5])  # non-dividing segments; the paper's rates
     for layout in ("contiguous", "zigzag")
     for causal in (False, True)
 ]
@@ -188,7 +188,7 @@ def rank_cuda_plan(rank: int, world: int) -> list[dict]:
 def test_the_cuda_plan_equals_dilated(world):
     """Local spans by dilated's cuda plan, shared segments as before: out and gradients equal
     `dilated` on the full tensors, at W = 2 and 4, segments local, spanning ranks and not
-    dividing, the paper's rates, contiguous and zigzag, causal or not."""
+    dividing, the paper's rates (scaled), contiguous and zigzag, causal or not."""
     per_rank = run_ranks(rank_cuda_plan, world)
     for i, ((ws, rs, ordering), layout, causal) in enumerate(CUDA_CASES):
         ref = twin_reference(100 + i, ws, rs, ordering, causal)
