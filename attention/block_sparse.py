@@ -21,8 +21,10 @@ Inputs narrower than fp32 (bf16, fp16) are finished in accumulator windows of qu
 
 Two execution plans compute the same kept pairs (`plan`; "auto": by the inputs' device type):
 "cpu", many small calls sized for the CPU flash op (superblocks, stairs, rel views; below), and
-"cuda" (attention.block_sparse_cuda), a few batched calls on gathered K/V, since a CUDA call
-costs its kernel launches whatever its size. Either runs on either device (the primitive picks
+"cuda", a few large calls, since a CUDA call costs its kernel launches whatever its size: for
+the band patterns (local_window, dilated, global_local) one call per chunk diagonal on strided
+views (attention.block_sparse_band), for random batched calls on gathered K/V
+(attention.block_sparse_cuda). Either runs on either device (the primitive picks
 the fused op by device); the backend string names the plan that ran.
 """
 
@@ -37,7 +39,7 @@ from fractions import Fraction
 
 import torch
 
-from attention import block_sparse_cuda, primitive
+from attention import block_sparse_band, block_sparse_cuda, primitive
 from attention.autograd import merged_attention
 from attention.base import MergedKernel, attention_flops, check_qkv
 from attention.errors import ParamError
@@ -935,11 +937,46 @@ def _cuda_indices(
     return block_sparse_cuda.plan_indices(plan, bsz, device)
 
 
+@functools.lru_cache(maxsize=64)
+def band_plan(
+    params: BlockSparseParams, seq_len: int, causal: bool
+) -> block_sparse_band.BandPlan | None:
+    """The band plan (attention.block_sparse_band) of a band pattern; None for `random`, whose
+    kept blocks follow no offset rule (it runs the gathered plan)."""
+    if params.pattern == "random":
+        return None
+    n = -(-seq_len // params.block_size)
+    window = min(_pattern_size(params, seq_len), n)
+    dilation = min(params.dilation or 2, n) if params.pattern == "dilated" else 1
+    num_global = params.num_global if params.num_global is not None else 1
+    return block_sparse_band.build_plan(
+        "dilated" if params.pattern == "dilated" else "local_window",
+        seq_len, params.block_size, causal, window, dilation,
+        num_global if params.pattern == "global_local" else 0,
+        _kept_tokens(params, seq_len, causal),
+    )  # fmt: skip
+
+
+def _kept_tokens(params: BlockSparseParams, seq_len: int, causal: bool) -> int:
+    """Token pairs the block mask keeps (the short last block and causal diagonals counted)."""
+    bs = params.block_size
+    mask = _cached_block_mask(params, seq_len)
+    mask = mask.tril() if causal else mask.clone()  # the cached mask stays as it is
+    sizes = torch.full((mask.shape[0],), bs, dtype=torch.int64)
+    sizes[-1] = seq_len - (mask.shape[0] - 1) * bs
+    pairs = int((sizes[:, None] * sizes[None, :] * mask.fill_diagonal_(False)).sum())
+    return pairs + int((sizes * (sizes + 1) // 2 if causal else sizes * sizes).sum())
+
+
 def cuda_plan_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: BlockSparseParams, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_sparse_forward under the CUDA plan: (out in q's dtype, lse), window by window."""
+    """block_sparse_forward under the CUDA plan: (out in q's dtype, lse): the band plan's few
+    calls, or for `random` the gathered plan's batches window by window."""
     bsz, seq_len = q.shape[:2]
+    band = band_plan(params, seq_len, causal)
+    if band is not None:
+        return block_sparse_band.forward(q, k, v, band)
     bs = params.block_size
     spans = primitive.windows(seq_len, q.dtype, bs)
     starts = tuple(c0 // bs for c0, _ in spans)
@@ -964,6 +1001,9 @@ def cuda_plan_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """block_sparse_backward under the CUDA plan: (dq, dk, dv) in the accumulator dtype."""
     bsz, seq_len = q.shape[:2]
+    band = band_plan(params, seq_len, causal)
+    if band is not None:
+        return block_sparse_band.backward(dout, q, k, v, out, lse, band)
     plan = cuda_plan(params, seq_len, causal, (), False)
     index = _cuda_indices(params, seq_len, causal, (), False, bsz, q.device)
     dq, dk, dv = zero_grads(q, k)

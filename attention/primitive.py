@@ -682,3 +682,111 @@ def fused_backward(
         d_s, q_s, k_s, v_s, o_s = (t.transpose(1, 2) for t in (dout, q, k, v, out))
         grads = _math_backward(d_s, q_s, k_s, v_s, o_s, lse, scale, causal)
         return tuple(g.transpose(1, 2) for g in grads)
+
+
+def masked_forward(
+    backend: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused forward call on (B, H, S, D) views as `fused_forward` takes them, with an
+    additive `bias` (B, H, Sq, Sk) in q's dtype (0 kept, -inf dropped; stride-0 expanded views
+    welcome): the CPU flash op's attn_mask, or on CUDA the efficient op's attn_bias whatever
+    the dtype (the flash op takes no mask). A row the bias drops entirely comes back with out 0
+    and an lse the op makes up (the CPU op: 0): callers mask such rows' lse themselves.
+    Returns out (inputs' dtype; math: accumulator) and lse (B, H, Sq, accumulator dtype)."""
+    acc = accumulator_dtype(q.dtype)
+    with torch.no_grad():
+        if backend == "cpu_flash":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, False, attn_mask=bias, scale=scale
+            )
+            return out, lse.to(acc)
+        if backend == "math":
+            return _math_masked_forward(q, k, v, bias, scale)
+        k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, True, 0.0, False, scale=scale
+        )
+        return res[0], res[1][..., : q.shape[2]].to(acc)
+
+
+def masked_backward(
+    backend: str,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, ...]:
+    """`fused_backward` of a `masked_forward` call: the same op with the same bias, fed the
+    FINAL merged out and (finite) lse of these rows. Returns (dq, dk, dv) (B, H, S, D), dk and
+    dv with k's heads, in the op's dtype."""
+    acc = accumulator_dtype(q.dtype)
+    with torch.no_grad():
+        if backend == "cpu_flash":
+            d, qa, ka, va, oa = (t.to(acc) for t in (dout, q, k, v, out))
+            return tuple(
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    d, qa, ka, va, oa, lse.contiguous(), 0.0, False,
+                    attn_mask=bias.to(acc), scale=scale,
+                )
+            )  # fmt: skip
+        if backend == "math":
+            return _math_masked_backward(dout, q, k, v, out, lse, bias, scale)
+        h_kv = k.shape[1]
+        kr, vr = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+        # (B, S, H, D)-contiguous out and dout, as `_cuda_backward_args` explains
+        dot, ot = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (dout, out))
+        sq = q.shape[2]
+        padded = -(-sq // 32) * 32
+        lse_p = torch.nn.functional.pad(lse.float(), (0, padded - sq), value=math.inf)
+        seed, offset = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dot, q, kr, vr, bias, ot, lse_p.contiguous(), seed, offset, 0.0,
+            [True, True, True, False], False, scale=scale,
+        )  # fmt: skip
+        return grads[0], _sum_kv(grads[1], h_kv), _sum_kv(grads[2], h_kv)
+
+
+def _math_masked_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-math `masked_forward` on (B, H, S, D) views, in the accumulator dtype."""
+    acc = accumulator_dtype(q.dtype)
+    qf, kf, vf = (t.to(acc) for t in (q, k, v))
+    kf, vf = _repeat_kv(kf, q.shape[1]), _repeat_kv(vf, q.shape[1])
+    scores = (qf @ kf.transpose(-1, -2)) * scale + bias.to(acc)
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = lse.masked_fill(torch.isneginf(lse), math.inf)
+    return torch.exp(scores - safe.unsqueeze(-1)) @ vf, lse
+
+
+def _math_masked_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, ...]:
+    """Plain-math `masked_backward` (FlashAttention-2's, with the final lse)."""
+    acc = accumulator_dtype(q.dtype)
+    h_kv = k.shape[1]
+    qf, kf, vf, dof, of = (t.to(acc) for t in (q, k, v, dout, out))
+    kf, vf = _repeat_kv(kf, q.shape[1]), _repeat_kv(vf, q.shape[1])
+    probs = torch.exp((qf @ kf.transpose(-1, -2)) * scale + bias.to(acc) - lse.unsqueeze(-1))
+    dv = probs.transpose(-1, -2) @ dof
+    ds = probs * (dof @ vf.transpose(-1, -2) - (dof * of).sum(-1, keepdim=True))
+    dk = (ds.transpose(-1, -2) @ qf) * scale
+    return (ds @ kf) * scale, _sum_kv(dk, h_kv), _sum_kv(dv, h_kv)

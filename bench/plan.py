@@ -21,7 +21,7 @@ through PyTorch's meta kernels of those ops, and makes `plan: auto` resolve as o
 dense calls F.scaled_dot_product_attention, whose dispatch on meta would take the math path: here
 it is sent to the fused op SDPA picks on that device for these shapes (CUDA: flash, which cuDNN
 may replace on some builds; CPU: the CPU flash op), with its autograd backward.
-Ring kernels are not counted (they need a process group); ring_dilated runs dilated's cpu plan.
+Ring kernels are not counted (they need a process group).
 """
 
 from __future__ import annotations

@@ -151,10 +151,50 @@ def test_bad_shard_fails_fast_with_the_rule():
         run_ranks(rank_bad_shard, 2)
 
 
-def test_the_plan_reaches_the_twin_and_the_ring_refuses_the_cuda_plan():
-    """ring_dilated runs the cpu plan (auto and cpu); its twin takes the plan as given; a cuda
-    plan is refused by name, never accepted and ignored."""
-    params = attention.make_params("ring_dilated", {"plan": "cpu"})
-    assert params.twin().plan == "cpu"
-    with pytest.raises(ValueError, match=r"^params\.plan: ring_dilated runs the cpu plan"):
-        attention.build("ring_dilated", plan="cuda")
+def test_the_plan_reaches_the_twin():
+    """ring_dilated takes every plan (the plan that ran ends its backend string: checked in
+    the ranks below); its twin takes the plan as given."""
+    for plan in ("auto", "cpu", "cuda"):
+        assert attention.make_params("ring_dilated", {"plan": plan}).twin().plan == plan
+
+
+CUDA_CASES = [
+    (cfg, layout, causal)
+    for cfg in (CONFIGS[4], CONFIGS[5])  # non-dividing segments; the paper's rates
+    for layout in ("contiguous", "zigzag")
+    for causal in (False, True)
+]
+
+
+def rank_cuda_plan(rank: int, world: int) -> list[dict]:
+    """CUDA_CASES with the cuda plan forced (the CPU flash op in its call structure)."""
+    results = []
+    for i, ((ws, rs, ordering), layout, causal) in enumerate(CUDA_CASES):
+        module = attention.build(
+            "ring_dilated", segment_lengths=ws, dilation_rates=rs, ordering=ordering,
+            layout=layout, plan="cuda",
+        )  # fmt: skip
+        pos = module.local_positions(SHAPE[1], rank, world)
+        q, k, v, dout = (t[:, pos].clone() for t in full_inputs(100 + i))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = module(q, k, v, causal=causal)
+        out.backward(dout)
+        assert module.backend.endswith("/plan-cuda")
+        results.append({"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad})
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_cuda_plan_equals_dilated(world):
+    """Local spans by dilated's cuda plan, shared segments as before: out and gradients equal
+    `dilated` on the full tensors, at W = 2 and 4, segments local, spanning ranks and not
+    dividing, the paper's rates (scaled), contiguous and zigzag, causal or not."""
+    per_rank = run_ranks(rank_cuda_plan, world)
+    for i, ((ws, rs, ordering), layout, causal) in enumerate(CUDA_CASES):
+        ref = twin_reference(100 + i, ws, rs, ordering, causal)
+        for name in ("out", "dq", "dk", "dv"):
+            got = layouts.unshard([r[i][name] for r in per_rank], layout)
+            torch.testing.assert_close(
+                got, ref[name], atol=1e-5, rtol=1e-5,
+                msg=lambda m, n=name, c=(ws, rs, layout, causal): f"{n} {c}: {m}",
+            )  # fmt: skip

@@ -238,3 +238,20 @@ def test_search_in_fresh_processes_per_probe(pool: GangPool) -> None:
     assert [p.seq_len for p in outcome.probes] == [2048, 4096, 3072]
     assert outcome.answer_seq_len in (2048, 3072)
     assert not {p.pid for p in outcome.placement} & {p.pid for p in warm.placement}
+
+
+def test_a_rank_that_kills_itself_gets_its_peers_killed(pool: GangPool) -> None:
+    """W=2 data-parallel run of `exit_on_rank` (tests/plugins): rank 1's process SIGKILLs
+    itself in its first forward while rank 0 goes on into the run's collectives, where it would
+    wait for its dead peer until the process group's timeout. The run fails as rank 1's, long
+    before that timeout, and the gang kills rank 0 too: no rank actor or placement group is
+    left (real Ray, real processes)."""
+    cfg = config(kernel="exit_on_rank", world_size=2, batch_size=2, parallel="data")
+    assert cfg.dist_timeout_s >= 60
+    started = time.monotonic()
+    handle = pool.start(cfg, "benchmark")
+    with pytest.raises(RankFailed, match="rank 1 failed") as info:
+        wait(handle, timeout_s=60)
+    assert info.value.rank == 1
+    assert_no_leaks()  # rank 0, blocked on its dead peer, was killed with the gang
+    assert time.monotonic() - started < cfg.dist_timeout_s

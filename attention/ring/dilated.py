@@ -29,11 +29,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from attention import primitive
+from attention import dilated_plan, primitive
 from attention.autograd import merged_attention
 from attention.base import Kernel, attention_flops, check_qkv
-from attention.dilated import DilatedParams, backward_rows, check_dilated, forward_rows
-from attention.errors import ParamError
+from attention.dilated import (
+    DilatedParams,
+    backward_rows,
+    check_dilated,
+    forward_rows,
+    resolve_plan,
+)
 from attention.hilbert import hilbert_permutation
 from attention.layouts import check_layout, check_seq_len
 from attention.layouts import positions as layout_positions
@@ -71,12 +76,6 @@ class RingDilatedParams(DilatedParams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.plan == "cuda":
-            raise ParamError(
-                "params.plan",
-                "ring_dilated runs the cpu plan only (auto and cpu select it); the cuda plan "
-                "is dilated's (W=1)",
-            )
         if self.layout is not None:
             check_layout(self.layout)
         check_group(self.group)
@@ -247,6 +246,45 @@ def _plan(
     return spans, fars
 
 
+def _span_groups(
+    spans: list[tuple[int, int, int, int]],
+) -> list[tuple[int, int, tuple[tuple[int, int], ...]]]:
+    """The local spans as (lo, hi, branches): the branches over one range of positions, in the
+    spans' order (the cuda plan runs a range's branches together)."""
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for w, r, lo, hi in spans:
+        groups.setdefault((lo, hi), []).append((w, r))
+    return [(lo, hi, tuple(branches)) for (lo, hi), branches in groups.items()]
+
+
+def _dense_rows(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """x[:, lo:hi] (B, S, ...), copied when B > 1 and the slice is not the whole sequence:
+    `dilated_plan` folds batch rows into its calls and needs (B, S, ...)-dense tensors."""
+    part = x[:, lo:hi]
+    return part if x.shape[0] == 1 or (lo, hi) == (0, x.shape[1]) else part.contiguous()
+
+
+def _cuda_local_forward(q, k, v, out, lse, spans, causal: bool) -> None:  # type: ignore[no-untyped-def]
+    """The local spans by `dilated`'s cuda plan (one fused call per branch and head group of
+    each range), merged into the (out, lse) accumulators (empty_result's) by lse."""
+    for lo, hi, branches in _span_groups(spans):
+        qs, ks, vs = (_dense_rows(t, lo, hi) for t in (q, k, v))
+        o_s, l_s = dilated_plan.forward(qs, ks, vs, branches, causal)
+        merge_(out[:, lo:hi], lse[:, :, lo:hi], o_s, l_s)
+        del o_s, l_s
+
+
+def _cuda_local_backward(dout, q, k, v, out, lse, grads, spans, causal: bool) -> None:  # type: ignore[no-untyped-def]
+    """The local spans' gradients by `dilated`'s cuda plan, fed the final merged (out, lse)."""
+    for lo, hi, branches in _span_groups(spans):
+        d_s, q_s, k_s, v_s, o_s = (_dense_rows(t, lo, hi) for t in (dout, q, k, v, out))
+        l_s = lse[:, :, lo:hi].transpose(1, 2).contiguous().transpose(1, 2)  # (B, S, H) dense
+        parts = dilated_plan.backward(d_s, q_s, k_s, v_s, o_s, l_s, branches, causal)
+        for grad, part in zip(grads, parts, strict=True):
+            grad[:, lo:hi] += part
+        del parts
+
+
 def _ring_dilated(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -255,13 +293,23 @@ def _ring_dilated(
     fars: tuple[Far, ...],
     rank: int,
     causal: bool,
+    cuda: bool = False,
 ) -> torch.Tensor:
-    """Local spans through `dilated`'s code, shared segments by P2P gathers; FA2 backward
-    (attention.autograd.MergedFunction). With no shared segment (W = 1, or every segment
-    local) the output is finished in accumulator windows as `dilated`'s is (in q's dtype);
-    otherwise it stays fp32 until the far segments have merged into every row."""
+    """Local spans through `dilated`'s code (`cuda`: its cuda plan, dilated_plan), shared
+    segments by P2P gathers; FA2 backward (attention.autograd.MergedFunction). With no shared
+    segment (W = 1, or every segment local) the cpu plan's output is finished in accumulator
+    windows as `dilated`'s is (in q's dtype); otherwise, and under the cuda plan, it stays fp32
+    until every span and far segment has merged into every row."""
 
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if cuda:
+            out, lse = empty_result(q)
+            with clock.step("forward", 0):
+                _cuda_local_forward(q, k, v, out, lse, spans, causal)
+            for i, far in enumerate(fars, 1):
+                with clock.step("forward", i):
+                    _far_forward(q, k, v, out, lse, far, rank, causal)
+            return out, lse
         if not fars:
 
             def fill(c0: int, c1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -280,7 +328,10 @@ def _ring_dilated(
     def backward(dout, q, k, v, out, lse):  # type: ignore[no-untyped-def]
         grads = zero_grads(q, k)
         with clock.step("backward", 0):
-            backward_rows(dout, q, k, v, out, lse, grads, spans, causal)
+            if cuda:
+                _cuda_local_backward(dout, q, k, v, out, lse, grads, spans, causal)
+            else:
+                backward_rows(dout, q, k, v, out, lse, grads, spans, causal)
         for i, far in enumerate(fars, 1):
             with clock.step("backward", i):
                 _far_backward(dout, q, k, v, out, lse, grads, far, rank, causal)
@@ -323,9 +374,11 @@ class RingDilatedAttention(Kernel):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         n = q.shape[1]
         check_ring_dilated(self.params, seq_len=n * world, world_size=world, num_heads=q.shape[2])
-        self.backend = f"{primitive.backend_for(q.device, q.dtype)}/plan-cpu"
+        plan = resolve_plan(self.params.plan, q.device)
+        self.backend = f"{primitive.backend_for(q.device, q.dtype)}/plan-{plan}"
         spans, fars = _plan(self.params, n * world, rank, n)
-        args = (spans, tuple(dataclasses.replace(f, group=group) for f in fars), rank, causal)
+        far_group = tuple(dataclasses.replace(f, group=group) for f in fars)
+        args = (spans, far_group, rank, causal, plan == "cuda")
         if self.layout == "contiguous" or world == 1:
             q, k, v = (t.contiguous() for t in (q, k, v))
             return _ring_dilated(q, k, v, *args)
