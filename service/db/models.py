@@ -126,6 +126,9 @@ class Sweep(Base):
     base_config: Mapped[dict[str, Any] | None]
     """What every run's normalized config shares, stored once (None: sweeps stored before
     revision 0005, whose runs hold their whole config). See Run.config."""
+    last_claimed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    """When a scheduler last claimed one of its runs: the queue serves the sweep claimed
+    longest ago first (round-robin across sweeps, service.leases.claim_next)."""
 
     runs: Mapped[list[Run]] = relationship(
         back_populates="sweep", cascade="all, delete-orphan", passive_deletes=True
@@ -196,6 +199,10 @@ class Run(Base):
     environment_id: Mapped[int | None] = mapped_column(
         ForeignKey("environment.id", ondelete="SET NULL")
     )
+    cotenants: Mapped[list[Any] | None]
+    """Ids of the other runs whose gangs shared a node with this run's gang while it ran
+    ([]: it ran alone; None: never placed, or stored before revision 0011). A timing taken
+    beside a co-tenant may be contended."""
 
     sweep: Mapped[Sweep] = relationship(back_populates="runs")
     environment: Mapped[Environment | None] = relationship()

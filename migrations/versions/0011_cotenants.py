@@ -1,0 +1,29 @@
+"""Concurrent gangs: which other runs shared a run's nodes while it ran (run.cotenants, a list of
+run ids; NULL for runs stored before, or never placed), and when a sweep last had a run claimed
+(sweep.last_claimed_at), which the scheduler's round-robin across sweeps orders by.
+
+Revision ID: 0011
+Revises: 0010
+Create Date: 2026-11-28 01:30:00
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0011"
+down_revision: str | None = "0010"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    # In place, not batch mode (which on SQLite rebuilds the table runs refer to; see 0005).
+    op.add_column("run", sa.Column("cotenants", sa.JSON(), nullable=True))
+    op.add_column("sweep", sa.Column("last_claimed_at", sa.DateTime(timezone=True), nullable=True))
+
+
+def downgrade() -> None:
+    op.drop_column("sweep", "last_claimed_at")
+    op.drop_column("run", "cotenants")
