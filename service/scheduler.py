@@ -523,9 +523,12 @@ def _recover_until(sm: sessionmaker[Session], owner: str, done: threading.Event)
 
 
 def run_forever_from_settings(settings: Any, stop_event: threading.Event) -> None:
-    """Migrate, connect Ray (settings.ray_address or a local one), and schedule until stop_event."""
+    """Migrate, connect Ray (settings.ray_address or a local one) with backoff until it answers
+    (each failure logged, and on /readyz through service.ray_status), and schedule until
+    stop_event."""
     from service.db.engine import make_engine, make_sessionmaker
     from service.db.migrate import upgrade
+    from service.ray_status import connect_with_backoff
     from workers import cluster
     from workers.gang import GangPool
 
@@ -533,17 +536,20 @@ def run_forever_from_settings(settings: Any, stop_event: threading.Event) -> Non
     engine = make_engine(settings.database_url)
     sm = make_sessionmaker(engine)
     owner = default_owner()
-    # Recovery passes run while Ray starts (seconds): what a crashed predecessor held is
-    # queued again as soon as its heartbeat is late, not after this start-up.
+    # Recovery passes run while Ray connects (seconds, or long while it is unreachable): what
+    # a crashed predecessor held is queued again as soon as its heartbeat is late.
     starting = threading.Event()
     early = threading.Thread(target=_recover_until, args=(sm, owner, starting), daemon=True)
     early.start()
     try:
-        cluster.connect(settings.ray_address)
-        pool = GangPool()
+        connected = connect_with_backoff(settings.ray_address, cluster.connect, stop_event)
     finally:
         starting.set()
         early.join()
+    if not connected:  # stopped before Ray answered
+        engine.dispose()
+        return
+    pool = GangPool()
     try:
         Scheduler(sm, pool=pool, owner=owner).run_forever(stop_event)
     finally:
