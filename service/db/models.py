@@ -351,3 +351,16 @@ class Artifact(Base):
     """Where the bytes are: a path or fsspec URL under the artifact root (None if refused)."""
     refused: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class WebSession(Base):
+    """A dashboard login (service.web.sessions): the cookie holds a random id and an HMAC of
+    it under the API token; the table holds the id's SHA-256, so a logout (the row deleted)
+    or its expiry ends the session for real, and a database read does not yield cookies."""
+
+    __tablename__ = "web_session"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
