@@ -68,6 +68,8 @@ RECOVER_S = 2.0
 """Seconds between recovery passes."""
 DEFAULT_HEARTBEAT_S = 5.0
 """How often a scheduler renews the lease of the run it drives."""
+MAX_PASS_BACKOFF_S = 30.0
+"""Longest wait after a failed scheduling pass (the waits double from poll_s)."""
 MAX_LOST_LEASES = 2
 """Claims beyond max_attempts a run gets after its scheduler died under it; then it fails."""
 
@@ -225,6 +227,7 @@ class Scheduler:
         recoverer = threading.Thread(target=self._recover_every, args=(done,), daemon=True)
         watcher.start()
         recoverer.start()
+        backoff = self.poll_s
         try:
             while not self._stopping.is_set():
                 try:
@@ -235,6 +238,12 @@ class Scheduler:
                     log.exception("database error; retrying in %g s", self.lease_s / 4)
                     self._stopping.wait(self.lease_s / 4)
                     continue
+                except Exception:  # Ray gone mid-way (fits reads the cluster), or a bug: logged
+                    backoff = min(2 * backoff, MAX_PASS_BACKOFF_S)  # and retried, not fatal
+                    log.exception("scheduling pass failed; next in %g s", backoff)
+                    self._stopping.wait(backoff)
+                    continue
+                backoff = self.poll_s
                 if not started:
                     self._stopping.wait(self.poll_s)
         finally:
