@@ -560,7 +560,9 @@ def run_forever_from_settings(settings: Any, stop_event: threading.Event) -> Non
         return
     pool = GangPool()
     try:
-        Scheduler(sm, pool=pool, owner=owner).run_forever(stop_event)
+        Scheduler(
+            sm, pool=pool, owner=owner, max_concurrent=settings.max_concurrent_runs
+        ).run_forever(stop_event)
     finally:
         pool.close()
         engine.dispose()

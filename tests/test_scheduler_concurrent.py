@@ -7,6 +7,7 @@ tests/_scheduler_helpers.py), then the whole on the session's real local Ray (4 
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -202,3 +203,15 @@ def test_a_failing_scheduling_pass_is_logged_and_retried(
     assert pool.failures == 0
     failed = [r for r in caplog.records if "scheduling pass failed" in r.getMessage()]
     assert len(failed) == 2 and "GCS unavailable" in (failed[0].exc_text or "")
+
+
+def test_max_concurrent_caps_the_runs_in_flight(engine: Engine) -> None:
+    """RINGLAB_MAX_CONCURRENT_RUNS=1 (max_concurrent): one run at a time however many fit."""
+    sm = make_sessionmaker(engine)
+    ids = add_sweep(sm, [tiny_config(seed=i) for i in range(3)])
+    pool = ThreadPool(script_for=lambda _c: Script(delay_s=0.1), slots=3)
+    sched = Scheduler(sm, pool=pool, lease_s=5.0, heartbeat_s=0.5, poll_s=0.02, max_concurrent=1)
+    _drain(sched, sm, ids, 30)
+    runs = _by_start([run_row(sm, i) for i in ids])
+    assert [r.cotenants for r in runs] == [[], [], []]
+    assert all(a.finished_at <= b.started_at for a, b in itertools.pairwise(runs))

@@ -73,6 +73,12 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="How long a dashboard login lasts (its cookie's and its stored expiry).",
     )
+    max_concurrent_runs: int | None = Field(
+        default=None,
+        ge=1,
+        description="The most runs one scheduler drives at once (None: as many as the "
+        "cluster's free resources hold).",
+    )
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     artifact_root: str = Field(
