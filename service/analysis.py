@@ -46,8 +46,8 @@ DENSE_KERNELS = frozenset({"dense", "ring", "multihead"})
 IGNORED_FOR_MATCHING = frozenset(
     {
         "name", "tags", "label", "timeout_s", "dist_timeout_s", "max_attempts", "warmup",
-        "iterations", "time_cap_s", "placement", "fresh_processes", "env", "correctness_check",
-        "search", "seed",
+        "iterations", "time_cap_s", "placement", "isolation", "fresh_processes", "env",
+        "correctness_check", "search", "seed",
     }
 )  # fmt: skip
 """Fields that do not change what a run computes: a baseline matches whatever their values."""

@@ -60,6 +60,7 @@ class Completion:
     components: Sequence[dict[str, Any]] = field(default_factory=tuple)  # rank included
     steps: Sequence[dict[str, Any]] = field(default_factory=tuple)  # ring_step, rank included
     artifacts: Sequence[dict[str, Any]] = field(default_factory=tuple)  # artifact rows
+    cotenants: Sequence[int] | None = None  # runs that shared its nodes (None: never placed)
 
 
 def new_token(owner: str) -> str:
@@ -76,12 +77,62 @@ def _holding(claim: Claim) -> Any:
     )
 
 
-def claim_next(sm: sessionmaker[Session], owner: str, lease_s: float) -> Claim | None:
-    """Take the oldest queued run (status running, lease set, attempts + 1); None if none queued.
+@dataclass(frozen=True)
+class Candidate:
+    """The run the queue serves next (not claimed): what the scheduler checks fits first."""
 
-    Postgres: SELECT ... FOR UPDATE SKIP LOCKED then UPDATE, so concurrent schedulers take
-    different rows. SQLite: one conditional UPDATE as the transaction's first statement (it takes
-    the write lock at once), checked by rowcount.
+    run_id: int
+    config: dict[str, Any]
+
+
+def _fair_pick() -> Any:
+    """SELECT of the queued run the queue serves next: round-robin across sweeps.
+
+    The sweep whose last claim is oldest (never claimed first, then by id) gives its lowest
+    queued run id. A sweep of 200 cells and one of 2 submitted after it interleave; FIFO would
+    hold the second behind all 200.
+    """
+    queued = select(Run.id).where(Run.sweep_id == Sweep.id, Run.status == RunStatus.queued).exists()
+    sweep_id = (
+        select(Sweep.id)
+        .where(queued)
+        .order_by(Sweep.last_claimed_at.asc().nulls_first(), Sweep.id)
+        .limit(1)
+        .scalar_subquery()
+    )
+    return (
+        select(Run.id)
+        .where(Run.sweep_id == sweep_id, Run.status == RunStatus.queued)
+        .order_by(Run.id)
+        .limit(1)
+    )
+
+
+def peek_next(sm: sessionmaker[Session]) -> Candidate | None:
+    """The run claim_next would take now, without claiming it (None: nothing queued)."""
+    with sm() as session:
+        run_id = session.scalars(_fair_pick()).first()
+        if run_id is None:
+            return None
+        row = session.execute(
+            select(Run.cell_config, Sweep.base_config)
+            .join(Sweep, Sweep.id == Run.sweep_id)
+            .where(Run.id == run_id)
+        ).one()
+    return Candidate(run_id, full_config(row.base_config, row.cell_config))
+
+
+def claim_next(
+    sm: sessionmaker[Session], owner: str, lease_s: float, run_id: int | None = None
+) -> Claim | None:
+    """Claim the next queued run in fair order (_fair_pick), or `run_id` if it is still queued
+    (status running, lease set, attempts + 1); None if there is none (or `run_id` was taken).
+
+    Postgres: the fair pick takes the row FOR UPDATE SKIP LOCKED, then the UPDATE. SQLite: one
+    conditional UPDATE (the pick as its subquery) as the transaction's first statement, so it
+    takes the write lock at once. Both re-check status = queued and the rowcount says whether
+    this claim won: two schedulers never hold one run. The run's sweep records the claim's time
+    (the round-robin's order).
     """
     token = new_token(owner)
     now = utcnow()
@@ -93,49 +144,39 @@ def claim_next(sm: sessionmaker[Session], owner: str, lease_s: float) -> Claim |
         "started_at": now,
         "finished_at": None,
         "error": None,
+        "cotenants": None,
         "attempts": Run.attempts + 1,
     }
     with sm() as session, session.begin():
-        if session.get_bind().dialect.name == "postgresql":
-            run_id = session.scalars(
-                select(Run.id)
-                .where(Run.status == RunStatus.queued)
-                .order_by(Run.id)
-                .limit(1)
-                .with_for_update(skip_locked=True)
-            ).first()
-            if run_id is None:
+        target: Any = run_id
+        if run_id is None and session.get_bind().dialect.name == "postgresql":
+            target = session.scalars(_fair_pick().with_for_update(skip_locked=True)).first()
+            if target is None:
                 return None
-            session.execute(
-                update(Run)
-                .where(Run.id == run_id)
-                .values(**values)
-                .execution_options(synchronize_session=False)
-            )
-        else:
-            oldest = (
-                select(Run.id)
-                .where(Run.status == RunStatus.queued)
-                .order_by(Run.id)
-                .limit(1)
-                .scalar_subquery()
-            )
-            result = session.execute(
-                update(Run)
-                .where(Run.id == oldest, Run.status == RunStatus.queued)
-                .values(**values)
-                .execution_options(synchronize_session=False)
-            )
-            if rowcount(result) != 1:
-                return None
-        claimed = select(Run.id).where(Run.lease_owner == token).scalar_subquery()
-        # A new attempt measures afresh: probes an earlier, interrupted attempt stored go.
-        session.execute(delete(Probe).where(Probe.run_id == claimed))
+        elif run_id is None:
+            target = _fair_pick().scalar_subquery()
+        result = session.execute(
+            update(Run)
+            .where(Run.id == target, Run.status == RunStatus.queued)
+            .values(**values)
+            .execution_options(synchronize_session=False)
+        )
+        if rowcount(result) != 1:
+            return None
         row = session.execute(
-            select(Run.id, Run.cell_config, Sweep.base_config, Run.attempts, Sweep.kind)
+            select(Run.id, Run.sweep_id, Run.cell_config, Sweep.base_config, Run.attempts)
+            .add_columns(Sweep.kind)
             .join(Sweep, Sweep.id == Run.sweep_id)
             .where(Run.lease_owner == token)
         ).one()
+        # A new attempt measures afresh: probes an earlier, interrupted attempt stored go.
+        session.execute(delete(Probe).where(Probe.run_id == row.id))
+        session.execute(
+            update(Sweep)
+            .where(Sweep.id == row.sweep_id)
+            .values(last_claimed_at=now)
+            .execution_options(synchronize_session=False)
+        )
     return Claim(
         run_id=row.id,
         token=token,
@@ -261,6 +302,7 @@ def finish(sm: sessionmaker[Session], claim: Claim, completion: Completion) -> b
                 error=completion.error,
                 finished_at=utcnow(),
                 lease_expires_at=None,
+                cotenants=None if completion.cotenants is None else list(completion.cotenants),
             )
             .execution_options(synchronize_session=False)
         )

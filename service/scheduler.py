@@ -1,12 +1,17 @@
-"""The scheduler loop: turns queued runs into results on a gang of Ray actors, losing none.
+"""The scheduler loop: turns queued runs into results on gangs of Ray actors, losing none.
 
-One scheduler runs one run at a time: claim (service.leases), feasibility check, start the gang
+One scheduler drives as many runs at once as the cluster has free resources for, each on its
+own gang (placement group) and its own driver thread: claim the next run in fair order
+(service.leases: round-robin across sweeps) once the pool says it fits, start the gang
 (workers.gang), poll while renewing the lease by heartbeat, then write the outcome in one
-transaction conditional on still holding the lease. Several schedulers may share one Postgres.
+transaction conditional on still holding the lease. A run with `isolation: node` runs alone.
+Every run records the runs that shared its nodes (service.tenancy). Several schedulers may
+share one Postgres.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -24,6 +29,7 @@ from service import leases
 from service.artifacts import ArtifactStore
 from service.db.models import RunStatus
 from service.leases import Claim, Completion, Kind
+from service.tenancy import Tenancy
 from workers.config import RunConfig
 from workers.results import RunOutcome
 
@@ -55,11 +61,15 @@ class Pool(Protocol):
         self, config: RunConfig, kind: Kind, *, on_waiting: Callable[[], None] | None = None
     ) -> RunHandle: ...  # raises workers.errors.Infeasible (checked against the cluster)
 
+    def fits(self, config: RunConfig) -> bool: ...  # free resources hold its gang now
+
 
 RECOVER_S = 2.0
 """Seconds between recovery passes."""
 DEFAULT_HEARTBEAT_S = 5.0
 """How often a scheduler renews the lease of the run it drives."""
+MAX_PASS_BACKOFF_S = 30.0
+"""Longest wait after a failed scheduling pass (the waits double from poll_s)."""
 MAX_LOST_LEASES = 2
 """Claims beyond max_attempts a run gets after its scheduler died under it; then it fails."""
 
@@ -116,14 +126,29 @@ def completion_from_outcome(
     )
 
 
+def _nodes(placement: Sequence[Any]) -> set[str]:
+    """The node ids a gang's ranks run on (workers.results.RankPlacement.node_id)."""
+    return {str(getattr(p, "node_id", p)) for p in placement}
+
+
 def _ended_early(status: RunStatus, error: str, handle: RunHandle) -> Completion:
     """A run that ended without an outcome (timeout, kill, lost rank): its status and error,
     and the probes a max_seq_len search had finished by then, which are measurements too."""
     return Completion(status=status, error=error, probes=[p.row() for p in handle.probes()])
 
 
+@dataclass
+class _InFlight:
+    """A run this scheduler drives on its own thread."""
+
+    claim: Claim
+    isolated: bool  # isolation: node (nothing else is claimed while it runs)
+    thread: threading.Thread
+
+
 class Scheduler:
-    """Claims queued runs one at a time and drives each to a terminal state (or back to queued)."""
+    """Claims queued runs while the cluster has room and drives each to a terminal state (or
+    back to queued), each on its own thread."""
 
     def __init__(
         self,
@@ -137,13 +162,15 @@ class Scheduler:
         grace_s: float = 10.0,
         recover_s: float = RECOVER_S,
         artifacts: ArtifactStore | None = None,
+        max_concurrent: int | None = None,
     ) -> None:
         """lease_s: how long a claim holds without a heartbeat (then recovery requeues the run);
         heartbeat_s: renewal period (also how fast a cancel is noticed); poll_s: poll slice and
-        idle wait; grace_s: after a stop, how long the running run may still finish;
+        idle wait; grace_s: after a stop, how long the running runs may still finish;
         recover_s: period of the recovery pass, on its own thread (not tied to the lease, and
-        not waiting for this scheduler's own run to end); artifacts: where runs' files go
-        (None: the settings' RINGLAB_ARTIFACT_ROOT and caps).
+        not waiting for this scheduler's own runs to end); artifacts: where runs' files go
+        (None: the settings' RINGLAB_ARTIFACT_ROOT and caps); max_concurrent: the most runs
+        in flight at once (None: as many as pool.fits allows).
         A run's timeout_s counts from its claim (waiting for resources and gang start included).
         """
         if not 0 < heartbeat_s < lease_s:
@@ -154,6 +181,8 @@ class Scheduler:
             raise ValueError(f"poll_s: must be > 0, got {poll_s}")
         if recover_s <= 0:
             raise ValueError(f"recover_s: must be > 0, got {recover_s}")
+        if max_concurrent is not None and max_concurrent < 1:
+            raise ValueError(f"max_concurrent: must be >= 1 or None, got {max_concurrent}")
         self.sessionmaker = sessionmaker
         self.pool = pool
         self.owner = owner or default_owner()
@@ -162,10 +191,14 @@ class Scheduler:
         self.poll_s = poll_s
         self.grace_s = grace_s
         self.recover_s = recover_s
+        self.max_concurrent = max_concurrent
         self._stopping = threading.Event()
         self._requeue = threading.Event()
-        self._waiting = threading.Event()
+        self._inflight: list[_InFlight] = []
+        self.tenancy = Tenancy()
         self.last_trace: RunTrace | None = None
+        self.traces: dict[int, RunTrace] = {}
+        self._trace_lock = threading.Lock()
         if artifacts is None:
             from service.core.config import get_settings
 
@@ -175,7 +208,7 @@ class Scheduler:
     # -- control -------------------------------------------------------------------------------
 
     def stop(self, *, requeue: bool = False) -> None:
-        """Stop claiming; the running run finishes (or, with requeue, is killed and requeued)."""
+        """Stop claiming; running runs finish (or, with requeue, are killed and requeued)."""
         if requeue:
             self._requeue.set()
         self._stopping.set()
@@ -185,8 +218,8 @@ class Scheduler:
         return recover_runs(self.sessionmaker, self.owner, self.heartbeat_s)
 
     def run_forever(self, stop: threading.Event) -> None:
-        """Recover, then claim and run until `stop` (or stop()); a stop lets the run finish
-        within grace_s and requeues it after that (attempts unchanged). Recovery passes run
+        """Recover, then claim and run until `stop` (or stop()); a stop lets the runs finish
+        within grace_s and requeues them after that (attempts unchanged). Recovery passes run
         every recover_s on their own thread meanwhile."""
         self.recover()
         done = threading.Event()
@@ -194,20 +227,29 @@ class Scheduler:
         recoverer = threading.Thread(target=self._recover_every, args=(done,), daemon=True)
         watcher.start()
         recoverer.start()
+        backoff = self.poll_s
         try:
             while not self._stopping.is_set():
                 try:
-                    worked = self.run_once()
+                    started = self.fill()
                 except DBAPIError:
                     # The database is down or restarting: keep trying; a run we held and could
                     # not finish is requeued by recovery once its lease expires.
                     log.exception("database error; retrying in %g s", self.lease_s / 4)
                     self._stopping.wait(self.lease_s / 4)
                     continue
-                if not worked:
+                except Exception:  # Ray gone mid-way (fits reads the cluster), or a bug: logged
+                    backoff = min(2 * backoff, MAX_PASS_BACKOFF_S)  # and retried, not fatal
+                    log.exception("scheduling pass failed; next in %g s", backoff)
+                    self._stopping.wait(backoff)
+                    continue
+                backoff = self.poll_s
+                if not started:
                     self._stopping.wait(self.poll_s)
         finally:
             self._stopping.set()
+            for flight in list(self._inflight):
+                flight.thread.join()
             done.set()
             watcher.join()
             recoverer.join()
@@ -228,32 +270,97 @@ class Scheduler:
                     self._requeue.set()
                 return
 
+    # -- claiming ------------------------------------------------------------------------------
+
+    def in_flight(self) -> list[int]:
+        """Ids of the runs this scheduler drives now."""
+        self._inflight = [f for f in self._inflight if f.thread.is_alive()]
+        return [f.claim.run_id for f in self._inflight]
+
+    def fill(self) -> bool:
+        """Claim the next queued run and start driving it on its own thread, if there is room:
+        below max_concurrent, no `isolation: node` run in flight, and the pool says its gang
+        fits the free resources now (when nothing is in flight it is claimed anyway and waits
+        for resources, as waiting_resources). The queue's order is kept: a run that does not
+        fit holds back the ones behind it, so a large gang is not starved by small ones.
+        True when a run was claimed."""
+        if self._stopping.is_set():
+            return False
+        busy = self.in_flight()
+        if busy and (
+            any(f.isolated for f in self._inflight)
+            or (self.max_concurrent is not None and len(busy) >= self.max_concurrent)
+        ):
+            return False
+        candidate = leases.peek_next(self.sessionmaker)
+        if candidate is None:
+            return False
+        isolated = candidate.config.get("isolation") == "node"
+        if busy and (isolated or not self._fits(candidate.config)):
+            return False
+        claim = self._claim(candidate.run_id)
+        if claim is None:
+            return True  # taken by another scheduler (or cancelled): look again at once
+        thread = threading.Thread(
+            target=self._run_claim, args=(claim,), name=f"ringlab-run-{claim.run_id}", daemon=True
+        )
+        self._inflight.append(_InFlight(claim, isolated, thread))
+        thread.start()
+        return True
+
+    def _fits(self, config: dict[str, Any]) -> bool:
+        try:
+            parsed = RunConfig.model_validate(config)
+        except ValueError:
+            return True  # claimed and failed at once with the reason (_execute)
+        return self.pool.fits(parsed)
+
+    def _claim(self, run_id: int | None) -> Claim | None:
+        t0 = time.time()
+        claim = leases.claim_next(self.sessionmaker, self.owner, self.lease_s, run_id)
+        if claim is None:
+            return None
+        trace = RunTrace(claim.run_id, claim_started_at=t0, claimed_at=time.time())
+        with self._trace_lock:
+            self.last_trace = self.traces[claim.run_id] = trace
+        self.tenancy.claimed(claim.run_id, t0)
+        log.info("claimed run %d (attempt %d)", claim.run_id, claim.attempts)
+        return claim
+
     # -- one run -------------------------------------------------------------------------------
 
     def run_once(self) -> bool:
-        """Claim at most one queued run and drive it to the end; False when nothing was queued."""
+        """Claim at most one queued run (the queue's next) and drive it to the end on this
+        thread; False when nothing was queued."""
         if self._stopping.is_set():
             return False
-        t0 = time.time()
-        claim = leases.claim_next(self.sessionmaker, self.owner, self.lease_s)
+        claim = self._claim(None)
         if claim is None:
             return False
-        self.last_trace = RunTrace(claim.run_id, claim_started_at=t0, claimed_at=time.time())
-        log.info("claimed run %d (attempt %d)", claim.run_id, claim.attempts)
+        self._run_claim(claim)
+        return True
+
+    def _run_claim(self, claim: Claim) -> None:
         try:
             self._execute(claim)
-        except DBAPIError:
-            raise  # the lease expires and recovery requeues the run
+        except DBAPIError:  # the lease expires and recovery requeues the run
+            log.exception("run %d: database error; its lease will expire", claim.run_id)
         except Exception as exc:  # a bug anywhere below must not wedge the run: fail it loudly
             log.exception("run %d: scheduler error", claim.run_id)
             self._finish(claim, Completion(RunStatus.failed, error=f"scheduler error: {exc!r}"))
-        return True
+        finally:
+            self.tenancy.ended(claim.run_id, time.time())  # (gone already if _finish wrote it)
+            with self._trace_lock:
+                self.traces.pop(claim.run_id, None)  # last_trace keeps the latest claim's
 
     def _finish(self, claim: Claim, completion: Completion) -> None:
+        cotenants = self.tenancy.ended(claim.run_id, time.time())
+        completion = dataclasses.replace(completion, cotenants=cotenants)
         written = leases.finish(self.sessionmaker, claim, completion)
-        if self.last_trace is not None and self.last_trace.run_id == claim.run_id:
-            self.last_trace.committed_at = time.time()
-            self.last_trace.status = completion.status
+        trace = self.traces.get(claim.run_id)
+        if trace is not None:
+            trace.committed_at = time.time()
+            trace.status = completion.status
         if not written:
             log.warning(
                 "run %d: lease lost (cancelled or recovered); %s not written",
@@ -279,21 +386,23 @@ class Scheduler:
             )
             self._finish(claim, Completion(RunStatus.failed, error=error))
             return
-        self._waiting.clear()
+        waiting = threading.Event()
         try:
             # The pool checks feasibility against the cluster before it creates anything and
             # calls on_waiting (from this thread) when the bundles are not ready at once.
-            handle = self.pool.start(config, claim.kind, on_waiting=self._waiting.set)
+            handle = self.pool.start(config, claim.kind, on_waiting=waiting.set)
         except (errors.Infeasible, ValueError) as exc:
             self._finish(claim, Completion(RunStatus.failed, error=str(exc)))
             return
         try:
-            self._drive(claim, config, handle)
+            self._drive(claim, config, handle, waiting)
         except BaseException:
             handle.kill("scheduler error")
             raise
 
-    def _drive(self, claim: Claim, config: RunConfig, handle: RunHandle) -> None:
+    def _drive(
+        self, claim: Claim, config: RunConfig, handle: RunHandle, waiting: threading.Event
+    ) -> None:
         from workers import errors
 
         deadline = time.monotonic() + config.timeout_s
@@ -305,8 +414,9 @@ class Scheduler:
         while True:
             # waiting_resources while the pool waits for bundles, running once ranks are placed.
             wanted = shown
-            if self._waiting.is_set():
-                wanted = RunStatus.running if handle.placement() else RunStatus.waiting_resources
+            placed = self._note_placed(claim, handle)
+            if waiting.is_set():
+                wanted = RunStatus.running if placed else RunStatus.waiting_resources
             moved = wanted if wanted != shown else None
             now = time.monotonic()
             if (moved is not None and now >= backoff_until) or now >= next_beat:
@@ -328,7 +438,7 @@ class Scheduler:
                     next_beat = now + self.heartbeat_s
                     shown = wanted
                     if shown == RunStatus.running:
-                        self._waiting.clear()
+                        waiting.clear()
             stored_probes = self._store_new_probes(claim, handle, stored_probes)
             if self._requeue.is_set():
                 handle.kill("scheduler stopping")
@@ -346,7 +456,7 @@ class Scheduler:
                 return
             wait = max(0.0, min(self.poll_s, next_beat - now, deadline - now))
             try:
-                outcome = handle.poll(wait)
+                outcome = self._poll(claim, handle, wait)
             except (errors.RankFailed, errors.PlacementTimeout) as exc:
                 handle.kill(str(exc))
                 self._failed_attempt(claim, config, str(exc), handle)
@@ -356,9 +466,10 @@ class Scheduler:
                 self._finish(claim, _ended_early(RunStatus.failed, str(exc), handle))
                 return
             if outcome is not None:
-                if self.last_trace is not None:  # (without the artifacts' bytes)
-                    self.last_trace.outcome = outcome.model_copy(update={"artifacts": []})
-                    self.last_trace.outcome_at = time.time()
+                trace = self.traces.get(claim.run_id)
+                if trace is not None:  # (without the artifacts' bytes)
+                    trace.outcome = outcome.model_copy(update={"artifacts": []})
+                    trace.outcome_at = time.time()
 
                 def renew() -> None:  # an upload may outlast the lease
                     leases.heartbeat(self.sessionmaker, claim, self.lease_s)
@@ -366,6 +477,21 @@ class Scheduler:
                 written = self.artifacts.write(claim.run_id, outcome.artifacts, renew)
                 self._finish(claim, completion_from_outcome(outcome, written))
                 return
+
+    def _poll(self, claim: Claim, handle: RunHandle, wait: float) -> RunOutcome | None:
+        """handle.poll, then note where the ranks ran: a run can end within one poll."""
+        try:
+            return handle.poll(wait)
+        finally:
+            self._note_placed(claim, handle)
+
+    def _note_placed(self, claim: Claim, handle: RunHandle) -> bool:
+        """Record where the run's ranks are once they are (tenancy); whether they are."""
+        placed = handle.placement()
+        if placed:
+            since = getattr(handle, "placed_at", None) or time.time()
+            self.tenancy.placed(claim.run_id, _nodes(placed), since)
+        return bool(placed)
 
     def _store_new_probes(self, claim: Claim, handle: RunHandle, stored: int) -> int:
         """Store the probes the search finished since the last call; how many are stored."""
@@ -406,9 +532,12 @@ def _recover_until(sm: sessionmaker[Session], owner: str, done: threading.Event)
 
 
 def run_forever_from_settings(settings: Any, stop_event: threading.Event) -> None:
-    """Migrate, connect Ray (settings.ray_address or a local one), and schedule until stop_event."""
+    """Migrate, connect Ray (settings.ray_address or a local one) with backoff until it answers
+    (each failure logged, and on /readyz through service.ray_status), and schedule until
+    stop_event."""
     from service.db.engine import make_engine, make_sessionmaker
     from service.db.migrate import upgrade
+    from service.ray_status import connect_with_backoff
     from workers import cluster
     from workers.gang import GangPool
 
@@ -416,19 +545,24 @@ def run_forever_from_settings(settings: Any, stop_event: threading.Event) -> Non
     engine = make_engine(settings.database_url)
     sm = make_sessionmaker(engine)
     owner = default_owner()
-    # Recovery passes run while Ray starts (seconds): what a crashed predecessor held is
-    # queued again as soon as its heartbeat is late, not after this start-up.
+    # Recovery passes run while Ray connects (seconds, or long while it is unreachable): what
+    # a crashed predecessor held is queued again as soon as its heartbeat is late.
     starting = threading.Event()
     early = threading.Thread(target=_recover_until, args=(sm, owner, starting), daemon=True)
     early.start()
     try:
-        cluster.connect(settings.ray_address)
-        pool = GangPool()
+        connected = connect_with_backoff(settings.ray_address, cluster.connect, stop_event)
     finally:
         starting.set()
         early.join()
+    if not connected:  # stopped before Ray answered
+        engine.dispose()
+        return
+    pool = GangPool()
     try:
-        Scheduler(sm, pool=pool, owner=owner).run_forever(stop_event)
+        Scheduler(
+            sm, pool=pool, owner=owner, max_concurrent=settings.max_concurrent_runs
+        ).run_forever(stop_event)
     finally:
         pool.close()
         engine.dispose()

@@ -124,6 +124,13 @@ class ThreadPool:
     starts: Counter[int] = field(default_factory=Counter)
     kills: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    slots: int = 1  # runs fits() admits at once (1: one at a time, as a one-slot cluster)
+    live: list[ThreadHandle] = field(default_factory=list)
+
+    def fits(self, config: RunConfig) -> bool:
+        with self.lock:
+            self.live = [h for h in self.live if not (h.done.is_set() or h.killed.is_set())]
+            return len(self.live) < self.slots
 
     def start(
         self, config: RunConfig, kind: str, *, on_waiting: Callable[..., None] | None = None
@@ -136,7 +143,10 @@ class ThreadPool:
             n = self.starts[config.seed]
         if script.waiting_s and on_waiting is not None:
             on_waiting()  # like GangPool: synchronously, when the bundles are not ready at once
-        return ThreadHandle(self, config, script, n)
+        handle = ThreadHandle(self, config, script, n)
+        with self.lock:
+            self.live.append(handle)
+        return handle
 
     def close(self) -> None:
         pass

@@ -3,12 +3,16 @@ session cookie (HttpOnly, SameSite=Strict, Secure over https) that admits reads,
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import unquote
 
 from _api_helpers import TOKEN, api_client, small_spec
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select, update
 
 from service.api.deps import SESSION_COOKIE
+from service.db.models import WebSession, utcnow
 
 API = "/api/v1"
 
@@ -39,6 +43,7 @@ def test_log_in_with_the_token_then_read_with_the_cookie(tmp_path: Path) -> None
         assert cookie.startswith(f"{SESSION_COOKIE}=") and TOKEN not in cookie
         attrs = {a.strip().lower() for a in cookie.split(";")}
         assert {"httponly", "samesite=strict", "path=/"} <= attrs and "secure" not in attrs
+        assert f"max-age={12 * 3600}" in attrs, "the cookie expires (RINGLAB_SESSION_TTL_S)"
 
         assert client.get(f"/sweeps/{sweep_id}").status_code == 200  # the client keeps it
         assert client.get(f"{API}/sweeps").status_code == 200
@@ -50,6 +55,55 @@ def test_log_in_with_the_token_then_read_with_the_cookie(tmp_path: Path) -> None
         assert out.status_code == 303 and f"{SESSION_COOKIE}=" in out.headers["set-cookie"]
         client.cookies.clear()
         assert client.get("/", follow_redirects=False).status_code == 303
+
+
+def _login(client: TestClient) -> str:
+    r = client.post("/login", data={"token": TOKEN}, follow_redirects=False)
+    assert r.status_code == 303
+    value = r.cookies[SESSION_COOKIE]
+    client.cookies.clear()
+    return value
+
+
+def _reads_with(client: TestClient, cookie: str) -> int:
+    client.cookies.clear()
+    client.cookies.set(SESSION_COOKIE, cookie)
+    try:
+        return client.get(f"{API}/sweeps").status_code
+    finally:
+        client.cookies.clear()
+
+
+def test_logout_revokes_the_session_on_the_server(database_url: str) -> None:
+    """A copy of the cookie kept past logout (a stolen one, another tab) is refused after it:
+    logging out used to delete the cookie in the browser only. Each login gets its own
+    session, and logging out of one leaves the other."""
+    with api_client(database_url, api_token=TOKEN, require_token_for_reads=True) as client:
+        first, second = _login(client), _login(client)
+        assert first != second and TOKEN not in first
+        assert _reads_with(client, first) == 200 and _reads_with(client, second) == 200
+        client.cookies.set(SESSION_COOKIE, first)
+        assert client.post("/logout", follow_redirects=False).status_code == 303
+        assert _reads_with(client, first) == 401, "the kept cookie is revoked"
+        assert _reads_with(client, second) == 200, "the other session lives on"
+        session_id, _, mac = second.partition(".")
+        assert _reads_with(client, f"{session_id}.{'0' * len(mac)}") == 401, "forged MAC"
+
+
+def test_an_expired_session_is_refused(database_url: str) -> None:
+    """Past its expiry (moved there in the database: no test waits 12 hours) the cookie is
+    refused even if the browser still sends it; the next login sweeps the expired row."""
+    with api_client(database_url, api_token=TOKEN, require_token_for_reads=True) as client:
+        cookie = _login(client)
+        assert _reads_with(client, cookie) == 200
+        sm = client.app.state.sessionmaker  # type: ignore[attr-defined]
+        with sm() as session, session.begin():
+            session.execute(update(WebSession).values(expires_at=utcnow() - timedelta(seconds=1)))
+        assert _reads_with(client, cookie) == 401
+        assert client.get("/", follow_redirects=False).status_code == 303
+        _login(client)
+        with sm() as session:
+            assert session.scalar(select(func.count()).select_from(WebSession)) == 1
 
 
 def test_a_forged_cookie_or_an_outside_next_goes_nowhere(tmp_path: Path) -> None:

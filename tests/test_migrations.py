@@ -13,6 +13,7 @@ from service.db.models import Base
 TABLES = {
     "ring_step",
     "artifact",
+    "web_session",
     "sweep",
     "run",
     "rank_result",

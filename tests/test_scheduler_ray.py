@@ -313,9 +313,16 @@ def test_run_forever_from_settings_migrates_runs_and_stops(
 
 
 def _migrated(engine: Engine) -> bool:
-    from sqlalchemy import inspect
+    """At the last revision, not merely past the first: a sweep inserted while later
+    migrations still run would miss their columns."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
 
-    return "run" in inspect(engine).get_table_names()
+    from service.db.migrate import alembic_config
+
+    head = ScriptDirectory.from_config(alembic_config(str(engine.url))).get_current_head()
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision() == head
 
 
 def _block_all_but_one_cpu(ray_session: Any) -> Any:

@@ -19,6 +19,7 @@ Mode = Literal["forward", "train"]
 Parallel = Literal["sequence", "data"]
 Device = Literal["auto", "cuda", "cpu"]
 Placement = Literal["pack", "spread", "strict_spread"]
+Isolation = Literal["gpu", "node"]
 Workload = Literal["attention", "model"]
 Optimizer = Literal["adamw", "sgd", "adamw8bit"]
 Precision = Literal["fp32", "bf16_autocast", "fp16_autocast", "bf16"]
@@ -229,6 +230,13 @@ class RunConfig(BaseModel):
     )
     max_attempts: int = Field(1, ge=1, le=10)
     placement: Placement = "pack"
+    isolation: Isolation = Field(
+        "gpu",
+        description="gpu: the run holds its ranks' GPUs (CPUs on a CPU run) alone, beside "
+        "other gangs on the same nodes; node: its scheduler runs nothing else while it runs "
+        "(for timing-critical sweeps). Either way the run records the runs that shared its "
+        "nodes (cotenants).",
+    )
     fresh_processes: bool = False
     correctness_check: bool = Field(
         True,

@@ -36,3 +36,9 @@ class RankFailed(GangError):
 
 class PlacementTimeout(GangError):
     """The gang's bundles did not become ready within the deadline (the cluster stays busy)."""
+
+
+class ActorsNotStarted(GangError):
+    """The gang's bundles were placed but its rank actors did not start; the message carries
+    Ray's own reason (the raylet's error log) when Ray gave one. Not retried: the same gang
+    would fail the same way."""

@@ -1,9 +1,11 @@
 """Gangs of rank actors: placement group, ordered ranks, process group; a pool that reuses them.
 
-`GangPool.start(config, kind)` returns a RunHandle at once; the run goes on in a driver thread
-that only makes Ray calls, and the scheduler loops on `handle.poll(timeout_s)` while it
-heartbeats. A rank that dies fails the run with RankFailed and the gang is torn down; a warm
-gang is reused by the next run with the same world size, resources, placement and NCCL env.
+Several runs may be in flight at once, each on its own gang (`GangPool.fits` says whether the
+next one's bundles are free now). `GangPool.start(config, kind)` returns a RunHandle at once;
+the run goes on in a driver thread that only makes Ray calls, and the scheduler loops on
+`handle.poll(timeout_s)` while it heartbeats. A rank that dies fails the run with RankFailed
+and the gang is torn down; a warm gang is reused by the next run with the same world size,
+resources, placement and NCCL env.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from workers.cluster import (
     device_kind,
 )
 from workers.config import RunConfig
-from workers.errors import GangError, PlacementTimeout, RankFailed
+from workers.errors import ActorsNotStarted, GangError, PlacementTimeout, RankFailed
+from workers.ray_reason import RayletErrors, actor_states, group_nodes
 from workers.results import CaseOutcome, EnvironmentInfo, ProbeResult, RankPlacement, RunOutcome
 
 Kind = Literal["benchmark", "max_seq_len", "correctness"]
@@ -41,6 +44,13 @@ READY_AT_ONCE_S = 0.5  # bundles ready within this are "at once": no waiting_res
 FAILURE_GRACE_S = 10.0  # after one rank fails, how long the others get before the gang is killed
 WAIT_SLICE_S = 0.5  # the run thread's wait granularity (how fast it notices a kill)
 ALIVE_TIMEOUT_S = 10.0  # a warm gang's ranks must answer a ping within this to be reused
+ACTOR_START_S = 10.0
+"""Rank actors not up this long after their bundles were placed: if the raylets of their nodes
+logged errors since, those are why (a worker that cannot start leaves its actor pending and
+raises nothing), and the start fails with them."""
+ACTOR_START_LIMIT_S = 180.0
+"""Rank actors not up by then fail the start even without a reason from Ray (a loaded host
+takes tens of seconds to start Python workers; the run's own timeout_s still applies)."""
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +131,7 @@ class Gang:
                     ray.kill(actor, no_restart=True)
                 raise GangError("gang removed while it was starting")
             self.actors = actors
-        infos = _get_all(actors, [a.info.remote() for a in actors])
+        infos = _get_all(actors, [a.info.remote() for a in actors], _start_watch(self.pg, actors))
         order = sorted(
             range(len(actors)),
             key=lambda i: (
@@ -167,12 +177,40 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(lines[:3])}"[:2000]
 
 
-def _get_all(actors: list[Any], refs: list[Any]) -> list[Any]:
-    """Every ref's value in order; a dead actor raises RankFailed naming its rank (list index)."""
+def _start_watch(pg: PlacementGroup, actors: list[Any]) -> Callable[[], None]:
+    """A check called while the rank actors start: raises ActorsNotStarted with the raylets'
+    errors once ACTOR_START_S have passed and their nodes reported any, or without a reason
+    from Ray at ACTOR_START_LIMIT_S."""
+    started = time.monotonic()
+    errors = RayletErrors(group_nodes(pg))
+
+    def check() -> None:
+        elapsed = time.monotonic() - started
+        if elapsed < ACTOR_START_S:
+            return
+        reason = errors.reason()
+        if reason is None and elapsed < ACTOR_START_LIMIT_S:
+            return
+        states = ", ".join(actor_states(actors))
+        raise ActorsNotStarted(
+            f"the actors of {len(actors)} rank(s) did not start within {elapsed:.0f} s "
+            f"(actor states: {states}): {reason or 'Ray reported no error on their nodes'}"
+        )
+
+    return check
+
+
+def _get_all(
+    actors: list[Any], refs: list[Any], check: Callable[[], None] | None = None
+) -> list[Any]:
+    """Every ref's value in order; a dead actor raises RankFailed naming its rank (list index).
+    `check` is called every WAIT_SLICE_S while refs are pending (it raises to give up)."""
     values: list[Any] = [None] * len(refs)
     pending = list(refs)
     while pending:
-        done, pending = ray.wait(pending, num_returns=1)
+        done, pending = ray.wait(pending, num_returns=1, timeout=WAIT_SLICE_S)
+        if not done and check is not None:
+            check()
         for ref in done:
             index = refs.index(ref)
             try:
@@ -211,6 +249,8 @@ class RunHandle:
         self._outcome: RunOutcome | None = None
         self._error: BaseException | None = None
         self._probes: list[ProbeResult] = []
+        self.placed_at: float | None = None if cold else time.time()
+        """Wall-clock time the ranks were up (a warm gang's: the start); None until then."""
         self._thread = threading.Thread(target=self._main, name="ringlab-run", daemon=True)
 
     # public API ---------------------------------------------------------------------------
@@ -262,6 +302,7 @@ class RunHandle:
             if self._cold:
                 self._wait_ready()
                 self._gang.spawn()
+                self.placed_at = time.time()
                 gang_start_s = time.monotonic() - self._started
             if self.kind == "max_seq_len":
                 outcome = search.run_search(self.config, self._run_probe, self._probes)
@@ -451,12 +492,14 @@ class GangPool:
                 gang = next((g for g in self._idle if g.key == key), None)
             if gang is not None:
                 self._idle.remove(gang)
-            stale, self._idle = self._idle, []
             cold = gang is None
+            stale: list[Gang] = []
+            if cold:  # idle gangs hold resources the new one may need
+                stale, self._idle = self._idle, []
             if gang is None:
                 gang = Gang(key)
             self._busy.append(gang)
-        for old in stale:  # idle gangs hold resources the new one may need
+        for old in stale:
             old.remove()
         if not cold and not gang.alive():
             log.warning("warm gang %s lost a rank while idle; starting a new one", key)
@@ -479,6 +522,27 @@ class GangPool:
         )
         handle._thread.start()
         return handle
+
+    def fits(self, config: RunConfig) -> bool:
+        """Whether the cluster holds `config`'s W bundles now, beside every placement group
+        that is not REMOVED (other gangs, other schedulers' and other jobs', pending ones
+        included) except this pool's idle gangs (a new gang replaces them). Read from the
+        GCS's group table, which a new group enters at once, where the nodes' free-resource
+        reports lag: the scheduler asks this right after starting a gang."""
+        from ray.util import placement_group_table
+
+        cluster = describe()
+        cuda = device_kind(config, cluster) == "cuda"
+        resource = "GPU" if cuda else "CPU"
+        total = float(cluster["total_gpus" if cuda else "total_cpus"])
+        with self._lock:
+            idle = {gang.pg.id.hex() for gang in self._idle}
+        held = 0.0
+        for group_id, group in placement_group_table().items():
+            if group.get("state") == "REMOVED" or group_id in idle:
+                continue
+            held += sum(float(b.get(resource, 0.0)) for b in group.get("bundles", {}).values())
+        return total - held >= config.world_size
 
     def close(self) -> None:
         """Kill every actor and remove every placement group this pool created."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Iterator
 from typing import Annotated
@@ -11,6 +10,7 @@ from urllib.parse import urlencode
 from fastapi import Depends, HTTPException, Path, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 
 from service.core.config import Settings
 
@@ -30,38 +30,41 @@ def get_session(request: Request) -> Iterator[Session]:
 
 
 SESSION_COOKIE = "ringlab_session"
-"""The dashboard's session cookie (service.web.login): a browser cannot send a bearer header,
-with EventSource least of all. It admits reads only; writes always need the bearer token."""
+"""The dashboard's session cookie (service.web.login, service.web.sessions): a browser cannot
+send a bearer header, with EventSource least of all. It admits reads only; writes always need
+the bearer token."""
 
 
-def session_value(token: str) -> str:
-    """The cookie value that stands for `token`: an HMAC of it, so the cookie never holds the
-    token itself, and changing RINGLAB_API_TOKEN ends every session."""
-    return hmac.new(token.encode(), b"ringlab dashboard session", hashlib.sha256).hexdigest()
-
-
-def _authorized(
-    settings: Settings, credentials: HTTPAuthorizationCredentials | None, cookie: str | None
-) -> bool:
+def _bearer_ok(settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> bool:
     if settings.api_token is None:
         return True
     given = credentials.credentials if credentials is not None else ""
-    if hmac.compare_digest(given.encode(), settings.api_token.encode()):
+    return hmac.compare_digest(given.encode(), settings.api_token.encode())
+
+
+async def _read_allowed(
+    request: Request, settings: Settings, credentials: HTTPAuthorizationCredentials | None
+) -> bool:
+    """The bearer token, or a cookie of a live session (looked up in the database, off the
+    event loop, only when there is no right bearer token)."""
+    if _bearer_ok(settings, credentials):
         return True
-    return cookie is not None and hmac.compare_digest(
-        cookie.encode(), session_value(settings.api_token).encode()
+    cookie = request.cookies.get(SESSION_COOKIE)
+    if cookie is None or settings.api_token is None:
+        return False
+    from service.web.sessions import session_valid
+
+    return await run_in_threadpool(
+        session_valid, request.app.state.sessionmaker, settings.api_token, cookie
     )
 
 
-def _check_token(
-    settings: Settings, credentials: HTTPAuthorizationCredentials | None, cookie: str | None = None
-) -> None:
-    if not _authorized(settings, credentials, cookie):
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED,
-            "missing or wrong bearer token (Authorization: Bearer <RINGLAB_API_TOKEN>)",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+def _unauthorized() -> HTTPException:
+    return HTTPException(
+        status.HTTP_401_UNAUTHORIZED,
+        "missing or wrong bearer token (Authorization: Bearer <RINGLAB_API_TOKEN>)",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 async def require_write(
@@ -69,7 +72,8 @@ async def require_write(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
 ) -> None:
     """Mutating endpoints: the token is required whenever one is configured."""
-    _check_token(settings, credentials)
+    if not _bearer_ok(settings, credentials):
+        raise _unauthorized()
 
 
 async def require_read(
@@ -79,8 +83,8 @@ async def require_read(
 ) -> None:
     """Reads: open unless settings.require_token_for_reads; then the bearer token or the
     dashboard's session cookie."""
-    if settings.require_token_for_reads:
-        _check_token(settings, credentials, request.cookies.get(SESSION_COOKIE))
+    if settings.require_token_for_reads and not await _read_allowed(request, settings, credentials):
+        raise _unauthorized()
 
 
 async def require_read_page(
@@ -92,7 +96,7 @@ async def require_read_page(
     login page (303), which brings it back here."""
     if not settings.require_token_for_reads:
         return
-    if not _authorized(settings, credentials, request.cookies.get(SESSION_COOKIE)):
+    if not await _read_allowed(request, settings, credentials):
         here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         raise HTTPException(
             status.HTTP_303_SEE_OTHER,

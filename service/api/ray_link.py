@@ -16,14 +16,17 @@ _connect_lock = threading.Lock()
 def problem(settings: Settings, *, may_connect: bool) -> str | None:
     """None when Ray is connected and has an alive node; else why not, in one line.
 
-    may_connect is False when the embedded scheduler owns the connection (it connects at start;
-    a second ray.init racing it would fail).
+    may_connect is False when the embedded scheduler owns the connection (it connects at start,
+    with backoff, and says how that goes in service.ray_status; a second ray.init racing it
+    would fail).
     """
     import ray
 
+    from service.ray_status import RAY
+
     if not ray.is_initialized():
         if not may_connect:
-            return "not connected yet: the embedded scheduler connects at start"
+            return RAY.problem() or "not connected: the embedded scheduler has not started"
         if settings.ray_address is None:
             return (
                 "not connected: this process runs no scheduler and RINGLAB_RAY_ADDRESS is unset "

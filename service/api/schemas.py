@@ -253,6 +253,11 @@ class RunDetail(RunOut):
 
     lease_owner: str | None
     heartbeat_at: UtcDatetime | None
+    cotenants: list[int] | None = Field(
+        description="Ids of the runs whose gangs shared a node with this one while it ran "
+        "(its timings may be contended); []: it ran alone; null: never placed, or stored "
+        "before co-tenants were recorded."
+    )
     rank_results: list[RankResultOut]
     probes: list[ProbeOut]
     environment: EnvironmentOut | None

@@ -66,6 +66,19 @@ class Settings(BaseSettings):
     ray_address: str | None = None
     api_token: str | None = None
     require_token_for_reads: bool = False
+    session_ttl_s: float = Field(
+        default=12 * 3600.0,
+        gt=0,
+        le=30 * 24 * 3600.0,
+        allow_inf_nan=False,
+        description="How long a dashboard login lasts (its cookie's and its stored expiry).",
+    )
+    max_concurrent_runs: int | None = Field(
+        default=None,
+        ge=1,
+        description="The most runs one scheduler drives at once (None: as many as the "
+        "cluster's free resources hold).",
+    )
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     artifact_root: str = Field(

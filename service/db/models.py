@@ -126,6 +126,9 @@ class Sweep(Base):
     base_config: Mapped[dict[str, Any] | None]
     """What every run's normalized config shares, stored once (None: sweeps stored before
     revision 0005, whose runs hold their whole config). See Run.config."""
+    last_claimed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    """When a scheduler last claimed one of its runs: the queue serves the sweep claimed
+    longest ago first (round-robin across sweeps, service.leases.claim_next)."""
 
     runs: Mapped[list[Run]] = relationship(
         back_populates="sweep", cascade="all, delete-orphan", passive_deletes=True
@@ -204,6 +207,10 @@ class Run(Base):
     environment_id: Mapped[int | None] = mapped_column(
         ForeignKey("environment.id", ondelete="SET NULL")
     )
+    cotenants: Mapped[list[Any] | None]
+    """Ids of the other runs whose gangs shared a node with this run's gang while it ran
+    ([]: it ran alone; None: never placed, or stored before revision 0011). A timing taken
+    beside a co-tenant may be contended."""
 
     sweep: Mapped[Sweep] = relationship(back_populates="runs")
     environment: Mapped[Environment | None] = relationship()
@@ -352,3 +359,16 @@ class Artifact(Base):
     """Where the bytes are: a path or fsspec URL under the artifact root (None if refused)."""
     refused: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class WebSession(Base):
+    """A dashboard login (service.web.sessions): the cookie holds a random id and an HMAC of
+    it under the API token; the table holds the id's SHA-256, so a logout (the row deleted)
+    or its expiry ends the session for real, and a database read does not yield cookies."""
+
+    __tablename__ = "web_session"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -2,9 +2,10 @@
 
 With RINGLAB_REQUIRE_TOKEN_FOR_READS a browser could not read anything: it cannot send a bearer
 header, and EventSource cannot at all. POST /login checks the token and sets `ringlab_session`
-(service.api.deps.session_value: an HMAC of the token, never the token), HttpOnly, SameSite
-Strict, and Secure when the request came over https (behind a proxy: uvicorn's
---forwarded-allow-ips makes X-Forwarded-Proto count). The cookie admits reads only.
+(service.web.sessions: a random session id and its HMAC under the token, never the token),
+HttpOnly, SameSite Strict, Max-Age RINGLAB_SESSION_TTL_S, and Secure when the request came over
+https (behind a proxy: uvicorn's --forwarded-allow-ips makes X-Forwarded-Proto count). The
+cookie admits reads only, until it expires or POST /logout revokes its session on the server.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Query, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from service.api.deps import SESSION_COOKIE, SettingsDep, session_value
+from service.api.deps import SESSION_COOKIE, SettingsDep
+from service.web.sessions import close_session, open_session
 
 router = APIRouter(include_in_schema=False)
 
@@ -60,10 +62,12 @@ def login(
     expected = settings.api_token
     if expected is None or not hmac.compare_digest(token.encode(), expected.encode()):
         return _form(request, target, "That is not this server's token.", 401)
+    cookie = open_session(request.app.state.sessionmaker, expected, settings.session_ttl_s)
     response = RedirectResponse(target, status_code=status.HTTP_303_SEE_OTHER)
     response.set_cookie(
         SESSION_COOKIE,
-        session_value(expected),
+        cookie,
+        max_age=int(settings.session_ttl_s),
         httponly=True,
         samesite="strict",
         secure=request.url.scheme == "https",
@@ -73,8 +77,12 @@ def login(
 
 
 @router.post("/logout")
-def logout() -> Response:
-    """End the session: the cookie goes; the next page asks for the token again."""
+def logout(request: Request, settings: SettingsDep) -> Response:
+    """End the session: revoked on the server (a kept copy of the cookie no longer works), and
+    the cookie goes; the next page asks for the token again."""
+    cookie = request.cookies.get(SESSION_COOKIE)
+    if cookie is not None and settings.api_token is not None:
+        close_session(request.app.state.sessionmaker, settings.api_token, cookie)
     response = RedirectResponse("/login", status_code=status.HTTP_303_SEE_OTHER)
     response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
     return response

@@ -99,6 +99,7 @@ def get_run(run_id: RunId, session: SessionDep) -> RunDetail:
             **base,
             "lease_owner": run.lease_owner,
             "heartbeat_at": run.heartbeat_at,
+            "cotenants": run.cotenants,
             "rank_results": run.rank_results,
             "probes": run.probes,
             "environment": run.environment,

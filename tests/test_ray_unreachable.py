@@ -1,0 +1,68 @@
+"""A scheduler that cannot reach Ray retries with backoff, logs why in one line, and /readyz
+answers 503 naming Ray and the reason, never "connecting" for ever: the issue's case, a live
+Ray cluster whose auth token this `ringlab serve` lacks (the session's local Ray, joined with a
+wrong token from a fresh process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
+
+SERVE = """
+import json, logging, sys, time
+from fastapi.testclient import TestClient
+from service.app import create_app
+from service.core.config import Settings
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+settings = Settings(database_url=sys.argv[1], ray_address=sys.argv[2])
+with TestClient(create_app(settings, with_scheduler=True)) as client:
+    seen = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        r = client.get("/api/v1/readyz")
+        seen.append((r.status_code, r.json()["checks"]))
+        if "unreachable" in r.json()["checks"]["ray"]:
+            break
+        time.sleep(0.2)
+    cluster = client.get("/api/v1/cluster")
+    print(json.dumps({"seen": seen, "cluster": [cluster.status_code, cluster.json()]}))
+"""
+
+
+def test_unreachable_ray_is_retried_logged_and_named_on_readyz(
+    tmp_path: Path, ray_session: Any
+) -> None:
+    address = ray_session.get_runtime_context().gcs_address
+    env = {
+        **os.environ,
+        "RAY_AUTH_TOKEN": "not-this-clusters-token-0123456789abcdef01234567",
+        "RAY_gcs_server_port_wait_time_s": "2",  # Ray's own connect window: ~2 s, not ~20
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVE, f"sqlite:///{tmp_path / 'r.db'}", address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    seen = out["seen"]
+    assert all(code == 503 for code, _ in seen), seen
+    first, last = seen[0][1]["ray"], seen[-1][1]["ray"]
+    assert first.startswith(f"connecting to {address}: attempt 1"), first
+    assert last.startswith(f"unreachable: cannot connect to {address} (ConnectionError: "), last
+    assert "attempt 2 in" in last
+    assert all(checks["scheduler"] == "running" for _, checks in seen), "it did not stop"
+    log_lines = [x for x in proc.stderr.splitlines() if "cannot connect to Ray at" in x]
+    assert log_lines and "attempt 2 in 1 s" in log_lines[0], proc.stderr[-3000:]
+    assert out["cluster"][0] == 503 and "unreachable" in json.dumps(out["cluster"][1])

@@ -1,0 +1,217 @@
+"""Concurrent gangs: one scheduler drives as many runs as fit, round-robin across sweeps, with
+`isolation: node` runs alone, and every run records the runs that shared its nodes.
+
+The queue's order and the co-tenant marks on both databases (the in-process executor of
+tests/_scheduler_helpers.py), then the whole on the session's real local Ray (4 CPUs).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _scheduler_helpers import (
+    Script,
+    ThreadPool,
+    add_sweep,
+    live_placement_groups,
+    run_row,
+    tiny_config,
+    wait_for,
+)
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.db.engine import make_engine, make_sessionmaker
+from service.db.migrate import upgrade
+from service.db.models import TERMINAL_STATUSES, Run, RunStatus
+from service.scheduler import Scheduler
+from service.tenancy import Tenancy
+from workers.config import RunConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _drain(sched: Scheduler, sm: sessionmaker[Session], ids: list[int], timeout_s: float) -> None:
+    """run_forever until every run in `ids` is terminal."""
+    stop = threading.Event()
+    thread = threading.Thread(target=sched.run_forever, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        wait_for(
+            lambda: all(run_row(sm, i).status in TERMINAL_STATUSES for i in ids),
+            timeout_s,
+            "every run terminal",
+        )
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+def _by_start(runs: list[Run]) -> list[Run]:
+    return sorted(runs, key=lambda r: (r.started_at, r.id))
+
+
+def test_tenancy_marks_overlaps_on_shared_nodes_both_ways() -> None:
+    t = Tenancy()
+    for run in (1, 2, 3, 4):
+        t.claimed(run, 0.0)
+    t.placed(1, ["n1"], 1.0)
+    t.placed(2, ["n1", "n2"], 2.0)  # overlaps 1 on n1
+    t.placed(3, ["n3"], 2.0)  # alone on n3
+    assert t.ended(1, 3.0) == [2]
+    t.placed(4, ["n2"], 4.0)  # placed after 1 ended: meets 2 only
+    assert t.ended(2, 5.0) == [1, 4], "an ended run is still seen by the runs it overlapped"
+    assert t.ended(3, 6.0) == []
+    assert t.ended(4, 7.0) == [2]
+    t.claimed(5, 8.0)
+    assert t.ended(5, 9.0) is None, "never placed: no mark either way"
+    assert t._ended == [], "nothing in flight: the ended runs are forgotten"
+
+
+def test_queue_round_robins_across_sweeps(engine: Engine) -> None:
+    """A 3-cell sweep submitted first does not hold back the two after it: the claims go
+    A B C A B A, where FIFO would go A A A B B C."""
+    sm = make_sessionmaker(engine)
+    sweeps = {"A": 3, "B": 2, "C": 1}
+    ids = {
+        n: add_sweep(sm, [tiny_config(seed=i) for i in range(k)], name=n) for n, k in sweeps.items()
+    }
+    sched = Scheduler(sm, pool=ThreadPool(), lease_s=5.0, heartbeat_s=0.5, poll_s=0.02)
+    while sched.run_once():
+        pass
+    name = {i: n for n, run_ids in ids.items() for i in run_ids}
+    runs = _by_start([run_row(sm, i) for i in name])
+    assert [name[r.id] for r in runs] == list("ABCABA")
+    assert all(r.status == RunStatus.succeeded for r in runs)
+
+
+def test_runs_as_many_as_fit_and_marks_cotenants(engine: Engine) -> None:
+    """Two slots: runs overlap in pairs and each names the other as co-tenant (the executor's
+    ranks all sit on one 'node'); an isolation: node run waits for the others, runs alone and
+    records no co-tenant."""
+    sm = make_sessionmaker(engine)
+    a = add_sweep(sm, [tiny_config(seed=0), tiny_config(seed=1)], name="A")
+    (alone,) = add_sweep(sm, [tiny_config(seed=2, isolation="node")], name="N")
+    b = add_sweep(sm, [tiny_config(seed=3), tiny_config(seed=4)], name="B")
+    pool = ThreadPool(script_for=lambda _c: Script(delay_s=0.4), slots=2)
+    sched = Scheduler(sm, pool=pool, lease_s=5.0, heartbeat_s=0.5, poll_s=0.02)
+    _drain(sched, sm, [*a, alone, *b], 60)
+    runs = {r.id: r for r in (run_row(sm, i) for i in [*a, alone, *b])}
+    assert all(r.status == RunStatus.succeeded for r in runs.values())
+    order = [r.id for r in _by_start(list(runs.values()))]
+    assert order == [a[0], alone, b[0], a[1], b[1]], "round-robin, the isolated run in turn"
+    lone = runs[alone]
+    assert lone.cotenants == []
+    for other in runs.values():  # nothing else ran while the isolated run did
+        if other.id != alone:
+            assert other.finished_at <= lone.started_at or other.started_at >= lone.finished_at
+    assert a[1] in runs[b[0]].cotenants and b[0] in runs[a[1]].cotenants
+    assert runs[b[0]].started_at < runs[a[1]].finished_at, "the pair overlapped"
+    for run in runs.values():  # (b[1] may start beside b[0] when a[1] ends first)
+        for other in run.cotenants:
+            assert run.id in runs[other].cotenants, "marks go both ways"
+            assert runs[other].started_at < run.finished_at, "only overlapping runs"
+
+
+# -- the real local Ray ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sqlite_sm(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
+    url = f"sqlite:///{tmp_path / 'ringlab.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    try:
+        yield make_sessionmaker(engine)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_real_gangs_run_concurrently_fairly_and_isolated(
+    sqlite_sm: sessionmaker[Session], ray_session: Any
+) -> None:
+    """On the session's local Ray (4 CPUs): one-rank runs of two sweeps start in turn A B A B
+    and run at once (each names the others as co-tenants, their gangs were up together); an
+    isolation: node run between them runs alone."""
+    from workers.gang import GangPool
+
+    sm = sqlite_sm
+    # ~3 s of timed iterations alone: longer than the spread of the gangs' start times
+    cell = {"iterations": 300, "seq_len": 512, "correctness_check": False}
+    a = add_sweep(sm, [tiny_config(seed=i, **cell) for i in range(2)], name="A")
+    b = add_sweep(sm, [tiny_config(seed=i, **cell) for i in range(2)], name="B")
+    (alone,) = add_sweep(sm, [tiny_config(seed=9, isolation="node", **cell)], name="N")
+    before = live_placement_groups()
+    pool = GangPool(placement_timeout_s=60)
+    sched = Scheduler(sm, pool=pool, lease_s=10.0, heartbeat_s=0.5, poll_s=0.05)
+    try:
+        _drain(sched, sm, [*a, *b, alone], 150)
+    finally:
+        pool.close()
+    wait_for(lambda: live_placement_groups() <= before, 30, "placement groups removed")
+    runs = {i: run_row(sm, i) for i in [*a, *b, alone]}
+    assert {r.status for r in runs.values()} == {RunStatus.succeeded}, [
+        r.error for r in runs.values()
+    ]
+    order = [r.id for r in _by_start(list(runs.values()))]
+    assert order == [a[0], b[0], alone, a[1], b[1]]
+    assert runs[a[0]].cotenants == [b[0]] and runs[b[0]].cotenants == [a[0]]
+    assert runs[a[1]].cotenants == [b[1]] and runs[b[1]].cotenants == [a[1]]
+    assert runs[alone].cotenants == []
+    lone = runs[alone]
+    for other in runs.values():
+        if other.id != alone:
+            assert other.finished_at <= lone.started_at or other.started_at >= lone.finished_at
+    spans = [(r.finished_at - r.started_at).total_seconds() for r in runs.values()]
+    print("run spans (s):", [round(x, 1) for x in spans])
+    wall = max(r.finished_at for r in runs.values()) - min(r.started_at for r in runs.values())
+    print(f"5 runs: sum of run times {sum(spans):.1f} s, wall {wall.total_seconds():.1f} s")
+
+
+def test_a_failing_scheduling_pass_is_logged_and_retried(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pool's view of the cluster failing (Ray's GCS away for a moment) costs a backoff
+    and a log line, not the scheduler: every run still ends."""
+
+    @dataclass
+    class FlakyPool(ThreadPool):
+        failures: int = 2
+
+        def fits(self, config: RunConfig) -> bool:
+            if self.failures:
+                self.failures -= 1
+                raise ConnectionError("GCS unavailable")
+            return super().fits(config)
+
+    sm = make_sessionmaker(engine)
+    ids = add_sweep(sm, [tiny_config(seed=i) for i in range(3)])
+    pool = FlakyPool(script_for=lambda _c: Script(delay_s=0.1), slots=2)
+    sched = Scheduler(sm, pool=pool, lease_s=5.0, heartbeat_s=0.5, poll_s=0.02)
+    with caplog.at_level("ERROR", logger="service.scheduler"):
+        _drain(sched, sm, ids, 30)
+    assert [run_row(sm, i).status for i in ids] == [RunStatus.succeeded] * 3
+    assert pool.failures == 0
+    failed = [r for r in caplog.records if "scheduling pass failed" in r.getMessage()]
+    assert len(failed) == 2 and "GCS unavailable" in (failed[0].exc_text or "")
+
+
+def test_max_concurrent_caps_the_runs_in_flight(engine: Engine) -> None:
+    """RINGLAB_MAX_CONCURRENT_RUNS=1 (max_concurrent): one run at a time however many fit."""
+    sm = make_sessionmaker(engine)
+    ids = add_sweep(sm, [tiny_config(seed=i) for i in range(3)])
+    pool = ThreadPool(script_for=lambda _c: Script(delay_s=0.1), slots=3)
+    sched = Scheduler(sm, pool=pool, lease_s=5.0, heartbeat_s=0.5, poll_s=0.02, max_concurrent=1)
+    _drain(sched, sm, ids, 30)
+    runs = _by_start([run_row(sm, i) for i in ids])
+    assert [r.cotenants for r in runs] == [[], [], []]
+    assert all(a.finished_at <= b.started_at for a, b in itertools.pairwise(runs))
