@@ -209,7 +209,7 @@ class Run(Base):
     )
     cotenants: Mapped[list[Any] | None]
     """Ids of the other runs whose gangs shared a node with this run's gang while it ran
-    ([]: it ran alone; None: never placed, or stored before revision 0011). A timing taken
+    ([]: it ran alone; None: never placed, or stored before revision 0013). A timing taken
     beside a co-tenant may be contended."""
 
     sweep: Mapped[Sweep] = relationship(back_populates="runs")

@@ -3,8 +3,8 @@ run ids; NULL for runs stored before, or never placed), and when a sweep last ha
 (sweep.last_claimed_at), which the scheduler's round-robin across sweeps orders by; and the
 dashboard's server-side sessions (web_session: a logout revokes one, each expires).
 
-Revision ID: 0011
-Revises: 0010
+Revision ID: 0013
+Revises: 0012
 Create Date: 2026-11-28 01:30:00
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0011"
-down_revision: str | None = "0010"
+revision: str = "0013"
+down_revision: str | None = "0012"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
