@@ -9,7 +9,7 @@ from typing import Any
 
 from test_seed_tables import MiB, client_for, put, report, section, submit
 
-from service.api.results import time_unit
+from service.units import time_unit
 
 
 def _store(client: Any, scale: float) -> int:

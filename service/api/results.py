@@ -9,14 +9,14 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from service import analysis
 from service.api.schemas import ArtifactOut, Headline
 from service.db.models import Artifact, Environment, Sweep
 from service.spec import PivotSpec, canonical_json
+from service.units import MS, TimeUnit, time_unit
 from service.views import RunRow, local_tokens
 
 CSV_COLUMNS = (
@@ -212,39 +212,6 @@ def fmt_bytes(n: float | None) -> str:
 
 def fmt_ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1e3:.2f} ms"
-
-
-@dataclass(frozen=True)
-class TimeUnit:
-    """The one unit a table writes all its times in (chosen from its values by time_unit)."""
-
-    name: str
-    size: float
-    digits: int = 2
-
-    def __call__(self, s: float | None) -> str:
-        """A time in this unit: 4.155 s -> '4.16 s' (s); 0.0007 s -> '0.70 ms' (ms)."""
-        return "-" if s is None else f"{s / self.size:,.{self.digits}f} {self.name}"
-
-    def bare(self, s: float) -> str:
-        """The number alone (for an interval whose unit the cell already names)."""
-        return f"{s / self.size:,.{self.digits}f}"
-
-
-MS = TimeUnit("ms", 1e-3)
-
-
-def time_unit(values: Iterable[float | None]) -> TimeUnit:
-    """The unit of a table of times: the largest of s, ms, us in which the median value is at
-    least 1, with 2 decimals (3 or 4 where the smallest value would round to under 0.1)."""
-    seen = sorted(v for v in values if v is not None and v > 0)
-    if not seen:
-        return MS
-    middle = seen[len(seen) // 2]
-    name, size = next(((n, z) for n, z in (("s", 1.0), ("ms", 1e-3)) if middle >= z), ("us", 1e-6))
-    smallest = seen[0] / size
-    digits = 2 if smallest >= 0.1 else 3 if smallest >= 0.01 else 4
-    return TimeUnit(name, size, digits)
 
 
 def fmt_num(x: float | None, digits: int = 0) -> str:
