@@ -301,11 +301,17 @@ def test_limit_flags_without_an_interval_and_for_a_maximum_length() -> None:
 def test_the_scaling_chart_draws_the_intervals_and_crosses_the_flagged_point(
     database_url: str,
 ) -> None:
+    from service.web import charts
+
     with client_for(database_url) as client:
         sweep_id = store_dp_sweep(client, seed=7)
         payload = client.get(f"/sweeps/{sweep_id}/dashboard.json").json()
     rows = {r["run_id"]: r for r in payload["rows"]}
-    fig = payload["figures"]["chart-scaling"]
+    # two world sizes: the page shows a table (the flagged cell marked), the chart needs 3
+    assert "chart-scaling" not in payload["figures"]
+    flagged_cells = [c for _, cells in payload["scaling"]["rows"] for c in cells if c["flag"]]
+    assert len(flagged_cells) == 1 and "above 100%" in flagged_cells[0]["flag"]
+    fig = charts.scaling_figure(payload["rows"])
     (cross,) = [t for t in fig["data"] if t.get("name") == "above 100% (flagged)"]
     (flagged,) = [r for r in rows.values() if r["efficiency_lo"] and r["efficiency_lo"] > 1]
     assert cross["x"] == [2] and cross["y"] == [flagged["efficiency"]]

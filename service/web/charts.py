@@ -621,13 +621,25 @@ def world_sizes(rows: Sequence[Row]) -> list[int]:
 
 def scaling_table(rows: Sequence[Row]) -> dict[str, Any] | None:
     """The scaling efficiency as a table where a chart would have two x values: a row per
-    series and length, a column per world size (None when there is nothing to show or when
-    the chart shows it)."""
+    series and length, a column per world size, each cell with its interval and a flag's
+    sentence (None when there is nothing to show or when the chart shows it)."""
     points = scaling_points(rows)
     worlds = sorted({w for line in points.values() for w, _ in line})
     if not points or len(world_sizes(rows)) >= SCALING_MIN_WORLD_SIZES:
         return None
-    body = [[name, [dict(line).get(w) for w in worlds]] for name, line in points.items()]
+    noise = scaling_noise(rows)
+    body = []
+    for name, line in points.items():
+        values = dict(line)
+        cells = []
+        for w in worlds:
+            e = values.get(w)
+            lo, hi, flag = noise.get((name, w), (e, e, ""))
+            text = "—" if e is None else f"{e:.2f}"
+            if e is not None and lo is not None and hi is not None and lo != hi:
+                text += f" ({lo:.2f}-{hi:.2f})"
+            cells.append({"text": text, "flag": flag})
+        body.append([name, cells])
     return {"worlds": worlds, "rows": body}
 
 
