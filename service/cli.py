@@ -279,10 +279,19 @@ def demo(
         str | None,
         typer.Option(help="Database (default: RINGLAB_DATABASE_URL or ringlab.db, as serve)."),
     ] = None,
+    access_log: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where uvicorn's access lines go (default: demo-access.log beside the "
+            "default database, in the user's data dir); the terminal keeps ringlab's lines."
+        ),
+    ] = None,
 ) -> None:
     import os
     import signal
     import threading
+
+    from platformdirs import user_data_dir
 
     from service.client import Client
 
@@ -323,16 +332,62 @@ def demo(
                 f"Terminal:  RINGLAB_URL={base} ringlab watch {sweep['id']}\n"
                 "Ctrl-C stops the service."
             )
+            announce_end(client, sweep["id"])
 
     how = "pick another: PORT={port} make run, or ringlab demo --port {port}"
     sockets = _start_serving(settings, "127.0.0.1", port, how)
+    log_file = access_log or Path(user_data_dir("ringlab")) / "demo-access.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
     out.print(f"starting ringlab on {base} with a local Ray on CPU")
+    out.print(f"access log: {log_file} (each page view; ringlab demo --access-log PATH)")
     from service.app import run_server
 
     threading.Thread(target=submit_when_ready, name="demo-submit", daemon=True).start()
-    run_server(settings, host="127.0.0.1", port=port, with_scheduler=True, sockets=sockets)
+    run_server(
+        settings,
+        host="127.0.0.1",
+        port=port,
+        with_scheduler=True,
+        sockets=sockets,
+        access_log=str(log_file),
+    )
     if failure:
         raise CliError(failure[0])
+
+
+def announce_end(client: Any, sweep_id: int) -> None:
+    """Follow the demo's sweep to its end, then say so in one line with its URL, and give
+    three rows: each configuration at the longest length (time, tokens/s, speedup)."""
+    for event, _ in client.events(sweep_id):
+        if event == "end":
+            break
+    s = client.sweep(sweep_id)
+    out.print(
+        f"[bold]demo sweep {sweep_id} ended[/bold] ({_counts(s['counts'])}): "
+        f"{client.dashboard_url(sweep_id)}",
+        soft_wrap=True,
+    )
+    for line in demo_summary(client.results(sweep_id)):
+        out.print(line, markup=False)
+
+
+def demo_summary(rows: list[dict[str, Any]], most: int = 3) -> list[str]:
+    """At the longest length measured, each configuration's time, tokens/s and speedup, one
+    line each (at most `most`): "  ring · W=2 · sequence-parallel at 2,048: 12.3 ms, ..."."""
+    timed = [r for r in rows if r.get("median_s") is not None]
+    if not timed:
+        return ["  no run measured a time: ringlab results shows why"]
+    longest = max(r["seq_len"] for r in timed)
+    at = sorted((r for r in timed if r["seq_len"] == longest), key=lambda r: r["run_id"])
+    unit = time_unit(r["median_s"] for r in at)
+    lines = []
+    for r in at[:most]:
+        speedup = f", {r['speedup']:.2f}x vs {r['baseline']}" if r.get("speedup") else ""
+        lines.append(
+            f"  {r['label']} at {longest:,}: {unit(r['median_s'])}, "
+            f"{r['tokens_per_s']:,.0f} tokens/s{speedup}"
+        )
+    return lines
 
 
 # ---- client commands: talk to a running service over HTTP ----
@@ -432,8 +487,16 @@ def submit(
     idempotency_key: Annotated[
         str | None, typer.Option(help="Submitting again with the same key returns the same sweep.")
     ] = None,
+    print_id: Annotated[
+        bool,
+        typer.Option(
+            "--print-id", help="Print only each sweep's id, one a line: id=$(ringlab submit ...)."
+        ),
+    ] = False,
 ) -> None:
     """Submit a sweep (one per YAML document); print each id and dashboard URL."""
+    if print_id and watch_:
+        raise CliError("--print-id and --watch: pick one (ringlab watch $id follows it)")
     specs = load_specs(file)
     with client() as c:
         ids = []
@@ -443,6 +506,9 @@ def submit(
             )
             sweep = c.submit(spec, idempotency_key=key)
             ids.append(sweep["id"])
+            if print_id:
+                out.print(str(sweep["id"]))
+                continue
             out.print(f"sweep {sweep['id']} ({sweep['name']}): {plural(sweep['total'], 'run')}")
             out.print(f"dashboard: {c.dashboard_url(sweep['id'])}")
         if watch_:

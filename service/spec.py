@@ -158,7 +158,9 @@ class SweepSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(
+        min_length=1, max_length=200, description="Shown on every page and atop report.md."
+    )
     kind: Literal["benchmark", "max_seq_len", "correctness"] = Field(
         "benchmark",
         description="benchmark: time each cell; max_seq_len: search each cell's longest length; "
