@@ -544,8 +544,7 @@ def _watch(c: Any, sweep_ids: list[int]) -> None:
     each sweep's event stream, until every sweep ends; exit 1 if any run failed or timed out."""
     import threading
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Column
+    from rich.progress import Progress
 
     sweeps = {sweep_id: c.sweep(sweep_id) for sweep_id in dict.fromkeys(sweep_ids)}
     sweep_kinds = {sweep_id: s["kind"] for sweep_id, s in sweeps.items()}
@@ -554,24 +553,7 @@ def _watch(c: Any, sweep_ids: list[int]) -> None:
         threading.Thread(
             target=_follow, args=(c, sweep_id, events), name=f"watch-{sweep_id}", daemon=True
         ).start()
-    # The numbers keep their width in an 80-column terminal; long sweep names lose the words
-    # they share, then their ends ("…"), and never shrink below what tells them apart.
-    bar = 10 if err.width < 100 else 30
-    room = max(16, err.width - bar - 40)
-    names = watch_names({i: s["name"] for i, s in sweeps.items()}, room)
-    name = Column(
-        no_wrap=True,
-        overflow="ellipsis",
-        max_width=room,
-        min_width=min(room, max(len(n) for n in names.values())),
-    )
-    columns = (
-        TextColumn("[bold]{task.description}", table_column=name),
-        BarColumn(bar_width=bar),
-        MofNCompleteColumn(table_column=Column(no_wrap=True)),
-        TextColumn("{task.fields[counts]}", table_column=Column(overflow="fold")),
-        TimeElapsedColumn(table_column=Column(no_wrap=True)),
-    )
+    names, columns = _watch_columns({i: s["name"] for i, s in sweeps.items()})
     problems: dict[int, str] = {}
     ended: list[int] = []
     with Progress(*columns, console=err, transient=False) as progress:
@@ -634,6 +616,32 @@ def _watch(c: Any, sweep_ids: list[int]) -> None:
         raise CliError("; ".join(problems[i] for i in sweeps if i in problems))
     if failing:
         raise typer.Exit(1)
+
+
+def _watch_columns(names: dict[int, str]) -> tuple[dict[int, str], tuple[Any, ...]]:
+    """The progress lines' names and columns. The numbers keep their width in an 80-column
+    terminal; long sweep names lose the words they share, then their ends ("…"), and never
+    shrink below what tells them apart."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Column
+
+    bar = 10 if err.width < 100 else 30
+    room = max(16, err.width - bar - 40)
+    shown = watch_names(names, room)
+    name = Column(
+        no_wrap=True,
+        overflow="ellipsis",
+        max_width=room,
+        min_width=min(room, max(len(n) for n in shown.values())),
+    )
+    columns = (
+        TextColumn("[bold]{task.description}", table_column=name),
+        BarColumn(bar_width=bar),
+        MofNCompleteColumn(table_column=Column(no_wrap=True)),
+        TextColumn("{task.fields[counts]}", table_column=Column(overflow="fold")),
+        TimeElapsedColumn(table_column=Column(no_wrap=True)),
+    )
+    return shown, columns
 
 
 def watch_names(names: dict[int, str], room: int) -> dict[int, str]:

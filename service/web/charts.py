@@ -274,6 +274,14 @@ def memory_figure(rows: Sequence[Row], styles: Styles | None = None) -> dict[str
                 hovertemplate=hover + f"<br>run {run_id}<extra></extra>",
             )
         )
+    _add_floors(fig, floors, unit, size)
+    return _to_json(fig)
+
+
+def _add_floors(
+    fig: go.Figure, floors: dict[str, list[tuple[int, int]]], unit: str, size: float
+) -> None:
+    """Each distinct floor as a thin grey line, told apart by its dash."""
     for i, (name, line) in enumerate(floors.items()):
         fig.add_trace(
             go.Scatter(
@@ -285,7 +293,6 @@ def memory_figure(rows: Sequence[Row], styles: Styles | None = None) -> dict[str
                 hovertemplate="seq %{x}<br>floor %{y:.1f} " + unit + "<extra></extra>",
             )
         )
-    return _to_json(fig)
 
 
 def probe_memory_points(rows: Sequence[Row]) -> dict[str, tuple[list[tuple[int, int]], int]]:
@@ -360,11 +367,7 @@ def max_len_figure(rows: Sequence[Row]) -> dict[str, Any]:
     )
     if not searched:
         return _empty(fig, "No maximum-length searches in this sweep")
-    lengths = [p["seq_len"] for r in searched for p in r["probes"]]
-    lengths += [r["max_seq_len"] for r in searched if r["max_seq_len"]]
-    axis = length_axis(lengths, "sequence length (tokens)")
-    axis["range"] = [math.log10(min(lengths) / 1.5), math.log10(max(lengths) * 1.5)]
-    fig.update_xaxes(**axis)
+    fig.update_xaxes(**_probed_axis(searched))
     cats = [wrapped(r["label"]) for r in searched]
     best = [r["max_seq_len"] for r in searched]
     probe_pts: dict[str, tuple[list[str], list[int], list[str]]] = {
@@ -404,6 +407,15 @@ def max_len_figure(rows: Sequence[Row]) -> dict[str, Any]:
             )
         )
     return _to_json(fig)
+
+
+def _probed_axis(searched: Sequence[Row]) -> Row:
+    """A length axis from just below the shortest probe to just above the longest."""
+    lengths = [p["seq_len"] for r in searched for p in r["probes"]]
+    lengths += [r["max_seq_len"] for r in searched if r["max_seq_len"]]
+    axis = length_axis(lengths, "sequence length (tokens)")
+    axis["range"] = [math.log10(min(lengths) / 1.5), math.log10(max(lengths) * 1.5)]
+    return axis
 
 
 def _scaling_name(r: Row, base: Row) -> str:
