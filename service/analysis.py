@@ -468,15 +468,41 @@ PIVOT_VALUES: dict[str, str] = {
 
 
 @dataclass(frozen=True)
-class Pivot:
-    """rows x columns of one metric; None where no run (or no measurement) falls in a cell."""
+class PivotSection:
+    """One block of a pivot: the rows sharing the values of what else varies (its title)."""
 
-    value: str
-    row_header: str
-    columns: list[str]
+    title: str
+    """What this block's rows share, e.g. "mode forward"; "" when nothing else varies."""
+    values: list[str]
+    """The value of each of the pivot's section_fields ("" where unset)."""
     rows: list[tuple[str, list[float | None]]]
     flags: dict[tuple[int, int], list[str]] = field(default_factory=dict)
     """(row index, column index) -> the flag codes on the value shown there (views.Flag)."""
+
+
+@dataclass(frozen=True)
+class Pivot:
+    """rows x columns of one metric, one section per combination of whatever else varies (so
+    every cell of a row is the same kind of run); None where no run falls in a cell."""
+
+    value: str
+    row_header: str
+    """What the rows are, e.g. "seq len"."""
+    column_header: str
+    """What the columns are, e.g. "kernel x world size x parallel"."""
+    columns: list[str]
+    sections: list[PivotSection]
+    section_fields: list[str] = field(default_factory=list)
+    """The fields a section title names (what else varies), in order."""
+
+    @property
+    def rows(self) -> list[tuple[str, list[float | None]]]:
+        """Every section's rows, each named with its section's title first."""
+        return [
+            (f"{s.title} · {name}" if s.title else name, values)
+            for s in self.sections
+            for name, values in s.rows
+        ]
 
 
 def _axis_value(row: RunRow, name: str) -> Any:
@@ -484,6 +510,8 @@ def _axis_value(row: RunRow, name: str) -> Any:
         return row.label
     if name == "seq_len":
         return row.length
+    if name == "kernel":
+        return row.kernel
     nested = nested_axis(name)
     if nested is not None:
         return (row.config.get(nested[0]) or {}).get(nested[1])
@@ -497,7 +525,10 @@ def _sort_key(value: Any) -> tuple[int, Any]:
 
 
 def default_pivot(rows: Sequence[RunRow]) -> PivotSpec | None:
-    """Time per length (rows) x world size and parallel mode (columns), where those vary."""
+    """Time per length (rows) x world size and parallel mode (columns), where those vary; the
+    kernel joins the columns when kernels run at different (world size, parallel) pairs (dense
+    at W=1 and W=2 data-parallel, ring at W=2: see pivot), so a row is never half empty.
+    Whatever else varies (mode, params, ...) makes the pivot's sections."""
     bench = [r for r in rows if not r.searched]
     if len({r.seq_len for r in bench}) < 2:
         return None
@@ -512,53 +543,124 @@ def pivot_spec(spec: AnalysisSpec | None, rows: Sequence[RunRow]) -> PivotSpec |
     return default_pivot(rows)
 
 
-def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
-    """The metric spec.value for every (row value, column values) pair of the rows."""
+def _column_text(row: RunRow, columns: Sequence[str]) -> str:
+    """A run's column in a pivot: "dense · W=2 · data-parallel"; one rank has no parallel mode
+    ("W=1", also where the world size is not a column)."""
+    parts = []
+    for c in columns:
+        value = _axis_value(row, c)
+        if c == "label" or c == "kernel":
+            parts.append(str(value))
+        elif c == "parallel" and row.world_size == 1:
+            if "world_size" not in columns:
+                parts.append("W=1")
+        elif (t := _field_text(c.removeprefix("params."), value)) is not None:
+            parts.append(t)
+    return " · ".join(parts) or "-"
+
+
+def _shown(value: Any) -> str:
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else _text(value)
+
+
+def _axis_title(name: str) -> str:
+    return {"world_size": "world size", "seq_len": "seq len"}.get(
+        name, name.removeprefix("params.").replace("_", " ")
+    )
+
+
+def _section_fields(rows: Sequence[RunRow], used: set[str]) -> list[str]:
+    """What varies besides the pivot's rows and columns: the kernel, params, other fields."""
+    if "label" in used:
+        return []
     vp, vf = varying(rows)
-    used = {spec.rows, *spec.columns}
-    # What else varies stays in the row name, so two runs never share one cell.
-    other_params = [] if "label" in used else [p for p in vp if f"params.{p}" not in used]
-    other_fields = [] if "label" in used else [f for f in vf if f not in used]
-    with_kernel = not used & {"kernel", "label"} and len({r.kernel for r in rows}) > 1
-    cells: dict[tuple[Any, str], dict[str, float | None]] = {}
-    flagged: dict[tuple[Any, str], dict[str, list[str]]] = {}
-    col_keys: dict[str, tuple[Any, ...]] = {}
+    kernel = ["kernel"] if len({r.kernel for r in rows}) > 1 else []
+    fields = [*kernel, *(f"params.{p}" for p in vp), *vf]
+    out = [f for f in fields if f not in used]
+    if "world_size" in used:  # "W=1" stands for both
+        out = [f for f in out if f != "parallel"]
+    return out
+
+
+def _section_value(row: RunRow, name: str) -> str:
+    value = _axis_value(row, name)
+    if value is None or (name == "parallel" and row.world_size == 1):
+        return ""
+    return _text(value)
+
+
+def _section_title(row: RunRow, fields: Sequence[str]) -> str:
+    parts = []
+    for f in fields:
+        if f == "parallel" and row.world_size == 1:
+            continue
+        value = _axis_value(row, f)
+        if f == "world_size":
+            parts.append(f"W={value}")
+        elif value is not None:
+            parts.append(f"{_axis_title(f)} {_text(value)}")
+    return " · ".join(parts)
+
+
+def _splits_columns(rows: Sequence[RunRow], name: str, columns: Sequence[str]) -> bool:
+    """Whether the runs of each value of `name` fill different columns (dense at W=1 and W=2
+    data-parallel, ring at W=2 sequence-parallel): then `name` belongs in the columns, or
+    every section would be half empty."""
+    filled: dict[str, set[str]] = {}
     for r in rows:
-        name = label(r, other_params, other_fields)
-        if not with_kernel:
-            name = name.removeprefix(r.kernel).removeprefix(" · ")
-        rkey = (_axis_value(r, spec.rows), name)
-        cvals = tuple(_axis_value(r, c) for c in spec.columns)
-        ctext = " · ".join(
-            t
-            for c, v in zip(spec.columns, cvals, strict=True)
-            if (t := _field_text(c.removeprefix("params."), v) if c != "label" else str(v))
-        )
-        col_keys[ctext] = tuple(_sort_key(v) for v in cvals)
-        cells.setdefault(rkey, {})[ctext] = getattr(r, spec.value)
+        filled.setdefault(_text(_axis_value(r, name)), set()).add(_column_text(r, columns))
+    return len({frozenset(v) for v in filled.values()}) > 1
+
+
+def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
+    """The metric spec.value for every (row value, column values) pair of the rows, one
+    section per combination of what else varies (so two runs never share one cell); what else
+    varies but fills different columns per value (the kernel of a dense-vs-ring
+    sweep) joins the columns instead."""
+    measured = [r for r in rows if getattr(r, spec.value) is not None]
+    fields = _section_fields(measured, {spec.rows, *spec.columns})
+    columns = list(spec.columns)
+    for f in list(fields):
+        if _splits_columns(measured, f, columns):
+            fields.remove(f)
+            columns.insert(0, f)
+    cells: dict[tuple[str, Any], dict[str, Any]] = {}
+    flagged: dict[tuple[str, Any], dict[str, list[str]]] = {}
+    col_keys: dict[str, tuple[Any, ...]] = {}
+    sec_keys: dict[str, tuple[Any, ...]] = {}
+    sec_values: dict[str, list[str]] = {}
+    for r in rows:
+        title = _section_title(r, fields)
+        sec_keys[title] = tuple(_sort_key(_axis_value(r, f)) for f in fields)
+        sec_values[title] = [_section_value(r, f) for f in fields]
+        ctext = _column_text(r, columns)
+        col_keys[ctext] = tuple(_sort_key(_axis_value(r, c)) for c in columns)
+        key = (title, _axis_value(r, spec.rows))
+        cells.setdefault(key, {})[ctext] = getattr(r, spec.value)
         codes = [f.code for f in r.flags_on(spec.value)]
         if codes:
-            flagged.setdefault(rkey, {})[ctext] = codes
-    columns = sorted(col_keys, key=lambda c: col_keys[c])
-    ordered = sorted(cells, key=lambda k: (k[1], _sort_key(k[0])))
-
-    def shown(value: Any) -> str:
-        return (
-            f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else _text(value)
-        )
-
-    body = [
-        (
-            f"{k[1]} · {shown(k[0])}" if k[1] else shown(k[0]),
-            [cells[k].get(c) for c in columns],
-        )
-        for k in ordered
-    ]
-    header = spec.rows.removeprefix("params.").replace("_", " ")
-    marks = {
-        (i, j): flagged[k][c]
-        for i, k in enumerate(ordered)
-        for j, c in enumerate(columns)
-        if c in flagged.get(k, {})
-    }
-    return Pivot(value=spec.value, row_header=header, columns=columns, rows=body, flags=marks)
+            flagged.setdefault(key, {})[ctext] = codes
+    filled = {c for values in cells.values() for c, v in values.items() if v is not None}
+    ordered = sorted(filled, key=lambda c: col_keys[c])  # a column with nothing measured: gone
+    sections = []
+    for title in sorted(sec_keys, key=lambda t: sec_keys[t]):
+        keys = sorted((k for k in cells if k[0] == title), key=lambda k: _sort_key(k[1]))
+        body = [(_shown(k[1]), [cells[k].get(c) for c in ordered]) for k in keys]
+        if all(v is None for _, values in body for v in values):
+            continue  # nothing measured here (the baselines of a pivot of speedups)
+        marks = {
+            (i, j): flagged[k][c]
+            for i, k in enumerate(keys)
+            for j, c in enumerate(ordered)
+            if c in flagged.get(k, {})
+        }
+        values = sec_values[title]
+        sections.append(PivotSection(title=title, values=values, rows=body, flags=marks))
+    return Pivot(
+        value=spec.value,
+        row_header=_axis_title(spec.rows),
+        column_header=" x ".join(_axis_title(c) for c in columns),
+        columns=ordered,
+        sections=sections,
+        section_fields=fields,
+    )

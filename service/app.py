@@ -12,6 +12,7 @@ import socket
 import threading
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -150,15 +151,36 @@ def create_app(
     return app
 
 
+def _log_config(access_log: str) -> dict[str, Any]:
+    """uvicorn's logging, its access lines written to the file `access_log`."""
+    import copy
+
+    import uvicorn
+
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["handlers"]["access"] = {
+        "formatter": "access",
+        "class": "logging.FileHandler",
+        "filename": access_log,
+    }
+    config["formatters"]["access"]["use_colors"] = False
+    config["formatters"]["access"]["fmt"] = (
+        '%(asctime)s %(client_addr)s - "%(request_line)s" %(status_code)s'
+    )
+    return config
+
+
 def run_server(
     settings: Settings | None = None,
     host: str | None = None,
     port: int | None = None,
     with_scheduler: bool = True,
     sockets: list[socket.socket] | None = None,
+    access_log: str | None = None,
 ) -> None:
     """Serve the API with uvicorn until SIGTERM/SIGINT, then shut down cleanly; on `sockets`
-    when given (already bound and listening: the CLI takes the port before anything slow)."""
+    when given (already bound and listening: the CLI takes the port before anything slow).
+    With `access_log`, uvicorn's access lines go to that file instead of the terminal."""
     import uvicorn
 
     settings = settings or Settings()
@@ -169,6 +191,7 @@ def run_server(
         port=port or settings.port,
         log_level="info",
         timeout_graceful_shutdown=30,
+        log_config=_log_config(access_log) if access_log else uvicorn.config.LOGGING_CONFIG,
     )
     server = uvicorn.Server(config)
     server.run(sockets=sockets)

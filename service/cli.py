@@ -18,6 +18,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 
 from service.client import ClientError
 from service.core.config import Settings, exposure_problem
+from service.units import MS, TimeUnit, duration, plural, time_unit
 
 app = typer.Typer(
     name="ringlab",
@@ -278,10 +279,19 @@ def demo(
         str | None,
         typer.Option(help="Database (default: RINGLAB_DATABASE_URL or ringlab.db, as serve)."),
     ] = None,
+    access_log: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where uvicorn's access lines go (default: demo-access.log beside the "
+            "default database, in the user's data dir); the terminal keeps ringlab's lines."
+        ),
+    ] = None,
 ) -> None:
     import os
     import signal
     import threading
+
+    from platformdirs import user_data_dir
 
     from service.client import Client
 
@@ -315,22 +325,69 @@ def demo(
             except ClientError as e:
                 give_up(f"could not submit {DEMO_EXAMPLE}: {e}")
                 return
+            runs = plural(sweep["total"], "run")
             out.print(
-                f"[bold]demo sweep {sweep['id']}[/bold] ({sweep['total']} runs) submitted.\n"
+                f"[bold]demo sweep {sweep['id']}[/bold] ({runs}) submitted.\n"
                 f"Dashboard: {client.dashboard_url(sweep['id'])}\n"
                 f"Terminal:  RINGLAB_URL={base} ringlab watch {sweep['id']}\n"
                 "Ctrl-C stops the service."
             )
+            announce_end(client, sweep["id"])
 
     how = "pick another: PORT={port} make run, or ringlab demo --port {port}"
     sockets = _start_serving(settings, "127.0.0.1", port, how)
+    log_file = access_log or Path(user_data_dir("ringlab")) / "demo-access.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
     out.print(f"starting ringlab on {base} with a local Ray on CPU")
+    out.print(f"access log: {log_file} (each page view; ringlab demo --access-log PATH)")
     from service.app import run_server
 
     threading.Thread(target=submit_when_ready, name="demo-submit", daemon=True).start()
-    run_server(settings, host="127.0.0.1", port=port, with_scheduler=True, sockets=sockets)
+    run_server(
+        settings,
+        host="127.0.0.1",
+        port=port,
+        with_scheduler=True,
+        sockets=sockets,
+        access_log=str(log_file),
+    )
     if failure:
         raise CliError(failure[0])
+
+
+def announce_end(client: Any, sweep_id: int) -> None:
+    """Follow the demo's sweep to its end, then say so in one line with its URL, and give
+    three rows: each configuration at the longest length (time, tokens/s, speedup)."""
+    for event, _ in client.events(sweep_id):
+        if event == "end":
+            break
+    s = client.sweep(sweep_id)
+    out.print(
+        f"[bold]demo sweep {sweep_id} ended[/bold] ({_counts(s['counts'])}): "
+        f"{client.dashboard_url(sweep_id)}",
+        soft_wrap=True,
+    )
+    for line in demo_summary(client.results(sweep_id)):
+        out.print(line, markup=False)
+
+
+def demo_summary(rows: list[dict[str, Any]], most: int = 3) -> list[str]:
+    """At the longest length measured, each configuration's time, tokens/s and speedup, one
+    line each (at most `most`): "  ring · W=2 · sequence-parallel at 2,048: 12.3 ms, ..."."""
+    timed = [r for r in rows if r.get("median_s") is not None]
+    if not timed:
+        return ["  no run measured a time: ringlab results shows why"]
+    longest = max(r["seq_len"] for r in timed)
+    at = sorted((r for r in timed if r["seq_len"] == longest), key=lambda r: r["run_id"])
+    unit = time_unit(r["median_s"] for r in at)
+    lines = []
+    for r in at[:most]:
+        speedup = f", {r['speedup']:.2f}x vs {r['baseline']}" if r.get("speedup") else ""
+        lines.append(
+            f"  {r['label']} at {longest:,}: {unit(r['median_s'])}, "
+            f"{r['tokens_per_s']:,.0f} tokens/s{speedup}"
+        )
+    return lines
 
 
 # ---- client commands: talk to a running service over HTTP ----
@@ -430,8 +487,16 @@ def submit(
     idempotency_key: Annotated[
         str | None, typer.Option(help="Submitting again with the same key returns the same sweep.")
     ] = None,
+    print_id: Annotated[
+        bool,
+        typer.Option(
+            "--print-id", help="Print only each sweep's id, one a line: id=$(ringlab submit ...)."
+        ),
+    ] = False,
 ) -> None:
     """Submit a sweep (one per YAML document); print each id and dashboard URL."""
+    if print_id and watch_:
+        raise CliError("--print-id and --watch: pick one (ringlab watch $id follows it)")
     specs = load_specs(file)
     with client() as c:
         ids = []
@@ -441,7 +506,10 @@ def submit(
             )
             sweep = c.submit(spec, idempotency_key=key)
             ids.append(sweep["id"])
-            out.print(f"sweep {sweep['id']} ({sweep['name']}): {sweep['total']} runs")
+            if print_id:
+                out.print(str(sweep["id"]))
+                continue
+            out.print(f"sweep {sweep['id']} ({sweep['name']}): {plural(sweep['total'], 'run')}")
             out.print(f"dashboard: {c.dashboard_url(sweep['id'])}")
         if watch_:
             _watch(c, ids)
@@ -466,8 +534,8 @@ def _live_counts(counts: dict[str, int]) -> str:
     """A progress line's counts: running and failed always, other unusual states when any."""
     failed = sum(counts.get(s, 0) for s in FAILED_STATES)
     parts = [f"running {counts.get('running', 0)}", f"failed {failed}"]
-    unusual = ("waiting_resources", "oom", "cancelled")
-    parts += [f"{state} {counts[state]}" for state in unusual if counts.get(state)]
+    unusual = {"waiting_resources": "waiting", "oom": "oom", "cancelled": "cancelled"}
+    parts += [f"{short} {counts[state]}" for state, short in unusual.items() if counts.get(state)]
     return ", ".join(parts)
 
 
@@ -476,31 +544,22 @@ def _watch(c: Any, sweep_ids: list[int]) -> None:
     each sweep's event stream, until every sweep ends; exit 1 if any run failed or timed out."""
     import threading
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Column
+    from rich.progress import Progress
 
     sweeps = {sweep_id: c.sweep(sweep_id) for sweep_id in dict.fromkeys(sweep_ids)}
+    sweep_kinds = {sweep_id: s["kind"] for sweep_id, s in sweeps.items()}
     events: queue.Queue[tuple[int, str, dict[str, Any]]] = queue.Queue()
     for sweep_id in sweeps:
         threading.Thread(
             target=_follow, args=(c, sweep_id, events), name=f"watch-{sweep_id}", daemon=True
         ).start()
-    # The numbers keep their width in an 80-column terminal; a long sweep name gets cut ("…").
-    bar = 10 if err.width < 100 else 30
-    name = Column(no_wrap=True, overflow="ellipsis", max_width=max(16, err.width - bar - 40))
-    columns = (
-        TextColumn("[bold]{task.description}", table_column=name),
-        BarColumn(bar_width=bar),
-        MofNCompleteColumn(table_column=Column(no_wrap=True)),
-        TextColumn("{task.fields[counts]}", table_column=Column(no_wrap=True)),
-        TimeElapsedColumn(table_column=Column(no_wrap=True)),
-    )
+    names, columns = _watch_columns({i: s["name"] for i, s in sweeps.items()})
     problems: dict[int, str] = {}
     ended: list[int] = []
     with Progress(*columns, console=err, transient=False) as progress:
         tasks = {
             sweep_id: progress.add_task(
-                escape(f"sweep {sweep_id} {s['name']}" if len(sweeps) > 1 else f"sweep {sweep_id}"),
+                escape(names[sweep_id] if len(sweeps) > 1 else f"sweep {sweep_id}"),
                 total=s["total"],
                 completed=s["finished"],
                 counts=_live_counts(s["counts"]),
@@ -545,19 +604,100 @@ def _watch(c: Any, sweep_ids: list[int]) -> None:
     for sweep_id in sweeps:
         if sweep_id in ended:
             out.print(f"sweep {sweep_id} ended: {_counts(sweeps[sweep_id]['counts'])}")
+            if sweeps[sweep_id].get("kind", sweep_kinds.get(sweep_id)) == "max_seq_len":
+                for line in search_answers(c, sweep_id):
+                    out.print(line, markup=False)
     bad = {i: sum(sweeps[i]["counts"].get(s, 0) for s in FAILED_STATES) for i in ended}
     failing = [i for i, n in bad.items() if n]
     if failing:
         how = "; ".join(f"ringlab results {i}" for i in failing)
-        err.print(f"[red]{sum(bad.values())} run(s) failed or timed out[/red]: {how}")
+        err.print(f"[red]{plural(sum(bad.values()), 'run')} failed or timed out[/red]: {how}")
     if problems:
         raise CliError("; ".join(problems[i] for i in sweeps if i in problems))
     if failing:
         raise typer.Exit(1)
 
 
+def _watch_columns(names: dict[int, str]) -> tuple[dict[int, str], tuple[Any, ...]]:
+    """The progress lines' names and columns. The numbers keep their width in an 80-column
+    terminal; long sweep names lose the words they share, then their ends ("…"), and never
+    shrink below what tells them apart."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Column
+
+    bar = 10 if err.width < 100 else 30
+    room = max(16, err.width - bar - 40)
+    shown = watch_names(names, room)
+    name = Column(
+        no_wrap=True,
+        overflow="ellipsis",
+        max_width=room,
+        min_width=min(room, max(len(n) for n in shown.values())),
+    )
+    columns = (
+        TextColumn("[bold]{task.description}", table_column=name),
+        BarColumn(bar_width=bar),
+        MofNCompleteColumn(table_column=Column(no_wrap=True)),
+        TextColumn("{task.fields[counts]}", table_column=Column(overflow="fold")),
+        TimeElapsedColumn(table_column=Column(no_wrap=True)),
+    )
+    return shown, columns
+
+
+def watch_names(names: dict[int, str], room: int) -> dict[int, str]:
+    """Each sweep's progress-line name, "sweep 2 <name>": whole when every one fits in `room`;
+    else without the words all the names share ("sweep 2 …dense", "sweep 3 …block_sparse"),
+    so a cut end never leaves two alike (cpu max-seq-len 1 rank - dense / - dilated)."""
+    whole = {i: f"sweep {i} {n}" for i, n in names.items()}
+    if len(names) < 2 or all(len(n) <= room for n in whole.values()):
+        return whole
+    split = [n.split(" ") for n in names.values()]
+    shared = 0
+    while all(len(w) > shared + 1 and w[shared] == split[0][shared] for w in split):
+        shared += 1
+    return {
+        i: f"sweep {i} " + ("…" if shared else "") + " ".join(n.split(" ")[shared:])
+        for i, n in names.items()
+    }
+
+
+def search_answers(c: Any, sweep_id: int) -> list[str]:
+    """A max_seq_len sweep's answers, a line per run: "sweep 2 run 5 dense: max 31,744
+    tokens, 46 s" (the search's wall-clock time), or why there is none."""
+    from datetime import datetime
+
+    rows = c.results(sweep_id)
+    runs = c.request("GET", "/runs", params={"sweep_id": sweep_id, "limit": 500}).json()["data"]
+    spans = {}
+    for r in runs:
+        if r.get("started_at") and r.get("finished_at"):
+            start, end = (datetime.fromisoformat(r[k]) for k in ("started_at", "finished_at"))
+            spans[r["id"]] = f", {duration((end - start).total_seconds())}"
+    lines = []
+    for row in rows:
+        head = f"sweep {sweep_id} run {row['run_id']} {row['label']}: "
+        span = spans.get(row["run_id"], "")
+        if row.get("max_seq_len"):
+            lines.append(f"{head}max {row['max_seq_len']:,} tokens{span}")
+        else:
+            state = "" if row["status"] == "succeeded" else f" ({row['status']})"
+            lines.append(f"{head}no length fit{state}{span}")
+    return lines
+
+
 def _counts(counts: dict[str, int]) -> str:
-    return ", ".join(f"{state} {n}" for state, n in counts.items() if n) or "no runs"
+    """Runs by state: "succeeded 3, failed 1, waiting 2" (waiting: for resources)."""
+    named = ((STATE_WORDS.get(state, state), n) for state, n in counts.items() if n)
+    return ", ".join(f"{state} {n}" for state, n in named) or "no runs"
+
+
+STATE_WORDS = {"waiting_resources": "waiting", "timed_out": "timed out"}
+"""How a terminal line names a run state."""
+
+
+def _cut(text: str, width: int) -> str:
+    """The text in `width` characters, its end cut to "…" when it is longer."""
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 @app.command()
@@ -583,24 +723,33 @@ def list_sweeps(
 
     with client() as c:
         page = c.sweeps(limit=limit)
-    # Fits 80 columns: id, kind, creation minute and progress never wrap; name and counts
-    # share the rest and wrap at words.
-    table = Table(box=None)
-    table.add_column("id", no_wrap=True, justify="right")
-    table.add_column("name", ratio=3)
-    table.add_column("kind", no_wrap=True)
-    table.add_column("created (UTC)", no_wrap=True)
-    table.add_column("done", no_wrap=True, justify="right")
-    table.add_column("runs by state", ratio=2)
-    for s in page["data"]:
-        table.add_row(
+    # A row stays on one line at 80 columns: id, kind, creation minute, progress and the
+    # counts never wrap; a long name is cut at its end ("…") first.
+    rows = [
+        [
             str(s["id"]),
             s["name"],
             s["kind"],
-            s["created_at"][:16].replace("T", " "),
+            s["created_at"][5:16].replace("T", " "),
             f"{s['finished']}/{s['total']}",
             _counts(s["counts"]),
-        )
+        ]
+        for s in page["data"]
+    ]
+    headers = ["id", "name", "kind", "created UTC", "done", "runs by state"]
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    spare = out.width - 2 * len(headers) - sum(widths)  # box=None pads each column by 2
+    if spare < 0:  # the name gives way first (to 8 characters), then the counts
+        widths[1] = max(8, widths[1] + spare)
+        widths[5] = max(12, out.width - 2 * len(headers) - sum(widths[:5]))
+        for r in rows:
+            r[1], r[5] = _cut(r[1], widths[1]), _cut(r[5], widths[5])
+    table = Table(box=None)
+    for header in headers:
+        right = header in ("id", "done")
+        table.add_column(header, no_wrap=True, justify="right" if right else "left")
+    for row in rows:
+        table.add_row(*row)
     out.print(table)
     if page["next"] is not None:
         total = f"{page['count']:,}" + ("" if page["count_exact"] else "+")
@@ -646,7 +795,7 @@ BASELINE_TEXT = 24
 """A baseline named by more characters than this shows as its run id in the terminal table."""
 
 
-def _cell(key: str, value: Any) -> str:
+def _cell(key: str, value: Any, unit: TimeUnit = MS) -> str:
     if value is None:
         return "—"
     if key == "speedup":
@@ -655,8 +804,8 @@ def _cell(key: str, value: Any) -> str:
         return f"{value:.0%}"
     if key == "peak_memory_bytes":
         return f"{value / 2**20:,.1f} MiB"
-    if key == "median_s":
-        return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
+    if key == "median_s":  # one unit for the whole column, as in report.md
+        return unit(value)
     if key == "tokens_per_s":
         steps = ((1e9, "G"), (1e6, "M"), (1e3, "k"))
         return next((f"{value / f:.3g} {p}" for f, p in steps if value >= f), f"{value:.3g}")
@@ -691,6 +840,7 @@ def results(
     for row in rows:
         row["length"] = row["measured_seq_len"] or row["seq_len"]  # a search: its answer
     shown = [(k, t) for k, t in RESULT_COLUMNS if any(row.get(k) is not None for row in rows)]
+    unit = time_unit(row.get("median_s") for row in rows)
     table = Table(box=None, pad_edge=False, collapse_padding=True)
     for key, title in shown:
         wraps = key == "label"
@@ -698,7 +848,7 @@ def results(
     for row in rows:
         if row.get("baseline") and len(row["baseline"]) > BASELINE_TEXT:  # several changes
             row["baseline"] = f"run {row['baseline_run_id']}"  # `ringlab report` names them
-        cells = [_cell(key, row.get(key)) for key, _ in shown]
+        cells = [_cell(key, row.get(key), unit) for key, _ in shown]
         if row.get("median_s") is None and ("median_s", "time") in shown:
             cells[shown.index(("median_s", "time"))] = row["status"]
         if ("speedup", "speedup") in shown and row.get("speedup") is not None:
@@ -732,7 +882,7 @@ def cancel(sweep_id: Annotated[int, typer.Argument(help="Sweep id.")]) -> None:
     """Cancel the sweep's queued, waiting and running runs."""
     with client() as c:
         answer = c.cancel(sweep_id)
-    out.print(f"sweep {sweep_id}: {answer['changed']} run(s) cancelled")
+    out.print(f"sweep {sweep_id}: {plural(answer['changed'], 'run')} cancelled")
 
 
 @app.command()
@@ -755,7 +905,7 @@ def retry(
     --include-oom); their partial results are removed."""
     with client() as c:
         answer = c.retry(sweep_id, include_oom=include_oom, include_cancelled=cancelled)
-    out.print(f"sweep {sweep_id}: {answer['changed']} run(s) requeued")
+    out.print(f"sweep {sweep_id}: {plural(answer['changed'], 'run')} requeued")
 
 
 @app.command()
@@ -768,7 +918,7 @@ def delete(
     still running must be cancelled first (`ringlab cancel N`)."""
     with client() as c:
         sweep = c.sweep(sweep_id)
-        what = f"sweep {sweep_id} ({sweep['name']}, {sweep['total']} run(s))"
+        what = f"sweep {sweep_id} ({sweep['name']}, {plural(sweep['total'], 'run')})"
         if not yes:
             err.print(f"Delete {what} and its results? [y/N] ", end="", markup=False)
             answer = sys.stdin.readline()  # "" at end of input: no

@@ -11,7 +11,7 @@ import hashlib
 import itertools
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
@@ -158,7 +158,9 @@ class SweepSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(
+        min_length=1, max_length=200, description="Shown on every page and atop report.md."
+    )
     kind: Literal["benchmark", "max_seq_len", "correctness"] = Field(
         "benchmark",
         description="benchmark: time each cell; max_seq_len: search each cell's longest length; "
@@ -481,6 +483,16 @@ def _kernels() -> dict[str, Any]:
 ParamsCheck = tuple[dict[str, Any] | None, list[tuple[tuple[str | int, ...], str]]]
 
 
+def _unknown_kernel(kernel: Any, kernels: Iterable[str]) -> str:
+    """'unknown kernel 'ring_dilatd'; did you mean 'ring_dilated'? valid: ...'."""
+    import difflib
+
+    names = sorted(kernels)
+    close = difflib.get_close_matches(str(kernel), names, n=1) if isinstance(kernel, str) else []
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown kernel {kernel!r}; {hint}valid: {', '.join(names)}"
+
+
 def normalize_params(kernel: Any, params: Any) -> ParamsCheck:
     """Check a kernel's params strictly (types included) and fill in their defaults.
 
@@ -493,9 +505,7 @@ def normalize_params(kernel: Any, params: Any) -> ParamsCheck:
     if isinstance(kernel, str) and (why := unavailable(kernel)) is not None:
         return None, [(("kernel",), why)]
     if not isinstance(kernel, str) or kernel not in kernels:
-        return None, [
-            (("kernel",), f"unknown kernel {kernel!r}; valid: {', '.join(sorted(kernels))}")
-        ]
+        return None, [(("kernel",), _unknown_kernel(kernel, kernels))]
     if not isinstance(params, dict):
         return None, [(("params",), "must be an object of the kernel's parameters")]
     params_type = kernels[kernel].params

@@ -157,15 +157,17 @@ def test_submit_watch_follows_every_sweep_of_the_file(
         assert f"cpu max-seq-len 1 rank - {name}" in line, stderr
         assert f"{total}/{total}" in line and f"running 0, failed {failed}" in line, stderr
     assert stderr.strip().splitlines()[-1] == (
-        f"1 run(s) failed or timed out: ringlab results {sparse}"
+        f"1 run failed or timed out: ringlab results {sparse}"
     )
     # every sweep succeeded: exit 0, one `ended` line each
     ok = ringlab("watch", str(dense), str(dilated), env=env)
     assert ok.returncode == 0, ok.stderr
-    assert ok.stdout.splitlines() == [
+    lines = ok.stdout.splitlines()  # each search's answer below its sweep (none stored here)
+    assert [ln for ln in lines if " ended: " in ln] == [
         f"sweep {dense} ended: succeeded 1",
         f"sweep {dilated} ended: succeeded 1",
     ]
+    assert lines[1].startswith(f"sweep {dense} run ") and lines[1].endswith(": no length fit")
 
 
 def test_retry_resumes_a_cancelled_sweep(service: tuple[str, str], env: dict[str, str]) -> None:
@@ -173,16 +175,16 @@ def test_retry_resumes_a_cancelled_sweep(service: tuple[str, str], env: dict[str
     queue; --no-cancelled leaves them; --help says so."""
     base, _ = service
     sweep_id = httpx.post(f"{base}/api/v1/sweeps", json={"name": "resume", **_tiny()}).json()["id"]
-    cancelled = f"sweep {sweep_id}: 2 run(s) cancelled\n"
+    cancelled = f"sweep {sweep_id}: 2 runs cancelled\n"
     assert ringlab("cancel", str(sweep_id), env=env).stdout == cancelled
     done = ringlab("retry", str(sweep_id), env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == f"sweep {sweep_id}: 2 run(s) requeued\n"
+    assert done.stdout == f"sweep {sweep_id}: 2 runs requeued\n"
     counts = httpx.get(f"{base}/api/v1/sweeps/{sweep_id}").json()["counts"]
     assert counts["queued"] == 2 and counts["cancelled"] == 0
     assert ringlab("cancel", str(sweep_id), env=env).stdout == cancelled
     kept = ringlab("retry", str(sweep_id), "--no-cancelled", env=env)
-    assert kept.stdout == f"sweep {sweep_id}: 0 run(s) requeued\n", kept.stderr
+    assert kept.stdout == f"sweep {sweep_id}: 0 runs requeued\n", kept.stderr
     assert "--no-cancelled leaves them cancelled" in words(ringlab("retry", "--help").stdout)
 
 
@@ -332,7 +334,7 @@ def test_delete_asks_and_refuses_while_running(
     no = ringlab("delete", str(sweep_id), env=env, stdin="n\n")
     assert no.returncode == 1 and no.stdout == ""  # the question goes to stderr
     assert no.stderr == (
-        f"Delete sweep {sweep_id} (tiny, 2 run(s)) and its results? [y/N] \n"
+        f"Delete sweep {sweep_id} (tiny, 2 runs) and its results? [y/N] \n"
         f"error: sweep {sweep_id} not deleted; answer y, or pass --yes\n"
     )
     set_status(database, [sweep_id], RunStatus.running)
@@ -344,7 +346,7 @@ def test_delete_asks_and_refuses_while_running(
     assert ringlab("cancel", str(sweep_id), env=env).returncode == 0
     yes = ringlab("delete", str(sweep_id), env=env, stdin="y\n")
     assert yes.returncode == 0, yes.stderr
-    assert yes.stdout == f"deleted sweep {sweep_id} (tiny, 2 run(s))\n"
+    assert yes.stdout == f"deleted sweep {sweep_id} (tiny, 2 runs)\n"
     assert httpx.get(f"{base}/api/v1/sweeps/{sweep_id}").status_code == 404
     assert "404" in error_line(ringlab("delete", str(sweep_id), "--yes", env=env))
 

@@ -114,14 +114,20 @@ def test_readme_commands_run_as_written(tmp_path: Path, ray_session: Any) -> Non
         # submit --watch: the file's four sweeps, each followed to its end
         assert re.search(r"sweep 2 \(cpu max-seq-len 1 rank - dense\)", out), out
         assert len(re.findall(r"sweep [2345] ended", out)) == 4, out
-        # the bundled example by name: the sixth sweep
-        assert "sweep 6 (cpu-quick" in out or "sweep 6 (cpu quick" in out, out
-        # results as CSV: a header and the sweep's runs (sweep 3: block_sparse x 2 ratios)
+        # the bundled example by name, its id from --print-id: the sixth sweep, shown
+        assert "sweep 6 cpu-quick (benchmark)" in out, out
+        # results as CSV: a header and the sweep's nine runs, whatever they have done yet
         header = next(x for x in out.splitlines() if x.startswith("run_id,"))
         rows = list(csv.DictReader(io.StringIO("\n".join([header, *_csv_lines(out, header)]))))
-        assert {r["kernel"] for r in rows} == {"block_sparse"} and len(rows) == 2, rows
+        assert {r["sweep_id"] for r in rows} == {"6"} and len(rows) == 9, rows
+        # cancel stops a sweep still running (behind the demo's), retry resumes it
+        cancelled = re.findall(r"sweep 6: (\d+) runs? cancelled", out)
+        assert len(cancelled) == 2 and int(cancelled[0]) > 0, out
+        assert re.search(r"sweep 6: [1-9]\d* runs? requeued", out), out
         # under one memory budget the sparse kernels reach at least dense's length (issue 16)
         base = env["RINGLAB_URL"]
+        sparse = httpx.get(f"{base}/api/v1/sweeps/3/results.json", timeout=10).json()
+        rows = [{"max_seq_len": r["max_seq_len"]} for r in sparse]
         dense, dilated = (
             httpx.get(f"{base}/api/v1/sweeps/{n}/results.json", timeout=10).json() for n in (2, 4)
         )
@@ -132,15 +138,28 @@ def test_readme_commands_run_as_written(tmp_path: Path, ray_session: Any) -> Non
         (naive,) = httpx.get(f"{base}/api/v1/sweeps/5/results.json", timeout=10).json()
         assert naive["kernel"] == "sdpa" and 0 < naive["max_seq_len"] <= longest // 4, naive
         report = (work / "report.md").read_text()
-        assert report.startswith("# cpu max-seq-len 1 rank - block_sparse")
-        assert "## Maximum sequence length" in report
-        # delete 3 --yes: gone
-        assert httpx.get(f"{base}/api/v1/sweeps/3", timeout=10).status_code == 404
-        assert httpx.get(f"{base}/api/v1/sweeps/2", timeout=10).status_code == 200
+        assert report.startswith("# cpu-quick\n\nSweep 6 ")
+        # delete $id --yes: gone; the others stay
+        assert httpx.get(f"{base}/api/v1/sweeps/6", timeout=10).status_code == 404
+        assert httpx.get(f"{base}/api/v1/sweeps/3", timeout=10).status_code == 200
         # the demo's own sweep (examples/cpu-quick.yaml) finished on the CPU, every run fine
         demo_sweep = finished_sweep(f"{base}/api/v1/sweeps/1", timeout=120)
         assert demo_sweep["counts"]["succeeded"] == demo_sweep["total"] == 9, demo_sweep
         assert "cpu-quick" in httpx.get(dashboard, timeout=10).text
+        # the demo says when its sweep ended, where to look, and three rows of what it found;
+        # uvicorn's access lines went to the file it named, not to the terminal
+        deadline = time.monotonic() + 30
+        while "demo sweep 1 ended" not in "".join(drained) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        told = "".join(drained)
+        ended = re.search(r"demo sweep 1 ended \(succeeded 9\): (\S+)\n((?:  .*\n){3})", told)
+        assert ended and ended.group(1) == dashboard, told
+        assert all(" at 2,048: " in row for row in ended.group(2).splitlines()), told
+        assert '"GET /' not in seen + told, told
+        access = tmp_path / "data" / "ringlab" / "demo-access.log"
+        assert f"access log: {access}" in seen and '"GET /sweeps/1 HTTP/1.1" 200' in (
+            access.read_text()
+        ), seen
         # Ctrl-C (what the demo says stops it): SIGINT to the terminal's whole group, make
         # included; the service shuts down through its lifespan
         os.killpg(demo.pid, signal.SIGINT)

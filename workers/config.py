@@ -192,23 +192,29 @@ class RunConfig(BaseModel):
     kernel: str = Field(description="A name from attention.KERNELS.")
     params: dict[str, Any] = Field(default_factory=dict, description="The kernel's parameters.")
     seq_len: int = Field(ge=1, description="Total tokens per sequence (across all ranks).")
-    batch_size: int = Field(1, ge=1)
-    num_heads: int = Field(8, ge=1)
+    batch_size: int = Field(1, ge=1, description="Sequences per batch (global, across ranks).")
+    num_heads: int = Field(8, ge=1, description="Query heads.")
     num_kv_heads: int | None = Field(
         None,
         ge=1,
         description="Key/value heads (grouped-query attention; 1: multi-query); must divide "
         "num_heads. None: num_heads. A model cell takes its model's num_kv_heads.",
     )
-    head_dim: int = Field(64, ge=1)
-    dtype: Dtype = "float32"
-    causal: bool = False
-    mode: Mode = "forward"
-    world_size: int = Field(1, ge=1, le=4096)
-    parallel: Parallel = "sequence"
-    device: Device = "auto"
-    memory_budget_bytes: int | None = Field(None, ge=1)
-    warmup: int = Field(2, ge=0)
+    head_dim: int = Field(64, ge=1, description="Channels per head.")
+    dtype: Dtype = Field("float32", description="q, k, v and output precision.")
+    causal: bool = Field(False, description="Mask future keys (autoregressive attention).")
+    mode: Mode = Field("forward", description="forward: the forward pass; train: forward+backward.")
+    world_size: int = Field(1, ge=1, le=4096, description="Ranks (one process, one GPU each).")
+    parallel: Parallel = Field(
+        "sequence",
+        description="sequence: the ranks split each sequence (ring kernels); data: they split "
+        "the batch. One rank has no parallel mode.",
+    )
+    device: Device = Field("auto", description="auto: CUDA where the rank has a GPU, else CPU.")
+    memory_budget_bytes: int | None = Field(
+        None, ge=1, description="Hold each rank's peak to this (an emulated OOM above it)."
+    )
+    warmup: int = Field(2, ge=0, description="Untimed iterations before the timed ones.")
     iterations: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto",
         description="Timed iterations: an int runs exactly that many; auto (the default) "
@@ -224,12 +230,16 @@ class RunConfig(BaseModel):
         description="iterations auto only: stop repeating after this many seconds of timed "
         "iterations once 6 have run (None: 2 s). Refused beside an explicit iteration count.",
     )
-    timeout_s: float = Field(600.0, gt=0)
+    timeout_s: float = Field(600.0, gt=0, description="The whole run's wall-clock limit.")
     dist_timeout_s: float = Field(
         120.0, gt=0, description="torch.distributed init/collective timeout."
     )
-    max_attempts: int = Field(1, ge=1, le=10)
-    placement: Placement = "pack"
+    max_attempts: int = Field(1, ge=1, le=10, description="Tries before a failure is final.")
+    placement: Placement = Field(
+        "pack",
+        description="pack: ranks on as few nodes as fit; spread: across nodes where possible; "
+        "strict_spread: one node per rank.",
+    )
     isolation: Isolation = Field(
         "gpu",
         description="gpu: the run holds its ranks' GPUs (CPUs on a CPU run) alone, beside "
@@ -237,7 +247,9 @@ class RunConfig(BaseModel):
         "(for timing-critical sweeps). Either way the run records the runs that shared its "
         "nodes (cotenants).",
     )
-    fresh_processes: bool = False
+    fresh_processes: bool = Field(
+        False, description="New rank processes for this run (no state from earlier runs)."
+    )
     correctness_check: bool = Field(
         True,
         description="Check the kernel against its float64 reference before timing it (workers."
@@ -258,7 +270,9 @@ class RunConfig(BaseModel):
         description="Seeds the inputs of every rank, and a layer kernel's weights (multihead).",
     )
     env: dict[str, str] = Field(default_factory=dict, description="NCCL_* variables for the ranks.")
-    search: SearchConfig | None = None
+    search: SearchConfig | None = Field(
+        None, description="Set from the sweep's `search` for kind max_seq_len."
+    )
     model: ModelConfig | None = Field(None, description="workload model: the decoder trained.")
     training: TrainingConfig | None = Field(None, description="workload model: how it trains.")
 

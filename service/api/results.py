@@ -16,6 +16,7 @@ from service import analysis
 from service.api.schemas import ArtifactOut, Headline
 from service.db.models import Artifact, Environment, Sweep
 from service.spec import PivotSpec, canonical_json
+from service.units import MS, TimeUnit, time_unit
 from service.views import RunRow, local_tokens
 
 CSV_COLUMNS = (
@@ -183,13 +184,16 @@ def _csv_cell(value: Any) -> Any:
 
 
 def pivot_csv(rows: Sequence[RunRow], spec: PivotSpec) -> str:
-    """The pivot as CSV: the row value, then one column per column value (raw numbers)."""
+    """The pivot as CSV: a column per section field (what else varies), the row value, then one
+    column per column value (raw numbers)."""
     table = analysis.pivot(rows, spec)
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow([table.row_header, *table.columns])
-    for name, values in table.rows:
-        writer.writerow([name, *("" if v is None else v for v in values)])
+    fields = table.section_fields
+    writer.writerow([*fields, table.row_header, *table.columns])
+    for section in table.sections:
+        for name, values in section.rows:
+            writer.writerow([*section.values, name, *("" if v is None else v for v in values)])
     return buf.getvalue()
 
 
@@ -249,15 +253,16 @@ def ratio_cell(row: RunRow, field: str, fmt: Callable[[Any], str]) -> str:
     return text + marks(row, field)
 
 
-def time_cell(row: RunRow) -> str:
+def time_cell(row: RunRow, unit: TimeUnit | None = None) -> str:
     """The median time with its interval and the iterations it came from: "1.00 ms
     (0.95-1.05, n=3)" (in ms); one iteration has no interval: "1.00 ms (n=1)"."""
+    unit = unit or MS
     if row.median_s is None:
         return "-"
     if row.median_lo_s is None or row.median_hi_s is None:
-        return f"{fmt_ms(row.median_s)} (n={row.iterations})"
-    span = f"{row.median_lo_s * 1e3:.2f}-{row.median_hi_s * 1e3:.2f}"
-    return f"{fmt_ms(row.median_s)} ({span}, n={row.iterations})"
+        return f"{unit(row.median_s)} (n={row.iterations})"
+    span = f"{unit.bare(row.median_lo_s)}-{unit.bare(row.median_hi_s)}"
+    return f"{unit(row.median_s)} ({span}, n={row.iterations})"
 
 
 FORMATS: dict[str, Callable[[Any], str]] = {
@@ -469,6 +474,7 @@ def _results_section(rows: Sequence[RunRow]) -> list[str]:
     joined = peaks == ["Peak memory per rank"]
     ratios = _ratio_columns(rows)
     comm = any(r.exposed_comm_share is not None for r in rows)
+    unit = time_unit(r.median_s for r in rows)
     body = []
     for r in rows:
         body.append(
@@ -476,8 +482,8 @@ def _results_section(rows: Sequence[RunRow]) -> list[str]:
                 r.label,
                 f"{r.length:,}",
                 str(r.world_size),
-                fmt_ms(r.median_s),
-                f"{fmt_ms(r.p10_s)} - {fmt_ms(r.p90_s)}" if r.p10_s is not None else "-",
+                unit(r.median_s),
+                f"{unit(r.p10_s)} - {unit(r.p90_s)}" if r.p10_s is not None else "-",
                 fmt_num(r.tokens_per_s),
                 fmt_num(r.tflops_per_s, 4),
                 *([fmt_pct(r.exposed_comm_share)] if comm else []),
@@ -562,13 +568,14 @@ def _baseline_section(rows: Sequence[RunRow]) -> list[str]:
     lines: list[str] = []
     bench = [(r, b) for r, b in pairs if not r.searched]
     if bench:
+        unit = time_unit(x.median_s for pair in bench for x in pair)
         body = [
             [
                 r.label,
                 f"{r.length:,}",
                 r.baseline or "-",
-                time_cell(b),
-                time_cell(r),
+                time_cell(b, unit),
+                time_cell(r, unit),
                 ratio_cell(r, "speedup", fmt_x),
                 fmt_bytes(b.peak_memory_bytes) + marks(b, "peak_memory_bytes"),
                 fmt_bytes(r.peak_memory_bytes) + marks(r, "peak_memory_bytes"),
@@ -581,8 +588,8 @@ def _baseline_section(rows: Sequence[RunRow]) -> list[str]:
             "Run",
             "Seq len",
             "Baseline",
-            "Baseline time (interval, ms)",
-            "Time (interval, ms)",
+            f"Baseline time (interval, {unit.name})",
+            f"Time (interval, {unit.name})",
             "Speedup",
             "Baseline peak",
             "Peak",
@@ -622,40 +629,45 @@ def _baseline_section(rows: Sequence[RunRow]) -> list[str]:
 
 
 def _pivot_section(rows: Sequence[RunRow], spec: PivotSpec) -> list[str]:
+    """The pivot: a table per section (what else varies, in its heading), the same columns in
+    each, so a column is one kind of run all the way down; times in one unit for all of them."""
     table = analysis.pivot(rows, spec)
-    if not table.columns or not table.rows:
+    if not table.columns or not table.sections:
         return []
     show = FORMATS[spec.value]
-
-    def cell(i: int, j: int, value: Any) -> str:
-        marked = "".join(f" ⚠[^{code}]" for code in table.flags.get((i, j), []))
-        return show(value) + marked
-
-    body = [
-        [name, *(cell(i, j, v) for j, v in enumerate(values))]
-        for i, (name, values) in enumerate(table.rows)
-    ]
+    if spec.value == "median_s":
+        show = time_unit(v for _, values in table.rows for v in values)
     title = analysis.PIVOT_VALUES[spec.value]
-    note = []
+    lines = [
+        f"## {title[0].upper() + title[1:]} by {table.row_header} and {table.column_header}",
+        "",
+    ]
     if spec.value in SPANS:
-        note = [
+        lines += [
             "Each ratio's interval and whether it is within noise: see Against the baseline.",
             "",
         ]
-    return [
-        f"## {title[0].upper() + title[1:]} by {table.row_header} and "
-        + " x ".join(c.removeprefix("params.").replace("_", " ") for c in spec.columns),
-        "",
-        *note,
-        *_table([table.row_header.capitalize(), *table.columns], body),
-        "",
-    ]
+    header = [table.row_header[0].upper() + table.row_header[1:], *table.columns]
+    for section in table.sections:
+        body = [
+            [name, *(show(v) + _flag_marks(section.flags.get((i, j), [])) for j, v in
+                     enumerate(values))]
+            for i, (name, values) in enumerate(section.rows)
+        ]  # fmt: skip
+        lines += [f"### {section.title}", ""] if section.title else []
+        lines += [*_table(header, body), ""]
+    return lines
+
+
+def _flag_marks(codes: Sequence[str]) -> str:
+    return "".join(f" ⚠[^{code}]" for code in codes)
 
 
 def _max_len_section(rows: Sequence[RunRow]) -> list[str]:
     peaks = _rank_peaks(rows)
     joined = peaks == ["Peak memory per rank"]
     ratios = _ratio_columns(rows)
+    unit = time_unit(r.median_s for r in rows)
     body = []
     for r in rows:
         body.append(
@@ -663,7 +675,7 @@ def _max_len_section(rows: Sequence[RunRow]) -> list[str]:
                 r.label,
                 str(r.world_size),
                 fmt_num(r.max_seq_len) if r.max_seq_len else "none fit",
-                fmt_ms(r.median_s),
+                unit(r.median_s),
                 fmt_num(r.tokens_per_s),
                 *_tail_cells(r, len(peaks), joined, ratios),
             ]
@@ -687,6 +699,7 @@ def _probe_sections(rows: Sequence[RunRow]) -> list[str]:
             continue
         most = max(len(p.rank_peak_bytes) for p in r.probes)
         peaks = [f"Peak rank {i}" for i in range(most)] if most > 1 else ["Peak memory"]
+        unit = time_unit(p.time_s for p in r.probes)
         body = []
         for p in sorted(r.probes, key=lambda p: p.seq_len):
             per_rank = p.rank_peak_bytes if most > 1 else [p.peak_memory_bytes]
@@ -703,7 +716,7 @@ def _probe_sections(rows: Sequence[RunRow]) -> list[str]:
             body.append(
                 [
                     f"{p.seq_len:,}",
-                    fmt_ms(p.time_s),
+                    unit(p.time_s),
                     fmt_bytes(p.input_memory_bytes),
                     *(fmt_bytes(v) for v in (list(per_rank) + [None] * most)[: len(peaks)]),
                     {"fit": "fit", "oom": "OOM", "error": "error"}[p.outcome],

@@ -7,6 +7,8 @@ empty; no number is drawn that was not measured (the memory floor is computed fr
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -25,7 +27,14 @@ PROBE_STYLE = {
 
 
 def _to_json(fig: go.Figure) -> dict[str, Any]:
-    return json.loads(fig.to_json())
+    """The figure's JSON; a chart whose legend runs long grows taller rather than squeezing
+    its plot (the legend sits below the axis title, in the container's own space)."""
+    out = json.loads(fig.to_json())
+    layout = out.setdefault("layout", {})
+    named = [t for t in out.get("data", []) if t.get("showlegend", True) and t.get("name")]
+    if "height" not in layout and out.get("data"):
+        layout["height"] = 400 + 20 * max(0, len(named) - 4)
+    return out
 
 
 def _layout(title: str, x: str, y: str, **extra: Any) -> dict[str, Any]:
@@ -34,7 +43,7 @@ def _layout(title: str, x: str, y: str, **extra: Any) -> dict[str, Any]:
         "xaxis": {"title": {"text": x}},
         "yaxis": {"title": {"text": y}},
         "margin": {"l": 70, "r": 20, "t": 50, "b": 60},
-        "legend": {"orientation": "h", "y": -0.25, "yanchor": "top"},
+        "legend": {"orientation": "h", "yref": "container", "y": 0, "yanchor": "bottom"},
         "template": "plotly_white",
         **extra,
     }
@@ -54,26 +63,143 @@ def _succeeded(rows: Iterable[Row], metric: str) -> list[Row]:
     return [r for r in rows if r["status"] == "succeeded" and r.get(metric) is not None]
 
 
+def natural_key(text: str) -> tuple[Any, ...]:
+    """Sort key reading numbers as numbers: "seq 512" < "seq 1,024" < "seq 2,048"."""
+    parts = re.split(r"(\d[\d,]*(?:\.\d+)?)", text)
+    return tuple(
+        (1, float(p.replace(",", ""))) if i % 2 else (0, p) for i, p in enumerate(parts) if p
+    )
+
+
 def _grouped(rows: Sequence[Row], with_world: bool = True) -> dict[str, list[Row]]:
-    """Rows by legend label (the row's label, or its series label without the world size)."""
+    """Rows by legend label (the row's label, or its series label without the world size),
+    the labels in numeric order."""
     groups: dict[str, list[Row]] = defaultdict(list)
     for r in rows:
         groups[r["label"] if with_world else r["series"]].append(r)
-    return {k: sorted(v, key=lambda r: r["length"]) for k, v in sorted(groups.items())}
+    ordered = sorted(groups.items(), key=lambda kv: natural_key(kv[0]))
+    return {k: sorted(v, key=lambda r: r["length"]) for k, v in ordered}
 
 
-def throughput_figure(rows: Sequence[Row]) -> dict[str, Any]:
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+           "#17becf", "#bcbd22", "#7f7f7f")  # fmt: skip
+DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+SYMBOLS = ("circle", "square", "diamond", "triangle-up", "cross", "x", "star", "pentagon")
+
+
+class Styles:
+    """One colour per kernel, one dash per mode, one marker per world size and parallel mode,
+    the same in every chart of a sweep (built from all of its rows)."""
+
+    def __init__(self, rows: Sequence[Row]) -> None:
+        kernels = sorted({r["kernel"] for r in rows})
+        modes = sorted({str(r.get("mode")) for r in rows})
+        shapes = sorted({_shape(r) for r in rows}, key=natural_key)
+        self.colour = {k: PALETTE[i % len(PALETTE)] for i, k in enumerate(kernels)}
+        self.dash = {m: DASHES[i % len(DASHES)] for i, m in enumerate(modes)}
+        self.symbol = {s: SYMBOLS[i % len(SYMBOLS)] for i, s in enumerate(shapes)}
+
+    def line(self, r: Row) -> dict[str, Any]:
+        return {"color": self.colour[r["kernel"]], "dash": self.dash[str(r.get("mode"))]}
+
+    def marker(self, r: Row) -> dict[str, Any]:
+        return {"color": self.colour[r["kernel"]], "symbol": self.symbol[_shape(r)], "size": 8}
+
+
+def _shape(r: Row) -> str:
+    """How a run is spread: "W=1", "W=2 data", "W=2 sequence"."""
+    w = r.get("world_size") or 1
+    return f"W={w}" if w == 1 else f"W={w} {r.get('parallel')}"
+
+
+def tokens_text(n: int) -> str:
+    """A length as an axis tick: 1,024 -> "1K", 1,536 -> "1.5K", 1,048,576 -> "1M"."""
+    for size, suffix in ((1 << 20, "M"), (1 << 10, "K")):
+        if n >= size and (n * 2) % size == 0:
+            return f"{n / size:g}{suffix}"
+    return f"{n:,}"
+
+
+def length_axis(lengths: Iterable[int], title: str = "sequence length (tokens)") -> Row:
+    """A log axis ticked at the measured lengths only, thinned so that no two ticks are closer
+    than 1.4x (their labels would overlap)."""
+    shown: list[int] = []
+    for t in sorted(set(lengths)):
+        if not shown or t >= shown[-1] * 1.4:
+            shown.append(t)
+    return {
+        "type": "log",
+        "title": {"text": title},
+        "tickvals": shown,
+        "ticktext": [tokens_text(t) for t in shown],
+    }
+
+
+def wrapped(label: str, width: int = 34) -> str:
+    """A long label on several lines (at its " · " parts) for a bar chart's category axis."""
+    lines: list[str] = []
+    for part in label.split(" · "):
+        if lines and len(lines[-1]) + 3 + len(part) <= width:
+            lines[-1] += " · " + part
+        else:
+            lines.append(part)
+    return "<br>".join(lines)
+
+
+def si_text(v: float) -> str:
+    """A tick label with an SI prefix: 20000000 -> "20M"."""
+    for size, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if v >= size:
+            return f"{v / size:g}{prefix}"
+    return f"{v:g}"
+
+
+def log_axis(values: Iterable[float], title: str, text: Any = si_text) -> Row:
+    """A log axis ticked at 1, 2 and 5 times the powers of ten around the values, every label
+    a whole number ("20M", not a lone "2" beside "10M")."""
+    seen = [v for v in values if v and v > 0]
+    axis: Row = {"type": "log", "title": {"text": title}}
+    if not seen:
+        return axis
+    lo, hi = min(seen), max(seen)
+    ticks = [
+        m * 10.0**e
+        for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+        for m in (1, 2, 5)
+    ]
+    inside = [t for t in ticks if lo / 1.3 <= t <= hi * 1.3]
+    if len(inside) < 2:  # a narrow range: the nearest ticks either side
+        inside = [max(t for t in ticks if t <= lo), min(t for t in ticks if t >= hi)]
+    span = [min(lo, inside[0]), max(hi, inside[-1])]
+    axis["range"] = [math.log10(span[0]) - 0.05, math.log10(span[1]) + 0.05]
+    axis["tickvals"] = inside
+    axis["ticktext"] = [text(t) for t in inside]
+    return axis
+
+
+def bytes_unit(values: Iterable[float]) -> tuple[str, float]:
+    """The binary unit of a memory axis: GiB when its largest value reaches 1 GiB, else MiB
+    (KiB below 1 MiB)."""
+    top = max(values, default=0)
+    for name, size in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if top >= size:
+            return name, float(size)
+    return "KiB", 1024.0
+
+
+def throughput_figure(rows: Sequence[Row], styles: Styles | None = None) -> dict[str, Any]:
     """Tokens/s vs sequence length, one line per kernel variant and world size, log-log."""
+    ok = _succeeded(rows, "tokens_per_s")
+    styles = styles or Styles(rows)
     fig = go.Figure(
         layout=_layout(
             "Throughput",
             "sequence length (tokens)",
-            "tokens/s",
-            xaxis={"type": "log", "title": {"text": "sequence length (tokens)"}},
-            yaxis={"type": "log", "title": {"text": "tokens/s"}},
+            "throughput (tokens/s)",
+            xaxis=length_axis(r["length"] for r in ok),
+            yaxis=log_axis((r["tokens_per_s"] for r in ok), "throughput (tokens/s)"),
         )
     )
-    ok = _succeeded(rows, "tokens_per_s")
     if not ok:
         return _empty(fig, "No succeeded runs with a measured time yet")
     for name, group in _grouped(ok).items():
@@ -83,6 +209,8 @@ def throughput_figure(rows: Sequence[Row]) -> dict[str, Any]:
                 y=[r["tokens_per_s"] for r in group],
                 mode="lines+markers",
                 name=name,
+                line=styles.line(group[0]),
+                marker=styles.marker(group[0]),
                 customdata=[r["run_id"] for r in group],
                 hovertemplate="seq %{x}<br>%{y:.4s} tokens/s<br>run %{customdata}<extra></extra>",
             )
@@ -90,60 +218,81 @@ def throughput_figure(rows: Sequence[Row]) -> dict[str, Any]:
     return _to_json(fig)
 
 
-def memory_figure(rows: Sequence[Row]) -> dict[str, Any]:
-    """Peak memory per rank vs sequence length, with the forward memory floor as dashed lines."""
-    fig = go.Figure(
-        layout=_layout(
-            "Peak memory per rank",
-            "sequence length (tokens)",
-            "bytes",
-            xaxis={"type": "log", "title": {"text": "sequence length (tokens)"}},
-            yaxis={"type": "log", "title": {"text": "peak memory per rank"}, "ticksuffix": "B"},
-        )
-    )
+def memory_figure(rows: Sequence[Row], styles: Styles | None = None) -> dict[str, Any]:
+    """Peak memory per rank vs sequence length in MiB or GiB, with each distinct forward
+    memory floor drawn once as a grey dashed line."""
     ok = _succeeded(rows, "peak_memory_bytes")
     probed = probe_memory_points(rows)
-    if not ok and not probed:
-        return _empty(fig, "No succeeded runs or probes with a measured peak memory yet")
-    for name, group in _grouped(ok).items():
-        fig.add_trace(
-            go.Scatter(
-                x=[r["length"] for r in group],
-                y=[r["peak_memory_bytes"] for r in group],
-                mode="lines+markers",
-                name=name,
-                customdata=[r["run_id"] for r in group],
-                hovertemplate="seq %{x}<br>%{y:.4s}B<br>run %{customdata}<extra></extra>",
-            )
-        )
-    for name, (points, run_id) in probed.items():
-        fig.add_trace(
-            go.Scatter(
-                x=[x for x, _ in points],
-                y=[y for _, y in points],
-                mode="lines+markers",
-                name=f"{name} (probes that fit)",
-                hovertemplate=f"seq %{{x}}<br>%{{y:.4s}}B<br>run {run_id}<extra></extra>",
-            )
-        )
+    styles = styles or Styles(rows)
     floor_rows = list(ok) + [
         {**r, "length": p["seq_len"]}
         for r in rows
         for p in r["probes"]
         if p["outcome"] == "fit" and p["peak_memory_bytes"] is not None
     ]
-    for name, line in floor_lines(floor_rows).items():
+    floors = floor_lines(floor_rows)
+    values = [r["peak_memory_bytes"] for r in ok]
+    values += [y for points, _ in probed.values() for _, y in points]
+    unit, size = bytes_unit(values + [y for line in floors.values() for _, y in line])
+    lengths = [r["length"] for r in floor_rows]
+    fig = go.Figure(
+        layout=_layout(
+            "Peak memory per rank",
+            "sequence length (tokens)",
+            f"peak memory per rank ({unit})",
+            xaxis=length_axis(lengths),
+            yaxis=log_axis(
+                [v / size for v in values + [y for line in floors.values() for _, y in line]],
+                f"peak memory per rank ({unit})",
+                lambda v: f"{v:g}",
+            ),
+        )
+    )
+    if not ok and not probed:
+        return _empty(fig, "No succeeded runs or probes with a measured peak memory yet")
+    hover = "seq %{x}<br>%{y:.1f} " + unit
+    for name, group in _grouped(ok).items():
+        fig.add_trace(
+            go.Scatter(
+                x=[r["length"] for r in group],
+                y=[r["peak_memory_bytes"] / size for r in group],
+                mode="lines+markers",
+                name=name,
+                line=styles.line(group[0]),
+                marker=styles.marker(group[0]),
+                customdata=[r["run_id"] for r in group],
+                hovertemplate=hover + "<br>run %{customdata}<extra></extra>",
+            )
+        )
+    for name, (points, run_id) in probed.items():
+        fig.add_trace(
+            go.Scatter(
+                x=[x for x, _ in points],
+                y=[y / size for _, y in points],
+                mode="lines+markers",
+                name=f"{name} (probes that fit)",
+                hovertemplate=hover + f"<br>run {run_id}<extra></extra>",
+            )
+        )
+    _add_floors(fig, floors, unit, size)
+    return _to_json(fig)
+
+
+def _add_floors(
+    fig: go.Figure, floors: dict[str, list[tuple[int, int]]], unit: str, size: float
+) -> None:
+    """Each distinct floor as a thin grey line, told apart by its dash."""
+    for i, (name, line) in enumerate(floors.items()):
         fig.add_trace(
             go.Scatter(
                 x=[x for x, _ in line],
-                y=[y for _, y in line],
+                y=[y / size for _, y in line],
                 mode="lines",
                 name=name,
-                line={"dash": "dash", "color": "#555"},
-                hovertemplate="seq %{x}<br>floor %{y:.4s}B<extra></extra>",
+                line={"dash": DASHES[1 + i % (len(DASHES) - 1)], "color": "#777", "width": 1.5},
+                hovertemplate="seq %{x}<br>floor %{y:.1f} " + unit + "<extra></extra>",
             )
         )
-    return _to_json(fig)
 
 
 def probe_memory_points(rows: Sequence[Row]) -> dict[str, tuple[list[tuple[int, int]], int]]:
@@ -160,29 +309,45 @@ def probe_memory_points(rows: Sequence[Row]) -> dict[str, tuple[list[tuple[int, 
     return out
 
 
+FLOOR_PARTS = ("h", "kv", "d", "dtype", "W", "parallel", "b")
+
+
 def floor_lines(rows: Sequence[Row]) -> dict[str, list[tuple[int, int]]]:
-    """The forward floor per rank, (length, bytes) points, per distinct shape in rows."""
+    """The forward floor per rank, (length, bytes) points, once per distinct floor (shapes
+    whose floors coincide share one line), named by only what differs between the floors:
+    "memory floor" alone, else "floor W=2", "floor d=64 W=1"."""
     keyed: dict[tuple[Any, ...], set[int]] = defaultdict(set)
     for r in rows:
         if r.get("workload") == "model":
             continue  # q, k, v, out and lse are no floor of a whole model's training step
         key = (r["num_heads"], r["num_kv_heads"], r["head_dim"], r["dtype"], r["world_size"])
         keyed[(*key, r["parallel"], r["batch_size"])].add(r["length"])
-    lines: dict[str, list[tuple[int, int]]] = {}
-    for (h, kv, d, dtype, w, parallel, batch), lengths in sorted(keyed.items()):
-        name = f"floor h={h}{f' kv={kv}' if kv != h else ''} d={d} {dtype} W={w}"
-        if parallel == "data":
-            name += " data"
-        if batch != 1:
-            name += f" b={batch}"
+    distinct: dict[tuple[tuple[int, int], ...], tuple[Any, ...]] = {}
+    for (h, kv, d, dtype, w, parallel, batch), lengths in sorted(keyed.items(), key=str):
         points = []
         for s in sorted(lengths):
             floor = memory_floor(dtype, h, d, local_tokens(parallel, w, batch, s), kv)
             if floor is not None:
                 points.append((s, floor))
         if points:
-            lines[name] = points
-    return lines
+            distinct.setdefault(tuple(points), (h, kv, d, dtype, w, parallel, batch))
+    if len(distinct) == 1:
+        return {"memory floor": list(next(iter(distinct)))}
+    varies = [i for i in range(len(FLOOR_PARTS)) if len({k[i] for k in distinct.values()}) > 1]
+    lines: dict[str, list[tuple[int, int]]] = {}
+    for shared, key in distinct.items():
+        parts = [_floor_part(FLOOR_PARTS[i], key[i]) for i in varies]
+        name = "floor " + " ".join(p for p in parts if p) if any(parts) else "memory floor"
+        lines.setdefault(name, list(shared))
+    return dict(sorted(lines.items(), key=lambda kv: natural_key(kv[0])))
+
+
+def _floor_part(name: str, value: Any) -> str:
+    if name == "parallel":
+        return "data" if value == "data" else ""
+    if name == "dtype":
+        return str(value)
+    return f"{name}={value}"
 
 
 def max_len_figure(rows: Sequence[Row]) -> dict[str, Any]:
@@ -192,17 +357,18 @@ def max_len_figure(rows: Sequence[Row]) -> dict[str, Any]:
     fig = go.Figure(
         layout=_layout(
             "Maximum sequence length",
-            "tokens",
+            "sequence length (tokens)",
             "",
             xaxis={"type": "log", "title": {"text": "sequence length (tokens)"}},
             yaxis={"automargin": True, "autorange": "reversed"},
             barmode="overlay",
-            height=max(320, 140 + 40 * len(searched)),
+            height=max(360, 180 + 56 * len(searched)),
         )
     )
     if not searched:
         return _empty(fig, "No maximum-length searches in this sweep")
-    cats = [r["label"] for r in searched]
+    fig.update_xaxes(**_probed_axis(searched))
+    cats = [wrapped(r["label"]) for r in searched]
     best = [r["max_seq_len"] for r in searched]
     probe_pts: dict[str, tuple[list[str], list[int], list[str]]] = {
         k: ([], [], []) for k in PROBE_STYLE
@@ -243,6 +409,15 @@ def max_len_figure(rows: Sequence[Row]) -> dict[str, Any]:
     return _to_json(fig)
 
 
+def _probed_axis(searched: Sequence[Row]) -> Row:
+    """A length axis from just below the shortest probe to just above the longest."""
+    lengths = [p["seq_len"] for r in searched for p in r["probes"]]
+    lengths += [r["max_seq_len"] for r in searched if r["max_seq_len"]]
+    axis = length_axis(lengths, "sequence length (tokens)")
+    axis["range"] = [math.log10(min(lengths) / 1.5), math.log10(max(lengths) * 1.5)]
+    return axis
+
+
 def _scaling_name(r: Row, base: Row) -> str:
     name = f"{r['series']} · seq {r['length']:,}"
     if base["kernel"] != r["kernel"]:
@@ -261,7 +436,8 @@ def scaling_points(rows: Sequence[Row]) -> dict[str, list[tuple[int, float]]]:
         if not series[name]:
             series[name].append((base["world_size"], 1.0))
         series[name].append((r["world_size"], r["efficiency"]))
-    return {name: sorted(set(line)) for name, line in sorted(series.items())}
+    ordered = sorted(series.items(), key=lambda kv: natural_key(kv[0]))
+    return {name: sorted(set(line)) for name, line in ordered}
 
 
 def scaling_noise(rows: Sequence[Row]) -> dict[tuple[str, int], tuple[float, float, str]]:
@@ -287,10 +463,13 @@ def scaling_figure(rows: Sequence[Row]) -> dict[str, Any]:
     fig = go.Figure(
         layout=_layout(
             "Scaling efficiency (bars: interval from both runs' noise; ✕: above 100%, flagged)",
-            "world size",
-            "efficiency",
+            "world size (ranks)",
+            "scaling efficiency (fraction of linear)",
             xaxis={"type": "log", "title": {"text": "world size (ranks)"}},
-            yaxis={"title": {"text": "tokens/s(W) / (W · tokens/s(1))"}, "rangemode": "tozero"},
+            yaxis={
+                "title": {"text": "scaling efficiency (fraction of linear)"},
+                "rangemode": "tozero",
+            },
         )
     )
     points = scaling_points(rows)
@@ -342,15 +521,19 @@ def scaling_figure(rows: Sequence[Row]) -> dict[str, Any]:
     return _to_json(fig)
 
 
-def peak_fraction_figure(rows: Sequence[Row]) -> dict[str, Any]:
+def peak_fraction_figure(rows: Sequence[Row], styles: Styles | None = None) -> dict[str, Any]:
     """Achieved FLOP/s per rank as a fraction of the device's dense peak, when it is known."""
+    styles = styles or Styles(rows)
     fig = go.Figure(
         layout=_layout(
             "Fraction of dense peak",
             "sequence length (tokens)",
-            "fraction",
-            xaxis={"type": "log", "title": {"text": "sequence length (tokens)"}},
-            yaxis={"title": {"text": "achieved / dense peak FLOP/s"}, "rangemode": "tozero"},
+            "achieved / dense peak FLOP/s (fraction)",
+            xaxis=length_axis(r["length"] for r in _succeeded(rows, "flops_per_s_per_rank")),
+            yaxis={
+                "title": {"text": "achieved / dense peak FLOP/s (fraction)"},
+                "rangemode": "tozero",
+            },
         )
     )
     ok = _succeeded(rows, "flops_per_s_per_rank")
@@ -369,6 +552,8 @@ def peak_fraction_figure(rows: Sequence[Row]) -> dict[str, Any]:
                 y=[r["peak_fraction"] for r in group],
                 mode="lines+markers",
                 name=f"{name} · {group[0]['device']}",
+                line=styles.line(group[0]),
+                marker=styles.marker(group[0]),
                 customdata=[r["flops_per_s_per_rank"] / 1e12 for r in group],
                 hovertemplate="seq %{x}<br>%{y:.1%} of peak (%{customdata:.2f} TFLOP/s)"
                 "<extra></extra>",
@@ -397,9 +582,9 @@ def compare_figure(pairs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         layout=_layout(
             "Throughput ratio B / A per matching cell, with its interval (red: slower, green: "
             "faster, beyond both medians' 95% intervals)",
-            "tokens/s B / A",
+            "tokens/s B / A (ratio)",
             "",
-            xaxis={"type": "log", "title": {"text": "tokens/s B / A"}},
+            xaxis={"title": {"text": "tokens/s B / A (ratio)"}, "rangemode": "tozero"},
             yaxis={"automargin": True, "autorange": "reversed"},
             height=max(320, 140 + 32 * len(with_ratio)),
         )
@@ -407,6 +592,12 @@ def compare_figure(pairs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if not with_ratio:
         return _empty(fig, "No matching cells with a throughput in both sweeps")
     ratios = [p["tps_ratio"] for p in with_ratio]
+    top = max([*ratios, *(p.get("tps_hi") or 0 for p in with_ratio), 1.0])
+    fig.update_xaxes(range=[0, top * 1.1])  # from 0: 0.31 against 0.98 reads as 1:3
+    fig.add_shape(  # parity: B as fast as A
+        type="line", x0=1, x1=1, xref="x", y0=0, y1=1, yref="paper",
+        line={"color": "#333", "width": 1.5, "dash": "dash"},
+    )  # fmt: skip
     fig.add_trace(
         go.Bar(
             y=[p["label"] for p in with_ratio],
@@ -432,16 +623,58 @@ def compare_figure(pairs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return _to_json(fig)
 
 
+SCALING_MIN_WORLD_SIZES = 3
+"""Fewer distinct world sizes than this: the scaling efficiency is a table, not a chart."""
+
+
+def world_sizes(rows: Sequence[Row]) -> list[int]:
+    return sorted({r["world_size"] for r in rows})
+
+
+def scaling_table(rows: Sequence[Row]) -> dict[str, Any] | None:
+    """The scaling efficiency as a table where a chart would have two x values: a row per
+    series and length, a column per world size, each cell with its interval and a flag's
+    sentence (None when there is nothing to show or when the chart shows it)."""
+    points = scaling_points(rows)
+    worlds = sorted({w for line in points.values() for w, _ in line})
+    if not points or len(world_sizes(rows)) >= SCALING_MIN_WORLD_SIZES:
+        return None
+    noise = scaling_noise(rows)
+    body = []
+    for name, line in points.items():
+        values = dict(line)
+        cells = []
+        for w in worlds:
+            e = values.get(w)
+            lo, hi, flag = noise.get((name, w), (e, e, ""))
+            text = "—" if e is None else f"{e:.2f}"
+            if e is not None and lo is not None and hi is not None and lo != hi:
+                text += f" ({lo:.2f}-{hi:.2f})"
+            cells.append({"text": text, "flag": flag})
+        body.append([name, cells])
+    return {"worlds": worlds, "rows": body}
+
+
+def _drawn(figure: dict[str, Any]) -> bool:
+    """Whether a figure has anything on it (an empty one only says why)."""
+    return bool(figure.get("data"))
+
+
 def sweep_figures(rows: Sequence[Row]) -> dict[str, dict[str, Any]]:
-    """Every chart of the sweep page, keyed by the element id that draws it; a sweep with
-    model cells adds seed 004's three."""
+    """The charts of the sweep page its rows fill, keyed by the element id that draws each:
+    a panel with nothing to show is left out (the page draws one that fills later, live);
+    scaling only with at least 3 world sizes (else scaling_table); a sweep with model cells
+    adds seed 004's three."""
+    styles = Styles(rows)
     figures = {
-        "chart-throughput": throughput_figure(rows),
-        "chart-memory": memory_figure(rows),
+        "chart-throughput": throughput_figure(rows, styles),
+        "chart-memory": memory_figure(rows, styles),
         "chart-maxlen": max_len_figure(rows),
-        "chart-scaling": scaling_figure(rows),
-        "chart-peak": peak_fraction_figure(rows),
     }
+    if len(world_sizes(rows)) >= SCALING_MIN_WORLD_SIZES:
+        figures["chart-scaling"] = scaling_figure(rows)
+    if any(r.get("peak_fraction") is not None for r in rows):
+        figures["chart-peak"] = peak_fraction_figure(rows, styles)
     if any(r.get("exposed_comm_share") is not None for r in rows):
         figures["chart-comm"] = exposed_comm_figure(rows)
     models = [r for r in rows if r.get("workload") == "model"]
@@ -449,7 +682,7 @@ def sweep_figures(rows: Sequence[Row]) -> dict[str, dict[str, Any]]:
         figures["chart-components"] = components_figure(models)
         figures["chart-model-peak"] = model_peak_figure(models)
         figures["chart-step-time"] = step_time_figure(models)
-    return figures
+    return {k: f for k, f in figures.items() if _drawn(f)}
 
 
 # ---------------------------------------------------------------- training memory (seed 004)
@@ -504,7 +737,7 @@ def components_figure(rows: Sequence[Row]) -> dict[str, Any]:
     fig = go.Figure(
         layout=_bar_layout(
             "Memory per component (predicted outlined)",
-            "GiB per rank",
+            "memory per rank (GiB)",
             len(stored),
             barmode="overlay",
         )
@@ -552,7 +785,7 @@ def model_peak_figure(rows: Sequence[Row]) -> dict[str, Any]:
         layout=_layout(
             "Step peak vs length (predicted dashed)",
             "sequence length (tokens)",
-            "GiB per rank",
+            "step peak per rank (GiB)",
         )
     )
     drawn = False
@@ -615,7 +848,7 @@ def step_time_figure(rows: Sequence[Row]) -> dict[str, Any]:
     medians): the step-time cost of checkpointing shows as the longer backward."""
     timed = [r for r in rows if r.get("forward_s") is not None]
     fig = go.Figure(
-        layout=_bar_layout("Step time by phase", "seconds per step", len(timed), barmode="stack")
+        layout=_bar_layout("Step time by phase", "time per step (s)", len(timed), barmode="stack")
     )
     if not timed:
         return _empty(fig, "No model run has measured a step yet")
@@ -635,7 +868,7 @@ def step_time_figure(rows: Sequence[Row]) -> dict[str, Any]:
 
 def rank_times_figure(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Every timed repeat of every rank (box per rank), to see stragglers and spread."""
-    fig = go.Figure(layout=_layout("Timed repeats per rank", "rank", "seconds"))
+    fig = go.Figure(layout=_layout("Timed repeats per rank", "rank (index)", "time (s)"))
     with_times = [r for r in ranks if r.get("times_s")]
     if not with_times:
         return _empty(fig, "No timed repeats recorded for this run")
@@ -656,11 +889,11 @@ def exposed_comm_figure(rows: Sequence[Row]) -> dict[str, Any]:
     fig = go.Figure(
         layout=_layout(
             "Exposed communication",
-            "tokens per rank",
-            "share of step time blocked on transfers",
-            xaxis={"type": "log", "title": {"text": "tokens per rank"}},
+            "tokens per rank (tokens)",
+            "blocked on transfers (% of step time)",
+            xaxis={"type": "log", "title": {"text": "tokens per rank (tokens)"}},
             yaxis={
-                "title": {"text": "share of step time blocked on transfers"},
+                "title": {"text": "blocked on transfers (% of step time)"},
                 "tickformat": ".0%",
                 "rangemode": "tozero",
             },
@@ -714,7 +947,8 @@ def step_timeline_figure(steps: Sequence[Row]) -> dict[str, Any]:
     """One timed iteration (the median one) per rank: each ring step as its compute then its
     wait, in step order (forward, then backward), so a slow rank or a step whose transfer
     was not hidden stands out."""
-    fig = go.Figure(layout=_layout("Ring steps per rank (median iteration)", "seconds", "rank"))
+    title = "Ring steps per rank (median iteration)"
+    fig = go.Figure(layout=_layout(title, "time (s)", "rank (index)"))
     if not steps:
         return _empty(fig, "No ring steps recorded for this run")
     iteration = _median_iteration(steps)

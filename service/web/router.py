@@ -5,7 +5,9 @@ plotly.js comes from the plotly Python package's own data, so nothing is fetched
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Annotated, Any
@@ -83,9 +85,25 @@ def _static_version() -> str:
     return str(max(mtimes))
 
 
-def _page(request: Request, name: str, **context: Any) -> HTMLResponse:
+def _page(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
     context.setdefault("static_version", _static_version())
-    return templates.TemplateResponse(request, name, context)
+    return templates.TemplateResponse(request, name, context, status_code=status_code)
+
+
+def _friendly(page: Callable[..., HTMLResponse]) -> Callable[..., HTMLResponse]:
+    """A page whose 404 (no such sweep or run) is an HTML page saying so, with a link back to
+    the sweeps, not the API's JSON."""
+
+    @functools.wraps(page)
+    def wrapper(request: Request, *args: Any, **kwargs: Any) -> HTMLResponse:
+        try:
+            return page(request, *args, **kwargs)
+        except HTTPException as e:
+            if e.status_code != 404:
+                raise
+            return _page(request, "not_found.html", status_code=404, detail=str(e.detail))
+
+    return wrapper
 
 
 @public.get("/static/plotly.min.js")
@@ -201,23 +219,26 @@ def _sweep_payload(
     page = queries.rows_page(session, sweep, after=after, limit=limit, run_ids=run_ids)
     rows = [r.as_dict() for r in page]
     more = run_ids is None and limit is not None and len(page) == limit
-    figures = None
+    figures = scaling = None
     if whole:
         everything = rows if run_ids is None and after == 0 else None
         if everything is None:
             everything = [r.as_dict() for r in queries.rows_page(session, sweep)]
         figures = charts.sweep_figures(everything)
+        scaling = charts.scaling_table(everything)
     return {
         "sweep": summary,
         "rows": rows,
         "next": page[-1].run_id if more else None,
         "figures": figures,
+        "scaling": scaling,
         "whole": whole,
         "page_runs": PAGE_RUNS,
     }
 
 
 @router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
+@_friendly
 def sweep_page(request: Request, session: SessionDep, sweep_id: SweepId) -> HTMLResponse:
     """Results table and charts of one sweep; live while it runs."""
     payload = _sweep_payload(session, sweep_id)
@@ -263,6 +284,7 @@ def sweep_data(
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
+@_friendly
 def run_page(request: Request, session: SessionDep, run_id: RunId) -> HTMLResponse:
     """One run: config, per-rank timings and memory, probes, environment, error."""
     found = queries.one_run(session, run_id)
@@ -285,6 +307,7 @@ def run_page(request: Request, session: SessionDep, run_id: RunId) -> HTMLRespon
 
 
 @router.get("/compare", response_class=HTMLResponse)
+@_friendly
 def compare_page(
     request: Request,
     session: SessionDep,

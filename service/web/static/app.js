@@ -10,8 +10,16 @@ const ringlab = (() => {
   }
 
   function draw(divId, figure) {
-    const div = document.getElementById(divId);
+    let div = document.getElementById(divId);
+    const charts = document.querySelector("section.charts");
+    if (!div && charts && divId.startsWith("chart-")) { // a panel its runs filled since, live
+      div = document.createElement("div");
+      div.className = "chart";
+      div.id = divId;
+      charts.appendChild(div);
+    }
     if (!div) return;
+    if (figure.layout && figure.layout.height) div.style.height = `${figure.layout.height}px`;
     Plotly.react(div, figure.data, figure.layout, PLOT_CONFIG);
   }
 
@@ -116,6 +124,26 @@ const ringlab = (() => {
     ["error", "error", (r) => (r.error ? `<span class="err" title="${esc(r.error)}">${esc(r.error.split("\n")[0].slice(0, 80))}</span>` : "")],
   ];
 
+  // What a researcher came for is shown; the rest is one click away in the column chooser.
+  const DEFAULT_COLUMNS = new Set(["run_id", "label", "length", "world_size", "status", "median_s",
+    "tokens_per_s", "peak_memory_bytes", "speedup"]);
+
+  function shownColumns(state) {
+    return COLUMNS.filter(([key]) => state.columns.has(key));
+  }
+
+  function columnChooser(table, state) {
+    const box = document.getElementById("column-options");
+    if (!box) return;
+    box.innerHTML = COLUMNS.map(([key, title]) => `<label><input type="checkbox" value="${key}"`
+      + `${state.columns.has(key) ? " checked" : ""}> ${esc(title)}</label>`).join("");
+    box.addEventListener("change", (ev) => {
+      const key = ev.target.value;
+      if (ev.target.checked) state.columns.add(key); else state.columns.delete(key);
+      resultsTable(table, state);
+    });
+  }
+
   function searchText(r) {
     return [r.run_id, r.label, `seq=${r.length}`, r.length, `W=${r.world_size}`, r.parallel,
       r.dtype, r.mode, r.causal ? "causal" : "", r.status, r.device || "", r.error || ""]
@@ -132,7 +160,8 @@ const ringlab = (() => {
 
   function resultsTable(table, state) {
     const head = table.tHead;
-    head.innerHTML = "<tr>" + COLUMNS.map(([key, title]) => {
+    const columns = shownColumns(state);
+    head.innerHTML = "<tr>" + columns.map(([key, title]) => {
       const mark = state.sortKey === key ? (state.sortDir > 0 ? " ▲" : " ▼") : "";
       return `<th data-key="${key}" aria-sort="${state.sortKey === key ? (state.sortDir > 0 ? "ascending" : "descending") : "none"}">${title}${mark}</th>`;
     }).join("") + "</tr>";
@@ -142,7 +171,7 @@ const ringlab = (() => {
       && terms.every((t) => searchText(r).includes(t)));
     rows = rows.slice().sort((a, b) => state.sortDir * compare(a[state.sortKey], b[state.sortKey]));
     table.tBodies[0].innerHTML = rows.map((r) =>
-      `<tr class="row-${esc(r.status)}">` + COLUMNS.map(([, , show]) => `<td>${show(r)}</td>`).join("") + "</tr>"
+      `<tr class="row-${esc(r.status)}">` + columns.map(([key, , show]) => `<td class="col-${key}">${show(r)}</td>`).join("") + "</tr>"
     ).join("");
     document.getElementById("row-count").textContent = `${rows.length} of ${state.rows.length} runs`;
     document.getElementById("results-empty").hidden = state.rows.length > 0;
@@ -197,9 +226,10 @@ const ringlab = (() => {
     const payload = readJson("payload");
     const state = {
       rows: payload.rows, next: payload.next, whole: payload.whole, total: payload.sweep.total,
-      sortKey: "run_id", sortDir: 1, filter: "", status: "",
+      sortKey: "run_id", sortDir: 1, filter: "", status: "", columns: new Set(DEFAULT_COLUMNS),
     };
     const table = document.getElementById("results");
+    columnChooser(table, state);
     renderSummary(payload.sweep);
     drawFigures(payload.figures);
     resultsTable(table, state);
