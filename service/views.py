@@ -295,6 +295,13 @@ class RunRow:
     efficiency_hi: float | None = None
     within_noise: list[str] = field(default_factory=list)
     flags: list[Flag] = field(default_factory=list)
+    cotenants: list[int] | None = field(
+        default=None,
+        metadata={
+            "doc": "Runs whose gangs shared this run's nodes while it ran (None: never "
+            "placed, or stored before they were recorded): its times may include contention."
+        },
+    )
     # Model cells (workload: model); None / empty for attention-only cells.
     workload: str = "attention"
     model: str | None = None
@@ -412,6 +419,7 @@ def run_row(
         attempts=run.attempts,
         error=run.error,
         environment_id=run.environment_id,
+        cotenants=None if run.cotenants is None else list(run.cotenants),
         device=device_name(environment),
         ranks=[
             RankView(

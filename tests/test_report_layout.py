@@ -9,6 +9,7 @@ from typing import Any
 
 from test_seed_tables import MiB, client_for, put, report, section, submit
 
+from service.db.models import Run
 from service.units import time_unit
 
 
@@ -64,3 +65,27 @@ def test_time_unit_follows_the_median_value() -> None:
     assert time_unit([2e-5, 3e-5])(2e-5) == "20.00 us"
     assert time_unit([0.0007, 1.5, 2.0, 4.0])(0.0007) == "0.0007 s"
     assert time_unit([])(0.001) == "1.00 ms"
+
+
+def test_runs_timed_beside_others_are_named_in_report_and_run_page(database_url: str) -> None:
+    """A run whose gang shared its nodes (run.cotenants, recorded by the scheduler) is named in
+    report.md's note and on its run page; a run that ran alone says so on its page, and a
+    sweep where every run ran alone has no note."""
+    with client_for(database_url) as client:
+        sweep_id = _store(client, 1e-3)
+        alone = report(client, sweep_id)
+        assert "shared their nodes" not in alone
+        runs = client.get("/api/v1/runs", params={"sweep_id": sweep_id, "sort": "id"}).json()
+        ids = [r["id"] for r in runs["data"]]
+        with client.app.state.sessionmaker() as session:
+            for run_id, cotenants in ((ids[0], [ids[1], ids[2]]), (ids[1], [ids[0]]), (ids[2], [])):
+                session.get(Run, run_id).cotenants = cotenants
+            session.commit()
+        text = report(client, sweep_id)
+        assert (
+            f"**2 of {len(ids)} runs were timed while other runs shared their nodes** "
+            f"(run {ids[0]} beside {ids[1]}, {ids[2]}; run {ids[1]} beside {ids[0]})"
+        ) in text
+        page = client.get(f"/runs/{ids[0]}").text
+        assert f'<a href="/runs/{ids[1]}">run {ids[1]}</a>' in page and "timed beside" in page
+        assert "ran alone on its nodes" in client.get(f"/runs/{ids[2]}").text

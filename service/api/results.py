@@ -412,6 +412,7 @@ def report_markdown(
             "(marked ⚠, explained in the footnotes): read those numbers as suspect.",
             "",
         ]
+    lines += _cotenant_lines(rows)
     ordered = sorted(rows, key=lambda r: (r.label, r.length, r.run_id))
     bench = [r for r in ordered if not r.searched]
     if bench:
@@ -467,6 +468,23 @@ def _errors(failed: Sequence[RunRow]) -> list[str]:
         first = text.splitlines()[0] if text else "-"
         lines.append(f"- run {r.run_id} ({r.label}, seq_len {r.seq_len:,}, {r.status}): {first}")
     return [*lines, ""]
+
+
+def _cotenant_lines(rows: Sequence[RunRow]) -> list[str]:
+    """A note naming the runs timed while other runs' gangs shared their nodes (their times
+    may include contention for CPU, memory bandwidth or the link); none when each ran alone."""
+    shared = sorted((r for r in rows if r.cotenants), key=lambda r: r.run_id)
+    if not shared:
+        return []
+    named = "; ".join(
+        f"run {r.run_id} beside {', '.join(str(c) for c in sorted(r.cotenants or []))}"
+        for r in shared
+    )
+    return [
+        f"**{len(shared)} of {len(rows)} runs were timed while other runs shared their nodes** "
+        f"({named}): their times may include contention; `isolation: node` times a run alone.",
+        "",
+    ]
 
 
 def _results_section(rows: Sequence[RunRow]) -> list[str]:
