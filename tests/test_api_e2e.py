@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from _api_helpers import api_client
 
 from service.scheduler import Scheduler
+from workers.environment import cpu_model
 from workers.gang import GangPool
 
 API = "/api/v1"
@@ -93,6 +95,15 @@ def test_tiny_cpu_sweep_runs_and_reports(tmp_path: Path, ray_session: Any) -> No
         cells = [[c.strip() for c in line.strip("|").split("|")] for line in env_lines[:3]]
         header, rows = cells[0], [r for r in cells[2:] if len(r) == len(cells[0])]
         assert rows and all(r[header.index("CPU threads")] == "1" for r in rows), cells
+        # the CPU a CPU time ran on, as the host says (its /proc/cpuinfo model, os.cpu_count())
+        model, cores = cpu_model(), os.cpu_count()
+        assert (detail["environment"]["cpu_model"], detail["environment"]["cpu_cores"]) == (
+            model,
+            cores,
+        )
+        assert all(r[header.index("CPU")] == f"{model} ({cores} logical CPUs)" for r in rows)
+        page = client.get(f"/runs/{two_ranks['run_id']}").text
+        assert f"{model} · {cores} logical CPUs" in page
         assert "| ring · " in md and "| dense · " in md
         assert "| W=1 | " in md or "| dense W=1 | " in md  # W=2 rows name their baseline
         assert md.count("| ok (max abs err ") == 8

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import platform
 import socket
 import subprocess
@@ -111,7 +112,23 @@ def device_facts(device: torch.device) -> dict[str, Any]:
         "nccl": nccl,
         "python": platform.python_version(),
         "cpu_threads": torch.get_num_threads(),
+        "cpu_model": cpu_model(),
+        "cpu_cores": os.cpu_count(),
     }
+
+
+def cpu_model() -> str | None:
+    """The host CPU's model name from /proc/cpuinfo ('model name', or 'Model' on Arm), else
+    platform.processor(); None where neither says (a CPU time is then compared blind)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model") and value.strip():
+                    return value.strip()
+    except OSError:  # not Linux: platform's answer below
+        pass
+    return platform.processor() or None
 
 
 def collect(device: torch.device) -> EnvironmentInfo:

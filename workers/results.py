@@ -84,6 +84,8 @@ ENVIRONMENT_COLUMNS = (
     "plugins",
     "cpu_threads",
     "plugin_code",
+    "cpu_model",
+    "cpu_cores",
 )
 
 
@@ -313,6 +315,12 @@ class EnvironmentInfo(BaseModel):
         description="torch's intra-op CPU threads in each rank: what a CPU kernel runs on (a "
         "CPU rank holds one Ray CPU, and Ray sets its OMP_NUM_THREADS to it), so CPU times "
         "compare only at equal counts.",
+    )
+    cpu_model: str | None = Field(
+        None, description="The host CPU's model name (/proc/cpuinfo), to compare CPU times."
+    )
+    cpu_cores: int | None = Field(
+        None, ge=1, description="Logical CPUs of the host (os.cpu_count()), not the rank's."
     )
 
     def hash(self) -> str:

@@ -771,6 +771,13 @@ def _plugin_code(code: dict[str, Any] | None) -> str:
     return ", ".join(parts) or "-"
 
 
+def _cpu(model: str | None, cores: int | None) -> str:
+    """'model (N logical CPUs)', '-' when neither was recorded."""
+    if model is None and cores is None:
+        return "-"
+    return f"{model or 'unknown CPU'}" + (f" ({cores} logical CPUs)" if cores else "")
+
+
 def _environment_section(environments: Sequence[Environment]) -> list[str]:
     if not environments:
         return []
@@ -785,6 +792,7 @@ def _environment_section(environments: Sequence[Environment]) -> list[str]:
             e.nccl or "-",
             e.ray or "-",
             e.python,
+            _cpu(e.cpu_model, e.cpu_cores),
             str(e.cpu_threads or "-"),
             (e.git_sha or "-") + (" (dirty)" if e.git_dirty else ""),
             _plugin_code(e.plugin_code),
@@ -792,7 +800,7 @@ def _environment_section(environments: Sequence[Environment]) -> list[str]:
         for e in environments
     ]
     header = ["Env", "Hosts", "GPUs", "Driver", "torch", "CUDA", "NCCL", "Ray", "Python"]
-    header += ["CPU threads", "git", "plugin code"]
+    header += ["CPU", "CPU threads", "git", "plugin code"]
     return ["## Environment", "", *_table(header, rows), ""]
 
 

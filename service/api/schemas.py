@@ -181,6 +181,8 @@ class EnvironmentOut(BaseModel):
     cpu_threads: int | None = Field(
         None, description="torch's intra-op CPU threads in each rank (None: not recorded)."
     )
+    cpu_model: str | None = Field(None, description="The host CPU's model name.")
+    cpu_cores: int | None = Field(None, description="Logical CPUs of the host.")
     plugin_code: dict[str, Any] | None = Field(
         None,
         description="Code version of each plugin package installed editable from a git "

@@ -156,6 +156,10 @@ class Environment(Base):
     """Kernel plugins installed (attention.plugins): package -> version."""
     cpu_threads: Mapped[int | None] = mapped_column(Integer)
     """torch's intra-op CPU threads in each rank (workers.results.EnvironmentInfo)."""
+    cpu_model: Mapped[str | None] = mapped_column(String(256))
+    """The host CPU's model name (workers.environment.cpu_model)."""
+    cpu_cores: Mapped[int | None] = mapped_column(Integer)
+    """Logical CPUs of the host."""
     plugin_code: Mapped[dict[str, Any] | None]
     """package -> {git_sha, git_dirty, path} of each plugin installed editable from a checkout."""
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
