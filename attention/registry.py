@@ -73,6 +73,8 @@ class KernelSpec:
     `plugin`: set by attention.plugins for a plugin's kernel (None for ours).
     `primitive`: the kernel computes its blocks through attention.primitive's fused ops, so
     their CUDA head_dim limits apply (check_cuda_head_dim).
+    `reference_of`: params -> (kernel, params) whose exact reference this kernel is checked
+    against, when that depends on its params (ulysses: its inner kernel's); None: the twin's.
     """
 
     name: str
@@ -88,6 +90,7 @@ class KernelSpec:
     periods: Periods | None = None
     plugin: PluginInfo | None = None
     primitive: bool = False
+    reference_of: Callable[[dict[str, Any]], tuple[str, dict[str, Any]]] | None = None
 
 
 RING_PARAMS = ("layout", "group")
