@@ -23,7 +23,14 @@ import torch.distributed as dist
 
 from attention import primitive
 from attention.autograd import merged_attention
-from attention.base import Kernel, attention_flops, check_qkv
+from attention.base import (
+    Kernel,
+    KernelMemory,
+    attention_flops,
+    check_qkv,
+    merged_memory,
+    qkv_bytes,
+)
 from attention.errors import ParamError
 from attention.layouts import check_seq_len
 from attention.layouts import positions as layout_positions
@@ -152,9 +159,37 @@ def _backward(dout, q, k, v, out, lse, blocks, group, scale):  # type: ignore[no
 class AllGatherKV(Kernel):
     """Exact attention on this rank's shard against all-gathered K and V."""
 
+    world_size: int | None = None
+    """The ranks `memory_model` assumes (a prediction made before any process group exists
+    sets it: workers.model_memory); None: the process group's."""
+
     def __init__(self, params: AllGatherParams | None = None) -> None:
         super().__init__()
         self.params = params or AllGatherParams()
+
+    def memory_model(
+        self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int
+    ) -> KernelMemory:
+        """merged_memory's on this rank's shard of `seq_len` tokens (q, k, v, out and lse
+        saved; fp32 dq, dk, dv), plus what grows with the whole length S = W x seq_len: the
+        gathered K and V (2 S rows in the input dtype; a reshaped copy of them when batch > 1)
+        in the forward and again in the backward, where the fp32 dK/dV of all S rows and one
+        block's dk, dv (up to S rows each, fp32) are held too before the reduce-scatter."""
+        world = self.world_size or rank_and_world(self.params.group)[1]
+        total = world * seq_len
+        p = piece_size(seq_len, torch.device("cpu"))
+        base = merged_memory(
+            batch, seq_len, num_heads, head_dim, dtype_bytes, natural=True, chunk_tokens=p
+        )
+        gathered = 2 * qkv_bytes(batch, total, num_heads, head_dim, dtype_bytes)
+        gathered *= 2 if batch > 1 else 1
+        grads = 2 * 2 * qkv_bytes(batch, total, num_heads, head_dim, 4)
+        return KernelMemory(
+            saved=base.saved,
+            output_saved=True,
+            forward_transient=base.forward_transient + gathered,
+            backward_transient=base.backward_transient + gathered + grads,
+        )
 
     def local_positions(
         self, seq_len: int, rank: int, world_size: int, *, causal: bool = False

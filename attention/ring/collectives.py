@@ -21,6 +21,11 @@ import torch.distributed as dist
 from attention.ring.comm import Tag, exchange, traffic, wait_all
 from attention.ring.steps import clock
 
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""torch 2.13's names of the two collectives, or the older names of the same (torch < 2.13
+has only those; 2.13 deprecates them)."""
+
 
 def to_heads(x: torch.Tensor, members: Sequence[int], me: int, group: Any) -> torch.Tensor:
     """(B, n, H, D) tokens of all heads on each of the U `members` (group ranks, in sequence
@@ -98,7 +103,7 @@ def all_gather(x: torch.Tensor, group: Any) -> torch.Tensor:
     received = traffic.add(x, out[1:])  # W - 1 parts arrive
     with clock.waiting():
         flat = out.view(world * x.shape[0], *x.shape[1:])  # gloo wants dim 0 concatenated
-        wait_all([dist.all_gather_single(flat, x.contiguous(), group=group, async_op=True)])
+        wait_all([_ALL_GATHER(flat, x.contiguous(), group=group, async_op=True)])
     clock.received(received, posted)
     return out
 
@@ -115,6 +120,6 @@ def reduce_scatter(x: torch.Tensor, group: Any) -> torch.Tensor:
     received = traffic.add(moved, moved)
     with clock.waiting():
         flat = x.contiguous().view(world * x.shape[1], *x.shape[2:])
-        wait_all([dist.reduce_scatter_single(out, flat, group=group, async_op=True)])
+        wait_all([_REDUCE_SCATTER(out, flat, group=group, async_op=True)])
     clock.received(received, posted)
     return out

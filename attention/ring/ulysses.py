@@ -263,6 +263,7 @@ register(
         twin="dense",
         check=check_ulysses,
         periods=lambda p: structural_periods(p.inner, p.inner_params()),
+        heads_check=lambda p, heads, kv, world: check_heads(heads, kv, world, "world_size"),
         reference_of=lambda params: (
             (p := make_params("ulysses", params)).inner,
             p.inner_params(),

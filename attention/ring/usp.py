@@ -183,5 +183,8 @@ register(
         distributed=True,
         twin="dense",
         check=check_usp,
+        heads_check=lambda p, heads, kv, world: check_heads(
+            heads, kv, p.ulysses_degree, "params.ulysses_degree"
+        ),
     )
 )
