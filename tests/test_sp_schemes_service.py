@@ -11,6 +11,7 @@ import pytest
 from _api_helpers import api_client
 
 from service.scheduler import Scheduler
+from service.sp_report import sp_schemes_section
 from workers.gang import GangPool
 
 API = "/api/v1"
@@ -90,3 +91,33 @@ def test_the_schemes_run_gated_on_a_ray_gang(tmp_path: Path, ray_session: Any) -
             steps = client.get(f"{API}/runs/{row['run_id']}/steps").json()
             assert sum(s["sent_bytes"] for s in steps) > 0
             assert 0 <= row["exposed_comm_share"] < 1
+        # report.md's schemes section, recomputed from results.json
+        section = sp_schemes_section(rows)
+        assert section[0] == "## Sequence-parallel schemes side by side"
+        assert len([line for line in section if "| 256 | 2 | train |" in line]) == 3
+        assert sum("**fastest**" in line for line in section) == 1
+        report = client.get(f"{API}/sweeps/{sweep_id}/report.md").text
+        assert "\n".join(section) in report
+
+
+def test_the_schemes_section_ranks_each_length_and_shows_each_searched_maximum() -> None:
+    shape = {"world_size": 4, "num_heads": 8, "num_kv_heads": 8, "head_dim": 32}
+    shape |= {"dtype": "float32", "causal": True, "mode": "train", "status": "succeeded"}
+
+    def row(kernel: str, median_s: float | None, max_seq_len: int | None = None) -> dict:
+        return {**shape, "kernel": kernel, "seq_len": 2048, "measured_seq_len": 2048,
+                "median_s": median_s, "tokens_per_s": None if median_s is None else 2048 / median_s,
+                "rank_peak_bytes": [3 << 20, 5 << 20], "exposed_comm_share": 0.25,
+                "max_seq_len": max_seq_len}  # fmt: skip
+
+    rows = [row("ring", 0.4), row("ulysses", 0.2), row("allgather_kv", None, 8192)]
+    assert sp_schemes_section(rows[:1] + rows[2:]) == []  # one timed scheme: nothing to compare
+    section = sp_schemes_section([*rows, {**row("usp", 0.1), "world_size": 1}])
+    table = [line for line in section if line.startswith("| 2,048")]
+    assert table == [
+        "| 2,048 | 4 | train | ulysses | 200.0 ms | 10,240 | 5.0 MiB | 25.0% | - | **fastest** |",
+        "| 2,048 | 4 | train | ring | 400.0 ms | 5,120 | 5.0 MiB | 25.0% | - | x2.00 |",
+    ]
+    rows.append(row("allgather_kv", 0.3))
+    (line,) = [x for x in sp_schemes_section(rows) if "allgather_kv" in x]
+    assert line.endswith("| 8,192 | x1.50 |")
