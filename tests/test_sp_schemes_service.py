@@ -94,7 +94,7 @@ def test_the_schemes_run_gated_on_a_ray_gang(tmp_path: Path, ray_session: Any) -
         # report.md's schemes section, recomputed from results.json
         section = sp_schemes_section(rows)
         assert section[0] == "## Sequence-parallel schemes side by side"
-        assert len([line for line in section if "| 256 | 2 | train |" in line]) == 3
+        assert len([line for line in section if f"| 256 | 2 | {rows[0]['mode']} |" in line]) == 3
         assert sum("**fastest**" in line for line in section) == 1
         report = client.get(f"{API}/sweeps/{sweep_id}/report.md").text
         assert "\n".join(section) in report
