@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from attention import primitive
-from attention.segments import group_bounds, offset_rows
+from attention.segments import group_bounds, head_window, offset_rows
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,26 @@ class Call:
     fold: bool
 
 
-@functools.lru_cache(maxsize=256)
 def plan(
     branches: tuple[tuple[int, int], ...], batch: int, seq_len: int, heads: int, kv_heads: int
 ) -> tuple[Call, ...]:
     """The calls of every branch (w, r) (in the order given: the first is copied) over a
     sequence: the whole segments as one run, the shorter tail as another; per run, one call per
-    head group and run of kv heads. A pure function of the shapes, cached."""
+    head group and run of kv heads. A pure function of the shapes and of the global head window
+    (segments.global_heads: Ulysses), cached."""
+    return _plan(branches, batch, seq_len, heads, kv_heads, head_window())
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(
+    branches: tuple[tuple[int, int], ...],
+    batch: int,
+    seq_len: int,
+    heads: int,
+    kv_heads: int,
+    window: tuple[int, int] | None,
+) -> tuple[Call, ...]:
+    """`plan`, its head window (read by group_bounds) in the cache key."""
     calls = []
     for index, (w, r) in enumerate(branches):
         full, tail = divmod(seq_len, w)

@@ -73,6 +73,8 @@ class KernelSpec:
     `plugin`: set by attention.plugins for a plugin's kernel (None for ours).
     `primitive`: the kernel computes its blocks through attention.primitive's fused ops, so
     their CUDA head_dim limits apply (check_cuda_head_dim).
+    `reference_of`: params -> (kernel, params) whose exact reference this kernel is checked
+    against, when that depends on its params (ulysses: its inner kernel's); None: the twin's.
     """
 
     name: str
@@ -88,6 +90,10 @@ class KernelSpec:
     periods: Periods | None = None
     plugin: PluginInfo | None = None
     primitive: bool = False
+    reference_of: Callable[[dict[str, Any]], tuple[str, dict[str, Any]]] | None = None
+    heads_check: Callable[[Any, int, int, int], None] | None = None
+    """(params, num_heads, num_kv_heads, world_size) -> None, raising when the ranks cannot
+    split the heads (ulysses, usp); `validate` calls it when given num_kv_heads."""
 
 
 RING_PARAMS = ("layout", "group")
@@ -266,9 +272,11 @@ def validate(
     world_size: int = 1,
     num_heads: int = 1,
     causal: bool | None = None,
+    num_kv_heads: int | None = None,
 ) -> None:
     """Raise ValueError unless `kernel(params)` can run `seq_len` tokens on `world_size` ranks
-    (`causal` None: the rules of either, e.g. a ring's stricter default-layout rule).
+    (`causal` None: the rules of either, e.g. a ring's stricter default-layout rule) with
+    `num_kv_heads` key/value heads (None: not checked).
 
     A single-process kernel needs world_size 1 (run it on several ranks with parallel=data, or
     use its ring twin); the kernel's own `check` adds its divisibility rules.
@@ -292,3 +300,5 @@ def validate(
         spec.check(
             parsed, seq_len=seq_len, world_size=world_size, num_heads=num_heads, causal=causal
         )
+    if spec.heads_check is not None and num_kv_heads is not None:
+        spec.heads_check(parsed, num_heads, num_kv_heads, world_size)

@@ -12,20 +12,46 @@ chunk of segments as its batch.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
 
+_HEAD_WINDOW: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "ringlab_head_window", default=None
+)
+
+
+@contextlib.contextmanager
+def global_heads(first: int, total: int) -> Iterator[None]:
+    """While open, a kernel's heads are heads [first, first + H) of `total` (Ulysses: a rank
+    computes H / W of the model's heads), so LongNet's head groups follow the GLOBAL head
+    index (`group_bounds`)."""
+    token = _HEAD_WINDOW.set((first, total))
+    try:
+        yield
+    finally:
+        _HEAD_WINDOW.reset(token)
+
+
+def head_window() -> tuple[int, int] | None:
+    """The open `global_heads` window (first, total), None outside one."""
+    return _HEAD_WINDOW.get()
+
 
 def group_bounds(num_heads: int, rate: int) -> Iterator[tuple[int, int, int]]:
-    """(offset g, first head, end head) of each non-empty head group of a branch of rate r."""
-    size = math.ceil(num_heads / rate)
+    """(offset g, first head, end head) of each non-empty head group of a branch of rate r:
+    groups of ceil(H / r) heads, of the global heads inside `global_heads` (bounds then local
+    to the kernel's H heads)."""
+    first, total = head_window() or (0, num_heads)
+    size = math.ceil(total / rate)
     for g in range(rate):
-        h0, h1 = g * size, min(num_heads, (g + 1) * size)
+        h0, h1 = max(first, g * size), min(total, (g + 1) * size, first + num_heads)
         if h0 < h1:
-            yield g, h0, h1
+            yield g, h0 - first, h1 - first
 
 
 def offset_rows(length: int, offset: int, rate: int) -> int:

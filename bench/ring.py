@@ -336,7 +336,11 @@ def _rank_main(rank: int, world: int, port: int, args: dict, job: dict, out: Any
             )
         if args["device"] == "cuda":
             args = {**args, "device_name": f"cuda:{rank}"}
-        if job.get("steps"):
+        if job.get("sp"):  # bench.sp_schemes' cases
+            from bench.sp_schemes import measure as measure_sp
+
+            res = measure_sp(args, job["kernel"], job["params"], job["layout"], job["causal"])
+        elif job.get("steps"):
             res = measure_steps(args, job["kernel"], job["params"])
         else:
             res = measure(args, job["kernel"], job["params"], job["layout"], job["causal"])

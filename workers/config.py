@@ -458,6 +458,7 @@ class RunConfig(BaseModel):
             world_size=shard_world,
             num_heads=self.num_heads,
             causal=self.causal,
+            num_kv_heads=self.kv_heads,
         )
         if self.device == "cuda":  # on auto the rank checks once its device resolved to CUDA
             import torch

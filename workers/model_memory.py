@@ -112,6 +112,8 @@ def _kernel_memory(config: RunConfig, tokens_local: int) -> KernelMemory:
     module = attention.build(config.kernel, **kernels.kernel_params(config))
     if not isinstance(module, Kernel):
         raise NotImplementedError(f"kernel {config.kernel!r} has no memory model")
+    if kernels.is_distributed(config.kernel):  # no process group yet: the run's ranks
+        module.world_size = kernels.shard_world(config)  # type: ignore[attr-defined]
     return module.memory_model(
         config.local_batch,
         tokens_local // config.local_batch,

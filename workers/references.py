@@ -193,6 +193,9 @@ def describe(kernel: str, params: dict[str, Any]) -> str:
         if spec.keep_mask is None and spec.keep_rows is None:
             return "einsum softmax attention (the plugin declares no keep_mask)"
         return "einsum softmax attention on the plugin's keep_mask"
+    if spec is not None and spec.reference_of is not None:
+        inner, inner_params = spec.reference_of(params)
+        return f"the reference of {inner!r}: {describe(inner, inner_params)}"
     twin = attention.twin_of(kernel)
     if twin is not None:
         return f"the reference of its single-process twin {twin!r}"
@@ -311,6 +314,8 @@ def reference_for(kernel: str, params: dict[str, Any]) -> Reference:
     spec = attention.KERNELS.get(kernel)
     if spec is not None and spec.plugin is not None and spec.twin is None:
         return _plugin(spec, attention.make_params(kernel, params))
+    if spec is not None and spec.reference_of is not None:  # ulysses: its inner kernel's
+        return reference_for(*spec.reference_of(params))
     twin = attention.twin_of(kernel)
     if twin is not None:  # its params as the twin takes them (an adapter adds its own, too)
         fields = {f.name for f in dataclasses.fields(attention.KERNELS[twin].params)}

@@ -1,4 +1,4 @@
 """Ring attention across ranks: K/V travel a ring of ranks; one file per variant."""
 
 # importing a variant module registers it
-from attention.ring import block_sparse, dense, dilated  # noqa: F401
+from attention.ring import allgather, block_sparse, dense, dilated, ulysses, usp  # noqa: F401

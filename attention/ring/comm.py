@@ -38,6 +38,7 @@ class Tag(enum.IntEnum):
     SEGMENT_GATHER = 30  # ring_dilated: a shared segment's dilated K/V rows
     SEGMENT_REDUCE = 31  # ring_dilated: a shared segment's dK/dV rows sent home
     LINK_PROBE = 40  # workers.link: the ping-pong that measures a ring link before a run
+    ULYSSES = 50  # ulysses, usp: the all-to-all between tokens and heads (collectives)
 
 
 def resolve_group(group: Any) -> Any:
@@ -183,17 +184,22 @@ class RingComm:
     """Exchange with the ring neighbours: `start(send, recv)` posts send-to-next and
     receive-from-previous; `wait()` completes them. One exchange in flight per instance."""
 
-    def __init__(self, group: Any, tag: int = 0) -> None:
+    def __init__(self, group: Any, tag: int = 0, members: tuple[int, ...] | None = None) -> None:
+        """`members`: the ring is these group ranks in this order (USP: one rank of each
+        Ulysses group), and `rank`, `world_size` are this rank's place in it and its length;
+        None: every rank of the group, in rank order."""
         self.group = group
         self.tag = tag
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.members = members or tuple(range(dist.get_world_size(group)))
+        self.rank = self.members.index(dist.get_rank(group))
+        self.world_size = len(self.members)
         self._reqs: list[Any] | None = None
         self._posted: tuple[Any, int] = (None, 0)  # (clock mark, bytes to receive)
 
     def peer(self, offset: int) -> int:
-        """Global rank of the group member `offset` places after this one on the ring."""
-        return dist.get_global_rank(self.group, (self.rank + offset) % self.world_size)
+        """Global rank of the ring member `offset` places after this one."""
+        member = self.members[(self.rank + offset) % self.world_size]
+        return dist.get_global_rank(self.group, member)
 
     def start(
         self, send: torch.Tensor | None, recv: torch.Tensor | None, *, offset: int = 1

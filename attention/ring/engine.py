@@ -273,8 +273,11 @@ KVComm = tuple[RingComm, RingComm]
 """The exchanges of K (Tag.K) and V (Tag.V) pieces."""
 
 
-def kv_comms(group) -> KVComm | None:  # type: ignore[no-untyped-def]
-    return (RingComm(group, Tag.K), RingComm(group, Tag.V)) if group is not None else None
+def kv_comms(group, members=None) -> KVComm | None:  # type: ignore[no-untyped-def]
+    """The K and V exchanges of a ring over `group` (or its `members`, see RingComm)."""
+    if group is None:
+        return None
+    return (RingComm(group, Tag.K, members), RingComm(group, Tag.V, members))
 
 
 def _send_kv(comm: KVComm, kt: torch.Tensor, vt: torch.Tensor, buf: torch.Tensor) -> None:
@@ -475,16 +478,18 @@ def ring_attention(
     group: Any,
     scale: float,
     fold: bool = False,
+    members: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """The ring loop with autograd (attention.autograd.MergedFunction): the backward rings
     dK/dV home. `group` None: one rank. `fold`: cut K/V pieces from both halves of the shard
-    (cut_pieces; for causal zigzag)."""
+    (cut_pieces; for causal zigzag). `members`: the ring is these ranks of `group` (usp)."""
 
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return ring_forward(q, k, v, plan, kv_comms(group), scale, fold)
+        return ring_forward(q, k, v, plan, kv_comms(group, members), scale, fold)
 
     def backward(dout, q, k, v, out, lse):  # type: ignore[no-untyped-def]
-        dkv_comm = RingComm(group, Tag.DKV) if group is not None else None
-        return ring_backward(dout, q, k, v, out, lse, plan, kv_comms(group), dkv_comm, scale, fold)
+        dkv_comm = RingComm(group, Tag.DKV, members) if group is not None else None
+        kv = kv_comms(group, members)
+        return ring_backward(dout, q, k, v, out, lse, plan, kv, dkv_comm, scale, fold)
 
     return merged_attention(q, k, v, forward, backward)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ from typing import Any
 from service import analysis
 from service.api.schemas import ArtifactOut, Headline
 from service.db.models import Artifact, Environment, Sweep
+from service.sp_report import sp_schemes_section
 from service.spec import PivotSpec, canonical_json
 from service.units import MS, TimeUnit, time_unit
 from service.views import RunRow, local_tokens
@@ -418,6 +419,7 @@ def report_markdown(
     if bench:
         lines += _results_section(bench)
     lines += _baseline_section(ordered)
+    lines += sp_schemes_section([result_row(r) for r in ordered])
     models = [r for r in ordered if r.workload == "model"]
     if models:
         lines += model_sections(models)

@@ -1,0 +1,266 @@
+"""`allgather_kv`: Llama-3-style context parallelism (torch's context_parallel with its
+all-gather rotation; TransformerEngine's cp_comm_type=all_gather).
+
+Each rank all-gathers K and V and computes its own queries (layout contiguous or zigzag; zigzag
+balances causal work) against the whole sequence; the backward gathers K and V again (holding
+them from the forward would keep the whole sequence's K/V per rank alive in between) and
+reduce-scatters dK and dV home. Its K/V memory per rank grows with the whole length: 2 x S x
+H_kv x D elements gathered, and in the backward the same again in fp32 for dK/dV before the
+reduce-scatter (workers.model_memory says so).
+
+Step clock: forward step 0 is the gather and the compute; backward step 0 the gather, the
+compute and the reduce-scatter (all blocking: the collectives' time is their wait).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from attention import primitive
+from attention.autograd import merged_attention
+from attention.base import (
+    Kernel,
+    KernelMemory,
+    attention_flops,
+    check_qkv,
+    merged_memory,
+    qkv_bytes,
+)
+from attention.errors import ParamError
+from attention.layouts import check_seq_len
+from attention.layouts import positions as layout_positions
+from attention.primitive import empty_result
+from attention.registry import KernelSpec, register
+from attention.ring.collectives import all_gather, reduce_scatter
+from attention.ring.comm import check_backend, check_same_call, rank_and_world, resolve_group
+from attention.ring.dense import check_group, default_layout
+from attention.ring.engine import (
+    Block,
+    _head_group,
+    _row_bytes,
+    piece_size,
+    restrict,
+    step_backward,
+    step_forward,
+)
+from attention.ring.steps import clock
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_sp_layout(layout: str | None) -> None:
+    """Raise ParamError unless `layout` is None (the default) or one of LAYOUTS."""
+    if layout is not None and layout not in LAYOUTS:
+        raise ParamError("params.layout", f"must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+
+
+@dataclass(frozen=True)
+class AllGatherParams:
+    """layout: contiguous | zigzag (None: zigzag when causal, else contiguous); group: the
+    process group (None: the world)."""
+
+    layout: str | None = None
+    group: Any = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        check_sp_layout(self.layout)
+        check_group(self.group)
+
+
+def runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(local start, global start, length) of each run of consecutive positions."""
+    out: list[tuple[int, int, int]] = []
+    for i, p in enumerate(positions.tolist()):
+        if out and out[-1][1] + out[-1][2] == p:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((i, p, 1))
+    return out
+
+
+def gather_plan(layout: str, causal: bool, rank: int, world: int, n: int) -> list[Block]:
+    """Blocks of this rank's n queries against the gathered keys (rank-major: rank s's shard
+    at rows [s n, (s + 1) n)). Runs of both are aligned to one chunk grid, so a key run is
+    wholly before a query run (seen), the same positions (causal diagonal) or after (unseen);
+    adjacent seen runs merge into one block."""
+    seq = n * world
+    if not causal:
+        return [Block(0, n, 0, seq)]
+    keys = [
+        (s * n + a, p, m)
+        for s in range(world)
+        for a, p, m in runs(layout_positions(seq, layout, s, world))
+    ]
+    blocks: list[Block] = []
+    for qa, qp, qm in runs(layout_positions(seq, layout, rank, world)):
+        seen: list[Block] = []
+        for ka, kp, km in keys:
+            if kp + km <= qp:
+                if seen and seen[-1].k1 == ka and not seen[-1].causal:
+                    seen[-1] = Block(qa, qa + qm, seen[-1].k0, ka + km)
+                else:
+                    seen.append(Block(qa, qa + qm, ka, ka + km))
+            elif kp == qp:
+                seen.append(Block(qa, qa + qm, ka, ka + km, causal=True))
+        blocks += seen
+    return blocks
+
+
+def _chunked(blocks: list[Block], n: int, keys: int, p: int) -> list[Block]:
+    """The blocks cut into query chunks of p rows (bounds a call's temporaries on CPU)."""
+    return [
+        part
+        for blk in blocks
+        for r0 in range(0, n, p)
+        for part in restrict(blk, r0, r0 + p, 0, keys)
+    ]
+
+
+def _gathered(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every rank's x (B, n, H, D) as (B, W n, H, D), rank-major (a view when B = 1)."""
+    parts = all_gather(x, group)
+    return parts.transpose(0, 1).reshape(x.shape[0], -1, *x.shape[2:])
+
+
+def _forward(q, k, v, blocks, group, scale):  # type: ignore[no-untyped-def]
+    with clock.step("forward", 0):
+        kt, vt = _gathered(k, group), _gathered(v, group)
+        p = piece_size(q.shape[1], q.device)
+        parts = _chunked(blocks, q.shape[1], kt.shape[1], p)
+        out, lse = empty_result(q)
+        step_forward(q, kt, vt, parts, out, lse, scale, False, _head_group(q, p))
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, blocks, group, scale):  # type: ignore[no-untyped-def]
+    with clock.step("backward", 0):
+        kt, vt = _gathered(k, group), _gathered(v, group)
+        bsz, n = q.shape[:2]
+        world = kt.shape[1] // n
+        p = piece_size(n, q.device, _row_bytes(k))
+        dq = torch.zeros(q.shape, dtype=primitive.accumulator_dtype(q.dtype), device=q.device)
+        dkv = torch.zeros((2, *kt.shape), dtype=dq.dtype, device=q.device)
+        step_backward(
+            dout, q, kt, vt, out, lse, _chunked(blocks, n, kt.shape[1], p), dq, dkv, scale
+        )
+        del kt, vt
+        dk, dv = (
+            reduce_scatter(g.view(bsz, world, n, *k.shape[2:]).transpose(0, 1), group)
+            for g in (dkv[0], dkv[1])
+        )
+    return dq, dk, dv
+
+
+class AllGatherKV(Kernel):
+    """Exact attention on this rank's shard against all-gathered K and V."""
+
+    world_size: int | None = None
+    """The ranks `memory_model` assumes (a prediction made before any process group exists
+    sets it: workers.model_memory); None: the process group's."""
+
+    def __init__(self, params: AllGatherParams | None = None) -> None:
+        super().__init__()
+        self.params = params or AllGatherParams()
+
+    def memory_model(
+        self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int
+    ) -> KernelMemory:
+        """merged_memory's on this rank's shard of `seq_len` tokens (q, k, v, out and lse
+        saved; fp32 dq, dk, dv), plus what grows with the whole length S = W x seq_len: the
+        gathered K and V (2 S rows in the input dtype; a reshaped copy of them when batch > 1)
+        in the forward and again in the backward, where the fp32 dK/dV of all S rows and one
+        block's dk, dv (up to S rows each, fp32) are held too before the reduce-scatter."""
+        world = self.world_size or rank_and_world(self.params.group)[1]
+        total = world * seq_len
+        p = piece_size(seq_len, torch.device("cpu"))
+        base = merged_memory(
+            batch, seq_len, num_heads, head_dim, dtype_bytes, natural=True, chunk_tokens=p
+        )
+        gathered = 2 * qkv_bytes(batch, total, num_heads, head_dim, dtype_bytes)
+        gathered *= 2 if batch > 1 else 1
+        grads = 2 * 2 * qkv_bytes(batch, total, num_heads, head_dim, 4)
+        return KernelMemory(
+            saved=base.saved,
+            output_saved=True,
+            forward_transient=base.forward_transient + gathered,
+            backward_transient=base.backward_transient + gathered + grads,
+        )
+
+    def local_positions(
+        self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
+    ) -> torch.Tensor:
+        layout = default_layout(self.params.layout, causal)
+        return layout_positions(seq_len, layout, rank, world_size)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
+    ) -> torch.Tensor:
+        group = resolve_group(self.params.group)
+        check_backend(group, q.device)
+        check_same_call(group, q, causal, self.params, local_check=lambda: check_qkv(q, k, v))
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        layout = default_layout(self.params.layout, causal)
+        check_seq_len(q.shape[1] * world, layout, world)
+        self.backend = primitive.backend_for(q.device, q.dtype)
+        blocks = gather_plan(layout, causal, rank, world, q.shape[1])
+        scale = q.shape[-1] ** -0.5
+
+        def fwd(q, k, v):  # type: ignore[no-untyped-def]
+            return _forward(q, k, v, blocks, group, scale)
+
+        def bwd(dout, q, k, v, out, lse):  # type: ignore[no-untyped-def]
+            return _backward(dout, q, k, v, out, lse, blocks, group, scale)
+
+        return merged_attention(q, k, v, fwd, bwd)
+
+    def flops(
+        self,
+        batch: int,
+        seq_len: int,
+        num_heads: int,
+        head_dim: int,
+        causal: bool = False,
+        backward: bool = False,
+    ) -> int:
+        """FLOPs of this rank for a local shard of `seq_len` tokens (its computed pairs)."""
+        rank, world = rank_and_world(self.params.group)
+        layout = default_layout(self.params.layout, causal)
+        pairs = sum(b.pairs() for b in gather_plan(layout, causal, rank, world, seq_len))
+        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
+
+
+def check_allgather(
+    params: AllGatherParams,
+    *,
+    seq_len: int,
+    world_size: int = 1,
+    num_heads: int = 1,
+    causal: bool | None = None,
+) -> None:
+    """seq_len splits over the ranks in the layout in force (zigzag's rule when causal is not
+    known and no layout is set)."""
+    layout = default_layout(params.layout, True if causal is None else causal)
+    check_seq_len(seq_len, layout, world_size)
+
+
+register(
+    KernelSpec(
+        name="allgather_kv",
+        primitive=True,
+        description=(
+            "Llama-3 context parallelism: every rank all-gathers K and V and computes its own "
+            "queries (contiguous or zigzag); the backward reduce-scatters dK and dV. K/V memory "
+            "per rank grows with the whole length."
+        ),
+        params=AllGatherParams,
+        factory=AllGatherKV,
+        distributed=True,
+        twin="dense",
+        check=check_allgather,
+    )
+)

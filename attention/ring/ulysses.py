@@ -1,0 +1,272 @@
+"""`ulysses`: DeepSpeed-Ulysses sequence parallelism (Jacobs et al. 2023).
+
+Each rank holds a contiguous shard of the sequence, all heads. An all-to-all turns it into the
+whole sequence for H / W heads; any single-process kernel (`params.inner`: dense, dilated or
+block_sparse, with its own params beside `inner`) runs on that; a second all-to-all returns the
+output to its tokens. The backward mirrors it (attention.ring.collectives).
+
+Heads: W must divide num_heads. K/V with num_kv_heads < W are replicated to W head groups (as
+yunchang and LoongTrain do), which needs num_kv_heads to divide W; otherwise W must divide
+num_kv_heads. With dilated inside, LongNet's head groups follow the GLOBAL head index
+(segments.global_heads): rank r's heads are heads [r H / W, (r + 1) H / W) of the model.
+
+Step clock: forward step 0 is the all-to-all of q, k, v, step 1 the inner kernel, step 2 the
+all-to-all of the output; backward step 0 the output gradient's all-to-all, 1 the inner
+kernel's backward, 2 the all-to-all of dq, dk, dv.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from attention.base import Kernel, check_qkv
+from attention.errors import ParamError
+from attention.registry import (
+    KERNELS,
+    KernelSpec,
+    build,
+    make_params,
+    register,
+    structural_periods,
+)
+from attention.ring.collectives import ToHeads, ToTokens
+from attention.ring.comm import check_backend, check_same_call, rank_and_world, resolve_group
+from attention.ring.dense import check_group
+from attention.ring.steps import clock
+from attention.segments import global_heads
+
+INNER = ("dense", "dilated", "block_sparse")
+"""The single-process kernels Ulysses runs on its heads."""
+
+
+@dataclass(frozen=True)
+class UlyssesParams:
+    """inner: the kernel run on each rank's heads; group: the process group (None: the world);
+    every other field is the inner kernel's own parameter (None: its default), and a field the
+    inner kernel does not take is an error."""
+
+    inner: str = "dense"
+    group: Any = dataclasses.field(default=None, compare=False)
+    document_lengths: Any = None
+    segment_lengths: Any = None
+    dilation_rates: Any = None
+    ordering: Any = None
+    plan: Any = None
+    block_size: Any = None
+    pattern: Any = None
+    sparsity_ratio: Any = None
+    window: Any = None
+    dilation: Any = None
+    num_global: Any = None
+    num_random: Any = None
+    seed: Any = None
+
+    def __post_init__(self) -> None:
+        if self.inner not in INNER:
+            raise ParamError(
+                "params.inner", f"must be one of {', '.join(INNER)}, got {self.inner!r}"
+            )
+        check_group(self.group)
+        parsed = make_params(self.inner, self.inner_params())
+        for name in self.inner_params():  # normalized by the inner kernel (lists -> tuples)
+            object.__setattr__(self, name, getattr(parsed, name))
+
+    def inner_params(self) -> dict[str, Any]:
+        """The inner kernel's params (the fields set); a field it does not take raises."""
+        own = inner_fields(self.inner)
+        given = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("inner", "group") and getattr(self, f.name) is not None
+        }
+        for name in given:
+            if name not in own:
+                raise ParamError(
+                    f"params.{name}",
+                    f"not a parameter of inner kernel {self.inner!r} (it takes "
+                    f"{', '.join(sorted(own)) or 'none'})",
+                )
+        return given
+
+
+def inner_fields(inner: str) -> set[str]:
+    """The init fields of an inner kernel's params."""
+    return {f.name for f in dataclasses.fields(KERNELS[inner].params) if f.init}
+
+
+def check_heads(num_heads: int, num_kv_heads: int, degree: int, field: str) -> None:
+    """Raise ParamError unless `degree` ranks can split the heads: degree | num_heads, and
+    degree | num_kv_heads or (replication) num_kv_heads | degree. `field` names the degree."""
+    if num_heads % degree:
+        raise ParamError(
+            "num_heads", f"{num_heads} must divide by {field} {degree} (each rank gets H / {field})"
+        )
+    if num_kv_heads % degree and degree % num_kv_heads:
+        raise ParamError(
+            "num_kv_heads",
+            f"{num_kv_heads} must divide by {field} {degree}, or divide it (K/V heads fewer "
+            f"than {field} are replicated to {degree} head groups)",
+        )
+
+
+def replicate_kv(x: torch.Tensor, degree: int) -> torch.Tensor:
+    """K or V with fewer heads than `degree` repeated to `degree` heads (each kv head serves
+    degree / num_kv_heads consecutive ranks); unchanged otherwise. Its gradient sums back."""
+    kv = x.shape[2]
+    return x if kv >= degree else x.repeat_interleave(degree // kv, dim=2)
+
+
+class InnerCall(torch.autograd.Function):
+    """The inner kernel on (q, k, v) inside a head window and a clock step, forward and
+    backward: its backward runs the inner graph under the same window (LongNet's groups) and
+    times it as backward step 1."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, fn, window):  # type: ignore[no-untyped-def]
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad(), _window(window), clock.step("forward", 1):
+            out = fn(*leaves)
+        ctx.leaves, ctx.out, ctx.window = leaves, out, window
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[no-untyped-def]
+        with _window(ctx.window), clock.step("backward", 1):
+            grads = torch.autograd.grad(ctx.out, ctx.leaves, dout)
+        ctx.leaves = ctx.out = None
+        return (*grads, None, None)
+
+
+@contextlib.contextmanager
+def _window(window: tuple[int, int] | None) -> Iterator[None]:
+    if window is None:
+        yield
+    else:
+        with global_heads(*window):
+            yield
+
+
+def heads_exchange(
+    x: torch.Tensor, members: tuple[int, ...], me: int, group: Any, step: int
+) -> torch.Tensor:
+    """ToHeads under forward step `step` (its backward is backward step 2)."""
+    with clock.step("forward", step):
+        return ToHeads.apply(x, members, me, group, 2)  # type: ignore[no-any-return]
+
+
+def tokens_exchange(
+    y: torch.Tensor, members: tuple[int, ...], me: int, group: Any, step: int
+) -> torch.Tensor:
+    """ToTokens under forward step `step` (its backward is backward step 0)."""
+    with clock.step("forward", step):
+        return ToTokens.apply(y, members, me, group, 0)  # type: ignore[no-any-return]
+
+
+class UlyssesAttention(Kernel):
+    """Exact (inner-kernel) attention on this rank's contiguous shard of every head."""
+
+    def __init__(self, params: UlyssesParams | None = None) -> None:
+        super().__init__()
+        self.params = params or UlyssesParams()
+        self.inner = build(self.params.inner, **self.params.inner_params())
+
+    def local_positions(
+        self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
+    ) -> torch.Tensor:
+        """Global positions of the tokens rank `rank` holds: a contiguous shard."""
+        n = seq_len // world_size
+        return torch.arange(rank * n, (rank + 1) * n)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
+    ) -> torch.Tensor:
+        group = resolve_group(self.params.group)
+        check_backend(group, q.device)
+        world = dist.get_world_size(group)
+
+        def local_check() -> None:
+            check_qkv(q, k, v)
+            check_heads(q.shape[2], k.shape[2], world, "world_size")
+
+        check_same_call(group, q, causal, self.params, local_check=local_check)
+        rank = dist.get_rank(group)
+        members = tuple(range(world))
+        heads = q.shape[2]
+        k, v = replicate_kv(k, world), replicate_kv(v, world)
+        qh, kh, vh = (heads_exchange(t, members, rank, group, 0) for t in (q, k, v))
+        window = (rank * heads // world, heads) if self.params.inner == "dilated" else None
+
+        def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self.inner(q, k, v, causal=causal)  # type: ignore[no-any-return]
+
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (qh, kh, vh)):
+            out = InnerCall.apply(qh, kh, vh, fn, window)
+        else:
+            with _window(window), clock.step("forward", 1):
+                out = fn(qh, kh, vh)
+        self.backend = getattr(self.inner, "backend", None)
+        return tokens_exchange(out, members, rank, group, 2)
+
+    def flops(
+        self,
+        batch: int,
+        seq_len: int,
+        num_heads: int,
+        head_dim: int,
+        causal: bool = False,
+        backward: bool = False,
+    ) -> int:
+        """FLOPs of this rank for a local shard of `seq_len` tokens: the inner kernel's on the
+        whole sequence for H / W heads (its head groups may differ in cost: LongNet's do not)."""
+        _, world = rank_and_world(self.params.group)
+        total = self.inner.flops(batch, seq_len * world, num_heads, head_dim, causal, backward)
+        return int(total // world)
+
+
+def check_ulysses(
+    params: UlyssesParams,
+    *,
+    seq_len: int,
+    world_size: int = 1,
+    num_heads: int = 1,
+    causal: bool | None = None,
+) -> None:
+    """W | num_heads, W | seq_len, and the inner kernel's own rules on the whole sequence."""
+    check_heads(num_heads, num_heads, world_size, "world_size")
+    if seq_len % world_size:
+        raise ParamError("seq_len", f"{seq_len} must divide by world_size {world_size}")
+    spec = KERNELS[params.inner]
+    if spec.check is not None:
+        inner = make_params(params.inner, params.inner_params())
+        spec.check(inner, seq_len=seq_len, world_size=1, num_heads=num_heads, causal=causal)
+
+
+register(
+    KernelSpec(
+        name="ulysses",
+        primitive=True,
+        description=(
+            "DeepSpeed-Ulysses: an all-to-all gives each rank the whole sequence for H / W "
+            "heads, an inner kernel (dense, dilated, block_sparse) runs on it, a second "
+            "all-to-all returns the output."
+        ),
+        params=UlyssesParams,
+        factory=UlyssesAttention,
+        distributed=True,
+        twin="dense",
+        check=check_ulysses,
+        periods=lambda p: structural_periods(p.inner, p.inner_params()),
+        heads_check=lambda p, heads, kv, world: check_heads(heads, kv, world, "world_size"),
+        reference_of=lambda params: (
+            (p := make_params("ulysses", params)).inner,
+            p.inner_params(),
+        ),
+    )
+)

@@ -1,0 +1,190 @@
+"""`usp`: the 2D hybrid (yunchang's USP, TransformerEngine's a2a+p2p, LoongTrain's double ring):
+Ulysses inside each group of U = `params.ulysses_degree` ranks, a ring of K/V across the
+R = W / U groups.
+
+Ranks g U .. g U + U - 1 form Ulysses group g (consecutive ranks: the gang orders ranks by node,
+so a group sits within a node whenever U divides the ranks per node). The all-to-all gives each
+rank its group's tokens for H / U heads; those tokens are the group's shard of a ring of R
+ranks in the same layout:
+- contiguous: rank r holds tokens [r S / W, (r + 1) S / W) (as every contiguous kernel), so
+  group g holds [g S / R, (g + 1) S / R), in member order;
+- zigzag: rank r holds zigzag chunks r and 2W-1-r (attention.layouts), so group g holds ring
+  chunks g and 2R-1-g of the zigzag at R ranks, once its members' halves are put in order.
+Ring member g of a head slice i is rank g U + i: R rings of R ranks run side by side, each the
+`ring` engine's loop (K/V pieces travel, dK/dV come home).
+
+Step clock: the ring's steps are steps 0 .. R - 1 of each phase (and backward step R, the
+last dK/dV home); forward step 0 also holds the all-to-all of q, k, v, forward step R the
+output's; backward step 0 also holds the output gradient's, backward step R + 1 those of dq,
+dk, dv (steps of one index add up).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from attention import primitive
+from attention.base import Kernel, attention_flops, check_qkv
+from attention.errors import ParamError
+from attention.layouts import check_seq_len
+from attention.layouts import positions as layout_positions
+from attention.registry import KernelSpec, register
+from attention.ring.allgather import check_sp_layout
+from attention.ring.collectives import ToHeads, ToTokens
+from attention.ring.comm import check_backend, check_same_call, rank_and_world, resolve_group
+from attention.ring.dense import check_group, default_layout, dense_plan
+from attention.ring.engine import ring_attention
+from attention.ring.steps import clock
+from attention.ring.ulysses import check_heads, replicate_kv
+
+
+@dataclass(frozen=True)
+class UspParams:
+    """ulysses_degree: U, ranks per Ulysses group (W = U x ring degree); layout: contiguous |
+    zigzag (None: zigzag when causal, else contiguous); group: the process group."""
+
+    ulysses_degree: int = 2
+    layout: str | None = None
+    group: Any = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        u = self.ulysses_degree
+        if isinstance(u, bool) or not isinstance(u, int) or u < 1:
+            raise ParamError("params.ulysses_degree", f"must be an integer >= 1, got {u!r}")
+        check_sp_layout(self.layout)
+        check_group(self.group)
+
+
+def check_degree(params: UspParams, world_size: int) -> None:
+    """Raise ParamError unless U divides the world size."""
+    if world_size % params.ulysses_degree:
+        raise ParamError(
+            "params.ulysses_degree",
+            f"{params.ulysses_degree} must divide world_size {world_size} "
+            "(W = ulysses_degree x ring degree)",
+        )
+
+
+def group_order(layout: str, u: int, n: int) -> torch.Tensor | None:
+    """Rows of the all-to-all's output (members' shards in member order, n rows each) in the
+    ring layout's local order; None when that is already the order (contiguous, or U = 1)."""
+    if layout == "contiguous" or u == 1:
+        return None
+    c = n // 2  # member i's halves: zigzag chunks gU+i (first) and 2W-1-gU-i (second)
+    first = [i * n + t for i in range(u) for t in range(c)]
+    second = [i * n + c + t for i in reversed(range(u)) for t in range(c)]
+    return torch.tensor(first + second)
+
+
+class UspAttention(Kernel):
+    """Exact attention on this rank's shard: Ulysses within its group, a ring across groups."""
+
+    def __init__(self, params: UspParams | None = None) -> None:
+        super().__init__()
+        self.params = params or UspParams()
+
+    def local_positions(
+        self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
+    ) -> torch.Tensor:
+        layout = default_layout(self.params.layout, causal)
+        return layout_positions(seq_len, layout, rank, world_size)
+
+    def _setup(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):  # type: ignore[no-untyped-def]
+        group = resolve_group(self.params.group)
+        check_backend(group, q.device)
+        world = dist.get_world_size(group)
+        u = self.params.ulysses_degree
+
+        def local_check() -> None:
+            check_degree(self.params, world)
+            check_qkv(q, k, v)
+            check_heads(q.shape[2], k.shape[2], u, "params.ulysses_degree")
+
+        check_same_call(group, q, causal, self.params, local_check=local_check)
+        layout = default_layout(self.params.layout, causal)
+        check_seq_len(q.shape[1] * world, layout, world)
+        return group, dist.get_rank(group), world, u, layout
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
+    ) -> torch.Tensor:
+        group, rank, world, u, layout = self._setup(q, k, v, causal)
+        self.backend = primitive.backend_for(q.device, q.dtype)
+        g, ring = rank // u, world // u
+        members = tuple(g * u + i for i in range(u))
+        k, v = replicate_kv(k, u), replicate_kv(v, u)
+        with clock.step("forward", 0):
+            qh, kh, vh = (ToHeads.apply(t, members, rank, group, ring + 1) for t in (q, k, v))
+        order = group_order(layout, u, q.shape[1])
+        if order is not None:
+            qh, kh, vh = (t[:, order] for t in (qh, kh, vh))
+        m = qh.shape[1]
+        plan = dense_plan(layout, causal, g, ring, m)
+        ring_members = tuple(j * u + rank % u for j in range(ring))
+        fold = causal and layout == "zigzag"
+        out = ring_attention(
+            qh, kh, vh, plan, group if ring > 1 else None, q.shape[-1] ** -0.5, fold, ring_members
+        )
+        if order is not None:
+            out = out[:, torch.argsort(order)]
+        with clock.step("forward", ring):
+            return ToTokens.apply(out, members, rank, group, 0)  # type: ignore[no-any-return]
+
+    def flops(
+        self,
+        batch: int,
+        seq_len: int,
+        num_heads: int,
+        head_dim: int,
+        causal: bool = False,
+        backward: bool = False,
+    ) -> int:
+        """FLOPs of this rank for a local shard of `seq_len` tokens: its ring plan's pairs over
+        its group's U x seq_len tokens for H / U heads."""
+        rank, world = rank_and_world(self.params.group)
+        u = self.params.ulysses_degree
+        layout = default_layout(self.params.layout, causal)
+        plan = dense_plan(layout, causal, rank // u, world // u, seq_len * u)
+        pairs = sum(b.pairs() for step in plan for b in step)
+        return attention_flops(batch * num_heads * pairs // u, head_dim, backward=backward)
+
+
+def check_usp(
+    params: UspParams,
+    *,
+    seq_len: int,
+    world_size: int = 1,
+    num_heads: int = 1,
+    causal: bool | None = None,
+) -> None:
+    """U | W, U | num_heads, and seq_len splits over W ranks in the layout in force."""
+    check_degree(params, world_size)
+    check_heads(num_heads, num_heads, params.ulysses_degree, "params.ulysses_degree")
+    check_seq_len(
+        seq_len, default_layout(params.layout, True if causal is None else causal), world_size
+    )
+
+
+register(
+    KernelSpec(
+        name="usp",
+        primitive=True,
+        description=(
+            "USP, the 2D hybrid: Ulysses all-to-all inside groups of ulysses_degree ranks, a "
+            "ring of K/V across the groups (contiguous or zigzag)."
+        ),
+        params=UspParams,
+        factory=UspAttention,
+        distributed=True,
+        twin="dense",
+        check=check_usp,
+        heads_check=lambda p, heads, kv, world: check_heads(
+            heads, kv, p.ulysses_degree, "params.ulysses_degree"
+        ),
+    )
+)
