@@ -10,6 +10,7 @@ import gc
 import logging
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -33,6 +34,7 @@ from service.api.security import SecurityHeaders
 from service.core.config import Settings
 from service.db.engine import make_engine, make_sessionmaker
 from service.db.migrate import upgrade
+from service.ray_status import RAY, Link
 from service.web.router import dashboard as web_router
 from service.web.router import router as web_pages
 from workers import local_ray
@@ -101,6 +103,8 @@ def create_app(
         app.state.scheduler_error = None
         thread: threading.Thread | None = None
         if with_scheduler:
+            # /readyz says what the scheduler does from the first request on, not "not started"
+            RAY.set(Link("starting", settings.ray_address or "a local Ray", 0, time.time()))
             thread = threading.Thread(
                 target=_run_scheduler,
                 args=(app, settings, stop),

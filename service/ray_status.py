@@ -21,7 +21,8 @@ MAX_RETRY_S = 30.0
 
 @dataclass(frozen=True)
 class Link:
-    """One reading of the link: state is connecting, connected or unreachable."""
+    """One reading of the link: state is starting (the embedded scheduler migrates the
+    database before its first attempt), connecting, connected or unreachable."""
 
     state: str
     address: str
@@ -52,6 +53,11 @@ class RayStatus:
         if link is None or link.state == "connected":
             return None
         now = time.time()
+        if link.state == "starting":
+            return (
+                f"starting: the scheduler migrates the database, then connects to "
+                f"{link.address} ({now - link.since:.0f} s so far)"
+            )
         if link.state == "connecting":
             return (
                 f"connecting to {link.address}: attempt {link.attempt}, "

@@ -58,8 +58,15 @@ def test_unreachable_ray_is_retried_logged_and_named_on_readyz(
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     seen = out["seen"]
     assert all(code == 503 for code, _ in seen), seen
-    first, last = seen[0][1]["ray"], seen[-1][1]["ray"]
+    states = [checks["ray"] for _, checks in seen]
+    # from the first request on it says what it does: migrating, then connecting (never "not
+    # started")
+    starting = f"starting: the scheduler migrates the database, then connects to {address}"
+    assert all(s.split(" (")[0] == starting for s in states if s.startswith("starting:")), states
+    first = next(s for s in states if not s.startswith("starting:"))
+    last = states[-1]
     assert first.startswith(f"connecting to {address}: attempt 1"), first
+    assert not any("not started" in s for s in states), states
     assert last.startswith(f"unreachable: cannot connect to {address} (ConnectionError: "), last
     assert "attempt 2 in" in last
     assert all(checks["scheduler"] == "running" for _, checks in seen), "it did not stop"
