@@ -145,10 +145,12 @@ def test_run_once_false_when_nothing_queued(engine: Engine) -> None:
 def test_expired_lease_is_recovered_to_queued(engine: Engine) -> None:
     sm = make_sessionmaker(engine)
     (run_id,) = add_sweep(sm, [tiny_config()])
-    claim = leases.claim_next(sm, "crashed", lease_s=0.05)
+    # 0.5 s: long enough that the claim's own commit (a round-robin claim writes the sweep
+    # too) cannot outlast it on a loaded machine, short enough to wait out
+    claim = leases.claim_next(sm, "crashed", lease_s=0.5)
     assert claim is not None
     assert leases.recover_expired(sm) == [], "a live lease is not recovered"
-    time.sleep(0.1)
+    time.sleep(0.6)
     assert make_scheduler(engine, ThreadPool()).recover() == [run_id]
     run = run_row(sm, run_id)
     assert (run.status, run.attempts, run.lease_owner) == (RunStatus.queued, 1, None)
@@ -392,7 +394,9 @@ def test_graceful_stop_lets_the_run_finish(engine: Engine) -> None:
     ids = add_sweep(sm, [tiny_config(seed=0), tiny_config(seed=1)])
     pool = ThreadPool(script_for=lambda _c: Script(delay_s=0.5))
     stop = threading.Event()
-    sched = make_scheduler(engine, pool, grace_s=5.0)
+    # one run at a time: the second is still queued when the stop comes (two slots would
+    # claim it beside the first, and the stop would let both finish)
+    sched = make_scheduler(engine, pool, grace_s=5.0, max_concurrent=1)
     worker = threading.Thread(target=sched.run_forever, args=(stop,))
     worker.start()
     wait_for(lambda: run_row(sm, ids[0]).status == RunStatus.running, what="running")
