@@ -72,6 +72,8 @@ MAX_PASS_BACKOFF_S = 30.0
 """Longest wait after a failed scheduling pass (the waits double from poll_s)."""
 MAX_LOST_LEASES = 2
 """Claims beyond max_attempts a run gets after its scheduler died under it; then it fails."""
+START_WAIT_S = 30.0
+"""Longest a claim waits for its run's pool.start before the next claim (which reads fits())."""
 
 
 @dataclass
@@ -144,6 +146,8 @@ class _InFlight:
     claim: Claim
     isolated: bool  # isolation: node (nothing else is claimed while it runs)
     thread: threading.Thread
+    started: threading.Event = dataclasses.field(default_factory=threading.Event)
+    """Set once pool.start returned or raised: its placement group is in Ray's table."""
 
 
 class Scheduler:
@@ -301,11 +305,19 @@ class Scheduler:
         claim = self._claim(candidate.run_id)
         if claim is None:
             return True  # taken by another scheduler (or cancelled): look again at once
-        thread = threading.Thread(
-            target=self._run_claim, args=(claim,), name=f"ringlab-run-{claim.run_id}", daemon=True
+        flight = _InFlight(claim, isolated, threading.Thread())
+        flight.thread = threading.Thread(
+            target=self._run_claim,
+            args=(claim, flight.started),
+            name=f"ringlab-run-{claim.run_id}",
+            daemon=True,
         )
-        self._inflight.append(_InFlight(claim, isolated, thread))
-        thread.start()
+        self._inflight.append(flight)
+        flight.thread.start()
+        # The next fits() must see this gang's placement group, which pool.start creates on the
+        # run's thread: without this wait two gangs were claimed into room for one, and the
+        # second waited for bundles until its timeout.
+        flight.started.wait(START_WAIT_S)
         return True
 
     def _fits(self, config: dict[str, Any]) -> bool:
@@ -340,15 +352,17 @@ class Scheduler:
         self._run_claim(claim)
         return True
 
-    def _run_claim(self, claim: Claim) -> None:
+    def _run_claim(self, claim: Claim, started: threading.Event | None = None) -> None:
+        started = started or threading.Event()
         try:
-            self._execute(claim)
+            self._execute(claim, started)
         except DBAPIError:  # the lease expires and recovery requeues the run
             log.exception("run %d: database error; its lease will expire", claim.run_id)
         except Exception as exc:  # a bug anywhere below must not wedge the run: fail it loudly
             log.exception("run %d: scheduler error", claim.run_id)
             self._finish(claim, Completion(RunStatus.failed, error=f"scheduler error: {exc!r}"))
         finally:
+            started.set()
             self.tenancy.ended(claim.run_id, time.time())  # (gone already if _finish wrote it)
             with self._trace_lock:
                 self.traces.pop(claim.run_id, None)  # last_trace keeps the latest claim's
@@ -368,7 +382,7 @@ class Scheduler:
                 completion.status,
             )
 
-    def _execute(self, claim: Claim) -> None:
+    def _execute(self, claim: Claim, started: threading.Event) -> None:
         from workers import errors
 
         try:
@@ -394,6 +408,8 @@ class Scheduler:
         except (errors.Infeasible, ValueError) as exc:
             self._finish(claim, Completion(RunStatus.failed, error=str(exc)))
             return
+        finally:
+            started.set()
         try:
             self._drive(claim, config, handle, waiting)
         except BaseException:

@@ -114,6 +114,7 @@ class Script:
     waiting_s: float = 0.0  # bundles not ready for this long (on_waiting, empty placement)
     infeasible: tuple[str, str] | None = None  # (needed, available): start raises Infeasible
     probes: tuple[ProbeResult, ...] = ()  # a max_seq_len search's probes ended before it hangs
+    start_s: float = 0.0  # start() takes this long before fits() sees the run (placement)
 
 
 @dataclass
@@ -143,6 +144,7 @@ class ThreadPool:
             n = self.starts[config.seed]
         if script.waiting_s and on_waiting is not None:
             on_waiting()  # like GangPool: synchronously, when the bundles are not ready at once
+        time.sleep(script.start_s)  # GangPool: the placement group enters Ray's table here
         handle = ThreadHandle(self, config, script, n)
         with self.lock:
             self.live.append(handle)

@@ -20,7 +20,12 @@ from typing import Any, Literal
 
 import ray
 from ray.exceptions import RayError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers import kernels, references, search
@@ -95,6 +100,10 @@ class Gang:
     def ready_ref(self) -> Any:
         """An ObjectRef that resolves when every bundle is reserved."""
         return self.pg.ready()
+
+    def waiting(self) -> bool:
+        """Whether its placement group still waits for bundles (PENDING or RESCHEDULING)."""
+        return placement_group_table(self.pg).get("state") in ("PENDING", "RESCHEDULING")
 
     def alive(self, timeout_s: float = ALIVE_TIMEOUT_S) -> bool:
         """Whether every rank actor still answers: a warm gang's process can die while idle
@@ -529,8 +538,6 @@ class GangPool:
         included) except this pool's idle gangs (a new gang replaces them). Read from the
         GCS's group table, which a new group enters at once, where the nodes' free-resource
         reports lag: the scheduler asks this right after starting a gang."""
-        from ray.util import placement_group_table
-
         cluster = describe()
         cuda = device_kind(config, cluster) == "cuda"
         resource = "GPU" if cuda else "CPU"
@@ -552,11 +559,17 @@ class GangPool:
             gang.remove()
 
     def _release(self, gang: Gang) -> None:
+        """Keep a gang whose run ended warm for the next run of its shape, unless another gang
+        of this pool waits for bundles: an idle gang would hold them until that run timed out."""
         with self._lock:
-            if gang in self._busy:
+            busy = gang in self._busy
+            if busy:
                 self._busy.remove(gang)
+            others = list(self._busy)
+        if busy and not any(other.waiting() for other in others):
+            with self._lock:
                 self._idle.append(gang)
-                return
+            return
         gang.remove()
 
     def _discard(self, gang: Gang) -> None:
