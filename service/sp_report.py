@@ -5,7 +5,7 @@ allgather_kv, usp, torch_cp) on several ranks: per length and mode, each scheme'
 tokens/s, largest peak per rank, exposed-communication share and the maximum length its
 max_seq_len search found (same world size, mode and shape), and the fastest scheme. Built from
 the rows results.json serves (service.api.results.result_row), so the section can be recomputed
-from the download (tests/test_sp_schemes_service.py does).
+from the download (tests/service/test_sp_schemes_service.py does).
 """
 
 from __future__ import annotations

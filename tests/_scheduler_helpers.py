@@ -273,9 +273,3 @@ def scheduler_main(database_url: str, ray_address: str, lease_s: float) -> None:
         max_concurrent=1,  # the crash test kills it while exactly one run is in flight
     )
     sched.run_forever(threading.Event())
-
-
-if __name__ == "__main__":
-    import sys
-
-    scheduler_main(sys.argv[1], sys.argv[2], float(sys.argv[3]))

@@ -6,7 +6,7 @@ shard of a ring knows where its tokens sit), grouped-query attention by repeatin
 heads, and an LM head tied to the embedding or not.
 
 Every tensor the blocks save for backward is enumerated in workers/model_memory.py; keep the
-two in step (tests/test_model_memory.py counts the saved tensors of this module against it).
+two in step (tests/workers/test_model_memory.py counts the saved tensors of this module against it).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Per rank, by component (bytes):
 - step_peak: the whole step's peak above the pre-model baseline, the number a memory budget
   is held against; `max_seq_len` solves step_peak(L) <= budget.
 
-Every saved tensor of workers/model.py is named here; tests/test_model_memory.py counts them
+Every saved tensor of workers/model.py is named here; tests/workers/test_model_memory.py counts them
 with saved-tensor hooks and holds the two to each other.
 """
 

@@ -2,7 +2,8 @@
 factor read from the named Ray actor SLOWDOWN_ACTOR when the kernel is built (1 while no such
 actor exists, the code "as shipped"). It stands in for a commit that makes a kernel 2x slower
 without changing its name or params: two sweeps of the same cells, one of them "new code",
-for the regression gate's test (tests/test_regression_gate.py). The output is always right."""
+for the regression gate's test (tests/service/test_regression_gate.py). The output is always
+right."""
 
 from __future__ import annotations
 

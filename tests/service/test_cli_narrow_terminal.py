@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import httpx
 from sqlalchemy.orm import Session
-from test_first_hour_cli import REPO, RINGLAB, env, ringlab, service, set_status  # noqa: F401
+from test_cli_first_commands import REPO, RINGLAB, env, ringlab, service, set_status  # noqa: F401
 
 from service.db.engine import make_engine
 from service.db.models import Probe, ProbeOutcome, RankResult, Run, RunStatus, utcnow

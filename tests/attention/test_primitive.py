@@ -190,7 +190,7 @@ def test_cuda_backward_calls_bind_to_the_ops_schemas(dtype, backend):
     """The fused CUDA backward's calls, run on the meta device (PyTorch's shape kernels of the
     same ops), bind to their schemas and give back gradients in q's and k's shapes (GQA summed
     back to the kv heads). What only a GPU can check (lse and philox conventions, values) is
-    tests/test_workers_cuda.py's and bench.gpu's."""
+    tests/workers/test_cuda.py's and bench.gpu's."""
     meta = functools.partial(torch.randn, dtype=dtype, device="meta")
     q, dout, out = meta(2, 40, 4, 64), meta(2, 40, 4, 64), meta(2, 40, 4, 64, dtype=torch.float32)
     k, v, lse = meta(2, 48, 2, 64), meta(2, 48, 2, 64), meta(2, 4, 40, dtype=torch.float32)

@@ -12,7 +12,7 @@ import io
 from typing import Any
 
 from sqlalchemy.orm import Session
-from test_seed_tables import API, client_for, section
+from test_report_tables import API, client_for, section
 
 from service.cli import load_specs
 from service.db.models import Environment, MemoryComponent, Probe, RankResult, Run, RunStatus

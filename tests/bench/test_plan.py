@@ -15,7 +15,7 @@ import attention
 from attention.segments import group_bounds
 from bench import plan as bench_plan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEYS = {
     "kernel", "seq_len", "plan", "fwd_calls", "bwd_calls", "fwd_ops", "bwd_ops", "h2d_copies",
     "syncs", "transient_bytes", "floor_bytes",

@@ -8,7 +8,7 @@ an outcome computed from the run's config alone, so the bytes depend on the code
 machine or the clock. They guard the result path's refactors (issue 38: behaviour unchanged);
 a change that means to alter what a researcher reads re-records them on purpose:
 
-    RINGLAB_UPDATE_GOLDENS=1 .venv/bin/python -m pytest tests/test_result_goldens.py
+    RINGLAB_UPDATE_GOLDENS=1 .venv/bin/python -m pytest tests/service/test_result_goldens.py
 """
 
 from __future__ import annotations

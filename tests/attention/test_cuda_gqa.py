@@ -2,7 +2,7 @@
 item 4.4): the flash op (fp16/bf16) takes the kv heads as they are, the efficient op (fp32),
 which has no grouped heads, still gets them repeated. Checked on CPU by what building each
 call's arguments allocates (a TorchDispatchMode over every aten op), and on the meta device
-by the ops' own shape kernels; the values are a GPU's to check (tests/test_workers_cuda.py)."""
+by the ops' own shape kernels; the values are a GPU's to check (tests/workers/test_cuda.py)."""
 
 from __future__ import annotations
 

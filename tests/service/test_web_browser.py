@@ -24,7 +24,7 @@ from _web_helpers import (
 from service.core.config import Settings
 
 CHROMIUM = Path("/usr/bin/chromium")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts"
 README_SHOT = ROOT / "docs" / "img" / "sweep.png"
 CHROMIUM_ARGS = [

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from workers.config import RunConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_field_tables_match_the_schema() -> None:

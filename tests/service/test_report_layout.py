@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from test_seed_tables import MiB, client_for, put, report, section, submit
+from test_report_tables import MiB, client_for, put, report, section, submit
 
 from service.db.models import Run
 from service.units import time_unit

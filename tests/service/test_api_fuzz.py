@@ -18,7 +18,7 @@ from sqlalchemy import func, select
 
 from service.db.models import Run, Sweep
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SMALL = {
     "name": "small",
     "base": {

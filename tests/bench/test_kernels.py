@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_x_sdpa_is_the_median_of_alternating_pairs_recomputed_from_the_raw_times() -> None:

@@ -1,7 +1,7 @@
 """The scheduler's database half on SQLite and Postgres: claims, leases, recovery, writes.
 
 Runs execute on the in-process executor of tests/_scheduler_helpers.py (no Ray); the Ray half is
-in tests/test_scheduler_ray.py.
+in tests/service/test_scheduler_ray.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy.orm import Session
-from test_seed_tables import API, MiB, client_for, report, section, submit
+from test_report_tables import API, MiB, client_for, report, section, submit
 
 from service.cli import load_specs
 from service.db.models import Environment, RankResult, Run, RunStatus

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 CLUSTER_FILES = [ROOT / "deploy" / "ray-cluster.yaml", ROOT / "deploy" / "ray-cluster-aws.yaml"]

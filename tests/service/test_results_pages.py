@@ -8,7 +8,7 @@ from typing import Any
 from _web_helpers import seed_sweeps
 from sqlalchemy import select
 from sqlalchemy.orm import Session
-from test_seed_tables import _dp_sweep, client_for
+from test_report_tables import _dp_sweep, client_for
 
 from service import queries
 from service.db.engine import make_engine

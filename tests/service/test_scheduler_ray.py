@@ -39,7 +39,13 @@ from service.spec import SweepSpec, expand
 
 pytestmark = pytest.mark.ray
 
-HELPERS = Path(__file__).with_name("_scheduler_helpers.py")
+ROOT = Path(__file__).resolve().parents[2]
+HELPERS_DIR = Path(__file__).resolve().parents[1]
+SCHEDULER_MAIN = (
+    "import sys; from _scheduler_helpers import scheduler_main; "
+    "scheduler_main(sys.argv[1], sys.argv[2], float(sys.argv[3]))"
+)
+"""A scheduler process on a real GangPool (tests/_scheduler_helpers.py), until killed."""
 NEVER_ENDS = 10**7  # iterations: far longer than any test waits
 
 
@@ -239,7 +245,9 @@ def test_scheduler_killed_mid_sweep_then_restarted_runs_each_run_once(
     address = ray_session.get_runtime_context().gcs_address
     lease_s = 30.0  # the default: recovery must not wait for it to expire
     proc = subprocess.Popen(
-        [sys.executable, str(HELPERS), database_url, address, str(lease_s)],
+        [sys.executable, "-c", SCHEDULER_MAIN, database_url, address, str(lease_s)],
+        cwd=ROOT,  # the repository first on sys.path: tests/attention would shadow attention
+        env={**os.environ, "PYTHONPATH": str(HELPERS_DIR)},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

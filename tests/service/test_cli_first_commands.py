@@ -27,7 +27,7 @@ from service.db.models import Run, RunStatus, utcnow
 
 pytestmark = pytest.mark.timeout(120)
 RINGLAB = str(Path(sys.executable).parent / "ringlab")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = (
     "name: tiny\nbase: {kernel: dense, device: cpu, num_heads: 2}\ngrid:\n  seq_len: [128, 256]\n"
 )

@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(180)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_ring_reports_rounds_and_memory():

@@ -22,7 +22,7 @@ from service.scheduler import Scheduler
 from workers.gang import GangPool
 
 API = "/api/v1"
-PLUGIN_DIR = Path(__file__).parent / "plugins"
+PLUGIN_DIR = Path(__file__).parents[1] / "plugins"
 LENGTHS = (1024, 1536)
 
 

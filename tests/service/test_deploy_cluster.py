@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 API = "/api/v1"
 POSTGRES_URL_ENV = "RINGLAB_TEST_POSTGRES_URL"

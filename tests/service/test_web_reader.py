@@ -14,7 +14,7 @@ import httpx
 import pytest
 from _web_helpers import Seeded, live_server, make_web_app, seed_sweeps
 from fastapi.testclient import TestClient
-from test_seed_tables import _dp_sweep
+from test_report_tables import _dp_sweep
 from test_web_browser import ARTIFACTS, CHROMIUM_ARGS, ROOT, browser, pytestmark  # noqa: F401
 
 from service.core.config import Settings

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from _fresh import fresh_json
 
-from tests._fresh import fresh_json
 from workers.config import RunConfig
 from workers.memory import CpuAllocatorLedger, PeakMeter
 from workers.protocol import _timed_loop, run_case
