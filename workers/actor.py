@@ -50,6 +50,7 @@ class RankActor:
 
         Also imports torch and the protocol, so every rank pays that cost at once, in parallel.
         """
+        # The workloads load in the rank's process only: the scheduler imports this module.
         import workers.protocol  # noqa: F401
 
         ctx = ray.get_runtime_context()
@@ -64,7 +65,7 @@ class RankActor:
 
     def open_store(self, world_size: int, timeout_s: float) -> int:
         """Rank 0: bind the rendezvous store on a free port, retrying on EADDRINUSE; the port."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # torch.distributed: the rank's process only
 
         host = ray.util.get_node_ip_address()
         last: BaseException | None = None
@@ -92,7 +93,7 @@ class RankActor:
     ) -> None:
         """Join the process group as `rank` (nccl on CUDA, gloo on CPU) with a short timeout."""
         import torch
-        import torch.distributed as dist
+        import torch.distributed as dist  # torch.distributed: the rank's process only
 
         timeout = timedelta(seconds=timeout_s)
         if backend == "nccl":
@@ -108,7 +109,7 @@ class RankActor:
 
     def run_case(self, config_json: str, kind: str) -> CaseOutcome:
         """Run one case as this rank; any error comes back as status `failed` with its cause."""
-        from workers import protocol
+        from workers import protocol  # the rank's process only (see info)
 
         config = RunConfig.model_validate_json(config_json)
         rank = 0 if self._rank is None else self._rank

@@ -10,6 +10,8 @@ import logging
 from typing import Any, Literal
 
 import ray
+from ray._private.state import available_resources_per_node
+from ray.util.placement_group import placement_group_table
 
 from workers import local_ray
 from workers.config import RunConfig
@@ -63,8 +65,6 @@ GANG_GROUP_PREFIX = "ringlab-gang-"
 
 def describe() -> dict[str, Any]:
     """Alive nodes (id, IP, hostname, CPUs, GPUs, GPU types, free CPUs/GPUs) and the totals."""
-    from ray._private.state import available_resources_per_node
-
     free = available_resources_per_node()
     nodes = []
     for node in ray.nodes():
@@ -99,8 +99,6 @@ def describe() -> dict[str, Any]:
 
 def _held_by_gangs() -> tuple[float, float]:
     """CPUs and GPUs reserved by ringlab's gangs (their placement groups), busy or warm."""
-    from ray.util import placement_group_table
-
     cpus = gpus = 0.0
     for group in placement_group_table().values():
         if group.get("state") != "CREATED" or not group.get("name", "").startswith(

@@ -6,12 +6,15 @@ sweep spec (service/) expands into a list of these.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from typing import Annotated, Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+import attention
 from attention.errors import ParamError
 
 Dtype = Literal["float32", "float16", "bfloat16"]
@@ -388,8 +391,6 @@ class RunConfig(BaseModel):
                     f"a model cell's {name} is {want!r} (from its model and "
                     f"training.precision), not {getattr(self, name)!r}; leave it out",
                 )
-        import attention
-
         spec = attention.KERNELS.get(self.kernel)
         if spec is not None and spec.input_layout != "bshd":
             raise ParamError(
@@ -398,8 +399,6 @@ class RunConfig(BaseModel):
                 "needs an attention kernel (dense, dilated, block_sparse, ring, ...)",
             )
         if training.optimizer == "adamw8bit":
-            import importlib.util
-
             if self.device != "cuda":
                 raise ParamError(
                     "training.optimizer",
@@ -416,8 +415,6 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _kernel_fits(self) -> RunConfig:
-        import attention
-
         if self.search is not None and self.params.get("document_lengths") is not None:
             raise ParamError(
                 "params.document_lengths",
@@ -461,8 +458,6 @@ class RunConfig(BaseModel):
             num_kv_heads=self.kv_heads,
         )
         if self.device == "cuda":  # on auto the rank checks once its device resolved to CUDA
-            import torch
-
             attention.check_cuda_head_dim(self.kernel, getattr(torch, self.dtype), self.head_dim)
         return self
 

@@ -12,15 +12,13 @@ import socket
 import subprocess
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 import torch
 
 from attention import plugins
-
-if TYPE_CHECKING:
-    from workers.results import EnvironmentInfo
+from workers.results import EnvironmentInfo
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,10 +131,8 @@ def cpu_model() -> str | None:
 
 def collect(device: torch.device) -> EnvironmentInfo:
     """This process' environment; GPU fields are filled when it runs on CUDA."""
-    from workers.results import EnvironmentInfo
-
     try:
-        import ray
+        import ray  # optional: bench scripts collect the environment where Ray is absent
 
         ray_version: str | None = ray.__version__
     except ImportError:

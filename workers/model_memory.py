@@ -27,8 +27,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from attention.base import KernelMemory
+import attention
+from attention.base import Kernel, KernelMemory
+from workers import kernels
 from workers.config import ModelConfig, RunConfig, TrainingConfig
+from workers.model import Decoder, checkpointed_blocks
 
 COMPONENTS = (
     "parameters",
@@ -70,8 +73,6 @@ def _autocast(training: TrainingConfig) -> bool:
 def parameter_counts(model: ModelConfig, training: TrainingConfig) -> tuple[int, int, int]:
     """(parameters, parameter tensors, elements of linear weights autocast copies) of the
     model built on the meta device: exact, whatever the shape, without allocating it."""
-    from workers.model import Decoder
-
     with torch.device("meta"):
         net = Decoder(model, training, lambda: torch.nn.Identity())
     params = list(net.parameters())  # a tied weight once
@@ -83,8 +84,6 @@ def parameter_counts(model: ModelConfig, training: TrainingConfig) -> tuple[int,
 
 def optimizer_bytes(model: ModelConfig, training: TrainingConfig) -> int:
     """The optimizer's state after its first step."""
-    from workers.model import Decoder
-
     w = widths(training).weight
     n, tensors, _ = parameter_counts(model, training)
     if training.optimizer == "adamw":
@@ -104,10 +103,6 @@ def optimizer_bytes(model: ModelConfig, training: TrainingConfig) -> int:
 
 def _kernel_memory(config: RunConfig, tokens_local: int) -> KernelMemory:
     """The kernel's memory_model at this rank's shard (NotImplementedError if it has none)."""
-    import attention
-    from attention.base import Kernel
-    from workers import kernels
-
     assert config.model is not None
     module = attention.build(config.kernel, **kernels.kernel_params(config))
     if not isinstance(module, Kernel):
@@ -175,8 +170,6 @@ def predict(config: RunConfig, seq_len: int | None = None) -> Prediction:
     norm = t * d * r + t * 2 * r  # each LayerNorm keeps its input, its mean and rstd
     full_block = norm + attention_saved + norm + mlp_saved
     block_input = t * d * r
-    from workers.model import checkpointed_blocks
-
     recompute = checkpointed_blocks(training, model.n_layers)
     per_block = []
     for whole in recompute:

@@ -186,6 +186,7 @@ class Iterations:
             return True
         wants_more, capped = auto_vote(times, time.perf_counter() - self.started, self.cap_s)
         if self.world > 1:
+            # torch only for the ranks' vote: the read model imports this module for its intervals
             import torch
             import torch.distributed as dist
 

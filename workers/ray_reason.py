@@ -15,6 +15,8 @@ import os
 from typing import Any
 
 import ray
+from ray._private import state
+from ray.util.placement_group import placement_group_table
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,7 @@ def _local_node() -> tuple[str, str] | None:
 
 
 def _remote_tail(node_id: str) -> list[str]:
-    from ray.util.state import get_log
+    from ray.util.state import get_log  # the state API loads the dashboard's client: only here
 
     try:
         text = "".join(get_log(node_id=node_id, filename=LOG_NAME, tail=REMOTE_TAIL_LINES))
@@ -90,16 +92,12 @@ class RayletErrors:
 
 def group_nodes(pg: Any) -> list[str]:
     """The node ids a ready placement group's bundles were placed on."""
-    from ray.util import placement_group_table
-
     table = placement_group_table(pg)
     return sorted({str(n) for n in table.get("bundles_to_node_id", {}).values()})
 
 
 def actor_states(actors: list[Any]) -> list[str]:
     """Each actor's state in the GCS (PENDING_CREATION, ALIVE, DEAD, ...)."""
-    from ray._private import state
-
     out = []
     for actor in actors:
         info = state.actors(actor._actor_id.hex()) or {}

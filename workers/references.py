@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import attention
+from attention.hilbert import hilbert_permutation, inverse_permutation
 from attention.masks import (
     block_token_rows,
     causal_rows,
@@ -57,7 +58,6 @@ def _ordered(params: Any, inner: Reference) -> Reference:
     """Apply the kernel's token ordering (hilbert) around a reference on natural positions."""
     if getattr(params, "ordering", "natural") != "hilbert":
         return inner
-    from attention.hilbert import hilbert_permutation, inverse_permutation
 
     def reference(
         q: torch.Tensor,
@@ -181,8 +181,6 @@ def plugin_rows(
 
 
 def _as_dict(params: Any) -> dict[str, Any]:
-    import dataclasses
-
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
 
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from workers import kernels
+from workers import kernels, model_memory
 from workers.bracket import next_length
 from workers.config import RunConfig
-from workers.results import CaseOutcome, ProbeResult, RunOutcome
+from workers.results import CaseOutcome, ProbeResult, RunOutcome, outcome_of
 
 # Steps a length is rounded down to until the kernel accepts it (its divisibility rules are
 # multiples of segment sizes, block sizes and the world size).
@@ -35,8 +35,6 @@ def predicted_start(config: RunConfig) -> int | None:
     there is no budget or no prediction (the search then doubles from search.start)."""
     if config.workload != "model" or config.memory_budget_bytes is None:
         return None
-    from workers import model_memory
-
     try:
         longest = model_memory.max_seq_len(config, config.memory_budget_bytes)
     except NotImplementedError:
@@ -112,8 +110,6 @@ def run_search(
     succeeded: the answer is the largest length that fit (and `ranks` hold its measurement);
     oom: even the first length did not fit; failed: a probe ended with an error.
     """
-    from workers.gang import outcome_of
-
     search = config.search
     if search is None:
         raise ValueError("search: a max_seq_len run needs a search config")

@@ -30,20 +30,22 @@ import torch.distributed as dist
 
 from workers import kernels, model_memory
 from workers.config import RunConfig
-from workers.inputs import shorter_length
-from workers.link import LinkFigures
-from workers.memory import PeakMeter, is_oom, release
-from workers.model import Decoder, token_ids
-from workers.noise import Iterations
-from workers.protocol import (
+from workers.harness import (
     link_fields,
     measure_link,
     measured_case,
     memory_fraction,
     percentile,
     resolve_device,
+    sync,
 )
+from workers.inputs import shorter_length
+from workers.link import LinkFigures
+from workers.memory import PeakMeter, is_oom, release
+from workers.model import Decoder, token_ids
+from workers.noise import Iterations
 from workers.results import CaseOutcome, MemoryComponent, RankResult
+from workers.search import predicted_start
 
 PRIME_MIN_LEN = 128
 """The one-block warm-up step runs at the smallest valid length >= this (or seq_len)."""
@@ -107,11 +109,6 @@ def rank_tokens(
     )
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _Trainer:
     """One rank's model, optimizer, inputs and step phases."""
 
@@ -162,10 +159,10 @@ class _Trainer:
 
 
 def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     out = fn()
-    _sync(device)
+    sync(device)
     return out, time.perf_counter() - t0
 
 
@@ -187,7 +184,7 @@ def _prime(config: RunConfig, rank: int, device: torch.device) -> None:
     trainer = _Trainer(small, rank, device)
     trainer.backward(trainer.forward())
     trainer.step()
-    _sync(device)
+    sync(device)
     del trainer
     release(collect_cycles=True)
     _PRIMED.add(key)
@@ -207,8 +204,6 @@ def _predictions(config: RunConfig) -> tuple[dict[str, int | None], int | None, 
         return dict.fromkeys(model_memory.COMPONENTS), None, str(exc)
     longest = None
     if config.memory_budget_bytes is not None:
-        from workers.search import predicted_start
-
         longest = predicted_start(config)  # a length the kernel accepts, as the search's
     return predicted.components(), longest, None
 

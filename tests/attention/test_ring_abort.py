@@ -22,8 +22,7 @@ from attention import layouts
 from attention.ring import comm, engine
 from workers import protocol
 from workers.config import RunConfig
-from workers.gang import outcome_of
-from workers.results import CaseOutcome
+from workers.results import CaseOutcome, outcome_of
 
 pytestmark = pytest.mark.timeout(120)
 

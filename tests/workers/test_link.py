@@ -26,10 +26,9 @@ from fastapi.testclient import TestClient
 from service.api.results import fmt_num
 from service.artifacts import ArtifactStore
 from service.scheduler import Scheduler
-from workers import link, protocol
+from workers import harness, link, protocol
 from workers.config import RunConfig
-from workers.gang import outcome_of
-from workers.results import CaseOutcome, RunOutcome
+from workers.results import CaseOutcome, RunOutcome, outcome_of
 
 API = "/api/v1"
 LOOPBACK = "loopback (one host)"
@@ -292,7 +291,7 @@ def probe_out_of_memory(rank: int, world: int) -> dict[str, Any]:
     def no_memory(block_bytes: int, device: torch.device) -> link.LinkFigures:
         raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {block_bytes} B")
 
-    protocol.probe_ring_link = no_memory  # type: ignore[assignment]
+    harness.probe_ring_link = no_memory  # type: ignore[assignment]
     config = {**RING, "num_heads": 2, "head_dim": 16, "seq_len": 512, "world_size": world}
     return protocol.run_case(RunConfig.model_validate(config), rank).model_dump()
 
