@@ -14,6 +14,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from workers.harness import (
 )
 from workers.inputs import batch_rows, make_input, shorter_length
 from workers.kernels import DTYPES
+from workers.link import LinkFigures
 from workers.memory import PeakMeter, is_oom, release, requested_bytes
 from workers.noise import Iterations
 from workers.results import Artifact, CaseOutcome, RankResult, StepTime, step_totals
@@ -301,6 +303,45 @@ def _with_gate(outcome: CaseOutcome, gate: GateResult | None) -> CaseOutcome:
     return outcome.model_copy(update={"result": outcome.result.model_copy(update=checked)})
 
 
+def _over_budget(
+    config: RunConfig, device: torch.device, case: dict[str, Any], tokens: int
+) -> CaseOutcome | None:
+    """CPU: an emulated oom when the inputs alone exceed the budget (so would the peak); they
+    are then never allocated. None when they fit (or on CUDA, where the allocator decides)."""
+    budget = config.memory_budget_bytes
+    elem = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
+    heads = (2 if config.mode == "train" else 1) * config.num_heads  # q (and dout)
+    input_bytes = tokens * heads * config.head_dim * elem + kv_block_bytes(config, tokens)
+    if device.type != "cpu" or budget is None or input_bytes <= budget:
+        return None
+    return CaseOutcome(
+        **case,
+        status="oom",
+        emulated=True,
+        requested_bytes=input_bytes,
+        error=f"inputs need {input_bytes} bytes, over the {budget}-byte CPU memory budget",
+    )
+
+
+def _prime_and_probe(
+    config: RunConfig, rank: int, device: torch.device, case: dict[str, Any], tokens: int
+) -> tuple[CaseOutcome | None, LinkFigures | None]:
+    """The warm-up at a short length, then the ring link probe (before the inputs exist):
+    (an oom or peer-abort outcome that ends the case, or None; the link figures)."""
+    stage = "the warm-up run at a short length"
+    try:
+        with memory_fraction(device, config.memory_budget_bytes):
+            _prime(config, rank, device)
+            stage = "the link probe (one K/V block, before the inputs)"
+            return None, measure_link(config, device, tokens)
+    except PeerAborted as exc:
+        return _peer_outcome(case, exc), None
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        return _oom_outcome(case, f"{stage} ran out of memory: {_error_line(exc)}"), None
+
+
 def _measure(
     config: RunConfig, rank: int, device: torch.device, case: dict[str, Any]
 ) -> CaseOutcome:
@@ -313,32 +354,12 @@ def _measure(
     rows = batch_rows(config, rank)
     train = config.mode == "train"
     tokens = config.local_batch * positions.numel()
-
-    elem = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
-    heads = (2 if train else 1) * config.num_heads  # q (and dout)
-    input_bytes = tokens * heads * config.head_dim * elem + kv_block_bytes(config, tokens)
-    if device.type == "cpu" and budget is not None and input_bytes > budget:
-        # The inputs alone exceed the budget, so would the peak: do not allocate them.
-        return CaseOutcome(
-            **case,
-            status="oom",
-            emulated=True,
-            requested_bytes=input_bytes,
-            error=f"inputs need {input_bytes} bytes, over the {budget}-byte CPU memory budget",
-        )
-
-    stage = "the warm-up run at a short length"
-    try:
-        with memory_fraction(device, budget):
-            _prime(config, rank, device)
-            stage = "the link probe (one K/V block, before the inputs)"
-            link = measure_link(config, device, tokens)
-    except PeerAborted as exc:
-        return _peer_outcome(case, exc)
-    except Exception as exc:
-        if not is_oom(exc):
-            raise
-        return _oom_outcome(case, f"{stage} ran out of memory: {_error_line(exc)}")
+    ended = _over_budget(config, device, case, tokens)
+    if ended is not None:
+        return ended
+    ended, link = _prime_and_probe(config, rank, device, case, tokens)
+    if ended is not None:
+        return ended
     meter = PeakMeter(device)
     meter.baseline()
     names = ["q", "k", "v", "dout"] if train else ["q", "k", "v"]
@@ -374,27 +395,47 @@ def _measure(
         meter.stop()  # a failed case's profiler session ends here (CPU)
         inputs.clear()
         release()
-
     flops = kernels.flops(module, config, config.local_batch, positions.numel(), train)
-    median = statistics.median(times)
-    result = RankResult(
-        rank=rank,
-        seq_len=config.seq_len,
-        times_s=times,
-        median_s=median,
-        p10_s=percentile(times, 0.1),
-        p90_s=percentile(times, 0.9),
-        tokens_per_s=tokens / median,
-        flops=flops,
-        flops_per_s=flops / median,
-        peak_memory_bytes=peak,
-        input_memory_bytes=after_inputs,
-        resident_peak_bytes=meter.resident_peak(),
-        memory_budget_bytes=budget,
-        backend=backend,
-        steps=steps,
-        **step_totals(steps),
-        **link_fields(link),
-    )
+    measures = _Measures(times, peak, after_inputs, meter.resident_peak(), steps, backend, flops)
+    result = _rank_result(config, rank, tokens, measures, link)
     measured = measured_case(case, result, device, (first_at, last_at))
     return measured.model_copy(update={"artifacts": artifacts})
+
+
+@dataclass(frozen=True)
+class _Measures:
+    """What the timed and metered iterations of one case measured."""
+
+    times: list[float]
+    peak: int
+    after_inputs: int
+    resident_peak: int | None
+    steps: list[StepTime]
+    backend: str
+    flops: float
+
+
+def _rank_result(
+    config: RunConfig, rank: int, tokens: int, m: _Measures, link: LinkFigures | None
+) -> RankResult:
+    """The rank's RankResult from its measures: the median and percentiles of its times."""
+    median = statistics.median(m.times)
+    return RankResult(
+        rank=rank,
+        seq_len=config.seq_len,
+        times_s=m.times,
+        median_s=median,
+        p10_s=percentile(m.times, 0.1),
+        p90_s=percentile(m.times, 0.9),
+        tokens_per_s=tokens / median,
+        flops=m.flops,
+        flops_per_s=m.flops / median,
+        peak_memory_bytes=m.peak,
+        input_memory_bytes=m.after_inputs,
+        resident_peak_bytes=m.resident_peak,
+        memory_budget_bytes=config.memory_budget_bytes,
+        backend=m.backend,
+        steps=m.steps,
+        **step_totals(m.steps),
+        **link_fields(link),
+    )
