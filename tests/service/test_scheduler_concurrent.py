@@ -92,6 +92,30 @@ def test_queue_round_robins_across_sweeps(engine: Engine) -> None:
     assert all(r.status == RunStatus.succeeded for r in runs)
 
 
+def test_queue_round_robins_across_submitters_then_their_sweeps(engine: Engine) -> None:
+    """Alice submits three 2-cell sweeps, then Bob one of 3 cells: Bob's sweep gets every
+    other claim (by sweep alone it would get one in four), and Alice's sweeps take her turns
+    in round-robin among themselves: A1 B A2 B A3 B A1 A2 A3."""
+    sm = make_sessionmaker(engine)
+    ids = {
+        n: add_sweep(sm, [tiny_config(seed=i) for i in range(2)], name=n, submitter="alice")
+        for n in ("A1", "A2", "A3")
+    }
+    ids["B"] = add_sweep(sm, [tiny_config(seed=i) for i in range(3)], name="B", submitter="bob")
+    sched = Scheduler(sm, pool=ThreadPool(), lease_s=5.0, heartbeat_s=0.5, poll_s=0.02)
+    while sched.run_once():
+        pass
+    name = {i: n for n, run_ids in ids.items() for i in run_ids}
+    runs = _by_start([run_row(sm, i) for i in name])
+    assert [name[r.id] for r in runs] == ["A1", "B", "A2", "B", "A3", "B", "A1", "A2", "A3"]
+    assert all(r.status == RunStatus.succeeded for r in runs)
+    # a newcomer goes before both: never served
+    (carol,) = add_sweep(sm, [tiny_config(seed=0)], name="C", submitter="carol")
+    (later,) = add_sweep(sm, [tiny_config(seed=1)], name="A4", submitter="alice")
+    assert sched.run_once() and run_row(sm, carol).status == RunStatus.succeeded
+    assert run_row(sm, later).status == RunStatus.queued
+
+
 def test_runs_as_many_as_fit_and_marks_cotenants(engine: Engine) -> None:
     """Two slots: runs overlap in pairs and each names the other as co-tenant (the executor's
     ranks all sit on one 'node'); an isolation: node run waits for the others, runs alone and
