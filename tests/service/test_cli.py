@@ -200,7 +200,7 @@ def test_cluster_lists_the_local_ray(base: str, ray_session: object) -> None:
     result = ringlab("cluster")
     assert result.exit_code == 0, result.stderr
     total = result.stdout.strip().splitlines()[-1]
-    assert total.startswith("total: ") and "/4 CPUs free" in total and "/0 GPUs free" in total
+    assert total.startswith("total: ") and "/8 CPUs free" in total and "/0 GPUs free" in total
 
 
 def test_ls_and_show_fit_80_columns(base: str, service: tuple[str, Seeded]) -> None:
