@@ -134,7 +134,7 @@ class Sweep(Base):
     revision 0005, whose runs hold their whole config). See Run.config."""
     last_claimed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     """When a scheduler last claimed one of its runs: the queue serves the sweep claimed
-    longest ago first (round-robin across sweeps, service.leases.claim_next)."""
+    longest ago first (round-robin across sweeps, within their submitter: service.leases)."""
     submitter: Mapped[str] = mapped_column(
         String(64), default=DEFAULT_SUBMITTER, server_default=DEFAULT_SUBMITTER
     )
