@@ -174,47 +174,29 @@ def sqlite_sm(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
         engine.dispose()
 
 
-@pytest.mark.ray
-@pytest.mark.timeout(180)
-def test_real_gangs_run_concurrently_fairly_and_isolated(
-    sqlite_sm: sessionmaker[Session], ray_session: Any
-) -> None:
-    """On the session's local Ray (8 CPUs): one-rank runs of two sweeps start in turn A B A B
-    and run at once (each names the others as co-tenants, their gangs were up together); an
-    isolation: node run between them runs alone."""
+@pytest.fixture(scope="module")
+def _module_pool() -> Iterator[dict[str, Any]]:
+    """One GangPool for this module's real-Ray tests, so warm gangs carry over (the 8-cell
+    test leaves eight one-rank gangs that the next test reuses instead of starting them cold);
+    closed at the module's end, every placement group it made removed."""
+    import ray
+
     from workers.gang import GangPool
 
-    sm = sqlite_sm
-    # ~3 s of timed iterations alone: longer than the spread of the gangs' start times
-    cell = {"iterations": 300, "seq_len": 512, "correctness_check": False}
-    a = add_sweep(sm, [tiny_config(seed=i, **cell) for i in range(2)], name="A")
-    b = add_sweep(sm, [tiny_config(seed=i, **cell) for i in range(2)], name="B")
-    (alone,) = add_sweep(sm, [tiny_config(seed=9, isolation="node", **cell)], name="N")
-    before = live_placement_groups()
-    pool = GangPool(placement_timeout_s=60)
-    sched = Scheduler(sm, pool=pool, lease_s=10.0, heartbeat_s=0.5, poll_s=0.05)
-    try:
-        _drain(sched, sm, [*a, *b, alone], 150)
-    finally:
-        pool.close()
-    wait_for(lambda: live_placement_groups() <= before, 30, "placement groups removed")
-    runs = {i: run_row(sm, i) for i in [*a, *b, alone]}
-    assert {r.status for r in runs.values()} == {RunStatus.succeeded}, [
-        r.error for r in runs.values()
-    ]
-    order = [r.id for r in _by_start(list(runs.values()))]
-    assert order == [a[0], b[0], alone, a[1], b[1]]
-    assert runs[a[0]].cotenants == [b[0]] and runs[b[0]].cotenants == [a[0]]
-    assert runs[a[1]].cotenants == [b[1]] and runs[b[1]].cotenants == [a[1]]
-    assert runs[alone].cotenants == []
-    lone = runs[alone]
-    for other in runs.values():
-        if other.id != alone:
-            assert other.finished_at <= lone.started_at or other.started_at >= lone.finished_at
-    spans = [(r.finished_at - r.started_at).total_seconds() for r in runs.values()]
-    print("run spans (s):", [round(x, 1) for x in spans])
-    wall = max(r.finished_at for r in runs.values()) - min(r.started_at for r in runs.values())
-    print(f"5 runs: sum of run times {sum(spans):.1f} s, wall {wall.total_seconds():.1f} s")
+    shared: dict[str, Any] = {"pool": GangPool(placement_timeout_s=60)}
+    yield shared
+    if ray.is_initialized():
+        shared["pool"].close()
+        before = shared.get("before")
+        if before is not None:
+            wait_for(lambda: live_placement_groups() <= before, 30, "placement groups removed")
+
+
+@pytest.fixture
+def real_pool(ray_session: Any, _module_pool: dict[str, Any]) -> Any:
+    """The module's GangPool on the session Ray (placement groups before its first gang noted)."""
+    _module_pool.setdefault("before", live_placement_groups())
+    return _module_pool["pool"]
 
 
 def _peak_in_flight(spans: list[tuple[float, float]]) -> int:
@@ -230,24 +212,20 @@ def _peak_in_flight(spans: list[tuple[float, float]]) -> int:
 @pytest.mark.ray
 @pytest.mark.timeout(120)
 def test_eight_one_rank_cells_run_at_least_four_at_once_on_8_declared_cpus(
-    sqlite_sm: sessionmaker[Session], ray_session: Any
+    sqlite_sm: sessionmaker[Session], real_pool: Any
 ) -> None:
     """Issue 42's criterion on the session's local Ray, which declares 8 CPUs on this 2-core
     machine: a sweep of 8 one-rank cells has at least 4 runs in flight at once (each run's
     span is its claim to its commit, as stored), and the sweep's wall time is at most half the
-    sum of its runs' times. Tiny runs: most of a span is its gang's start."""
+    sum of its runs' times. Tiny runs: most of a span is its gang's cold start (the next test
+    reuses these eight gangs warm)."""
     from workers.cluster import describe
-    from workers.gang import GangPool
 
     assert describe()["total_cpus"] == 8, "the session Ray declares 8 CPUs (tests/conftest.py)"
     sm = sqlite_sm
     ids = add_sweep(sm, [tiny_config(seed=i, correctness_check=False) for i in range(8)])
-    pool = GangPool(placement_timeout_s=60)
-    sched = Scheduler(sm, pool=pool, lease_s=10.0, heartbeat_s=0.5, poll_s=0.05)
-    try:
-        _drain(sched, sm, ids, 100)
-    finally:
-        pool.close()
+    sched = Scheduler(sm, pool=real_pool, lease_s=10.0, heartbeat_s=0.5, poll_s=0.05)
+    _drain(sched, sm, ids, 100)
     runs = [run_row(sm, i) for i in ids]
     assert {r.status for r in runs} == {RunStatus.succeeded}, [r.error for r in runs]
     spans = [(r.started_at.timestamp(), r.finished_at.timestamp()) for r in runs]
@@ -265,6 +243,42 @@ def test_eight_one_rank_cells_run_at_least_four_at_once_on_8_declared_cpus(
         }  # fmt: skip
         assert set(run.cotenants or []) <= overlapped
         assert all(run.id in next(o for o in runs if o.id == c).cotenants for c in run.cotenants)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_real_gangs_run_concurrently_fairly_and_isolated(
+    sqlite_sm: sessionmaker[Session], real_pool: Any
+) -> None:
+    """On the session's local Ray (8 CPUs): one-rank runs of two sweeps start in turn A B A B
+    and run at once (each names the others as co-tenants, their gangs were up together); an
+    isolation: node run between them runs alone."""
+    sm = sqlite_sm
+    # ~2-3 s of timed iterations on a warm gang (300 took 0.4 s): longer than the spread of
+    # the gangs' start times, so the pairs overlap
+    cell = {"iterations": 2000, "seq_len": 512, "correctness_check": False}
+    a = add_sweep(sm, [tiny_config(seed=i, **cell) for i in range(2)], name="A")
+    b = add_sweep(sm, [tiny_config(seed=i, **cell) for i in range(2)], name="B")
+    (alone,) = add_sweep(sm, [tiny_config(seed=9, isolation="node", **cell)], name="N")
+    sched = Scheduler(sm, pool=real_pool, lease_s=10.0, heartbeat_s=0.5, poll_s=0.05)
+    _drain(sched, sm, [*a, *b, alone], 150)
+    runs = {i: run_row(sm, i) for i in [*a, *b, alone]}
+    assert {r.status for r in runs.values()} == {RunStatus.succeeded}, [
+        r.error for r in runs.values()
+    ]
+    order = [r.id for r in _by_start(list(runs.values()))]
+    assert order == [a[0], b[0], alone, a[1], b[1]]
+    assert runs[a[0]].cotenants == [b[0]] and runs[b[0]].cotenants == [a[0]]
+    assert runs[a[1]].cotenants == [b[1]] and runs[b[1]].cotenants == [a[1]]
+    assert runs[alone].cotenants == []
+    lone = runs[alone]
+    for other in runs.values():
+        if other.id != alone:
+            assert other.finished_at <= lone.started_at or other.started_at >= lone.finished_at
+    spans = [(r.finished_at - r.started_at).total_seconds() for r in runs.values()]
+    print("run spans (s):", [round(x, 1) for x in spans])
+    wall = max(r.finished_at for r in runs.values()) - min(r.started_at for r in runs.values())
+    print(f"5 runs: sum of run times {sum(spans):.1f} s, wall {wall.total_seconds():.1f} s")
 
 
 def test_a_failing_scheduling_pass_is_logged_and_retried(
