@@ -493,6 +493,15 @@ def submit(
             "--print-id", help="Print only each sweep's id, one a line: id=$(ringlab submit ...)."
         ),
     ] = False,
+    as_: Annotated[
+        str | None,
+        typer.Option(
+            "--as",
+            envvar="RINGLAB_SUBMITTER",
+            help="Submit as this name (default: your login name): the queue round-robins "
+            "across submitters, then across each one's sweeps.",
+        ),
+    ] = None,
 ) -> None:
     """Submit a sweep (one per YAML document); print each id and dashboard URL."""
     if print_id and watch_:
@@ -504,7 +513,7 @@ def submit(
             key = (
                 f"{idempotency_key}-{i}" if idempotency_key and len(specs) > 1 else idempotency_key
             )
-            sweep = c.submit(spec, idempotency_key=key)
+            sweep = c.submit(spec, idempotency_key=key, submitter=as_)
             ids.append(sweep["id"])
             if print_id:
                 out.print(str(sweep["id"]))

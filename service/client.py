@@ -1,13 +1,17 @@
 """The HTTP client the CLI uses to talk to a ringlab service (httpx).
 
 RINGLAB_URL (default http://127.0.0.1:8000) says where the service is; RINGLAB_API_TOKEN, when
-set, is sent as a bearer token. Every failure becomes a ClientError with one readable line.
+set, is sent as a bearer token; a submission names its submitter (RINGLAB_SUBMITTER, else the
+login user) in X-Ringlab-Submitter, which the queue is fair across. Every failure becomes a
+ClientError with one readable line.
 """
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +19,22 @@ import httpx
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 API = "/api/v1"
+SUBMITTER_HEADER = "X-Ringlab-Submitter"
+SUBMITTER_RE = re.compile(r"[A-Za-z0-9._@+-]{1,64}")  # service.db.models.SUBMITTER_PATTERN
+
+
+def default_submitter() -> str | None:
+    """RINGLAB_SUBMITTER if set (sent as given: a bad one is the service's 422), else the login
+    user when it is a valid submitter name; None otherwise (the service records 'anonymous';
+    the sweep it returns names its submitter)."""
+    named = os.environ.get("RINGLAB_SUBMITTER")
+    if named is not None:
+        return named
+    try:
+        user = getpass.getuser()
+    except (OSError, KeyError):  # no login name (a container's uid without a passwd entry)
+        return None
+    return user if SUBMITTER_RE.fullmatch(user) else None
 
 
 class ClientError(Exception):
@@ -87,9 +107,18 @@ class Client:
             )
         return response
 
-    def submit(self, spec: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
-        """POST the sweep spec; the stored sweep (with its run counts)."""
+    def submit(
+        self,
+        spec: dict[str, Any],
+        idempotency_key: str | None = None,
+        submitter: str | None = None,
+    ) -> dict[str, Any]:
+        """POST the sweep spec as `submitter` (None: default_submitter()); the stored sweep
+        (with its run counts and submitter)."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        who = submitter if submitter is not None else default_submitter()
+        if who is not None:
+            headers[SUBMITTER_HEADER] = who
         return self.request("POST", "/sweeps", json=spec, headers=headers).json()
 
     def sweeps(self, skip: int = 0, limit: int = 50) -> dict[str, Any]:

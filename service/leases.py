@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, cast
 
-from sqlalchemy import delete, insert, or_, select, update
+from sqlalchemy import delete, func, insert, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -86,17 +86,35 @@ class Candidate:
 
 
 def _fair_pick() -> Any:
-    """SELECT of the queued run the queue serves next: round-robin across sweeps.
+    """SELECT of the queued run the queue serves next: round-robin across submitters, then
+    across that submitter's sweeps.
 
-    The sweep whose last claim is oldest (never claimed first, then by id) gives its lowest
-    queued run id. A sweep of 200 cells and one of 2 submitted after it interleave; FIFO would
-    hold the second behind all 200.
+    The submitter served longest ago (the oldest latest claim over all their sweeps; never
+    served first, then by their first sweep's id) goes first; among their sweeps with queued
+    runs, the one whose last claim is oldest (never claimed first, then by id) gives its lowest
+    queued run id. One person's three sweeps and another's one interleave 1:1 by person; FIFO,
+    or round-robin by sweep alone, would give the three sweeps three turns to the lone one's.
     """
     queued = select(Run.id).where(Run.sweep_id == Sweep.id, Run.status == RunStatus.queued).exists()
+    served = (
+        select(
+            Sweep.submitter.label("submitter"),
+            func.max(Sweep.last_claimed_at).label("last"),
+            func.min(Sweep.id).label("first"),
+        )
+        .group_by(Sweep.submitter)
+        .subquery("served")
+    )
     sweep_id = (
         select(Sweep.id)
+        .join(served, served.c.submitter == Sweep.submitter)
         .where(queued)
-        .order_by(Sweep.last_claimed_at.asc().nulls_first(), Sweep.id)
+        .order_by(
+            served.c.last.asc().nulls_first(),
+            served.c.first,
+            Sweep.last_claimed_at.asc().nulls_first(),
+            Sweep.id,
+        )
         .limit(1)
         .scalar_subquery()
     )
@@ -132,7 +150,7 @@ def claim_next(
     conditional UPDATE (the pick as its subquery) as the transaction's first statement, so it
     takes the write lock at once. Both re-check status = queued and the rowcount says whether
     this claim won: two schedulers never hold one run. The run's sweep records the claim's time
-    (the round-robin's order).
+    (the round-robin's order, by submitter and by sweep).
     """
     token = new_token(owner)
     now = utcnow()

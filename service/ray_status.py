@@ -1,8 +1,9 @@
 """This process' link to Ray as its scheduler sees it: connecting, connected or unreachable.
 
 The scheduler connects with backoff (`connect_with_backoff`) and records each attempt here;
-/readyz and /cluster (service.api.ray_link) read it, so a scheduler that cannot reach Ray says
-why, and since when, instead of "connecting" for ever.
+/readyz, /cluster, queued runs and sweeps, and the dashboard's header (service.api.ray_link)
+read it, so a scheduler that cannot reach Ray says why, and since when, instead of
+"connecting" for ever: once an attempt failed, the link reads unreachable until one succeeds.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Link:
     address: str
     attempt: int
     since: float  # time.time() the state began
-    error: str | None = None
+    error: str | None = None  # unreachable: why; connecting: why the attempt before failed
     retry_at: float | None = None  # unreachable: when the next attempt starts
 
 
@@ -58,16 +59,29 @@ class RayStatus:
                 f"starting: the scheduler migrates the database, then connects to "
                 f"{link.address} ({now - link.since:.0f} s so far)"
             )
-        if link.state == "connecting":
+        if link.state == "connecting" and link.error is None:
             return (
                 f"connecting to {link.address}: attempt {link.attempt}, "
                 f"{now - link.since:.0f} s so far"
+            )
+        if link.state == "connecting":  # a retry: still unreachable until it succeeds
+            return (
+                f"unreachable: cannot connect to {link.address} ({link.error}); attempt "
+                f"{link.attempt} under way, {now - link.since:.0f} s so far"
             )
         retry = max(0.0, (link.retry_at or now) - now)
         return (
             f"unreachable: cannot connect to {link.address} ({link.error}); attempt "
             f"{link.attempt + 1} in {retry:.0f} s"
         )
+
+    def queue_note(self) -> str | None:
+        """Why queued runs wait, once an attempt to reach Ray has failed and until one
+        succeeds: 'queued: the scheduler cannot reach Ray at X: <reason>'; else None."""
+        link = self.get()
+        if link is None or link.state == "connected" or link.error is None:
+            return None
+        return f"queued: the scheduler cannot reach Ray at {link.address}: {link.error}"
 
 
 RAY = RayStatus()
@@ -91,9 +105,10 @@ def connect_with_backoff(
     where = address or "a local Ray"
     delay = FIRST_RETRY_S
     attempt = 0
+    failed: str | None = None  # the last attempt's reason: a retry does not hide it
     while not stop.is_set():
         attempt += 1
-        status.set(Link("connecting", where, attempt, time.time()))
+        status.set(Link("connecting", where, attempt, time.time(), failed))
         try:
             connect(address)
         except Exception as exc:  # any failure to connect: logged, reported, retried
@@ -102,7 +117,7 @@ def connect_with_backoff(
             if ray.is_initialized():  # a half-made connection must not look connected
                 ray.shutdown()
             now = time.time()
-            reason = _reason(exc)
+            reason = failed = _reason(exc)
             status.set(Link("unreachable", where, attempt, now, reason, now + delay))
             log.error(
                 "cannot connect to Ray at %s (%s); attempt %d in %g s",

@@ -2,11 +2,11 @@
 
 One scheduler drives as many runs at once as the cluster has free resources for, each on its
 own gang (placement group) and its own driver thread: claim the next run in fair order
-(service.leases: round-robin across sweeps) once the pool says it fits, start the gang
-(workers.gang), poll while renewing the lease by heartbeat, then write the outcome in one
-transaction conditional on still holding the lease. A run with `isolation: node` runs alone.
-Every run records the runs that shared its nodes (service.tenancy). Several schedulers may
-share one Postgres.
+(service.leases: round-robin across submitters, then across their sweeps) once the pool says
+it fits, start the gang (workers.gang), poll while renewing the lease by heartbeat, then write
+the outcome in one transaction conditional on still holding the lease. A run with
+`isolation: node` runs alone. Every run records the runs that shared its nodes
+(service.tenancy). Several schedulers may share one Postgres.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db.models import RankResult, Run, RunStatus, Sweep, SweepKind
+from service.db.models import DEFAULT_SUBMITTER, RankResult, Run, RunStatus, Sweep, SweepKind
 from workers.config import RunConfig
 from workers.errors import Infeasible, RankFailed
 from workers.results import EnvironmentInfo, ProbeResult, RunOutcome
@@ -43,10 +43,11 @@ def add_sweep(
     configs: list[RunConfig],
     kind: SweepKind = SweepKind.benchmark,
     name: str = "t",
+    submitter: str = DEFAULT_SUBMITTER,
 ) -> list[int]:
     """Insert one sweep with a queued run per config; their ids in order."""
     with sm() as session, session.begin():
-        sweep = Sweep(name=name, kind=kind, spec={"name": name})
+        sweep = Sweep(name=name, kind=kind, spec={"name": name}, submitter=submitter)
         session.add(sweep)
         runs = [
             Run(

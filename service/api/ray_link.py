@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import threading
 
+from starlette.requests import HTTPConnection
+
 from service.core.config import Settings
 
 _connect_lock = threading.Lock()
@@ -47,3 +49,19 @@ def problem(settings: Settings, *, may_connect: bool) -> str | None:
     if not alive:
         return "connected but no node is alive"
     return None
+
+
+def queue_problem(request: HTTPConnection) -> str | None:
+    """Why queued runs cannot start now, as far as this process knows: its embedded scheduler
+    stopped, or cannot reach Ray (service.ray_status). None otherwise: connected, still
+    starting, or no embedded scheduler (a `ringlab scheduler` elsewhere reports in its log)."""
+    from service.ray_status import RAY
+
+    state = request.app.state
+    thread = getattr(state, "scheduler_thread", None)
+    if thread is None:
+        return None
+    if not thread.is_alive():
+        why = getattr(state, "scheduler_error", None) or "exited"
+        return f"queued: the embedded scheduler stopped: {why}"
+    return RAY.queue_note()

@@ -26,6 +26,12 @@ class Message(BaseModel):
     detail: str
 
 
+WAITING_HELP = (
+    "Queued runs only: why they cannot start now, when this service knows (its embedded "
+    "scheduler cannot reach Ray, with Ray's reason, or it stopped); null otherwise."
+)
+
+
 class SweepOut(BaseModel):
     """A sweep with the number of its runs in each state and its progress."""
 
@@ -35,11 +41,16 @@ class SweepOut(BaseModel):
     spec: dict[str, Any]
     created_at: UtcDatetime
     idempotency_key: str | None
+    submitter: str = Field(
+        description="Who submitted it (X-Ringlab-Submitter; 'anonymous' when unnamed): the "
+        "queue is fair across submitters first, then across sweeps."
+    )
     total: int = Field(description="Number of runs.")
     counts: dict[str, int] = Field(description="Runs per state (every state listed).")
     finished: int = Field(description="Runs in a terminal state.")
     progress: float = Field(ge=0, le=1, description="finished / total.")
     done: bool = Field(description="Every run is in a terminal state.")
+    waiting: str | None = Field(default=None, description=WAITING_HELP)
 
 
 class SweepList(BaseModel):
@@ -79,6 +90,7 @@ class RunOut(BaseModel):
     finished_at: UtcDatetime | None
     error: str | None
     config: dict[str, Any]
+    waiting: str | None = Field(default=None, description=WAITING_HELP)
 
 
 class RunList(BaseModel):

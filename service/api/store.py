@@ -16,6 +16,7 @@ from service.api import pages
 from service.api.schemas import SweepOut
 from service.db.engine import rowcount
 from service.db.models import (
+    DEFAULT_SUBMITTER,
     TERMINAL_STATUSES,
     Artifact,
     Environment,
@@ -71,6 +72,7 @@ def sweep_out(sweep: Sweep, counts: dict[str, int]) -> SweepOut:
         spec=sweep.spec,
         created_at=sweep.created_at,
         idempotency_key=sweep.idempotency_key,
+        submitter=sweep.submitter,
         total=total,
         counts={str(s): n for s, n in counts.items()},
         finished=finished,
@@ -138,7 +140,11 @@ def _insert_runs(session: Session, rows: list[dict[str, Any]]) -> None:
 
 
 def create_sweep(
-    session: Session, spec: SweepSpec, cells: Iterable[Cell], idempotency_key: str | None
+    session: Session,
+    spec: SweepSpec,
+    cells: Iterable[Cell],
+    idempotency_key: str | None,
+    submitter: str = DEFAULT_SUBMITTER,
 ) -> tuple[Sweep, int, bool]:
     """Store a sweep and its runs in one transaction; (sweep, runs stored, created).
 
@@ -160,6 +166,7 @@ def create_sweep(
         spec=spec_json,
         idempotency_key=idempotency_key,
         created_at=now,
+        submitter=submitter,
     )
     stored = 0
     try:

@@ -81,6 +81,12 @@ class Base(DeclarativeBase):
     type_annotation_map: ClassVar[dict[Any, Any]] = {dict[str, Any]: JSON, list[Any]: JSON}
 
 
+DEFAULT_SUBMITTER = "anonymous"
+"""The submitter of a sweep posted without naming one (and of sweeps stored before 0015)."""
+SUBMITTER_PATTERN = r"^[A-Za-z0-9._@+-]{1,64}$"
+"""What a submitter's name may hold: a user or e-mail name, no spaces or control characters."""
+
+
 class SweepKind(enum.StrEnum):
     benchmark = "benchmark"
     max_seq_len = "max_seq_len"
@@ -128,7 +134,13 @@ class Sweep(Base):
     revision 0005, whose runs hold their whole config). See Run.config."""
     last_claimed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     """When a scheduler last claimed one of its runs: the queue serves the sweep claimed
-    longest ago first (round-robin across sweeps, service.leases.claim_next)."""
+    longest ago first (round-robin across sweeps, within their submitter: service.leases)."""
+    submitter: Mapped[str] = mapped_column(
+        String(64), default=DEFAULT_SUBMITTER, server_default=DEFAULT_SUBMITTER
+    )
+    """Who submitted it, as they named themselves (X-Ringlab-Submitter, the CLI's --as): not
+    an authenticated identity (there is one API token), a label the queue is fair across:
+    round-robin across submitters first, then across each one's sweeps (revision 0015)."""
 
     runs: Mapped[list[Run]] = relationship(
         back_populates="sweep", cascade="all, delete-orphan", passive_deletes=True

@@ -18,7 +18,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Redirect
 from fastapi.templating import Jinja2Templates
 
 from service import queries
-from service.api import store
+from service.api import ray_link, store
 from service.api.deps import (
     MAX_ID,
     MAX_SKIP,
@@ -87,6 +87,7 @@ def _static_version() -> str:
 
 def _page(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
     context.setdefault("static_version", _static_version())
+    context.setdefault("queue_problem", ray_link.queue_problem(request))  # the header says it
     return templates.TemplateResponse(request, name, context, status_code=status_code)
 
 

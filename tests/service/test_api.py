@@ -49,8 +49,18 @@ def test_submit_is_idempotent_and_sweeps_list(database_url: str) -> None:
         )
         assert other.status_code == 409 and "different spec" in other.json()["detail"]
 
-        no_key = client.post(f"{API}/sweeps", json=small_spec("second", kind="correctness"))
-        assert no_key.status_code == 201
+        no_key = client.post(
+            f"{API}/sweeps",
+            json=small_spec("second", kind="correctness"),
+            headers={"X-Ringlab-Submitter": "alice@lab"},
+        )
+        assert no_key.status_code == 201 and no_key.json()["submitter"] == "alice@lab"
+        assert sweep["submitter"] == "anonymous"  # unnamed
+        bad = client.post(
+            f"{API}/sweeps", json=small_spec("x"), headers={"X-Ringlab-Submitter": "a b"}
+        )
+        assert bad.status_code == 422
+        assert bad.json()["detail"][0]["loc"] == ["header", "x-ringlab-submitter"]
 
         listing = client.get(f"{API}/sweeps", params={"limit": 1}).json()
         assert listing["count"] == 2 and [s["name"] for s in listing["data"]] == ["second"]
@@ -62,6 +72,7 @@ def test_submit_is_idempotent_and_sweeps_list(database_url: str) -> None:
 
         got = client.get(f"{API}/sweeps/{sweep['id']}").json()
         assert got["spec"]["grid"] == spec["grid"] and got["created_at"].endswith("Z")
+        assert client.get(f"{API}/sweeps/{no_key.json()['id']}").json()["submitter"] == "alice@lab"
         assert client.get(f"{API}/sweeps/999999").status_code == 404
 
 

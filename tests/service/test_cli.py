@@ -4,6 +4,7 @@ free port, no scheduler) holding finished sweeps; errors are one line and exit c
 from __future__ import annotations
 
 import csv
+import getpass
 import io
 import json
 import os
@@ -135,6 +136,12 @@ def test_submit_cancel_retry(base: str, service: tuple[str, Seeded], tmp_path: P
     assert first == f"sweep {sweep_id} (tiny): 2 runs"
     assert second == f"dashboard: {base}/sweeps/{sweep_id}"
     assert httpx.get(f"{base}/sweeps/{sweep_id}").status_code == 200  # the page it points to
+    api = f"{base}/api/v1/sweeps"
+    assert httpx.get(f"{api}/{sweep_id}").json()["submitter"] == getpass.getuser()
+    as_bob = ringlab("submit", str(spec), "--as", "bob", "--print-id")
+    assert httpx.get(f"{api}/{as_bob.stdout.strip()}").json()["submitter"] == "bob"
+    bad = one_error_line(ringlab("submit", str(spec), "--as", "bob smith"))
+    assert "422" in bad and "x-ringlab-submitter" in bad
     again = ringlab("submit", str(spec), "--idempotency-key", "k1")
     again_twice = ringlab("submit", str(spec), "--idempotency-key", "k1")
     assert again.stdout == again_twice.stdout  # the same key returns the same sweep
@@ -193,7 +200,7 @@ def test_cluster_lists_the_local_ray(base: str, ray_session: object) -> None:
     result = ringlab("cluster")
     assert result.exit_code == 0, result.stderr
     total = result.stdout.strip().splitlines()[-1]
-    assert total.startswith("total: ") and "/4 CPUs free" in total and "/0 GPUs free" in total
+    assert total.startswith("total: ") and "/8 CPUs free" in total and "/0 GPUs free" in total
 
 
 def test_ls_and_show_fit_80_columns(base: str, service: tuple[str, Seeded]) -> None:

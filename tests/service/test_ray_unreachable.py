@@ -1,7 +1,8 @@
 """A scheduler that cannot reach Ray retries with backoff, logs why in one line, and /readyz
-answers 503 naming Ray and the reason, never "connecting" for ever: the issue's case, a live
-Ray cluster whose auth token this `ringlab serve` lacks (the session's local Ray, joined with a
-wrong token from a fresh process)."""
+answers 503 naming Ray and the reason, never "connecting" for ever; queued runs and their sweep
+(API and run page), the dashboard's header and `ringlab cluster` (one line, exit 1) say the
+same: the issue's case, a live Ray cluster whose auth token this `ringlab serve` lacks (the
+session's local Ray, joined with a wrong token from a fresh process)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 SERVE = """
 import json, logging, sys, time
 from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+from service import cli
+from service import client as ringlab_client
 from service.app import create_app
 from service.core.config import Settings
 
@@ -34,7 +38,24 @@ with TestClient(create_app(settings, with_scheduler=True)) as client:
             break
         time.sleep(0.2)
     cluster = client.get("/api/v1/cluster")
-    print(json.dumps({"seen": seen, "cluster": [cluster.status_code, cluster.json()]}))
+    # what a user looks at while Ray stays unreachable: the queued run, its sweep, the pages,
+    # and `ringlab cluster` (its client on this app)
+    spec = {"name": "q", "base": {"kernel": "dense", "seq_len": 64, "num_heads": 2,
+            "head_dim": 16, "device": "cpu"}}
+    sweep = client.post("/api/v1/sweeps", json=spec).json()
+    runs = client.get("/api/v1/runs", params={"sweep_id": sweep["id"]}).json()["data"]
+    run = client.get(f"/api/v1/runs/{runs[0]['id']}").json()
+    pages = {p: client.get(p).text for p in ("/", f"/runs/{run['id']}")}
+    out = {
+        "seen": seen, "cluster": [cluster.status_code, cluster.json()],
+        "sweep": [sweep, client.get(f"/api/v1/sweeps/{sweep['id']}").json()],
+        "runs": [runs, run], "pages": pages,
+    }
+    c = ringlab_client.Client("http://testserver")
+    c.http = client  # (the command closes its client: last)
+    cli.client = lambda: c
+    done = CliRunner().invoke(cli.app, ["cluster"])
+    print(json.dumps({**out, "cli": [done.exit_code, done.stdout, done.stderr]}))
 """
 
 
@@ -73,3 +94,25 @@ def test_unreachable_ray_is_retried_logged_and_named_on_readyz(
     log_lines = [x for x in proc.stderr.splitlines() if "cannot connect to Ray at" in x]
     assert log_lines and "attempt 2 in 1 s" in log_lines[0], proc.stderr[-3000:]
     assert out["cluster"][0] == 503 and "unreachable" in json.dumps(out["cluster"][1])
+    _says_why_runs_wait(out, address)
+
+
+def _says_why_runs_wait(out: dict[str, Any], address: str) -> None:
+    """Queued runs, their sweep, the dashboard's header, the run page and `ringlab cluster`
+    name Ray's address and reason; nothing reads 'connecting'."""
+    why = f"queued: the scheduler cannot reach Ray at {address}: ConnectionError: "
+    created, got = out["sweep"]
+    assert created["waiting"].startswith(why) and got["waiting"].startswith(why), got
+    listed, run = out["runs"]
+    assert run["status"] == "queued" and run["waiting"].startswith(why), run
+    assert all(r["waiting"].startswith(why) for r in listed)
+    for path, html in out["pages"].items():
+        header = html.split('<header class="top">')[1].split("</header>")[0]
+        assert 'id="cluster-problem"' in header and why in html.replace("&#39;", "'"), path
+    run_page = next(html for path, html in out["pages"].items() if path.startswith("/runs/"))
+    assert '<p class="waiting" id="waiting">queued: the scheduler cannot reach Ray' in run_page
+    code, stdout, stderr = out["cli"]
+    assert code == 1 and stdout == "", (code, stdout, stderr)
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith("error: ") and f"unreachable: cannot connect to {address}" in line
+    assert "connecting" not in json.dumps(out["sweep"] + out["runs"]) + line

@@ -171,14 +171,14 @@ def test_max_seq_len_run_stores_its_probes(
 def test_infeasible_run_fails_at_once(
     sqlite_sm: sessionmaker[Session], gang_pool: RecordingPool
 ) -> None:
-    (run_id,) = add_sweep(sqlite_sm, [tiny_config(world_size=8, parallel="data", batch_size=8)])
+    (run_id,) = add_sweep(sqlite_sm, [tiny_config(world_size=9, parallel="data", batch_size=9)])
     t0 = time.monotonic()
     assert scheduler(sqlite_sm, gang_pool).run_once()
     assert time.monotonic() - t0 < 5
     run = run_row(sqlite_sm, run_id)
     assert run.status == RunStatus.failed
-    assert (run.error or "").startswith("infeasible: the run needs 8 CPU")
-    assert "4 CPU in total" in (run.error or "")
+    assert (run.error or "").startswith("infeasible: the run needs 9 CPU")
+    assert "8 CPU in total" in (run.error or "")
     assert gang_pool.handles == []
 
 

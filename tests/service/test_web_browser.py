@@ -385,3 +385,39 @@ def test_log_in_through_the_page_and_follow_a_sweep_live(browser: Any, tmp_path:
             assert "/login?next=" in pg.url
         finally:
             page.close()
+
+
+def test_the_header_says_why_queued_runs_wait(browser: Any, tmp_path: Path) -> None:
+    """While the embedded scheduler cannot reach Ray, every page's header shows why, and a
+    queued run's page says it beside the run: seen in chromium under the pages' CSP. (The link
+    state is set here; test_ray_unreachable reaches it from a real refused connection.)"""
+    import threading
+    import time
+
+    from service.ray_status import RAY, Link
+
+    database = f"sqlite:///{tmp_path / 'ringlab.db'}"
+    app = make_web_app(Settings(database_url=database))
+    stop = threading.Event()
+    with live_server(app) as base:
+        sweep_id, (_first, second) = seed_running_sweep(database)  # second is queued
+        scheduler = threading.Thread(target=stop.wait, daemon=True)  # an embedded one, alive
+        scheduler.start()
+        app.state.scheduler_thread = scheduler
+        now, before = time.time(), RAY.get()
+        RAY.set(Link("unreachable", "10.0.0.9:6379", 3, now, "ConnectionError: refused", now + 4))
+        page = Page(browser, base)
+        try:
+            why = (
+                "queued: the scheduler cannot reach Ray at 10.0.0.9:6379: ConnectionError: refused"
+            )
+            for path in ("/", f"/sweeps/{sweep_id}", f"/runs/{second}"):
+                banner = page.open(path).locator("header.top #cluster-problem")
+                assert banner.is_visible() and banner.inner_text() == why, path
+            assert page.page.locator("#waiting").inner_text() == why
+            page.check()
+        finally:
+            page.close()
+            RAY.set(before)
+            stop.set()
+            app.state.scheduler_thread = None

@@ -1,4 +1,4 @@
-"""Gangs of rank actors on the shared local Ray (4 logical CPUs): results, reuse, failures, search.
+"""Gangs of rank actors on the shared local Ray (8 logical CPUs): results, reuse, failures, search.
 
 The tests share one pool, in order, so most of them run on the warm W=2 gang (a cold gang costs
 seconds of torch imports on this 2-core machine).
@@ -119,8 +119,8 @@ def test_correctness_gate_and_kind(pool: GangPool) -> None:
 
 def test_infeasible_run_fails_fast_with_its_message(pool: GangPool) -> None:
     started = time.monotonic()
-    with pytest.raises(Infeasible, match=r"needs 5 CPU .*has 4 CPU in total on 1 node"):
-        pool.start(config(world_size=5, batch_size=5, parallel="data"), "benchmark")
+    with pytest.raises(Infeasible, match=r"needs 9 CPU .*has 8 CPU in total on 1 node"):
+        pool.start(config(world_size=9, batch_size=9, parallel="data"), "benchmark")
     with pytest.raises(Infeasible, match=r"needs 2 distinct nodes .* 1 node\(s\) with a CPU"):
         pool.start(
             config(world_size=2, batch_size=2, parallel="data", placement="strict_spread"),

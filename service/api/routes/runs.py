@@ -5,11 +5,11 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Query, Response, status
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 
 from service import artifacts as artifact_files
-from service.api import store
+from service.api import ray_link, store
 from service.api.deps import (
     CURSOR_HELP,
     MAX_BIGINT,
@@ -35,12 +35,20 @@ RunSort = StrEnum(  # type: ignore[misc]
 """Whitelisted sort keys: a column name, '-' in front for descending."""
 
 
+def _noted(run: RunOut, note: str | None) -> RunOut:
+    """The run with `waiting` set when it is queued and cannot start (note)."""
+    if note is None or run.status != RunStatus.queued:
+        return run
+    return run.model_copy(update={"waiting": note})
+
+
 @router.get(
     "",
     response_model=RunList,
     responses={401: {"model": Message}, 422: {"description": "Invalid filter."}},
 )
 def list_runs(
+    request: Request,
     session: SessionDep,
     sweep_id: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None,
     kernel: Annotated[str | None, Query(max_length=64, pattern=NO_NUL)] = None,
@@ -71,8 +79,9 @@ def list_runs(
     found = store.list_runs(
         session, filters, sort=sort.value, skip=skip, limit=limit, cursor=cursor, with_count=count
     )
+    note = ray_link.queue_problem(request)
     page = RunList(
-        data=[RunOut.model_validate(r) for r in found.data],
+        data=[_noted(RunOut.model_validate(r), note) for r in found.data],
         count=found.count,
         count_exact=found.count_exact,
         next=found.next,
@@ -88,12 +97,13 @@ def list_runs(
         401: {"model": Message},
     },
 )
-def get_run(run_id: RunId, session: SessionDep) -> RunDetail:
-    """One run: config, state, per-rank results, probes, environment, error and headline."""
+def get_run(run_id: RunId, request: Request, session: SessionDep) -> RunDetail:
+    """One run: config, state, per-rank results, probes, environment, error and headline
+    (and, queued, why it cannot start when the scheduler cannot reach Ray)."""
     run = store.load_run(session, run_id)
     if run is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
-    base = RunOut.model_validate(run).model_dump()
+    base = _noted(RunOut.model_validate(run), ray_link.queue_problem(request)).model_dump()
     return RunDetail.model_validate(
         {
             **base,

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import analysis, queries
-from service.api import results, store
+from service.api import ray_link, results, store
 from service.api.deps import (
     CURSOR_HELP,
     MAX_SKIP,
@@ -33,7 +33,7 @@ from service.api.schemas import (
     SweepList,
     SweepOut,
 )
-from service.db.models import RunStatus, Sweep
+from service.db.models import DEFAULT_SUBMITTER, SUBMITTER_PATTERN, RunStatus, Sweep
 from service.spec import PivotSpec, PivotValue, SpecError, SweepSpec, iter_cells, unstorable_values
 from service.views import RunRow
 from service.web import data
@@ -53,6 +53,13 @@ def _sweep_or_404(session: SessionDep, sweep_id: int) -> SweepOut:
     return out
 
 
+def _noted(out: SweepOut, note: str | None) -> SweepOut:
+    """The sweep with `waiting` set when it has queued runs that cannot start (note)."""
+    if note is None or not out.counts.get(RunStatus.queued):
+        return out
+    return out.model_copy(update={"waiting": note})
+
+
 @router.post(
     "",
     status_code=status.HTTP_201_CREATED,
@@ -66,6 +73,7 @@ def _sweep_or_404(session: SessionDep, sweep_id: int) -> SweepOut:
 )
 def create_sweep(
     spec: SweepSpec,
+    request: Request,
     session: SessionDep,
     settings: SettingsDep,
     response: Response,
@@ -77,6 +85,15 @@ def create_sweep(
             description="The same key returns the sweep it created (200) instead of a new one.",
         ),
     ] = None,
+    x_ringlab_submitter: Annotated[
+        str,
+        Header(
+            pattern=SUBMITTER_PATTERN,
+            description="Who submits (a user or e-mail name, 1-64 of A-Z a-z 0-9 . _ @ + -): "
+            "the queue round-robins across submitters, then across each one's sweeps. Self-"
+            "declared (there is one API token), not an authenticated identity.",
+        ),
+    ] = DEFAULT_SUBMITTER,
 ) -> SweepOut:
     """Validate and expand the spec, then store the sweep and one queued run per cell.
 
@@ -96,7 +113,11 @@ def create_sweep(
     try:
         # Expanded lazily while inserting, in one transaction rolled back on any invalid cell.
         sweep, stored, created = store.create_sweep(
-            session, spec, iter_cells(spec, settings.run_limits()), idempotency_key
+            session,
+            spec,
+            iter_cells(spec, settings.run_limits()),
+            idempotency_key,
+            submitter=x_ringlab_submitter,
         )
     except SpecError as e:
         raise RequestValidationError(
@@ -109,11 +130,13 @@ def create_sweep(
         response.status_code = status.HTTP_200_OK
         return _sweep_or_404(session, sweep.id)
     # Just stored, all queued: no need to count them again.
-    return store.sweep_out(sweep, {**dict.fromkeys(RunStatus, 0), RunStatus.queued: stored})
+    out = store.sweep_out(sweep, {**dict.fromkeys(RunStatus, 0), RunStatus.queued: stored})
+    return _noted(out, ray_link.queue_problem(request))
 
 
 @router.get("", dependencies=read, responses=AUTH)
 def list_sweeps(
+    request: Request,
     session: SessionDep,
     skip: Annotated[int, Query(ge=0, le=MAX_SKIP, description=SKIP_HELP)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
@@ -126,13 +149,15 @@ def list_sweeps(
 ) -> SweepList:
     """Sweeps, newest first, with their run counts and progress, a page at a time."""
     page = store.list_sweeps(session, skip=skip, limit=limit, kind=kind, name=name, cursor=cursor)
-    return SweepList(**vars(page))
+    note = ray_link.queue_problem(request)
+    return SweepList(**{**vars(page), "data": [_noted(s, note) for s in page.data]})
 
 
 @router.get("/{sweep_id}", dependencies=read, responses={**NOT_FOUND, **AUTH})
-def get_sweep(sweep_id: SweepId, session: SessionDep) -> SweepOut:
-    """One sweep: its spec, runs per state and progress."""
-    return _sweep_or_404(session, sweep_id)
+def get_sweep(sweep_id: SweepId, request: Request, session: SessionDep) -> SweepOut:
+    """One sweep: its spec, runs per state and progress (and why its queued runs wait, when
+    the scheduler cannot reach Ray)."""
+    return _noted(_sweep_or_404(session, sweep_id), ray_link.queue_problem(request))
 
 
 @router.post("/{sweep_id}/cancel", dependencies=write, responses={**NOT_FOUND, **AUTH})
