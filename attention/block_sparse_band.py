@@ -12,8 +12,14 @@ call (block causal + token causal inside the diagonal blocks IS token causal); a
 masked call, its additive mask built once per (plan, device, dtype), trimmed to the sub-mask's
 kept rows and columns first. A partial last chunk (the length no multiple of C blocks, or a
 short last block) is the first tokens of a whole chunk: its items on each diagonal are calls of
-their own, with the whole chunk's mask sliced. global_local's global rows and columns are two
-more plain (or causal) calls, and its band runs on the blocks after them.
+their own, with the whole chunk's mask sliced. global_local whose global blocks lie inside its
+band (num_global <= window + 1, the default 1 global block) runs the band on every block (its
+chunks then start at token 0: no partial chunk where the length is a multiple of C blocks) and
+the pairs past the band as at most two plain rectangles (the global rows' keys past their
+window, not causal; the global columns of the rows past theirs) and two small masked boxes
+where the window's end cuts through the global blocks (_strip_calls); with more global blocks,
+its global rows and columns are two plain (or causal) calls and its band runs on the blocks
+after them.
 
 C is the power of two (C x block_size within MASK_TOKENS, so a mask holds at most
 MASK_TOKENS^2 elements) that makes the fewest calls while computing at most WASTE_BOUND x the
@@ -58,7 +64,7 @@ class Call:
     sk: int
     count: int
     stride: int
-    mask: tuple[int, int, int, int, int] | None = None
+    mask: tuple[int | str, int, int, int, int] | None = None
     causal: bool = False
     empty: bool = False
 
@@ -73,7 +79,7 @@ class BandPlan:
     block_size: int
     chunk: int
     calls: tuple[Call, ...]
-    submasks: dict[int, Tensor]
+    submasks: dict[int | str, Tensor]
     causal: bool
 
 
@@ -125,19 +131,57 @@ def build_plan(
     keeps, which bounds the waste of a chunk size)."""
     n = -(-seq_len // bs)
     g = min(num_global, n)
-    calls = _global_calls(seq_len, bs, g, causal)
+    boxes: dict[int | str, Tensor] = {}
+    if g and g <= window + 1 and g * bs <= MASK_TOKENS:  # global blocks inside the band
+        strips, g = _strip_calls(seq_len, bs, g, window, causal, boxes), 0
+        first: list[Call] = []
+    else:
+        strips, first = [], _global_calls(seq_len, bs, g, causal)
     rest = n - g
     if not rest:
-        return BandPlan(seq_len, bs, 1, tuple(_split(calls, seq_len)), {}, causal)
+        return BandPlan(seq_len, bs, 1, tuple(_split(first, seq_len)), {}, causal)
     keep = kept_offsets(pattern, rest, window, dilation, causal)
     best: BandPlan | None = None
     for chunk in chunk_candidates(rest, bs):
-        submasks: dict[int, Tensor] = {}
+        submasks = dict(boxes)
         band = _band_calls(keep, seq_len, bs, g, chunk, causal, submasks)
-        plan = BandPlan(seq_len, bs, chunk, tuple(_split(calls + band, seq_len)), submasks, causal)
+        calls = tuple(_split(first + band + strips, seq_len))
+        plan = BandPlan(seq_len, bs, chunk, calls, submasks, causal)
         if best is None or _better(plan, best, kept_pairs):
             best = plan
     return best  # type: ignore[return-value]
+
+
+def _strip_calls(
+    seq_len: int, bs: int, g: int, window: int, causal: bool, boxes: dict[int | str, Tensor]
+) -> list[Call]:
+    """global_local's pairs outside its band when the band runs on every block (g <= window + 1:
+    the global blocks' own pairs are inside it): the global rows against the keys past their
+    window (not causal: causally a global row's keys are all inside it) and the other rows'
+    global columns past theirs. Each strip is a plain rectangle where every global block keeps
+    it, and a small masked box ((g - 1) x (g - 1) blocks, "rows" / "cols" in `boxes`) where the
+    window's end cuts through the global blocks (global block i keeps block j iff j - i >
+    window: none of the last global block's, and every box row and column keeps some)."""
+    n = -(-seq_len // bs)
+    calls: list[Call] = []
+    if window + 1 >= n:
+        return calls
+    gt, wt = g * bs, min(seq_len, (g + window) * bs)
+    if wt < seq_len:  # every global block keeps these keys (queries)
+        if not causal:
+            calls.append(Call(0, wt, gt, seq_len - wt, 1, 0))
+        calls.append(Call(wt, 0, seq_len - wt, gt, 1, 0))
+    lo, hi = window + 1, min(n, g + window)
+    if hi > lo:  # keys (queries) [lo, hi) that only the first g - 1 global blocks keep
+        i = torch.arange(g - 1)[:, None]
+        j = torch.arange(lo, hi)[None, :]
+        boxes["rows"] = j - i > window  # global row i, key block j
+        boxes["cols"] = boxes["rows"].T.contiguous()  # query block j, global column i
+        rows, cols = (g - 1) * bs, min(seq_len, hi * bs) - lo * bs
+        if not causal:
+            calls.append(Call(0, lo * bs, rows, cols, 1, 0, mask=("rows", 0, rows, 0, cols)))
+        calls.append(Call(lo * bs, 0, cols, rows, 1, 0, mask=("cols", 0, cols, 0, rows)))
+    return calls
 
 
 WASTE_BOUND = 3
@@ -201,7 +245,7 @@ def _band_calls(
     g: int,
     chunk: int,
     causal: bool,
-    submasks: dict[int, Tensor],
+    submasks: dict[int | str, Tensor],
 ) -> list[Call]:
     """The calls of every chunk diagonal of the band on blocks [g, n)."""
     n = -(-seq_len // bs)
@@ -275,16 +319,17 @@ def _make(
 
 
 @functools.lru_cache(maxsize=64)
-def _bias(plan: BandPlan, d: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """Chunk diagonal d's whole-chunk additive mask (C*bs, C*bs) on `device`: 0 where kept,
-    -inf elsewhere (D = 0 under causal: also above the token diagonal). Built once per (plan,
-    device, dtype): the one host-to-device copy, made by the first (warm-up) call."""
-    ctok = plan.chunk * plan.block_size
-    block = torch.arange(ctok) // plan.block_size
-    keep = plan.submasks[d][block][:, block]
+def _bias(plan: BandPlan, d: int | str, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Chunk diagonal d's whole-chunk additive mask (C*bs, C*bs) on `device` (d a str: that
+    global_local box's, its blocks' tokens): 0 where kept, -inf elsewhere (D = 0 under causal:
+    also above the token diagonal). Built once per (plan, device, dtype): the one
+    host-to-device copy, made by the first (warm-up) call."""
+    sub = plan.submasks[d]
+    rows, cols = (torch.arange(x * plan.block_size) // plan.block_size for x in sub.shape)
+    keep = sub[rows][:, cols]
     if plan.causal and d == 0:
-        keep &= torch.ones(ctok, ctok, dtype=torch.bool).tril()
-    bias = torch.zeros(ctok, ctok, dtype=dtype).masked_fill_(~keep, float("-inf"))
+        keep &= torch.ones_like(keep).tril()
+    bias = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
     return bias.to(device)
 
 
