@@ -230,7 +230,7 @@ def count_plan(
 
 HEAD = (
     f"{'kernel':<13}{'case':<18}{'seq':>7} {'plan':<5}{'fwd calls':>10}{'bwd calls':>10}"
-    f"{'fwd ops':>9}{'bwd ops':>9}{'h2d':>5}{'syncs':>6}{'fwd trans/floor':>16}"
+    f"{'fwd ops':>10}{'bwd ops':>11}{'h2d':>7}{'syncs':>7}{'fwd trans/floor':>16}"
     f"{'bwd trans/floor':>16}"
 )
 """The table's header line (`line` writes each row under it)."""
@@ -240,8 +240,8 @@ def line(r: dict[str, Any]) -> str:
     """One row of the table (transient as a fraction of its floor)."""
     return (
         f"{r['kernel']:<13}{r.get('case', ''):<18}{r['seq_len']:>7} {r['plan']:<5}"
-        f"{r['fwd_calls']:>10}{r['bwd_calls']:>10}{r['fwd_ops']:>9}{r['bwd_ops']:>9}"
-        f"{r['h2d_copies']:>5}{r['syncs']:>6}{r['transient_bytes'] / r['floor_bytes']:>16.3f}"
+        f"{r['fwd_calls']:>10}{r['bwd_calls']:>10}{r['fwd_ops']:>10}{r['bwd_ops']:>11}"
+        f"{r['h2d_copies']:>7}{r['syncs']:>7}{r['transient_bytes'] / r['floor_bytes']:>16.3f}"
         f"{r['bwd_transient_bytes'] / r['bwd_floor_bytes']:>16.3f}"
     )
 
