@@ -7,7 +7,8 @@ key blocks each query block attends to. Patterns (i: query block, j: key block):
 - global_local: |i - j| <= window, or i < num_global, or j < num_global;
 - random: the diagonal plus num_random other key blocks per row, drawn with `seed`.
 Either sparsity_ratio (the fraction of key blocks a query block computes) or the pattern's size
-parameter (window; num_random for random) is given, never both. From sparsity_ratio the size
+parameter (window; num_random for random) is given, never both (neither: the size is
+DEFAULT_SIZE, 1). From sparsity_ratio the size
 parameter is the one whose mask density is nearest; density then lies within 1/n (one block per
 row) of the ratio, else ValueError. The diagonal is always kept; causal intersects the mask with
 the lower triangle and masks tokens causally inside diagonal blocks. window and num_global larger
@@ -63,6 +64,10 @@ _PATTERN_FIELDS = {
 _SIZE_FIELD = {"local_window": "window", "dilated": "window", "global_local": "window"}
 _SIZE_FIELD["random"] = "num_random"
 _OPTIONAL_FIELDS = ("window", "dilation", "num_global", "num_random", "seed")
+DEFAULT_SIZE = 1
+"""The pattern's size parameter (window, or num_random for random) when neither it nor
+sparsity_ratio is given: one block each side (one random block), valid at every length, so
+`attention.build("block_sparse")` runs as is."""
 MAX_VIEW_RUNS = 2
 """A query block whose kept key blocks form more contiguous runs than this gathers them."""
 CHUNK_TOKENS = 2048
@@ -93,7 +98,8 @@ def _check_int(field: str, value: object, minimum: int) -> None:
 class BlockSparseParams:
     """block_size, pattern, and sparsity_ratio or the pattern's own parameters; token ordering.
 
-    Fields a pattern does not use must stay unset (None): setting them is an error.
+    Fields a pattern does not use must stay unset (None): setting them is an error. With
+    neither sparsity_ratio nor the pattern's size parameter, the size is DEFAULT_SIZE.
     """
 
     block_size: int = 64
@@ -138,11 +144,8 @@ class BlockSparseParams:
                     f"conflicts with params.sparsity_ratio; pattern "
                     f"{self.pattern!r} takes one of them",
                 )
-        elif getattr(self, size) is None:
-            raise ParamError(
-                "params.sparsity_ratio",
-                f"give sparsity_ratio or params.{size} for pattern {self.pattern!r}",
-            )
+        elif getattr(self, size) is None:  # neither given: the default size (frozen: set here)
+            object.__setattr__(self, size, DEFAULT_SIZE)
         check_ordering(self.ordering)
         if self.plan not in PLANS:
             raise ParamError("params.plan", f"must be one of {', '.join(PLANS)}, got {self.plan!r}")

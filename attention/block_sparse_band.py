@@ -12,17 +12,27 @@ call (block causal + token causal inside the diagonal blocks IS token causal); a
 masked call, its additive mask built once per (plan, device, dtype), trimmed to the sub-mask's
 kept rows and columns first. A partial last chunk (the length no multiple of C blocks, or a
 short last block) is the first tokens of a whole chunk: its items on each diagonal are calls of
-their own, with the whole chunk's mask sliced. global_local's global rows and columns are two
-more plain (or causal) calls, and its band runs on the blocks after them.
+their own, with the whole chunk's mask sliced. global_local whose global blocks lie inside its
+band (num_global <= window + 1, the default 1 global block) runs the band on every block (its
+chunks then start at token 0: no partial chunk where the length is a multiple of C blocks) and
+the pairs past the band as at most two plain rectangles (the global rows' keys past their
+window, not causal; the global columns of the rows past theirs) and two small masked boxes
+where the window's end cuts through the global blocks (_strip_calls); with more global blocks,
+its global rows and columns are two plain (or causal) calls and its band runs on the blocks
+after them.
+
+Where the window ends just past a chunk diagonal (a sliver diagonal each side), the slivers
+run in the next diagonals' calls (their keys run on into the next key chunk) and the two items
+left over in one call of two masks, so four calls become three (_merge_slivers).
 
 C is the power of two (C x block_size within MASK_TOKENS, so a mask holds at most
-MASK_TOKENS^2 elements) that makes the fewest calls while computing at most WASTE_BOUND x the
-kept pairs: a window of w blocks runs in about 2w/C + 1 calls each way, whatever the length
-(calls after the first whose output is nearly a whole output run as two halves, so the
-forward's transient stays within a quarter of the floor: SPLIT_FRACTION). The price: a masked call
-computes its (trimmed) chunk pairs whole, kept or not (a window's fringe; dilated's every
-other offset), so the plan computes more pairs than are kept, unlike the gathered plan
-(attention.block_sparse_cuda), which `random` (no band) still runs.
+MASK_TOKENS^2 elements), slivers merged or not, that makes the fewest calls while computing at
+most WASTE_BOUND x the kept pairs: a window of w blocks runs in about 2w/C + 1 calls each
+way, whatever the length (calls after the first whose output is nearly a whole output run as
+two halves, so the forward's transient stays within a quarter of the floor: SPLIT_FRACTION).
+The price: a masked call computes its (trimmed) chunk pairs whole, kept or not (a window's
+fringe; dilated's every other offset), so the plan computes more pairs than are kept, unlike
+the gathered plan (attention.block_sparse_cuda), which `random` (no band) still runs.
 
 Merging: every call's (out, lse) is merged in place into out (q's dtype, as dilated's cuda plan:
 bf16 rounds once per call a row takes part in) and lse ((B, S, H) in memory, (B, H, S) view).
@@ -34,6 +44,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +60,11 @@ MASK_TOKENS = 8192
 @dataclass(frozen=True)
 class Call:
     """One fused call: item t (t < count) is queries [q0 + t*stride, + sq) against keys
-    [k0 + t*stride, + sk). `mask`: (D, r0, r1, c0, c1) the token rows and columns of chunk
-    diagonal D's whole-chunk mask it uses, None for a plain call; `causal`: a causal square;
-    `empty`: some query row keeps no key of this call (its lse is set to -inf)."""
+    [k0 + t*ks, + sk). `mask`: (D, r0, r1, c0, c1) the token rows and columns of chunk
+    diagonal D's whole-chunk mask it uses (D a str: global_local's box of that name; a tuple:
+    a call of _merge_slivers, whose edge call has one mask per item), None for a plain call;
+    `causal`: a causal square; `empty`: some query row keeps no key of this call (its lse is
+    set to -inf)."""
 
     q0: int
     k0: int
@@ -58,9 +72,16 @@ class Call:
     sk: int
     count: int
     stride: int
-    mask: tuple[int, int, int, int, int] | None = None
+    mask: tuple[Hashable, int, int, int, int] | None = None
     causal: bool = False
     empty: bool = False
+    k_stride: int | None = None
+    """The keys' stride between items where it differs from the queries' (`stride`)."""
+
+    @property
+    def ks(self) -> int:
+        """The keys' stride between items."""
+        return self.stride if self.k_stride is None else self.k_stride
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,7 +94,7 @@ class BandPlan:
     block_size: int
     chunk: int
     calls: tuple[Call, ...]
-    submasks: dict[int, Tensor]
+    submasks: dict[Hashable, Tensor]
     causal: bool
 
 
@@ -125,19 +146,57 @@ def build_plan(
     keeps, which bounds the waste of a chunk size)."""
     n = -(-seq_len // bs)
     g = min(num_global, n)
-    calls = _global_calls(seq_len, bs, g, causal)
+    boxes: dict[Hashable, Tensor] = {}
+    if g and g <= window + 1 and g * bs <= MASK_TOKENS:  # global blocks inside the band
+        strips, g = _strip_calls(seq_len, bs, g, window, causal, boxes), 0
+        first: list[Call] = []
+    else:
+        strips, first = [], _global_calls(seq_len, bs, g, causal)
     rest = n - g
     if not rest:
-        return BandPlan(seq_len, bs, 1, tuple(_split(calls, seq_len)), {}, causal)
+        return BandPlan(seq_len, bs, 1, tuple(_split(first, seq_len)), {}, causal)
     keep = kept_offsets(pattern, rest, window, dilation, causal)
     best: BandPlan | None = None
-    for chunk in chunk_candidates(rest, bs):
-        submasks: dict[int, Tensor] = {}
-        band = _band_calls(keep, seq_len, bs, g, chunk, causal, submasks)
-        plan = BandPlan(seq_len, bs, chunk, tuple(_split(calls + band, seq_len)), submasks, causal)
+    for chunk, merge in itertools.product(chunk_candidates(rest, bs), (False, True)):
+        submasks = dict(boxes)
+        band = _band_calls(keep, seq_len, bs, g, chunk, causal, submasks, merge)
+        calls = tuple(_split(first + band + strips, seq_len))
+        plan = BandPlan(seq_len, bs, chunk, calls, submasks, causal)
         if best is None or _better(plan, best, kept_pairs):
             best = plan
     return best  # type: ignore[return-value]
+
+
+def _strip_calls(
+    seq_len: int, bs: int, g: int, window: int, causal: bool, boxes: dict[Hashable, Tensor]
+) -> list[Call]:
+    """global_local's pairs outside its band when the band runs on every block (g <= window + 1:
+    the global blocks' own pairs are inside it): the global rows against the keys past their
+    window (not causal: causally a global row's keys are all inside it) and the other rows'
+    global columns past theirs. Each strip is a plain rectangle where every global block keeps
+    it, and a small masked box ((g - 1) x (g - 1) blocks, "rows" / "cols" in `boxes`) where the
+    window's end cuts through the global blocks (global block i keeps block j iff j - i >
+    window: none of the last global block's, and every box row and column keeps some)."""
+    n = -(-seq_len // bs)
+    calls: list[Call] = []
+    if window + 1 >= n:
+        return calls
+    gt, wt = g * bs, min(seq_len, (g + window) * bs)
+    if wt < seq_len:  # every global block keeps these keys (queries)
+        if not causal:
+            calls.append(Call(0, wt, gt, seq_len - wt, 1, 0))
+        calls.append(Call(wt, 0, seq_len - wt, gt, 1, 0))
+    lo, hi = window + 1, min(n, g + window)
+    if hi > lo:  # keys (queries) [lo, hi) that only the first g - 1 global blocks keep
+        i = torch.arange(g - 1)[:, None]
+        j = torch.arange(lo, hi)[None, :]
+        boxes["rows"] = j - i > window  # global row i, key block j
+        boxes["cols"] = boxes["rows"].T.contiguous()  # query block j, global column i
+        rows, cols = (g - 1) * bs, min(seq_len, hi * bs) - lo * bs
+        if not causal:
+            calls.append(Call(0, lo * bs, rows, cols, 1, 0, mask=("rows", 0, rows, 0, cols)))
+        calls.append(Call(lo * bs, 0, cols, rows, 1, 0, mask=("cols", 0, cols, 0, rows)))
+    return calls
 
 
 WASTE_BOUND = 3
@@ -169,9 +228,10 @@ def _split(calls: list[Call], seq_len: int) -> list[Call]:
             result.append(call)
         elif call.count > 1:
             half = call.count // 2
-            step = half * call.stride
             result.append(dataclasses.replace(call, count=half))
-            rest = dataclasses.replace(call, q0=call.q0 + step, k0=call.k0 + step)
+            rest = dataclasses.replace(
+                call, q0=call.q0 + half * call.stride, k0=call.k0 + half * call.ks
+            )
             result.append(dataclasses.replace(rest, count=call.count - half))
         elif not call.causal:  # one plain rectangle: its rows in two halves
             half = call.sq // 2
@@ -201,9 +261,11 @@ def _band_calls(
     g: int,
     chunk: int,
     causal: bool,
-    submasks: dict[int, Tensor],
+    submasks: dict[Hashable, Tensor],
+    merge: bool,
 ) -> list[Call]:
-    """The calls of every chunk diagonal of the band on blocks [g, n)."""
+    """The calls of every chunk diagonal of the band on blocks [g, n); `merge`: the outermost
+    diagonals merged into the next ones where they can be (_merge_slivers)."""
     n = -(-seq_len // bs)
     rest = n - g
     m = -(-rest // chunk)
@@ -215,6 +277,7 @@ def _band_calls(
 
     whole = m if tokens(m - 1) == ctok else m - 1
     calls: list[Call] = []
+    diag: list[int] = []  # each call's chunk diagonal
     for d in sorted(range(-(m - 1), m), key=abs):  # D = 0 first: its output may be adopted
         sub = _submask(keep, d, chunk)
         if not sub.any():
@@ -235,7 +298,89 @@ def _band_calls(
             if call.mask is not None:
                 submasks[d] = sub
             calls.append(call)
+            diag.append(d)
+    if merge and whole == m and not causal:
+        return _merge_slivers(calls, diag, keep, bs, chunk, m, start, submasks)
     return calls
+
+
+def _merge_slivers(
+    calls: list[Call],
+    diag: list[int],
+    keep: Tensor,
+    bs: int,
+    chunk: int,
+    m: int,
+    start: int,
+    submasks: dict[Hashable, Tensor],
+) -> list[Call]:
+    """The band's calls with its outermost diagonals +-top (slivers: the window's end) merged
+    into the next ones +-(top - 1), one call a side: item I's keys run from diagonal top's key
+    chunk on into diagonal top - 1's (contiguous), with the two sub-masks side by side. The
+    one item of each side's inner diagonal left over (its first on +, its last on -) goes to
+    one more call of two items, each with its own mask (queries and keys strided apart). Four
+    calls become three. Taken only with whole chunks, not causal, when the slivers' keys reach
+    their chunk's end (+; its start: -), the two leftovers have one shape and do not overlap,
+    and no row of the four calls keeps nothing; else `calls` as given."""
+    top = max(abs(d) for d in diag)
+    want = (top - 1, top, 1 - top, -top)
+    if top < 2 or any(diag.count(d) != 1 for d in want):
+        return calls
+    if any(calls[diag.index(d)].empty for d in want):
+        return calls
+    ctok = chunk * bs
+    sub = {d: _submask(keep, d, chunk) for d in want}
+    rc = {d: _trim(sub[d], bs, ctok, ctok) for d in want}  # (r0, r1, c0, c1) tokens
+    a, s, a2, s2 = (rc[d] for d in want)
+    if a is None or s is None or a2 is None or s2 is None:
+        return calls
+    if a[2] != 0 or s[3] != ctok or a2[3] != ctok or s2[2] != 0:
+        return calls  # the slivers' keys do not run on into the inner diagonals'
+    sq, sk = a[1] - a[0], a[3] - a[2]
+    q_plus, k_plus = start + (top - 1) * ctok + a[0], start + a[2]
+    q_minus, k_minus = start + (m - top) * ctok + a2[0], start + (m - 1) * ctok + a2[2]
+    if (sq, sk) != (a2[1] - a2[0], a2[3] - a2[2]) or q_minus - q_plus < sq or k_minus - k_plus < sk:
+        return calls
+    merged = [
+        _merged_side(sub[top], sub[top - 1], s, a, start + top * ctok, start, m - top, ctok, 1),
+        _merged_side(sub[1 - top], sub[-top], a2, s2, start, start + (top - 1) * ctok,
+                     m - top, ctok, -1),
+    ]  # fmt: skip
+    for call, blocks in merged:
+        submasks[call.mask[0]] = blocks  # type: ignore[index]
+    blocks = [sub[d][r0 // bs : r1 // bs, c0 // bs : c1 // bs] for d, (r0, r1, c0, c1) in
+              ((top - 1, a), (1 - top, a2))]  # fmt: skip
+    submasks[("edges",)] = torch.stack(blocks)
+    edges = Call(q_plus, k_plus, sq, sk, 2, q_minus - q_plus, (("edges",), 0, sq, 0, sk),
+                 k_stride=k_minus - k_plus)  # fmt: skip
+    kept = [c for c, d in zip(calls, diag, strict=True) if d not in want]
+    return kept + [call for call, _ in merged] + [edges]
+
+
+def _merged_side(
+    first: Tensor,
+    second: Tensor,
+    rc1: tuple[int, int, int, int],
+    rc2: tuple[int, int, int, int],
+    q_chunk: int,
+    k_chunk: int,
+    count: int,
+    ctok: int,
+    sign: int,
+) -> tuple[Call, Tensor]:
+    """One side's merged call (_merge_slivers) and its block mask: keys `first`'s sub-mask
+    from its first kept column to the chunk's end, then `second`'s to its last kept column;
+    rows those either keeps. q_chunk, k_chunk: the first item's query and key chunk tokens."""
+    bs = ctok // first.shape[0]
+    r0, r1 = min(rc1[0], rc2[0]), max(rc1[1], rc2[1])
+    c0, c1 = rc1[2], rc2[3]
+    blocks = torch.cat([first[:, c0 // bs :], second[:, : c1 // bs]], dim=1)
+    width = ctok - c0 + c1
+    empty = not bool(blocks[r0 // bs : r1 // bs].any(1).all())
+    mask = (("merged", sign), r0, r1, 0, width)
+    stride = ctok if count > 1 else 0
+    call = Call(q_chunk + r0, k_chunk + c0, r1 - r0, width, count, stride, mask, empty=empty)
+    return call, blocks
 
 
 def _trim(sub: Tensor, bs: int, qt: int, kt: int) -> tuple[int, int, int, int] | None:
@@ -275,16 +420,17 @@ def _make(
 
 
 @functools.lru_cache(maxsize=64)
-def _bias(plan: BandPlan, d: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """Chunk diagonal d's whole-chunk additive mask (C*bs, C*bs) on `device`: 0 where kept,
-    -inf elsewhere (D = 0 under causal: also above the token diagonal). Built once per (plan,
-    device, dtype): the one host-to-device copy, made by the first (warm-up) call."""
-    ctok = plan.chunk * plan.block_size
-    block = torch.arange(ctok) // plan.block_size
-    keep = plan.submasks[d][block][:, block]
+def _bias(plan: BandPlan, d: Hashable, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Chunk diagonal d's whole-chunk additive mask (C*bs, C*bs) on `device` (d a str: that
+    global_local box's, its blocks' tokens): 0 where kept, -inf elsewhere (D = 0 under causal:
+    also above the token diagonal). Built once per (plan, device, dtype): the one
+    host-to-device copy, made by the first (warm-up) call."""
+    sub = plan.submasks[d]  # (rb, cb), or (items, rb, cb): one mask per item
+    rows, cols = (torch.arange(x * plan.block_size) // plan.block_size for x in sub.shape[-2:])
+    keep = sub[..., rows, :][..., cols]
     if plan.causal and d == 0:
-        keep &= torch.ones(ctok, ctok, dtype=torch.bool).tril()
-    bias = torch.zeros(ctok, ctok, dtype=dtype).masked_fill_(~keep, float("-inf"))
+        keep &= torch.ones_like(keep).tril()
+    bias = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
     return bias.to(device)
 
 
@@ -292,17 +438,21 @@ def _bias(plan: BandPlan, d: int, device: torch.device, dtype: torch.dtype) -> T
 def _empty_rows(plan: BandPlan, index: int, device: torch.device) -> Tensor:
     """bool (sq,): the query rows of masked call `index` that keep none of its keys."""
     d, r0, r1, c0, c1 = plan.calls[index].mask  # type: ignore[misc]
-    keep = _bias(plan, d, torch.device("cpu"), torch.float32)[r0:r1, c0:c1]
-    return torch.isneginf(keep).all(1).to(device)
+    keep = _bias(plan, d, torch.device("cpu"), torch.float32)[..., r0:r1, c0:c1]
+    return torch.isneginf(keep).all(-1).to(device)
 
 
-def _view(x: Tensor, start: int, length: int, call: Call, b: int | None) -> Tensor:
+def _view(
+    x: Tensor, start: int, length: int, call: Call, b: int | None, keys: bool = False
+) -> Tensor:
     """x (B, S, H, D)'s tokens [start + t*stride, + length) of every item t as (N, H, length,
-    D): N = count (batch row b) or B * count (b None: folded, items spanning the sequence)."""
+    D): N = count (batch row b) or B * count (b None: folded, items spanning the sequence);
+    `keys`: the keys' stride (call.ks)."""
     sb, ss, sh, sd = x.stride()
     n = call.count * (x.shape[0] if b is None else 1)
     offset = x.storage_offset() + (b or 0) * sb + start * ss
-    return x.as_strided((n, x.shape[2], length, x.shape[3]), (call.stride * ss, sh, ss, sd), offset)
+    stride = call.ks if keys else call.stride
+    return x.as_strided((n, x.shape[2], length, x.shape[3]), (stride * ss, sh, ss, sd), offset)
 
 
 def _lse_view(lse: Tensor, call: Call, b: int | None) -> Tensor:
@@ -315,14 +465,18 @@ def _lse_view(lse: Tensor, call: Call, b: int | None) -> Tensor:
 
 def _batch_rows(call: Call, bsz: int, seq_len: int) -> list[int | None]:
     """One folded call when the items span the sequence (or B == 1), else one per batch row."""
-    fold = bsz == 1 or (call.count * call.stride == seq_len and call.q0 == call.k0 == 0)
+    spans = call.count * call.stride == seq_len and call.q0 == call.k0 == 0
+    fold = bsz == 1 or (spans and call.ks == call.stride)
     return [None] if fold else list(range(bsz))
 
 
 def _call_bias(plan: BandPlan, call: Call, n: int, heads: int, device, dtype) -> Tensor:
-    """The call's mask as an (N, H, sq, sk) stride-0 view of its diagonal's whole mask."""
+    """The call's mask as an (N, H, sq, sk) stride-0 view of its diagonal's whole mask (one
+    mask per item: N = count, the items' masks)."""
     d, r0, r1, c0, c1 = call.mask  # type: ignore[misc]
-    return _bias(plan, d, device, dtype)[r0:r1, c0:c1].expand(n, heads, call.sq, call.sk)
+    bias = _bias(plan, d, device, dtype)[..., r0:r1, c0:c1]
+    bias = bias[:, None] if bias.dim() == 3 else bias
+    return bias.expand(n, heads, call.sq, call.sk)
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, plan: BandPlan) -> tuple[Tensor, Tensor]:
@@ -336,7 +490,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: BandPlan) -> tuple[Tensor, Te
     for index, call in enumerate(plan.calls):
         for b in _batch_rows(call, bsz, seq_len):
             qv = _view(q, call.q0, call.sq, call, b)
-            kv, vv = (_view(x, call.k0, call.sk, call, b) for x in (k, v))
+            kv, vv = (_view(x, call.k0, call.sk, call, b, keys=True) for x in (k, v))
             if call.mask is None:
                 o_b, l_b = primitive.fused_forward(
                     backend, qv, kv, vv, scale=dim**-0.5, causal=call.causal
@@ -394,7 +548,7 @@ def backward(
     for call in plan.calls:
         for b in _batch_rows(call, bsz, seq_len):
             qs = [_view(x, call.q0, call.sq, call, b) for x in (dout, q, out)]
-            kv, vv = (_view(x, call.k0, call.sk, call, b) for x in (k, v))
+            kv, vv = (_view(x, call.k0, call.sk, call, b, keys=True) for x in (k, v))
             lv = _lse_view(lse_s, call, b)
             if call.mask is None:
                 parts = primitive.fused_backward(
@@ -405,12 +559,12 @@ def backward(
                 parts = primitive.masked_backward(
                     backend, qs[0], qs[1], kv, vv, qs[2], lv, bias, scale=dim**-0.5
                 )
-            for grad, part, (start, length) in zip(
+            for grad, part, (start, length, keys) in zip(
                 grads,
                 parts,
-                ((call.q0, call.sq), (call.k0, call.sk), (call.k0, call.sk)),
+                ((call.q0, call.sq, False), (call.k0, call.sk, True), (call.k0, call.sk, True)),
                 strict=True,
             ):
-                _view(grad, start, length, call, b).add_(part)
+                _view(grad, start, length, call, b, keys).add_(part)
             del parts
     return grads  # type: ignore[return-value]

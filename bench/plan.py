@@ -1,10 +1,13 @@
 """Count each kernel's plan: fused calls, aten ops, host-to-device copies, syncs, transient bytes.
 
-`python -m bench.plan [--seq 32768 131072] [--json]` runs every kernel (dense, dilated,
-block_sparse) forward and backward on the META device under a TorchDispatchMode, at h=16, d=128,
-bf16 by default, under each plan it accepts (a kernel whose params have a `plan` field: cpu and
-cuda, forced; any other: its one plan, "-"). Nothing is computed and no GPU is needed; every
-figure is exact for the shapes:
+`python -m bench.plan [--seq 32768 131072] [--plans cpu cuda] [--json]` runs every kernel
+(dense, dilated, and block_sparse once per pattern: local_window, dilated, global_local and
+random at density 0.25, block 128) forward and backward on the META device under a
+TorchDispatchMode, at h=16, d=128, bf16 by default, under each plan it accepts (a kernel whose
+params have a `plan` field: cpu and cuda, forced; any other: its one plan, "-"). It prints a
+table, a row as soon as it is counted (block_sparse's cpu plan at 128K takes minutes here), or
+with --json one object per row (its `case` names the pattern). Nothing is computed and no GPU
+is needed; every figure is exact for the shapes:
 
 - fused calls: the fused attention ops dispatched (CUDA flash / efficient / cuDNN, the CPU flash
   op; forward and backward ops), per forward and per backward;
@@ -62,6 +65,27 @@ PARAMS: dict[str, dict[str, Any]] = {
     "dilated": LONGNET,
     "block_sparse": {"block_size": 128, "pattern": "local_window", "sparsity_ratio": 0.25},
 }
+"""Each kernel's params (`--params` replaces a kernel's)."""
+BLOCK_SPARSE_PATTERNS: dict[str, dict[str, Any]] = {
+    pattern: {"block_size": 128, "pattern": pattern, "sparsity_ratio": 0.25}
+    for pattern in ("local_window", "dilated", "global_local", "random")
+}
+"""block_sparse runs each of its patterns (block 128, density 0.25; dilation 2, 1 global
+block: the defaults) unless `--params` gives its params: issue 37's targets hold for any."""
+
+
+def cases(kernels: list[str], given: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(kernel, case label, params) per row group: block_sparse once per pattern unless its
+    params are given; the label names the pattern and its size or density ("" otherwise)."""
+    result = []
+    for kernel in kernels:
+        if kernel == "block_sparse" and kernel not in given:
+            result += [(kernel, f"{p} 0.25", ps) for p, ps in BLOCK_SPARSE_PATTERNS.items()]
+        else:
+            params = given.get(kernel, PARAMS.get(kernel, {}))
+            label = str(params.get("pattern", "")) if kernel == "block_sparse" else ""
+            result.append((kernel, label, params))
+    return result
 
 
 @dataclass
@@ -204,21 +228,27 @@ def count_plan(
     }  # fmt: skip
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a fixed-width table (transient as a fraction of its floor)."""
-    head = (
-        f"{'kernel':<13}{'seq':>7} {'plan':<5}{'fwd calls':>10}{'bwd calls':>10}{'fwd ops':>9}"
-        f"{'bwd ops':>9}{'h2d':>5}{'syncs':>6}{'fwd trans/floor':>16}{'bwd trans/floor':>16}"
+HEAD = (
+    f"{'kernel':<13}{'case':<18}{'seq':>7} {'plan':<5}{'fwd calls':>10}{'bwd calls':>10}"
+    f"{'fwd ops':>10}{'bwd ops':>11}{'h2d':>7}{'syncs':>7}{'fwd trans/floor':>16}"
+    f"{'bwd trans/floor':>16}"
+)
+"""The table's header line (`line` writes each row under it)."""
+
+
+def line(r: dict[str, Any]) -> str:
+    """One row of the table (transient as a fraction of its floor)."""
+    return (
+        f"{r['kernel']:<13}{r.get('case', ''):<18}{r['seq_len']:>7} {r['plan']:<5}"
+        f"{r['fwd_calls']:>10}{r['bwd_calls']:>10}{r['fwd_ops']:>10}{r['bwd_ops']:>11}"
+        f"{r['h2d_copies']:>7}{r['syncs']:>7}{r['transient_bytes'] / r['floor_bytes']:>16.3f}"
+        f"{r['bwd_transient_bytes'] / r['bwd_floor_bytes']:>16.3f}"
     )
-    lines = [head]
-    for r in rows:
-        lines.append(
-            f"{r['kernel']:<13}{r['seq_len']:>7} {r['plan']:<5}{r['fwd_calls']:>10}"
-            f"{r['bwd_calls']:>10}{r['fwd_ops']:>9}{r['bwd_ops']:>9}{r['h2d_copies']:>5}"
-            f"{r['syncs']:>6}{r['transient_bytes'] / r['floor_bytes']:>16.3f}"
-            f"{r['bwd_transient_bytes'] / r['bwd_floor_bytes']:>16.3f}"
-        )
-    return "\n".join(lines)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a fixed-width table under HEAD."""
+    return "\n".join([HEAD, *map(line, rows)])
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -233,38 +263,51 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kernels", nargs="+", default=list(PARAMS))
     ap.add_argument("--params", default="{}", help="JSON {kernel: params} over the defaults")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument(
+        "--plans", nargs="+", default=["cpu", "cuda"], choices=["cpu", "cuda"],
+        help="plans of the kernels that take one (a kernel without: its one plan)",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true", help="one JSON object per (kernel, seq, plan)")
     return ap.parse_args(argv)
 
 
-def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> None:
+def _print(text: str) -> None:
+    """print, flushed: each row shows as it is counted, piped or not."""
+    print(text, flush=True)
+
+
+def main(argv: list[str] | None = None, emit: Callable[[str], None] = _print) -> None:
+    """The setup line, then (table mode) the header and each row as soon as it is counted
+    (a cpu plan at 128K takes minutes here), or (--json) one object per row."""
     args = parse(argv)
     dtype = getattr(torch, args.dtype)
-    params = {**PARAMS, **json.loads(args.params)}
+    given = json.loads(args.params)
+    groups = cases(args.kernels, given)
     setup = {
         "torch": torch.__version__, "device": "meta", "meta_stands_for": args.device,
         "batch": 1, "heads": args.heads, "head_dim": args.dim, "dtype": args.dtype,
-        "causal": args.causal, "seq": args.seq, "params": {k: params[k] for k in args.kernels},
+        "causal": args.causal, "seq": args.seq, "plans": args.plans,
+        "params": {f"{k} {label}".strip(): p for k, label, p in groups},
         "fused_op": primitive.backend_for(args.device, dtype),
     }  # fmt: skip
     emit(json.dumps({"setup": setup}))
-    rows = []
-    for seq in args.seq:
-        for kernel in args.kernels:
-            for plan in plans_of(kernel):
-                row = count_plan(
-                    kernel, params[kernel], plan, seq_len=seq, heads=args.heads, dim=args.dim,
-                    dtype=dtype, device_type=args.device, causal=args.causal,
-                )  # fmt: skip
-                rows.append(row)
-                if args.json:
-                    emit(json.dumps(row))
     if not args.json:
         emit(
             f"meta stands for {args.device} ({setup['fused_op']}): exact counts of a call "
             "after one warm-up call, nothing run"
         )
-        emit(table(rows))
+        emit(HEAD)
+    for seq in args.seq:
+        for kernel, label, params in groups:
+            for plan in plans_of(kernel):
+                if plan != "-" and plan not in args.plans:
+                    continue
+                row = count_plan(
+                    kernel, params, plan, seq_len=seq, heads=args.heads, dim=args.dim,
+                    dtype=dtype, device_type=args.device, causal=args.causal,
+                )  # fmt: skip
+                row["case"] = label
+                emit(json.dumps(row) if args.json else line(row))
 
 
 if __name__ == "__main__":

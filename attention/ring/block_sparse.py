@@ -62,7 +62,9 @@ class RingBlockSparseParams(BlockSparseParams):
             raise ParamError(
                 "params.plan",
                 f"{self.plan!r} selects block_sparse's single-process execution plan; "
-                "ring_block_sparse runs its own per-step schedule (leave plan unset)",
+                "ring_block_sparse runs its own per-step schedule (leave plan unset): its "
+                "steps pair a query shard with another rank's K/V shard, which block_sparse's "
+                "cuda plan (chunk diagonals from token 0 of one sequence) does not cut",
             )
 
     def twin(self) -> BlockSparseParams:

@@ -76,6 +76,12 @@ PARAMS = [
     {"block_size": 4, "pattern": "random", "num_random": 2, "seed": 1},
     {"block_size": 2, "pattern": "random", "sparsity_ratio": 0.3, "seed": 7},
 ]
+BOTH_PLANS_PARAMS = [
+    *PARAMS,
+    {"block_size": 4, "pattern": "global_local", "window": 3, "num_global": 4},
+]
+"""PARAMS and global_local whose global blocks the window's end cuts (the cuda plan's masked
+boxes: attention.block_sparse_band._strip_calls), for the tests run under both plans."""
 
 
 PLANS = ["cpu", "cuda"]
@@ -84,7 +90,7 @@ PLANS = ["cpu", "cuda"]
 
 @pytest.mark.parametrize("plan", PLANS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("params", PARAMS, ids=lambda p: "-".join(map(str, p.values())))
+@pytest.mark.parametrize("params", BOTH_PLANS_PARAMS, ids=lambda p: "-".join(map(str, p.values())))
 def test_block_sparse_matches_masked_reference(params, causal, plan) -> None:
     module = attention.build("block_sparse", plan=plan, **params)
     assert_matches_reference(module, _reference(module, params["block_size"]), 2, 32, 3, 8, causal)
@@ -199,7 +205,6 @@ def test_hilbert_ordering_equals_reference_on_permuted_positions(plan) -> None:
     [
         ({"block_size": 0, "window": 1}, r"^params\.block_size: "),
         ({"pattern": "banded", "window": 1}, r"^params\.pattern: must be one of"),
-        ({"pattern": "local_window"}, r"^params\.sparsity_ratio: give sparsity_ratio or"),
         ({"sparsity_ratio": 0.25, "window": 2}, r"^params\.window: conflicts with"),
         ({"pattern": "random", "sparsity_ratio": 0.2, "num_random": 2}, r"^params\.num_random: "),
         ({"sparsity_ratio": 0.0}, r"^params\.sparsity_ratio: must be in \(0, 1\]"),
@@ -218,9 +223,25 @@ def test_invalid_parameters_raise_named_errors(params, match) -> None:
         attention.build("block_sparse", **params)
 
 
+@pytest.mark.parametrize("pattern", bs_module.PATTERNS)
+def test_the_defaults_are_valid_and_take_the_default_size(pattern) -> None:
+    """No params (or a pattern alone): the size parameter is DEFAULT_SIZE (1) and the kernel
+    matches the float64 reference of that mask, with a length no block divides."""
+    module = attention.build(
+        "block_sparse", **({} if pattern == "local_window" else {"pattern": pattern})
+    )
+    size = "num_random" if pattern == "random" else "window"
+    assert getattr(module.params, size) == bs_module.DEFAULT_SIZE == 1
+    assert module.params.sparsity_ratio is None and module.params.block_size == 64
+    if pattern == "local_window":
+        n = 3
+        assert torch.equal(module.block_mask(150), _explicit_block_mask(pattern, n, window=1))
+    assert_matches_reference(module, _reference(module, 64), 1, 150, 1, 4, causal=True)
+
+
 @pytest.mark.parametrize("plan", PLANS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("params", PARAMS, ids=lambda p: "-".join(map(str, p.values())))
+@pytest.mark.parametrize("params", BOTH_PLANS_PARAMS, ids=lambda p: "-".join(map(str, p.values())))
 def test_a_length_that_is_no_multiple_of_the_block_ends_in_a_short_block(
     params, causal, plan
 ) -> None:

@@ -87,6 +87,8 @@ def head_calls(request, monkeypatch) -> None:
     [
         {"block_size": 4, "pattern": "local_window", "window": 1},
         {"block_size": 4, "pattern": "random", "num_random": 2, "seed": 3},  # gathered rows
+        # the cuda plan's global strips and masked boxes
+        {"block_size": 4, "pattern": "global_local", "window": 3, "num_global": 4},
     ],
     ids=lambda p: p["pattern"],
 )

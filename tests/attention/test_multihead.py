@@ -113,8 +113,8 @@ def test_flops_add_projections_to_the_inner_kernel() -> None:
         ({"kernel": "multihead"}, r"^params\.kernel: unknown or unsupported kernel 'multihead'"),
         ({"kernel": "dense", "kernel_params": {"x": 1}}, r"^params\.kernel_params\.x: unknown"),
         (
-            {"kernel": "block_sparse", "kernel_params": {"block_size": 4}},
-            r"^params\.kernel_params\.sparsity_ratio: give sparsity_ratio",
+            {"kernel": "block_sparse", "kernel_params": {"block_size": 0}},
+            r"^params\.kernel_params\.block_size: expected an integer",
         ),
         ({"bias": "yes"}, r"^params\.bias: "),
     ],

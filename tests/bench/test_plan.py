@@ -62,7 +62,7 @@ def test_the_table_names_what_the_meta_run_stands_for() -> None:
         "meta stands for cuda (cuda_flash): exact counts of a call after one warm-up call, "
         "nothing run"
     )
-    assert out[2].split()[:3] == ["kernel", "seq", "plan"]
+    assert out[2].split()[:4] == ["kernel", "case", "seq", "plan"]
     assert out[3].split()[:5] == ["dense", "256", "-", "1", "1"]
 
 
@@ -115,3 +115,27 @@ def test_cuda_plan_forced_on_cpu_dispatches_the_same_ops_at_every_length() -> No
         counts.append((fwd.ops, bwd.ops, fwd.calls, bwd.calls, fwd.syncs + bwd.syncs))
     assert counts[0] == counts[1] and counts[0][2:] == (GROUPS, GROUPS, 0)
     assert counts[0][0] <= 300 and counts[0][1] <= 600
+
+
+def test_the_table_has_a_row_per_block_sparse_pattern_printed_as_counted(monkeypatch) -> None:
+    """Without --params block_sparse runs each pattern (density 0.25), a table row each, and
+    each row is emitted as soon as it is counted, not after the last (a cpu plan at 128K takes
+    minutes: a table held to the end looked like the setup line alone)."""
+    counted: list[int] = []
+    real = bench_plan.count_plan
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        counted.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_plan, "count_plan", counting)
+    out: list[tuple[int, str]] = []  # (rows counted when emitted, line)
+    argv = ["--seq", "4096", "--heads", "2", "--dim", "8", "--kernels", "block_sparse"]
+    bench_plan.main([*argv, "--plans", "cuda"], lambda text: out.append((len(counted), text)))
+    assert [n for n, _ in out] == [0, 0, 0, 1, 2, 3, 4]  # setup, note, header, then each row
+    rows = [text.split() for _, text in out[3:]]
+    assert [r[:5] for r in rows] == [
+        ["block_sparse", pattern, "0.25", "4096", "cuda"]
+        for pattern in ("local_window", "dilated", "global_local", "random")
+    ]
+    assert all(int(r[5]) > 0 and int(r[6]) > 0 for r in rows)  # fused calls each way
