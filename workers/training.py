@@ -259,6 +259,7 @@ def _measure(
     meter: PeakMeter,
     link: LinkFigures | None,
 ) -> CaseOutcome:
+    """The model workload: memory per component over steps 1 and 2, then the timed steps."""
     meter.baseline()
     trainer = _Trainer(config, rank, device)
     measured: dict[str, int | None] = dict.fromkeys(model_memory.COMPONENTS)
@@ -266,8 +267,50 @@ def _measure(
     inputs = sum(t.untyped_storage().nbytes() for t in (trainer.tokens, trainer.targets))
     inputs += trainer.positions.untyped_storage().nbytes()
     measured["parameters"] = _settled(meter) - inputs
-    # Step 1 creates the optimizer's states (and, on CPU, one-time buffers of this shape in
-    # the math libraries): measured is the jump across its optimizer step.
+    optimizer_tensors, peaks, resident = _first_step(trainer, meter, measured)
+    peaks += _second_step(config, trainer, meter, measured, resident)
+    meter.stop()  # CPU: the timed steps run without the meter's profiler session
+    phases, (first_at, last_at) = _timed_steps(config, device, trainer)
+    peak = max(peaks)
+    measured["step_peak"] = peak
+    if device.type == "cuda":
+        measured["allocator_overhead"] = torch.cuda.max_memory_reserved(
+            device
+        ) - torch.cuda.max_memory_allocated(device)
+    backend = kernels.backend_of(trainer.kernel)
+    del trainer
+    release()
+    components = [
+        MemoryComponent(
+            component=name, predicted_bytes=predicted[name], measured_bytes=measured[name]
+        )
+        for name in model_memory.COMPONENTS
+    ]
+    components.append(
+        MemoryComponent(
+            component="optimizer_state_tensors",
+            predicted_bytes=predicted["optimizer_states"],
+            measured_bytes=optimizer_tensors,
+        )
+    )
+    memory = {
+        "peak_memory_bytes": peak,
+        "input_memory_bytes": inputs,
+        "resident_peak_bytes": None
+        if None in resident
+        else max(r for r in resident if r is not None),
+    }
+    result = _model_result(config, rank, phases, memory, backend, predicted_max, components)
+    result = result.model_copy(update=link_fields(link))
+    return measured_case(case, result, device, (first_at, last_at))
+
+
+def _first_step(
+    trainer: _Trainer, meter: PeakMeter, measured: dict[str, int | None]
+) -> tuple[int, list[int], list[int | None]]:
+    """Step 1 creates the optimizer's states (and, on CPU, one-time buffers of this shape in
+    the math libraries): measured is the jump across its optimizer step. (The optimizer's
+    state bytes, [the step's peak], [its resident peak].)"""
     meter.reset()
     for _ in range(FIRST_STEP_TRIES):
         trainer.backward(trainer.forward())
@@ -283,9 +326,19 @@ def _measure(
             f"the optimizer created no state in {FIRST_STEP_TRIES} steps (the fp16 grad "
             "scaler skipped every one: gradients overflow)"
         )
-    first_step_peak = meter.peak()
-    resident = [meter.resident_peak()]
-    # Step 2, phase by phase, in the steady state every later step repeats.
+    return optimizer_tensors, [meter.peak()], [meter.resident_peak()]
+
+
+def _second_step(
+    config: RunConfig,
+    trainer: _Trainer,
+    meter: PeakMeter,
+    measured: dict[str, int | None],
+    resident: list[int | None],
+) -> list[int]:
+    """Step 2, phase by phase, in the steady state every later step repeats, then the rest of
+    the warm-up: activations, forward transient, gradients and backward peak into `measured`,
+    each phase's resident peak onto `resident`; the phases' peaks."""
     before = _settled(meter)
     meter.reset()
     loss = trainer.forward()
@@ -301,17 +354,24 @@ def _measure(
     backward_peak = meter.peak()
     resident.append(meter.resident_peak())
     measured["backward_peak"] = backward_peak - before
-    world = config.world_size
     meter.reset()
     trainer.step()
     for _ in range(max(0, config.warmup - 1)):  # step 2 was one
-        if world > 1:
+        if config.world_size > 1:
             dist.barrier()
         trainer.backward(trainer.forward())
         trainer.step()
     steady_peak = meter.peak()  # step 2's optimizer step and the warm-up steps after it
     resident.append(meter.resident_peak())
-    meter.stop()  # CPU: the timed steps run without the meter's profiler session
+    return [forward_peak, backward_peak, steady_peak]
+
+
+def _timed_steps(
+    config: RunConfig, device: torch.device, trainer: _Trainer
+) -> tuple[dict[str, list[float]], tuple[float, float]]:
+    """The timed steps, each phase timed apart: seconds per phase (forward, backward,
+    optimizer) and the unix times of the first step's start and the last one's end."""
+    world = config.world_size
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
     first_at = time.time()
     count = Iterations(config.iterations, config.time_cap_s, world, device)
@@ -328,35 +388,24 @@ def _measure(
         phases["backward"].append(t_bwd)
         phases["optimizer"].append(t_opt)
         steps.append(t_fwd + t_bwd + t_opt)
-    last_at = time.time()
-    peak = max(first_step_peak, forward_peak, backward_peak, steady_peak)
-    measured["step_peak"] = peak
-    if device.type == "cuda":
-        measured["allocator_overhead"] = torch.cuda.max_memory_reserved(
-            device
-        ) - torch.cuda.max_memory_allocated(device)
-    backend = kernels.backend_of(trainer.kernel)
-    del trainer
-    release()
+    return phases, (first_at, time.time())
 
-    times = steps
+
+def _model_result(
+    config: RunConfig,
+    rank: int,
+    phases: dict[str, list[float]],
+    memory: dict[str, int | None],
+    backend: str,
+    predicted_max: int | None,
+    components: list[MemoryComponent],
+) -> RankResult:
+    """The rank's RankResult: a step's time is its forward + backward + optimizer seconds."""
+    times = [sum(p) for p in zip(*phases.values(), strict=True)]
     median = statistics.median(times)
     tokens = config.local_batch * config.local_seq_len
     flops = model_flops(config)
-    components = [
-        MemoryComponent(
-            component=name, predicted_bytes=predicted[name], measured_bytes=measured[name]
-        )
-        for name in model_memory.COMPONENTS
-    ]
-    components.append(
-        MemoryComponent(
-            component="optimizer_state_tensors",
-            predicted_bytes=predicted["optimizer_states"],
-            measured_bytes=optimizer_tensors,
-        )
-    )
-    result = RankResult(
+    return RankResult(
         rank=rank,
         seq_len=config.seq_len,
         times_s=times,
@@ -366,9 +415,6 @@ def _measure(
         tokens_per_s=tokens / median,
         flops=flops,
         flops_per_s=flops / median,
-        peak_memory_bytes=peak,
-        input_memory_bytes=inputs,
-        resident_peak_bytes=None if None in resident else max(r for r in resident if r is not None),
         memory_budget_bytes=config.memory_budget_bytes,
         backend=backend,
         forward_s=statistics.median(phases["forward"]),
@@ -376,9 +422,8 @@ def _measure(
         optimizer_s=statistics.median(phases["optimizer"]),
         predicted_max_seq_len=predicted_max,
         components=components,
-        **link_fields(link),
+        **memory,
     )
-    return measured_case(case, result, device, (first_at, last_at))
 
 
 def model_flops(config: RunConfig) -> float:
