@@ -108,29 +108,37 @@ def submitted_ids(stdout: str) -> list[int]:
     return [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("sweep ")]
 
 
+def start_watch(base: str, env: dict[str, str]) -> tuple[subprocess.Popen[str], list[int]]:
+    """`ringlab submit examples/cpu-max-seq-len-1gpu.yaml --watch` in a subprocess, and the
+    ids of its four sweeps once the service holds them (within 30 s)."""
+    proc = subprocess.Popen(
+        [RINGLAB, "submit", "examples/cpu-max-seq-len-1gpu.yaml", "--watch"],
+        env={**os.environ, **env},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    sweeps: list[dict] = []
+    while len(sweeps) < 4 and time.monotonic() < deadline and proc.poll() is None:
+        page = httpx.get(f"{base}/api/v1/sweeps", params={"name": "cpu max-seq-len 1"}).json()
+        sweeps = sorted(page["data"], key=lambda s: s["id"])
+        time.sleep(0.2)
+    if len(sweeps) != 4:
+        proc.kill()
+        raise AssertionError(proc.communicate(timeout=10))
+    return proc, [s["id"] for s in sweeps]
+
+
 def test_submit_watch_follows_every_sweep_of_the_file(
     service: tuple[str, str], env: dict[str, str]
 ) -> None:
     """The README's `ringlab submit examples/cpu-max-seq-len-1gpu.yaml --watch`: four sweeps,
     one progress line each, ended when all four are; a failed run makes the exit status 1."""
     base, database = service
-    proc = subprocess.Popen(
-        [RINGLAB, "submit", "examples/cpu-max-seq-len-1gpu.yaml", "--watch"],
-        env={**os.environ, "COLUMNS": "200", **env},
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc, ids = start_watch(base, {"COLUMNS": "200", **env})
     try:
-        deadline = time.monotonic() + 30
-        sweeps: list[dict] = []
-        while len(sweeps) < 4 and time.monotonic() < deadline and proc.poll() is None:
-            page = httpx.get(f"{base}/api/v1/sweeps", params={"name": "cpu max-seq-len 1"}).json()
-            sweeps = sorted(page["data"], key=lambda s: s["id"])
-            time.sleep(0.2)
-        assert len(sweeps) == 4, proc.communicate(timeout=10)
-        ids = [s["id"] for s in sweeps]
         dense, sparse, dilated, naive = ids
         set_status(database, ids, RunStatus.running)
         time.sleep(1.5)  # the watcher sees them running

@@ -5,14 +5,12 @@ search's answer, counts read "1 run", and `ls` keeps each sweep on one line."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 from datetime import timedelta
 
 import httpx
 from sqlalchemy.orm import Session
-from test_cli_first_commands import REPO, RINGLAB, env, ringlab, service, set_status  # noqa: F401
+from test_cli_first_commands import REPO, RINGLAB, env, ringlab, service, set_status, start_watch  # noqa: F401
 
 from service.db.engine import make_engine
 from service.db.models import Probe, ProbeOutcome, RankResult, Run, RunStatus, utcnow
@@ -48,23 +46,8 @@ def test_watch_at_80_columns_names_each_sweep_and_prints_each_answer(
     env: dict[str, str],  # noqa: F811
 ) -> None:
     base, database = service
-    proc = subprocess.Popen(
-        [RINGLAB, "submit", "examples/cpu-max-seq-len-1gpu.yaml", "--watch"],
-        env={**os.environ, **COLUMNS, **env},
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc, ids = start_watch(base, {**COLUMNS, **env})
     try:
-        deadline = time.monotonic() + 30
-        sweeps: list[dict] = []
-        while len(sweeps) < 4 and time.monotonic() < deadline and proc.poll() is None:
-            page = httpx.get(f"{base}/api/v1/sweeps", params={"name": "cpu max-seq-len 1"}).json()
-            sweeps = sorted(page["data"], key=lambda s: s["id"])
-            time.sleep(0.2)
-        assert len(sweeps) == 4, proc.communicate(timeout=10)
-        ids = [s["id"] for s in sweeps]
         set_status(database, ids, RunStatus.waiting_resources)
         time.sleep(1.0)  # the watcher sees them waiting: the longest counts line
         runs = {
