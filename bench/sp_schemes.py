@@ -7,8 +7,8 @@ Per scheme and world size: the median over rounds of the slowest rank's median f
 its spread (min-max over rounds), the ratio to the zigzag ring's time in the same round (median
 of the rounds' ratios), the peak per rank (workers.memory.PeakMeter, inputs included, one
 metered fwd+bwd), the exposed-communication share and the bytes each rank sent in one fwd+bwd
-(the step clock, attention.ring.steps), and for allgather_kv its memory model's peak
-(AllGatherKV.memory_model: saved + dout + the larger transient) against the measured one.
+(the step clock, attention.ring.steps), and for ulysses, allgather_kv and usp their memory
+model's peak (Kernel.memory_model, see predicted_peak) against the measured one.
 Every scheme passes bench.ring's correctness gate first (a short sequence vs dense).
 
     .venv/bin/python -m bench.sp_schemes [--seq 16384] [--worlds 2,4] [--rounds 2] [--repeats 3]
@@ -88,11 +88,24 @@ def measure(args: dict, kernel: str, params: dict, layout: str | None, causal: b
     result["wait_s"] = sum(s["wait_s"] for s in steps)
     result["busy_s"] = sum(s["wait_s"] + s["compute_s"] for s in steps)
     result["sent_bytes"] = sum(s["sent_bytes"] for s in steps)
-    if hasattr(module, "memory_model") and kernel == "allgather_kv":
-        m = module.memory_model(q.shape[0], q.shape[1], q.shape[2], q.shape[3], 4)
-        extra = max(m.forward_transient, m.backward_transient)
-        result["predicted_peak"] = m.saved + dout.numel() * 4 + extra
+    if kernel in MODELLED:
+        result["predicted_peak"] = predicted_peak(module, q)
     return result
+
+
+MODELLED = ("ulysses", "allgather_kv", "usp")
+"""The schemes with a memory model (Kernel.memory_model)."""
+
+
+def predicted_peak(module: Any, q: torch.Tensor) -> int:
+    """The peak per rank its memory model predicts for this benchmark's fwd+bwd: q, k, v and
+    dout held by the benchmark, what the call saves beyond them, the returned output when it
+    is not saved, and the larger transient."""
+    m = module.memory_model(q.shape[0], q.shape[1], q.shape[2], q.shape[3], q.element_size())
+    one = q.numel() * q.element_size()
+    saved = m.saved - (3 * one if m.inputs_saved else 0)
+    output = 0 if m.output_saved else one
+    return 4 * one + saved + output + max(m.forward_transient, m.backward_transient)
 
 
 def run_case(a: argparse.Namespace, kernel: str, world: int) -> list[dict]:
