@@ -10,6 +10,13 @@ yunchang and LoongTrain do), which needs num_kv_heads to divide W; otherwise W m
 num_kv_heads. With dilated inside, LongNet's head groups follow the GLOBAL head index
 (segments.global_heads): rank r's heads are heads [r H / W, (r + 1) H / W) of the model.
 
+Memory (memory_model): the inner kernel keeps its head-layout q, k, v and output (one shard's
+bytes each) from the forward to the backward, where it also holds the output gradient and its
+dq, dk, dv in that layout at once: four to five shards above a ring's (which saves the caller's
+q, k, v and returns its saved output). That is what the inner kernel needs when it runs all of
+this rank's heads in one call; the collectives add no buffer beyond one all-to-all's send and
+receive copies, each freed before the next layout copy.
+
 Step clock: forward step 0 is the all-to-all of q, k, v, step 1 the inner kernel, step 2 the
 all-to-all of the output; backward step 0 the output gradient's all-to-all, 1 the inner
 kernel's backward, 2 the all-to-all of dq, dk, dv.
