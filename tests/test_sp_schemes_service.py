@@ -7,6 +7,7 @@ results.json, the dashboard's chart, and the max_seq_len search."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from _api_helpers import api_client
 from service.cli import load_specs
 from service.scheduler import Scheduler
 from service.sp_report import all_to_all_bytes, predicted_s, sp_schemes_section
+from service.views import ulysses_groups
 from workers.gang import GangPool
 
 API = "/api/v1"
@@ -221,3 +223,16 @@ def test_the_predicted_times_and_where_they_part_ways() -> None:
                       "150.0 ms (x2.00)"]  # fmt: skip
     close = sp_schemes_section([ring, row("ulysses", 0.16)])
     assert "Every prediction is within 25% of its measured time." in close
+
+
+def test_ulysses_groups_name_their_nodes_and_a_group_across_nodes() -> None:
+    def row(nodes: list[str], degree: int) -> Any:
+        ranks = [SimpleNamespace(rank=r, node=n) for r, n in enumerate(nodes)]
+        params = {"ulysses_degree": degree}
+        return SimpleNamespace(kernel="usp", params=params, world_size=len(nodes), ranks=ranks)
+
+    two_nodes = ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]
+    assert ulysses_groups(row(two_nodes, 2)) == "ranks 0-1 on 10.0.0.1; ranks 2-3 on 10.0.0.2"
+    assert ulysses_groups(row(two_nodes, 4)) == "ranks 0-3 on 10.0.0.1, 10.0.0.2 (across 2 nodes)"
+    assert ulysses_groups(row([*two_nodes[:3], None], 2)) is None  # stored before 0015
+    assert ulysses_groups(SimpleNamespace(kernel="ring", ranks=[])) is None
