@@ -173,12 +173,13 @@ class AllGatherKV(Kernel):
     def memory_model(
         self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int
     ) -> KernelMemory:
-        """merged_memory's on this rank's shard of `seq_len` tokens (q, k, v, out and lse
-        saved; fp32 dq, dk, dv), plus what grows with the whole length S = W x seq_len: the
-        gathered K and V (2 S rows in the input dtype; a reshaped copy of them when batch > 1)
-        in the forward and again in the backward, where the fp32 dK/dV of all S rows and one
-        block's dk, dv (fp32, as many rows as the largest block of any rank spans: S when not
-        causal, gather_plan's when `causal`) are held too before the reduce-scatter."""
+        """merged_memory's saved tensors on this rank's shard of `seq_len` tokens (q, k, v,
+        out and lse), plus what grows with the whole length S = W x seq_len: the gathered K
+        and V (2 S rows in the input dtype; a reshaped copy of them when batch > 1) in the
+        forward and again in the backward, where the shard's fp32 dq, the fp32 dK/dV of all S
+        rows and one block's dk, dv (fp32, as many rows as the largest block of any rank spans:
+        S when not causal, gather_plan's when `causal`) are held too before the reduce-scatter
+        (dk, dv come after the gathered K/V are freed)."""
         world = self.world_size or rank_and_world(self.params.group)[1]
         total = world * seq_len
         p = piece_size(seq_len, torch.device("cpu"))
@@ -198,7 +199,7 @@ class AllGatherKV(Kernel):
             saved=base.saved,
             output_saved=True,
             forward_transient=base.forward_transient + gathered,
-            backward_transient=base.backward_transient + gathered + grads,
+            backward_transient=qkv_bytes(batch, seq_len, num_heads, head_dim, 4) + gathered + grads,
         )
 
     def local_positions(
