@@ -67,6 +67,10 @@ class KernelMemory:
     output_saved: bool
     forward_transient: int
     backward_transient: int
+    inputs_saved: bool = True
+    """Whether `saved` counts the q, k, v passed in (a caller that holds them anyway, as a
+    benchmark's leaves, holds them once); False when it counts copies of them only (ulysses,
+    usp: their head-layout copies after the all-to-all)."""
 
 
 def qkv_bytes(batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int) -> int:

@@ -7,8 +7,10 @@ Per scheme and world size: the median over rounds of the slowest rank's median f
 its spread (min-max over rounds), the ratio to the zigzag ring's time in the same round (median
 of the rounds' ratios), the peak per rank (workers.memory.PeakMeter, inputs included, one
 metered fwd+bwd), the exposed-communication share and the bytes each rank sent in one fwd+bwd
-(the step clock, attention.ring.steps), and for allgather_kv its memory model's peak
-(AllGatherKV.memory_model: saved + dout + the larger transient) against the measured one.
+(the step clock, attention.ring.steps), and for ulysses, allgather_kv and usp their memory
+model's peak (Kernel.memory_model, see predicted_peak) against the measured one; and the time
+report.md's schemes section predicts (service.sp_report.predicted_s) from the case's own compute
+rate in its steps, bytes received and probed link (workers.link), against the measured time.
 Every scheme passes bench.ring's correctness gate first (a short sequence vs dense).
 
     .venv/bin/python -m bench.sp_schemes [--seq 16384] [--worlds 2,4] [--rounds 2] [--repeats 3]
@@ -29,6 +31,8 @@ import attention
 from attention import layouts
 from attention.ring.steps import clock
 from bench import ring as ringbench
+from service.sp_report import predicted_s
+from workers.link import probe_ring_link
 from workers.memory import PeakMeter
 
 SCHEMES = {
@@ -88,11 +92,30 @@ def measure(args: dict, kernel: str, params: dict, layout: str | None, causal: b
     result["wait_s"] = sum(s["wait_s"] for s in steps)
     result["busy_s"] = sum(s["wait_s"] + s["compute_s"] for s in steps)
     result["sent_bytes"] = sum(s["sent_bytes"] for s in steps)
-    if hasattr(module, "memory_model") and kernel == "allgather_kv":
-        m = module.memory_model(q.shape[0], q.shape[1], q.shape[2], q.shape[3], 4)
-        extra = max(m.forward_transient, m.backward_transient)
-        result["predicted_peak"] = m.saved + dout.numel() * 4 + extra
+    result["received_bytes"] = sum(s["received_bytes"] for s in steps)
+    result["flops"] = module.flops(*q.shape, causal=causal, backward=True)
+    kv_block = 2 * k.numel() * k.element_size()  # what the service's probe pings (workers.link)
+    result["link_bytes_per_s"] = probe_ring_link(kv_block, device).bytes_per_s
+    if kernel in MODELLED:
+        if hasattr(module, "causal"):  # allgather_kv: its blocks' key spans
+            module.causal = causal
+        result["predicted_peak"] = predicted_peak(module, q)
     return result
+
+
+MODELLED = ("ulysses", "allgather_kv", "usp")
+"""The schemes with a memory model (Kernel.memory_model)."""
+
+
+def predicted_peak(module: Any, q: torch.Tensor) -> int:
+    """The peak per rank its memory model predicts for this benchmark's fwd+bwd: q, k, v and
+    dout held by the benchmark, what the call saves beyond them, the returned output when it
+    is not saved, and the larger transient."""
+    m = module.memory_model(q.shape[0], q.shape[1], q.shape[2], q.shape[3], q.element_size())
+    one = q.numel() * q.element_size()
+    saved = m.saved - (3 * one if m.inputs_saved else 0)
+    output = 0 if m.output_saved else one
+    return 4 * one + saved + output + max(m.forward_transient, m.backward_transient)
 
 
 def run_case(a: argparse.Namespace, kernel: str, world: int) -> list[dict]:
@@ -108,7 +131,26 @@ def _slowest(ranks: list[dict]) -> float:
     return statistics.median(max(t) for t in per_repeat)
 
 
-def report(kernel: str, world: int, rounds: list[dict[str, list[dict]]]) -> None:
+def predicted(a: argparse.Namespace, kernel: str, world: int, ranks: list[dict]) -> float | None:
+    """The time service.sp_report.predicted_s predicts from this case's own figures, as the
+    service computes them from a run's ranks: compute rate in the steps (FLOPs over compute
+    seconds, ranks summed), bytes moved (the most any rank received), the slowest probed link."""
+    row = {
+        "kernel": kernel, "params": SCHEMES[kernel], "world_size": world, "batch_size": a.batch,
+        "seq_len": a.seq, "num_heads": a.heads, "num_kv_heads": a.heads, "head_dim": a.dim,
+        "dtype": "float32", "mode": "train", "median_s": _slowest(ranks),
+        "flops_per_s_per_rank": sum(r["flops"] for r in ranks) / world / _slowest(ranks),
+        "step_flops_per_s_per_rank": sum(r["flops"] for r in ranks)
+        / sum(r["busy_s"] - r["wait_s"] for r in ranks),
+        "comm_bytes_per_rank": max(r["received_bytes"] for r in ranks),
+        "link_probe_bytes_per_s": min(r["link_bytes_per_s"] for r in ranks),
+    }  # fmt: skip
+    return predicted_s(row)
+
+
+def report(
+    a: argparse.Namespace, kernel: str, world: int, rounds: list[dict[str, list[dict]]]
+) -> None:
     """One JSON line and one readable line for a scheme at one world size."""
     times = [_slowest(r[kernel]) for r in rounds]
     ratios = [_slowest(r[kernel]) / _slowest(r["ring"]) for r in rounds]
@@ -123,10 +165,15 @@ def report(kernel: str, world: int, rounds: list[dict[str, list[dict]]]) -> None
         "peak_per_rank_mib": [round(r["peak_bytes"] / 2**20, 1) for r in last],
         "exposed_comm_share": round(share, 4),
         "sent_mib_per_rank": [round(r["sent_bytes"] / 2**20, 1) for r in last],
+        "link_mb_per_s": round(min(r["link_bytes_per_s"] for r in last) / 1e6),
     }
+    guess = predicted(a, kernel, world, last)
+    if guess is not None:
+        line["predicted_s"] = round(guess, 3)
+        line["measured_over_predicted"] = round(_slowest(last) / guess, 3)
     if "predicted_peak" in last[0]:
         line["predicted_peak_mib"] = [round(r["predicted_peak"] / 2**20, 1) for r in last]
-        line["measured_over_predicted"] = [
+        line["peak_measured_over_predicted"] = [
             round(r["peak_bytes"] / r["predicted_peak"], 3) for r in last
         ]
     print(json.dumps(line), flush=True)
@@ -152,7 +199,7 @@ def main() -> None:
     for world in (int(w) for w in a.worlds.split(",")):
         rounds = [{k: run_case(a, k, world) for k in schemes} for _ in range(a.rounds)]
         for kernel in schemes:
-            report(kernel, world, rounds)
+            report(a, kernel, world, rounds)
 
 
 if __name__ == "__main__":

@@ -116,12 +116,13 @@ def completion_from_outcome(
     status = OUTCOME_STATUS.get(str(outcome.status))
     if status is None:
         raise ValueError(f"outcome.status: unknown status {outcome.status!r}")
+    nodes = {p.rank: p.node_ip for p in outcome.placement}  # where each rank ran
     return Completion(
         steps=[{"rank": r.rank, **s.row()} for r in outcome.ranks for s in r.steps],
         artifacts=artifacts,
         status=status,
         error=outcome.error,
-        ranks=[r.row() for r in outcome.ranks],
+        ranks=[{**r.row(), "node": nodes.get(r.rank)} for r in outcome.ranks],
         probes=[p.row() for p in outcome.probes],
         environment=None if outcome.environment is None else outcome.environment.row(),
         components=[{"rank": r.rank, **c.row()} for r in outcome.ranks for c in r.components],

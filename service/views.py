@@ -206,6 +206,8 @@ class RankView:
     link_probe_bytes: int | None = None
     link_probe_bytes_per_s: float | None = None
     link_latency_s: float | None = None
+    node: str | None = None
+    """The node it ran on (its Ray node's IP; None before migration 0015)."""
 
 
 @dataclass(frozen=True)
@@ -273,6 +275,18 @@ class RunRow:
     # Ring kernels: where the time goes (see the module docstring).
     exposed_comm_share: float | None = None
     step_coverage: float | None = None
+    ulysses_groups: str | None = field(
+        default=None,
+        metadata={"doc": "usp: each Ulysses group's ranks and the node(s) they ran on."},
+    )
+    comm_bytes_per_rank: float | None = field(
+        default=None,
+        metadata={"doc": "Bytes moved per rank per timed iteration: the most any rank received."},
+    )
+    step_flops_per_s_per_rank: float | None = field(
+        default=None,
+        metadata={"doc": "One rank's compute rate in its steps: FLOPs / step compute seconds."},
+    )
     # W > 1 sequence parallel: the probed ring link (see the module docstring).
     link_probe_bytes_per_s: float | None = None
     link_latency_s: float | None = None
@@ -451,6 +465,7 @@ def run_row(
                 link_probe_bytes=r.link_probe_bytes,
                 link_probe_bytes_per_s=r.link_probe_bytes_per_s,
                 link_latency_s=r.link_latency_s,
+                node=r.node,
             )
             for r in sorted(ranks, key=lambda r: r.rank)
         ],
@@ -474,6 +489,7 @@ def run_row(
     if row.ranks:
         _link(row, environment)
         _measured(row)
+        row.ulysses_groups = ulysses_groups(row)
     tokens = local_tokens(row.parallel, row.world_size, row.batch_size, row.length)
     if cfg.get("workload") != "model":  # the kernel's floor is no floor of a training step
         row.floor_bytes = memory_floor(
@@ -622,6 +638,11 @@ def _steps(row: RunRow) -> None:
         for r in stepped
         if sum(r.times_s) > 0
     )
+    iterations = len(stepped[0].times_s)
+    if iterations:
+        row.comm_bytes_per_rank = max(r.step_received_bytes or 0 for r in stepped) / iterations
+        if compute > 0:
+            row.step_flops_per_s_per_rank = sum(r.flops for r in stepped) * iterations / compute
     _crossover(row, stepped)
 
 
@@ -634,6 +655,24 @@ def link_kind(environment: Environment | None) -> str | None:
     if hosts > 1:
         return f"network ({hosts} hosts)"
     return "one host (GPU to GPU)" if environment.gpus else "loopback (one host)"
+
+
+def ulysses_groups(row: RunRow) -> str | None:
+    """usp: its Ulysses groups (ranks g U .. g U + U - 1, consecutive in the gang's order,
+    which sorts ranks by node) and the nodes each ran on, e.g. 'ranks 0-1 on 10.0.0.1; ranks
+    2-3 on 10.0.0.2'; a group across nodes says so (its all-to-all leaves the node). None for
+    other kernels or ranks stored without their node."""
+    if row.kernel != "usp" or not row.ranks or any(r.node is None for r in row.ranks):
+        return None
+    u = int(row.params.get("ulysses_degree", 2))
+    nodes = {r.rank: r.node for r in row.ranks}
+    parts = []
+    for g in range(0, row.world_size, u):
+        members = [r for r in range(g, g + u) if r in nodes]
+        where = sorted({str(nodes[r]) for r in members})
+        across = f" (across {len(where)} nodes)" if len(where) > 1 else ""
+        parts.append(f"ranks {members[0]}-{members[-1]} on {', '.join(where)}{across}")
+    return "; ".join(parts)
 
 
 def _link(row: RunRow, environment: Environment | None) -> None:

@@ -109,6 +109,8 @@ def _kernel_memory(config: RunConfig, tokens_local: int) -> KernelMemory:
         raise NotImplementedError(f"kernel {config.kernel!r} has no memory model")
     if kernels.is_distributed(config.kernel):  # no process group yet: the run's ranks
         module.world_size = kernels.shard_world(config)  # type: ignore[attr-defined]
+    if hasattr(module, "causal"):  # allgather_kv: causal blocks span fewer keys
+        module.causal = config.causal
     return module.memory_model(
         config.local_batch,
         tokens_local // config.local_batch,

@@ -162,6 +162,9 @@ class AllGatherKV(Kernel):
     world_size: int | None = None
     """The ranks `memory_model` assumes (a prediction made before any process group exists
     sets it: workers.model_memory); None: the process group's."""
+    causal: bool = False
+    """The causality `memory_model` assumes (a caller that knows it sets it): causal blocks
+    span fewer keys than the whole length, so their dK/dV buffers are smaller."""
 
     def __init__(self, params: AllGatherParams | None = None) -> None:
         super().__init__()
@@ -170,11 +173,13 @@ class AllGatherKV(Kernel):
     def memory_model(
         self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int
     ) -> KernelMemory:
-        """merged_memory's on this rank's shard of `seq_len` tokens (q, k, v, out and lse
-        saved; fp32 dq, dk, dv), plus what grows with the whole length S = W x seq_len: the
-        gathered K and V (2 S rows in the input dtype; a reshaped copy of them when batch > 1)
-        in the forward and again in the backward, where the fp32 dK/dV of all S rows and one
-        block's dk, dv (up to S rows each, fp32) are held too before the reduce-scatter."""
+        """merged_memory's saved tensors on this rank's shard of `seq_len` tokens (q, k, v,
+        out and lse), plus what grows with the whole length S = W x seq_len: the gathered K
+        and V (2 S rows in the input dtype; a reshaped copy of them when batch > 1) in the
+        forward and again in the backward, where the shard's fp32 dq, the fp32 dK/dV of all S
+        rows and one block's dk, dv (fp32, as many rows as the largest block of any rank spans:
+        S when not causal, gather_plan's when `causal`) are held too before the reduce-scatter
+        (dk, dv come after the gathered K/V are freed)."""
         world = self.world_size or rank_and_world(self.params.group)[1]
         total = world * seq_len
         p = piece_size(seq_len, torch.device("cpu"))
@@ -183,12 +188,18 @@ class AllGatherKV(Kernel):
         )
         gathered = 2 * qkv_bytes(batch, total, num_heads, head_dim, dtype_bytes)
         gathered *= 2 if batch > 1 else 1
-        grads = 2 * 2 * qkv_bytes(batch, total, num_heads, head_dim, 4)
+        layout = default_layout(self.params.layout, self.causal)
+        keys = max(
+            blk.k1 - blk.k0
+            for rank in range(world)
+            for blk in gather_plan(layout, self.causal, rank, world, seq_len)
+        )
+        grads = 2 * qkv_bytes(batch, total + keys, num_heads, head_dim, 4)
         return KernelMemory(
             saved=base.saved,
             output_saved=True,
             forward_transient=base.forward_transient + gathered,
-            backward_transient=base.backward_transient + gathered + grads,
+            backward_transient=qkv_bytes(batch, seq_len, num_heads, head_dim, 4) + gathered + grads,
         )
 
     def local_positions(

@@ -36,14 +36,11 @@ def to_heads(x: torch.Tensor, members: Sequence[int], me: int, group: Any) -> to
         return x
     bsz, n, heads, dim = x.shape
     hl = heads // u
+    # a view of any strides (it only splits the heads axis), then the one copy gloo needs
     parts = x.view(bsz, n, u, hl, dim).permute(2, 0, 1, 3, 4).contiguous()  # (U, B, n, hl, D)
-    recv = torch.empty_like(parts)
-    i = members.index(me)
-    recv[i].copy_(parts[i])
-    sends = {j: parts[m] for m, j in enumerate(members) if j != me}
-    recvs = {j: recv[m] for m, j in enumerate(members) if j != me}
-    exchange(group, sends, recvs, Tag.ULYSSES)
-    return recv.transpose(0, 1).reshape(bsz, u * n, hl, dim)
+    recv = _swap(parts, members, me, group)
+    del parts  # freed before the layout copy below when B > 1, not after it
+    return recv.transpose(0, 1).reshape(bsz, u * n, hl, dim)  # a view when B = 1
 
 
 def to_tokens(y: torch.Tensor, members: Sequence[int], me: int, group: Any) -> torch.Tensor:
@@ -53,14 +50,23 @@ def to_tokens(y: torch.Tensor, members: Sequence[int], me: int, group: Any) -> t
         return y
     bsz, total, hl, dim = y.shape
     n = total // u
+    # a view of any strides (it only splits the sequence axis), then the one copy gloo needs
     parts = y.view(bsz, u, n, hl, dim).transpose(0, 1).contiguous()  # (U, B, n, hl, D)
+    recv = _swap(parts, members, me, group)
+    del parts  # freed before the layout copy below, not after it
+    return recv.permute(1, 2, 0, 3, 4).reshape(bsz, n, u * hl, dim)
+
+
+def _swap(parts: torch.Tensor, members: Sequence[int], me: int, group: Any) -> torch.Tensor:
+    """The all-to-all: parts[m] (U, ...) goes to member m, and member m's part for this rank
+    arrives in row m of the result (this rank's own part copied)."""
     recv = torch.empty_like(parts)
     i = members.index(me)
     recv[i].copy_(parts[i])
     sends = {j: parts[m] for m, j in enumerate(members) if j != me}
     recvs = {j: recv[m] for m, j in enumerate(members) if j != me}
     exchange(group, sends, recvs, Tag.ULYSSES)
-    return recv.permute(1, 2, 0, 3, 4).reshape(bsz, n, u * hl, dim)
+    return recv
 
 
 class ToHeads(torch.autograd.Function):
@@ -75,7 +81,7 @@ class ToHeads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # type: ignore[no-untyped-def]
         with clock.step("backward", ctx.step):
-            return to_tokens(dy.contiguous(), *ctx.args), None, None, None, None
+            return to_tokens(dy, *ctx.args), None, None, None, None
 
 
 class ToTokens(torch.autograd.Function):
@@ -84,12 +90,12 @@ class ToTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, members, me, group, step):  # type: ignore[no-untyped-def]
         ctx.args, ctx.step = (members, me, group), step
-        return to_tokens(y.contiguous(), members, me, group)
+        return to_tokens(y, members, me, group)
 
     @staticmethod
     def backward(ctx, dx):  # type: ignore[no-untyped-def]
         with clock.step("backward", ctx.step):
-            return to_heads(dx.contiguous(), *ctx.args), None, None, None, None
+            return to_heads(dx, *ctx.args), None, None, None, None
 
 
 def all_gather(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -158,6 +158,7 @@ def step_backward(
         dk_b, dv_b = block_grads(dout, q, kt, vt, out, lse, blk, dq, scale)
         dkv[0, :, blk.k0 : blk.k1] += dk_b
         dkv[1, :, blk.k0 : blk.k1] += dv_b
+        del dk_b, dv_b  # else held while the next block computes: two blocks' at once
 
 
 def restrict(blk: Block, r0: int, r1: int, c0: int, c1: int) -> list[Block]:

@@ -10,6 +10,13 @@ yunchang and LoongTrain do), which needs num_kv_heads to divide W; otherwise W m
 num_kv_heads. With dilated inside, LongNet's head groups follow the GLOBAL head index
 (segments.global_heads): rank r's heads are heads [r H / W, (r + 1) H / W) of the model.
 
+Memory (memory_model): the inner kernel keeps its head-layout q, k, v and output (one shard's
+bytes each) from the forward to the backward, where it also holds the output gradient and its
+dq, dk, dv in that layout at once: four to five shards above a ring's (which saves the caller's
+q, k, v and returns its saved output). That is what the inner kernel needs when it runs all of
+this rank's heads in one call; the collectives add no buffer beyond one all-to-all's send and
+receive copies, each freed before the next layout copy.
+
 Step clock: forward step 0 is the all-to-all of q, k, v, step 1 the inner kernel, step 2 the
 all-to-all of the output; backward step 0 the output gradient's all-to-all, 1 the inner
 kernel's backward, 2 the all-to-all of dq, dk, dv.
@@ -26,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from attention.base import Kernel, check_qkv
+from attention.base import Kernel, KernelMemory, check_qkv, qkv_bytes
 from attention.errors import ParamError
 from attention.registry import (
     KERNELS,
@@ -172,10 +179,41 @@ def tokens_exchange(
 class UlyssesAttention(Kernel):
     """Exact (inner-kernel) attention on this rank's contiguous shard of every head."""
 
+    world_size: int | None = None
+    """The ranks `memory_model` assumes (a prediction made before any process group exists
+    sets it: workers.model_memory); None: the process group's."""
+
     def __init__(self, params: UlyssesParams | None = None) -> None:
         super().__init__()
         self.params = params or UlyssesParams()
         self.inner = build(self.params.inner, **self.params.inner_params())
+
+    def memory_model(
+        self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int
+    ) -> KernelMemory:
+        """One call on this rank's shard of `seq_len` tokens (W ranks, S = W seq_len): the
+        inner kernel's memory on S tokens of H / W heads, whose q, k, v are the all-to-all's
+        head-layout copies (one shard's bytes each), held from the forward to the backward
+        with the inner output (so `saved` holds copies, not the caller's q, k, v, and the
+        returned token-layout output is not saved). Forward transient: the larger of the
+        inner's and the output all-to-all's send and receive buffers (two shards). Backward
+        transient: the output gradient in head layout (one shard) and the inner backward's,
+        while the saved tensors are still held. K/V heads replicated below W are not
+        counted (a GQA model with fewer K/V heads than ranks holds up to W / kv more)."""
+        world = self.world_size or rank_and_world(self.params.group)[1]
+        one = qkv_bytes(batch, seq_len, num_heads, head_dim, dtype_bytes)
+        inner = self.inner.memory_model(
+            batch, seq_len * world, num_heads // world, head_dim, dtype_bytes
+        )
+        if world == 1:  # no all-to-all: the inner kernel on the caller's tensors
+            return inner
+        return KernelMemory(
+            saved=inner.saved + (0 if inner.output_saved else one),
+            output_saved=False,
+            forward_transient=max(inner.forward_transient, 2 * one),
+            backward_transient=one + inner.backward_transient,
+            inputs_saved=False,
+        )
 
     def local_positions(
         self, seq_len: int, rank: int, world_size: int, *, causal: bool = False

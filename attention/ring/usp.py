@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from attention import primitive
-from attention.base import Kernel, attention_flops, check_qkv
+from attention.base import Kernel, KernelMemory, attention_flops, check_qkv, qkv_bytes
 from attention.errors import ParamError
 from attention.layouts import check_seq_len
 from attention.layouts import positions as layout_positions
@@ -38,7 +38,7 @@ from attention.ring.allgather import check_sp_layout
 from attention.ring.collectives import ToHeads, ToTokens
 from attention.ring.comm import check_backend, check_same_call, rank_and_world, resolve_group
 from attention.ring.dense import check_group, default_layout, dense_plan
-from attention.ring.engine import ring_attention
+from attention.ring.engine import PIECE_BYTES, piece_size, ring_attention
 from attention.ring.steps import clock
 from attention.ring.ulysses import check_heads, replicate_kv
 
@@ -84,9 +84,40 @@ def group_order(layout: str, u: int, n: int) -> torch.Tensor | None:
 class UspAttention(Kernel):
     """Exact attention on this rank's shard: Ulysses within its group, a ring across groups."""
 
+    world_size: int | None = None
+    """The ranks `memory_model` assumes (a prediction made before any process group exists
+    sets it: workers.model_memory); None: the process group's."""
+
     def __init__(self, params: UspParams | None = None) -> None:
         super().__init__()
         self.params = params or UspParams()
+
+    def memory_model(
+        self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int
+    ) -> KernelMemory:
+        """One call on this rank's shard of `seq_len` tokens: the ring (attention.autograd)
+        saves the head-layout q, k, v the all-to-all made (one shard's bytes each), its
+        output in that layout and the fp32 lse, not the caller's q, k, v nor the returned
+        output. Forward transient: the fp32 accumulator when the dtype is narrower, the ring's
+        piece buffers (ring_piece_bytes), or the output's return (zigzag's reordered copy and
+        the all-to-all's send and receive buffers), whichever is larger. Backward transient:
+        the output gradient in head layout, the fp32 dq, dk, dv and the ring's pieces."""
+        world = self.world_size or rank_and_world(self.params.group)[1]
+        u = self.params.ulysses_degree
+        one = qkv_bytes(batch, seq_len, num_heads, head_dim, dtype_bytes)
+        fp32 = qkv_bytes(batch, seq_len, num_heads, head_dim, 4)
+        layout = default_layout(self.params.layout, True)
+        fold = layout == "zigzag"  # causal zigzag cuts folded pieces (the larger case)
+        rows, heads = seq_len * u, num_heads // u
+        fwd, bwd = ring_piece_bytes(batch, rows, heads, head_dim, dtype_bytes, world // u, fold)
+        back = (3 if fold else 2) * one if u > 1 else 0
+        return KernelMemory(
+            saved=4 * one + 4 * batch * num_heads * seq_len,
+            output_saved=u == 1,
+            forward_transient=max(fwd + (fp32 if dtype_bytes < 4 else 0), back),
+            backward_transient=(one if u > 1 else 0) + 3 * fp32 + bwd,
+            inputs_saved=u == 1,
+        )
 
     def local_positions(
         self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
@@ -152,6 +183,24 @@ class UspAttention(Kernel):
         plan = dense_plan(layout, causal, rank // u, world // u, seq_len * u)
         pairs = sum(b.pairs() for step in plan for b in step)
         return attention_flops(batch * num_heads * pairs // u, head_dim, backward=backward)
+
+
+def ring_piece_bytes(
+    batch: int, rows: int, heads: int, dim: int, dtype_bytes: int, ring: int, fold: bool
+) -> tuple[int, int]:
+    """(forward, backward) bytes of the ring engine's own buffers on a shard of `rows` tokens
+    of `heads` heads on CPU (attention.ring.engine): K/V receive buffers (two on a ring of
+    more than one rank, one more for a folded piece) and one block's fp32 partial output
+    (PIECE_BYTES) forward; the same buffers of the backward's smaller pieces, two fp32 dK/dV
+    accumulators of a piece and one block's fp32 dq, dk, dv backward."""
+    n_bufs = 2 * (ring > 1) + fold
+    p = piece_size(rows, torch.device("cpu"), parts=2 if fold else 1)
+    fwd = n_bufs * 2 * batch * p * heads * dim * dtype_bytes + PIECE_BYTES
+    row = batch * heads * dim * dtype_bytes
+    pb = piece_size(rows, torch.device("cpu"), row, parts=2 if fold else 1)
+    piece = batch * pb * heads * dim
+    bwd = n_bufs * 2 * piece * dtype_bytes + (1 + (ring > 1)) * 2 * piece * 4 + 3 * piece * 4
+    return fwd, bwd
 
 
 def check_usp(

@@ -140,6 +140,9 @@ class RankResultOut(BaseModel):
         None, description="Ring kernels: seconds blocked on transfers, summed likewise."
     )
     step_received_bytes: int | None = Field(None, description="Ring kernels: bytes received.")
+    node: str | None = Field(
+        None, description="The node the rank ran on (its Ray node's IP; None before 0015)."
+    )
     transfer_window_bytes_per_s: float | None = Field(
         None,
         description="Ring kernels: the best bytes / window (posting to completion) of its "
@@ -378,6 +381,21 @@ class ResultRow(BaseModel):
     )
     step_coverage: float | None = Field(
         description="Ring kernels: the smallest share of a rank's time its steps account for."
+    )
+    comm_bytes_per_rank: float | None = Field(
+        None,
+        description="Sequence parallel: bytes moved per rank per timed iteration (the most "
+        "any rank received: K/V hops, all-to-alls, gathers and reduce-scatters).",
+    )
+    ulysses_groups: str | None = Field(
+        None,
+        description="usp: each Ulysses group's ranks and the node(s) they ran on ('ranks 0-1 "
+        "on 10.0.0.1; ...'); a group across nodes says so.",
+    )
+    step_flops_per_s_per_rank: float | None = Field(
+        None,
+        description="Sequence parallel: one rank's compute rate in its steps (FLOPs over the "
+        "steps' compute seconds, all ranks summed).",
     )
     link_probe_bytes_per_s: float | None = Field(
         description="W > 1 sequence parallel: the ring link's bandwidth, probed before the "

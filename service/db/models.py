@@ -300,6 +300,8 @@ class RankResult(Base):
     """W > 1 sequence parallel: the K/V block pinged to the next ring rank (workers.link)."""
     link_probe_bytes_per_s: Mapped[float | None] = mapped_column(Float)
     link_latency_s: Mapped[float | None] = mapped_column(Float)
+    node: Mapped[str | None] = mapped_column(String(255))
+    """The node the rank ran on (its Ray node's IP, from the gang's placement; 0015)."""
 
     run: Mapped[Run] = relationship(back_populates="rank_results")
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from service.sp_report import SCHEMES as SP_SCHEMES
 from service.views import local_tokens, memory_floor
 
 Row = dict[str, Any]
@@ -677,6 +678,7 @@ def sweep_figures(rows: Sequence[Row]) -> dict[str, dict[str, Any]]:
         figures["chart-peak"] = peak_fraction_figure(rows, styles)
     if any(r.get("exposed_comm_share") is not None for r in rows):
         figures["chart-comm"] = exposed_comm_figure(rows)
+    figures["chart-sp-schemes"] = sp_schemes_figure(rows, styles)
     models = [r for r in rows if r.get("workload") == "model"]
     if models:
         figures["chart-components"] = components_figure(models)
@@ -931,6 +933,51 @@ def exposed_comm_figure(rows: Sequence[Row]) -> dict[str, Any]:
                     hoverinfo="name",
                 )
             )
+    return _to_json(fig)
+
+
+def sp_schemes_figure(rows: Sequence[Row], styles: Styles | None = None) -> dict[str, Any]:
+    """The sequence-parallel schemes side by side (report.md's section as one chart): tokens/s
+    against length, one line per scheme (and mode and world size when several ran), log-log;
+    drawn only when two or more schemes ran timed on several ranks (else no data)."""
+    ok = [
+        r
+        for r in _succeeded(rows, "tokens_per_s")
+        if r["kernel"] in SP_SCHEMES and (r.get("world_size") or 1) > 1 and not r.get("searched")
+    ]
+    if len({r["kernel"] for r in ok}) < 2:
+        return {}
+    styles = styles or Styles(rows)
+    fig = go.Figure(
+        layout=_layout(
+            "Sequence-parallel schemes",
+            "sequence length (tokens)",
+            "throughput (tokens/s)",
+            xaxis=length_axis(r["length"] for r in ok),
+            yaxis=log_axis((r["tokens_per_s"] for r in ok), "throughput (tokens/s)"),
+        )
+    )
+    several = {(r.get("mode"), r["world_size"]) for r in ok}
+    lines: dict[str, list[Row]] = defaultdict(list)
+    for r in ok:
+        extra = f" ({r.get('mode')}, W={r['world_size']})" if len(several) > 1 else ""
+        lines[r["kernel"] + extra].append(r)
+    for name in sorted(lines, key=natural_key):
+        group = sorted(lines[name], key=lambda r: r["length"])
+        fig.add_trace(
+            go.Scatter(
+                x=[r["length"] for r in group],
+                y=[r["tokens_per_s"] for r in group],
+                mode="lines+markers",
+                name=name,
+                line=styles.line(group[0]),
+                marker=styles.marker(group[0]),
+                customdata=[r["run_id"] for r in group],
+                hovertemplate="seq %{x}<br>%{y:.4s} tokens/s<br>run %{customdata}<extra>"
+                + name
+                + "</extra>",
+            )
+        )
     return _to_json(fig)
 
 
