@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _api_helpers import api_client
 from _web_helpers import (
     Seeded,
     finish_run,
@@ -421,3 +422,56 @@ def test_the_header_says_why_queued_runs_wait(browser: Any, tmp_path: Path) -> N
             RAY.set(before)
             stop.set()
             app.state.scheduler_thread = None
+
+
+def test_the_schemes_chart_draws_tokens_per_s_against_length_per_scheme(
+    browser: Any, tmp_path: Path
+) -> None:
+    """A sweep of three sequence-parallel schemes at W=4, stored through the scheduler's write
+    path: the sweep page draws one line per scheme, each point the slowest rank's tokens/s
+    recomputed here from the ranks' raw medians, with both axis titles naming their unit."""
+    from test_result_goldens import CPU, _rank, _store
+
+    from workers.config import RunConfig
+
+    database = f"sqlite:///{tmp_path / 'ringlab.db'}"
+    spec = {
+        "name": "schemes",
+        "base": {**CPU, "causal": True, "world_size": 4},
+        "grid": {"seq_len": [1024, 2048], "kernel": ["ring", "ulysses", "allgather_kv"]},
+    }
+    with api_client(database) as client:
+        sweep_id = _store(client, spec)
+        runs = client.get("/api/v1/runs", params={"sweep_id": sweep_id}).json()["data"]
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for run in runs:
+        config = RunConfig.model_validate(run["config"])
+        slowest = max(_rank(config, r, config.seq_len).median_s for r in range(4))
+        point = (config.seq_len, config.batch_size * config.seq_len / slowest)
+        expected.setdefault(config.kernel, []).append(point)
+    app = make_web_app(Settings(database_url=database))
+    with live_server(app) as base:
+        page = Page(browser, base)
+        try:
+            pg = page.open(f"/sweeps/{sweep_id}")
+            chart = pg.locator("#chart-sp-schemes")
+            chart.locator("svg.main-svg").first.wait_for(state="attached", timeout=15_000)
+            drawn = pg.evaluate(
+                "() => { const c = document.getElementById('chart-sp-schemes');"
+                " return {lines: c.data.map(t => [t.name, t.x, t.y]),"
+                " x: c.layout.xaxis.title.text, y: c.layout.yaxis.title.text}; }"
+            )
+            lines = {name: list(zip(x, y, strict=True)) for name, x, y in drawn["lines"]}
+            assert set(lines) == set(expected), lines
+            for name, points in expected.items():
+                got = lines[name]
+                assert [x for x, _ in got] == sorted(x for x, _ in points), name
+                for (x, y), (want_x, want_y) in zip(got, sorted(points), strict=True):
+                    assert x == want_x and y == pytest.approx(want_y, rel=1e-9), (name, x)
+            assert drawn["x"] == "sequence length (tokens)"
+            assert drawn["y"] == "throughput (tokens/s)"
+            titles = pg.locator("#chart-sp-schemes .legendtext").all_text_contents()
+            assert sorted(titles) == sorted(expected), titles
+            page.check()
+        finally:
+            page.close()
