@@ -66,7 +66,7 @@ from service.db.models import (
     Run,
     RunStatus,
 )
-from service.web.peaks import dense_peak_flops
+from service.peaks import dense_peak_flops
 from workers.noise import Interval, inverse, median_interval
 
 BYTES_PER_ELEMENT = {"float32": 4, "float16": 2, "bfloat16": 2}

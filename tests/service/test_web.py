@@ -14,10 +14,10 @@ from service import analysis, queries
 from service.api import store
 from service.db.engine import make_engine
 from service.db.models import Sweep
+from service.peaks import dense_peak_flops
 from service.spec import AnalysisSpec
 from service.views import RankView, RunRow, config_key, local_tokens, memory_floor
 from service.web import charts, data
-from service.web.peaks import dense_peak_flops
 from workers.noise import median_interval
 
 
