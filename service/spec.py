@@ -89,7 +89,8 @@ def _kernel_baseline(value: dict[str, Any]) -> dict[str, Any]:
     normalized, errors = normalize_params(kernel, params)
     if normalized is None:
         path, reason = errors[0]
-        raise ValueError(f"{'.'.join(map(str, path))}: {reason}")
+        # escaped: pydantic cannot carry a message holding a key's lone surrogate (a 500)
+        raise ValueError(_shown_key(f"{'.'.join(map(str, path))}: {reason}"))
     return {**value, "params": normalized}
 
 

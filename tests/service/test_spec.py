@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from pydantic import ValidationError
 from torch import nn
 
@@ -14,6 +17,8 @@ import attention
 from attention.registry import KernelSpec
 from service.spec import MAX_CELLS, SpecError, SweepSpec, cell_key, expand
 from workers.config import RunConfig
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @dataclass(frozen=True)
@@ -315,3 +320,48 @@ def test_multihead_layer_shape_comes_from_the_cell() -> None:
     errs = errors_of({"name": "mh", "base": {**base, "params": {"num_heads": 8}}})
     assert [e["loc"] for e in errs] == [["base", "params", "num_heads"]]
     assert errs[0]["msg"].startswith("8 contradicts the run's num_heads 2")
+
+
+def test_a_lone_surrogate_anywhere_in_an_example_is_a_validation_error() -> None:
+    """Every key and value of every bundled example, in turn replaced by a string holding a
+    lone surrogate: SweepSpec answers with a ValidationError (a 422), never another exception
+    (a key under analysis.baseline.params once made pydantic raise UnicodeEncodeError, a 500
+    that the API fuzz found)."""
+    hostile = "abcdefg\ud800"
+    tried, other = 0, []
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        for doc in (d for d in yaml.safe_load_all(path.read_text()) if d):
+            for where, mode in _places(doc):
+                mutated = copy.deepcopy(doc)
+                _replace(mutated, where, mode, hostile)
+                tried += 1
+                try:
+                    SweepSpec.model_validate(mutated)
+                except ValidationError:
+                    continue
+                except Exception as exc:  # what the API would answer with a 500
+                    other.append(f"{path.name} {mode} {where}: {exc!r}")
+    assert tried > 1000 and other == [], other[:5]
+
+
+def _places(doc: Any, where: tuple = ()) -> Iterator[tuple[tuple, str]]:
+    """Every (path, "value" | "key") of a document: its leaves and containers, and its keys."""
+    if where:
+        yield where, "value"
+        if isinstance(where[-1], str):
+            yield where, "key"
+    if isinstance(doc, dict):
+        for key, sub in doc.items():
+            yield from _places(sub, (*where, key))
+    elif isinstance(doc, list):
+        for i, sub in enumerate(doc):
+            yield from _places(sub, (*where, i))
+
+
+def _replace(doc: Any, where: tuple, mode: str, text: str) -> None:
+    for step in where[:-1]:
+        doc = doc[step]
+    if mode == "value":
+        doc[where[-1]] = text
+    else:
+        doc[text] = doc.pop(where[-1])
