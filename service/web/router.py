@@ -17,7 +17,6 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 
-from service import queries
 from service.api import ray_link, store
 from service.api.deps import (
     MAX_ID,
@@ -27,12 +26,14 @@ from service.api.deps import (
     SweepId,
     require_read_page,
 )
+from service.api.outputs import artifact_out
 from service.api.pages import query_error
-from service.api.results import COMPONENT_TITLES, artifact_out
 from service.api.schemas import RingStepOut, SweepOut
 from service.db.models import TERMINAL_STATUSES, Sweep
-from service.views import RunRow
-from service.web import charts, data, login
+from service.results import charts, compare, queries
+from service.results.report import COMPONENT_TITLES
+from service.results.rows import RunRow
+from service.web import login
 
 HERE = Path(__file__).resolve().parent
 PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
@@ -293,7 +294,7 @@ def run_page(request: Request, session: SessionDep, run_id: RunId) -> HTMLRespon
         raise HTTPException(404, f"no run {run_id}")
     run, row = found
     figure = charts.rank_times_figure([{"rank": r.rank, "times_s": r.times_s} for r in row.ranks])
-    steps = [RingStepOut.model_validate(s).model_dump() for s in store.run_steps(session, run_id)]
+    steps = [RingStepOut.model_validate(s).model_dump() for s in queries.run_steps(session, run_id)]
     return _page(
         request,
         "run.html",
@@ -302,7 +303,7 @@ def run_page(request: Request, session: SessionDep, run_id: RunId) -> HTMLRespon
         terminal=run.status in TERMINAL_STATUSES,
         figure=figure,
         timeline=charts.step_timeline_figure(steps) if steps else None,
-        artifacts=[artifact_out(a) for a in store.run_artifacts(session, run_id)],
+        artifacts=[artifact_out(a) for a in queries.run_artifacts(session, run_id)],
         env=run.environment,
     )
 
@@ -326,18 +327,18 @@ def compare_page(
         # The page holds both sweeps' rows until it is rendered: all of it is one whole read.
         with queries.whole_sweep_read(session, a, b):
             a_rows, b_rows = _sweep_rows(session, a), _sweep_rows(session, b)
-            pairs = data.compare_rows(a_rows, b_rows)
-            only_a, only_b = data.unmatched(a_rows, b_rows)
+            pairs = compare.compare_rows(a_rows, b_rows)
+            only_a, only_b = compare.unmatched(a_rows, b_rows)
             specs = [session.get(Sweep, i) for i in (a, b)]
             context.update(
-                same_spec=data.same_spec(*(None if x is None else x.spec for x in specs)),
+                same_spec=compare.same_spec(*(None if x is None else x.spec for x in specs)),
                 only_a=only_a,
                 only_b=only_b,
                 sa=sa,
                 sb=sb,
                 pairs=pairs,
                 figure=charts.compare_figure(pairs),
-                tolerance=data.MEMORY_TOLERANCE,
+                tolerance=compare.MEMORY_TOLERANCE,
             )
             return _page(request, "compare.html", **context)
     return _page(request, "compare.html", **context)
