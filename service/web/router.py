@@ -6,18 +6,15 @@ plotly.js comes from the plotly Python package's own data, so nothing is fetched
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
-from functools import cache
 from pathlib import Path
 from typing import Annotated, Any
 
 import plotly
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
-from fastapi.templating import Jinja2Templates
 
-from service.api import ray_link, store
+from service.api import store
 from service.api.deps import (
     MAX_ID,
     MAX_SKIP,
@@ -31,65 +28,17 @@ from service.api.pages import query_error
 from service.api.schemas import RingStepOut, SweepOut
 from service.db.models import TERMINAL_STATUSES, Sweep
 from service.results import charts, compare, queries
-from service.results.report import COMPONENT_TITLES
 from service.results.rows import RunRow
 from service.web import login
+from service.web.render import HERE, STATIC_FILES
+from service.web.render import page as _page
 
-HERE = Path(__file__).resolve().parent
 PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
-STATIC_FILES = {"app.js": "text/javascript", "style.css": "text/css"}
 
-templates = Jinja2Templates(directory=HERE / "templates")
 router = APIRouter(include_in_schema=False, dependencies=[Depends(require_read_page)])
 """The pages: data, behind the read check (a browser without a session goes to /login)."""
 public = APIRouter(include_in_schema=False)
 """Static files (code, no data) and the login page: reachable before logging in."""
-
-
-def _fmt_si(value: float | None, unit: str = "") -> str:
-    """1234567 -> '1.23 M' + unit; None -> '—'."""
-    if value is None:
-        return "—"
-    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}".rstrip()
-
-
-def _fmt_bytes(value: float | None) -> str:
-    """Bytes in binary units: 1536 -> '1.50 KiB'."""
-    if value is None:
-        return "—"
-    for factor, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(value) >= factor:
-            return f"{value / factor:.2f} {unit}"
-    return f"{int(value)} B"
-
-
-def _fmt_s(value: float | None) -> str:
-    if value is None:
-        return "—"
-    return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
-
-
-templates.env.filters["si"] = _fmt_si
-templates.env.filters["nbytes"] = _fmt_bytes
-templates.env.filters["secs"] = _fmt_s
-templates.env.globals["component_titles"] = COMPONENT_TITLES
-templates.env.filters["tojson_pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True)
-
-
-@cache
-def _static_version() -> str:
-    """A cache-busting tag that changes whenever a static file does."""
-    mtimes = [int((HERE / "static" / n).stat().st_mtime) for n in STATIC_FILES]
-    return str(max(mtimes))
-
-
-def _page(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
-    context.setdefault("static_version", _static_version())
-    context.setdefault("queue_problem", ray_link.queue_problem(request))  # the header says it
-    return templates.TemplateResponse(request, name, context, status_code=status_code)
 
 
 def _friendly(page: Callable[..., HTMLResponse]) -> Callable[..., HTMLResponse]:
