@@ -107,6 +107,8 @@ class RunStatus(enum.StrEnum):
 TERMINAL_STATUSES = frozenset(
     {RunStatus.succeeded, RunStatus.failed, RunStatus.oom, RunStatus.cancelled, RunStatus.timed_out}
 )
+ACTIVE_STATUSES = (RunStatus.running, RunStatus.waiting_resources)
+"""Runs a scheduler holds under a lease: a sweep with one cannot be deleted."""
 
 
 class ProbeOutcome(enum.StrEnum):
