@@ -382,7 +382,7 @@ class Artifact(Base):
 
 
 class WebSession(Base):
-    """A dashboard login (service.web.sessions): the cookie holds a random id and an HMAC of
+    """A dashboard login (service.api.sessions): the cookie holds a random id and an HMAC of
     it under the API token; the table holds the id's SHA-256, so a logout (the row deleted)
     or its expiry ends the session for real, and a database read does not yield cookies."""
 
