@@ -5,81 +5,16 @@ from __future__ import annotations
 import queue
 import sys
 import time
-from collections.abc import Callable
-from functools import wraps
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
-from pydantic import ValidationError
-from rich.console import Console
 from rich.markup import escape
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 
+from service.cli_base import CliError, app, client, db_app, err, friendly_errors, one_line, out
 from service.client import ClientError
 from service.core.config import Settings, exposure_problem
 from service.units import MS, TimeUnit, duration, plural, time_unit
-
-app = typer.Typer(
-    name="ringlab",
-    help="Run and compare long-context attention experiments on a Ray cluster.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
-app.add_typer(db_app, name="db")
-
-err = Console(stderr=True, highlight=False, soft_wrap=True)
-out = Console(highlight=False, soft_wrap=True)
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class CliError(Exception):
-    """An error to show the user as one line (and, for a file, the offending line below it)."""
-
-    def __init__(self, message: str, detail: str | None = None) -> None:
-        super().__init__(message)
-        self.detail = detail
-
-
-def _one_line(exc: BaseException) -> str:
-    if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"]) or "settings"
-        field = f"RINGLAB_{loc.upper()}" if first["loc"] else loc
-        return f"invalid setting {field}: {first['msg'].removeprefix('Value error, ')}"
-    if isinstance(exc, OperationalError):
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
-        return f"cannot reach the database: {reason}"
-    if isinstance(exc, NoSuchModuleError | ArgumentError):
-        return f"bad database URL: {exc}"
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
-def friendly_errors(fn: F) -> F:
-    """Turn known failures into one red line on stderr and exit code 1."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (
-            CliError,
-            ClientError,
-            ValidationError,
-            OperationalError,
-            NoSuchModuleError,
-            ArgumentError,
-            ConnectionError,  # Ray: no cluster at RINGLAB_RAY_ADDRESS
-        ) as e:
-            err.print(f"[red]error:[/red] {escape(_one_line(e))}")
-            if isinstance(e, CliError) and e.detail:
-                err.print(e.detail, markup=False)
-            raise typer.Exit(1) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def load_settings() -> Settings:
@@ -393,13 +328,6 @@ def demo_summary(rows: list[dict[str, Any]], most: int = 3) -> list[str]:
 # ---- client commands: talk to a running service over HTTP ----
 
 
-def client() -> Any:
-    """A client for RINGLAB_URL with RINGLAB_API_TOKEN."""
-    from service.client import Client
-
-    return Client()
-
-
 def bundled_examples() -> dict[str, Any]:
     """The example sweeps shipped in the package (service.examples = examples/*.yaml), by name."""
     from importlib.resources import files
@@ -536,7 +464,7 @@ def _follow(c: Any, sweep_id: int, events: queue.Queue[tuple[int, str, dict[str,
                 return
         events.put((sweep_id, "closed", {}))
     except Exception as e:  # shown as the sweep's one-line problem by the watching thread
-        events.put((sweep_id, "error", {"message": _one_line(e)}))
+        events.put((sweep_id, "error", {"message": one_line(e)}))
 
 
 def _live_counts(counts: dict[str, int]) -> str:
