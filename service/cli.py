@@ -548,25 +548,31 @@ def _live_counts(counts: dict[str, int]) -> str:
     return ", ".join(parts)
 
 
-def _watch(c: Any, sweep_ids: list[int]) -> None:
-    """One progress display with a line per sweep (runs done/total, running, failed), fed by
-    each sweep's event stream, until every sweep ends; exit 1 if any run failed or timed out."""
+def _follow_all(c: Any, sweep_ids: list[int]) -> queue.Queue[tuple[int, str, dict[str, Any]]]:
+    """One queue fed by a `_follow` thread per sweep."""
     import threading
 
-    from rich.progress import Progress
-
-    sweeps = {sweep_id: c.sweep(sweep_id) for sweep_id in dict.fromkeys(sweep_ids)}
-    sweep_kinds = {sweep_id: s["kind"] for sweep_id, s in sweeps.items()}
     events: queue.Queue[tuple[int, str, dict[str, Any]]] = queue.Queue()
-    for sweep_id in sweeps:
+    for sweep_id in sweep_ids:
         threading.Thread(
             target=_follow, args=(c, sweep_id, events), name=f"watch-{sweep_id}", daemon=True
         ).start()
-    names, columns = _watch_columns({i: s["name"] for i, s in sweeps.items()})
-    problems: dict[int, str] = {}
-    ended: list[int] = []
-    with Progress(*columns, console=err, transient=False) as progress:
-        tasks = {
+    return events
+
+
+class _Watcher:
+    """The progress lines of the watched sweeps, moved by their events: which sweeps ended
+    and which have a problem (deleted, a stream closed early, an error) instead."""
+
+    def __init__(
+        self, c: Any, sweeps: dict[int, dict[str, Any]], progress: Any, names: dict[int, str]
+    ) -> None:
+        self.c = c
+        self.sweeps = sweeps
+        self.progress = progress
+        self.problems: dict[int, str] = {}
+        self.ended: list[int] = []
+        self.tasks = {
             sweep_id: progress.add_task(
                 escape(names[sweep_id] if len(sweeps) > 1 else f"sweep {sweep_id}"),
                 total=s["total"],
@@ -575,47 +581,65 @@ def _watch(c: Any, sweep_ids: list[int]) -> None:
             )
             for sweep_id, s in sweeps.items()
         }
-        while len(ended) + len(problems) < len(sweeps):
-            sweep_id, event, data = events.get()
-            if event == "end" and data.get("deleted"):
-                problems[sweep_id] = f"sweep {sweep_id} was deleted while watching"
-                continue
-            if event == "closed":  # the stream closed early (a restart, a proxy): ask
-                data = c.sweep(sweep_id)
-                if not data["done"]:
-                    problems[sweep_id] = (
-                        f"the event stream of sweep {sweep_id} closed before the sweep ended "
-                        f"({data['finished']}/{data['total']} finished); watch it again: "
-                        f"ringlab watch {sweep_id}"
-                    )
-                    continue
-                event = "end"
-            if event == "error":
-                problems[sweep_id] = data["message"]
-                continue
-            if event == "run" and data.get("last_probe"):  # a search's probes, as they come
-                probe = data["last_probe"]
-                progress.console.print(
-                    f"sweep {sweep_id} run {data['id']}: probe {data['probes']}, "
-                    f"{probe['seq_len']:,} tokens {probe['outcome']}",
-                    markup=False,
+
+    def watching(self) -> bool:
+        """Whether some sweep has neither ended nor a problem."""
+        return len(self.ended) + len(self.problems) < len(self.sweeps)
+
+    def handle(self, sweep_id: int, event: str, data: dict[str, Any]) -> None:
+        """One event of one sweep's stream (see `_follow`)."""
+        if event == "end" and data.get("deleted"):
+            self.problems[sweep_id] = f"sweep {sweep_id} was deleted while watching"
+            return
+        if event == "closed":  # the stream closed early (a restart, a proxy): ask
+            data = self.c.sweep(sweep_id)
+            if not data["done"]:
+                self.problems[sweep_id] = (
+                    f"the event stream of sweep {sweep_id} closed before the sweep ended "
+                    f"({data['finished']}/{data['total']} finished); watch it again: "
+                    f"ringlab watch {sweep_id}"
                 )
-            if event in ("progress", "end") and "counts" in data:
-                sweeps[sweep_id] = data
-                progress.update(
-                    tasks[sweep_id],
-                    total=data["total"],
-                    completed=data["finished"],
-                    counts=_live_counts(data["counts"]),
-                )
-            if event == "end":
-                ended.append(sweep_id)
+                return
+            event = "end"
+        if event == "error":
+            self.problems[sweep_id] = data["message"]
+            return
+        if event == "run" and data.get("last_probe"):  # a search's probes, as they come
+            probe = data["last_probe"]
+            self.progress.console.print(
+                f"sweep {sweep_id} run {data['id']}: probe {data['probes']}, "
+                f"{probe['seq_len']:,} tokens {probe['outcome']}",
+                markup=False,
+            )
+        if event in ("progress", "end") and "counts" in data:
+            self.sweeps[sweep_id] = data
+            self.progress.update(
+                self.tasks[sweep_id],
+                total=data["total"],
+                completed=data["finished"],
+                counts=_live_counts(data["counts"]),
+            )
+        if event == "end":
+            self.ended.append(sweep_id)
+
+
+def _print_ended(
+    c: Any, sweeps: dict[int, dict[str, Any]], kinds: dict[int, str], ended: list[int]
+) -> None:
+    """A line per ended sweep with its counts; a search's answers under it."""
     for sweep_id in sweeps:
         if sweep_id in ended:
             out.print(f"sweep {sweep_id} ended: {_counts(sweeps[sweep_id]['counts'])}")
-            if sweeps[sweep_id].get("kind", sweep_kinds.get(sweep_id)) == "max_seq_len":
+            if sweeps[sweep_id].get("kind", kinds.get(sweep_id)) == "max_seq_len":
                 for line in search_answers(c, sweep_id):
                     out.print(line, markup=False)
+
+
+def _watch_exit(
+    sweeps: dict[int, dict[str, Any]], ended: list[int], problems: dict[int, str]
+) -> None:
+    """Say how many runs failed or timed out; CliError with the problems, else exit 1 if
+    any run failed."""
     bad = {i: sum(sweeps[i]["counts"].get(s, 0) for s in FAILED_STATES) for i in ended}
     failing = [i for i, n in bad.items() if n]
     if failing:
@@ -625,6 +649,23 @@ def _watch(c: Any, sweep_ids: list[int]) -> None:
         raise CliError("; ".join(problems[i] for i in sweeps if i in problems))
     if failing:
         raise typer.Exit(1)
+
+
+def _watch(c: Any, sweep_ids: list[int]) -> None:
+    """One progress display with a line per sweep (runs done/total, running, failed), fed by
+    each sweep's event stream, until every sweep ends; exit 1 if any run failed or timed out."""
+    from rich.progress import Progress
+
+    sweeps = {sweep_id: c.sweep(sweep_id) for sweep_id in dict.fromkeys(sweep_ids)}
+    sweep_kinds = {sweep_id: s["kind"] for sweep_id, s in sweeps.items()}
+    events = _follow_all(c, list(sweeps))
+    names, columns = _watch_columns({i: s["name"] for i, s in sweeps.items()})
+    with Progress(*columns, console=err, transient=False) as progress:
+        watcher = _Watcher(c, sweeps, progress, names)
+        while watcher.watching():
+            watcher.handle(*events.get())
+    _print_ended(c, sweeps, sweep_kinds, watcher.ended)
+    _watch_exit(sweeps, watcher.ended, watcher.problems)
 
 
 def _watch_columns(names: dict[int, str]) -> tuple[dict[int, str], tuple[Any, ...]]:
