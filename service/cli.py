@@ -266,6 +266,54 @@ def scheduler() -> None:
 DEMO_EXAMPLE = "cpu-quick.yaml"
 
 
+def _demo_settings(port: int, database_url: str | None) -> Settings:
+    """The demo's settings: a local Ray, on 127.0.0.1:port, with `database_url` when given."""
+    overrides: dict[str, Any] = {"ray_address": None, "host": "127.0.0.1", "port": port}
+    if database_url:
+        overrides["database_url"] = database_url
+    settings = Settings(**overrides)
+    if problem := exposure_problem(settings, "127.0.0.1"):
+        raise CliError(problem)
+    return settings
+
+
+def _submit_demo(base: str, spec: dict[str, Any], give_up: Callable[[str], None]) -> None:
+    """Wait for the service at `base` (120 s at most), submit the demo sweep, say where to
+    see it, then follow it to its end (announce_end); `give_up(reason)` when either fails."""
+    from service.client import Client
+
+    with Client(base) as client:
+        deadline = time.monotonic() + 120
+        while not client.healthy():
+            if time.monotonic() > deadline:
+                give_up(f"the service did not answer at {base} in 120 s")
+                return
+            time.sleep(0.5)
+        try:
+            sweep = client.submit(spec)
+        except ClientError as e:
+            give_up(f"could not submit {DEMO_EXAMPLE}: {e}")
+            return
+        runs = plural(sweep["total"], "run")
+        out.print(
+            f"[bold]demo sweep {sweep['id']}[/bold] ({runs}) submitted.\n"
+            f"Dashboard: {client.dashboard_url(sweep['id'])}\n"
+            f"Terminal:  RINGLAB_URL={base} ringlab watch {sweep['id']}\n"
+            "Ctrl-C stops the service."
+        )
+        announce_end(client, sweep["id"])
+
+
+def _demo_access_log(access_log: Path | None) -> Path:
+    """Where uvicorn's access lines go (its folder made): `access_log`, else
+    demo-access.log in the user's data dir."""
+    from platformdirs import user_data_dir
+
+    log_file = access_log or Path(user_data_dir("ringlab")) / "demo-access.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    return log_file
+
+
 @app.command(
     help="Start the service with a local CPU Ray, submit cpu-quick.yaml, keep serving until "
     f"Ctrl-C. Prints the dashboard and database URLs first. {DATABASE_RULE}"
@@ -291,16 +339,7 @@ def demo(
     import signal
     import threading
 
-    from platformdirs import user_data_dir
-
-    from service.client import Client
-
-    overrides: dict[str, Any] = {"ray_address": None, "host": "127.0.0.1", "port": port}
-    if database_url:
-        overrides["database_url"] = database_url
-    settings = Settings(**overrides)
-    if problem := exposure_problem(settings, "127.0.0.1"):
-        raise CliError(problem)
+    settings = _demo_settings(port, database_url)
     (spec,) = load_specs(DEMO_EXAMPLE)
     base = f"http://127.0.0.1:{port}"
 
@@ -312,37 +351,16 @@ def demo(
         failure.append(reason)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    def submit_when_ready() -> None:
-        with Client(base) as client:
-            deadline = time.monotonic() + 120
-            while not client.healthy():
-                if time.monotonic() > deadline:
-                    give_up(f"the service did not answer at {base} in 120 s")
-                    return
-                time.sleep(0.5)
-            try:
-                sweep = client.submit(spec)
-            except ClientError as e:
-                give_up(f"could not submit {DEMO_EXAMPLE}: {e}")
-                return
-            runs = plural(sweep["total"], "run")
-            out.print(
-                f"[bold]demo sweep {sweep['id']}[/bold] ({runs}) submitted.\n"
-                f"Dashboard: {client.dashboard_url(sweep['id'])}\n"
-                f"Terminal:  RINGLAB_URL={base} ringlab watch {sweep['id']}\n"
-                "Ctrl-C stops the service."
-            )
-            announce_end(client, sweep["id"])
-
     how = "pick another: PORT={port} make run, or ringlab demo --port {port}"
     sockets = _start_serving(settings, "127.0.0.1", port, how)
-    log_file = access_log or Path(user_data_dir("ringlab")) / "demo-access.log"
-    log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file = _demo_access_log(access_log)
     out.print(f"starting ringlab on {base} with a local Ray on CPU")
     out.print(f"access log: {log_file} (each page view; ringlab demo --access-log PATH)")
     from service.app import run_server
 
-    threading.Thread(target=submit_when_ready, name="demo-submit", daemon=True).start()
+    threading.Thread(
+        target=_submit_demo, args=(base, spec, give_up), name="demo-submit", daemon=True
+    ).start()
     run_server(
         settings,
         host="127.0.0.1",
