@@ -31,9 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from attention.base import Kernel, KernelMemory, check_qkv, qkv_bytes
+from attention.base import KernelMemory, qkv_bytes
 from attention.errors import ParamError
 from attention.registry import (
     KERNELS,
@@ -44,8 +43,8 @@ from attention.registry import (
     structural_periods,
 )
 from attention.ring.collectives import ToHeads, ToTokens
-from attention.ring.comm import check_backend, check_same_call, rank_and_world, resolve_group
-from attention.ring.dense import check_group
+from attention.ring.comm import rank_and_world
+from attention.ring.sharded import ShardedKernel, check_group
 from attention.ring.steps import clock
 from attention.segments import global_heads
 
@@ -176,7 +175,7 @@ def tokens_exchange(
         return ToTokens.apply(y, members, me, group, 0)  # type: ignore[no-any-return]
 
 
-class UlyssesAttention(Kernel):
+class UlyssesAttention(ShardedKernel):
     """Exact (inner-kernel) attention on this rank's contiguous shard of every head."""
 
     world_size: int | None = None
@@ -225,16 +224,9 @@ class UlyssesAttention(Kernel):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
-        group = resolve_group(self.params.group)
-        check_backend(group, q.device)
-        world = dist.get_world_size(group)
-
-        def local_check() -> None:
-            check_qkv(q, k, v)
-            check_heads(q.shape[2], k.shape[2], world, "world_size")
-
-        check_same_call(group, q, causal, self.params, local_check=local_check)
-        rank = dist.get_rank(group)
+        group, rank, world = self.join(
+            q, k, v, causal, lambda world: check_heads(q.shape[2], k.shape[2], world, "world_size")
+        )
         members = tuple(range(world))
         heads = q.shape[2]
         k, v = replicate_kv(k, world), replicate_kv(v, world)

@@ -26,19 +26,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from attention import primitive
-from attention.base import Kernel, KernelMemory, attention_flops, check_qkv, qkv_bytes
+from attention.base import KernelMemory, qkv_bytes
 from attention.errors import ParamError
 from attention.layouts import check_seq_len
-from attention.layouts import positions as layout_positions
 from attention.registry import KernelSpec, register
 from attention.ring.allgather import check_sp_layout
 from attention.ring.collectives import ToHeads, ToTokens
-from attention.ring.comm import check_backend, check_same_call, rank_and_world, resolve_group
-from attention.ring.dense import check_group, default_layout, dense_plan
+from attention.ring.comm import rank_and_world
+from attention.ring.dense import dense_plan
 from attention.ring.engine import PIECE_BYTES, piece_size, ring_attention
+from attention.ring.sharded import ShardedKernel, check_group, default_layout
 from attention.ring.steps import clock
 from attention.ring.ulysses import check_heads, replicate_kv
 
@@ -81,7 +80,7 @@ def group_order(layout: str, u: int, n: int) -> torch.Tensor | None:
     return torch.tensor(first + second)
 
 
-class UspAttention(Kernel):
+class UspAttention(ShardedKernel):
     """Exact attention on this rank's shard: Ulysses within its group, a ring across groups."""
 
     world_size: int | None = None
@@ -119,27 +118,17 @@ class UspAttention(Kernel):
             inputs_saved=u == 1,
         )
 
-    def local_positions(
-        self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
-    ) -> torch.Tensor:
-        layout = default_layout(self.params.layout, causal)
-        return layout_positions(seq_len, layout, rank, world_size)
-
     def _setup(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):  # type: ignore[no-untyped-def]
-        group = resolve_group(self.params.group)
-        check_backend(group, q.device)
-        world = dist.get_world_size(group)
         u = self.params.ulysses_degree
 
-        def local_check() -> None:
+        def check(world: int) -> None:
             check_degree(self.params, world)
-            check_qkv(q, k, v)
             check_heads(q.shape[2], k.shape[2], u, "params.ulysses_degree")
 
-        check_same_call(group, q, causal, self.params, local_check=local_check)
+        group, rank, world = self.join(q, k, v, causal, check)
         layout = default_layout(self.params.layout, causal)
         check_seq_len(q.shape[1] * world, layout, world)
-        return group, dist.get_rank(group), world, u, layout
+        return group, rank, world, u, layout
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
@@ -166,23 +155,12 @@ class UspAttention(Kernel):
         with clock.step("forward", ring):
             return ToTokens.apply(out, members, rank, group, 0)  # type: ignore[no-any-return]
 
-    def flops(
-        self,
-        batch: int,
-        seq_len: int,
-        num_heads: int,
-        head_dim: int,
-        causal: bool = False,
-        backward: bool = False,
-    ) -> int:
-        """FLOPs of this rank for a local shard of `seq_len` tokens: its ring plan's pairs over
-        its group's U x seq_len tokens for H / U heads."""
-        rank, world = rank_and_world(self.params.group)
+    def rank_pairs(self, seq_len: int, num_heads: int, causal: bool, rank: int, world: int) -> int:
+        """Its ring plan's pairs over its group's U x seq_len tokens for H / U heads."""
         u = self.params.ulysses_degree
         layout = default_layout(self.params.layout, causal)
         plan = dense_plan(layout, causal, rank // u, world // u, seq_len * u)
-        pairs = sum(b.pairs() for step in plan for b in step)
-        return attention_flops(batch * num_heads * pairs // u, head_dim, backward=backward)
+        return num_heads * sum(b.pairs() for step in plan for b in step) // u
 
 
 def ring_piece_bytes(
