@@ -159,8 +159,7 @@ class AllGatherKV(ShardedKernel):
     span fewer keys than the whole length, so their dK/dV buffers are smaller."""
 
     def __init__(self, params: AllGatherParams | None = None) -> None:
-        super().__init__()
-        self.params = params or AllGatherParams()
+        super().__init__(params or AllGatherParams())
 
     def memory_model(
         self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int

@@ -282,8 +282,7 @@ class RingBlockSparseAttention(ShardedKernel):
     """
 
     def __init__(self, params: RingBlockSparseParams) -> None:
-        super().__init__()
-        self.params = params
+        super().__init__(params)
         self.layout = params.layout
         self._twin = BlockSparseAttention(params.twin())
 

@@ -126,8 +126,7 @@ class RingAttention(ShardedKernel):
     """Exact attention on this rank's shard: `module(q, k, v, *, causal=False) -> out_local`."""
 
     def __init__(self, params: RingParams | None = None) -> None:
-        super().__init__()
-        self.params = params or RingParams()
+        super().__init__(params or RingParams())
         self.layout = self.params.layout
 
     def forward(

@@ -294,24 +294,17 @@ def _ring_dilated(
     until every span and far segment has merged into every row."""
 
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if cuda:
-            out, lse = empty_result(q)
-            with clock.step("forward", 0):
-                _cuda_local_forward(q, k, v, out, lse, spans, causal)
-            for i, far in enumerate(fars, 1):
-                with clock.step("forward", i):
-                    _far_forward(q, k, v, out, lse, far, rank, causal)
-            return out, lse
-        if not fars:
+        if not cuda and not fars:
 
             def fill(c0: int, c1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
                 forward_rows(q, k, v, out, lse, spans, causal, window=(c0, c1))
 
             with clock.step("forward", 0):
                 return primitive.windowed_result(q, fill, primitive.windows(q.shape[1], q.dtype))
+        local_forward = _cuda_local_forward if cuda else forward_rows
         out, lse = empty_result(q)
         with clock.step("forward", 0):
-            forward_rows(q, k, v, out, lse, spans, causal)
+            local_forward(q, k, v, out, lse, spans, causal)
         for i, far in enumerate(fars, 1):
             with clock.step("forward", i):
                 _far_forward(q, k, v, out, lse, far, rank, causal)
@@ -340,8 +333,7 @@ class RingDilatedAttention(ShardedKernel):
     """
 
     def __init__(self, params: RingDilatedParams | None = None) -> None:
-        super().__init__()
-        self.params = params or RingDilatedParams()
+        super().__init__(params or RingDilatedParams())
         self.layout = self.params.layout or "contiguous"
 
     def local_positions(

@@ -42,7 +42,7 @@ from attention.registry import (
     register,
     structural_periods,
 )
-from attention.ring.collectives import ToHeads, ToTokens
+from attention.ring.collectives import heads_of, tokens_of
 from attention.ring.comm import rank_and_world
 from attention.ring.sharded import ShardedKernel, check_group
 from attention.ring.steps import clock
@@ -162,17 +162,17 @@ def _window(window: tuple[int, int] | None) -> Iterator[None]:
 def heads_exchange(
     x: torch.Tensor, members: tuple[int, ...], me: int, group: Any, step: int
 ) -> torch.Tensor:
-    """ToHeads under forward step `step` (its backward is backward step 2)."""
+    """heads_of under forward step `step` (its backward is backward step 2)."""
     with clock.step("forward", step):
-        return ToHeads.apply(x, members, me, group, 2)  # type: ignore[no-any-return]
+        return heads_of(x, members, me, group, 2)
 
 
 def tokens_exchange(
     y: torch.Tensor, members: tuple[int, ...], me: int, group: Any, step: int
 ) -> torch.Tensor:
-    """ToTokens under forward step `step` (its backward is backward step 0)."""
+    """tokens_of under forward step `step` (its backward is backward step 0)."""
     with clock.step("forward", step):
-        return ToTokens.apply(y, members, me, group, 0)  # type: ignore[no-any-return]
+        return tokens_of(y, members, me, group, 0)
 
 
 class UlyssesAttention(ShardedKernel):
@@ -183,8 +183,7 @@ class UlyssesAttention(ShardedKernel):
     sets it: workers.model_memory); None: the process group's."""
 
     def __init__(self, params: UlyssesParams | None = None) -> None:
-        super().__init__()
-        self.params = params or UlyssesParams()
+        super().__init__(params or UlyssesParams())
         self.inner = build(self.params.inner, **self.params.inner_params())
 
     def memory_model(

@@ -33,7 +33,7 @@ from attention.errors import ParamError
 from attention.layouts import check_seq_len
 from attention.registry import KernelSpec, register
 from attention.ring.allgather import check_sp_layout
-from attention.ring.collectives import ToHeads, ToTokens
+from attention.ring.collectives import heads_of, tokens_of
 from attention.ring.comm import rank_and_world
 from attention.ring.dense import dense_plan
 from attention.ring.engine import PIECE_BYTES, piece_size, ring_attention
@@ -88,8 +88,7 @@ class UspAttention(ShardedKernel):
     sets it: workers.model_memory); None: the process group's."""
 
     def __init__(self, params: UspParams | None = None) -> None:
-        super().__init__()
-        self.params = params or UspParams()
+        super().__init__(params or UspParams())
 
     def memory_model(
         self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int
@@ -139,7 +138,7 @@ class UspAttention(ShardedKernel):
         members = tuple(g * u + i for i in range(u))
         k, v = replicate_kv(k, u), replicate_kv(v, u)
         with clock.step("forward", 0):
-            qh, kh, vh = (ToHeads.apply(t, members, rank, group, ring + 1) for t in (q, k, v))
+            qh, kh, vh = (heads_of(t, members, rank, group, ring + 1) for t in (q, k, v))
         order = group_order(layout, u, q.shape[1])
         if order is not None:
             qh, kh, vh = (t[:, order] for t in (qh, kh, vh))
@@ -153,7 +152,7 @@ class UspAttention(ShardedKernel):
         if order is not None:
             out = out[:, torch.argsort(order)]
         with clock.step("forward", ring):
-            return ToTokens.apply(out, members, rank, group, 0)  # type: ignore[no-any-return]
+            return tokens_of(out, members, rank, group, 0)
 
     def rank_pairs(self, seq_len: int, num_heads: int, causal: bool, rank: int, world: int) -> int:
         """Its ring plan's pairs over its group's U x seq_len tokens for H / U heads."""
