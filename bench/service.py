@@ -222,8 +222,8 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def main() -> None:
-    args = parse()
+def _print_setup(args: argparse.Namespace) -> None:
+    """The machine, its load, the database and how the service is served."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"setup: {os.cpu_count()} CPUs (load average {load}), Postgres at ")
     print(
@@ -231,6 +231,59 @@ def main() -> None:
     )
     where = "a subprocess (run_server)" if args.separate_process else "a thread of this process"
     print(f"       served from {where}; times measured at the client")
+
+
+def _bench_posts(http: httpx.Client, posts: int) -> None:
+    """Time `posts` POSTs of a 10,000-cell sweep, and validation + expansion alone (3 times,
+    in this process); one line (SystemExit when a POST fails)."""
+    post_s = []
+    for n in range(posts):
+        body = spec_10k(n)
+        t0 = time.perf_counter()
+        r = http.post(f"{API}/sweeps", json=body)
+        post_s.append(time.perf_counter() - t0)
+        if r.status_code != 201 or r.json()["total"] != 10_000:
+            raise SystemExit(f"POST failed: {r.status_code} {r.text[:300]}")
+    expand_s = []
+    for n in range(3):  # the validation + expansion share of a POST, in this process
+        t0 = time.perf_counter()
+        assert len(expand(SweepSpec.model_validate(spec_10k(n)))) == 10_000
+        expand_s.append(time.perf_counter() - t0)
+    print(
+        f"POST /sweeps, 10,000 cells: {len(post_s)} requests; median "
+        f"{statistics.median(post_s):.3f} s, min {min(post_s):.3f} s, max "
+        f"{max(post_s):.3f} s (target <= 1 s); of which validation + expansion "
+        f"alone: median {statistics.median(expand_s):.3f} s over {len(expand_s)} runs"
+    )
+
+
+def _bench_pages(http: httpx.Client, args: argparse.Namespace, total: int) -> None:
+    """Walk each of FILTERS by cursor (--depth pages of --limit runs, after a warm-up), a line
+    per filter and one for every request together."""
+    for f in FILTERS[:3]:  # warm the connection pool and plans
+        http.get(f"{API}/runs", params={**f, "limit": args.limit}).raise_for_status()
+    get_s: list[float] = []
+    for f in FILTERS:
+        if f.get("sweep_id") == "first filled":
+            f = {**f, "sweep_id": args.posts + 1}
+        times, matched, walked = walk_pages(http, f, args.limit, args.depth)
+        get_s += times
+        print(
+            f"  {canonical_json(f)}: {matched} match; {walked:,} pages of "
+            f"{args.limit} walked by cursor, p50 {pct(times, 0.5) * 1e3:.1f} ms, p95 "
+            f"{pct(times, 0.95) * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms"
+        )
+    print(
+        f"GET /runs pages of {args.limit} with {total:,} runs, up to {args.depth} pages "
+        f"deep: {len(get_s):,} requests; p50 {pct(get_s, 0.5) * 1e3:.1f} ms, p95 "
+        f"{pct(get_s, 0.95) * 1e3:.1f} ms, max {max(get_s) * 1e3:.1f} ms (target p95 "
+        f"<= 50 ms at 100,000 runs, <= 100 ms at 1,000,000)"
+    )
+
+
+def main() -> None:
+    args = parse()
+    _print_setup(args)
     with fresh_schema(args.database_url) as url:
         engine = make_engine(url)
         if args.separate_process:
@@ -239,49 +292,12 @@ def main() -> None:
             server = serve(create_app(Settings(database_url=url)))
         with server as base, httpx.Client(base_url=base, timeout=120) as http:
             assert http.get(f"{API}/healthz").status_code == 200
-            post_s = []
-            for n in range(args.posts):
-                body = spec_10k(n)
-                t0 = time.perf_counter()
-                r = http.post(f"{API}/sweeps", json=body)
-                post_s.append(time.perf_counter() - t0)
-                if r.status_code != 201 or r.json()["total"] != 10_000:
-                    raise SystemExit(f"POST failed: {r.status_code} {r.text[:300]}")
-            expand_s = []
-            for n in range(3):  # the validation + expansion share of a POST, in this process
-                t0 = time.perf_counter()
-                assert len(expand(SweepSpec.model_validate(spec_10k(n)))) == 10_000
-                expand_s.append(time.perf_counter() - t0)
-            print(
-                f"POST /sweeps, 10,000 cells: {len(post_s)} requests; median "
-                f"{statistics.median(post_s):.3f} s, min {min(post_s):.3f} s, max "
-                f"{max(post_s):.3f} s (target <= 1 s); of which validation + expansion "
-                f"alone: median {statistics.median(expand_s):.3f} s over {len(expand_s)} runs"
-            )
-
+            _bench_posts(http, args.posts)
             t0 = time.perf_counter()
             total = fill_runs(make_sessionmaker(engine), args.runs)
             fill_s = time.perf_counter() - t0
             print(f"run table: {total:,} runs (bulk fill + VACUUM ANALYZE {fill_s:.1f} s)")
-            for f in FILTERS[:3]:  # warm the connection pool and plans
-                http.get(f"{API}/runs", params={**f, "limit": args.limit}).raise_for_status()
-            get_s: list[float] = []
-            for f in FILTERS:
-                if f.get("sweep_id") == "first filled":
-                    f = {**f, "sweep_id": args.posts + 1}
-                times, matched, walked = walk_pages(http, f, args.limit, args.depth)
-                get_s += times
-                print(
-                    f"  {canonical_json(f)}: {matched} match; {walked:,} pages of "
-                    f"{args.limit} walked by cursor, p50 {pct(times, 0.5) * 1e3:.1f} ms, p95 "
-                    f"{pct(times, 0.95) * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms"
-                )
-            print(
-                f"GET /runs pages of {args.limit} with {total:,} runs, up to {args.depth} pages "
-                f"deep: {len(get_s):,} requests; p50 {pct(get_s, 0.5) * 1e3:.1f} ms, p95 "
-                f"{pct(get_s, 0.95) * 1e3:.1f} ms, max {max(get_s) * 1e3:.1f} ms (target p95 "
-                f"<= 50 ms at 100,000 runs, <= 100 ms at 1,000,000)"
-            )
+            _bench_pages(http, args, total)
             report_offsets(http, args)
             engine.dispose()
 

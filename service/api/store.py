@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Select, delete, exists, func, insert, select, update
@@ -136,6 +137,30 @@ def _insert_runs(session: Session, rows: list[dict[str, Any]]) -> None:
             )  # fmt: skip
 
 
+def _add_runs(session: Session, sweep: Sweep, cells: Iterable[Cell], now: datetime) -> int:
+    """Add `sweep` (flushed at the first cell, whose config becomes its base_config) and a run
+    per cell, inserted INSERT_CHUNK at a time as cells come; how many runs. Commits nothing."""
+    stored = 0
+    chunk: list[dict[str, Any]] = []
+    for cell in cells:
+        if sweep.base_config is None:
+            sweep.base_config = cell.config_json
+            session.add(sweep)
+            session.flush()
+        assert sweep.base_config is not None  # for mypy: set just above
+        chunk.append(_run_row(sweep.id, cell, sweep.base_config, now))
+        if len(chunk) == INSERT_CHUNK:
+            _insert_runs(session, chunk)
+            stored += len(chunk)
+            chunk = []
+    if chunk:
+        _insert_runs(session, chunk)
+        stored += len(chunk)
+    if sweep.base_config is None:  # no cells at all
+        session.add(sweep)
+    return stored
+
+
 def create_sweep(
     session: Session,
     spec: SweepSpec,
@@ -165,25 +190,8 @@ def create_sweep(
         created_at=now,
         submitter=submitter,
     )
-    stored = 0
     try:
-        chunk: list[dict[str, Any]] = []
-        for cell in cells:
-            if sweep.base_config is None:
-                sweep.base_config = cell.config_json
-                session.add(sweep)
-                session.flush()
-            assert sweep.base_config is not None  # for mypy: set just above
-            chunk.append(_run_row(sweep.id, cell, sweep.base_config, now))
-            if len(chunk) == INSERT_CHUNK:
-                _insert_runs(session, chunk)
-                stored += len(chunk)
-                chunk = []
-        if chunk:
-            _insert_runs(session, chunk)
-            stored += len(chunk)
-        if sweep.base_config is None:  # no cells at all
-            session.add(sweep)
+        stored = _add_runs(session, sweep, cells, now)
         session.commit()
     except IntegrityError:
         session.rollback()
