@@ -143,10 +143,10 @@ def capped_count(session: Session, query: Select[Any]) -> tuple[int, bool]:
 
 
 COUNT_LABEL = "matched"
-"""The column with_count adds to a page's rows."""
+"""The column counted adds to a page's rows."""
 
 
-def with_count(statement: Select[Any], query: Select[Any]) -> Select[Any]:
+def counted(statement: Select[Any], query: Select[Any]) -> Select[Any]:
     """`statement` (a page) with the capped count of `query` as one more column, COUNT_LABEL:
     the page and its count in one round trip. The count is an uncorrelated subquery, which
     Postgres (an InitPlan) and SQLite both run once per statement, not once per row."""
@@ -154,7 +154,7 @@ def with_count(statement: Select[Any], query: Select[Any]) -> Select[Any]:
 
 
 def count_of(session: Session, rows: list[Any], query: Select[Any]) -> tuple[int, bool]:
-    """The capped count of `query` as a with_count page's rows carry it; counted on its own
+    """The capped count of `query` as a `counted` page's rows carry it; counted on its own
     only when the page has no row to carry it (a filter that matches nothing, a skip past the
     end)."""
     if rows:

@@ -376,7 +376,7 @@ def list_sweeps(
         limit=limit,
     )  # fmt: skip
     rows, next_cursor = pages.page_of(
-        session, pages.with_count(statement, query), sort="-id", column=Sweep.id,
+        session, pages.counted(statement, query), sort="-id", column=Sweep.id,
         id_column=Sweep.id, limit=limit,
     )  # fmt: skip
     count, exact = pages.count_of(session, rows, query)
@@ -480,12 +480,12 @@ def list_runs(
     plain row dicts; with their capped count unless `with_count` is False (a client paging on
     already has it: the page then costs no count).
 
-    One statement either way: the count rides on the page's rows (pages.with_count), so a
+    One statement either way: the count rides on the page's rows (pages.counted), so a
     counted page costs one round trip and one indexed count, not two queries."""
     statement = page_query(filters, sort, limit=limit, cursor=cursor, skip=skip)
     matching = select(Run.id).where(*filters.clauses())
     rows, next_cursor = pages.page_of(
-        session, pages.with_count(statement, matching) if with_count else statement, sort=sort,
+        session, pages.counted(statement, matching) if with_count else statement, sort=sort,
         column=RUN_SORT_KEYS[sort.removeprefix("-")], id_column=Run.id, limit=limit,
     )  # fmt: skip
     count, exact = pages.count_of(session, rows, matching) if with_count else (None, False)
