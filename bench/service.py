@@ -5,7 +5,9 @@ Starts uvicorn in-process on a free port, on a fresh Postgres schema (dropped at
    timing each request at the client (validation, expansion, bulk insert, commit, response);
 2. bulk-inserts runs directly until the run table holds --runs rows (mixed kernels, states,
    world sizes, dtypes), VACUUM ANALYZEs it, and for each of FILTERS walks up to --depth pages of
-   --limit runs by following each page's `next` cursor, timing every request.
+   --limit runs by following each page's `next` cursor, timing every request;
+3. reads --offsets pages by `skip` per filter in each of OFFSET_BANDS, with the count and with
+   count=false, each followed at once by the page at the same depth by a cursor kept from 2.
 
     RINGLAB_TEST_POSTGRES_URL=postgresql://postgres@127.0.0.1:5432/test \\
         .venv/bin/python bench/service.py [--posts 5] [--runs 100000] [--depth 200] [--limit 50]
@@ -257,16 +259,18 @@ def _bench_posts(http: httpx.Client, posts: int) -> None:
     )
 
 
-def _bench_pages(http: httpx.Client, args: argparse.Namespace, total: int) -> None:
+def _bench_pages(http: httpx.Client, args: argparse.Namespace, total: int) -> dict[str, list[str]]:
     """Walk each of FILTERS by cursor (--depth pages of --limit runs, after a warm-up), a line
-    per filter and one for every request together."""
+    per filter and one for every request together; returns the cursors the walks met, by
+    filter (report_offsets compares the pages by skip with them)."""
     for f in FILTERS[:3]:  # warm the connection pool and plans
         http.get(f"{API}/runs", params={**f, "limit": args.limit}).raise_for_status()
     get_s: list[float] = []
+    cursors: dict[str, list[str]] = {}
     for f in FILTERS:
         if f.get("sweep_id") == "first filled":
             f = {**f, "sweep_id": args.posts + 1}
-        times, matched, walked = walk_pages(http, f, args.limit, args.depth)
+        times, matched, walked = walk_pages(http, f, args.limit, args.depth, cursors)
         get_s += times
         print(
             f"  {canonical_json(f)}: {matched} match; {walked:,} pages of "
@@ -279,6 +283,7 @@ def _bench_pages(http: httpx.Client, args: argparse.Namespace, total: int) -> No
         f"{pct(get_s, 0.95) * 1e3:.1f} ms, max {max(get_s) * 1e3:.1f} ms (target p95 "
         f"<= 50 ms at 100,000 runs, <= 100 ms at 1,000,000)"
     )
+    return cursors
 
 
 def main() -> None:
@@ -297,8 +302,8 @@ def main() -> None:
             total = fill_runs(make_sessionmaker(engine), args.runs)
             fill_s = time.perf_counter() - t0
             print(f"run table: {total:,} runs (bulk fill + VACUUM ANALYZE {fill_s:.1f} s)")
-            _bench_pages(http, args, total)
-            report_offsets(http, args)
+            cursors = _bench_pages(http, args, total)
+            report_offsets(http, args, cursors)
             engine.dispose()
 
 
@@ -306,40 +311,62 @@ OFFSET_BANDS = [(0, 2_000), (2_000, 10_000)]
 """The depths a page by `skip` is read at: a UI's first pages, then deep ones (MAX_SKIP)."""
 
 
-def report_offsets(http: httpx.Client, args: argparse.Namespace) -> None:
+def report_offsets(
+    http: httpx.Client, args: argparse.Namespace, cursors: dict[str, list[str]]
+) -> None:
     """For each depth band, pages by `skip` at evenly spread offsets of every filter, with the
-    count (the first page of a listing) and without it (`count=false`: a client that has it)."""
+    count (the first page of a listing) and without it (`count=false`: a client that has it);
+    each followed at once by the page at the same depth by cursor (one walk_pages kept), so
+    both are timed under the same load."""
     for lo, hi in OFFSET_BANDS:
         for with_count in (True, False):
-            times: list[float] = []
+            by_skip: list[float] = []
+            by_cursor: list[float] = []
             for f in FILTERS:
                 if f.get("sweep_id") == "first filled":
                     f = {**f, "sweep_id": args.posts + 1}
+                walked = cursors[canonical_json(f)]
                 for i in range(args.offsets):
                     skip = lo + (hi - lo) * i // args.offsets
-                    query = {**f, "limit": args.limit, "skip": skip}
+                    query = {**f, "limit": args.limit}
                     if not with_count:
                         query["count"] = "false"
-                    t0 = time.perf_counter()
-                    http.get(f"{API}/runs", params=query).raise_for_status()
-                    times.append(time.perf_counter() - t0)
+                    by_skip.append(timed_get(http, {**query, "skip": skip}))
+                    page = skip // args.limit
+                    if 0 < page <= len(walked):  # the walk reached this depth
+                        by_cursor.append(timed_get(http, {**query, "cursor": walked[page - 1]}))
             label = "with count" if with_count else "count=false"
             print(
-                f"GET /runs by skip in [{lo:,}, {hi:,}), {label}: {len(times):,} requests over "
-                f"{len(FILTERS)} filters; p50 {pct(times, 0.5) * 1e3:.1f} ms, p95 "
-                f"{pct(times, 0.95) * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms "
-                f"(target p95 <= 50 ms under 2,000)"
+                f"GET /runs at depth [{lo:,}, {hi:,}), {label}, {len(FILTERS)} filters: by skip "
+                f"{len(by_skip):,} requests, p50 {pct(by_skip, 0.5) * 1e3:.1f} ms, p95 "
+                f"{pct(by_skip, 0.95) * 1e3:.1f} ms, max {max(by_skip) * 1e3:.1f} ms (target "
+                f"p95 <= 50 ms under 2,000); by cursor at the same depths {len(by_cursor):,} "
+                f"requests, p50 {pct(by_cursor, 0.5) * 1e3:.1f} ms, p95 "
+                f"{pct(by_cursor, 0.95) * 1e3:.1f} ms"
             )
 
 
+def timed_get(http: httpx.Client, params: dict[str, Any]) -> float:
+    """Seconds one GET /runs took, at the client; a failed request stops the bench."""
+    t0 = time.perf_counter()
+    http.get(f"{API}/runs", params=params).raise_for_status()
+    return time.perf_counter() - t0
+
+
 def walk_pages(
-    http: httpx.Client, params: dict[str, Any], limit: int, depth: int
+    http: httpx.Client,
+    params: dict[str, Any],
+    limit: int,
+    depth: int,
+    cursors: dict[str, list[str]],
 ) -> tuple[list[float], str, int]:
     """Follow `next` from the first page for up to `depth` pages: each request's time, the
-    count as the API labels it, and the pages walked."""
+    count as the API labels it, and the pages walked. The `next` of each page goes into
+    cursors[canonical_json(params)] (the k-th opens the page at row (k + 1) * limit)."""
     times: list[float] = []
     cursor: str | None = None
     matched = "?"
+    kept = cursors.setdefault(canonical_json(params), [])
     for _ in range(depth):
         query = {**params, "limit": limit, **({"cursor": cursor} if cursor else {})}
         t0 = time.perf_counter()
@@ -352,6 +379,7 @@ def walk_pages(
         cursor = body["next"]
         if cursor is None:
             break
+        kept.append(cursor)
     return times, matched, len(times)
 
 
