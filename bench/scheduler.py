@@ -29,7 +29,7 @@ from bench.service import fresh_schema
 from service.core.config import normalize_database_url
 from service.db.engine import make_engine, make_sessionmaker
 from service.db.migrate import upgrade
-from service.db.models import Run, RunStatus, Sweep, SweepKind
+from service.db.models import Run, RunStatus, Sweep, SweepKind, run_config_columns
 from service.scheduler import RunTrace, Scheduler
 from workers.config import RunConfig
 from workers.gang import GangPool
@@ -113,12 +113,7 @@ def enqueue(sm: Any, configs: list[RunConfig]) -> None:
                     sweep=sweep,
                     cell_key=f"bench-{i}",
                     config=c.model_dump(mode="json"),
-                    kernel=c.kernel,
-                    seq_len=c.seq_len,
-                    world_size=c.world_size,
-                    dtype=c.dtype,
-                    mode=c.mode,
-                    causal=c.causal,
+                    **run_config_columns(c),
                 )
             )
 

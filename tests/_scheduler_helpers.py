@@ -16,7 +16,15 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db.models import DEFAULT_SUBMITTER, RankResult, Run, RunStatus, Sweep, SweepKind
+from service.db.models import (
+    DEFAULT_SUBMITTER,
+    RankResult,
+    Run,
+    RunStatus,
+    Sweep,
+    SweepKind,
+    run_config_columns,
+)
 from workers.config import RunConfig
 from workers.errors import Infeasible, RankFailed
 from workers.results import EnvironmentInfo, ProbeResult, RunOutcome
@@ -54,12 +62,7 @@ def add_sweep(
                 sweep=sweep,
                 cell_key=f"cell-{i}",
                 config=c.model_dump(mode="json"),
-                kernel=c.kernel,
-                seq_len=c.seq_len,
-                world_size=c.world_size,
-                dtype=c.dtype,
-                mode=c.mode,
-                causal=c.causal,
+                **run_config_columns(c),
                 status=RunStatus.queued,
                 attempts=0,
             )

@@ -18,6 +18,7 @@ from service.db.engine import rowcount
 from service.db.models import (
     ACTIVE_STATUSES,
     DEFAULT_SUBMITTER,
+    RUN_CONFIG_COLUMNS,
     TERMINAL_STATUSES,
     Artifact,
     MemoryComponent,
@@ -29,6 +30,7 @@ from service.db.models import (
     Sweep,
     cell_delta,
     full_config,
+    run_config_columns,
     utcnow,
 )
 from service.spec import Cell, SweepSpec
@@ -92,17 +94,11 @@ other requests get the interpreter between chunks."""
 
 
 def _run_row(sweep_id: int, cell: Cell, base: dict[str, Any], now: Any) -> dict[str, Any]:
-    c = cell.config
     return {
         "sweep_id": sweep_id,
         "cell_key": cell.cell_key,
         "config": cell_delta(base, cell.config_json),  # the column behind Run.cell_config
-        "kernel": c.kernel,
-        "seq_len": c.seq_len,
-        "world_size": c.world_size,
-        "dtype": c.dtype,
-        "mode": c.mode,
-        "causal": c.causal,
+        **run_config_columns(cell.config),
         "status": RunStatus.queued,
         "attempts": 0,
         "created_at": now,
@@ -110,9 +106,14 @@ def _run_row(sweep_id: int, cell: Cell, base: dict[str, Any], now: Any) -> dict[
 
 
 RUN_COLUMNS = (
-    "sweep_id", "cell_key", "config", "kernel", "seq_len", "world_size", "dtype", "mode",
-    "causal", "status", "attempts", "created_at",
-)  # fmt: skip
+    "sweep_id",
+    "cell_key",
+    "config",
+    *RUN_CONFIG_COLUMNS,
+    "status",
+    "attempts",
+    "created_at",
+)
 """The columns _run_row fills, by their names in the table."""
 
 

@@ -46,6 +46,16 @@ def full_config(base: dict[str, Any] | None, cell: dict[str, Any]) -> dict[str, 
     return {**base, **cell} if base else dict(cell)
 
 
+RUN_CONFIG_COLUMNS = ("kernel", "seq_len", "world_size", "dtype", "mode", "causal")
+"""The run config's fields the run table copies into columns of their own (indexed, filtered)."""
+
+
+def run_config_columns(config: Any) -> dict[str, Any]:
+    """Those columns of a run from its config (a workers.config.RunConfig): the one place
+    that says which config fields the table repeats."""
+    return {name: getattr(config, name) for name in RUN_CONFIG_COLUMNS}
+
+
 def cell_delta(base: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """What a run stores of its whole config: the keys whose values differ from base
     (full_config(base, cell_delta(base, c)) == c when c and base share their keys)."""
