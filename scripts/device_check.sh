@@ -29,7 +29,8 @@ export PYTHONUNBUFFERED=1 COLUMNS=200 RAY_memory_monitor_refresh_ms=0
 export CPU OUT WORK REPO
 
 if ((CPU)); then
-  export PY=$REPO/.venv/bin/python RINGLAB=$REPO/.venv/bin/ringlab DEVICE=cpu
+  PY=${DEVICE_CHECK_PYTHON:-$REPO/.venv/bin/python}  # the venv's (tests: the running one)
+  export PY RINGLAB=$(dirname "$PY")/ringlab DEVICE=cpu
   export EXAMPLE=examples/cpu-gpu-proof.yaml PROTO_ARGS="--seq 128 --dtype float32"
   export BENCH_ARGS="--device cpu --seq 128 --check-seq 64 --repeats 1 --no-search"
   export TESTS_K="cuda"  # the CUDA tests only (skipped here): the rehearsal proves they import
