@@ -14,7 +14,8 @@
 #   cuda-tests.log   the primitive's and the protocol's CUDA tests, pytest --noconftest
 #   protocol.log     run_case without Ray: gated kernels, ring kernels at W = 1, a deliberate OOM
 #   engine.log       ringlab db upgrade, serve (local Ray), submit --watch, then serve's own log
-#   engine-report.md ringlab results and ringlab report of every sweep of the proof example
+#   engine-report.md ringlab results and ringlab report of every sweep submitted (its own step,
+#                    so a watch that runs out of time still leaves what finished)
 #   bench-gpu.md     python -m bench.gpu's output, its results.md and results.jsonl
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,9 +47,10 @@ source scripts/device_steps.sh
 
 START=$SECONDS
 FAILED=0
-run_step() {  # NAME CAP_S LOG FUNCTION: the function under timeout, into OUTDIR/LOG
-  local name=$1 cap=$2 log=$3 fn=$4 left t rc begin
-  left=$((BUDGET_S - (SECONDS - START)))
+run_step() {  # NAME CAP_S LOG FUNCTION [RESERVE_S]: the function under timeout, into OUTDIR/LOG,
+  # leaving RESERVE_S of the budget to the steps after it
+  local name=$1 cap=$2 log=$3 fn=$4 reserve=${5:-0} left t rc begin
+  left=$((BUDGET_S - (SECONDS - START) - reserve))
   t=$((cap < left ? cap : left))
   if ((t < 5)); then
     printf '%-10s SKIP  no time left of %ss\n' "$name" "$BUDGET_S" | tee -a "$OUT/summary.txt"
@@ -75,8 +77,10 @@ else
 fi
 run_step cuda-tests 120 cuda-tests.log step_cuda_tests
 run_step protocol 150 protocol.log step_protocol
-run_step engine 300 engine.log step_engine
-stop_serve >>"$OUT/engine.log" 2>&1  # whatever the step's end (a timeout too): serve and its Ray
+export RINGLAB_DATABASE_URL=sqlite:///$WORK/ringlab.db RINGLAB_ARTIFACT_ROOT=$WORK/artifacts
+run_step engine 300 engine.log step_engine 45  # 45 s kept for the report of what finished
+run_step report 60 engine-report.md step_report
+stop_serve >>"$OUT/engine.log" 2>&1  # whatever the steps' end (a timeout too): serve and its Ray
 run_step bench 240 bench-gpu.md step_bench
 collect_bench >>"$OUT/bench-gpu.md" 2>&1
 echo "total ${SECONDS}s of ${BUDGET_S}s; $(ls "$OUT" | wc -l) files in $OUT" | tee -a "$OUT/summary.txt"

@@ -51,8 +51,11 @@ serve_up() {  # ringlab serve on SQLite in WORK, its local Ray included; wait fo
   port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   export RINGLAB_URL=http://127.0.0.1:$port
   "$RINGLAB" db upgrade || return 1
-  "$RINGLAB" serve --port "$port" >"$WORK/serve.log" 2>&1 &
+  # its own session: the step's timeout (which signals its process group) leaves it serving
+  # for the report step; stop_serve ends it and its Ray
+  setsid "$RINGLAB" serve --port "$port" >"$WORK/serve.log" 2>&1 &
   echo $! >"$WORK/serve.pid"
+  echo "$RINGLAB_URL" >"$WORK/serve.url"
   for _ in $(seq 240); do
     "$PY" -c "import sys, urllib.request as u; u.urlopen(sys.argv[1] + '/api/v1/healthz', timeout=2)" \
       "$RINGLAB_URL" 2>/dev/null && { echo "serve answers at $RINGLAB_URL"; return 0; }
@@ -63,27 +66,32 @@ serve_up() {  # ringlab serve on SQLite in WORK, its local Ray included; wait fo
   return 1
 }
 
-step_engine() {  # the real engine: db upgrade, serve + Ray, submit --watch, results, report
-  export RINGLAB_DATABASE_URL=sqlite:///$WORK/ringlab.db RINGLAB_ARTIFACT_ROOT=$WORK/artifacts
+step_engine() {  # the real engine: db upgrade, serve + Ray, submit --watch
   cd "$WORK" || return 1  # not the source tree: the ringlab wheel's service (its migrations)
   serve_up || return 1
-  local rc=0 id
-  "$RINGLAB" submit "$REPO/$EXAMPLE" --watch | tee "$WORK/submit.out" || rc=1
-  : >"$OUT/engine-report.md"
-  for id in $(grep -oE '^sweep [0-9]+ \(' "$WORK/submit.out" | grep -oE '[0-9]+'); do
-    {
-      echo "# sweep $id"
-      echo '```'
-      "$RINGLAB" results "$id" || rc=1
-      echo '```'
-      "$RINGLAB" report "$id" || rc=1
-    } >>"$OUT/engine-report.md" 2>&1
+  "$RINGLAB" submit "$REPO/$EXAMPLE" --watch | tee "$WORK/submit.out"
+}
+
+step_report() {  # ringlab results and report of every sweep submitted (even if the watch ran out)
+  local rc=0 id ids
+  cd "$WORK" || return 1
+  [[ -f $WORK/serve.url ]] || { echo "serve never started"; return 1; }
+  export RINGLAB_URL
+  RINGLAB_URL=$(cat "$WORK/serve.url")
+  ids=$(grep -oE '^sweep [0-9]+ \(' "$WORK/submit.out" 2>/dev/null | grep -oE '[0-9]+')
+  [[ -n $ids ]] || { echo "no sweep was submitted"; return 1; }
+  for id in $ids; do
+    echo "# sweep $id"
+    echo '```'
+    "$RINGLAB" results "$id" || rc=1
+    echo '```'
+    "$RINGLAB" report "$id" || rc=1
   done
-  [[ -s $OUT/engine-report.md ]] || { echo "no sweep was submitted"; rc=1; }
   return "$rc"
 }
 
-stop_serve() {  # SIGTERM (the service stops its local Ray), SIGKILL after 30 s; then its log
+stop_serve() {  # SIGTERM (the service stops its local Ray), then SIGKILL to what is left of
+  # its session (serve and the Ray processes it started) after 30 s; then its log
   [[ -f $WORK/serve.pid ]] || return 0
   local pid
   pid=$(cat "$WORK/serve.pid")
@@ -92,7 +100,8 @@ stop_serve() {  # SIGTERM (the service stops its local Ray), SIGKILL after 30 s;
     kill -0 "$pid" 2>/dev/null || break
     sleep 0.5
   done
-  kill -0 "$pid" 2>/dev/null && { echo "serve ignored SIGTERM for 30 s: SIGKILL"; kill -KILL "$pid"; }
+  kill -0 "$pid" 2>/dev/null && echo "serve ignored SIGTERM for 30 s: SIGKILL"
+  kill -KILL -- "-$pid" 2>/dev/null  # its process group (setsid made serve its leader)
   echo "## serve's log (last 200 lines)"
   tail -n 200 "$WORK/serve.log"
 }

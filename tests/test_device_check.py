@@ -36,7 +36,8 @@ def test_the_cpu_rehearsal_passes_every_step_into_eight_files(tmp_path: Path) ->
     assert {p.name for p in out.iterdir()} == FILES
     steps = {line.split()[0]: line.split()[1] for line in summary.splitlines()[:-1]}
     assert steps == {"facts": "PASS", "install": "SKIP", "cuda-tests": "PASS",
-                     "protocol": "PASS", "engine": "PASS", "bench": "PASS"}  # fmt: skip
+                     "protocol": "PASS", "engine": "PASS", "report": "PASS",
+                     "bench": "PASS"}  # fmt: skip
     text = {name: (out / name).read_text() for name in FILES}
     assert "sdpa backend for a torch.float32 call on cpu: aten::" in text["facts.txt"]
     assert "MemTotal" in text["facts.txt"] and "/dev/shm" in text["facts.txt"]
