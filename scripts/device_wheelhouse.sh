@@ -6,8 +6,10 @@
 # import and the GPU machine lacks (scripts/device_packages.txt lists what it has), at
 # constraints.txt's versions; ray repacked without its Java jar and dashboard client build; and
 # the ringlab wheel (its entry points register the adapters' kernels, its service.migrations
-# serves `ringlab db upgrade`). Then scripts/device_wheels.py checks that every wheel's needs are
-# met there and that tree + wheelhouse fit in 62 MiB, and prints the size.
+# serves `ringlab db upgrade`). Then it installs them all as the device check does (pip
+# --target, cp312) and checks ray's daemons kept their exec bits; scripts/device_wheels.py
+# checks that every wheel's needs are met there and that tree + wheelhouse fit in 62 MiB, and
+# prints the size.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -47,5 +49,15 @@ common=(download -q --no-deps --only-binary=:all: --python-version 3.12 --implem
 "$PY" scripts/device_wheels.py repack "$WHL"/ray-*.whl
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WHL" . >/dev/null
 rm -rf build  # what the ringlab wheel's build leaves
+
+# pip installs the lot as the device check does (for cp312), and the repacked ray's daemons
+# keep their exec bits
+site=$(mktemp -d)
+trap 'rm -rf "$site"' EXIT
+"$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" --python-version 3.12 \
+  --implementation cp --only-binary=:all: "$WHL"/*.whl
+for daemon in raylet/raylet gcs/gcs_server; do
+  [[ -x $site/ray/core/src/ray/$daemon ]] || { echo "ray's $daemon is not executable" >&2; exit 1; }
+done
 
 "$PY" scripts/device_wheels.py check "$WHL"
