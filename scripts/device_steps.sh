@@ -36,8 +36,10 @@ EOF
 }
 
 step_cuda_tests() {  # the primitive's and the protocol's CUDA tests, no conftest, no service
-  "$PY" -m pytest -q -p no:cacheprovider --noconftest ${TESTS_K:+-k "$TESTS_K"} \
-    tests/attention/test_primitive.py tests/workers/test_cuda.py
+  # -o filterwarnings: pyproject's filters name beartype, which the GPU machine lacks (an older
+  # pytest stops at a filter whose module it cannot import)
+  "$PY" -m pytest -q -p no:cacheprovider --noconftest -o filterwarnings=default \
+    ${TESTS_K:+-k "$TESTS_K"} tests/attention/test_primitive.py tests/workers/test_cuda.py
 }
 
 step_protocol() {  # workers.protocol.run_case in this process: no Ray
