@@ -14,7 +14,8 @@ What it runs (issue 21's proof, first part), for every dtype asked:
   the GPU's dense peak (PEAK_TFLOPS, by device name; none on CPU);
 - memory: forward peak over the floor (q, k, v, out in the input dtype, fp32 lse) and the
   forward+backward peak above the inputs, measured before any timing (bench.kernels).
-It prints a markdown table and writes it with JSON lines (one per check and per case) to --out.
+It prints a markdown table and writes it with JSON lines (one per check and per case) to --out,
+after each phase (checks, each dtype's timings, searches): a run stopped early keeps what ran.
 - maximum forward length (bench.gpu_search): dilated (segments up to 32K) on the whole GPU,
   and dense, dilated and block_sparse under an 8 GB budget emulating a GTX 1080 (h=8, d=64);
   a deliberate OOM (dense inputs larger than the GPU) that must come back as "oom" with the
@@ -29,6 +30,7 @@ more: this script says so and runs none.
 On CPU (no GPU, or --device cpu) it runs tiny shapes in fp32 so that CI keeps it working:
 
     python -m bench.gpu --out /tmp/gpu            # the GPU defaults on a GPU, tiny on CPU
+    python -m bench.gpu --seq 32768 --dtypes bfloat16 --repeats 2 --no-whole-search  # device check
 """
 
 from __future__ import annotations
@@ -109,6 +111,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("bench-gpu"))
     ap.add_argument("--no-search", action="store_true", help="skip the max-length searches")
+    ap.add_argument(
+        "--no-whole-search", action="store_true", help="skip the search on the whole GPU only"
+    )
     args = ap.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -362,7 +367,7 @@ def searches(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
     gran = cfg["granularity"]
     sized = 32768 if device.type == "cuda" else 256  # the sparse params' scale (`scaled`)
     rows = []
-    if cfg["whole"]:
+    if cfg["whole"] and not args.no_whole_search:
         start, cap = cfg["whole"]
         found = gpu_search.max_length(
             "dilated", scaled("dilated", sized), shape, device, None,
@@ -435,6 +440,24 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+def write(
+    out: Path,
+    setup: dict,
+    checks: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    found: list[dict[str, Any]],
+) -> str:
+    """Write what ran so far to out/results.jsonl and out/results.md, the report returned: called
+    after each phase, so a run stopped by a timeout keeps every phase that finished."""
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "results.jsonl").open("w") as f:
+        for line in [{"setup": setup}, *checks, *rows, *found]:
+            f.write(json.dumps(line) + "\n")
+    report = markdown(checks, rows, setup, found)
+    (out / "results.md").write_text(report)
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     device = torch.device(args.device)
@@ -452,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     # fp32 on a GPU: the efficient op's backward (the flash op takes fp16/bf16 only)
     prim_dtypes = [*args.dtypes, *(["float32"] if device.type == "cuda" else [])]
     checks = [primitive_check(d, device, c) for d in dict.fromkeys(prim_dtypes) for c in (0, 1)]
+    rows: list[dict[str, Any]] = []
     with one_rank_group(device):  # the ring kernels' W = 1
         checks += [
             check(kernel, seq, dtype, device, causal)
@@ -460,14 +484,12 @@ def main(argv: list[str] | None = None) -> int:
             for kernel in (*SINGLE, *RING)
             for causal in (False, True)
         ]
-        rows = [row for dtype in args.dtypes for row in timed_rows(args, dtype, device)]
+        write(args.out, setup, checks, rows, [])
+        for dtype in args.dtypes:
+            rows += timed_rows(args, dtype, device)
+            write(args.out, setup, checks, rows, [])
     found = [] if args.no_search else searches(args, device)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with (args.out / "results.jsonl").open("w") as f:
-        for line in [{"setup": setup}, *checks, *rows, *found]:
-            f.write(json.dumps(line) + "\n")
-    report = markdown(checks, rows, setup, found)
-    (args.out / "results.md").write_text(report)
+    report = write(args.out, setup, checks, rows, found)
     print(report)
     failed = [c for c in checks if not c["ok"]]
     for c in failed:

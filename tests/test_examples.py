@@ -24,6 +24,7 @@ GPU_EXPERIMENTS = [
     "training-memory-80gb.yaml",
     "compare-rings.yaml",
     "compare-flex.yaml",
+    "gpu-proof.yaml",  # the device check's (scripts/device_check.sh), not a seed's experiment
 ]
 DOCS = [(name, i) for name in EXAMPLES for i in range(len(load_specs(name)))]
 

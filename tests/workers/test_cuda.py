@@ -1,14 +1,43 @@
-"""The protocol on a CUDA device (skipped without one): events, allocator peak, emulated budget."""
+"""The protocol on a CUDA device (skipped without one): events, allocator peak, emulated budget.
+
+Runnable on a GPU machine without the service's packages (scripts/device_check.sh runs it with
+`pytest --noconftest`): it imports workers.protocol and workers.config alone, no Ray, no
+SQLAlchemy (so not tests/_workers_helpers.py, which reaches both).
+"""
 
 from __future__ import annotations
 
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
-from _workers_helpers import config
+import torch.distributed as dist
 
 from workers import protocol
+from workers.config import RunConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SMALL = {"num_heads": 2, "head_dim": 16, "warmup": 1, "iterations": 3}
+
+
+def config(**fields: Any) -> RunConfig:
+    """A small run config (dense, 512 tokens, _workers_helpers.config's shape) with `fields`."""
+    base: dict[str, Any] = {"kernel": "dense", "seq_len": 512, **SMALL}
+    return RunConfig.model_validate({**base, **fields})
+
+
+@pytest.fixture
+def one_rank_nccl() -> Iterator[None]:
+    """A process group of this process alone on NCCL: a ring kernel runs at W = 1 in it."""
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def test_cuda_peak_is_the_allocator_peak_above_the_inputs() -> None:
@@ -34,8 +63,6 @@ def test_cuda_budget_turns_a_big_case_into_a_real_oom_and_the_rank_recovers() ->
 
 
 def test_a_cuda_oom_saves_the_failing_rank_memory_snapshot() -> None:
-    import pickle
-
     budget = 256 * 2**20
     big = config(
         device="cuda", seq_len=1 << 20, num_heads=8, head_dim=64, memory_budget_bytes=budget
@@ -47,6 +74,7 @@ def test_a_cuda_oom_saves_the_failing_rank_memory_snapshot() -> None:
     assert snapshot.data is not None and "segments" in pickle.loads(snapshot.data)
 
 
+@pytest.mark.usefixtures("one_rank_nccl")
 def test_ring_steps_on_cuda_are_timed_by_events() -> None:
     case = protocol.run_case(config(device="cuda", kernel="ring", seq_len=4096, mode="train"))
     assert case.status == "ok", case.error

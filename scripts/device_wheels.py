@@ -1,0 +1,128 @@
+"""The wheelhouse's two tools (scripts/device_wheelhouse.sh): repack ray smaller, check the whole.
+
+    python scripts/device_wheels.py repack RAY_WHEEL    # drop the Java jar and the dashboard build
+    python scripts/device_wheels.py check .whl          # needs closed, one version each, size
+
+`check` reads every wheel's Requires-Dist with the GPU machine's markers (CPython 3.12 on x86-64
+Linux, no extra asked for) and requires each name to be a wheel in the wheelhouse or a package
+of scripts/device_packages.txt (what that machine already has). Then it sums the tree that
+travels (git's tracked and untracked-not-ignored files) and the wheelhouse against the limit.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVICE_PACKAGES = ROOT / "scripts" / "device_packages.txt"
+LIMIT_MIB = 62.0
+"""What the tree and the wheelhouse may weigh together: the device tool carries 64 MiB, and the
+2 MiB left is slack for what a session adds before it runs the check."""
+RAY_DROPPED = ("ray/jars/", "ray/dashboard/client/build/")
+"""What the repacked ray wheel leaves out: Java's jar (unused from Python, 31 MB) and the
+dashboard's web client (ringlab starts Ray without its dashboard)."""
+MARKERS = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "implementation_version": "3.12.3",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "extra": "",
+}
+"""The GPU machine's environment markers (KINDS.md: python3 is CPython 3.12.3 on x86-64)."""
+
+
+def repack(wheel: Path) -> None:
+    """Rewrite `wheel` in place without RAY_DROPPED; each entry keeps its ZipInfo (so the
+    raylet's and gcs_server's exec bits survive) and RECORD loses the dropped files' lines."""
+    tmp = wheel.with_suffix(".tmp")
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            if info.filename.startswith(RAY_DROPPED):
+                continue
+            data = src.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                lines = data.decode().splitlines(keepends=True)
+                data = "".join(ln for ln in lines if not ln.startswith(RAY_DROPPED)).encode()
+            info.compress_type = zipfile.ZIP_DEFLATED
+            dst.writestr(info, data)
+    tmp.replace(wheel)
+
+
+def requirements(wheel: Path) -> list[Requirement]:
+    """The wheel's Requires-Dist that apply on the GPU machine with no extra asked for."""
+    with zipfile.ZipFile(wheel) as zf:
+        # the wheel's own dist-info, at the top (ray vendors others' deeper down)
+        (meta,) = [n for n in zf.namelist() if re.fullmatch(r"[^/]+\.dist-info/METADATA", n)]
+        message = Parser().parsestr(zf.read(meta).decode())
+    reqs = [Requirement(line) for line in message.get_all("Requires-Dist") or []]
+    return [r for r in reqs if r.marker is None or r.marker.evaluate(MARKERS)]
+
+
+def device_packages() -> set[str]:
+    """The GPU machine's installed packages, canonical names."""
+    lines = DEVICE_PACKAGES.read_text().splitlines()
+    return {canonicalize_name(ln) for ln in lines if ln.strip() and not ln.startswith("#")}
+
+
+def closure_problems(wheels: list[Path]) -> list[str]:
+    """Names needed and found neither in the wheelhouse nor on the machine; a name twice."""
+    names = [canonicalize_name(parse_wheel_filename(w.name)[0]) for w in wheels]
+    problems = [f"two wheels of {n}" for n in sorted(set(names)) if names.count(n) > 1]
+    have = set(names) | device_packages()
+    for wheel in wheels:
+        for req in requirements(wheel):
+            if canonicalize_name(req.name) not in have:
+                problems.append(f"{wheel.name} needs {req}: not in the wheelhouse nor the machine")
+    return problems
+
+
+def travelling_bytes() -> int:
+    """The working tree that travels: tracked and untracked-not-ignored files (git's list)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    files = (ROOT / p for p in listed.split("\0") if p)
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def check(wheelhouse: Path) -> int:
+    """Print the closure's problems and the size; 0 when the closure holds and it fits."""
+    wheels = sorted(wheelhouse.glob("*.whl"))
+    problems = closure_problems(wheels)
+    tree, whl = travelling_bytes(), sum(w.stat().st_size for w in wheels)
+    total = (tree + whl) / 2**20
+    print(f"{len(wheels)} wheels {whl / 2**20:.1f} MiB + tree {tree / 2**20:.1f} MiB "
+          f"= {total:.1f} MiB (limit {LIMIT_MIB:g} MiB)")  # fmt: skip
+    if total > LIMIT_MIB:
+        problems.append(f"{total:.1f} MiB travel: over {LIMIT_MIB:g} MiB")
+    for p in problems:
+        print(f"wheelhouse check failed: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "repack":
+        repack(Path(argv[1]))
+        return 0
+    if len(argv) == 2 and argv[0] == "check":
+        return check(Path(argv[1]))
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
