@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from copy import copy
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
+
+from workers import results
+from workers.results import stored_fields
 
 
 def _as_utc(value: datetime) -> datetime:
@@ -102,106 +107,61 @@ class RunList(BaseModel):
     next: str | None = Field(description=NEXT_HELP)
 
 
-class RankResultOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-    rank: int
-    seq_len: int
-    times_s: list[float]
-    median_s: float
-    p10_s: float
-    p90_s: float
-    tokens_per_s: float
-    flops: float
-    flops_per_s: float
-    peak_memory_bytes: int = Field(
-        description="Peak the allocator held above the pre-input baseline (max_memory_allocated's "
-        "meaning; on CPU c10's CPU allocator, the ops' internal buffers included)."
-    )
-    input_memory_bytes: int | None = Field(
-        description="What the allocator held above the baseline once the inputs existed."
-    )
-    resident_peak_bytes: int | None = Field(
-        None,
-        description="CPU: the process' resident-set (RSS) high-water mark above the baseline "
-        "over the metered iteration; not the allocator's figure. None on CUDA and before 0009.",
-    )
-    memory_budget_bytes: int | None
-    backend: str
-    max_abs_error: float | None
-    check_seq_len: int | None
-    sampled_check_error: float | None = None
-    sampled_check_seq_len: int | None = None
-    sampled_check_rows: int | None = None
-    step_compute_s: float | None = Field(
-        None, description="Ring kernels: compute seconds of every step, summed over iterations."
-    )
-    step_wait_s: float | None = Field(
-        None, description="Ring kernels: seconds blocked on transfers, summed likewise."
-    )
-    step_received_bytes: int | None = Field(None, description="Ring kernels: bytes received.")
-    node: str | None = Field(
-        None, description="The node the rank ran on (its Ray node's IP; None before 0015)."
-    )
-    transfer_window_bytes_per_s: float | None = Field(
-        None,
-        description="Ring kernels: the best bytes / window (posting to completion) of its "
-        "steps' transfers; the window includes waiting for the peer: not the link's bandwidth.",
-    )
-    link_probe_bytes: int | None = Field(
-        None,
-        description="W > 1 sequence parallel: bytes of the K/V block (this rank's k and v) "
-        "pinged to the next ring rank and back before the timed loop.",
-    )
-    link_probe_bytes_per_s: float | None = Field(
-        None,
-        description="That link's bandwidth: the block's bytes / one-way time (the fastest timed "
-        "round trip / 2).",
-    )
-    link_latency_s: float | None = Field(
-        None, description="That link's one-way time of a 4-byte message (fastest round trip / 2)."
-    )
+def stored_model(
+    name: str,
+    model: type[BaseModel],
+    doc: str,
+    nullable: Collection[str] = (),
+    **extra: Any,
+) -> type[BaseModel]:
+    """The output model of a table generated from `model` (service.db.columns): its stored
+    fields as workers.results declares them (type, default, description), read from the rows,
+    and the `extra` fields the service keeps beside them (name=(type, Field(...))). nullable:
+    fields rows stored before they existed hold as NULL."""
+    fields: dict[str, Any] = {}
+    for field in stored_fields(model):
+        info = model.model_fields[field]
+        annotation = info.annotation | None if field in nullable else info.annotation
+        fields[field] = (annotation, copy(info))
+    config = ConfigDict(from_attributes=True)
+    return create_model(name, __config__=config, __doc__=doc, **fields, **extra)
 
 
-class ProbeOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-    seq_len: int
-    outcome: str
-    peak_memory_bytes: int | None
-    input_memory_bytes: int | None
-    rank_peak_bytes: list[int | None] | None
-    requested_bytes: int | None
-    time_s: float | None
-    error: str | None
-    emulated: bool
-
-
-class EnvironmentOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-    id: int
-    hash: str
-    hosts: list[Any]
-    gpus: list[Any]
-    driver: str | None
-    cuda: str | None
-    torch: str
-    nccl: str | None
-    ray: str | None
-    python: str
-    git_sha: str | None
-    git_dirty: bool | None
-    plugins: dict[str, Any] | None = Field(None, description="Kernel plugins: package -> version.")
-    cpu_threads: int | None = Field(
-        None, description="torch's intra-op CPU threads in each rank (None: not recorded)."
+if TYPE_CHECKING:  # mypy reads the engine's models; the API's carry their stored fields
+    RankResultOut = results.RankResult
+    ProbeOut = results.ProbeResult
+    EnvironmentOut = results.EnvironmentInfo
+    RingStepOut = results.StepTime
+else:
+    RankResultOut = stored_model(
+        "RankResultOut",
+        results.RankResult,
+        "What one rank measured (workers.results.RankResult, its stored fields).",
+        node=(
+            str | None,
+            Field(None, description="The node the rank ran on (its Ray node's IP; None "
+                  "before 0016)."),
+        ),
+    )  # fmt: skip
+    ProbeOut = stored_model(
+        "ProbeOut",
+        results.ProbeResult,
+        "One tried length of a max_seq_len search (workers.results.ProbeResult).",
+        nullable={"rank_peak_bytes"},
     )
-    cpu_model: str | None = Field(None, description="The host CPU's model name.")
-    cpu_cores: int | None = Field(None, description="Logical CPUs of the host.")
-    plugin_code: dict[str, Any] | None = Field(
-        None,
-        description="Code version of each plugin package installed editable from a git "
-        "checkout: package -> {git_sha, git_dirty, path} (None: not recorded).",
+    EnvironmentOut = stored_model(
+        "EnvironmentOut",
+        results.EnvironmentInfo,
+        "What a run ran on (workers.results.EnvironmentInfo), with its id and content hash.",
+        nullable={"plugins", "plugin_code"},  # environments stored before 0006 and 0012
+        id=(int, ...),
+        hash=(str, Field(description="sha256 of its canonical JSON: the key it is kept by.")),
+    )
+    RingStepOut = stored_model(
+        "RingStepOut",
+        results.StepTime,
+        "One step of a ring kernel on one rank in one timed iteration.",
+        rank=(int, ...),
     )
 
 
@@ -229,25 +189,6 @@ class Headline(BaseModel):
     )
     link_kind: str | None = Field(
         description="What that link was: loopback (one host), one host (GPU to GPU), network."
-    )
-
-
-class RingStepOut(BaseModel):
-    """One step of a ring kernel on one rank in one timed iteration."""
-
-    model_config = ConfigDict(from_attributes=True)
-
-    rank: int
-    iteration: int
-    phase: str = Field(description="forward | backward")
-    step: int = Field(description="ring, ring_block_sparse: the K/V of rank - step travelled.")
-    compute_s: float
-    wait_s: float = Field(description="Seconds blocked waiting for a transfer.")
-    sent_bytes: int = Field(description="Bytes of the transfers the step posted.")
-    received_bytes: int = Field(description="Bytes of the transfers that completed in it.")
-    transfer_window_bytes_per_s: float | None = Field(
-        description="The best bytes / window (posting to completion) of those transfers; the "
-        "window includes waiting for the peer to post: not the link's bandwidth."
     )
 
 
