@@ -9,7 +9,8 @@ of the rounds' ratios), the peak per rank (workers.memory.PeakMeter, inputs incl
 metered fwd+bwd), the exposed-communication share and the bytes each rank sent in one fwd+bwd
 (the step clock, attention.ring.steps), and for ulysses, allgather_kv and usp their memory
 model's peak (Kernel.memory_model, see predicted_peak) against the measured one; and the time
-report.md's schemes section predicts (service.sp_report.predicted_s) from the case's own compute
+report.md's schemes section predicts (service.results.schemes.predicted_s) from the case's
+own compute
 rate in its steps, bytes received and probed link (workers.link), against the measured time.
 Every scheme passes bench.ring's correctness gate first (a short sequence vs dense).
 
@@ -31,7 +32,7 @@ import attention
 from attention import layouts
 from attention.ring.steps import clock
 from bench import ring as ringbench
-from service.sp_report import predicted_s
+from service.results.schemes import predicted_s
 from workers.link import probe_ring_link
 from workers.memory import PeakMeter
 
@@ -132,7 +133,7 @@ def _slowest(ranks: list[dict]) -> float:
 
 
 def predicted(a: argparse.Namespace, kernel: str, world: int, ranks: list[dict]) -> float | None:
-    """The time service.sp_report.predicted_s predicts from this case's own figures, as the
+    """The time service.results.schemes.predicted_s predicts from this case's own figures, as the
     service computes them from a run's ranks: compute rate in the steps (FLOPs over compute
     seconds, ranks summed), bytes moved (the most any rank received), the slowest probed link."""
     row = {

@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.engine import make_url
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service import queries
 from service.api.errors import (
     DATABASE_ERRORS,
     database_unavailable,
@@ -35,6 +34,7 @@ from service.core.config import Settings
 from service.db.engine import make_engine, make_sessionmaker
 from service.db.migrate import upgrade
 from service.ray_status import RAY, Link
+from service.results import queries
 from service.web.router import dashboard as web_router
 from service.web.router import router as web_pages
 from workers import local_ray
@@ -72,7 +72,7 @@ def _run_scheduler(app: FastAPI, settings: Settings, stop: threading.Event) -> N
 
 
 async def _busy(request: Request, exc: Exception) -> JSONResponse:
-    """429 for a whole-sweep read while another large one runs (service.queries)."""
+    """429 for a whole-sweep read while another large one runs (service.results.queries)."""
     retry = getattr(exc, "retry_after_s", 10)
     return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": str(retry)})
 

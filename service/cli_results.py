@@ -71,7 +71,7 @@ def _exporter(tool: str) -> Any:
         raise CliError(
             f"--to {tool}: its client library is not installed: pip install 'ringlab[{tool}]'"
         ) from None
-    return importlib.import_module(f"service.export.{tool}_export")
+    return importlib.import_module(f"service.results.trackers.{tool}_export")
 
 
 @app.command()
@@ -94,7 +94,7 @@ def export(
     updates the same runs."""
     import tempfile
 
-    from service.export import collect
+    from service.results.trackers import collect
 
     if to not in EXPORTERS:
         got = "nothing" if to is None else repr(to)

@@ -1,5 +1,5 @@
 """One cell's history: every run of the same cell (kernel, shape, params: the compare page's
-cell key, service.views.config_key) across all sweeps, ordered by when it ran, with its time,
+cell key, service.results.rows.config_key) across all sweeps, ordered by when it ran, with its time,
 peak memory and the code version that ran it (GET /api/v1/cells/history and /cells/history).
 
 A cell is named by a run of it (`run`), or by a run config (`cell`: JSON, the defaults filled in
@@ -17,9 +17,9 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from service.api.store import results_for_runs
 from service.db.models import Environment, Run
-from service.views import config_key, rows_of
+from service.results.queries import results_for_runs
+from service.results.rows import config_key, rows_of
 from workers.config import RunConfig
 
 HISTORY_LIMIT = 1000

@@ -9,23 +9,17 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, cast
 
-from sqlalchemy import delete, func, insert, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.engine import rowcount
 from service.db.models import (
-    Artifact,
-    Environment,
-    MemoryComponent,
     Probe,
-    RankResult,
-    RingStep,
     Run,
     RunStatus,
     Sweep,
@@ -48,27 +42,12 @@ class Claim:
     attempts: int
 
 
-@dataclass(frozen=True)
-class Completion:
-    """What finishing a run writes: its terminal status and every row of its results."""
-
-    status: RunStatus
-    error: str | None = None
-    ranks: Sequence[dict[str, Any]] = field(default_factory=tuple)
-    probes: Sequence[dict[str, Any]] = field(default_factory=tuple)
-    environment: dict[str, Any] | None = None  # Environment columns, "hash" included
-    components: Sequence[dict[str, Any]] = field(default_factory=tuple)  # rank included
-    steps: Sequence[dict[str, Any]] = field(default_factory=tuple)  # ring_step, rank included
-    artifacts: Sequence[dict[str, Any]] = field(default_factory=tuple)  # artifact rows
-    cotenants: Sequence[int] | None = None  # runs that shared its nodes (None: never placed)
-
-
 def new_token(owner: str) -> str:
     """A lease token unique to one claim: the owner plus a nonce (fits lease_owner's 128)."""
     return f"{owner[:100]}/{uuid.uuid4().hex[:16]}"
 
 
-def _holding(claim: Claim) -> Any:
+def holding(claim: Claim) -> Any:
     # The one condition every post-claim write carries.
     return (
         (Run.id == claim.run_id)
@@ -223,32 +202,11 @@ def heartbeat(
     with sm() as session, session.begin():
         result = session.execute(
             update(Run)
-            .where(_holding(claim))
+            .where(holding(claim))
             .values(**values)
             .execution_options(synchronize_session=False)
         )
         return rowcount(result) == 1
-
-
-def record_probes(
-    sm: sessionmaker[Session], claim: Claim, probes: Sequence[dict[str, Any]]
-) -> bool:
-    """Store probes of a running search as they come (the dashboard and `ringlab watch` show
-    them live), only while the lease holds; False if it no longer does. finish() replaces
-    them with the outcome's, which holds them all."""
-    with sm() as session, session.begin():
-        result = session.execute(
-            update(Run)
-            .where(_holding(claim))
-            .values(heartbeat_at=utcnow())
-            .execution_options(synchronize_session=False)
-        )
-        if rowcount(result) != 1:
-            session.rollback()
-            return False
-        for probe in probes:
-            session.add(Probe(run_id=claim.run_id, **probe))
-    return True
 
 
 DIED_HERE = "requeued: the scheduler running it on this host had died"
@@ -279,84 +237,11 @@ def requeue(
     with sm() as session, session.begin():
         result = session.execute(
             update(Run)
-            .where(_holding(claim))
+            .where(holding(claim))
             .values(**values)
             .execution_options(synchronize_session=False)
         )
         return rowcount(result) == 1
-
-
-def _environment_id(session: Session, env: dict[str, Any]) -> int:
-    # Insert-if-absent by hash: concurrent schedulers writing the same environment both succeed.
-    insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
-    row = {"created_at": utcnow(), **env}
-    session.execute(
-        insert(Environment).values(**row).on_conflict_do_nothing(index_elements=["hash"])
-    )
-    return session.scalars(select(Environment.id).where(Environment.hash == env["hash"])).one()
-
-
-def finish(sm: sessionmaker[Session], claim: Claim, completion: Completion) -> bool:
-    """Write the terminal status and all results in ONE transaction, only while the lease holds.
-
-    The conditional UPDATE comes first (it takes the row/write lock); if it matches nothing the
-    transaction rolls back and nothing is written. Returns whether the write happened.
-    """
-    if completion.status not in (
-        RunStatus.succeeded,
-        RunStatus.failed,
-        RunStatus.oom,
-        RunStatus.timed_out,
-    ):
-        raise ValueError(
-            f"completion.status: not a status the scheduler ends a run with: {completion.status}"
-        )
-    with sm() as session, session.begin():
-        result = session.execute(
-            update(Run)
-            .where(_holding(claim))
-            .values(
-                status=completion.status,
-                error=completion.error,
-                finished_at=utcnow(),
-                lease_expires_at=None,
-                cotenants=None if completion.cotenants is None else list(completion.cotenants),
-            )
-            .execution_options(synchronize_session=False)
-        )
-        if rowcount(result) != 1:
-            session.rollback()
-            return False
-        if completion.environment is not None:
-            env_id = _environment_id(session, completion.environment)
-            session.execute(
-                update(Run)
-                .where(Run.id == claim.run_id)
-                .values(environment_id=env_id)
-                .execution_options(synchronize_session=False)
-            )
-        for rank in completion.ranks:
-            session.add(RankResult(run_id=claim.run_id, **rank))
-        # The outcome holds every probe: it replaces those stored live while the search ran.
-        session.execute(delete(Probe).where(Probe.run_id == claim.run_id))
-        for probe in completion.probes:
-            session.add(Probe(run_id=claim.run_id, **probe))
-        for component in completion.components:
-            session.add(MemoryComponent(run_id=claim.run_id, **component))
-        if completion.steps:  # many narrow rows: one executemany
-            session.execute(
-                insert(RingStep), [{"run_id": claim.run_id, **step} for step in completion.steps]
-            )
-        # A retried run's artifacts of the same name were overwritten: one row per name.
-        names = [a["name"] for a in completion.artifacts]
-        if names:
-            session.execute(
-                delete(Artifact).where(Artifact.run_id == claim.run_id, Artifact.name.in_(names))
-            )
-        for artifact in completion.artifacts:
-            session.add(Artifact(run_id=claim.run_id, **artifact))
-        session.flush()
-    return True
 
 
 def recover_expired(sm: sessionmaker[Session]) -> list[int]:

@@ -3,7 +3,7 @@ two sweeps moved, on one metric, beyond the noise and a threshold.
 
 It reads GET /api/v1/sweeps/{a}/compare/{b} and adds no rule of its own for the noise: a time
 (median_s, tokens_per_s) moved only when the compare endpoint's `time_change` says so (the two
-medians' 95% intervals do not overlap: beyond both sweeps' spreads, service.web.data), and
+medians' 95% intervals do not overlap: beyond both sweeps' spreads, service.results.compare), and
 then only when it moved by more than the threshold too. Peak memory and maximum length are
 one measurement each (no spread): they moved beyond the threshold alone. A cell that succeeded
 in A and did not in B is a regression on every metric: a kernel that stopped working is worse.

@@ -28,18 +28,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from service import leases
 from service.artifacts import ArtifactStore
 from service.db.models import RunStatus
-from service.leases import Claim, Completion, Kind
+from service.leases import Claim, Kind
+from service.results import write
+from service.results.write import Completion, completion_from_outcome
 from service.tenancy import Tenancy
 from workers.config import RunConfig
 from workers.results import RunOutcome
 
 log = logging.getLogger(__name__)
-
-OUTCOME_STATUS = {
-    "succeeded": RunStatus.succeeded,
-    "failed": RunStatus.failed,
-    "oom": RunStatus.oom,
-}
 
 
 class RunHandle(Protocol):
@@ -106,27 +102,6 @@ def recover_runs(sm: sessionmaker[Session], owner: str, heartbeat_s: float) -> l
     if expired:
         log.warning("requeued %d run(s) with an expired lease: %s", len(expired), expired)
     return sorted(orphans + expired)
-
-
-def completion_from_outcome(
-    outcome: RunOutcome, artifacts: Sequence[dict[str, Any]] = ()
-) -> Completion:
-    """Map a workers.results.RunOutcome onto the rows finishing a run writes (their row());
-    `artifacts`: the rows of its artifacts, already written (ArtifactStore.write)."""
-    status = OUTCOME_STATUS.get(str(outcome.status))
-    if status is None:
-        raise ValueError(f"outcome.status: unknown status {outcome.status!r}")
-    nodes = {p.rank: p.node_ip for p in outcome.placement}  # where each rank ran
-    return Completion(
-        steps=[{"rank": r.rank, **s.row()} for r in outcome.ranks for s in r.steps],
-        artifacts=artifacts,
-        status=status,
-        error=outcome.error,
-        ranks=[{**r.row(), "node": nodes.get(r.rank)} for r in outcome.ranks],
-        probes=[p.row() for p in outcome.probes],
-        environment=None if outcome.environment is None else outcome.environment.row(),
-        components=[{"rank": r.rank, **c.row()} for r in outcome.ranks for c in r.components],
-    )
 
 
 def _nodes(placement: Sequence[Any]) -> set[str]:
@@ -371,7 +346,7 @@ class Scheduler:
     def _finish(self, claim: Claim, completion: Completion) -> None:
         cotenants = self.tenancy.ended(claim.run_id, time.time())
         completion = dataclasses.replace(completion, cotenants=cotenants)
-        written = leases.finish(self.sessionmaker, claim, completion)
+        written = write.finish(self.sessionmaker, claim, completion)
         trace = self.traces.get(claim.run_id)
         if trace is not None:
             trace.committed_at = time.time()
@@ -516,9 +491,7 @@ class Scheduler:
         if len(probes) <= stored:
             return stored
         try:
-            held = leases.record_probes(
-                self.sessionmaker, claim, [p.row() for p in probes[stored:]]
-            )
+            held = write.record_probes(self.sessionmaker, claim, [p.row() for p in probes[stored:]])
         except DBAPIError:  # the final write stores them all; here they wait for the next try
             log.warning("run %d: storing probes failed; retrying", claim.run_id, exc_info=True)
             return stored

@@ -32,7 +32,7 @@ from service.db.models import (
     Sweep,
     SweepKind,
 )
-from service.views import BYTES_PER_ELEMENT
+from service.results.rows import BYTES_PER_ELEMENT
 
 H100_BF16_PEAK = 989e12
 CPU_FP32_FLOPS = 140e9  # SDPA flash forward on this machine kind (reference.md)

@@ -166,7 +166,8 @@ else:
 
 
 class Headline(BaseModel):
-    """A run's headline numbers (service.views defines each; None where nothing was measured)."""
+    """A run's headline numbers (service.results.rows defines each; None where nothing was
+    measured)."""
 
     measured_seq_len: int | None = Field(
         description="The length the ranks measured: seq_len, or a search's answer."
@@ -254,7 +255,7 @@ class ComponentOut(BaseModel):
 
 
 class FlagOut(BaseModel):
-    """A number above its physical limit (service.views.Flag)."""
+    """A number above its physical limit (service.results.rows.Flag)."""
 
     code: str = Field(
         description="speedup_above_world_size, efficiency_above_100 or peak_below_inputs."
@@ -266,7 +267,8 @@ class FlagOut(BaseModel):
 class ResultRow(BaseModel):
     """One run in results.json / results.csv: its cell, outcome, numbers and ratios.
 
-    Every number is defined once in service.views (measurement) and service.analysis (ratios).
+    Every number is defined once in service.results.rows (measurement) and
+    service.results.baselines (ratios).
     """
 
     run_id: int
@@ -441,7 +443,7 @@ class ClusterOut(BaseModel):
 
 
 class ComparePair(BaseModel):
-    """One cell run in both sweeps: B against A (service.web.data.compare_rows)."""
+    """One cell run in both sweeps: B against A (service.results.compare.compare_rows)."""
 
     label: str
     a_run_id: int

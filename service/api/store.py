@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Select, case, delete, exists, func, insert, select, update
+from sqlalchemy import Select, delete, exists, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, joinedload, selectinload
+from sqlalchemy.orm import Session
 
 from service.api import pages
 from service.api.schemas import SweepOut
@@ -19,7 +18,6 @@ from service.db.models import (
     DEFAULT_SUBMITTER,
     TERMINAL_STATUSES,
     Artifact,
-    Environment,
     MemoryComponent,
     Probe,
     RankResult,
@@ -282,68 +280,6 @@ def delete_sweep(session: Session, sweep_id: int) -> bool:
     return rowcount(result) == 1
 
 
-def results_for_sweep(
-    session: Session, sweep_id: int
-) -> tuple[dict[int, list[RankResult]], dict[int, list[Probe]]]:
-    """Rank results and probes of a sweep's runs, grouped by run id (two joined queries)."""
-    ranks: dict[int, list[RankResult]] = defaultdict(list)
-    probes: dict[int, list[Probe]] = defaultdict(list)
-    for rr in session.scalars(
-        select(RankResult)
-        .join(Run, Run.id == RankResult.run_id)
-        .where(Run.sweep_id == sweep_id)
-        .order_by(RankResult.run_id, RankResult.rank)
-    ):
-        ranks[rr.run_id].append(rr)
-    for p in session.scalars(
-        select(Probe)
-        .join(Run, Run.id == Probe.run_id)
-        .where(Run.sweep_id == sweep_id)
-        .order_by(Probe.id)
-    ):
-        probes[p.run_id].append(p)
-    return ranks, probes
-
-
-def results_for_runs(
-    session: Session, run_ids: Sequence[int]
-) -> tuple[dict[int, list[RankResult]], dict[int, list[Probe]], dict[int, list[MemoryComponent]]]:
-    """Rank results, probes and memory components of these runs, grouped by run id."""
-    ranks: dict[int, list[RankResult]] = defaultdict(list)
-    probes: dict[int, list[Probe]] = defaultdict(list)
-    components: dict[int, list[MemoryComponent]] = defaultdict(list)
-    if not run_ids:
-        return ranks, probes, components
-    for rr in session.scalars(
-        select(RankResult)
-        .where(RankResult.run_id.in_(run_ids))
-        .order_by(RankResult.run_id, RankResult.rank)
-    ):
-        ranks[rr.run_id].append(rr)
-    for p in session.scalars(select(Probe).where(Probe.run_id.in_(run_ids)).order_by(Probe.id)):
-        probes[p.run_id].append(p)
-    for c in session.scalars(
-        select(MemoryComponent)
-        .where(MemoryComponent.run_id.in_(run_ids))
-        .order_by(MemoryComponent.run_id, MemoryComponent.rank, MemoryComponent.id)
-    ):
-        components[c.run_id].append(c)
-    return ranks, probes, components
-
-
-def components_for_sweep(session: Session, sweep_id: int) -> dict[int, list[MemoryComponent]]:
-    """Memory components of a sweep's model runs, grouped by run id (one joined query)."""
-    found: dict[int, list[MemoryComponent]] = defaultdict(list)
-    for c in session.scalars(
-        select(MemoryComponent)
-        .join(Run, Run.id == MemoryComponent.run_id)
-        .where(Run.sweep_id == sweep_id)
-        .order_by(MemoryComponent.run_id, MemoryComponent.rank, MemoryComponent.id)
-    ):
-        found[c.run_id].append(c)
-    return found
-
-
 @dataclass(frozen=True)
 class Page:
     """One page of a list: its rows, how many match in all (exact up to pages.COUNT_CAP) and
@@ -493,60 +429,6 @@ def list_runs(
         out["config"] = full_config(out.pop("base_config"), out.pop("cell_config"))
         data.append(out)
     return Page(data, count, exact, next_cursor)
-
-
-def load_run(session: Session, run_id: int) -> Run | None:
-    """A run with its rank results, probes and environment loaded."""
-    return session.scalars(
-        select(Run)
-        .where(Run.id == run_id)
-        .options(
-            selectinload(Run.rank_results),
-            selectinload(Run.probes),
-            joinedload(Run.environment),
-        )
-    ).one_or_none()
-
-
-def run_steps(session: Session, run_id: int) -> list[RingStep]:
-    """A ring run's steps, by rank, iteration, phase (forward first) and step."""
-    forward_first = case((RingStep.phase == "forward", 0), else_=1)
-    return list(
-        session.scalars(
-            select(RingStep)
-            .where(RingStep.run_id == run_id)
-            .order_by(RingStep.rank, RingStep.iteration, forward_first, RingStep.step)
-        )
-    )
-
-
-def run_artifacts(session: Session, run_id: int) -> list[Artifact]:
-    """A run's artifacts by rank and name."""
-    return list(
-        session.scalars(
-            select(Artifact).where(Artifact.run_id == run_id).order_by(Artifact.rank, Artifact.name)
-        )
-    )
-
-
-def run_artifact(session: Session, run_id: int, name: str) -> Artifact | None:
-    """One artifact of a run by name."""
-    return session.scalars(
-        select(Artifact).where(Artifact.run_id == run_id, Artifact.name == name)
-    ).one_or_none()
-
-
-def sweep_runs(session: Session, sweep_id: int) -> list[Run]:
-    """Every run of a sweep in id order."""
-    return list(session.scalars(select(Run).where(Run.sweep_id == sweep_id).order_by(Run.id)))
-
-
-def sweep_environments(session: Session, sweep_id: int) -> list[Environment]:
-    """The distinct environments the sweep's runs ran on."""
-    ids = select(Run.environment_id).where(Run.sweep_id == sweep_id).distinct()
-    return list(
-        session.scalars(select(Environment).where(Environment.id.in_(ids)).order_by(Environment.id))
-    )
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Form, Query, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from service.api.deps import SESSION_COOKIE, SettingsDep
+from service.web.render import page
 from service.web.sessions import close_session, open_session
 
 router = APIRouter(include_in_schema=False)
@@ -30,9 +31,7 @@ def _safe_next(target: str | None) -> str:
 
 
 def _form(request: Request, target: str, problem: str | None, code: int) -> HTMLResponse:
-    from service.web.router import _page  # the pages' own templates and static version
-
-    response = _page(request, "login.html", next=target, problem=problem)
+    response = page(request, "login.html", next=target, problem=problem)
     response.status_code = code
     return response
 

@@ -6,19 +6,15 @@ plotly.js comes from the plotly Python package's own data, so nothing is fetched
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
-from functools import cache
 from pathlib import Path
 from typing import Annotated, Any
 
 import plotly
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
-from fastapi.templating import Jinja2Templates
 
-from service import queries
-from service.api import ray_link, store
+from service.api import store
 from service.api.deps import (
     MAX_ID,
     MAX_SKIP,
@@ -27,68 +23,22 @@ from service.api.deps import (
     SweepId,
     require_read_page,
 )
+from service.api.outputs import artifact_out
 from service.api.pages import query_error
-from service.api.results import COMPONENT_TITLES, artifact_out
 from service.api.schemas import RingStepOut, SweepOut
 from service.db.models import TERMINAL_STATUSES, Sweep
-from service.views import RunRow
-from service.web import charts, data, login
+from service.results import charts, compare, queries
+from service.results.rows import RunRow
+from service.web import login
+from service.web.render import HERE, STATIC_FILES
+from service.web.render import page as _page
 
-HERE = Path(__file__).resolve().parent
 PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
-STATIC_FILES = {"app.js": "text/javascript", "style.css": "text/css"}
 
-templates = Jinja2Templates(directory=HERE / "templates")
 router = APIRouter(include_in_schema=False, dependencies=[Depends(require_read_page)])
 """The pages: data, behind the read check (a browser without a session goes to /login)."""
 public = APIRouter(include_in_schema=False)
 """Static files (code, no data) and the login page: reachable before logging in."""
-
-
-def _fmt_si(value: float | None, unit: str = "") -> str:
-    """1234567 -> '1.23 M' + unit; None -> '—'."""
-    if value is None:
-        return "—"
-    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}".rstrip()
-
-
-def _fmt_bytes(value: float | None) -> str:
-    """Bytes in binary units: 1536 -> '1.50 KiB'."""
-    if value is None:
-        return "—"
-    for factor, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(value) >= factor:
-            return f"{value / factor:.2f} {unit}"
-    return f"{int(value)} B"
-
-
-def _fmt_s(value: float | None) -> str:
-    if value is None:
-        return "—"
-    return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
-
-
-templates.env.filters["si"] = _fmt_si
-templates.env.filters["nbytes"] = _fmt_bytes
-templates.env.filters["secs"] = _fmt_s
-templates.env.globals["component_titles"] = COMPONENT_TITLES
-templates.env.filters["tojson_pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True)
-
-
-@cache
-def _static_version() -> str:
-    """A cache-busting tag that changes whenever a static file does."""
-    mtimes = [int((HERE / "static" / n).stat().st_mtime) for n in STATIC_FILES]
-    return str(max(mtimes))
-
-
-def _page(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
-    context.setdefault("static_version", _static_version())
-    context.setdefault("queue_problem", ray_link.queue_problem(request))  # the header says it
-    return templates.TemplateResponse(request, name, context, status_code=status_code)
 
 
 def _friendly(page: Callable[..., HTMLResponse]) -> Callable[..., HTMLResponse]:
@@ -293,7 +243,7 @@ def run_page(request: Request, session: SessionDep, run_id: RunId) -> HTMLRespon
         raise HTTPException(404, f"no run {run_id}")
     run, row = found
     figure = charts.rank_times_figure([{"rank": r.rank, "times_s": r.times_s} for r in row.ranks])
-    steps = [RingStepOut.model_validate(s).model_dump() for s in store.run_steps(session, run_id)]
+    steps = [RingStepOut.model_validate(s).model_dump() for s in queries.run_steps(session, run_id)]
     return _page(
         request,
         "run.html",
@@ -302,7 +252,7 @@ def run_page(request: Request, session: SessionDep, run_id: RunId) -> HTMLRespon
         terminal=run.status in TERMINAL_STATUSES,
         figure=figure,
         timeline=charts.step_timeline_figure(steps) if steps else None,
-        artifacts=[artifact_out(a) for a in store.run_artifacts(session, run_id)],
+        artifacts=[artifact_out(a) for a in queries.run_artifacts(session, run_id)],
         env=run.environment,
     )
 
@@ -326,18 +276,18 @@ def compare_page(
         # The page holds both sweeps' rows until it is rendered: all of it is one whole read.
         with queries.whole_sweep_read(session, a, b):
             a_rows, b_rows = _sweep_rows(session, a), _sweep_rows(session, b)
-            pairs = data.compare_rows(a_rows, b_rows)
-            only_a, only_b = data.unmatched(a_rows, b_rows)
+            pairs = compare.compare_rows(a_rows, b_rows)
+            only_a, only_b = compare.unmatched(a_rows, b_rows)
             specs = [session.get(Sweep, i) for i in (a, b)]
             context.update(
-                same_spec=data.same_spec(*(None if x is None else x.spec for x in specs)),
+                same_spec=compare.same_spec(*(None if x is None else x.spec for x in specs)),
                 only_a=only_a,
                 only_b=only_b,
                 sa=sa,
                 sb=sb,
                 pairs=pairs,
                 figure=charts.compare_figure(pairs),
-                tolerance=data.MEMORY_TOLERANCE,
+                tolerance=compare.MEMORY_TOLERANCE,
             )
             return _page(request, "compare.html", **context)
     return _page(request, "compare.html", **context)

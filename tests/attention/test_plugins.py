@@ -143,7 +143,7 @@ def test_a_plugin_inside_a_layer_is_gated_too() -> None:
 
 
 def test_a_dense_baseline_matches_whether_its_params_name_the_defaults_or_not() -> None:
-    from service.analysis import _match_key
+    from service.results.baselines import _match_key
 
     old = {"kernel": "dense", "seq_len": 64, "params": {}}
     new = {"kernel": "dense", "seq_len": 64, "params": {"document_lengths": None}}

@@ -241,6 +241,7 @@ def test_watch_shows_a_running_searchs_probes_as_they_come(
 
     from service import leases
     from service.db.engine import make_engine, make_sessionmaker
+    from service.results import write
 
     url = f"sqlite:///{tmp_path / 'r.db'}"
     spec = {
@@ -264,10 +265,10 @@ def test_watch_shows_a_running_searchs_probes_as_they_come(
             ]
             for probe in probes:
                 time.sleep(1.5)  # each is its own event
-                assert leases.record_probes(sm, claim, [probe])
+                assert write.record_probes(sm, claim, [probe])
             time.sleep(1.5)
-            assert leases.finish(
-                sm, claim, leases.Completion(leases.RunStatus.failed, "stopped", probes=probes)
+            assert write.finish(
+                sm, claim, write.Completion(leases.RunStatus.failed, "stopped", probes=probes)
             )
 
         worker = threading.Thread(target=search, daemon=True)

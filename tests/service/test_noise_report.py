@@ -272,14 +272,14 @@ def test_limit_flags_without_an_interval_and_for_a_maximum_length() -> None:
     all the same; a max-length gain above W at 2 ranks flags the efficiency."""
     from test_web import _row
 
-    from service import analysis
+    from service.results import baselines
 
     one = _row(1, median=1.0)
     two = _row(2, median=0.4, world_size=2)  # 2.5x at W=2
     for r in (one, two):
         r.median_lo_s = r.median_hi_s = r.median_ci_level = None
         r.iterations = 1
-    analysis.apply([one, two], None)
+    baselines.apply([one, two], None)
     assert two.speedup == 2.5 and two.speedup_lo is None
     codes = {(f.code, f.field) for f in two.flags}
     assert codes == {
@@ -291,7 +291,7 @@ def test_limit_flags_without_an_interval_and_for_a_maximum_length() -> None:
     wide = _row(12, median=1.0, world_size=2, search={"start": 1024})
     for r, found in ((base, 8192), (wide, 20480)):
         r.searched, r.max_seq_len = True, found
-    analysis.apply([base, wide], None)
+    baselines.apply([base, wide], None)
     assert wide.max_len_gain == 2.5 and wide.efficiency == 1.25
     (flag,) = wide.flags
     assert (flag.code, flag.field) == ("efficiency_above_100", "efficiency")
@@ -301,7 +301,7 @@ def test_limit_flags_without_an_interval_and_for_a_maximum_length() -> None:
 def test_the_scaling_chart_draws_the_intervals_and_crosses_the_flagged_point(
     database_url: str,
 ) -> None:
-    from service.web import charts
+    from service.results import charts
 
     with client_for(database_url) as client:
         sweep_id = store_dp_sweep(client, seed=7)
@@ -324,7 +324,7 @@ def test_the_scaling_chart_draws_the_intervals_and_crosses_the_flagged_point(
 
 
 def test_a_cell_rerun_under_auto_matches_its_predecessor_on_the_compare_page() -> None:
-    from service.views import config_key
+    from service.results.rows import config_key
 
     old = {"kernel": "dense", "seq_len": 1024, "warmup": 2, "iterations": 5}
     assert config_key(old) == config_key({**old, "iterations": "auto", "time_cap_s": None})
@@ -337,7 +337,7 @@ def test_no_limit_flag_against_a_baseline_that_changes_more_than_the_ranks() -> 
     kernel at W=2 against dense at W=1 (a custom baseline) may well be 3x faster."""
     from test_web import _row
 
-    from service import analysis
+    from service.results import baselines
 
     dense = _row(1, median=1.0)
     sparse = _row(2, median=1 / 3, world_size=2, kernel="block_sparse",
@@ -345,9 +345,9 @@ def test_no_limit_flag_against_a_baseline_that_changes_more_than_the_ranks() -> 
     same = _row(3, median=1 / 3, world_size=2)
     for r in (sparse, same):
         r.speedup, r.speedup_lo, r.speedup_hi, r.iterations = 3.0, 2.8, 3.2, 12
-    assert not analysis.same_work(sparse, dense) and analysis.limit_flags(sparse, dense) == []
-    assert analysis.same_work(same, dense)
-    assert [f.code for f in analysis.limit_flags(same, dense)] == [
+    assert not baselines.same_work(sparse, dense) and baselines.limit_flags(sparse, dense) == []
+    assert baselines.same_work(same, dense)
+    assert [f.code for f in baselines.limit_flags(same, dense)] == [
         "speedup_above_world_size",
         "efficiency_above_100",
     ]

@@ -21,10 +21,10 @@ from _web_helpers import make_web_app
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from service.api.results import fmt_bytes, fmt_ms, fmt_num
 from service.cli import load_specs
 from service.core.config import Settings
 from service.db.models import Environment, Probe, RankResult, Run, RunStatus
+from service.results.report import fmt_bytes, fmt_ms, fmt_num
 
 API = "/api/v1"
 MiB = 1 << 20

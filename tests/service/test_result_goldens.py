@@ -3,7 +3,7 @@ pivot.csv and report.md of one sweep per workload (benchmark, max_seq_len, model
 compared byte for byte.
 
 Each sweep is submitted through the API and every run is claimed and finished through the
-scheduler's own write path (leases.claim_next, completion_from_outcome, leases.finish) with
+scheduler's own write path (leases.claim_next, completion_from_outcome, write.finish) with
 an outcome computed from the run's config alone, so the bytes depend on the code, never on the
 machine or the clock. They guard the result path's refactors (issue 38: behaviour unchanged);
 a change that means to alter what a researcher reads re-records them on purpose:
@@ -24,7 +24,8 @@ from sqlalchemy import update
 
 from service import leases
 from service.db.models import Run, Sweep
-from service.scheduler import completion_from_outcome
+from service.results import write
+from service.results.write import completion_from_outcome
 from workers.config import RunConfig
 from workers.results import (
     EnvironmentInfo,
@@ -182,7 +183,7 @@ def _store(client: Any, spec: dict[str, Any]) -> int:
     sm = client.app.state.sessionmaker
     while (claim := leases.claim_next(sm, "golden", 60.0)) is not None:
         outcome = _outcome(RunConfig.model_validate(claim.config), claim.kind)
-        assert leases.finish(sm, claim, completion_from_outcome(outcome))
+        assert write.finish(sm, claim, completion_from_outcome(outcome))
     with sm() as session, session.begin():  # the clock's marks, fixed
         session.execute(update(Sweep).values(created_at=T0))
         for run in session.query(Run).order_by(Run.id):

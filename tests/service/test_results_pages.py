@@ -10,9 +10,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from test_report_tables import _dp_sweep, client_for
 
-from service import queries
 from service.db.engine import make_engine
 from service.db.models import Sweep
+from service.results import export, queries
 
 
 def dicts(rows: list[Any]) -> list[dict[str, Any]]:
@@ -67,7 +67,6 @@ def test_the_context_pass_reads_in_chunks(database_url: str, monkeypatch: Any) -
 
 def test_streamed_exports_cross_pages_unchanged(database_url: str, monkeypatch: Any) -> None:
     """results.json and results.csv streamed 2 runs a page equal the rows of the whole sweep."""
-    from service.api import results
     from service.api.routes import sweeps
 
     monkeypatch.setattr(sweeps, "EXPORT_PAGE", 2)
@@ -76,13 +75,13 @@ def test_streamed_exports_cross_pages_unchanged(database_url: str, monkeypatch: 
         sweep_id = runs[0]["sweep_id"]
         with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
             sweep = session.get(Sweep, sweep_id)
-            whole = [results.result_row(r) for r in queries.sweep_rows(session, sweep)]
+            whole = [export.result_row(r) for r in queries.sweep_rows(session, sweep)]
         got = client.get(f"/api/v1/sweeps/{sweep_id}/results.json")
         assert got.status_code == 200 and got.headers["content-type"] == "application/json"
         want = [sweeps.ResultRow(**r).model_dump(mode="json") for r in whole]
         assert got.json() == want and len(want) > 4
         csv = client.get(f"/api/v1/sweeps/{sweep_id}/results.csv").text
-        assert csv == results.to_csv(whole)
+        assert csv == export.to_csv(whole)
         assert client.get("/api/v1/sweeps/999/results.json").status_code == 404
 
 

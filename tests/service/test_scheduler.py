@@ -41,8 +41,9 @@ from service.db.models import (
     SweepKind,
     utcnow,
 )
-from service.leases import Completion
-from service.scheduler import Scheduler, completion_from_outcome
+from service.results import write
+from service.results.write import Completion, completion_from_outcome
+from service.scheduler import Scheduler
 from workers.results import ProbeResult
 
 pytestmark = pytest.mark.timeout(60)
@@ -156,7 +157,7 @@ def test_expired_lease_is_recovered_to_queued(engine: Engine) -> None:
     assert (run.status, run.attempts, run.lease_owner) == (RunStatus.queued, 1, None)
     assert "lease" in (run.error or "")
     assert not leases.heartbeat(sm, claim, 30), "the crashed owner cannot renew"
-    assert not leases.finish(sm, claim, completion_from_outcome(fake_outcome(tiny_config())))
+    assert not write.finish(sm, claim, completion_from_outcome(fake_outcome(tiny_config())))
     assert rank_rows_per_run(sm) == Counter()
 
 
@@ -226,8 +227,8 @@ def test_finish_writes_once_and_only_with_the_lease(engine: Engine) -> None:
     done = completion_from_outcome(
         fake_outcome(tiny_config(world_size=2, parallel="data", batch_size=2))
     )
-    assert leases.finish(sm, claim, done)
-    assert not leases.finish(sm, claim, done), "a second write is refused"
+    assert write.finish(sm, claim, done)
+    assert not write.finish(sm, claim, done), "a second write is refused"
     assert rank_rows_per_run(sm) == Counter({run_id: 2})
     run = run_row(sm, run_id)
     assert run.status == RunStatus.succeeded and run.finished_at is not None
@@ -242,7 +243,7 @@ def test_results_are_committed_in_one_transaction(engine: Engine) -> None:
     assert claim is not None
     row = fake_outcome(tiny_config()).ranks[0].row()
     with pytest.raises(IntegrityError):
-        leases.finish(sm, claim, Completion(RunStatus.succeeded, ranks=[row, row]))
+        write.finish(sm, claim, Completion(RunStatus.succeeded, ranks=[row, row]))
     run = run_row(sm, run_id)
     assert run.status == RunStatus.running and rank_rows_per_run(sm) == Counter()
 

@@ -405,9 +405,9 @@ def test_model_search_runs_on_a_real_gang_and_stores_its_components(
     """A workload: model max_seq_len cell, as a sweep stores it, runs on a real gang: its search
     starts from the predicted maximum, and the answer's memory components are stored predicted
     and measured, with the prediction the read model and the report show beside the finding."""
-    from service import queries
-    from service.api.results import report_markdown
     from service.db.models import Sweep
+    from service.results import queries
+    from service.results.report import report_markdown
     from workers import model_memory
     from workers.search import predicted_start
 

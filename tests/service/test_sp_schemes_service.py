@@ -14,9 +14,9 @@ import pytest
 from _api_helpers import api_client
 
 from service.cli import load_specs
+from service.results.rows import ulysses_groups
+from service.results.schemes import all_to_all_bytes, predicted_s, sp_schemes_section
 from service.scheduler import Scheduler
-from service.sp_report import all_to_all_bytes, predicted_s, sp_schemes_section
-from service.views import ulysses_groups
 from workers.gang import GangPool
 
 API = "/api/v1"

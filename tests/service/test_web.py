@@ -10,19 +10,19 @@ import pytest
 from _web_helpers import seed_sweeps
 from sqlalchemy.orm import Session
 
-from service import analysis, queries
 from service.api import store
 from service.db.engine import make_engine
 from service.db.models import Sweep
-from service.peaks import dense_peak_flops
+from service.results import baselines, charts, compare, queries
+from service.results.peaks import dense_peak_flops
+from service.results.rows import RankView, RunRow, config_key, local_tokens, memory_floor
 from service.spec import AnalysisSpec
-from service.views import RankView, RunRow, config_key, local_tokens, memory_floor
-from service.web import charts, data
 from workers.noise import median_interval
 
 
 def _row(run_id: int = 1, median: float | None = 1.0, spread: float = 0.05, **cfg: Any) -> RunRow:
-    """A measured row the way service.views builds it, from a config and one median per rank."""
+    """A measured row the way service.results.rows builds it, from a config and one median per
+    rank."""
     config: dict[str, Any] = {
         "kernel": "dense",
         "params": {},
@@ -117,8 +117,8 @@ def test_default_baselines_world_size_one_and_the_single_process_twin() -> None:
         _row(6, seq_len=2048, kernel="ring", world_size=2),  # no W=1 run at 2048
         _row(7, median=1.0, seq_len=2048, world_size=2, parallel="data", batch_size=2),
     ]
-    analysis.apply(rows, None)
-    analysis.set_labels(rows)
+    baselines.apply(rows, None)
+    baselines.set_labels(rows)
     by_id = {r.run_id: r for r in rows}
     # ring W=2 -> its twin dense at W=1, strong scaling: 1.5x faster, 75% efficient.
     assert (by_id[2].baseline_run_id, by_id[2].baseline) == (1, "dense W=1")
@@ -142,13 +142,13 @@ def test_weak_scaling_and_a_named_baseline() -> None:
         _row(1, median=1.0, batch_size=1),
         _row(2, median=1.25, world_size=2, parallel="data", batch_size=2),
     ]
-    analysis.apply(rows, AnalysisSpec(scaling="weak"))
+    baselines.apply(rows, AnalysisSpec(scaling="weak"))
     assert rows[1].baseline_run_id == 1 and rows[1].efficiency == pytest.approx(0.8)
     rows = [
         _row(1, median=4.0, kernel="dilated", params={"dilation_rates": [1]}),
         _row(2, median=1.0, kernel="dilated", params={"dilation_rates": [2]}),
     ]
-    analysis.apply(rows, AnalysisSpec(baseline={"params.dilation_rates": [1]}))
+    baselines.apply(rows, AnalysisSpec(baseline={"params.dilation_rates": [1]}))
     assert (rows[1].baseline, rows[1].speedup) == ("dilation_rates=[1]", pytest.approx(4.0))
     assert rows[0].baseline is None  # a run is not its own baseline
 
@@ -160,7 +160,7 @@ def test_labels_show_only_what_varies_and_never_unset_values() -> None:
         _row(2, kernel="block_sparse", params={**bs, "sparsity_ratio": 0.05}),
         _row(3, kernel="dense", world_size=2, parallel="data", batch_size=2),
     ]
-    analysis.set_labels(rows)
+    baselines.set_labels(rows)
     assert [r.label for r in rows] == [
         "block_sparse · block_size=128 · sparsity_ratio=0.1 · W=1 · batch_size=1",
         "block_sparse · block_size=128 · sparsity_ratio=0.05 · W=1 · batch_size=1",
@@ -181,16 +181,16 @@ def test_compare_flags_time_only_outside_the_spread_and_memory_beyond_tolerance(
         _row(13, median=None, seq_len=4096),  # failed
     ]
     b[1].peak_memory_bytes = 150
-    pairs = {p["a"].run_id: p for p in data.compare_rows(a, b)}
+    pairs = {p["a"].run_id: p for p in compare.compare_rows(a, b)}
     assert sorted(pairs) == [1, 2, 3]
     assert not pairs[1]["regression"] and pairs[1]["time_change"] is None
     assert pairs[2]["reasons"] == ["slower", "more memory"]
     assert pairs[3]["reasons"] == ["B failed"]
-    assert data.unmatched(a, b) == (1, 0)
+    assert compare.unmatched(a, b) == (1, 0)
     # The chart is coloured by the metric it plots: a faster cell with more memory is green.
     faster = _row(21, median=0.3, seq_len=2048)
     faster.peak_memory_bytes = 300
-    pair = data.compare_rows([a[1]], [faster])
+    pair = compare.compare_rows([a[1]], [faster])
     fig = charts.compare_figure(pair)
     assert pair[0]["reasons"] == ["more memory"]
     assert fig["data"][0]["marker"]["color"] == [charts.CHANGE_COLOURS["faster"]]

@@ -174,7 +174,7 @@ def test_chart_conventions_on_rows() -> None:
     """Series in numeric order, one colour per kernel across charts, floors once each."""
     from test_web import _row
 
-    from service.web import charts
+    from service.results import charts
 
     assert sorted(["seq 1,024", "seq 512", "seq 2,048"], key=charts.natural_key) == [
         "seq 512", "seq 1,024", "seq 2,048",

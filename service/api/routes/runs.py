@@ -22,10 +22,11 @@ from service.api.deps import (
     SessionDep,
     require_read,
 )
-from service.api.results import artifact_out, headline
+from service.api.outputs import artifact_out, headline
 from service.api.schemas import ArtifactOut, Message, RingStepOut, RunDetail, RunList, RunOut
 from service.db.models import Run, RunStatus
-from service.views import run_row
+from service.results import queries
+from service.results.rows import run_row
 
 router = APIRouter(prefix="/runs", tags=["runs"], dependencies=[Depends(require_read)])
 
@@ -100,7 +101,7 @@ def list_runs(
 def get_run(run_id: RunId, request: Request, session: SessionDep) -> RunDetail:
     """One run: config, state, per-rank results, probes, environment, error and headline
     (and, queued, why it cannot start when the scheduler cannot reach Ray)."""
-    run = store.load_run(session, run_id)
+    run = queries.load_run(session, run_id)
     if run is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
     base = _noted(RunOut.model_validate(run), ray_link.queue_problem(request)).model_dump()
@@ -133,14 +134,14 @@ def get_run_steps(run_id: RunId, session: SessionDep) -> list[RingStepOut]:
     """A ring run's every step on every rank in every timed iteration: compute, time blocked
     on a transfer and bytes moved (empty for kernels without a ring)."""
     _run_or_404(session, run_id)
-    return [RingStepOut.model_validate(s) for s in store.run_steps(session, run_id)]
+    return [RingStepOut.model_validate(s) for s in queries.run_steps(session, run_id)]
 
 
 @router.get("/{run_id}/artifacts", responses={404: {"model": Message}, 401: {"model": Message}})
 def list_artifacts(run_id: RunId, session: SessionDep) -> list[ArtifactOut]:
     """The run's artifacts: profiler traces (`profile: true`), memory snapshots of an OOM."""
     _run_or_404(session, run_id)
-    return [artifact_out(a) for a in store.run_artifacts(session, run_id)]
+    return [artifact_out(a) for a in queries.run_artifacts(session, run_id)]
 
 
 @router.get(
@@ -159,7 +160,7 @@ def download_artifact(
 ) -> StreamingResponse:
     """The artifact's bytes (a Chrome trace opens in Perfetto or chrome://tracing)."""
     _run_or_404(session, run_id)
-    artifact = store.run_artifact(session, run_id, name)
+    artifact = queries.run_artifact(session, run_id, name)
     if artifact is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} has no artifact {name!r}")
     if artifact.location is None:

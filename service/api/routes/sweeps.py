@@ -11,8 +11,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import analysis, queries
-from service.api import ray_link, results, store
+from service.api import ray_link, store
 from service.api.deps import (
     CURSOR_HELP,
     MAX_SKIP,
@@ -34,9 +33,10 @@ from service.api.schemas import (
     SweepOut,
 )
 from service.db.models import DEFAULT_SUBMITTER, SUBMITTER_PATTERN, RunStatus, Sweep
+from service.results import baselines, export, queries, report
+from service.results.compare import compare_out, same_spec
+from service.results.rows import RunRow
 from service.spec import PivotSpec, PivotValue, SpecError, SweepSpec, iter_cells, unstorable_values
-from service.views import RunRow
-from service.web import data
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
 read = [Depends(require_read)]
@@ -236,7 +236,7 @@ def _result_pages(factory: sessionmaker[Session], sweep_id: int) -> Iterator[lis
             page = queries.rows_page(session, sweep, after=after, limit=EXPORT_PAGE)
         if not page:
             return
-        yield [results.result_row(r) for r in page]
+        yield [export.result_row(r) for r in page]
         after = page[-1].run_id
 
 
@@ -251,9 +251,9 @@ def _stream_json(pages: Iterator[list[dict[str, Any]]]) -> Iterator[str]:
 
 
 def _stream_csv(pages: Iterator[list[dict[str, Any]]]) -> Iterator[str]:
-    yield results.to_csv([])
+    yield export.to_csv([])
     for page in pages:
-        yield results.to_csv(page, header=False)
+        yield export.to_csv(page, header=False)
 
 
 def _exists_or_404(session: SessionDep, sweep_id: int) -> None:
@@ -305,7 +305,7 @@ def results_csv(sweep_id: SweepId, session: SessionDep, request: Request) -> Res
 def components_csv(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
     """Model runs' memory per component (limiting rank): predicted, measured, ratio."""
     with queries.whole_sweep_read(session, sweep_id):
-        text = results.components_csv(_sweep_rows(session, sweep_id)[1])
+        text = export.components_csv(_sweep_rows(session, sweep_id)[1])
     return PlainTextResponse(
         text,
         media_type="text/csv",
@@ -327,7 +327,7 @@ def pivot_csv(
     columns: Annotated[list[str] | None, Query(max_length=4)] = None,
     value: Annotated[PivotValue | None, Query()] = None,
 ) -> PlainTextResponse:
-    """One metric as a table: rows x columns (the sweep's analysis.pivot unless overridden)."""
+    """One metric as a table: rows x columns (the sweep's baselines.pivot unless overridden)."""
     with queries.whole_sweep_read(session, sweep_id):
         return _pivot_csv(session, sweep_id, rows, columns, value)
 
@@ -340,7 +340,7 @@ def _pivot_csv(
     value: PivotValue | None,
 ) -> PlainTextResponse:
     sweep, run_rows = _sweep_rows(session, sweep_id)
-    spec = analysis.pivot_spec(queries.analysis_of(sweep), run_rows) or PivotSpec()
+    spec = baselines.pivot_spec(queries.analysis_of(sweep), run_rows) or PivotSpec()
     changes: dict[str, Any] = {}
     if rows is not None:
         changes["rows"] = rows
@@ -354,7 +354,7 @@ def _pivot_csv(
         raise RequestValidationError(
             [{**err, "loc": ["query", *err["loc"]]} for err in e.errors()]
         ) from e
-    return PlainTextResponse(results.pivot_csv(run_rows, spec), media_type="text/csv")
+    return PlainTextResponse(export.pivot_csv(run_rows, spec), media_type="text/csv")
 
 
 @router.get(
@@ -369,9 +369,7 @@ def compare(sweep_id: SweepId, other_id: SweepId, session: SessionDep) -> dict[s
     are identical (names aside)."""
     with queries.whole_sweep_read(session, sweep_id, other_id):
         (sa, a_rows), (sb, b_rows) = _sweep_rows(session, sweep_id), _sweep_rows(session, other_id)
-        return data.compare_out(
-            sweep_id, other_id, a_rows, b_rows, data.same_spec(sa.spec, sb.spec)
-        )
+        return compare_out(sweep_id, other_id, a_rows, b_rows, same_spec(sa.spec, sb.spec))
 
 
 @router.get(
@@ -391,12 +389,12 @@ def report_md(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
     sweep_view = _sweep_or_404(session, sweep_id)
     with queries.whole_sweep_read(session, sweep_id):
         sweep, run_rows = _sweep_rows(session, sweep_id)
-        text = results.report_markdown(
+        text = report.report_markdown(
             sweep,
             run_rows,
-            store.sweep_environments(session, sweep_id),
+            queries.sweep_environments(session, sweep_id),
             sweep_view.counts,
-            analysis.pivot_spec(queries.analysis_of(sweep), run_rows),
+            baselines.pivot_spec(queries.analysis_of(sweep), run_rows),
         )
     return PlainTextResponse(text, media_type="text/markdown")
 

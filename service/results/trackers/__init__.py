@@ -3,7 +3,7 @@ already keep experiments, through each tool's own client library (optional extra
 ringlab[mlflow], ringlab[wandb], ringlab[tensorboard]).
 
 Every exporter writes the same records, read from the service's API (the one read model,
-service.views): one per run, with the cell as params, the run's numbers as metrics (per rank
+service.results.rows): one per run, with the cell as params, the run's numbers as metrics (per rank
 with the rank as the step), the environment and code version as tags, report.md attached (and,
 in MLflow and W&B, the run's kept artifacts: profiler traces, memory snapshots). Each run is
 found again by its tags or its deterministic id, so exporting again updates what is there and
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.views import NOT_MEASURED_FIELDS
+from service.results.rows import NOT_MEASURED_FIELDS
 
 METRICS = {
     "median_s": "time_median_s",

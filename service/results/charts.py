@@ -1,4 +1,4 @@
-"""Chart builders: result rows (service.views.RunRow.as_dict) in, Plotly figure JSON out.
+"""Chart builders: result rows (service.results.rows.RunRow.as_dict) in, Plotly figure JSON out.
 
 Pure functions, so they are unit-tested on rows without a server. An empty chart says why it is
 empty; no number is drawn that was not measured (the memory floor is computed from the shape).
@@ -15,8 +15,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from service.sp_report import SCHEMES as SP_SCHEMES
-from service.views import local_tokens, memory_floor
+from service.results.rows import local_tokens, memory_floor
+from service.results.schemes import SCHEMES as SP_SCHEMES
 
 Row = dict[str, Any]
 
@@ -427,8 +427,8 @@ def _scaling_name(r: Row, base: Row) -> str:
 
 
 def scaling_points(rows: Sequence[Row]) -> dict[str, list[tuple[int, float]]]:
-    """Scaling efficiency (service.analysis) per series and length: (world size, efficiency),
-    starting at the baseline's world size with 1.0."""
+    """Scaling efficiency (service.results.baselines) per series and length: (world size,
+    efficiency), starting at the baseline's world size with 1.0."""
     by_id = {r["run_id"]: r for r in rows}
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for r in _succeeded(rows, "efficiency"):

@@ -1,7 +1,7 @@
-"""The compare page's logic on the one read model (service.views rows): matching cells of two
+"""The compare page's logic on the one read model (service.results.rows rows): matching cells of two
 sweeps, their B/A ratios and a verdict that respects the measured noise.
 
-A time changed only when the two runs' median intervals (service.views: the slowest rank's
+A time changed only when the two runs' median intervals (service.results.rows: the slowest rank's
 95% order-statistic interval) do not overlap, so the B/A tokens/s interval (both spreads:
 b_lo / a_hi .. b_hi / a_lo) excludes 1.0; a run without an interval (one iteration) cannot
 tell a change from noise and is never called slower. Two sweeps whose specs are identical
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from service.results.rows import RunRow
 from service.spec import canonical_json
-from service.views import RunRow
 from workers.noise import ratio_interval
 
 MEMORY_TOLERANCE = 0.10

@@ -5,7 +5,7 @@ allgather_kv, usp, torch_cp) on several ranks: per length and mode, each scheme'
 time predicted for it, tokens/s, largest peak per rank, exposed-communication share, bytes
 moved per rank, the maximum length its max_seq_len search found (same world size, mode and
 shape), and the fastest scheme; then where prediction and measurement part ways. Built from the
-rows results.json serves (service.api.results.result_row), so the section can be recomputed
+rows results.json serves (service.results.report.result_row), so the section can be recomputed
 from the download (tests/service/test_sp_schemes_service.py does).
 
 The prediction (`predicted_s`) uses the run's own measurements only: its compute time C is a

@@ -1,5 +1,5 @@
-"""Reads behind every results page and export: a sweep's rows (service.views) with their
-baselines, ratios and labels (service.analysis).
+"""Reads behind every results page and export: a sweep's rows (service.results.rows) with their
+baselines, ratios and labels (service.results.baselines).
 
 Two ways in. sweep_rows reads a whole sweep at once (reports, pivots, charts, comparisons).
 rows_page reads one page, or a few chosen runs, at a cost that does not grow with the sweep: what
@@ -11,25 +11,144 @@ process by one pass in chunks (SweepContext) and kept.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy import case, func, select
+from sqlalchemy.orm import Session, joinedload, selectinload
 
-from service import analysis
-from service.api.store import (
-    components_for_sweep,
-    results_for_runs,
-    results_for_sweep,
-    sweep_runs,
+from service.db.models import (
+    Artifact,
+    Environment,
+    MemoryComponent,
+    Probe,
+    RankResult,
+    RingStep,
+    Run,
+    Sweep,
 )
-from service.db.models import Environment, Run, Sweep
+from service.results import baselines
+from service.results.rows import RunRow, rows_of, run_row
 from service.spec import AnalysisSpec
-from service.views import RunRow, rows_of, run_row
+
+
+def results_for_sweep(
+    session: Session, sweep_id: int
+) -> tuple[dict[int, list[RankResult]], dict[int, list[Probe]]]:
+    """Rank results and probes of a sweep's runs, grouped by run id (two joined queries)."""
+    ranks: dict[int, list[RankResult]] = defaultdict(list)
+    probes: dict[int, list[Probe]] = defaultdict(list)
+    for rr in session.scalars(
+        select(RankResult)
+        .join(Run, Run.id == RankResult.run_id)
+        .where(Run.sweep_id == sweep_id)
+        .order_by(RankResult.run_id, RankResult.rank)
+    ):
+        ranks[rr.run_id].append(rr)
+    for p in session.scalars(
+        select(Probe)
+        .join(Run, Run.id == Probe.run_id)
+        .where(Run.sweep_id == sweep_id)
+        .order_by(Probe.id)
+    ):
+        probes[p.run_id].append(p)
+    return ranks, probes
+
+
+def results_for_runs(
+    session: Session, run_ids: Sequence[int]
+) -> tuple[dict[int, list[RankResult]], dict[int, list[Probe]], dict[int, list[MemoryComponent]]]:
+    """Rank results, probes and memory components of these runs, grouped by run id."""
+    ranks: dict[int, list[RankResult]] = defaultdict(list)
+    probes: dict[int, list[Probe]] = defaultdict(list)
+    components: dict[int, list[MemoryComponent]] = defaultdict(list)
+    if not run_ids:
+        return ranks, probes, components
+    for rr in session.scalars(
+        select(RankResult)
+        .where(RankResult.run_id.in_(run_ids))
+        .order_by(RankResult.run_id, RankResult.rank)
+    ):
+        ranks[rr.run_id].append(rr)
+    for p in session.scalars(select(Probe).where(Probe.run_id.in_(run_ids)).order_by(Probe.id)):
+        probes[p.run_id].append(p)
+    for c in session.scalars(
+        select(MemoryComponent)
+        .where(MemoryComponent.run_id.in_(run_ids))
+        .order_by(MemoryComponent.run_id, MemoryComponent.rank, MemoryComponent.id)
+    ):
+        components[c.run_id].append(c)
+    return ranks, probes, components
+
+
+def components_for_sweep(session: Session, sweep_id: int) -> dict[int, list[MemoryComponent]]:
+    """Memory components of a sweep's model runs, grouped by run id (one joined query)."""
+    found: dict[int, list[MemoryComponent]] = defaultdict(list)
+    for c in session.scalars(
+        select(MemoryComponent)
+        .join(Run, Run.id == MemoryComponent.run_id)
+        .where(Run.sweep_id == sweep_id)
+        .order_by(MemoryComponent.run_id, MemoryComponent.rank, MemoryComponent.id)
+    ):
+        found[c.run_id].append(c)
+    return found
+
+
+def load_run(session: Session, run_id: int) -> Run | None:
+    """A run with its rank results, probes and environment loaded."""
+    return session.scalars(
+        select(Run)
+        .where(Run.id == run_id)
+        .options(
+            selectinload(Run.rank_results),
+            selectinload(Run.probes),
+            joinedload(Run.environment),
+        )
+    ).one_or_none()
+
+
+def run_steps(session: Session, run_id: int) -> list[RingStep]:
+    """A ring run's steps, by rank, iteration, phase (forward first) and step."""
+    forward_first = case((RingStep.phase == "forward", 0), else_=1)
+    return list(
+        session.scalars(
+            select(RingStep)
+            .where(RingStep.run_id == run_id)
+            .order_by(RingStep.rank, RingStep.iteration, forward_first, RingStep.step)
+        )
+    )
+
+
+def run_artifacts(session: Session, run_id: int) -> list[Artifact]:
+    """A run's artifacts by rank and name."""
+    return list(
+        session.scalars(
+            select(Artifact).where(Artifact.run_id == run_id).order_by(Artifact.rank, Artifact.name)
+        )
+    )
+
+
+def run_artifact(session: Session, run_id: int, name: str) -> Artifact | None:
+    """One artifact of a run by name."""
+    return session.scalars(
+        select(Artifact).where(Artifact.run_id == run_id, Artifact.name == name)
+    ).one_or_none()
+
+
+def sweep_runs(session: Session, sweep_id: int) -> list[Run]:
+    """Every run of a sweep in id order."""
+    return list(session.scalars(select(Run).where(Run.sweep_id == sweep_id).order_by(Run.id)))
+
+
+def sweep_environments(session: Session, sweep_id: int) -> list[Environment]:
+    """The distinct environments the sweep's runs ran on."""
+    ids = select(Run.environment_id).where(Run.sweep_id == sweep_id).distinct()
+    return list(
+        session.scalars(select(Environment).where(Environment.id.in_(ids)).order_by(Environment.id))
+    )
 
 
 def analysis_of(sweep: Sweep) -> AnalysisSpec | None:
@@ -80,8 +199,8 @@ def sweep_rows(session: Session, sweep: Sweep) -> list[RunRow]:
         e.id: e for e in session.scalars(select(Environment).where(Environment.id.in_(env_ids)))
     }
     rows = rows_of(runs, ranks, probes, envs, components_for_sweep(session, sweep.id))
-    analysis.apply(rows, analysis_of(sweep))
-    analysis.set_labels(rows)
+    baselines.apply(rows, analysis_of(sweep))
+    baselines.set_labels(rows)
     return rows
 
 
@@ -117,7 +236,7 @@ class SweepContext:
 
     vary_params: list[str]
     vary_fields: list[str]
-    refs: dict[int, analysis.Refs]
+    refs: dict[int, baselines.Refs]
 
 
 _contexts: OrderedDict[tuple[str, int, datetime], SweepContext] = OrderedDict()
@@ -144,8 +263,8 @@ def sweep_context(session: Session, sweep: Sweep) -> SweepContext:
 
 
 def _find_context(session: Session, sweep: Sweep, key: tuple[str, int, datetime]) -> SweepContext:
-    varying = analysis.Varying()
-    finder = analysis.ReferenceFinder(analysis_of(sweep))
+    varying = baselines.Varying()
+    finder = baselines.ReferenceFinder(analysis_of(sweep))
     after = 0
     # Its own session, emptied after every chunk: the caller's session keeps what it holds.
     with Session(bind=session.get_bind()) as own:
@@ -206,8 +325,8 @@ def rows_page(
     rows = rows_of(every, ranks, probes, envs, components)
     by_id = {r.run_id: r for r in rows}
     page = rows[: len(runs)]
-    analysis.fill(page, by_id, context.refs)
+    baselines.fill(page, by_id, context.refs)
     for r in page:
-        r.label = analysis.label(r, context.vary_params, context.vary_fields)
-        r.series = analysis.series_label(r, context.vary_params, context.vary_fields)
+        r.label = baselines.label(r, context.vary_params, context.vary_fields)
+        r.series = baselines.series_label(r, context.vary_params, context.vary_fields)
     return page

@@ -13,7 +13,7 @@ the same shape for a sparse or dilated cell. The ratios against it:
   search) / (world size / baseline world size): strong scaling keeps the global batch and length,
   weak scaling (`analysis.scaling: weak`) gives the baseline one rank's share of them.
 
-Every ratio of two times carries its noise: from both runs' median intervals (service.views),
+Every ratio of two times carries its noise: from both runs' median intervals (service.results.rows),
 ratio_lo = a_lo / b_hi and ratio_hi = a_hi / b_lo (workers.noise.ratio_interval): speedup_lo/hi,
 efficiency_lo/hi (timed runs), checkpoint_time_ratio_lo/hi. A ratio whose interval holds 1.0 is
 named in the row's `within_noise`. Peak memory and maximum length are one measurement each (no
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import attention
+from service.results.rows import Flag, RunRow
 from service.spec import NESTED, AnalysisSpec, PivotSpec, nested_axis
-from service.views import Flag, RunRow
 from workers.config import PRECISION_DTYPES
 from workers.noise import Interval, ratio_interval, scaled
 

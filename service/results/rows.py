@@ -8,7 +8,7 @@ these rows, so every number has exactly one definition, here:
   that rank's p10-p90 as the spread, and that rank's 95% confidence interval of the median
   (order statistics, workers.noise.median_interval; from 6 iterations on; with 2-5 the range of
   all its samples at the lower level median_ci_level says; none with 1) as the noise every
-  ratio carries (service.analysis);
+  ratio carries (service.results.baselines);
 - iterations: the timed iterations the run ran (the length of its ranks' times_s);
 - tokens/s: batch_size x measured length / time;
 - FLOP/s: the FLOPs of every rank summed, over the time; per rank: that sum / world size;
@@ -18,7 +18,8 @@ these rows, so every number has exactly one definition, here:
 - memory per token: the largest rank peak over the tokens that rank holds;
 - maximum length: the longest probe that fit;
 - flags: a result above the physical limit (Flag), never shown without its mark: here a rank's
-  peak below the inputs it held (peak_below_inputs); service.analysis adds the ratios' flags.
+  peak below the inputs it held (peak_below_inputs); service.results.baselines adds the
+  ratios' flags.
 
 A ring run adds, from its ranks' steps (attention.ring.steps; table ring_step, and each rank's
 totals in rank_result):
@@ -66,7 +67,7 @@ from service.db.models import (
     Run,
     RunStatus,
 )
-from service.peaks import dense_peak_flops
+from service.results.peaks import dense_peak_flops
 from workers.noise import Interval, inverse, median_interval
 
 BYTES_PER_ELEMENT = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -86,7 +87,7 @@ median is): a cell rerun under `iterations: auto` matches its predecessor at 5."
 def config_key(config: dict[str, Any]) -> str:
     """The canonical JSON of a config without NOT_MEASURED_FIELDS: the compare page's cell key."""
     kept = {k: v for k, v in config.items() if k not in NOT_MEASURED_FIELDS}
-    # a param set to None is the kernel's default, as if unset (see analysis._match_key)
+    # a param set to None is the kernel's default, as if unset (see baselines._match_key)
     kept["params"] = {k: v for k, v in (kept.get("params") or {}).items() if v is not None}
     if not kept.get("profile"):  # unprofiled: what a cell stored before `profile` existed is
         kept.pop("profile", None)
@@ -296,7 +297,7 @@ class RunRow:
     outcome: str = ""
     label: str = ""
     series: str = ""
-    # Filled by service.analysis.apply: the baseline and the ratios against it.
+    # Filled by service.results.baselines.apply: the baseline and the ratios against it.
     baseline_run_id: int | None = None
     baseline: str | None = None
     speedup: float | None = None
@@ -718,7 +719,7 @@ def rows_of(
     environments: dict[int, Environment],
     components: dict[int, list[MemoryComponent]] | None = None,
 ) -> list[RunRow]:
-    """Rows for runs whose results were read in bulk (service.queries)."""
+    """Rows for runs whose results were read in bulk (service.results.queries)."""
     components = components or {}
     return [
         run_row(

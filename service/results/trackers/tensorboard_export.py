@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from service.export import SweepRecord
+from service.results.trackers import SweepRecord
 
 EVENTS = "events.out.tfevents.*"
 

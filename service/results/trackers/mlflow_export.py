@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service.export import RunRecord, SweepRecord
+from service.results.trackers import RunRecord, SweepRecord
 
 FILE_STORE_OPT_IN = "MLFLOW_ALLOW_FILE_STORE"
 """MLflow 3 refuses a file store (./mlruns) unless this is true; a --uri naming one asks for it."""

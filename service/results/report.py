@@ -1,4 +1,5 @@
-"""The exports of a sweep's rows (service.views, service.analysis): JSON rows, CSV, report.md.
+"""report.md of a sweep's rows (service.results.rows, service.results.baselines): the tables a
+researcher writes by hand today, with the formatting every page shares (fmt_*).
 
 No number is computed here: every value is a field of the row; this module only picks and
 formats them, so the report, the CSV and the dashboard cannot disagree.
@@ -6,200 +7,17 @@ formats them, so the report, the CSV and the dashboard cannot disagree.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from service import analysis
-from service.api.schemas import ArtifactOut, Headline
-from service.db.models import Artifact, Environment, Sweep
-from service.sp_report import sp_schemes_section
+from service.db.models import Environment, Sweep
+from service.results import baselines
+from service.results.export import result_row
+from service.results.rows import RunRow, local_tokens
+from service.results.schemes import sp_schemes_section
 from service.spec import PivotSpec, canonical_json
 from service.units import MS, TimeUnit, time_unit
-from service.views import RunRow, local_tokens
-
-CSV_COLUMNS = (
-    "run_id",
-    "sweep_id",
-    "label",
-    "kernel",
-    "params",
-    "seq_len",
-    "measured_seq_len",
-    "world_size",
-    "batch_size",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "dtype",
-    "causal",
-    "mode",
-    "parallel",
-    "status",
-    "outcome",
-    "attempts",
-    "median_s",
-    "p10_s",
-    "p90_s",
-    "median_lo_s",
-    "median_hi_s",
-    "median_ci_level",
-    "iterations",
-    "tokens_per_s",
-    "tflops_per_s",
-    "flops_per_s_per_rank",
-    "peak_fraction",
-    "peak_memory_bytes",
-    "rank_peak_bytes",
-    "input_memory_bytes",
-    "resident_peak_bytes",
-    "floor_bytes",
-    "memory_per_token_bytes",
-    "max_seq_len",
-    "exposed_comm_share",
-    "step_coverage",
-    "comm_bytes_per_rank",
-    "step_flops_per_s_per_rank",
-    "ulysses_groups",
-    "link_probe_bytes_per_s",
-    "link_latency_s",
-    "link_kind",
-    "crossover_tokens",
-    "crossover_basis",
-    "backend",
-    "max_abs_error",
-    "check_seq_len",
-    "sampled_check_error",
-    "sampled_check_seq_len",
-    "sampled_check_rows",
-    "baseline_run_id",
-    "baseline",
-    "speedup",
-    "memory_ratio",
-    "max_len_gain",
-    "efficiency",
-    "speedup_lo",
-    "speedup_hi",
-    "efficiency_lo",
-    "efficiency_hi",
-    "within_noise",
-    "flags",
-    "workload",
-    "model",
-    "model_shape",
-    "optimizer",
-    "precision",
-    "checkpointing",
-    "fixed_bytes",
-    "predicted_fixed_bytes",
-    "bytes_per_token",
-    "predicted_peak_bytes",
-    "predicted_max_seq_len",
-    "forward_s",
-    "backward_s",
-    "optimizer_s",
-    "checkpoint_time_ratio",
-    "checkpoint_time_ratio_lo",
-    "checkpoint_time_ratio_hi",
-    "device",
-    "environment_id",
-    "error",
-)
-COMPONENT_CSV_COLUMNS = (
-    "run_id",
-    "label",
-    "measured_seq_len",
-    "rank",
-    "component",
-    "predicted_bytes",
-    "measured_bytes",
-    "ratio",
-)
-
-
-def result_row(row: RunRow) -> dict[str, Any]:
-    """One flat row of results.json / results.csv."""
-    out = {k: getattr(row, k) for k in CSV_COLUMNS if k not in ("params", "flags")}
-    out["params"] = canonical_json(row.params)
-    out["flags"] = [{"code": f.code, "field": f.field, "text": f.text} for f in row.flags]
-    out["components"] = [
-        {
-            "rank": c.rank,
-            "component": c.component,
-            "predicted_bytes": c.predicted_bytes,
-            "measured_bytes": c.measured_bytes,
-            "ratio": c.ratio,
-        }
-        for c in row.components
-    ]
-    return out
-
-
-def components_csv(rows: Sequence[RunRow]) -> str:
-    """Every model run's memory components (its limiting rank), one line each: the seed's
-    per-component table with raw bytes."""
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=COMPONENT_CSV_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    for r in rows:
-        for c in r.components:
-            writer.writerow(
-                {
-                    "run_id": r.run_id,
-                    "label": r.label,
-                    "measured_seq_len": _csv_cell(r.measured_seq_len),
-                    "rank": c.rank,
-                    "component": c.component,
-                    "predicted_bytes": _csv_cell(c.predicted_bytes),
-                    "measured_bytes": _csv_cell(c.measured_bytes),
-                    "ratio": _csv_cell(c.ratio),
-                }
-            )
-    return buf.getvalue()
-
-
-def headline(row: RunRow) -> Headline:
-    """The headline numbers of one run (GET /runs/{id})."""
-    return Headline(**{k: getattr(row, k) for k in Headline.model_fields})
-
-
-def to_csv(rows: Sequence[dict[str, Any]], *, header: bool = True) -> str:
-    """CSV with a header row (unless it continues a stream); empty cells for missing values;
-    per-rank lists joined by ';'."""
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
-    if header:
-        writer.writeheader()
-    for row in rows:
-        cells = {k: _csv_cell(row[k]) for k in CSV_COLUMNS if k != "flags"}
-        cells["flags"] = ";".join(f"{f['field']}:{f['code']}" for f in row["flags"])
-        writer.writerow(cells)
-    return buf.getvalue()
-
-
-def _csv_cell(value: Any) -> Any:
-    if value is None:
-        return ""
-    if isinstance(value, list):
-        return ";".join("" if v is None else str(v) for v in value)
-    return value
-
-
-def pivot_csv(rows: Sequence[RunRow], spec: PivotSpec) -> str:
-    """The pivot as CSV: a column per section field (what else varies), the row value, then one
-    column per column value (raw numbers)."""
-    table = analysis.pivot(rows, spec)
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    fields = table.section_fields
-    writer.writerow([*fields, table.row_header, *table.columns])
-    for section in table.sections:
-        for name, values in section.rows:
-            writer.writerow([*section.values, name, *("" if v is None else v for v in values)])
-    return buf.getvalue()
-
 
 # ---------------------------------------------------------------- formatting
 
@@ -235,7 +53,7 @@ SPANS: dict[str, Callable[[float, float], str]] = {
     "efficiency": lambda lo, hi: f"{lo:.0%}-{hi:.0%}",
     "checkpoint_time_ratio": lambda lo, hi: f"{lo:.2f}-{hi:.2f}",
 }
-"""The ratios that carry an interval (service.analysis), and how it is written."""
+"""The ratios that carry an interval (service.results.baselines), and how it is written."""
 
 
 def marks(row: RunRow, field: str) -> str:
@@ -446,7 +264,8 @@ FLAG_TITLES = {
     "peak_below_inputs": "Peak memory below the inputs the rank held while it was metered: "
     "the peak includes them, so the meter missed memory.",
 }
-"""The footnote each flag code opens with (service.analysis and service.views raise them)."""
+"""The footnote each flag code opens with (service.results.baselines and service.results.rows
+raise them)."""
 
 
 def flag_footnotes(rows: Sequence[RunRow]) -> list[str]:
@@ -654,13 +473,13 @@ def _baseline_section(rows: Sequence[RunRow]) -> list[str]:
 def _pivot_section(rows: Sequence[RunRow], spec: PivotSpec) -> list[str]:
     """The pivot: a table per section (what else varies, in its heading), the same columns in
     each, so a column is one kind of run all the way down; times in one unit for all of them."""
-    table = analysis.pivot(rows, spec)
+    table = baselines.pivot(rows, spec)
     if not table.columns or not table.sections:
         return []
     show = FORMATS[spec.value]
     if spec.value == "median_s":
         show = time_unit(v for _, values in table.rows for v in values)
-    title = analysis.PIVOT_VALUES[spec.value]
+    title = baselines.PIVOT_VALUES[spec.value]
     lines = [
         f"## {title[0].upper() + title[1:]} by {table.row_header} and {table.column_header}",
         "",
@@ -950,15 +769,3 @@ def model_sections(rows: Sequence[RunRow]) -> list[str]:
         ]
         lines += [*_table(header, time_body), ""]
     return lines
-
-
-def artifact_out(artifact: Artifact) -> ArtifactOut:
-    """An artifact row with its download URL (None when refused)."""
-    url = None
-    if artifact.location is not None:
-        url = f"/api/v1/runs/{artifact.run_id}/artifacts/{artifact.name}"
-    return ArtifactOut.model_validate({**_columns(artifact), "url": url})
-
-
-def _columns(artifact: Artifact) -> dict[str, object]:
-    return {c: getattr(artifact, c) for c in ArtifactOut.model_fields if c != "url"}

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from service.export import RunRecord, SweepRecord
+from service.results.trackers import RunRecord, SweepRecord
 
 MAX_TAG_CHARS = 64
 """W&B's limit on a tag's length: longer facts stay in the config only."""

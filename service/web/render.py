@@ -1,0 +1,68 @@
+"""How every dashboard page is rendered: the Jinja2 templates, their filters and the context the
+shared header needs. The pages (router) and the login page both render through page()."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import HTMLResponse
+from fastapi.templating import Jinja2Templates
+
+from service.api import ray_link
+from service.results.report import COMPONENT_TITLES
+
+HERE = Path(__file__).resolve().parent
+STATIC_FILES = {"app.js": "text/javascript", "style.css": "text/css"}
+
+templates = Jinja2Templates(directory=HERE / "templates")
+
+
+def _fmt_si(value: float | None, unit: str = "") -> str:
+    """1234567 -> '1.23 M' + unit; None -> '—'."""
+    if value is None:
+        return "—"
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}".rstrip()
+
+
+def _fmt_bytes(value: float | None) -> str:
+    """Bytes in binary units: 1536 -> '1.50 KiB'."""
+    if value is None:
+        return "—"
+    for factor, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(value) >= factor:
+            return f"{value / factor:.2f} {unit}"
+    return f"{int(value)} B"
+
+
+def _fmt_s(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
+
+
+templates.env.filters["si"] = _fmt_si
+templates.env.filters["nbytes"] = _fmt_bytes
+templates.env.filters["secs"] = _fmt_s
+templates.env.globals["component_titles"] = COMPONENT_TITLES
+templates.env.filters["tojson_pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True)
+
+
+@cache
+def _static_version() -> str:
+    """A cache-busting tag that changes whenever a static file does."""
+    mtimes = [int((HERE / "static" / n).stat().st_mtime) for n in STATIC_FILES]
+    return str(max(mtimes))
+
+
+def page(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+    """The template `name` rendered with the header's context (static version, queue problem)."""
+    context.setdefault("static_version", _static_version())
+    context.setdefault("queue_problem", ray_link.queue_problem(request))  # the header says it
+    return templates.TemplateResponse(request, name, context, status_code=status_code)
