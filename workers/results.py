@@ -50,10 +50,6 @@ class MemoryComponent(BaseModel):
     predicted_bytes: int | None = Field(None, description="None: no prediction for it.")
     measured_bytes: int | None = Field(None, description="None: not measurable here.")
 
-    def row(self) -> dict[str, Any]:
-        """The columns of the memory_component table (without run and rank)."""
-        return stored(self)
-
 
 class StepTime(BaseModel):
     """One step of a ring kernel on one rank in one timed iteration (attention.ring.steps):
@@ -78,10 +74,6 @@ class StepTime(BaseModel):
         "window includes waiting for the peer to post its side: not the link's bandwidth "
         "(RankResult.link_probe_bytes_per_s is).",
     )
-
-    def row(self) -> dict[str, Any]:
-        """The columns of the ring_step table (without run and rank)."""
-        return stored(self)
 
 
 def step_totals(steps: list[StepTime]) -> dict[str, Any]:
@@ -216,10 +208,6 @@ class RankResult(BaseModel):
         description="That link's one-way time of a 4-byte message (fastest round trip / 2).",
     )
 
-    def row(self) -> dict[str, Any]:
-        """The columns of the rank_result table."""
-        return stored(self)
-
 
 class ProbeResult(BaseModel):
     """One tried length of a max_seq_len search and how it ended (worst rank wins)."""
@@ -241,10 +229,6 @@ class ProbeResult(BaseModel):
     time_s: float | None = Field(None, description="Median iteration time (slowest rank).")
     error: str | None = None
     emulated: bool = Field(False, description="oom decided by the CPU memory budget.")
-
-    def row(self) -> dict[str, Any]:
-        """The columns of the probe table."""
-        return stored(self)
 
 
 class EnvironmentInfo(BaseModel):
@@ -288,10 +272,6 @@ class EnvironmentInfo(BaseModel):
         """sha256 of the canonical JSON: the key environment rows are deduplicated by."""
         canon = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(canon.encode()).hexdigest()
-
-    def row(self) -> dict[str, Any]:
-        """The columns of the environment table, `hash` included."""
-        return {**stored(self), "hash": self.hash()}
 
     @classmethod
     def merge(cls, parts: list[EnvironmentInfo]) -> EnvironmentInfo:

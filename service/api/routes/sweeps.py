@@ -27,7 +27,6 @@ from service.api.events import sweep_events
 from service.api.schemas import (
     CompareOut,
     Message,
-    ResultRow,
     SweepAction,
     SweepList,
     SweepOut,
@@ -245,7 +244,7 @@ def _stream_json(pages: Iterator[list[dict[str, Any]]]) -> Iterator[str]:
     yield "["
     sep = ""
     for page in pages:
-        yield sep + ",".join(ResultRow(**row).model_dump_json() for row in page)
+        yield sep + ",".join(export.ResultRow(**row).model_dump_json() for row in page)
         sep = ","
     yield "]"
 
@@ -264,7 +263,7 @@ def _exists_or_404(session: SessionDep, sweep_id: int) -> None:
 @router.get(
     "/{sweep_id}/results.json",
     dependencies=read,
-    response_model=list[ResultRow],
+    response_model=list[export.ResultRow],  # type: ignore[valid-type]  # generated (export)
     responses={**NOT_FOUND, **AUTH},
 )
 def results_json(sweep_id: SweepId, session: SessionDep, request: Request) -> Response:
