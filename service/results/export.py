@@ -74,6 +74,18 @@ def result_row(row: RunRow) -> dict[str, Any]:
     return out
 
 
+def figures(row: RunRow) -> list[tuple[str, float | int | str | bool, str]]:
+    """(name, value, doc) of every number and word results.json holds for the row, in its
+    order, those measured only (None and lists left out): the run page lists them all, so a
+    field added to RunRow shows there without a template of its own."""
+    docs = {f.name: str(f.metadata.get("doc") or "") for f in fields(RunRow)}
+    return [
+        (name, value, docs[name])
+        for name, value in result_row(row).items()
+        if isinstance(value, float | int | str | bool) and value != ""
+    ]
+
+
 def components_csv(rows: Sequence[RunRow]) -> str:
     """Every model run's memory components (its limiting rank), one line each: the seed's
     per-component table with raw bytes."""
