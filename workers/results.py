@@ -165,9 +165,36 @@ class RankResult(BaseModel):
         "status says it, not a column).",
         json_schema_extra=ENGINE_ONLY,
     )
-    forward_s: float | None = Field(None, description="Model runs: median forward seconds.")
+    forward_s: float | None = Field(
+        None,
+        description="Train mode (kernels and model runs): median seconds of the forward pass, "
+        "timed apart within each timed iteration.",
+    )
     backward_s: float | None = Field(
-        None, description="Model runs: median backward seconds (gradient all-reduce included)."
+        None,
+        description="Train mode: median seconds of the backward pass (model runs: the "
+        "gradient all-reduce included).",
+    )
+    forward_p10_s: float | None = Field(
+        None, description="Kernels in train mode: the forward times' 10th percentile."
+    )
+    forward_p90_s: float | None = Field(None, description="Their 90th percentile.")
+    backward_p10_s: float | None = Field(
+        None, description="Kernels in train mode: the backward times' 10th percentile."
+    )
+    backward_p90_s: float | None = Field(None, description="Their 90th percentile.")
+    forward_times_s: list[float] | None = Field(
+        None,
+        description="Kernels in train mode: seconds of every timed iteration's forward pass, in "
+        "order (times_s holds each whole iteration).",
+    )
+    backward_times_s: list[float] | None = Field(
+        None, description="Kernels in train mode: every timed iteration's backward seconds."
+    )
+    forward_flops: float | None = Field(
+        None,
+        description="Kernels in train mode: the forward pass's FLOPs of this rank per iteration "
+        "(kernel.flops(backward=False)); flops - forward_flops is the backward's.",
     )
     optimizer_s: float | None = Field(None, description="Model runs: median optimizer step.")
     predicted_max_seq_len: int | None = Field(

@@ -239,6 +239,7 @@ def report_markdown(
     bench = [r for r in ordered if not r.searched]
     if bench:
         lines += _results_section(bench)
+        lines += _phase_section(bench)
     lines += _baseline_section(ordered)
     lines += sp_schemes_section([result_row(r) for r in ordered])
     models = [r for r in ordered if r.workload == "model"]
@@ -357,6 +358,44 @@ def fmt_rate(bytes_per_s: float | None) -> str:
 def fmt_latency(seconds: float | None) -> str:
     """A latency in microseconds (`-` when none was measured)."""
     return "-" if seconds is None else f"{seconds * 1e6:,.0f} us"
+
+
+def _phase_section(rows: Sequence[RunRow]) -> list[str]:
+    """Kernel cells in train mode: forward and backward apart, as FlashAttention's and
+    attention-gym's benchmarks report them (each phase's time and TFLOP/s, then the whole)."""
+    phased = [r for r in rows if r.forward_tflops_per_s is not None]
+    if not phased:
+        return []
+    unit = time_unit(t for r in phased for t in (r.forward_s, r.backward_s, r.median_s))
+    body = [
+        [
+            r.label, f"{r.length:,}", str(r.world_size),
+            unit(r.forward_s), _spread(unit, r.forward_p10_s, r.forward_p90_s),
+            unit(r.backward_s), _spread(unit, r.backward_p10_s, r.backward_p90_s),
+            unit(r.median_s), fmt_num(r.forward_tflops_per_s, 4),
+            fmt_num(r.backward_tflops_per_s, 4), fmt_num(r.tflops_per_s, 4),
+        ]
+        for r in phased
+    ]  # fmt: skip
+    header = ["Run", "Seq len", "World", "Forward", "p10 - p90", "Backward", "p10 - p90",
+              "Forward+backward", "Forward TFLOP/s", "Backward TFLOP/s",
+              "Total TFLOP/s"]  # fmt: skip
+    return [
+        "## Forward and backward (train mode)",
+        "",
+        "The slowest rank's medians, each phase timed apart within every timed iteration (p10 - "
+        "p90 of that rank beside them); forward+backward is the whole iteration (Time above). "
+        "TFLOP/s = the kernel's own FLOPs summed over ranks / the phase's time: the forward's "
+        "from kernel.flops(backward=False), the backward's = forward+backward's minus them.",
+        "",
+        *_table(header, body),
+        "",
+    ]
+
+
+def _spread(unit: TimeUnit, lo: float | None, hi: float | None) -> str:
+    """A p10 - p90 spread in `unit` ('-' when not measured)."""
+    return "-" if lo is None or hi is None else f"{unit(lo)} - {unit(hi)}"
 
 
 def _comm_section(rows: Sequence[RunRow]) -> list[str]:

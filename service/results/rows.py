@@ -387,10 +387,40 @@ class RunRow:
         default=None, metadata=_doc("The longest length predicted to fit the memory budget.")
     )
     forward_s: float | None = field(
-        default=None, metadata=_doc("Model cells: median forward seconds.")
+        default=None,
+        metadata=_doc(
+            "Train mode: the slowest rank's median forward seconds (timed apart within each "
+            "iteration)."
+        ),
     )
     backward_s: float | None = field(
-        default=None, metadata=_doc("Model cells: median backward seconds.")
+        default=None, metadata=_doc("Train mode: that rank's median backward seconds.")
+    )
+    forward_p10_s: float | None = field(
+        default=None, metadata=_doc("Kernel cells in train mode: its forward's 10th percentile.")
+    )
+    forward_p90_s: float | None = field(
+        default=None, metadata=_doc("Its forward's 90th percentile.")
+    )
+    backward_p10_s: float | None = field(
+        default=None, metadata=_doc("Its backward's 10th percentile.")
+    )
+    backward_p90_s: float | None = field(
+        default=None, metadata=_doc("Its backward's 90th percentile.")
+    )
+    forward_tflops_per_s: float | None = field(
+        default=None,
+        metadata=_doc(
+            "Kernel cells in train mode: the kernel's own forward FLOPs (flops(backward=False)) "
+            "summed over ranks / forward_s / 1e12 (tflops_per_s is forward + backward's)."
+        ),
+    )
+    backward_tflops_per_s: float | None = field(
+        default=None,
+        metadata=_doc(
+            "Its backward FLOPs (forward + backward minus forward) summed over ranks / "
+            "backward_s / 1e12."
+        ),
     )
     optimizer_s: float | None = field(
         default=None, metadata=_doc("Model cells: median optimizer seconds.")
@@ -579,12 +609,7 @@ def _model(row: RunRow, components: Sequence[MemoryComponent], tokens: int) -> N
         if row.peak_memory_bytes is not None and row.fixed_bytes is not None:
             row.bytes_per_token = (row.peak_memory_bytes - row.fixed_bytes) / tokens
     if row.ranks:
-        slow = max(row.ranks, key=lambda r: r.median_s)
-        row.forward_s, row.backward_s, row.optimizer_s = (
-            slow.forward_s,
-            slow.backward_s,
-            slow.optimizer_s,
-        )
+        row.optimizer_s = max(row.ranks, key=lambda r: r.median_s).optimizer_s
         predicted = [r.predicted_max_seq_len for r in row.ranks if r.predicted_max_seq_len]
         row.predicted_max_seq_len = min(predicted) if predicted else None
     if row.probes:
@@ -646,7 +671,23 @@ def _measured(row: RunRow) -> None:
     first = ranks[0]  # every rank checks the same rows at the same length
     row.sampled_check_seq_len = first.sampled_check_seq_len
     row.sampled_check_rows = first.sampled_check_rows
+    _phases(row, slow)
     _steps(row)
+
+
+def _phases(row: RunRow, slow: StoredRank) -> None:
+    """Train mode: the slowest rank's forward and backward apart (medians, and for kernel
+    cells their p10 and p90), and their TFLOP/s from the kernel's own forward FLOPs, summed
+    over ranks as tflops_per_s sums the whole's."""
+    row.forward_s, row.backward_s = slow.forward_s, slow.backward_s
+    row.forward_p10_s, row.forward_p90_s = slow.forward_p10_s, slow.forward_p90_s
+    row.backward_p10_s, row.backward_p90_s = slow.backward_p10_s, slow.backward_p90_s
+    forward = [r.forward_flops for r in row.ranks if r.forward_flops is not None]
+    if len(forward) != len(row.ranks) or not slow.forward_s or not slow.backward_s:
+        return
+    backward = sum(r.flops for r in row.ranks) - sum(forward)
+    row.forward_tflops_per_s = sum(forward) / slow.forward_s / 1e12
+    row.backward_tflops_per_s = backward / slow.backward_s / 1e12
 
 
 def peak_flags(ranks: Sequence[StoredRank]) -> list[Flag]:
