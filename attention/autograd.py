@@ -16,6 +16,7 @@ autograd refuse the backward ("modified by an inplace operation"); copy it first
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -53,3 +54,26 @@ def merged_attention(
     q, k, v = (t.contiguous() for t in (q, k, v))
     out: torch.Tensor = MergedFunction.apply(q, k, v, forward, backward)
     return out
+
+
+def bound_merged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    *args: Any,
+) -> torch.Tensor:
+    """`merged_attention` of a kernel's `forward(q, k, v, *args)` and
+    `backward(dout, q, k, v, out, lse, *args)`, both bound to this call's `args` (its plan,
+    process group, scale)."""
+
+    def bound_forward(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return forward(q, k, v, *args)
+
+    def bound_backward(*saved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return backward(*saved, *args)  # saved: dout, q, k, v, out, lse
+
+    return merged_attention(q, k, v, bound_forward, bound_backward)

@@ -126,6 +126,12 @@ class Kernel(nn.Module):
 
     backend: str | None = None
 
+    def __init__(self, params: Any = None) -> None:
+        """`params`: the kernel's parameters (its KernelSpec's dataclass), kept as self.params:
+        a spec's factory may be the class itself."""
+        super().__init__()
+        self.params = params
+
     def flops(
         self,
         batch: int,

@@ -48,8 +48,7 @@ class DenseAttention(Kernel):
     that ran its last call (sdpa-flash-cpu, sdpa-cudnn-cuda, ...: torch's own choice)."""
 
     def __init__(self, params: DenseParams | None = None) -> None:
-        super().__init__()
-        self.params = params or DenseParams()
+        super().__init__(params or DenseParams())
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False

@@ -144,8 +144,7 @@ class MultiheadAttention(Kernel):
     input_layout: Literal["bse"] = "bse"
 
     def __init__(self, params: MultiheadParams) -> None:
-        super().__init__()
-        self.params = params
+        super().__init__(params)
         self.embed_dim, self.num_heads = _require_shape(params)
         e, bias = self.embed_dim, params.bias
         self.num_kv_heads = params.num_kv_heads or self.num_heads

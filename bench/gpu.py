@@ -51,12 +51,11 @@ from attention.masks import block_token_mask, dilated_reference, masked_attentio
 from attention.registry import twin_of
 from bench import gpu_search
 from bench.kernels import (
-    Case,
     fraction_of_baseline,
     make_case,
     measure_case,
     spread,
-    time_case,
+    timed_in_turn,
 )
 from workers.environment import device_facts
 from workers.memory import PeakMeter
@@ -343,14 +342,8 @@ def timed_rows(args: argparse.Namespace, dtype: str, device: torch.device) -> li
     meter = PeakMeter(device)
     memory = [measure_case(make_case(k, p, s, ns), meter) for s, k, p in cases]
     rows, peak = [], peak_tflops(device)
-    baseline: Case | None = None  # SDPA at this length: each kernel's forward alternates with it
-    for (seq, kernel, params), mem in zip(cases, memory, strict=True):
-        if kernel == "sdpa":  # a new length: the previous one's baseline goes first
-            baseline = None
-        case = make_case(kernel, params, seq, ns)
-        timing = time_case(case, ns, baseline)
-        if kernel == "sdpa":
-            baseline = case
+    timed = timed_in_turn(cases, ns, "sdpa")  # each kernel's forward alternates with SDPA's
+    for (seq, kernel, params, case, timing), mem in zip(timed, memory, strict=True):
         rows.append({"kernel": kernel, "params": params, "seq": seq, "dtype": dtype,
                      "heads": args.heads, "head_dim": args.dim, **timing, **mem})  # fmt: skip
         del case

@@ -35,7 +35,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -349,6 +349,26 @@ def time_case(case: Case, args: argparse.Namespace, baseline: Case | None = None
     }
 
 
+def timed_in_turn(
+    listed: list[tuple[int, str, dict[str, Any]]], args: argparse.Namespace, baseline_kernel: str
+) -> Iterator[tuple[int, str, dict[str, Any], Case, dict[str, Any]]]:
+    """(seq, kernel, params, case, timing) of each listed case made and timed in turn, its
+    forward alternating with the case of `baseline_kernel` at its length (listed first at
+    each length; a new length's goes first, without a baseline). Each case is dropped before
+    the next is made, the baseline kept for its length: a caller deletes its own reference
+    to `case` before it asks for the next."""
+    baseline: Case | None = None
+    for seq, kernel, params in listed:
+        if kernel == baseline_kernel:  # a new length: the previous one's baseline goes first
+            baseline = None
+        case = make_case(kernel, params, seq, args)
+        timing = time_case(case, args, baseline)
+        if kernel == baseline_kernel:
+            baseline = case
+        yield seq, kernel, params, case, timing
+        del case
+
+
 def pair_ratios(
     flops: int, times: list[float], base_flops: int, base_times: list[float]
 ) -> list[float]:
@@ -486,14 +506,10 @@ def main() -> None:
         )
     rows = []
     dense: dict[str, Any] = {}
-    baseline: Case | None = None  # dense at this length: every kernel's forward alternates with it
-    for (seq, kernel, params), memory in zip(listed, measured, strict=True):
-        if kernel == "dense":  # a new length: the previous one's baseline goes first
-            baseline = None
-        case = make_case(kernel, params, seq, args)
-        timing = time_case(case, args, baseline)
+    timed = timed_in_turn(listed, args, "dense")  # every kernel's forward alternates with dense
+    for (seq, kernel, params, case, timing), memory in zip(timed, measured, strict=True):
         if kernel == "dense":
-            dense, baseline = timing, case
+            dense = timing
         row = {
             "kernel": kernel,
             "params": params,

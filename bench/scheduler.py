@@ -19,14 +19,13 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from sqlalchemy import create_engine, text
 
+from bench.service import fresh_schema
 from service.core.config import normalize_database_url
 from service.db.engine import make_engine, make_sessionmaker
 from service.db.migrate import upgrade
@@ -157,17 +156,8 @@ def own_schema(url: str) -> Iterator[str]:
     if not url.startswith("postgresql"):
         yield url
         return
-    schema = f"bench_scheduler_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    try:
-        sep = "&" if "?" in url else "?"
-        yield f"{url}{sep}options=-csearch_path%3D{schema}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    with fresh_schema(url) as scoped:
+        yield scoped
 
 
 def measure(args: argparse.Namespace, url: str) -> None:

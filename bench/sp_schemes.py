@@ -123,7 +123,7 @@ def run_case(a: argparse.Namespace, kernel: str, world: int) -> list[dict]:
     params = SCHEMES[kernel]
     args = {**vars(a), "device": "cpu", "device_name": "cpu"}
     job = {"kernel": kernel, "params": params, "layout": _layout(kernel, params)}
-    job.update(causal=True, threads=1, distributed=True, sp=True)
+    job.update(causal=True, threads=1, distributed=True, measure=measure)
     return ringbench.run_job(args, job, world)
 
 

@@ -11,8 +11,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -77,6 +77,73 @@ async def _busy(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": str(retry)})
 
 
+def _start_scheduler(app: FastAPI, settings: Settings, stop: threading.Event) -> threading.Thread:
+    """The embedded scheduler's thread, started (it runs until `stop`)."""
+    # /readyz says what the scheduler does from the first request on, not "not started"
+    RAY.set(Link("starting", settings.ray_address or "a local Ray", 0, time.time()))
+    thread = threading.Thread(
+        target=_run_scheduler,
+        args=(app, settings, stop),
+        name="ringlab-scheduler",
+        daemon=True,  # a scheduler stuck past the join timeout must not block exit
+    )
+    thread.start()
+    return thread
+
+
+def _join_scheduler(thread: threading.Thread) -> None:
+    """Wait SCHEDULER_JOIN_TIMEOUT_S for a stopped scheduler; log when it did not stop."""
+    thread.join(SCHEDULER_JOIN_TIMEOUT_S)
+    if thread.is_alive():
+        log.error(
+            "scheduler did not stop within %.0f s; exiting anyway",
+            SCHEDULER_JOIN_TIMEOUT_S,
+        )
+
+
+def _lifespan(
+    settings: Settings, with_scheduler: bool
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: migrate and open the engine (and start the scheduler thread when
+    `with_scheduler`); at shutdown stop and join it, dispose of the engine, stop a local Ray."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        upgrade(settings.database_url)
+        engine = make_engine(settings.database_url, **_engine_kwargs(settings.database_url))
+        app.state.engine = engine
+        app.state.sessionmaker = make_sessionmaker(engine)
+        stop = threading.Event()
+        app.state.scheduler_stop = stop
+        app.state.scheduler_error = None
+        thread = _start_scheduler(app, settings, stop) if with_scheduler else None
+        app.state.scheduler_thread = thread
+        # Start-up objects (torch, pydantic and SQLAlchemy metadata) never die: keep the cyclic
+        # GC from rescanning them while a request builds tens of thousands of cells.
+        gc.freeze()
+        try:
+            yield
+        finally:
+            stop.set()
+            if thread is not None:
+                _join_scheduler(thread)
+            engine.dispose()
+            local_ray.stop_leftovers()  # a local Ray this process started, and its agents
+
+    return lifespan
+
+
+def _add_middleware_and_handlers(app: FastAPI, max_body_bytes: int) -> None:
+    """The body size limit, the security headers and the error handlers (JSON errors)."""
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(SecurityHeaders)  # outermost: a 413 carries the headers too
+    app.add_exception_handler(queries.WholeSweepBusy, _busy)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    for error in DATABASE_ERRORS:
+        app.add_exception_handler(error, database_unavailable)
+
+
 def create_app(
     settings: Settings | None = None,
     *,
@@ -91,61 +158,16 @@ def create_app(
     at the root; `extra_routers` adds more routers there.
     """
     settings = settings or Settings()
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        upgrade(settings.database_url)
-        engine = make_engine(settings.database_url, **_engine_kwargs(settings.database_url))
-        app.state.engine = engine
-        app.state.sessionmaker = make_sessionmaker(engine)
-        stop = threading.Event()
-        app.state.scheduler_stop = stop
-        app.state.scheduler_error = None
-        thread: threading.Thread | None = None
-        if with_scheduler:
-            # /readyz says what the scheduler does from the first request on, not "not started"
-            RAY.set(Link("starting", settings.ray_address or "a local Ray", 0, time.time()))
-            thread = threading.Thread(
-                target=_run_scheduler,
-                args=(app, settings, stop),
-                name="ringlab-scheduler",
-                daemon=True,  # a scheduler stuck past the join timeout must not block exit
-            )
-            thread.start()
-        app.state.scheduler_thread = thread
-        # Start-up objects (torch, pydantic and SQLAlchemy metadata) never die: keep the cyclic
-        # GC from rescanning them while a request builds tens of thousands of cells.
-        gc.freeze()
-        try:
-            yield
-        finally:
-            stop.set()
-            if thread is not None:
-                thread.join(SCHEDULER_JOIN_TIMEOUT_S)
-                if thread.is_alive():
-                    log.error(
-                        "scheduler did not stop within %.0f s; exiting anyway",
-                        SCHEDULER_JOIN_TIMEOUT_S,
-                    )
-            engine.dispose()
-            local_ray.stop_leftovers()  # a local Ray this process started, and its agents
-
     app = FastAPI(
         title="ringlab",
         version="0.1.0",
         summary="Sweeps of long-context attention kernels on a Ray cluster, and their results.",
-        lifespan=lifespan,
+        lifespan=_lifespan(settings, with_scheduler),
     )
     app.state.settings = settings
     app.state.scheduler_thread = None
     app.state.scheduler_error = None
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    app.add_middleware(SecurityHeaders)  # outermost: a 413 carries the headers too
-    app.add_exception_handler(queries.WholeSweepBusy, _busy)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    for error in DATABASE_ERRORS:
-        app.add_exception_handler(error, database_unavailable)
+    _add_middleware_and_handlers(app, max_body_bytes)
     app.include_router(api_router())
     app.include_router(web_router)  # the dashboard's HTML pages at /
     for router in extra_routers:

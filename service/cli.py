@@ -6,80 +6,16 @@ import queue
 import sys
 import time
 from collections.abc import Callable
-from functools import wraps
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
-from pydantic import ValidationError
-from rich.console import Console
 from rich.markup import escape
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 
+from service.cli_base import CliError, app, client, db_app, err, friendly_errors, one_line, out
 from service.client import ClientError
 from service.core.config import Settings, exposure_problem
 from service.units import MS, TimeUnit, duration, plural, time_unit
-
-app = typer.Typer(
-    name="ringlab",
-    help="Run and compare long-context attention experiments on a Ray cluster.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
-app.add_typer(db_app, name="db")
-
-err = Console(stderr=True, highlight=False, soft_wrap=True)
-out = Console(highlight=False, soft_wrap=True)
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class CliError(Exception):
-    """An error to show the user as one line (and, for a file, the offending line below it)."""
-
-    def __init__(self, message: str, detail: str | None = None) -> None:
-        super().__init__(message)
-        self.detail = detail
-
-
-def _one_line(exc: BaseException) -> str:
-    if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"]) or "settings"
-        field = f"RINGLAB_{loc.upper()}" if first["loc"] else loc
-        return f"invalid setting {field}: {first['msg'].removeprefix('Value error, ')}"
-    if isinstance(exc, OperationalError):
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
-        return f"cannot reach the database: {reason}"
-    if isinstance(exc, NoSuchModuleError | ArgumentError):
-        return f"bad database URL: {exc}"
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
-def friendly_errors(fn: F) -> F:
-    """Turn known failures into one red line on stderr and exit code 1."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (
-            CliError,
-            ClientError,
-            ValidationError,
-            OperationalError,
-            NoSuchModuleError,
-            ArgumentError,
-            ConnectionError,  # Ray: no cluster at RINGLAB_RAY_ADDRESS
-        ) as e:
-            err.print(f"[red]error:[/red] {escape(_one_line(e))}")
-            if isinstance(e, CliError) and e.detail:
-                err.print(e.detail, markup=False)
-            raise typer.Exit(1) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def load_settings() -> Settings:
@@ -266,6 +202,54 @@ def scheduler() -> None:
 DEMO_EXAMPLE = "cpu-quick.yaml"
 
 
+def _demo_settings(port: int, database_url: str | None) -> Settings:
+    """The demo's settings: a local Ray, on 127.0.0.1:port, with `database_url` when given."""
+    overrides: dict[str, Any] = {"ray_address": None, "host": "127.0.0.1", "port": port}
+    if database_url:
+        overrides["database_url"] = database_url
+    settings = Settings(**overrides)
+    if problem := exposure_problem(settings, "127.0.0.1"):
+        raise CliError(problem)
+    return settings
+
+
+def _submit_demo(base: str, spec: dict[str, Any], give_up: Callable[[str], None]) -> None:
+    """Wait for the service at `base` (120 s at most), submit the demo sweep, say where to
+    see it, then follow it to its end (announce_end); `give_up(reason)` when either fails."""
+    from service.client import Client
+
+    with Client(base) as client:
+        deadline = time.monotonic() + 120
+        while not client.healthy():
+            if time.monotonic() > deadline:
+                give_up(f"the service did not answer at {base} in 120 s")
+                return
+            time.sleep(0.5)
+        try:
+            sweep = client.submit(spec)
+        except ClientError as e:
+            give_up(f"could not submit {DEMO_EXAMPLE}: {e}")
+            return
+        runs = plural(sweep["total"], "run")
+        out.print(
+            f"[bold]demo sweep {sweep['id']}[/bold] ({runs}) submitted.\n"
+            f"Dashboard: {client.dashboard_url(sweep['id'])}\n"
+            f"Terminal:  RINGLAB_URL={base} ringlab watch {sweep['id']}\n"
+            "Ctrl-C stops the service."
+        )
+        announce_end(client, sweep["id"])
+
+
+def _demo_access_log(access_log: Path | None) -> Path:
+    """Where uvicorn's access lines go (its folder made): `access_log`, else
+    demo-access.log in the user's data dir."""
+    from platformdirs import user_data_dir
+
+    log_file = access_log or Path(user_data_dir("ringlab")) / "demo-access.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    return log_file
+
+
 @app.command(
     help="Start the service with a local CPU Ray, submit cpu-quick.yaml, keep serving until "
     f"Ctrl-C. Prints the dashboard and database URLs first. {DATABASE_RULE}"
@@ -291,16 +275,7 @@ def demo(
     import signal
     import threading
 
-    from platformdirs import user_data_dir
-
-    from service.client import Client
-
-    overrides: dict[str, Any] = {"ray_address": None, "host": "127.0.0.1", "port": port}
-    if database_url:
-        overrides["database_url"] = database_url
-    settings = Settings(**overrides)
-    if problem := exposure_problem(settings, "127.0.0.1"):
-        raise CliError(problem)
+    settings = _demo_settings(port, database_url)
     (spec,) = load_specs(DEMO_EXAMPLE)
     base = f"http://127.0.0.1:{port}"
 
@@ -312,37 +287,16 @@ def demo(
         failure.append(reason)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    def submit_when_ready() -> None:
-        with Client(base) as client:
-            deadline = time.monotonic() + 120
-            while not client.healthy():
-                if time.monotonic() > deadline:
-                    give_up(f"the service did not answer at {base} in 120 s")
-                    return
-                time.sleep(0.5)
-            try:
-                sweep = client.submit(spec)
-            except ClientError as e:
-                give_up(f"could not submit {DEMO_EXAMPLE}: {e}")
-                return
-            runs = plural(sweep["total"], "run")
-            out.print(
-                f"[bold]demo sweep {sweep['id']}[/bold] ({runs}) submitted.\n"
-                f"Dashboard: {client.dashboard_url(sweep['id'])}\n"
-                f"Terminal:  RINGLAB_URL={base} ringlab watch {sweep['id']}\n"
-                "Ctrl-C stops the service."
-            )
-            announce_end(client, sweep["id"])
-
     how = "pick another: PORT={port} make run, or ringlab demo --port {port}"
     sockets = _start_serving(settings, "127.0.0.1", port, how)
-    log_file = access_log or Path(user_data_dir("ringlab")) / "demo-access.log"
-    log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file = _demo_access_log(access_log)
     out.print(f"starting ringlab on {base} with a local Ray on CPU")
     out.print(f"access log: {log_file} (each page view; ringlab demo --access-log PATH)")
     from service.app import run_server
 
-    threading.Thread(target=submit_when_ready, name="demo-submit", daemon=True).start()
+    threading.Thread(
+        target=_submit_demo, args=(base, spec, give_up), name="demo-submit", daemon=True
+    ).start()
     run_server(
         settings,
         host="127.0.0.1",
@@ -391,13 +345,6 @@ def demo_summary(rows: list[dict[str, Any]], most: int = 3) -> list[str]:
 
 
 # ---- client commands: talk to a running service over HTTP ----
-
-
-def client() -> Any:
-    """A client for RINGLAB_URL with RINGLAB_API_TOKEN."""
-    from service.client import Client
-
-    return Client()
 
 
 def bundled_examples() -> dict[str, Any]:
@@ -536,7 +483,7 @@ def _follow(c: Any, sweep_id: int, events: queue.Queue[tuple[int, str, dict[str,
                 return
         events.put((sweep_id, "closed", {}))
     except Exception as e:  # shown as the sweep's one-line problem by the watching thread
-        events.put((sweep_id, "error", {"message": _one_line(e)}))
+        events.put((sweep_id, "error", {"message": one_line(e)}))
 
 
 def _live_counts(counts: dict[str, int]) -> str:
@@ -548,25 +495,31 @@ def _live_counts(counts: dict[str, int]) -> str:
     return ", ".join(parts)
 
 
-def _watch(c: Any, sweep_ids: list[int]) -> None:
-    """One progress display with a line per sweep (runs done/total, running, failed), fed by
-    each sweep's event stream, until every sweep ends; exit 1 if any run failed or timed out."""
+def _follow_all(c: Any, sweep_ids: list[int]) -> queue.Queue[tuple[int, str, dict[str, Any]]]:
+    """One queue fed by a `_follow` thread per sweep."""
     import threading
 
-    from rich.progress import Progress
-
-    sweeps = {sweep_id: c.sweep(sweep_id) for sweep_id in dict.fromkeys(sweep_ids)}
-    sweep_kinds = {sweep_id: s["kind"] for sweep_id, s in sweeps.items()}
     events: queue.Queue[tuple[int, str, dict[str, Any]]] = queue.Queue()
-    for sweep_id in sweeps:
+    for sweep_id in sweep_ids:
         threading.Thread(
             target=_follow, args=(c, sweep_id, events), name=f"watch-{sweep_id}", daemon=True
         ).start()
-    names, columns = _watch_columns({i: s["name"] for i, s in sweeps.items()})
-    problems: dict[int, str] = {}
-    ended: list[int] = []
-    with Progress(*columns, console=err, transient=False) as progress:
-        tasks = {
+    return events
+
+
+class _Watcher:
+    """The progress lines of the watched sweeps, moved by their events: which sweeps ended
+    and which have a problem (deleted, a stream closed early, an error) instead."""
+
+    def __init__(
+        self, c: Any, sweeps: dict[int, dict[str, Any]], progress: Any, names: dict[int, str]
+    ) -> None:
+        self.c = c
+        self.sweeps = sweeps
+        self.progress = progress
+        self.problems: dict[int, str] = {}
+        self.ended: list[int] = []
+        self.tasks = {
             sweep_id: progress.add_task(
                 escape(names[sweep_id] if len(sweeps) > 1 else f"sweep {sweep_id}"),
                 total=s["total"],
@@ -575,47 +528,65 @@ def _watch(c: Any, sweep_ids: list[int]) -> None:
             )
             for sweep_id, s in sweeps.items()
         }
-        while len(ended) + len(problems) < len(sweeps):
-            sweep_id, event, data = events.get()
-            if event == "end" and data.get("deleted"):
-                problems[sweep_id] = f"sweep {sweep_id} was deleted while watching"
-                continue
-            if event == "closed":  # the stream closed early (a restart, a proxy): ask
-                data = c.sweep(sweep_id)
-                if not data["done"]:
-                    problems[sweep_id] = (
-                        f"the event stream of sweep {sweep_id} closed before the sweep ended "
-                        f"({data['finished']}/{data['total']} finished); watch it again: "
-                        f"ringlab watch {sweep_id}"
-                    )
-                    continue
-                event = "end"
-            if event == "error":
-                problems[sweep_id] = data["message"]
-                continue
-            if event == "run" and data.get("last_probe"):  # a search's probes, as they come
-                probe = data["last_probe"]
-                progress.console.print(
-                    f"sweep {sweep_id} run {data['id']}: probe {data['probes']}, "
-                    f"{probe['seq_len']:,} tokens {probe['outcome']}",
-                    markup=False,
+
+    def watching(self) -> bool:
+        """Whether some sweep has neither ended nor a problem."""
+        return len(self.ended) + len(self.problems) < len(self.sweeps)
+
+    def handle(self, sweep_id: int, event: str, data: dict[str, Any]) -> None:
+        """One event of one sweep's stream (see `_follow`)."""
+        if event == "end" and data.get("deleted"):
+            self.problems[sweep_id] = f"sweep {sweep_id} was deleted while watching"
+            return
+        if event == "closed":  # the stream closed early (a restart, a proxy): ask
+            data = self.c.sweep(sweep_id)
+            if not data["done"]:
+                self.problems[sweep_id] = (
+                    f"the event stream of sweep {sweep_id} closed before the sweep ended "
+                    f"({data['finished']}/{data['total']} finished); watch it again: "
+                    f"ringlab watch {sweep_id}"
                 )
-            if event in ("progress", "end") and "counts" in data:
-                sweeps[sweep_id] = data
-                progress.update(
-                    tasks[sweep_id],
-                    total=data["total"],
-                    completed=data["finished"],
-                    counts=_live_counts(data["counts"]),
-                )
-            if event == "end":
-                ended.append(sweep_id)
+                return
+            event = "end"
+        if event == "error":
+            self.problems[sweep_id] = data["message"]
+            return
+        if event == "run" and data.get("last_probe"):  # a search's probes, as they come
+            probe = data["last_probe"]
+            self.progress.console.print(
+                f"sweep {sweep_id} run {data['id']}: probe {data['probes']}, "
+                f"{probe['seq_len']:,} tokens {probe['outcome']}",
+                markup=False,
+            )
+        if event in ("progress", "end") and "counts" in data:
+            self.sweeps[sweep_id] = data
+            self.progress.update(
+                self.tasks[sweep_id],
+                total=data["total"],
+                completed=data["finished"],
+                counts=_live_counts(data["counts"]),
+            )
+        if event == "end":
+            self.ended.append(sweep_id)
+
+
+def _print_ended(
+    c: Any, sweeps: dict[int, dict[str, Any]], kinds: dict[int, str], ended: list[int]
+) -> None:
+    """A line per ended sweep with its counts; a search's answers under it."""
     for sweep_id in sweeps:
         if sweep_id in ended:
             out.print(f"sweep {sweep_id} ended: {_counts(sweeps[sweep_id]['counts'])}")
-            if sweeps[sweep_id].get("kind", sweep_kinds.get(sweep_id)) == "max_seq_len":
+            if sweeps[sweep_id].get("kind", kinds.get(sweep_id)) == "max_seq_len":
                 for line in search_answers(c, sweep_id):
                     out.print(line, markup=False)
+
+
+def _watch_exit(
+    sweeps: dict[int, dict[str, Any]], ended: list[int], problems: dict[int, str]
+) -> None:
+    """Say how many runs failed or timed out; CliError with the problems, else exit 1 if
+    any run failed."""
     bad = {i: sum(sweeps[i]["counts"].get(s, 0) for s in FAILED_STATES) for i in ended}
     failing = [i for i, n in bad.items() if n]
     if failing:
@@ -625,6 +596,23 @@ def _watch(c: Any, sweep_ids: list[int]) -> None:
         raise CliError("; ".join(problems[i] for i in sweeps if i in problems))
     if failing:
         raise typer.Exit(1)
+
+
+def _watch(c: Any, sweep_ids: list[int]) -> None:
+    """One progress display with a line per sweep (runs done/total, running, failed), fed by
+    each sweep's event stream, until every sweep ends; exit 1 if any run failed or timed out."""
+    from rich.progress import Progress
+
+    sweeps = {sweep_id: c.sweep(sweep_id) for sweep_id in dict.fromkeys(sweep_ids)}
+    sweep_kinds = {sweep_id: s["kind"] for sweep_id, s in sweeps.items()}
+    events = _follow_all(c, list(sweeps))
+    names, columns = _watch_columns({i: s["name"] for i, s in sweeps.items()})
+    with Progress(*columns, console=err, transient=False) as progress:
+        watcher = _Watcher(c, sweeps, progress, names)
+        while watcher.watching():
+            watcher.handle(*events.get())
+    _print_ended(c, sweeps, sweep_kinds, watcher.ended)
+    _watch_exit(sweeps, watcher.ended, watcher.problems)
 
 
 def _watch_columns(names: dict[int, str]) -> tuple[dict[int, str], tuple[Any, ...]]:

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from service import regression
-from service.cli import CliError, app, client, friendly_errors, out
+from service.cli_base import CliError, app, client, friendly_errors, out
 
 
 @app.command()

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.engine import rowcount
 from service.db.models import (
+    ACTIVE_STATUSES,
     Probe,
     Run,
     RunStatus,
@@ -27,7 +28,6 @@ from service.db.models import (
     utcnow,
 )
 
-ACTIVE_STATUSES = (RunStatus.running, RunStatus.waiting_resources)
 Kind = Literal["benchmark", "max_seq_len", "correctness"]  # workers.gang.Kind (SweepKind values)
 
 

@@ -116,6 +116,18 @@ def _ended_early(status: RunStatus, error: str, handle: RunHandle) -> Completion
 
 
 @dataclass
+class _Lease:
+    """A driven run's lease clock (time.monotonic() seconds) and the status last stored."""
+
+    next_beat: float
+    renewed: float
+    """The lease is ours until renewed + lease_s."""
+    backoff_until: float = 0.0
+    """After a failed heartbeat, status moves wait too."""
+    shown: RunStatus = RunStatus.running
+
+
+@dataclass
 class _InFlight:
     """A run this scheduler drives on its own thread."""
 
@@ -395,80 +407,124 @@ class Scheduler:
     def _drive(
         self, claim: Claim, config: RunConfig, handle: RunHandle, waiting: threading.Event
     ) -> None:
-        from workers import errors
-
+        """Poll the run until it ends, is cancelled or loses its lease, times out, or the
+        scheduler stops; renew the lease by heartbeat (carrying a status move) and store a
+        running search's probes as they come."""
         deadline = time.monotonic() + config.timeout_s
-        next_beat = time.monotonic() + self.heartbeat_s
-        renewed = time.monotonic()  # the lease is ours until renewed + lease_s
-        backoff_until = 0.0  # after a failed heartbeat, status moves wait too
-        shown = RunStatus.running
+        lease = _Lease(next_beat=time.monotonic() + self.heartbeat_s, renewed=time.monotonic())
         stored_probes = 0  # of handle.probes(): a running search's probes are stored as they come
         while True:
-            # waiting_resources while the pool waits for bundles, running once ranks are placed.
-            wanted = shown
-            placed = self._note_placed(claim, handle)
-            if waiting.is_set():
-                wanted = RunStatus.running if placed else RunStatus.waiting_resources
-            moved = wanted if wanted != shown else None
+            wanted = self._wanted_status(claim, handle, waiting, lease.shown)
             now = time.monotonic()
-            if (moved is not None and now >= backoff_until) or now >= next_beat:
-                try:
-                    held = leases.heartbeat(self.sessionmaker, claim, self.lease_s, moved)
-                except DBAPIError:
-                    if now - renewed >= self.lease_s - self.heartbeat_s:
-                        handle.kill("lease lost: the database was unreachable")
-                        raise
-                    log.warning("run %d: heartbeat failed; retrying", claim.run_id, exc_info=True)
-                    held = None  # unknown: try again shortly
-                    next_beat = backoff_until = now + min(1.0, self.heartbeat_s)
-                if held is False:
-                    handle.kill("run cancelled or lease lost")
-                    log.info("run %d: cancelled or lease lost; gang killed", claim.run_id)
-                    return
-                if held:
-                    renewed = now
-                    next_beat = now + self.heartbeat_s
-                    shown = wanted
-                    if shown == RunStatus.running:
-                        waiting.clear()
+            if not self._heartbeat(claim, handle, waiting, lease, wanted, now):
+                return
             stored_probes = self._store_new_probes(claim, handle, stored_probes)
-            if self._requeue.is_set():
-                handle.kill("scheduler stopping")
-                leases.requeue(
-                    self.sessionmaker,
-                    claim,
-                    "requeued: the scheduler running it stopped",
-                    consume_attempt=False,
-                )
+            if self._stopped_or_late(claim, config.timeout_s, handle, now >= deadline):
                 return
-            if now >= deadline:
-                handle.kill(f"timeout after {config.timeout_s} s")
-                error = f"timed out after {config.timeout_s:g} s"
-                self._finish(claim, _ended_early(RunStatus.timed_out, error, handle))
+            wait = max(0.0, min(self.poll_s, lease.next_beat - now, deadline - now))
+            if self._poll_ended(claim, config.max_attempts, handle, wait):
                 return
-            wait = max(0.0, min(self.poll_s, next_beat - now, deadline - now))
-            try:
-                outcome = self._poll(claim, handle, wait)
-            except (errors.RankFailed, errors.PlacementTimeout) as exc:
-                handle.kill(str(exc))
-                self._failed_attempt(claim, config, str(exc), handle)
-                return
-            except errors.GangError as exc:
-                handle.kill(str(exc))
-                self._finish(claim, _ended_early(RunStatus.failed, str(exc), handle))
-                return
-            if outcome is not None:
-                trace = self.traces.get(claim.run_id)
-                if trace is not None:  # (without the artifacts' bytes)
-                    trace.outcome = outcome.model_copy(update={"artifacts": []})
-                    trace.outcome_at = time.time()
 
-                def renew() -> None:  # an upload may outlast the lease
-                    leases.heartbeat(self.sessionmaker, claim, self.lease_s)
+    def _wanted_status(
+        self, claim: Claim, handle: RunHandle, waiting: threading.Event, shown: RunStatus
+    ) -> RunStatus:
+        """waiting_resources while the pool waits for bundles, running once ranks are placed
+        (noted in tenancy); else the status shown."""
+        placed = self._note_placed(claim, handle)
+        if waiting.is_set():
+            return RunStatus.running if placed else RunStatus.waiting_resources
+        return shown
 
-                written = self.artifacts.write(claim.run_id, outcome.artifacts, renew)
-                self._finish(claim, completion_from_outcome(outcome, written))
-                return
+    def _heartbeat(
+        self,
+        claim: Claim,
+        handle: RunHandle,
+        waiting: threading.Event,
+        lease: _Lease,
+        wanted: RunStatus,
+        now: float,
+    ) -> bool:
+        """Renew the lease when a beat is due or the status moves (moving it to `wanted`);
+        False when the run was cancelled or its lease lost (its gang killed). A failed beat is
+        retried shortly; one that fails until the lease would expire kills the gang and raises."""
+        moved = wanted if wanted != lease.shown else None
+        if not ((moved is not None and now >= lease.backoff_until) or now >= lease.next_beat):
+            return True
+        try:
+            held = leases.heartbeat(self.sessionmaker, claim, self.lease_s, moved)
+        except DBAPIError:
+            if now - lease.renewed >= self.lease_s - self.heartbeat_s:
+                handle.kill("lease lost: the database was unreachable")
+                raise
+            log.warning("run %d: heartbeat failed; retrying", claim.run_id, exc_info=True)
+            held = None  # unknown: try again shortly
+            lease.next_beat = lease.backoff_until = now + min(1.0, self.heartbeat_s)
+        if held is False:
+            handle.kill("run cancelled or lease lost")
+            log.info("run %d: cancelled or lease lost; gang killed", claim.run_id)
+            return False
+        if held:
+            lease.renewed = now
+            lease.next_beat = now + self.heartbeat_s
+            lease.shown = wanted
+            if lease.shown == RunStatus.running:
+                waiting.clear()
+        return True
+
+    def _stopped_or_late(
+        self, claim: Claim, timeout_s: float, handle: RunHandle, late: bool
+    ) -> bool:
+        """Requeue the run when the scheduler stops, or end it timed out when `late`; whether
+        either did (its gang killed)."""
+        if self._requeue.is_set():
+            handle.kill("scheduler stopping")
+            leases.requeue(
+                self.sessionmaker,
+                claim,
+                "requeued: the scheduler running it stopped",
+                consume_attempt=False,
+            )
+            return True
+        if late:
+            handle.kill(f"timeout after {timeout_s} s")
+            error = f"timed out after {timeout_s:g} s"
+            self._finish(claim, _ended_early(RunStatus.timed_out, error, handle))
+            return True
+        return False
+
+    def _poll_ended(self, claim: Claim, max_attempts: int, handle: RunHandle, wait: float) -> bool:
+        """Poll the run for up to `wait` seconds; whether it ended (its end written, or a
+        broken gang's run requeued or failed)."""
+        from workers import errors
+
+        try:
+            outcome = self._poll(claim, handle, wait)
+        except (errors.RankFailed, errors.PlacementTimeout) as exc:
+            handle.kill(str(exc))
+            self._failed_attempt(claim, max_attempts, str(exc), handle)
+            return True
+        except errors.GangError as exc:
+            handle.kill(str(exc))
+            self._finish(claim, _ended_early(RunStatus.failed, str(exc), handle))
+            return True
+        if outcome is None:
+            return False
+        self._complete(claim, outcome)
+        return True
+
+    def _complete(self, claim: Claim, outcome: RunOutcome) -> None:
+        """Write an ended run: its trace's outcome, its artifacts (renewing the lease while an
+        upload lasts), then its completion."""
+        trace = self.traces.get(claim.run_id)
+        if trace is not None:  # (without the artifacts' bytes)
+            trace.outcome = outcome.model_copy(update={"artifacts": []})
+            trace.outcome_at = time.time()
+
+        def renew() -> None:  # an upload may outlast the lease
+            leases.heartbeat(self.sessionmaker, claim, self.lease_s)
+
+        written = self.artifacts.write(claim.run_id, outcome.artifacts, renew)
+        self._finish(claim, completion_from_outcome(outcome, written))
 
     def _poll(self, claim: Claim, handle: RunHandle, wait: float) -> RunOutcome | None:
         """handle.poll, then note where the ranks ran: a run can end within one poll."""
@@ -498,12 +554,12 @@ class Scheduler:
         return len(probes) if held else stored  # a lost lease: the heartbeat acts on it
 
     def _failed_attempt(
-        self, claim: Claim, config: RunConfig, error: str, handle: RunHandle
+        self, claim: Claim, max_attempts: int, error: str, handle: RunHandle
     ) -> None:
         # A broken gang: retry while attempts remain (the retry searches again), else fail
         # with the cause and the probes that did end.
-        msg = f"attempt {claim.attempts}/{config.max_attempts}: {error}"
-        if claim.attempts < config.max_attempts:
+        msg = f"attempt {claim.attempts}/{max_attempts}: {error}"
+        if claim.attempts < max_attempts:
             if leases.requeue(self.sessionmaker, claim, msg, consume_attempt=True):
                 log.warning("run %d: %s; requeued", claim.run_id, msg)
             return

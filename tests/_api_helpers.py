@@ -1,17 +1,16 @@
-"""Helpers for the API tests: an in-process client, a live uvicorn server, and stored results."""
+"""Helpers for the API tests: an in-process client, a finished sweep, and stored results (a
+live uvicorn server: _web_helpers.live_server)."""
 
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
-import uvicorn
-from fastapi import FastAPI
+from _results_helpers import timing
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
@@ -68,24 +67,17 @@ def finished_sweep(url: str, timeout: float, poll_s: float = 1.0) -> dict[str, A
     raise AssertionError(f"not done within {timeout} s: {sweep}")
 
 
-@contextmanager
-def live_server(app: FastAPI) -> Iterator[str]:
-    """Serve `app` with uvicorn on a free local port in a thread; yields the base URL."""
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+def mark_succeeded(session: Session, run_id: int, env_hash: str) -> Run:
+    """Run `run_id` marked succeeded on a bare environment `env_hash` (made on first use)."""
+    run = session.get(Run, run_id)
+    assert run is not None
+    env = session.query(Environment).filter_by(hash=env_hash).one_or_none()
+    if env is None:
+        env = Environment(hash=env_hash, hosts=["vm"], gpus=[], torch="2.13.0", python="3.11")
+        session.add(env)
+        session.flush()
+    run.status, run.environment_id = RunStatus.succeeded, env.id
+    return run
 
 
 def store_result(
@@ -127,13 +119,7 @@ def store_result(
                 run_id=run_id,
                 rank=rank,
                 seq_len=measured,
-                times_s=[median * 0.9, median, median * 1.1],
-                median_s=median,
-                p10_s=median * 0.9,
-                p90_s=median * 1.1,
-                tokens_per_s=measured / median,
-                flops=flops,
-                flops_per_s=flops / median,
+                **timing([median * 0.9, median, median * 1.1], measured, flops),
                 peak_memory_bytes=peak + rank,
                 backend="sdpa",
             )

@@ -12,7 +12,8 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -25,6 +26,19 @@ PG_TIMEOUT_S = 20.0
 
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "attention"])
+
+
+@contextmanager
+def single_thread() -> Iterator[None]:
+    """One intra-op thread inside: on a small shared machine two OpenMP threads contending with
+    other processes make tiny training steps several times slower (what they count and the
+    memory they measure are the same)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class RankFailed(AssertionError):

@@ -5,9 +5,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from _results_helpers import timing
+
 from workers.config import RunConfig
 from workers.gang import RunHandle
-from workers.results import RunOutcome
+from workers.results import RankResult, RunOutcome
 
 SMALL = {"num_heads": 2, "head_dim": 16, "warmup": 1, "iterations": 3}
 
@@ -16,6 +18,13 @@ def config(**fields: Any) -> RunConfig:
     """A small CPU run config (dense, 512 tokens) with `fields` on top."""
     base: dict[str, Any] = {"kernel": "dense", "seq_len": 512, "device": "cpu", **SMALL}
     return RunConfig.model_validate({**base, **fields})
+
+
+def planted_result(seq_len: int, median_s: float, peak: int) -> RankResult:
+    """Rank 0's measurement at `seq_len` as a planted probe runner reports it: one time of
+    `median_s`, one FLOP, `peak` bytes."""
+    fields = timing([median_s], seq_len, 1.0)
+    return RankResult(rank=0, seq_len=seq_len, peak_memory_bytes=peak, backend="sdpa", **fields)
 
 
 def wait(handle: RunHandle, timeout_s: float = 120.0) -> RunOutcome:

@@ -19,8 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from workers.config import PRECISION_DTYPES, ModelConfig, TrainingConfig
-
-COMPUTE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from workers.kernels import DTYPES
 
 ROPE_BASE = 10_000.0
 
@@ -121,7 +120,7 @@ class Decoder(nn.Module):
             for _ in range(cfg.n_layers)
         )
         self.recompute = checkpointed_blocks(training, cfg.n_layers)
-        self.compute_dtype = COMPUTE_DTYPES[PRECISION_DTYPES[training.precision]]
+        self.compute_dtype = DTYPES[PRECISION_DTYPES[training.precision]]
         self.norm = nn.LayerNorm(cfg.d_model, bias=False)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tied_embeddings:

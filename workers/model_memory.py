@@ -140,35 +140,34 @@ class Prediction:
         return out
 
 
-def predict(config: RunConfig, seq_len: int | None = None) -> Prediction:
-    """Predicted memory of one rank of this model cell at `seq_len` (default its own).
+@dataclass(frozen=True)
+class _Blocks:
+    """What the forward keeps per decoder block at `t` tokens on this rank (bytes)."""
 
-    Raises NotImplementedError when the kernel has no memory_model(), ValueError for an
-    attention-only cell.
-    """
-    if config.model is None or config.training is None:
-        raise ValueError("workload: only a model cell has a model memory prediction")
-    model, training = config.model, config.training
-    length = config.seq_len if seq_len is None else seq_len
-    at = config if length == config.seq_len else config.model_copy(update={"seq_len": length})
-    s_local = at.local_seq_len
-    t = at.local_batch * s_local
-    wd = widths(training)
-    n_params, _, linear = parameter_counts(model, training)
-    params = n_params * wd.weight
-    grads = params
-    optim = optimizer_bytes(model, training)
+    t: int
+    attention_saved: int
+    """The attention sublayer's saved tensors: its projection's input, the kernel's, the output."""
+    mlp_saved: int
+    norm: int
+    """One LayerNorm's: its input, its mean and rstd."""
+    block_input: int
+    full_block: int
+    """A block that is not recomputed: two norms, attention and MLP."""
+    recompute: list[bool]
+    per_block: list[int]
+    """What each block keeps under the checkpointing policy (a recomputed one its input only)."""
 
-    km = _kernel_memory(at, t)
-    d, f, v = model.d_model, model.ffn_dim, model.vocab_size
-    c, r = wd.compute, wd.residual
+
+def _blocks(model: ModelConfig, training: TrainingConfig, km: KernelMemory, t: int) -> _Blocks:
+    """The per-block saved tensors of `model` under `training`'s precision and checkpointing."""
+    d, c, r = model.d_model, widths(training).compute, widths(training).residual
     heads_dim = model.n_heads * model.head_dim
     attention_saved = (
         t * d * c  # the q/k/v projection's input (autocast: its low-precision copy)
         + km.saved
         + (0 if km.output_saved else t * heads_dim * c)
     )
-    mlp_saved = t * d * c + 2 * t * f * c  # fc1's input, GELU's input, fc2's input
+    mlp_saved = t * d * c + 2 * t * model.ffn_dim * c  # fc1's input, GELU's input, fc2's input
     norm = t * d * r + t * 2 * r  # each LayerNorm keeps its input, its mean and rstd
     full_block = norm + attention_saved + norm + mlp_saved
     block_input = t * d * r
@@ -181,91 +180,175 @@ def predict(config: RunConfig, seq_len: int | None = None) -> Prediction:
             per_block.append(block_input + norm + mlp_saved)
         else:
             per_block.append(full_block)
-    weight_copies = 0
-    if _autocast(training):
-        n_recomputed = sum(recompute) if training.checkpointing != "attention" else 0
-        block_linear = (linear - v * d) // model.n_layers
-        kept_blocks = model.n_layers - n_recomputed
-        if training.checkpointing == "attention":  # the attention projections are recomputed
-            block_linear -= d * (model.n_heads + 2 * model.kv_heads) * model.head_dim
-            block_linear -= heads_dim * d
-        weight_copies = 2 * (block_linear * kept_blocks)
-        if training.loss_chunk_tokens is None:
-            weight_copies += 2 * v * d  # the head's copy (chunks recompute theirs)
-    rotary = s_local * model.head_dim * c  # cos and sin tables, shared by every block
+    return _Blocks(
+        t, attention_saved, mlp_saved, norm, block_input, full_block, recompute, per_block
+    )
+
+
+def _weight_copies(
+    model: ModelConfig, training: TrainingConfig, linear: int, recompute: list[bool]
+) -> int:
+    """Autocast's low-precision copies of the linear weights the graph keeps (0 without
+    autocast): those of the blocks not recomputed, and the head's when the loss is unchunked."""
+    if not _autocast(training):
+        return 0
+    d, v = model.d_model, model.vocab_size
+    n_recomputed = sum(recompute) if training.checkpointing != "attention" else 0
+    block_linear = (linear - v * d) // model.n_layers
+    kept_blocks = model.n_layers - n_recomputed
+    if training.checkpointing == "attention":  # the attention projections are recomputed
+        block_linear -= d * (model.n_heads + 2 * model.kv_heads) * model.head_dim
+        block_linear -= model.n_heads * model.head_dim * d
+    weight_copies = 2 * (block_linear * kept_blocks)
+    if training.loss_chunk_tokens is None:
+        weight_copies += 2 * v * d  # the head's copy (chunks recompute theirs)
+    return weight_copies
+
+
+@dataclass(frozen=True)
+class _Head:
+    """The final norm, LM head and loss: what they keep and how many tokens' logits at once."""
+
+    saved: int
+    """The final norm's tensors and the head's input."""
+    loss_saved: int
+    """log_softmax's fp32 output (unchunked only: a chunk drops its own)."""
+    logit_tokens: int
+
+
+def _head(model: ModelConfig, training: TrainingConfig, t: int) -> _Head:
+    """What the final norm, the head and the loss keep at `t` tokens (chunked or not)."""
+    d, v = model.d_model, model.vocab_size
+    c, r = widths(training).compute, widths(training).residual
     final_norm = t * d * r + t * 2 * r
     chunk = training.loss_chunk_tokens
     if chunk is None:
         head_saved = t * d * c  # the head's input: the norm output (autocast: its copy)
-        loss_saved = 4 * t * v  # log_softmax's fp32 output
-        lt = t  # tokens whose logits exist at once
-    else:
-        head_saved = t * d * r  # the final norm's output: every chunk's input
-        loss_saved = 0
-        lt = min(chunk, t)
-    activations = sum(per_block) + weight_copies + rotary + final_norm + head_saved + loss_saved
-    below = weight_copies + rotary  # kept from the first block's forward to the end
+        return _Head(final_norm + head_saved, 4 * t * v, t)  # log_softmax's fp32 output
+    head_saved = t * d * r  # the final norm's output: every chunk's input
+    return _Head(final_norm + head_saved, 0, min(chunk, t))
 
-    # The forward, block by block: what a block holds while it runs above what it keeps.
-    # q/k/v projection output (until q, k, v are copied out of it) plus rotary's temporaries;
-    # the kernel's own; autocast's fp32 norm output before its low-precision copy.
+
+def _forward_transient(
+    model: ModelConfig,
+    training: TrainingConfig,
+    km: KernelMemory,
+    blocks: _Blocks,
+    below: int,
+    activations: int,
+    head: _Head,
+) -> int:
+    """The largest extra the forward allocates above the activations it keeps.
+
+    Block by block, what a block holds while it runs above what it keeps: the q/k/v
+    projection output (until q, k, v are copied out of it) plus rotary's temporaries; the
+    kernel's own; autocast's fp32 norm output before its low-precision copy. Then the head.
+    """
+    t, d, f, v = blocks.t, model.d_model, model.ffn_dim, model.vocab_size
+    c = widths(training).compute
     qkv_out = t * (model.n_heads + 2 * model.kv_heads) * model.head_dim * c
-    rope_tmp = t * heads_dim * c
+    rope_tmp = t * model.n_heads * model.head_dim * c
     ln_tmp = t * d * 4 if _autocast(training) else 0
-    kernel_fwd = km.forward_transient
-    block_fwd = max(qkv_out + rope_tmp, kernel_fwd, ln_tmp)
-    attention_part = t * 2 * r + attention_saved  # what recomputing the attention sublayer makes
+    block_fwd = max(qkv_out + rope_tmp, km.forward_transient, ln_tmp)
     forward_peak = 0
     kept = below
-    for whole, held in zip(recompute, per_block, strict=True):
+    for whole, held in zip(blocks.recompute, blocks.per_block, strict=True):
         if whole:  # a checkpointed forward saves nothing: only its running temporaries
             extra = max(block_fwd, 2 * t * f * c)
         elif training.checkpointing == "attention":
-            extra = max(block_fwd, held - block_input)
+            extra = max(block_fwd, held - blocks.block_input)
         else:
-            extra = held - block_input + block_fwd
-        forward_peak = max(forward_peak, kept + block_input + extra)
+            extra = held - blocks.block_input + block_fwd
+        forward_peak = max(forward_peak, kept + blocks.block_input + extra)
         kept += held
     # then the head: the logits, their fp32 copy (when not fp32) and log_softmax's output
     # (unchunked it stays: it is in the activations; a chunk's is dropped with the chunk)
-    logits = lt * v * (c + (4 if c != 4 else 0) + 4)
-    forward_peak = max(forward_peak, activations - loss_saved + logits)
-    forward_transient = max(0, forward_peak - activations)
+    logits = head.logit_tokens * v * (c + (4 if c != 4 else 0) + 4)
+    forward_peak = max(forward_peak, activations - head.loss_saved + logits)
+    return max(0, forward_peak - activations)
 
-    # The backward: first the loss's fp32 gradient twice (log_softmax's backward; a chunk
-    # recomputes its log_softmax output first); then block
-    # by block, last first: the blocks below keep their tensors, the gradients of the blocks
-    # above exist, and the block holds its MLP's or its attention's backward working set (a
-    # recomputed block its recomputed tensors too); last the embedding's dense gradient.
+
+def _backward_peak(
+    model: ModelConfig,
+    training: TrainingConfig,
+    km: KernelMemory,
+    blocks: _Blocks,
+    below: int,
+    activations: int,
+    head: _Head,
+) -> int:
+    """The peak of the backward above what is held before the forward.
+
+    First the loss's fp32 gradient twice (log_softmax's backward; a chunk recomputes its
+    log_softmax output first); then block by block, last first: the blocks below keep their
+    tensors, the gradients of the blocks above exist, and the block holds its MLP's or its
+    attention's backward working set (a recomputed block its recomputed tensors too); last
+    the embedding's dense gradient.
+    """
+    t, d, v, lt = blocks.t, model.d_model, model.vocab_size, head.logit_tokens
+    wd = widths(training)
+    c, r = wd.compute, wd.residual
+    grads = parameter_counts(model, training)[0] * wd.weight
     head_grad = v * d * wd.weight
     untied = 0 if model.tied_embeddings else v * d * wd.weight
     block_grads = (grads - untied - head_grad) // model.n_layers
-    head_transient = 8 * lt * v + (4 * lt * v if chunk is not None else 0)
+    chunked = training.loss_chunk_tokens is not None
+    head_transient = 8 * lt * v + (4 * lt * v if chunked else 0)
     # unchunked, the head's weight gradient comes once the loss's buffers are freed; chunked,
     # it exists from the first chunk on
-    at_top = activations + head_transient + (head_grad if chunk is not None else 0)
+    at_top = activations + head_transient + (head_grad if chunked else 0)
     grad_in = t * d * r
-    mlp_bwd = 2 * t * f * c + grad_in
-    attn_bwd = km.backward_transient + grad_in + t * heads_dim * c
-    mlp_part = t * 2 * r + t * d * r + mlp_saved  # norm2 (input, stats) and the MLP's tensors
+    mlp_bwd = 2 * t * model.ffn_dim * c + grad_in
+    attn_bwd = km.backward_transient + grad_in + t * model.n_heads * model.head_dim * c
+    attention_part = t * 2 * r + blocks.attention_saved  # what recomputing attention makes
+    mlp_part = t * 2 * r + t * d * r + blocks.mlp_saved  # norm2 (input, stats) and the MLP's
     backward_peak = at_top
     for k in reversed(range(model.n_layers)):
-        below_k = below + sum(per_block[:k])
+        below_k = below + sum(blocks.per_block[:k])
         grads_k = head_grad + untied + (model.n_layers - k) * block_grads
-        if recompute[k]:  # recomputed whole, then its MLP and its attention run backward
-            inside = max(full_block - block_input + mlp_bwd, attention_part + attn_bwd)
+        if blocks.recompute[k]:  # recomputed whole, then its MLP and its attention run backward
+            inside = max(
+                blocks.full_block - blocks.block_input + mlp_bwd, attention_part + attn_bwd
+            )
         elif training.checkpointing == "attention":
             inside = max(mlp_part + mlp_bwd, attention_part + attn_bwd)
         else:
-            inside = max(full_block - block_input + mlp_bwd, attention_part + attn_bwd)
-        backward_peak = max(backward_peak, below_k + block_input + inside + grads_k)
-    at_end = grads + v * d * wd.weight
-    backward_peak = max(backward_peak, at_end)
+            inside = max(
+                blocks.full_block - blocks.block_input + mlp_bwd, attention_part + attn_bwd
+            )
+        backward_peak = max(backward_peak, below_k + blocks.block_input + inside + grads_k)
+    return max(backward_peak, grads + v * d * wd.weight)
+
+
+def predict(config: RunConfig, seq_len: int | None = None) -> Prediction:
+    """Predicted memory of one rank of this model cell at `seq_len` (default its own).
+
+    Raises NotImplementedError when the kernel has no memory_model(), ValueError for an
+    attention-only cell.
+    """
+    if config.model is None or config.training is None:
+        raise ValueError("workload: only a model cell has a model memory prediction")
+    model, training = config.model, config.training
+    length = config.seq_len if seq_len is None else seq_len
+    at = config if length == config.seq_len else config.model_copy(update={"seq_len": length})
+    t = at.local_batch * at.local_seq_len
+    n_params, _, linear = parameter_counts(model, training)
+    params = n_params * widths(training).weight
+    optim = optimizer_bytes(model, training)
+    km = _kernel_memory(at, t)
+    blocks = _blocks(model, training, km, t)
+    head = _head(model, training, t)
+    rotary = at.local_seq_len * model.head_dim * widths(training).compute  # cos, sin: shared
+    # kept from the first block's forward to the end
+    below = _weight_copies(model, training, linear, blocks.recompute) + rotary
+    activations = sum(blocks.per_block) + below + head.saved + head.loss_saved
+    forward_transient = _forward_transient(model, training, km, blocks, below, activations, head)
+    backward_peak = _backward_peak(model, training, km, blocks, below, activations, head)
     step_peak = params + optim + max(activations + forward_transient, backward_peak)
     return Prediction(
         seq_len=length,
         parameters=params,
-        gradients=grads,
+        gradients=params,  # gradients take their parameter's dtype
         optimizer_states=optim,
         activations=activations,
         forward_transient=forward_transient,

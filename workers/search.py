@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from workers import kernels, model_memory
 from workers.bracket import next_length
-from workers.config import RunConfig
+from workers.config import RunConfig, SearchConfig
 from workers.results import CaseOutcome, ProbeResult, RunOutcome, outcome_of
 
 # Steps a length is rounded down to until the kernel accepts it (its divisibility rules are
@@ -99,6 +99,138 @@ def probe_of(seq_len: int, cases: list[CaseOutcome]) -> ProbeResult:
     )
 
 
+def _measured_peaks(probes: list[ProbeResult]) -> dict[int, int]:
+    """Peak bytes by length of the probes whose peak is the whole probe's: fits and emulated
+    OOMs. A real OOM's peak (where some ranks report one) is only the ranks that fit."""
+    return {
+        p.seq_len: p.peak_memory_bytes
+        for p in probes
+        if p.peak_memory_bytes and (p.outcome == "fit" or p.emulated)
+    }
+
+
+class _ProbeError(Exception):
+    """A probe ended with an error that is not an OOM: the search cannot go on."""
+
+
+def _grown(config: RunConfig, length: int, factor: float, maximum: int) -> int | None:
+    """The next accepted length above `length` (which fit) near `length * factor`; when none
+    is that close, near twice the bound, and so on up to `maximum`; None when none is left."""
+    bound = min(max(int(length * factor), length + 1), maximum)
+    nxt = snap_down(config, bound, floor=length + 1, anchors=(length,))
+    while nxt is None and bound < maximum:  # none that close: the next one
+        bound = min(2 * bound, maximum)
+        nxt = snap_down(config, bound, floor=length + 1, anchors=(length,))
+    return nxt
+
+
+def _between(
+    config: RunConfig, lo: int, hi: int, target: int, guessed: bool
+) -> tuple[int | None, bool]:
+    """(the accepted length in (lo, hi) to probe next, whether it is a prediction).
+
+    The valid length nearest `target` (the predicted one, else the middle); when a predicted
+    target has none that close above lo, the one nearest the middle; else the largest one
+    below hi. None means no accepted length lies between lo and hi: lo is exact.
+    """
+    mid = snap_down(config, target, floor=lo + 1, anchors=(lo, hi))
+    if mid is None and guessed:  # no accepted length that close above lo: halve
+        guessed = False
+        mid = snap_down(config, (lo + hi) // 2, floor=lo + 1, anchors=(lo, hi))
+    if mid is None:
+        mid = snap_down(config, hi - 1, floor=lo + 1, anchors=(lo, hi))
+    return mid, guessed
+
+
+class _Search:
+    """One search's state: every probe so far, the bracket (lo fit, hi did not) and the
+    outcome of the best fit."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        search: SearchConfig,
+        run_probe: ProbeRunner,
+        probes: list[ProbeResult],
+    ) -> None:
+        self.config = config
+        self.search = search
+        self.run_probe = run_probe
+        self.probes = probes
+        self.best: RunOutcome | None = None
+        self.lo: int | None = None
+        self.hi: int | None = None
+
+    def probe(self, length: int) -> bool:
+        """Run one probe at `length` and record it; whether it fit (_ProbeError on an error)."""
+        at = self.config.model_copy(update={"seq_len": length})
+        cases = self.run_probe(at, not self.probes)
+        result = probe_of(length, cases)
+        self.probes.append(result)
+        if result.outcome == "error":
+            raise _ProbeError(result.error or "probe failed")
+        if result.outcome == "fit":
+            self.best = outcome_of(cases, self.config.world_size)
+            return True
+        return False
+
+    def grow(self, length: int, factor: float) -> None:
+        """From `length`, which fit: grow by `factor` until a length does not fit."""
+        self.lo = length
+        while True:
+            nxt = _grown(self.config, length, factor, self.search.max)
+            if nxt is None:
+                return
+            if not self.probe(nxt):
+                self.hi = nxt
+                return
+            self.lo = length = nxt
+
+    def shrink(self, length: int, factor: float) -> None:
+        """From a predicted `length`, which did not fit: shrink by `factor` until one fits."""
+        while True:
+            nxt = snap_down(self.config, int(length / factor), anchors=(length,))
+            if nxt is None or nxt >= length:
+                return
+            length = nxt
+            if self.probe(length):
+                self.lo = length
+                return
+            self.hi = length
+
+    def narrow(self) -> None:
+        """Close the bracket to search.granularity: towards the length the measured peaks
+        predict meets the memory budget (workers.bracket), else by halving."""
+        guesses = 0
+        while self.lo is not None and self.hi is not None:
+            lo, hi = self.lo, self.hi
+            if hi - lo <= self.search.granularity:
+                return
+            target, guessed = next_length(
+                lo, hi, _measured_peaks(self.probes), self.config.memory_budget_bytes,
+                self.search.granularity, guesses,
+            )  # fmt: skip
+            mid, guessed = _between(self.config, lo, hi, target, guessed)
+            guesses += guessed
+            if mid is None:
+                return
+            if self.probe(mid):
+                self.lo = mid
+            else:
+                self.hi = mid
+
+    def outcome(self) -> RunOutcome:
+        """succeeded with the largest length that fit, or oom when even the first did not."""
+        if self.lo is None or self.best is None:
+            first = self.probes[0]
+            return RunOutcome(
+                status="oom",
+                error=f"even the first length {first.seq_len} did not fit: {first.error}",
+                probes=self.probes,
+            )
+        return self.best.model_copy(update={"probes": self.probes, "answer_seq_len": self.lo})
+
+
 def run_search(
     config: RunConfig, run_probe: ProbeRunner, probes: list[ProbeResult] | None = None
 ) -> RunOutcome:
@@ -113,24 +245,7 @@ def run_search(
     search = config.search
     if search is None:
         raise ValueError("search: a max_seq_len run needs a search config")
-    probes = [] if probes is None else probes
-    best: RunOutcome | None = None
-    lo: int | None = None
-    hi: int | None = None
-
-    def probe(length: int) -> bool:
-        nonlocal best
-        at = config.model_copy(update={"seq_len": length})
-        cases = run_probe(at, not probes)
-        result = probe_of(length, cases)
-        probes.append(result)
-        if result.outcome == "error":
-            raise _ProbeError(result.error or "probe failed")
-        if result.outcome == "fit":
-            best = outcome_of(cases, config.world_size)
-            return True
-        return False
-
+    state = _Search(config, search, run_probe, [] if probes is None else probes)
     predicted = predicted_start(config)
     first = search.start if predicted is None else predicted
     factor = 2.0 if predicted is None else BRACKET_FACTOR
@@ -141,73 +256,13 @@ def run_search(
             f"world_size {config.world_size}"
         )
     try:
-        if probe(length):
-            lo = length
-            while True:  # growing by `factor` until a length does not fit
-                bound = min(max(int(length * factor), length + 1), search.max)
-                nxt = snap_down(config, bound, floor=length + 1, anchors=(length,))
-                while nxt is None and bound < search.max:  # none that close: the next one
-                    bound = min(2 * bound, search.max)
-                    nxt = snap_down(config, bound, floor=length + 1, anchors=(length,))
-                if nxt is None:
-                    break
-                if not probe(nxt):
-                    hi = nxt
-                    break
-                lo = length = nxt
+        if state.probe(length):
+            state.grow(length, factor)
         else:
-            hi = length
-            while predicted is not None:  # from a prediction: shrinking until one fits
-                nxt = snap_down(config, int(length / factor), anchors=(length,))
-                if nxt is None or nxt >= length:
-                    break
-                length = nxt
-                if probe(length):
-                    lo = length
-                    break
-                hi = length
-        guesses = 0
-        while lo is not None and hi is not None and hi - lo > search.granularity:
-            # The valid length nearest the predicted one; else nearest the middle; else the
-            # largest one below hi. None of them means no accepted length lies between lo
-            # and hi: lo is exact.
-            target, guessed = next_length(
-                lo, hi, _measured_peaks(probes), config.memory_budget_bytes,
-                search.granularity, guesses,
-            )  # fmt: skip
-            mid = snap_down(config, target, floor=lo + 1, anchors=(lo, hi))
-            if mid is None and guessed:  # no accepted length that close above lo: halve
-                guessed = False
-                mid = snap_down(config, (lo + hi) // 2, floor=lo + 1, anchors=(lo, hi))
-            guesses += guessed
-            if mid is None:
-                mid = snap_down(config, hi - 1, floor=lo + 1, anchors=(lo, hi))
-            if mid is None:
-                break
-            if probe(mid):
-                lo = mid
-            else:
-                hi = mid
+            state.hi = length
+            if predicted is not None:  # from a prediction: shrinking until one fits
+                state.shrink(length, factor)
+        state.narrow()
     except _ProbeError as exc:
-        return RunOutcome(status="failed", error=f"probe failed: {exc}", probes=probes)
-    if lo is None or best is None:
-        return RunOutcome(
-            status="oom",
-            error=f"even the first length {probes[0].seq_len} did not fit: {probes[0].error}",
-            probes=probes,
-        )
-    return best.model_copy(update={"probes": probes, "answer_seq_len": lo})
-
-
-def _measured_peaks(probes: list[ProbeResult]) -> dict[int, int]:
-    """Peak bytes by length of the probes whose peak is the whole probe's: fits and emulated
-    OOMs. A real OOM's peak (where some ranks report one) is only the ranks that fit."""
-    return {
-        p.seq_len: p.peak_memory_bytes
-        for p in probes
-        if p.peak_memory_bytes and (p.outcome == "fit" or p.emulated)
-    }
-
-
-class _ProbeError(Exception):
-    """A probe ended with an error that is not an OOM: the search cannot go on."""
+        return RunOutcome(status="failed", error=f"probe failed: {exc}", probes=state.probes)
+    return state.outcome()

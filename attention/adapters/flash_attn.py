@@ -49,8 +49,7 @@ class FlashAttn(ExactKernel):
     """`module(q, k, v, *, causal=False)` on (batch, seq, heads, head_dim) CUDA tensors."""
 
     def __init__(self, params: FlashAttnParams) -> None:
-        super().__init__()
-        self.params = params
+        super().__init__(params)
         self.func = fa2_func if params.version == 2 else _fa3()
         self.backend = f"flash-attn-{VERSION}" if params.version == 2 else "flash-attn-3"
 

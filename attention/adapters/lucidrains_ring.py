@@ -43,8 +43,7 @@ class LucidrainsRing(RingAdapter):
     """`module(q, k, v, *, causal=False)` on this rank's contiguous shard."""
 
     def __init__(self, params: LucidrainsRingParams) -> None:
-        super().__init__()
-        self.params = params
+        super().__init__(params)
         self.backend = f"ring-attention-pytorch-{VERSION}"
 
     def forward(

@@ -86,8 +86,7 @@ class RingFlashAttn(RingAdapter):
     """`module(q, k, v, *, causal=False)` on this rank's shard (CUDA, NCCL, fp16/bf16)."""
 
     def __init__(self, params: RingFlashAttnParams) -> None:
-        super().__init__()
-        self.params = params
+        super().__init__(params)
         self.backend = f"ring-flash-attn-{VERSION}-{params.variant}"
         self.layout = LAYOUTS[params.variant]
         self.document_lengths = params.document_lengths

@@ -45,10 +45,6 @@ class SdpaParams:
 class SdpaAttention(ExactKernel):
     """`module(q, k, v, *, causal=False)` on (batch, seq, heads, head_dim) tensors."""
 
-    def __init__(self, params: SdpaParams) -> None:
-        super().__init__()
-        self.params = params
-
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:

@@ -112,8 +112,7 @@ class TorchCP(RingAdapter):
     """`module(q, k, v, *, causal=False)` on this rank's shard (CUDA, NCCL)."""
 
     def __init__(self, params: TorchCPParams) -> None:
-        super().__init__()
-        self.params = params
+        super().__init__(params)
         self.backend = f"torch-{torch.__version__}-context_parallel-{params.rotate_method}"
         self._mesh: Any = None
 

@@ -19,26 +19,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from attention import primitive
-from attention.autograd import merged_attention
-from attention.base import (
-    Kernel,
-    KernelMemory,
-    attention_flops,
-    check_qkv,
-    merged_memory,
-    qkv_bytes,
-)
+from attention.autograd import bound_merged_attention
+from attention.base import KernelMemory, merged_memory, qkv_bytes
 from attention.errors import ParamError
 from attention.layouts import check_seq_len
 from attention.layouts import positions as layout_positions
 from attention.primitive import empty_result
 from attention.registry import KernelSpec, register
 from attention.ring.collectives import all_gather, reduce_scatter
-from attention.ring.comm import check_backend, check_same_call, rank_and_world, resolve_group
-from attention.ring.dense import check_group, default_layout
+from attention.ring.comm import rank_and_world
 from attention.ring.engine import (
     Block,
     _head_group,
@@ -48,6 +39,7 @@ from attention.ring.engine import (
     step_backward,
     step_forward,
 )
+from attention.ring.sharded import ShardedKernel, check_group, default_layout
 from attention.ring.steps import clock
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -156,7 +148,7 @@ def _backward(dout, q, k, v, out, lse, blocks, group, scale):  # type: ignore[no
     return dq, dk, dv
 
 
-class AllGatherKV(Kernel):
+class AllGatherKV(ShardedKernel):
     """Exact attention on this rank's shard against all-gathered K and V."""
 
     world_size: int | None = None
@@ -167,8 +159,7 @@ class AllGatherKV(Kernel):
     span fewer keys than the whole length, so their dK/dV buffers are smaller."""
 
     def __init__(self, params: AllGatherParams | None = None) -> None:
-        super().__init__()
-        self.params = params or AllGatherParams()
+        super().__init__(params or AllGatherParams())
 
     def memory_model(
         self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int
@@ -202,47 +193,21 @@ class AllGatherKV(Kernel):
             backward_transient=qkv_bytes(batch, seq_len, num_heads, head_dim, 4) + gathered + grads,
         )
 
-    def local_positions(
-        self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
-    ) -> torch.Tensor:
-        layout = default_layout(self.params.layout, causal)
-        return layout_positions(seq_len, layout, rank, world_size)
-
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
-        group = resolve_group(self.params.group)
-        check_backend(group, q.device)
-        check_same_call(group, q, causal, self.params, local_check=lambda: check_qkv(q, k, v))
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        group, rank, world = self.join(q, k, v, causal)
         layout = default_layout(self.params.layout, causal)
         check_seq_len(q.shape[1] * world, layout, world)
         self.backend = primitive.backend_for(q.device, q.dtype)
         blocks = gather_plan(layout, causal, rank, world, q.shape[1])
         scale = q.shape[-1] ** -0.5
+        return bound_merged_attention(q, k, v, _forward, _backward, blocks, group, scale)
 
-        def fwd(q, k, v):  # type: ignore[no-untyped-def]
-            return _forward(q, k, v, blocks, group, scale)
-
-        def bwd(dout, q, k, v, out, lse):  # type: ignore[no-untyped-def]
-            return _backward(dout, q, k, v, out, lse, blocks, group, scale)
-
-        return merged_attention(q, k, v, fwd, bwd)
-
-    def flops(
-        self,
-        batch: int,
-        seq_len: int,
-        num_heads: int,
-        head_dim: int,
-        causal: bool = False,
-        backward: bool = False,
-    ) -> int:
-        """FLOPs of this rank for a local shard of `seq_len` tokens (its computed pairs)."""
-        rank, world = rank_and_world(self.params.group)
+    def rank_pairs(self, seq_len: int, num_heads: int, causal: bool, rank: int, world: int) -> int:
+        """The pairs of this rank's queries against the keys they see (gather_plan)."""
         layout = default_layout(self.params.layout, causal)
-        pairs = sum(b.pairs() for b in gather_plan(layout, causal, rank, world, seq_len))
-        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
+        return num_heads * sum(b.pairs() for b in gather_plan(layout, causal, rank, world, seq_len))
 
 
 def check_allgather(

@@ -21,25 +21,21 @@ import torch
 import torch.distributed as dist
 
 from attention import primitive
-from attention.autograd import merged_attention
-from attention.base import Kernel, attention_flops, check_qkv
+from attention.autograd import bound_merged_attention
 from attention.block_sparse import BlockSparseAttention, BlockSparseParams, check_block_sparse
 from attention.errors import ParamError
 from attention.hilbert import hilbert_permutation
-from attention.layouts import check_layout, check_seq_len
+from attention.layouts import check_seq_len
 from attention.layouts import positions as layout_positions
 from attention.primitive import accumulator_dtype, empty_result
 from attention.registry import KernelSpec, register
 from attention.ring.comm import (
     RingComm,
     Tag,
-    check_backend,
-    check_same_call,
-    rank_and_world,
-    resolve_group,
 )
-from attention.ring.dense import check_group, checked_layout, default_layout
+from attention.ring.dense import checked_layout
 from attention.ring.engine import Block, step_backward, step_forward, window_blocks
+from attention.ring.sharded import ShardedKernel, check_placement, default_layout
 from attention.ring.steps import clock
 
 KV_TAGS = (Tag.SPARSE_KV_EVEN, Tag.SPARSE_KV_ODD)
@@ -55,9 +51,7 @@ class RingBlockSparseParams(BlockSparseParams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.layout is not None:
-            check_layout(self.layout)
-        check_group(self.group)
+        check_placement(self.layout, self.group)
         if self.plan != "auto":  # accepted only where it is honoured
             raise ParamError(
                 "params.plan",
@@ -277,17 +271,10 @@ def _ring_block_sparse(q, k, v, sched: _Schedule, group) -> torch.Tensor:  # typ
     """Direct K/V transfers of the needed steps, partial dK/dV sent home
     (attention.autograd.MergedFunction)."""
     scale = q.shape[-1] ** -0.5
-
-    def forward(q, k, v):  # type: ignore[no-untyped-def]
-        return _forward(q, k, v, sched, group, scale)
-
-    def backward(dout, q, k, v, out, lse):  # type: ignore[no-untyped-def]
-        return _backward(dout, q, k, v, out, lse, sched, group, scale)
-
-    return merged_attention(q, k, v, forward, backward)
+    return bound_merged_attention(q, k, v, _forward, _backward, sched, group, scale)
 
 
-class RingBlockSparseAttention(Kernel):
+class RingBlockSparseAttention(ShardedKernel):
     """Block-sparse attention on this rank's shard: `module(q, k, v, *, causal=False)`.
 
     Under ordering='hilbert' a rank holds its shard of the Hilbert-ordered sequence (see
@@ -295,8 +282,7 @@ class RingBlockSparseAttention(Kernel):
     """
 
     def __init__(self, params: RingBlockSparseParams) -> None:
-        super().__init__()
-        self.params = params
+        super().__init__(params)
         self.layout = params.layout
         self._twin = BlockSparseAttention(params.twin())
 
@@ -304,7 +290,7 @@ class RingBlockSparseAttention(Kernel):
         self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
     ) -> torch.Tensor:
         """Global (natural) positions of the tokens rank `rank` must pass, in its local order."""
-        pos = layout_positions(seq_len, default_layout(self.layout, causal), rank, world_size)
+        pos = super().local_positions(seq_len, rank, world_size, causal=causal)
         if self.params.ordering == "hilbert":
             return hilbert_permutation(seq_len)[pos]
         return pos
@@ -318,29 +304,16 @@ class RingBlockSparseAttention(Kernel):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
-        group = resolve_group(self.params.group)
-        check_backend(group, q.device)
-        check_same_call(group, q, causal, self.params, local_check=lambda: check_qkv(q, k, v))
-        world = dist.get_world_size(group)
+        group, _, world = self.join(q, k, v, causal)
         sched = self._schedule(q.shape[1] * world, world, causal)
         self.backend = primitive.backend_for(q.device, q.dtype)
         q, k, v = (t.contiguous() for t in (q, k, v))
         return _ring_block_sparse(q, k, v, sched, group if world > 1 else None)
 
-    def flops(
-        self,
-        batch: int,
-        seq_len: int,
-        num_heads: int,
-        head_dim: int,
-        causal: bool = False,
-        backward: bool = False,
-    ) -> int:
-        """FLOPs of this rank for a local shard of `seq_len` tokens: its kept block pairs."""
-        rank, world = rank_and_world(self.params.group)
+    def rank_pairs(self, seq_len: int, num_heads: int, causal: bool, rank: int, world: int) -> int:
+        """This rank's kept block pairs, every step."""
         sched = self._schedule(seq_len * world, world, causal)
-        pairs = sum(b.pairs() for t in range(world) for b in sched.plan(rank, t))
-        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
+        return num_heads * sum(b.pairs() for t in range(world) for b in sched.plan(rank, t))
 
 
 register(

@@ -69,33 +69,35 @@ def _swap(parts: torch.Tensor, members: Sequence[int], me: int, group: Any) -> t
     return recv
 
 
-class ToHeads(torch.autograd.Function):
-    """`to_heads` with `to_tokens` as its backward, timed as backward step `step`:
-    `ToHeads.apply(x, members, me, group, step)`."""
+class _Swapped(torch.autograd.Function):
+    """`there(x, members, me, group)` with its inverse `back` as its backward, timed as
+    backward step `step`: `_Swapped.apply(x, there, back, members, me, group, step)`."""
 
     @staticmethod
-    def forward(ctx, x, members, me, group, step):  # type: ignore[no-untyped-def]
-        ctx.args, ctx.step = (members, me, group), step
-        return to_heads(x, members, me, group)
+    def forward(ctx, x, there, back, members, me, group, step):  # type: ignore[no-untyped-def]
+        ctx.back, ctx.args, ctx.step = back, (members, me, group), step
+        return there(x, members, me, group)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[no-untyped-def]
         with clock.step("backward", ctx.step):
-            return to_tokens(dy, *ctx.args), None, None, None, None
+            return ctx.back(dy, *ctx.args), None, None, None, None, None, None
 
 
-class ToTokens(torch.autograd.Function):
+def heads_of(
+    x: torch.Tensor, members: Sequence[int], me: int, group: Any, step: int
+) -> torch.Tensor:
+    """`to_heads` with `to_tokens` as its backward, timed as backward step `step`."""
+    y: torch.Tensor = _Swapped.apply(x, to_heads, to_tokens, members, me, group, step)
+    return y
+
+
+def tokens_of(
+    y: torch.Tensor, members: Sequence[int], me: int, group: Any, step: int
+) -> torch.Tensor:
     """`to_tokens` with `to_heads` as its backward, timed as backward step `step`."""
-
-    @staticmethod
-    def forward(ctx, y, members, me, group, step):  # type: ignore[no-untyped-def]
-        ctx.args, ctx.step = (members, me, group), step
-        return to_tokens(y, members, me, group)
-
-    @staticmethod
-    def backward(ctx, dx):  # type: ignore[no-untyped-def]
-        with clock.step("backward", ctx.step):
-            return to_heads(dx, *ctx.args), None, None, None, None
+    x: torch.Tensor = _Swapped.apply(y, to_tokens, to_heads, members, me, group, step)
+    return x
 
 
 def all_gather(x: torch.Tensor, group: Any) -> torch.Tensor:

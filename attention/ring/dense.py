@@ -12,31 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from attention import documents, primitive
-from attention.base import Kernel, attention_flops, check_qkv
 from attention.errors import ParamError
-from attention.layouts import check_layout, check_seq_len
-from attention.layouts import positions as layout_positions
+from attention.layouts import check_seq_len
 from attention.registry import KernelSpec, register
-from attention.ring.comm import check_backend, check_same_call, rank_and_world, resolve_group
 from attention.ring.engine import Block, ring_attention
-
-
-def check_group(group: Any) -> None:
-    """Raise ValueError unless `group` is None (the world) or a torch.distributed ProcessGroup."""
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ParamError(
-            "params.group", f"expected a torch.distributed ProcessGroup or None, got {group!r}"
-        )
-
-
-def default_layout(layout: str | None, causal: bool) -> str:
-    """The layout in force: `layout`, or zigzag when causal and contiguous otherwise."""
-    if layout is not None:
-        return layout
-    return "zigzag" if causal else "contiguous"
+from attention.ring.sharded import ShardedKernel, check_placement, default_layout
 
 
 @dataclass(frozen=True)
@@ -50,9 +32,7 @@ class RingParams:
     document_lengths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.layout is not None:
-            check_layout(self.layout)
-        check_group(self.group)
+        check_placement(self.layout, self.group)
         object.__setattr__(self, "document_lengths", documents.normalize(self.document_lengths))
 
 
@@ -142,35 +122,19 @@ def dense_plan(layout: str, causal: bool, rank: int, world: int, n: int) -> list
     return plan
 
 
-class RingAttention(Kernel):
+class RingAttention(ShardedKernel):
     """Exact attention on this rank's shard: `module(q, k, v, *, causal=False) -> out_local`."""
 
     def __init__(self, params: RingParams | None = None) -> None:
-        super().__init__()
-        self.params = params or RingParams()
+        super().__init__(params or RingParams())
         self.layout = self.params.layout
-
-    def local_positions(
-        self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
-    ) -> torch.Tensor:
-        """Global positions of the tokens rank `rank` must pass, in its local order."""
-        return layout_positions(seq_len, default_layout(self.layout, causal), rank, world_size)
-
-    def _setup(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-    ) -> tuple[Any, int, int, str]:
-        group = resolve_group(self.params.group)
-        check_backend(group, q.device)
-        check_same_call(group, q, causal, self.params, local_check=lambda: check_qkv(q, k, v))
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        layout = default_layout(self.layout, causal)
-        check_seq_len(q.shape[1] * world, layout, world)
-        return group, rank, world, layout
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
-        group, rank, world, layout = self._setup(q, k, v, causal)
+        group, rank, world = self.join(q, k, v, causal)
+        layout = default_layout(self.layout, causal)
+        check_seq_len(q.shape[1] * world, layout, world)
         self.backend = primitive.backend_for(q.device, q.dtype)
         if self.params.document_lengths is not None:
             check_ring(self.params, seq_len=q.shape[1] * world, world_size=world, causal=causal)
@@ -180,21 +144,12 @@ class RingAttention(Kernel):
         fold = causal and layout == "zigzag"  # balanced work per K/V piece (cut_pieces)
         return ring_attention(q, k, v, plan, group, q.shape[-1] ** -0.5, fold)
 
-    def flops(
-        self,
-        batch: int,
-        seq_len: int,
-        num_heads: int,
-        head_dim: int,
-        causal: bool = False,
-        backward: bool = False,
-    ) -> int:
-        """FLOPs of this rank for a local shard of `seq_len` tokens (its computed pairs only)."""
-        rank, world = rank_and_world(self.params.group)
-        layout = default_layout(self.layout, causal)
-        plan = plan_for(self.params, layout, causal, rank, world, seq_len)
-        pairs = sum(blk.pairs() for step in plan for blk in step)
-        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
+    def rank_pairs(self, seq_len: int, num_heads: int, causal: bool, rank: int, world: int) -> int:
+        """The pairs of this rank's ring plan (only the blocks it computes)."""
+        plan = plan_for(
+            self.params, default_layout(self.layout, causal), causal, rank, world, seq_len
+        )
+        return num_heads * sum(blk.pairs() for step in plan for blk in step)
 
 
 register(

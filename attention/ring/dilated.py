@@ -27,11 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from attention import dilated_plan, primitive
 from attention.autograd import merged_attention
-from attention.base import Kernel, attention_flops, check_qkv
 from attention.dilated import (
     DilatedParams,
     backward_rows,
@@ -40,7 +38,7 @@ from attention.dilated import (
     resolve_plan,
 )
 from attention.hilbert import hilbert_permutation
-from attention.layouts import check_layout, check_seq_len
+from attention.layouts import check_seq_len
 from attention.layouts import positions as layout_positions
 from attention.primitive import (
     accumulator_dtype,
@@ -53,14 +51,10 @@ from attention.primitive import (
 from attention.registry import KernelSpec, register
 from attention.ring.comm import (
     Tag,
-    check_backend,
-    check_same_call,
     exchange,
-    rank_and_world,
-    resolve_group,
 )
-from attention.ring.dense import check_group
 from attention.ring.relayout import relayout
+from attention.ring.sharded import ShardedKernel, check_placement
 from attention.ring.steps import clock
 from attention.segments import branch_rows, group_bounds, offset_rows
 
@@ -76,9 +70,7 @@ class RingDilatedParams(DilatedParams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.layout is not None:
-            check_layout(self.layout)
-        check_group(self.group)
+        check_placement(self.layout, self.group)
 
     def twin(self) -> DilatedParams:
         """The single-process `dilated` parameters (its plan included)."""
@@ -302,24 +294,17 @@ def _ring_dilated(
     until every span and far segment has merged into every row."""
 
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if cuda:
-            out, lse = empty_result(q)
-            with clock.step("forward", 0):
-                _cuda_local_forward(q, k, v, out, lse, spans, causal)
-            for i, far in enumerate(fars, 1):
-                with clock.step("forward", i):
-                    _far_forward(q, k, v, out, lse, far, rank, causal)
-            return out, lse
-        if not fars:
+        if not cuda and not fars:
 
             def fill(c0: int, c1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
                 forward_rows(q, k, v, out, lse, spans, causal, window=(c0, c1))
 
             with clock.step("forward", 0):
                 return primitive.windowed_result(q, fill, primitive.windows(q.shape[1], q.dtype))
+        local_forward = _cuda_local_forward if cuda else forward_rows
         out, lse = empty_result(q)
         with clock.step("forward", 0):
-            forward_rows(q, k, v, out, lse, spans, causal)
+            local_forward(q, k, v, out, lse, spans, causal)
         for i, far in enumerate(fars, 1):
             with clock.step("forward", i):
                 _far_forward(q, k, v, out, lse, far, rank, causal)
@@ -340,7 +325,7 @@ def _ring_dilated(
     return merged_attention(q, k, v, forward, backward)  # type: ignore[arg-type]
 
 
-class RingDilatedAttention(Kernel):
+class RingDilatedAttention(ShardedKernel):
     """Dilated attention on this rank's shard: `module(q, k, v, *, causal=False)`.
 
     Under ordering='hilbert' a rank holds its shard of the Hilbert-ordered sequence (see
@@ -348,8 +333,7 @@ class RingDilatedAttention(Kernel):
     """
 
     def __init__(self, params: RingDilatedParams | None = None) -> None:
-        super().__init__()
-        self.params = params or RingDilatedParams()
+        super().__init__(params or RingDilatedParams())
         self.layout = self.params.layout or "contiguous"
 
     def local_positions(
@@ -368,10 +352,7 @@ class RingDilatedAttention(Kernel):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
-        group = resolve_group(self.params.group)
-        check_backend(group, q.device)
-        check_same_call(group, q, causal, self.params, local_check=lambda: check_qkv(q, k, v))
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        group, rank, world = self.join(q, k, v, causal)
         n = q.shape[1]
         check_ring_dilated(self.params, seq_len=n * world, world_size=world, num_heads=q.shape[2])
         plan = resolve_plan(self.params.plan, q.device)
@@ -391,17 +372,8 @@ class RingDilatedAttention(Kernel):
         out = _ring_dilated(q, k, v, *args)
         return relayout(out, "contiguous", self.layout, group)
 
-    def flops(
-        self,
-        batch: int,
-        seq_len: int,
-        num_heads: int,
-        head_dim: int,
-        causal: bool = False,
-        backward: bool = False,
-    ) -> int:
-        """FLOPs of this rank for a local shard of `seq_len` tokens: its query rows' pairs."""
-        rank, world = rank_and_world(self.params.group)
+    def rank_pairs(self, seq_len: int, num_heads: int, causal: bool, rank: int, world: int) -> int:
+        """The pairs of this rank's query rows: its local spans' and its far segments'."""
         spans, fars = _plan(self.params, seq_len * world, rank, seq_len)
         pairs = 0
         for w, r, lo, hi in spans:
@@ -413,7 +385,7 @@ class RingDilatedAttention(Kernel):
                 before = sum(counts[: rank - far.first])
                 mine = before * m + m * (m + 1) // 2 if causal else m * sum(counts)
                 pairs += (h1 - h0) * mine
-        return attention_flops(batch * pairs, head_dim, backward=backward)
+        return pairs
 
 
 register(

@@ -31,9 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from attention.base import Kernel, KernelMemory, check_qkv, qkv_bytes
+from attention.base import KernelMemory, qkv_bytes
 from attention.errors import ParamError
 from attention.registry import (
     KERNELS,
@@ -43,9 +42,9 @@ from attention.registry import (
     register,
     structural_periods,
 )
-from attention.ring.collectives import ToHeads, ToTokens
-from attention.ring.comm import check_backend, check_same_call, rank_and_world, resolve_group
-from attention.ring.dense import check_group
+from attention.ring.collectives import heads_of, tokens_of
+from attention.ring.comm import rank_and_world
+from attention.ring.sharded import ShardedKernel, check_group
 from attention.ring.steps import clock
 from attention.segments import global_heads
 
@@ -163,20 +162,20 @@ def _window(window: tuple[int, int] | None) -> Iterator[None]:
 def heads_exchange(
     x: torch.Tensor, members: tuple[int, ...], me: int, group: Any, step: int
 ) -> torch.Tensor:
-    """ToHeads under forward step `step` (its backward is backward step 2)."""
+    """heads_of under forward step `step` (its backward is backward step 2)."""
     with clock.step("forward", step):
-        return ToHeads.apply(x, members, me, group, 2)  # type: ignore[no-any-return]
+        return heads_of(x, members, me, group, 2)
 
 
 def tokens_exchange(
     y: torch.Tensor, members: tuple[int, ...], me: int, group: Any, step: int
 ) -> torch.Tensor:
-    """ToTokens under forward step `step` (its backward is backward step 0)."""
+    """tokens_of under forward step `step` (its backward is backward step 0)."""
     with clock.step("forward", step):
-        return ToTokens.apply(y, members, me, group, 0)  # type: ignore[no-any-return]
+        return tokens_of(y, members, me, group, 0)
 
 
-class UlyssesAttention(Kernel):
+class UlyssesAttention(ShardedKernel):
     """Exact (inner-kernel) attention on this rank's contiguous shard of every head."""
 
     world_size: int | None = None
@@ -184,8 +183,7 @@ class UlyssesAttention(Kernel):
     sets it: workers.model_memory); None: the process group's."""
 
     def __init__(self, params: UlyssesParams | None = None) -> None:
-        super().__init__()
-        self.params = params or UlyssesParams()
+        super().__init__(params or UlyssesParams())
         self.inner = build(self.params.inner, **self.params.inner_params())
 
     def memory_model(
@@ -225,16 +223,9 @@ class UlyssesAttention(Kernel):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
-        group = resolve_group(self.params.group)
-        check_backend(group, q.device)
-        world = dist.get_world_size(group)
-
-        def local_check() -> None:
-            check_qkv(q, k, v)
-            check_heads(q.shape[2], k.shape[2], world, "world_size")
-
-        check_same_call(group, q, causal, self.params, local_check=local_check)
-        rank = dist.get_rank(group)
+        group, rank, world = self.join(
+            q, k, v, causal, lambda world: check_heads(q.shape[2], k.shape[2], world, "world_size")
+        )
         members = tuple(range(world))
         heads = q.shape[2]
         k, v = replicate_kv(k, world), replicate_kv(v, world)

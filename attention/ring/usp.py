@@ -26,19 +26,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from attention import primitive
-from attention.base import Kernel, KernelMemory, attention_flops, check_qkv, qkv_bytes
+from attention.base import KernelMemory, qkv_bytes
 from attention.errors import ParamError
 from attention.layouts import check_seq_len
-from attention.layouts import positions as layout_positions
 from attention.registry import KernelSpec, register
 from attention.ring.allgather import check_sp_layout
-from attention.ring.collectives import ToHeads, ToTokens
-from attention.ring.comm import check_backend, check_same_call, rank_and_world, resolve_group
-from attention.ring.dense import check_group, default_layout, dense_plan
+from attention.ring.collectives import heads_of, tokens_of
+from attention.ring.comm import rank_and_world
+from attention.ring.dense import dense_plan
 from attention.ring.engine import PIECE_BYTES, piece_size, ring_attention
+from attention.ring.sharded import ShardedKernel, check_group, default_layout
 from attention.ring.steps import clock
 from attention.ring.ulysses import check_heads, replicate_kv
 
@@ -81,7 +80,7 @@ def group_order(layout: str, u: int, n: int) -> torch.Tensor | None:
     return torch.tensor(first + second)
 
 
-class UspAttention(Kernel):
+class UspAttention(ShardedKernel):
     """Exact attention on this rank's shard: Ulysses within its group, a ring across groups."""
 
     world_size: int | None = None
@@ -89,8 +88,7 @@ class UspAttention(Kernel):
     sets it: workers.model_memory); None: the process group's."""
 
     def __init__(self, params: UspParams | None = None) -> None:
-        super().__init__()
-        self.params = params or UspParams()
+        super().__init__(params or UspParams())
 
     def memory_model(
         self, batch: int, seq_len: int, num_heads: int, head_dim: int, dtype_bytes: int
@@ -119,27 +117,17 @@ class UspAttention(Kernel):
             inputs_saved=u == 1,
         )
 
-    def local_positions(
-        self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
-    ) -> torch.Tensor:
-        layout = default_layout(self.params.layout, causal)
-        return layout_positions(seq_len, layout, rank, world_size)
-
     def _setup(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):  # type: ignore[no-untyped-def]
-        group = resolve_group(self.params.group)
-        check_backend(group, q.device)
-        world = dist.get_world_size(group)
         u = self.params.ulysses_degree
 
-        def local_check() -> None:
+        def check(world: int) -> None:
             check_degree(self.params, world)
-            check_qkv(q, k, v)
             check_heads(q.shape[2], k.shape[2], u, "params.ulysses_degree")
 
-        check_same_call(group, q, causal, self.params, local_check=local_check)
+        group, rank, world = self.join(q, k, v, causal, check)
         layout = default_layout(self.params.layout, causal)
         check_seq_len(q.shape[1] * world, layout, world)
-        return group, dist.get_rank(group), world, u, layout
+        return group, rank, world, u, layout
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
@@ -150,7 +138,7 @@ class UspAttention(Kernel):
         members = tuple(g * u + i for i in range(u))
         k, v = replicate_kv(k, u), replicate_kv(v, u)
         with clock.step("forward", 0):
-            qh, kh, vh = (ToHeads.apply(t, members, rank, group, ring + 1) for t in (q, k, v))
+            qh, kh, vh = (heads_of(t, members, rank, group, ring + 1) for t in (q, k, v))
         order = group_order(layout, u, q.shape[1])
         if order is not None:
             qh, kh, vh = (t[:, order] for t in (qh, kh, vh))
@@ -164,25 +152,14 @@ class UspAttention(Kernel):
         if order is not None:
             out = out[:, torch.argsort(order)]
         with clock.step("forward", ring):
-            return ToTokens.apply(out, members, rank, group, 0)  # type: ignore[no-any-return]
+            return tokens_of(out, members, rank, group, 0)
 
-    def flops(
-        self,
-        batch: int,
-        seq_len: int,
-        num_heads: int,
-        head_dim: int,
-        causal: bool = False,
-        backward: bool = False,
-    ) -> int:
-        """FLOPs of this rank for a local shard of `seq_len` tokens: its ring plan's pairs over
-        its group's U x seq_len tokens for H / U heads."""
-        rank, world = rank_and_world(self.params.group)
+    def rank_pairs(self, seq_len: int, num_heads: int, causal: bool, rank: int, world: int) -> int:
+        """Its ring plan's pairs over its group's U x seq_len tokens for H / U heads."""
         u = self.params.ulysses_degree
         layout = default_layout(self.params.layout, causal)
         plan = dense_plan(layout, causal, rank // u, world // u, seq_len * u)
-        pairs = sum(b.pairs() for step in plan for b in step)
-        return attention_flops(batch * num_heads * pairs // u, head_dim, backward=backward)
+        return num_heads * sum(b.pairs() for step in plan for b in step) // u
 
 
 def ring_piece_bytes(

@@ -12,6 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
+from service.api.sessions import session_valid
 from service.core.config import Settings
 
 bearer = HTTPBearer(auto_error=False, description="RINGLAB_API_TOKEN, when the server sets one.")
@@ -30,7 +31,7 @@ def get_session(request: Request) -> Iterator[Session]:
 
 
 SESSION_COOKIE = "ringlab_session"
-"""The dashboard's session cookie (service.web.login, service.web.sessions): a browser cannot
+"""The dashboard's session cookie (service.web.login, service.api.sessions): a browser cannot
 send a bearer header, with EventSource least of all. It admits reads only; writes always need
 the bearer token."""
 
@@ -52,8 +53,6 @@ async def _read_allowed(
     cookie = request.cookies.get(SESSION_COOKIE)
     if cookie is None or settings.api_token is None:
         return False
-    from service.web.sessions import session_valid
-
     return await run_in_threadpool(
         session_valid, request.app.state.sessionmaker, settings.api_token, cookie
     )

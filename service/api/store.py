@@ -15,6 +15,7 @@ from service.api import pages
 from service.api.schemas import SweepOut
 from service.db.engine import rowcount
 from service.db.models import (
+    ACTIVE_STATUSES,
     DEFAULT_SUBMITTER,
     TERMINAL_STATUSES,
     Artifact,
@@ -32,8 +33,6 @@ from service.db.models import (
 )
 from service.spec import Cell, SweepSpec
 
-ACTIVE_STATUSES = (RunStatus.running, RunStatus.waiting_resources)
-"""Runs a scheduler holds: a sweep with one of these cannot be deleted."""
 CANCELLABLE = (RunStatus.queued, RunStatus.waiting_resources, RunStatus.running)
 RETRYABLE = (RunStatus.failed, RunStatus.timed_out)
 """Retried by default. oom is deterministic for a given config and cluster, so it is retried

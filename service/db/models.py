@@ -114,6 +114,8 @@ class RunStatus(enum.StrEnum):
 TERMINAL_STATUSES = frozenset(
     {RunStatus.succeeded, RunStatus.failed, RunStatus.oom, RunStatus.cancelled, RunStatus.timed_out}
 )
+ACTIVE_STATUSES = (RunStatus.running, RunStatus.waiting_resources)
+"""Runs a scheduler holds under a lease: a sweep with one cannot be deleted."""
 
 
 class ProbeOutcome(enum.StrEnum):
@@ -376,7 +378,7 @@ class Artifact(Base):
 
 
 class WebSession(Base):
-    """A dashboard login (service.web.sessions): the cookie holds a random id and an HMAC of
+    """A dashboard login (service.api.sessions): the cookie holds a random id and an HMAC of
     it under the API token; the table holds the id's SHA-256, so a logout (the row deleted)
     or its expiry ends the session for real, and a database read does not yield cookies."""
 

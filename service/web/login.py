@@ -2,7 +2,7 @@
 
 With RINGLAB_REQUIRE_TOKEN_FOR_READS a browser could not read anything: it cannot send a bearer
 header, and EventSource cannot at all. POST /login checks the token and sets `ringlab_session`
-(service.web.sessions: a random session id and its HMAC under the token, never the token),
+(service.api.sessions: a random session id and its HMAC under the token, never the token),
 HttpOnly, SameSite Strict, Max-Age RINGLAB_SESSION_TTL_S, and Secure when the request came over
 https (behind a proxy: uvicorn's --forwarded-allow-ips makes X-Forwarded-Proto count). The
 cookie admits reads only, until it expires or POST /logout revokes its session on the server.
@@ -17,8 +17,8 @@ from fastapi import APIRouter, Form, Query, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from service.api.deps import SESSION_COOKIE, SettingsDep
+from service.api.sessions import close_session, open_session
 from service.web.render import page
-from service.web.sessions import close_session, open_session
 
 router = APIRouter(include_in_schema=False)
 

@@ -11,14 +11,13 @@ import pytest
 import torch
 from _api_helpers import api_client
 from _dist_helpers import run_ranks
+from _gang_helpers import run_queue
 from _workers_helpers import config
 
 import attention
 from attention import layouts
 from service.cli import load_specs
-from service.scheduler import Scheduler
 from workers import protocol
-from workers.gang import GangPool
 from workers.references import _dense
 
 API = "/api/v1"
@@ -108,13 +107,7 @@ def test_the_cpu_comparison_sweep_runs_with_speedups_relative_to_ours(
     with api_client(f"sqlite:///{tmp_path / 'c.db'}", artifact_root=str(tmp_path)) as client:
         created = client.post(f"{API}/sweeps", json=doc)
         assert created.status_code == 201, created.text
-        pool = GangPool(placement_timeout_s=120)
-        scheduler = Scheduler(client.app.state.sessionmaker, pool=pool, lease_s=60, heartbeat_s=5)
-        try:
-            while scheduler.run_once():
-                pass
-        finally:
-            pool.close()
+        run_queue(client.app.state.sessionmaker)
         rows = client.get(f"{API}/sweeps/{created.json()['id']}/results.json").json()
     assert [r["status"] for r in rows] == ["succeeded"] * 4, [r["error"] for r in rows]
     ours = {r["seq_len"]: r for r in rows if r["kernel"] == "ring"}

@@ -9,12 +9,11 @@ from typing import Any
 
 import pytest
 from _api_helpers import api_client
+from _gang_helpers import run_queue
 from _workers_helpers import config
 
 import attention
-from service.scheduler import Scheduler
 from workers import protocol
-from workers.gang import GangPool
 
 API = "/api/v1"
 
@@ -85,13 +84,7 @@ def test_plugin_sweeps_through_the_service(tmp_path: Path, ray_session: Any) -> 
             _sweep("offset_window", {"window": 256}, seq_len=1024),
         ]
         ids = [client.post(f"{API}/sweeps", json=sweep).json()["id"] for sweep in sweeps]
-        pool = GangPool(placement_timeout_s=120)
-        scheduler = Scheduler(client.app.state.sessionmaker, pool=pool, lease_s=60, heartbeat_s=5)
-        try:
-            while scheduler.run_once():
-                pass
-        finally:
-            pool.close()
+        run_queue(client.app.state.sessionmaker)
         (good,) = client.get(f"{API}/sweeps/{ids[0]}/results.json").json()
         assert good["status"] == "succeeded" and good["max_abs_error"] <= 1e-4, good["error"]
         env = client.get(f"{API}/runs/{good['run_id']}").json()["environment"]

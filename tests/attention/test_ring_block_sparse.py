@@ -5,11 +5,10 @@ Hilbert order; steps the mask drops are neither computed nor sent."""
 from __future__ import annotations
 
 import pytest
-import torch
 from _dist_helpers import run_ranks
+from _ring_helpers import assert_equals_twin, layout_cases, seeded_inputs, trained
 
 import attention
-from attention import layouts
 from attention.hilbert import hilbert_permutation
 from attention.ring.block_sparse import _Schedule
 from attention.ring.engine import Block
@@ -25,17 +24,7 @@ CONFIGS = [
     {"block_size": 4, "pattern": "local_window", "sparsity_ratio": 0.25},
     {"block_size": 4, "pattern": "local_window", "window": 1, "ordering": "hilbert"},
 ]
-CASES = [
-    (cfg, layout, causal)
-    for cfg in CONFIGS
-    for layout in ("contiguous", "zigzag", "striped")
-    for causal in (False, True)
-]
-
-
-def full_inputs(seed: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(*SHAPE, generator=g) for _ in range(4))
+CASES = layout_cases(CONFIGS)
 
 
 def rank_cases(rank: int, world: int) -> list[dict]:
@@ -43,41 +32,18 @@ def rank_cases(rank: int, world: int) -> list[dict]:
     for i, (cfg, layout, causal) in enumerate(CASES):
         module = attention.build("ring_block_sparse", layout=layout, **cfg)
         pos = module.local_positions(SHAPE[1], rank, world, causal=causal)
-        q, k, v, dout = (t[:, pos].clone() for t in full_inputs(i))
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = module(q, k, v, causal=causal)
-        out.backward(dout)
-        flops = module.flops(SHAPE[0], SHAPE[1] // world, SHAPE[2], SHAPE[3], causal)
-        results.append(
-            {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "flops": flops}
-        )
+        inputs = tuple(t[:, pos].clone() for t in seeded_inputs(i, SHAPE))
+        results.append(trained(module, inputs, causal))
     return results
-
-
-def twin_reference(i: int, cfg: dict, causal: bool) -> dict:
-    q, k, v, dout = full_inputs(i)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    twin = attention.build("block_sparse", **cfg)
-    out = twin(q, k, v, causal=causal)
-    out.backward(dout)
-    flops = twin.flops(SHAPE[0], SHAPE[1], SHAPE[2], SHAPE[3], causal)
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "flops": flops}
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_ring_block_sparse_equals_block_sparse(world):
     per_rank = run_ranks(rank_cases, world)
     for i, (cfg, layout, causal) in enumerate(CASES):
-        ref = twin_reference(i, cfg, causal)
-        hilbert = cfg.get("ordering") == "hilbert"
-        perm = hilbert_permutation(SHAPE[1]) if hilbert else torch.arange(SHAPE[1])
-        for name in ("out", "dq", "dk", "dv"):
-            got = layouts.unshard([r[i][name] for r in per_rank], layout)
-            torch.testing.assert_close(
-                got, ref[name][:, perm], atol=1e-5, rtol=1e-5,
-                msg=lambda m, n=name, c=(cfg, layout, causal): f"{n} {c}: {m}",
-            )  # fmt: skip
-        assert sum(r[i]["flops"] for r in per_rank) == ref["flops"], (cfg, layout, causal)
+        ref = trained(attention.build("block_sparse", **cfg), seeded_inputs(i, SHAPE), causal)
+        perm = hilbert_permutation(SHAPE[1]) if cfg.get("ordering") == "hilbert" else None
+        assert_equals_twin([r[i] for r in per_rank], layout, ref, (cfg, layout, causal), perm)
 
 
 def test_dropped_steps_are_neither_computed_nor_sent():

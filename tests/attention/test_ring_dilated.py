@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist_helpers import RankFailed, run_ranks
+from _ring_helpers import assert_equals_twin, layout_cases, seeded_inputs, trained
 
 import attention
-from attention import layouts
 from attention.hilbert import hilbert_permutation
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,45 +28,32 @@ CONFIGS = [
     # The paper's rates 1, 2, 4, 6, 12 (w = 64, 128 span 2 and 4 ranks at W = 4).
     ((8, 16, 32, 64, 128), (1, 2, 4, 6, 12), "natural"),
 ]
-CASES = [
-    (cfg, layout, causal)
-    for cfg in CONFIGS
-    for layout in ("contiguous", "zigzag", "striped")
-    for causal in (False, True)
-]
-
-
-def full_inputs(seed: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(*SHAPE, generator=g) for _ in range(4))
+CASES = layout_cases(CONFIGS)
 
 
 def rank_cases(rank: int, world: int) -> list[dict]:
+    return _rank_results(rank, world, CASES, seed=0)
+
+
+def _rank_results(rank: int, world: int, cases: list[tuple], seed: int, **extra: str) -> list[dict]:
+    """Each case's training call on this rank's shard (inputs drawn from seed + its index)."""
     results = []
-    for i, ((ws, rs, ordering), layout, causal) in enumerate(CASES):
+    for i, ((ws, rs, ordering), layout, causal) in enumerate(cases):
         module = attention.build(
-            "ring_dilated", segment_lengths=ws, dilation_rates=rs, ordering=ordering, layout=layout
-        )
+            "ring_dilated", segment_lengths=ws, dilation_rates=rs, ordering=ordering,
+            layout=layout, **extra,
+        )  # fmt: skip
         pos = module.local_positions(SHAPE[1], rank, world)
-        q, k, v, dout = (t[:, pos].clone() for t in full_inputs(i))
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = module(q, k, v, causal=causal)
-        out.backward(dout)
-        flops = module.flops(SHAPE[0], SHAPE[1] // world, SHAPE[2], SHAPE[3], causal)
-        results.append(
-            {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "flops": flops}
-        )
+        inputs = tuple(t[:, pos].clone() for t in seeded_inputs(seed + i, SHAPE))
+        results.append(trained(module, inputs, causal))
+        if extra.get("plan") == "cuda":
+            assert module.backend.endswith("/plan-cuda")
     return results
 
 
-def twin_reference(i: int, ws, rs, ordering: str, causal: bool) -> dict:
-    q, k, v, dout = full_inputs(i)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
+def twin_reference(seed: int, ws, rs, ordering: str, causal: bool) -> dict:
     twin = attention.build("dilated", segment_lengths=ws, dilation_rates=rs, ordering=ordering)
-    out = twin(q, k, v, causal=causal)
-    out.backward(dout)
-    flops = twin.flops(SHAPE[0], SHAPE[1], SHAPE[2], SHAPE[3], causal)
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "flops": flops}
+    return trained(twin, seeded_inputs(seed, SHAPE), causal)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -74,14 +61,9 @@ def test_ring_dilated_equals_dilated(world):
     per_rank = run_ranks(rank_cases, world)
     for i, ((ws, rs, ordering), layout, causal) in enumerate(CASES):
         ref = twin_reference(i, ws, rs, ordering, causal)
-        perm = hilbert_permutation(SHAPE[1]) if ordering == "hilbert" else torch.arange(SHAPE[1])
-        for name in ("out", "dq", "dk", "dv"):
-            got = layouts.unshard([r[i][name] for r in per_rank], layout)
-            torch.testing.assert_close(
-                got, ref[name][:, perm], atol=1e-5, rtol=1e-5,
-                msg=lambda m, n=name, c=(ws, rs, ordering, layout, causal): f"{n} {c}: {m}",
-            )  # fmt: skip
-        assert sum(r[i]["flops"] for r in per_rank) == ref["flops"], (ws, rs, causal)
+        perm = hilbert_permutation(SHAPE[1]) if ordering == "hilbert" else None
+        case = (ws, rs, ordering, layout, causal)
+        assert_equals_twin([r[i] for r in per_rank], layout, ref, case, perm)
 
 
 PAPER_SHAPE = (1, 2200, 12, 4)
@@ -158,30 +140,13 @@ def test_the_plan_reaches_the_twin():
         assert attention.make_params("ring_dilated", {"plan": plan}).twin().plan == plan
 
 
-CUDA_CASES = [
-    (cfg, layout, causal)
-    for cfg in (CONFIGS[4], CONFIGS[5])  # non-dividing segments; the paper's rates
-    for layout in ("contiguous", "zigzag")
-    for causal in (False, True)
-]
+# non-dividing segments; the paper's rates
+CUDA_CASES = layout_cases([CONFIGS[4], CONFIGS[5]], ("contiguous", "zigzag"))
 
 
 def rank_cuda_plan(rank: int, world: int) -> list[dict]:
     """CUDA_CASES with the cuda plan forced (the CPU flash op in its call structure)."""
-    results = []
-    for i, ((ws, rs, ordering), layout, causal) in enumerate(CUDA_CASES):
-        module = attention.build(
-            "ring_dilated", segment_lengths=ws, dilation_rates=rs, ordering=ordering,
-            layout=layout, plan="cuda",
-        )  # fmt: skip
-        pos = module.local_positions(SHAPE[1], rank, world)
-        q, k, v, dout = (t[:, pos].clone() for t in full_inputs(100 + i))
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = module(q, k, v, causal=causal)
-        out.backward(dout)
-        assert module.backend.endswith("/plan-cuda")
-        results.append({"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad})
-    return results
+    return _rank_results(rank, world, CUDA_CASES, seed=100, plan="cuda")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -192,9 +157,4 @@ def test_the_cuda_plan_equals_dilated(world):
     per_rank = run_ranks(rank_cuda_plan, world)
     for i, ((ws, rs, ordering), layout, causal) in enumerate(CUDA_CASES):
         ref = twin_reference(100 + i, ws, rs, ordering, causal)
-        for name in ("out", "dq", "dk", "dv"):
-            got = layouts.unshard([r[i][name] for r in per_rank], layout)
-            torch.testing.assert_close(
-                got, ref[name], atol=1e-5, rtol=1e-5,
-                msg=lambda m, n=name, c=(ws, rs, layout, causal): f"{n} {c}: {m}",
-            )  # fmt: skip
+        assert_equals_twin([r[i] for r in per_rank], layout, ref, (ws, rs, layout, causal))

@@ -9,7 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
-from _api_helpers import TOKEN, api_client, live_server, small_spec, store_result
+from _api_helpers import TOKEN, api_client, small_spec, store_result
+from _web_helpers import live_server
 from sqlalchemy import func, select, update
 
 from service.app import create_app

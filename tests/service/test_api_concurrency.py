@@ -7,7 +7,8 @@ from typing import Any
 
 import httpx
 import pytest
-from _api_helpers import live_server, small_spec
+from _api_helpers import small_spec
+from _web_helpers import live_server
 from sqlalchemy import func, select
 
 from service.app import create_app

@@ -10,10 +10,9 @@ from typing import Any
 
 import pytest
 from _api_helpers import api_client
+from _gang_helpers import run_queue
 
-from service.scheduler import Scheduler
 from workers.environment import cpu_model
-from workers.gang import GangPool
 
 API = "/api/v1"
 
@@ -42,15 +41,7 @@ def test_tiny_cpu_sweep_runs_and_reports(tmp_path: Path, ray_session: Any) -> No
         sweep_id = created.json()["id"]
         assert created.json()["total"] == 8
 
-        pool = GangPool(placement_timeout_s=120)
-        scheduler = Scheduler(client.app.state.sessionmaker, pool=pool, lease_s=60, heartbeat_s=5)
-        try:
-            ran = 0
-            while scheduler.run_once():
-                ran += 1
-        finally:
-            pool.close()
-        assert ran == 8
+        assert run_queue(client.app.state.sessionmaker) == 8
 
         sweep = client.get(f"{API}/sweeps/{sweep_id}").json()
         assert sweep["done"] and sweep["counts"]["succeeded"] == 8, sweep["counts"]

@@ -56,13 +56,19 @@ def _read_until(proc: subprocess.Popen[str], marker: str, what: str) -> tuple[st
     raise AssertionError(f"{what} exited before printing {marker!r}: {seen}")
 
 
-def _sigterm(proc: subprocess.Popen[str]) -> str:
+def _terminate(proc: subprocess.Popen[str]) -> str:
+    """SIGTERM, then what the process printed until it exited (killed past 60 s, and raised)."""
     proc.send_signal(signal.SIGTERM)
     try:
         out, _ = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
+    return out
+
+
+def _sigterm(proc: subprocess.Popen[str]) -> str:
+    out = _terminate(proc)
     # uvicorn re-raises the signal after its graceful shutdown: killed-by-SIGTERM is the clean exit
     assert proc.returncode in (0, -signal.SIGTERM), out
     assert "Application shutdown complete" in out, out
@@ -125,10 +131,5 @@ def test_scheduler_process_stops_cleanly_on_sigterm(tmp_path: Path, ray_session:
     # printed once Ray is joined and the handlers are in place
     _, seen = _read_until(proc, "SIGTERM or Ctrl-C stops it cleanly", "the scheduler")
     time.sleep(3.0)  # into the claim loop (Ray is joined before the line above)
-    proc.send_signal(signal.SIGTERM)
-    try:
-        out, _ = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+    out = _terminate(proc)
     assert proc.returncode == 0, f"exit {proc.returncode}: {seen}{out}"

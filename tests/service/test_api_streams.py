@@ -10,7 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from _api_helpers import live_server, small_spec
+from _api_helpers import small_spec
+from _web_helpers import live_server
 
 from service.api import events
 from service.app import create_app

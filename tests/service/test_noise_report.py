@@ -13,11 +13,12 @@ import statistics
 from typing import Any
 
 import pytest
+from _api_helpers import mark_succeeded
 from sqlalchemy.orm import Session
 from test_report_tables import API, MiB, client_for, report, section, submit
 
 from service.cli import load_specs
-from service.db.models import Environment, RankResult, Run, RunStatus
+from service.db.models import RankResult
 
 ITERATIONS = 12
 
@@ -38,14 +39,7 @@ def put_times(
     sm = client.app.state.sessionmaker
     with sm() as session:
         session: Session
-        run = session.get(Run, run_id)
-        assert run is not None
-        env = session.query(Environment).filter_by(hash="noise").one_or_none()
-        if env is None:
-            env = Environment(hash="noise", hosts=["vm"], gpus=[], torch="2.13.0", python="3.11")
-            session.add(env)
-            session.flush()
-        run.status, run.environment_id = RunStatus.succeeded, env.id
+        run = mark_succeeded(session, run_id, "noise")
         for rank, (ts, peak, held) in enumerate(zip(times, peaks, inputs, strict=True)):
             ordered = sorted(ts)
             median = statistics.median(ts)

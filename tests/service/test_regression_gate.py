@@ -13,13 +13,12 @@ from typing import Any
 
 import httpx
 import pytest
+from _gang_helpers import run_queue
 from _web_helpers import live_server, make_web_app
 from typer.testing import CliRunner
 
 from service import cli
 from service.core.config import Settings
-from service.scheduler import Scheduler
-from workers.gang import GangPool
 
 API = "/api/v1"
 PLUGIN_DIR = Path(__file__).parents[1] / "plugins"
@@ -40,13 +39,7 @@ def _git(*args: str) -> str:
 def _run_sweeps(base: str, app: Any, names: list[str]) -> list[int]:
     """Submit one sweep per name and run them all to the end with a real scheduler."""
     ids = [httpx.post(f"{base}{API}/sweeps", json=_spec(n)).json()["id"] for n in names]
-    pool = GangPool(placement_timeout_s=120)
-    scheduler = Scheduler(app.state.sessionmaker, pool=pool, lease_s=60, heartbeat_s=5)
-    try:
-        while scheduler.run_once():
-            pass
-    finally:
-        pool.close()
+    run_queue(app.state.sessionmaker)
     return ids
 
 

@@ -17,13 +17,15 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from _api_helpers import mark_succeeded
+from _results_helpers import timing
 from _web_helpers import make_web_app
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
 from service.cli import load_specs
 from service.core.config import Settings
-from service.db.models import Environment, Probe, RankResult, Run, RunStatus
+from service.db.models import Probe, RankResult
 from service.results.report import fmt_bytes, fmt_ms, fmt_num
 
 API = "/api/v1"
@@ -83,14 +85,7 @@ def put(
     sm = client.app.state.sessionmaker  # type: ignore[attr-defined]
     with sm() as session:
         session: Session
-        run = session.get(Run, run_id)
-        assert run is not None
-        env = session.query(Environment).filter_by(hash="seed").one_or_none()
-        if env is None:
-            env = Environment(hash="seed", hosts=["vm"], gpus=[], torch="2.13.0", python="3.11")
-            session.add(env)
-            session.flush()
-        run.status, run.environment_id = RunStatus.succeeded, env.id
+        run = mark_succeeded(session, run_id, "seed")
         length = measured or run.seq_len
         for rank, (median, peak) in enumerate(zip(medians, peaks, strict=True)):
             session.add(
@@ -98,13 +93,7 @@ def put(
                     run_id=run_id,
                     rank=rank,
                     seq_len=length,
-                    times_s=[median * LOW, median, median * HIGH],
-                    median_s=median,
-                    p10_s=median * LOW,
-                    p90_s=median * HIGH,
-                    tokens_per_s=length / median,
-                    flops=flops,
-                    flops_per_s=flops / median,
+                    **timing([median * LOW, median, median * HIGH], length, flops),
                     peak_memory_bytes=peak,
                     input_memory_bytes=inputs,
                     backend="sdpa-flash-cpu",

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from _api_helpers import api_client
+from _results_helpers import timing
 from sqlalchemy import update
 
 from service import leases
@@ -96,13 +97,7 @@ def _rank(config: RunConfig, rank: int, seq_len: int) -> RankResult:
     return RankResult(
         rank=rank,
         seq_len=seq_len,
-        times_s=[t * 0.96, t, t * 1.08],
-        median_s=t,
-        p10_s=t * 0.96,
-        p90_s=t * 1.08,
-        tokens_per_s=local / t,
-        flops=flops,
-        flops_per_s=flops / t,
+        **timing([t * 0.96, t, t * 1.08], local, flops),
         peak_memory_bytes=2064 * seq_len + 4096 * rank,
         input_memory_bytes=1536 * seq_len,
         memory_budget_bytes=config.memory_budget_bytes,

@@ -13,10 +13,9 @@ from typing import Any
 
 import pytest
 from _api_helpers import api_client
+from _gang_helpers import run_queue
 
 from service.artifacts import ArtifactStore
-from service.scheduler import Scheduler
-from workers.gang import GangPool
 from workers.results import Artifact
 
 API = "/api/v1"
@@ -56,16 +55,8 @@ def test_a_ring_sweep_stores_its_steps_and_profiles(tmp_path: Path, ray_session:
         created = client.post(f"{API}/sweeps", json=spec)
         assert created.status_code == 201, created.text
         sweep_id = created.json()["id"]
-        pool = GangPool(placement_timeout_s=120)
         store = ArtifactStore(str(root), 64 << 20, 256 << 20)
-        scheduler = Scheduler(
-            client.app.state.sessionmaker, pool=pool, lease_s=60, heartbeat_s=5, artifacts=store
-        )
-        try:
-            while scheduler.run_once():
-                pass
-        finally:
-            pool.close()
+        run_queue(client.app.state.sessionmaker, store)
 
         rows = client.get(f"{API}/sweeps/{sweep_id}/results.json").json()
         assert [r["status"] for r in rows] == ["succeeded"] * 4, [r["error"] for r in rows]

@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 from _api_helpers import api_client
+from _gang_helpers import run_queue
 
 from service.cli import load_specs
 from service.results.rows import ulysses_groups
 from service.results.schemes import all_to_all_bytes, predicted_s, sp_schemes_section
-from service.scheduler import Scheduler
-from workers.gang import GangPool
 
 API = "/api/v1"
 BASE = {
@@ -85,16 +84,6 @@ def _cut_down_study() -> list[dict[str, Any]]:
     return [study, search]
 
 
-def _run_all(client: Any) -> None:
-    pool = GangPool(placement_timeout_s=120)
-    scheduler = Scheduler(client.app.state.sessionmaker, pool=pool, lease_s=60, heartbeat_s=5)
-    try:
-        while scheduler.run_once():
-            pass
-    finally:
-        pool.close()
-
-
 def _check_run(client: Any, row: dict[str, Any]) -> None:
     """A gated run whose bytes per rank and Ulysses groups come from its ranks' raw figures."""
     assert row["max_abs_error"] is not None and row["max_abs_error"] < 1e-4, row
@@ -139,7 +128,7 @@ def test_the_cpu_study_runs_through_the_service(tmp_path: Path, ray_session: Any
             created = client.post(f"{API}/sweeps", json=spec)
             assert created.status_code == 201, created.text
             ids.append(created.json()["id"])
-        _run_all(client)
+        run_queue(client.app.state.sessionmaker)
         rows = client.get(f"{API}/sweeps/{ids[0]}/results.json").json()
         assert [r["status"] for r in rows] == ["succeeded"] * 4, [r["error"] for r in rows]
         assert sorted(r["kernel"] for r in rows) == ["allgather_kv", "ring", "ulysses", "usp"]

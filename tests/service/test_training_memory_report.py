@@ -11,6 +11,7 @@ import csv
 import io
 from typing import Any
 
+from _results_helpers import timing
 from sqlalchemy.orm import Session
 from test_report_tables import API, client_for, section
 
@@ -59,13 +60,7 @@ def store(
                 run_id=run_id,
                 rank=0,
                 seq_len=answer,
-                times_s=[step],
-                median_s=step,
-                p10_s=step,
-                p90_s=step,
-                tokens_per_s=answer / step,
-                flops=1e9,
-                flops_per_s=1e9 / step,
+                **timing([step], answer, 1e9),
                 peak_memory_bytes=measured["step_peak"],
                 input_memory_bytes=24 * answer,
                 memory_budget_bytes=134217728,
@@ -127,21 +122,11 @@ def test_seed_004_training_memory_tables_from_a_stored_sweep(database_url: str) 
         md = client.get(f"{API}/sweeps/{sweep_id}/report.md").text
         table = section(md, "## Training memory").splitlines()
         header = [c.strip() for c in table[1].strip("|").split("|")]
-        assert header[:13] == [
-            "Model",
-            "d × heads × layers",
-            "Optimizer",
-            "Precision",
-            "Checkpointing",
-            "Tokens measured",
-            "Max tokens found",
-            "Max tokens predicted",
-            "Fixed",
-            "KB per token",
-            "Step peak",
-            "Step peak predicted",
-            "Max-length gain",
-        ]
+        assert " | ".join(header[:13]) == (
+            "Model | d × heads × layers | Optimizer | Precision | Checkpointing | Tokens measured"
+            " | Max tokens found | Max tokens predicted | Fixed | KB per token | Step peak"
+            " | Step peak predicted | Max-length gain"
+        )
         rows = {
             tuple(c.strip() for c in line.strip("|").split("|"))[4]: [
                 c.strip() for c in line.strip("|").split("|")

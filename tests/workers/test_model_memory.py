@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from _dist_helpers import single_thread
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -33,14 +34,9 @@ PRECISIONS = ["fp32", "bf16_autocast", "bf16"]
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
-    """One intra-op thread: these tiny ops only slow down when two OpenMP threads contend
-    with other processes on a small machine (what is counted does not depend on it)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    """One intra-op thread for every test here (what is counted does not depend on it)."""
+    with single_thread():
         yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def model_cell(

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from _dist_helpers import run_ranks
+from _dist_helpers import run_ranks, single_thread
+from _workers_helpers import planted_result
 from pydantic import ValidationError
 
 from service.spec import SpecError, SweepSpec, expand
@@ -40,15 +41,9 @@ def model_cell(**fields: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def one_thread() -> Iterator[None]:
-    """One intra-op thread while a test trains: on a small shared machine two OpenMP threads
-    contending with other processes make these tiny steps several times slower (the memory
-    measured is the same)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    """One intra-op thread while a test trains (single_thread)."""
+    with single_thread():
         yield
-    finally:
-        torch.set_num_threads(before)
 
 
 # --- a run ------------------------------------------------------------------------------------
@@ -288,24 +283,12 @@ def _doubling_probes(limit: int, start: int, granularity: int) -> int:
     log: list[int] = []
 
     def run_probe(cfg: RunConfig, first: bool) -> list[Any]:
-        from workers.results import CaseOutcome, RankResult
+        from workers.results import CaseOutcome
 
         log.append(cfg.seq_len)
         if cfg.seq_len > limit:
             return [CaseOutcome(rank=0, seq_len=cfg.seq_len, status="oom", emulated=True)]
-        result = RankResult(
-            rank=0,
-            seq_len=cfg.seq_len,
-            times_s=[1.0],
-            median_s=1.0,
-            p10_s=1.0,
-            p90_s=1.0,
-            tokens_per_s=1.0,
-            flops=1.0,
-            flops_per_s=1.0,
-            peak_memory_bytes=1,
-            backend="sdpa",
-        )
+        result = planted_result(cfg.seq_len, 1.0, 1)
         return [CaseOutcome(rank=0, seq_len=cfg.seq_len, status="ok", result=result)]
 
     outcome = run_search(config, run_probe)

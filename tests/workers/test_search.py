@@ -6,13 +6,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from _workers_helpers import config
+from _workers_helpers import config, planted_result
 
 import attention
 from attention.registry import KernelSpec
 from workers.bracket import MAX_GUESSES, next_length
 from workers.config import RunConfig
-from workers.results import CaseOutcome, RankResult
+from workers.results import CaseOutcome
 from workers.search import run_search, snap_down
 
 
@@ -40,19 +40,7 @@ def _planted(
                     error="over budget",
                 )
             ]
-        result = RankResult(
-            rank=0,
-            seq_len=cfg.seq_len,
-            times_s=[0.5],
-            median_s=0.5,
-            p10_s=0.5,
-            p90_s=0.5,
-            tokens_per_s=1.0,
-            flops=1.0,
-            flops_per_s=2.0,
-            peak_memory_bytes=peak,
-            backend="sdpa",
-        )
+        result = planted_result(cfg.seq_len, 0.5, peak)
         return [
             CaseOutcome(
                 rank=0, seq_len=cfg.seq_len, status="ok", result=result, peak_memory_bytes=peak

@@ -56,10 +56,6 @@ class SlidingWindowAttention(Kernel):
 
     backend = "sdpa"
 
-    def __init__(self, params: SlidingWindowParams) -> None:
-        super().__init__()
-        self.params = params
-
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:

@@ -25,10 +25,6 @@ class ExitParams:
 class ExitOnRank(ExactKernel):
     backend = "sdpa"
 
-    def __init__(self, params: ExitParams) -> None:
-        super().__init__()
-        self.params = params
-
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:

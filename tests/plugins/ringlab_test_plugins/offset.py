@@ -1,7 +1,8 @@
 """`offset_window`: sliding-window attention (|i - j| < window) that drops the key exactly
 `bug_offset` positions before each query from position `bug_after` on: a kernel wrong only
 beyond its first rows, which a gate checking 128 tokens passed. It declares the correct mask
-(keep_mask, keep_rows) and its period (the window), so the gate can catch it.
+(keep_mask, keep_rows: the example plugin's, whose sliding window it is) and its period (the
+window), so the gate can catch it.
 `fail_without_grad` makes it raise under torch.no_grad (the timed forward, not the gate): a
 run that fails after its gate passed."""
 
@@ -10,16 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from ringlab_example_kernel import SlidingWindowAttention, SlidingWindowParams, keep_mask, keep_rows
 from torch.nn import functional as F
 
-from attention import Kernel, KernelSpec, attention_flops
+from attention import KernelSpec
 
 
 @dataclass(frozen=True)
-class OffsetParams:
-    """window: keys less than this far away; the bug: the key bug_offset before each query
-    at position >= bug_after is dropped (None: no bug); fail_without_grad: raise under
-    torch.no_grad."""
+class OffsetParams(SlidingWindowParams):
+    """The example's window (keys less than this far away) and the bug: the key bug_offset
+    before each query at position >= bug_after is dropped (None: no bug); fail_without_grad:
+    raise under torch.no_grad."""
 
     window: int = 256
     bug_offset: int | None = 200
@@ -27,26 +29,8 @@ class OffsetParams:
     fail_without_grad: bool = False
 
 
-def keep_rows(params: OffsetParams, seq_len: int, causal: bool, rows: torch.Tensor) -> torch.Tensor:
-    """The correct mask's rows: (len(rows), seq_len)."""
-    offset = rows[:, None] - torch.arange(seq_len, device=rows.device)[None, :]
-    keep = offset.abs() < params.window
-    return keep & (offset >= 0) if causal else keep
-
-
-def keep_mask(
-    params: OffsetParams, seq_len: int, causal: bool, device: torch.device
-) -> torch.Tensor:
-    """The correct mask: (seq_len, seq_len)."""
-    return keep_rows(params, seq_len, causal, torch.arange(seq_len, device=device))
-
-
-class OffsetWindow(Kernel):
-    backend = "sdpa"
-
-    def __init__(self, params: OffsetParams) -> None:
-        super().__init__()
-        self.params = params
+class OffsetWindow(SlidingWindowAttention):
+    """The example's sliding window (its correct mask and FLOPs) with the bug in its forward."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
@@ -63,18 +47,6 @@ class OffsetWindow(Kernel):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
         )
         return out.transpose(1, 2)
-
-    def flops(
-        self,
-        batch: int,
-        seq_len: int,
-        num_heads: int,
-        head_dim: int,
-        causal: bool = False,
-        backward: bool = False,
-    ) -> int:
-        pairs = int(keep_mask(self.params, seq_len, causal, torch.device("cpu")).sum())
-        return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
 
 
 def kernel_specs() -> list[KernelSpec]:

@@ -40,7 +40,7 @@ class PlantedDense(ExactKernel):
     backend = "sdpa"
 
     def __init__(self, params: NoParams) -> None:
-        super().__init__()
+        super().__init__(params)
         self.slowdown = planted_slowdown()
 
     def forward(

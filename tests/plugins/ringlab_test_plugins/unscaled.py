@@ -18,9 +18,6 @@ class NoParams:
 class UnscaledDense(ExactKernel):
     backend = "math"
 
-    def __init__(self, params: NoParams) -> None:
-        super().__init__()
-
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:

@@ -1,0 +1,184 @@
+"""The shape of the code that issue 38 set targets for, checked on every run so it stays true:
+no import circles (imports inside functions counted), no import running up a layer inside
+service/, and no function over 60 lines but the few listed here.
+
+Read from the source with ast alone: nothing is imported or run.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("attention", "workers", "service", "bench")
+MAX_FUNCTION_LINES = 60
+LONG_FUNCTIONS_ALLOWED: set[str] = {
+    "attention/block_sparse.py::block_sparse_backward",
+    "attention/ring/engine.py::ring_backward",
+    "bench/kernels.py::main",
+    "bench/ring.py::main",
+    "bench/service.py::main",
+    "service/api/routes/sweeps.py::create_sweep",
+    "service/api/store.py::create_sweep",
+    "service/app.py::create_app",
+    "service/cli.py::_watch",
+    "service/cli.py::demo",
+    "service/leases.py::claim_next",
+    "service/results/charts.py::model_peak_figure",
+    "service/results/charts.py::scaling_figure",
+    "service/results/report.py::_baseline_section",
+    "service/results/report.py::model_sections",
+    "service/results/report.py::report_markdown",
+    "service/results/rows.py::run_row",
+    "service/results/write.py::finish",
+    "service/scheduler.py::_drive",
+    "service/spec.py::_check_structure",
+    "workers/gang.py::start",
+    "workers/model_memory.py::predict",
+    "workers/search.py::run_search",
+}
+"""path::function of the functions still over MAX_FUNCTION_LINES (issue 38 allows 5)."""
+
+SERVICE_LAYERS = {
+    "service.db": 0,
+    "service.core": 0,
+    "service.units": 0,
+    "service.spec": 1,
+    "service.spec_docs": 1,
+    "service.results": 2,
+    "service.leases": 2,
+    "service.tenancy": 2,
+    "service.artifacts": 2,
+    "service.history": 2,
+    "service.ray_status": 2,
+    "service.api": 3,
+    "service.scheduler": 3,
+    "service.web": 4,
+    "service.app": 5,
+    "service.cli_base": 6,
+    "service.cli": 6,
+    "service.cli_results": 6,
+    "service.client": 5,
+    "service.regression": 5,
+}
+"""Lower layers never import higher ones: the database and config, the sweep spec, the results
+home, the API, the dashboard, the app, the CLI (the client talks HTTP only)."""
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if "migrations" in path.parts:
+                continue
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def _imports(tree: ast.AST, modules: dict[str, Path]) -> Iterator[tuple[str, int]]:
+    """The project modules an AST imports, anywhere in it (inside functions too): a name
+    imported from a package counts as its submodule when it is one."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((a.name, node.lineno) for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            if all(s in modules for s in subs):
+                yield from ((s, node.lineno) for s in subs)
+            elif node.module in modules:
+                yield node.module, node.lineno
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        for target, _ in _imports(ast.parse(path.read_text()), modules):
+            if target != name:
+                graph[name].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in list(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def _layer(module: str) -> int | None:
+    matches = [k for k in SERVICE_LAYERS if module == k or module.startswith(k + ".")]
+    return SERVICE_LAYERS[max(matches, key=len)] if matches else None
+
+
+def test_no_import_circles_with_imports_inside_functions_counted() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_circle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_runs_up_a_layer_inside_service() -> None:
+    modules = _modules()
+    upward = []
+    for name, path in modules.items():
+        if not name.startswith("service.") or name == "service":
+            continue
+        mine = _layer(name)
+        assert mine is not None, f"{name}: give it a layer in SERVICE_LAYERS"
+        for target, line in _imports(ast.parse(path.read_text()), modules):
+            theirs = _layer(target)
+            if theirs is not None and theirs > mine:
+                upward.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert upward == []
+
+
+def test_functions_stay_under_60_lines() -> None:
+    long = set()
+    for path in _modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.add(f"{path.relative_to(ROOT)}::{node.name}")
+    assert long <= LONG_FUNCTIONS_ALLOWED, sorted(long - LONG_FUNCTIONS_ALLOWED)
