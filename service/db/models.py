@@ -265,11 +265,19 @@ class Run(Base):
     )
 
 
-rank_result_table = Table(
+def _run_rows(name: str, *columns: Any) -> Table:
+    """A table of rows that belong to a run: their id, the run's (deleted with it), `columns`."""
+    return Table(
+        name,
+        Base.metadata,
+        Column("id", Integer, primary_key=True),
+        Column("run_id", ForeignKey("run.id", ondelete="CASCADE"), nullable=False, index=True),
+        *columns,
+    )
+
+
+rank_result_table = _run_rows(
     "rank_result",
-    Base.metadata,
-    Column("id", Integer, primary_key=True),
-    Column("run_id", ForeignKey("run.id", ondelete="CASCADE"), nullable=False, index=True),
     *columns_of(
         results.RankResult,
         {"rank": Integer(), "sampled_check_rows": Integer(), "backend": String(64)},
@@ -293,11 +301,8 @@ class RankResult(Base):
     run: Mapped[Run] = relationship(back_populates="rank_results")
 
 
-memory_component_table = Table(
+memory_component_table = _run_rows(
     "memory_component",
-    Base.metadata,
-    Column("id", Integer, primary_key=True),
-    Column("run_id", ForeignKey("run.id", ondelete="CASCADE"), nullable=False, index=True),
     Column("rank", Integer, nullable=False),
     *columns_of(results.MemoryComponent, {"component": String(32)}),
     UniqueConstraint("run_id", "rank", "component", name="uq_memory_component_run_rank"),
@@ -314,11 +319,8 @@ class MemoryComponent(Base):
     rank: Mapped[int]
 
 
-probe_table = Table(
+probe_table = _run_rows(
     "probe",
-    Base.metadata,
-    Column("id", Integer, primary_key=True),
-    Column("run_id", ForeignKey("run.id", ondelete="CASCADE"), nullable=False, index=True),
     *columns_of(
         results.ProbeResult,
         {"outcome": _enum(ProbeOutcome, "probe_outcome")},
@@ -338,11 +340,8 @@ class Probe(Base):
     run: Mapped[Run] = relationship(back_populates="probes")
 
 
-ring_step_table = Table(
+ring_step_table = _run_rows(
     "ring_step",
-    Base.metadata,
-    Column("id", Integer, primary_key=True),
-    Column("run_id", ForeignKey("run.id", ondelete="CASCADE"), nullable=False, index=True),
     Column("rank", Integer, nullable=False),
     *columns_of(results.StepTime, {"iteration": Integer(), "phase": String(16), "step": Integer()}),
 )
