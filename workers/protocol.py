@@ -38,6 +38,7 @@ from workers.harness import (
     percentile,
     resolve_device,
     sync,
+    timed_fields,
     timer,
 )
 from workers.inputs import batch_rows, make_input, shorter_length
@@ -471,18 +472,10 @@ def _rank_result(
 ) -> RankResult:
     """The rank's RankResult from its measures: the median and percentiles of its times (in
     train mode of its forward and backward times too)."""
-    times = m.loop.times
-    median = statistics.median(times)
     return RankResult(
         rank=rank,
         seq_len=config.seq_len,
-        times_s=times,
-        median_s=median,
-        p10_s=percentile(times, 0.1),
-        p90_s=percentile(times, 0.9),
-        tokens_per_s=tokens / median,
-        flops=m.flops,
-        flops_per_s=m.flops / median,
+        **timed_fields(m.loop.times, tokens, m.flops),
         peak_memory_bytes=m.loop.peak,
         input_memory_bytes=m.after_inputs,
         resident_peak_bytes=m.resident_peak,
