@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 
+from service.results.stored import StoredRank
 from workers import results
 from workers.results import stored_fields
 
@@ -130,21 +131,16 @@ def stored_model(
 
 
 if TYPE_CHECKING:  # mypy reads the engine's models; the API's carry their stored fields
-    RankResultOut = results.RankResult
+    RankResultOut = StoredRank
     ProbeOut = results.ProbeResult
     EnvironmentOut = results.EnvironmentInfo
     RingStepOut = results.StepTime
 else:
     RankResultOut = stored_model(
         "RankResultOut",
-        results.RankResult,
-        "What one rank measured (workers.results.RankResult, its stored fields).",
-        node=(
-            str | None,
-            Field(None, description="The node the rank ran on (its Ray node's IP; None "
-                  "before 0016)."),
-        ),
-    )  # fmt: skip
+        StoredRank,
+        "What one rank measured (workers.results.RankResult's stored fields) and its node.",
+    )
     ProbeOut = stored_model(
         "ProbeOut",
         results.ProbeResult,

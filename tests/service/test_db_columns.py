@@ -17,11 +17,12 @@ from service.db import models
 from service.db.columns import columns_of
 from service.db.engine import make_engine
 from service.db.migrate import upgrade
+from service.results.stored import StoredRank
 from workers import results
 from workers.results import stored, stored_fields
 
 SERVICE_COLUMNS = {
-    "rank_result": {"id", "run_id", "node"},
+    "rank_result": {"id", "run_id"},
     "probe": {"id", "run_id"},
     "memory_component": {"id", "run_id", "rank"},
     "ring_step": {"id", "run_id", "rank"},
@@ -30,7 +31,7 @@ SERVICE_COLUMNS = {
 """What the service keeps beside a declared result's fields (ids, the run, the node...)."""
 
 DECLARED: dict[str, type[BaseModel]] = {
-    "rank_result": results.RankResult,
+    "rank_result": StoredRank,  # workers.results.RankResult and the node it ran on
     "probe": results.ProbeResult,
     "memory_component": results.MemoryComponent,
     "ring_step": results.StepTime,
@@ -136,7 +137,7 @@ def test_a_generated_table_gains_the_field_and_the_migrations_then_differ(
 @pytest.mark.parametrize(
     ("out", "declared", "extra"),
     [
-        (schemas.RankResultOut, results.RankResult, ["node"]),
+        (schemas.RankResultOut, StoredRank, []),
         (schemas.ProbeOut, results.ProbeResult, []),
         (schemas.EnvironmentOut, results.EnvironmentInfo, ["id", "hash"]),
         (schemas.RingStepOut, results.StepTime, ["rank"]),
@@ -165,4 +166,5 @@ def test_a_rank_reads_back_through_the_api_as_the_engine_measured_it() -> None:
     got = schemas.RankResultOut.model_validate(row).model_dump()
     assert got == {**measured.model_dump(include=set(stored_fields(results.RankResult))),
                    "node": "10.0.0.2"}  # fmt: skip
+    assert list(got)[-1] == "node"
     assert "emulated_oom" not in got and "steps" not in got and "components" not in got
