@@ -495,48 +495,16 @@ def _piece_backward(
     scale: float,
     piece: Piece,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One piece's fused backward: (dq of its rows, dk and dv of its keys), accumulator dtype."""
+    """One piece's fused backward: (dq of its rows, dk and dv of its keys), accumulator dtype:
+    `fused_backward` on the piece's rows and keys as (B, H, S, D) views."""
     q0, q1, k0, k1, causal = piece
-    acc = accumulator_dtype(q.dtype)
     rows, keys = slice(q0, q1), slice(k0, k1)
-    dout, q, out, lse = dout[:, rows], q[:, rows], out[:, rows], lse[:, :, rows]
-    k, v = k[:, keys], v[:, keys]
-    if backend == "math":
-        return _math_backward(dout, q, k, v, out, lse, scale, causal)
-    if backend == "cpu_flash":
-        qt, kt, vt = (t.to(acc).transpose(1, 2) for t in (q, k, v))
-        dot, ot = dout.to(acc).transpose(1, 2), out.to(acc).transpose(1, 2)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dot, qt, kt, vt, ot, lse, 0.0, causal, scale=scale
-        )
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-    return _cuda_backward(backend, dout, q, k, v, out, lse, scale, causal)
-
-
-def _cuda_backward(
-    backend: str,
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused CUDA backward ops fed the final (out, lse), as their forward ops' autograd and
-    PyTorch's context parallelism call them: q, k, v, out and dout in the input dtype in the
-    (B, H, S, D) layout of transposed (B, S, H, D) tensors; lse fp32 (B, H, Sq) and contiguous
-    (the efficient op's padded along Sq to a multiple of 32, as its forward returns it); no
-    dropout, so the philox arguments are placeholders in the forward's dtypes. GQA: the flash
-    op takes the kv heads as they are (its dk, dv come back per kv head), the efficient op
-    repeated ones, whose gradients are summed back. `_cuda_backward_args` holds the calls'
-    arguments so that a CPU test can check them against the ops' schemas on the meta device."""
-    op, args, kwargs = _cuda_backward_args(backend, dout, q, k, v, out, lse, scale, causal)
-    grads = op(*args, **kwargs)  # (B, H, S, D) each; dk, dv with the heads k, v were given
-    acc, h_kv = accumulator_dtype(q.dtype), k.shape[2]
-    dq = grads[0].transpose(1, 2).to(acc)
-    dk, dv = (_sum_kv(g, h_kv).transpose(1, 2).to(acc) for g in grads[1:3])
+    views = (dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows])
+    grads = fused_backward(
+        backend, *(t.transpose(1, 2) for t in views), lse[:, :, rows], scale=scale, causal=causal
+    )
+    acc = accumulator_dtype(q.dtype)
+    dq, dk, dv = (g.transpose(1, 2).to(acc) for g in grads)
     return dq, dk, dv
 
 
@@ -551,7 +519,14 @@ def _cuda_backward_args(
     scale: float,
     causal: bool,
 ) -> tuple[object, tuple, dict]:
-    """(op, args, kwargs) of `_cuda_backward`'s fused call (see there)."""
+    """(op, args, kwargs) of the fused CUDA backward op fed the final (out, lse), as its forward
+    op's autograd and PyTorch's context parallelism call it: q, k, v, out and dout in the input
+    dtype in the (B, H, S, D) layout of transposed (B, S, H, D) tensors; lse fp32 (B, H, Sq)
+    and contiguous (the efficient op's padded along Sq to a multiple of 32, as its forward
+    returns it); no dropout, so the philox arguments are placeholders in the forward's dtypes.
+    GQA: the flash op takes the kv heads as they are (its dk, dv come back per kv head), the
+    efficient op repeated ones, whose gradients the caller sums back. Kept apart so that a CPU
+    test can check the arguments against the ops' schemas on the meta device."""
     dtype, device, h = q.dtype, q.device, q.shape[2]
     qt = q.transpose(1, 2)
     kt, vt = (_gqa_kv(backend, t.transpose(1, 2), h) for t in (k, v))

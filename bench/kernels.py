@@ -463,36 +463,31 @@ def max_lengths(cases: list[tuple[str, dict[str, Any]]], args: argparse.Namespac
     return "\n".join(lines)
 
 
-def main() -> None:
-    args = parse()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    overrides = json.loads(args.params)
-    kernels = ["dense", *[k for k in args.kernels if k != "dense"]]
-    print(
-        json.dumps(
-            {
-                "setup": {
-                    "torch": torch.__version__,
-                    "threads": torch.get_num_threads(),
-                    "device": args.device,
-                    "repeats": args.repeats,
-                    "warmup": 1,
-                    "causal": args.causal,
-                    "loadavg_1min": os.getloadavg()[0],
-                }
-            }
-        ),
-        flush=True,
-    )
-    listed = []  # (seq, kernel, params), dense first at each length
-    for seq in args.seq:
-        for kernel in kernels:
-            given = overrides.get(kernel, DEFAULT_PARAMS.get(kernel, {}))
-            for params in given if isinstance(given, list) else [given]:
-                listed.append((seq, kernel, fit_params(kernel, params, seq)))
-    device = torch.device(args.device)
-    # Memory first (the correctness gate, the peaks), then every timing.
+def _setup(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's setup line: versions, threads, device, repeats and the load at the start."""
+    return {
+        "setup": {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "device": args.device,
+            "repeats": args.repeats,
+            "warmup": 1,
+            "causal": args.causal,
+            "loadavg_1min": os.getloadavg()[0],
+        }
+    }
+
+
+def _param_sets(kernel: str, overrides: dict[str, Any]) -> list[dict[str, Any]]:
+    """The kernel's parameter sets: --params' (one or a list) else DEFAULT_PARAMS'."""
+    given = overrides.get(kernel, DEFAULT_PARAMS.get(kernel, {}))
+    return given if isinstance(given, list) else [given]
+
+
+def _measure_memory(
+    listed: list[tuple[int, str, dict[str, Any]]], args: argparse.Namespace, device: torch.device
+) -> list[dict[str, Any]]:
+    """Each listed case's correctness gate error and peaks, in order (before any timing)."""
     meter = PeakMeter(device)
     measured = []
     for seq, kernel, params in listed:
@@ -504,6 +499,17 @@ def main() -> None:
                 **measure_case(make_case(kernel, params, seq, args), meter, not args.forward_only),
             }
         )
+    return measured
+
+
+def _time_rows(
+    listed: list[tuple[int, str, dict[str, Any]]],
+    measured: list[dict[str, Any]],
+    args: argparse.Namespace,
+    device: torch.device,
+) -> list[dict[str, Any]]:
+    """Time each listed case, its forward alternating with dense's at its length; a row each
+    (printed as a JSON line as it comes) with its times, x SDPA and its memory."""
     rows = []
     dense: dict[str, Any] = {}
     timed = timed_in_turn(listed, args, "dense")  # every kernel's forward alternates with dense
@@ -528,12 +534,28 @@ def main() -> None:
         del case
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(table(rows))
+    return rows
+
+
+def main() -> None:
+    args = parse()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = json.loads(args.params)
+    kernels = ["dense", *[k for k in args.kernels if k != "dense"]]
+    print(json.dumps(_setup(args)), flush=True)
+    listed = [  # (seq, kernel, params), dense first at each length
+        (seq, kernel, fit_params(kernel, params, seq))
+        for seq in args.seq
+        for kernel in kernels
+        for params in _param_sets(kernel, overrides)
+    ]
+    device = torch.device(args.device)
+    # Memory first (the correctness gate, the peaks), then every timing.
+    measured = _measure_memory(listed, args, device)
+    print(table(_time_rows(listed, measured, args, device)))
     if args.budget_mib is not None:
-        cases = []
-        for kernel in kernels:
-            given = overrides.get(kernel, DEFAULT_PARAMS.get(kernel, {}))
-            cases += [(kernel, p) for p in (given if isinstance(given, list) else [given])]
+        cases = [(kernel, p) for kernel in kernels for p in _param_sets(kernel, overrides)]
         print(max_lengths(cases, args))
 
 

@@ -53,6 +53,13 @@ TWINS = {
 """Each ring kernel's single-process twin, from the registry (the one home of that fact)."""
 GATE_SEQ = 512
 GATE_TOL = 1e-4
+CASES = {
+    "full": (False, "contiguous"),
+    "causal-zigzag": (True, "zigzag"),
+    "causal-contiguous": (True, "contiguous"),
+    "causal-striped": (True, "striped"),
+}
+"""--cases names: (causal, the ring's layout)."""
 
 
 def parse() -> argparse.Namespace:
@@ -420,6 +427,77 @@ def print_case(a: argparse.Namespace, name: str, rounds: list[tuple[dict, list[d
     )
 
 
+def _setup_line(a: argparse.Namespace, twin: str, threads: int) -> str:
+    """What is compared, on what, and how often."""
+    return (
+        f"setup: {a.kernel} vs {twin}, total seq {a.seq}, batch {a.batch}, heads {a.heads}, "
+        f"head_dim {a.dim}, {'fp32 cpu' if a.device == 'cpu' else 'bf16 cuda'}; ring: {a.world} "
+        f"ranks x 1 thread ({'gloo' if a.device == 'cpu' else 'nccl'}); twin: 1 process x "
+        f"{threads} threads; {a.repeats} repeats after a warm-up, {a.rounds} alternating rounds; "
+        f"os.cpu_count()={os.cpu_count()}"
+    )
+
+
+def _time_case(
+    a: argparse.Namespace,
+    args: dict,
+    name: str,
+    params: dict,
+    twin: str,
+    twin_params: dict,
+    threads: int,
+) -> None:
+    """One --cases entry: --rounds rounds of the twin then the ring, alternating; printed."""
+    causal, layout = CASES[name]
+    twin_job = dict(kernel=twin, params=twin_params, layout=None, causal=causal, threads=threads)
+    job = dict(
+        kernel=a.kernel,
+        params={**params, "layout": layout},
+        layout=layout,
+        causal=causal,
+        threads=1,
+        distributed=True,
+    )
+    rounds = []
+    for _ in range(a.rounds):
+        single = run_job(args, {**twin_job, "distributed": False}, 1)[0]
+        ring = run_job(args, job, a.world)
+        rounds.append((single, ring))
+    print_case(a, name, rounds)
+
+
+def _memory_case(
+    a: argparse.Namespace, args: dict, params: dict, twin: str, twin_params: dict, threads: int
+) -> None:
+    """Peak memory of a non-causal forward+backward: every ring rank at --mem-world against
+    the twin in one process; a JSON line and a sentence."""
+    mem_args = {**args, "repeats": 0}
+    job = dict(
+        kernel=a.kernel,
+        params={**params, "layout": "contiguous"},
+        layout="contiguous",
+        causal=False,
+        threads=1,
+        distributed=True,
+    )
+    ring = run_job(mem_args, job, a.mem_world)
+    one_job = dict(kernel=twin, params=twin_params, layout=None, causal=False, threads=threads)
+    single = run_job(mem_args, {**one_job, "distributed": False}, 1)[0]
+    worst = max(r["peak_bytes"] for r in ring)
+    line = {
+        "case": "memory fwd+bwd non-causal",
+        "world": a.mem_world,
+        "peak_per_rank": [r["peak_bytes"] for r in ring],
+        "peak_twin": single["peak_bytes"],
+        "ratio_worst_rank": round(worst / single["peak_bytes"], 3),
+    }
+    print(json.dumps(line))
+    print(
+        f"  memory at W={a.mem_world}: worst rank {_mib(worst)} vs single process "
+        f"{_mib(single['peak_bytes'])} (ratio {line['ratio_worst_rank']:.3f})"
+    )
+
+
 def main() -> None:
     a = parse()
     if a.device == "cuda" and torch.cuda.device_count() < a.world:
@@ -433,64 +511,11 @@ def main() -> None:
     twin_fields = set(attention.KERNELS[twin].params.__dataclass_fields__)
     twin_params = {k: v for k, v in params.items() if k in twin_fields}
     threads = a.world if a.device == "cpu" else 1
-    print(
-        f"setup: {a.kernel} vs {twin}, total seq {a.seq}, batch {a.batch}, heads {a.heads}, "
-        f"head_dim {a.dim}, {'fp32 cpu' if a.device == 'cpu' else 'bf16 cuda'}; ring: {a.world} "
-        f"ranks x 1 thread ({'gloo' if a.device == 'cpu' else 'nccl'}); twin: 1 process x "
-        f"{threads} threads; {a.repeats} repeats after a warm-up, {a.rounds} alternating rounds; "
-        f"os.cpu_count()={os.cpu_count()}"
-    )
-    cases = {
-        "full": (False, "contiguous"),
-        "causal-zigzag": (True, "zigzag"),
-        "causal-contiguous": (True, "contiguous"),
-        "causal-striped": (True, "striped"),
-    }
+    print(_setup_line(a, twin, threads))
     for name in [c for c in a.cases.split(",") if c]:
-        causal, layout = cases[name]
-        twin_job = dict(
-            kernel=twin, params=twin_params, layout=None, causal=causal, threads=threads
-        )
-        job = dict(
-            kernel=a.kernel,
-            params={**params, "layout": layout},
-            layout=layout,
-            causal=causal,
-            threads=1,
-            distributed=True,
-        )
-        rounds = []
-        for _ in range(a.rounds):
-            single = run_job(args, {**twin_job, "distributed": False}, 1)[0]
-            ring = run_job(args, job, a.world)
-            rounds.append((single, ring))
-        print_case(a, name, rounds)
+        _time_case(a, args, name, params, twin, twin_params, threads)
     if a.mem_world:
-        mem_args = {**args, "repeats": 0}
-        job = dict(
-            kernel=a.kernel,
-            params={**params, "layout": "contiguous"},
-            layout="contiguous",
-            causal=False,
-            threads=1,
-            distributed=True,
-        )
-        ring = run_job(mem_args, job, a.mem_world)
-        one_job = dict(kernel=twin, params=twin_params, layout=None, causal=False, threads=threads)
-        single = run_job(mem_args, {**one_job, "distributed": False}, 1)[0]
-        worst = max(r["peak_bytes"] for r in ring)
-        line = {
-            "case": "memory fwd+bwd non-causal",
-            "world": a.mem_world,
-            "peak_per_rank": [r["peak_bytes"] for r in ring],
-            "peak_twin": single["peak_bytes"],
-            "ratio_worst_rank": round(worst / single["peak_bytes"], 3),
-        }
-        print(json.dumps(line))
-        print(
-            f"  memory at W={a.mem_world}: worst rank {_mib(worst)} vs single process "
-            f"{_mib(single['peak_bytes'])} (ratio {line['ratio_worst_rank']:.3f})"
-        )
+        _memory_case(a, args, params, twin, twin_params, threads)
 
 
 if __name__ == "__main__":

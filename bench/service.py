@@ -5,7 +5,9 @@ Starts uvicorn in-process on a free port, on a fresh Postgres schema (dropped at
    timing each request at the client (validation, expansion, bulk insert, commit, response);
 2. bulk-inserts runs directly until the run table holds --runs rows (mixed kernels, states,
    world sizes, dtypes), VACUUM ANALYZEs it, and for each of FILTERS walks up to --depth pages of
-   --limit runs by following each page's `next` cursor, timing every request.
+   --limit runs by following each page's `next` cursor, timing every request;
+3. reads --offsets pages by `skip` per filter in each of OFFSET_BANDS, with the count and with
+   count=false, each followed at once by the page at the same depth by a cursor kept from 2.
 
     RINGLAB_TEST_POSTGRES_URL=postgresql://postgres@127.0.0.1:5432/test \\
         .venv/bin/python bench/service.py [--posts 5] [--runs 100000] [--depth 200] [--limit 50]
@@ -222,8 +224,8 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def main() -> None:
-    args = parse()
+def _print_setup(args: argparse.Namespace) -> None:
+    """The machine, its load, the database and how the service is served."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"setup: {os.cpu_count()} CPUs (load average {load}), Postgres at ")
     print(
@@ -231,6 +233,62 @@ def main() -> None:
     )
     where = "a subprocess (run_server)" if args.separate_process else "a thread of this process"
     print(f"       served from {where}; times measured at the client")
+
+
+def _bench_posts(http: httpx.Client, posts: int) -> None:
+    """Time `posts` POSTs of a 10,000-cell sweep, and validation + expansion alone (3 times,
+    in this process); one line (SystemExit when a POST fails)."""
+    post_s = []
+    for n in range(posts):
+        body = spec_10k(n)
+        t0 = time.perf_counter()
+        r = http.post(f"{API}/sweeps", json=body)
+        post_s.append(time.perf_counter() - t0)
+        if r.status_code != 201 or r.json()["total"] != 10_000:
+            raise SystemExit(f"POST failed: {r.status_code} {r.text[:300]}")
+    expand_s = []
+    for n in range(3):  # the validation + expansion share of a POST, in this process
+        t0 = time.perf_counter()
+        assert len(expand(SweepSpec.model_validate(spec_10k(n)))) == 10_000
+        expand_s.append(time.perf_counter() - t0)
+    print(
+        f"POST /sweeps, 10,000 cells: {len(post_s)} requests; median "
+        f"{statistics.median(post_s):.3f} s, min {min(post_s):.3f} s, max "
+        f"{max(post_s):.3f} s (target <= 1 s); of which validation + expansion "
+        f"alone: median {statistics.median(expand_s):.3f} s over {len(expand_s)} runs"
+    )
+
+
+def _bench_pages(http: httpx.Client, args: argparse.Namespace, total: int) -> dict[str, list[str]]:
+    """Walk each of FILTERS by cursor (--depth pages of --limit runs, after a warm-up), a line
+    per filter and one for every request together; returns the cursors the walks met, by
+    filter (report_offsets compares the pages by skip with them)."""
+    for f in FILTERS[:3]:  # warm the connection pool and plans
+        http.get(f"{API}/runs", params={**f, "limit": args.limit}).raise_for_status()
+    get_s: list[float] = []
+    cursors: dict[str, list[str]] = {}
+    for f in FILTERS:
+        if f.get("sweep_id") == "first filled":
+            f = {**f, "sweep_id": args.posts + 1}
+        times, matched, walked = walk_pages(http, f, args.limit, args.depth, cursors)
+        get_s += times
+        print(
+            f"  {canonical_json(f)}: {matched} match; {walked:,} pages of "
+            f"{args.limit} walked by cursor, p50 {pct(times, 0.5) * 1e3:.1f} ms, p95 "
+            f"{pct(times, 0.95) * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms"
+        )
+    print(
+        f"GET /runs pages of {args.limit} with {total:,} runs, up to {args.depth} pages "
+        f"deep: {len(get_s):,} requests; p50 {pct(get_s, 0.5) * 1e3:.1f} ms, p95 "
+        f"{pct(get_s, 0.95) * 1e3:.1f} ms, max {max(get_s) * 1e3:.1f} ms (target p95 "
+        f"<= 50 ms at 100,000 runs, <= 100 ms at 1,000,000)"
+    )
+    return cursors
+
+
+def main() -> None:
+    args = parse()
+    _print_setup(args)
     with fresh_schema(args.database_url) as url:
         engine = make_engine(url)
         if args.separate_process:
@@ -239,50 +297,13 @@ def main() -> None:
             server = serve(create_app(Settings(database_url=url)))
         with server as base, httpx.Client(base_url=base, timeout=120) as http:
             assert http.get(f"{API}/healthz").status_code == 200
-            post_s = []
-            for n in range(args.posts):
-                body = spec_10k(n)
-                t0 = time.perf_counter()
-                r = http.post(f"{API}/sweeps", json=body)
-                post_s.append(time.perf_counter() - t0)
-                if r.status_code != 201 or r.json()["total"] != 10_000:
-                    raise SystemExit(f"POST failed: {r.status_code} {r.text[:300]}")
-            expand_s = []
-            for n in range(3):  # the validation + expansion share of a POST, in this process
-                t0 = time.perf_counter()
-                assert len(expand(SweepSpec.model_validate(spec_10k(n)))) == 10_000
-                expand_s.append(time.perf_counter() - t0)
-            print(
-                f"POST /sweeps, 10,000 cells: {len(post_s)} requests; median "
-                f"{statistics.median(post_s):.3f} s, min {min(post_s):.3f} s, max "
-                f"{max(post_s):.3f} s (target <= 1 s); of which validation + expansion "
-                f"alone: median {statistics.median(expand_s):.3f} s over {len(expand_s)} runs"
-            )
-
+            _bench_posts(http, args.posts)
             t0 = time.perf_counter()
             total = fill_runs(make_sessionmaker(engine), args.runs)
             fill_s = time.perf_counter() - t0
             print(f"run table: {total:,} runs (bulk fill + VACUUM ANALYZE {fill_s:.1f} s)")
-            for f in FILTERS[:3]:  # warm the connection pool and plans
-                http.get(f"{API}/runs", params={**f, "limit": args.limit}).raise_for_status()
-            get_s: list[float] = []
-            for f in FILTERS:
-                if f.get("sweep_id") == "first filled":
-                    f = {**f, "sweep_id": args.posts + 1}
-                times, matched, walked = walk_pages(http, f, args.limit, args.depth)
-                get_s += times
-                print(
-                    f"  {canonical_json(f)}: {matched} match; {walked:,} pages of "
-                    f"{args.limit} walked by cursor, p50 {pct(times, 0.5) * 1e3:.1f} ms, p95 "
-                    f"{pct(times, 0.95) * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms"
-                )
-            print(
-                f"GET /runs pages of {args.limit} with {total:,} runs, up to {args.depth} pages "
-                f"deep: {len(get_s):,} requests; p50 {pct(get_s, 0.5) * 1e3:.1f} ms, p95 "
-                f"{pct(get_s, 0.95) * 1e3:.1f} ms, max {max(get_s) * 1e3:.1f} ms (target p95 "
-                f"<= 50 ms at 100,000 runs, <= 100 ms at 1,000,000)"
-            )
-            report_offsets(http, args)
+            cursors = _bench_pages(http, args, total)
+            report_offsets(http, args, cursors)
             engine.dispose()
 
 
@@ -290,40 +311,62 @@ OFFSET_BANDS = [(0, 2_000), (2_000, 10_000)]
 """The depths a page by `skip` is read at: a UI's first pages, then deep ones (MAX_SKIP)."""
 
 
-def report_offsets(http: httpx.Client, args: argparse.Namespace) -> None:
+def report_offsets(
+    http: httpx.Client, args: argparse.Namespace, cursors: dict[str, list[str]]
+) -> None:
     """For each depth band, pages by `skip` at evenly spread offsets of every filter, with the
-    count (the first page of a listing) and without it (`count=false`: a client that has it)."""
+    count (the first page of a listing) and without it (`count=false`: a client that has it);
+    each followed at once by the page at the same depth by cursor (one walk_pages kept), so
+    both are timed under the same load."""
     for lo, hi in OFFSET_BANDS:
         for with_count in (True, False):
-            times: list[float] = []
+            by_skip: list[float] = []
+            by_cursor: list[float] = []
             for f in FILTERS:
                 if f.get("sweep_id") == "first filled":
                     f = {**f, "sweep_id": args.posts + 1}
+                walked = cursors[canonical_json(f)]
                 for i in range(args.offsets):
                     skip = lo + (hi - lo) * i // args.offsets
-                    query = {**f, "limit": args.limit, "skip": skip}
+                    query = {**f, "limit": args.limit}
                     if not with_count:
                         query["count"] = "false"
-                    t0 = time.perf_counter()
-                    http.get(f"{API}/runs", params=query).raise_for_status()
-                    times.append(time.perf_counter() - t0)
+                    by_skip.append(timed_get(http, {**query, "skip": skip}))
+                    page = skip // args.limit
+                    if 0 < page <= len(walked):  # the walk reached this depth
+                        by_cursor.append(timed_get(http, {**query, "cursor": walked[page - 1]}))
             label = "with count" if with_count else "count=false"
             print(
-                f"GET /runs by skip in [{lo:,}, {hi:,}), {label}: {len(times):,} requests over "
-                f"{len(FILTERS)} filters; p50 {pct(times, 0.5) * 1e3:.1f} ms, p95 "
-                f"{pct(times, 0.95) * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms "
-                f"(target p95 <= 50 ms under 2,000)"
+                f"GET /runs at depth [{lo:,}, {hi:,}), {label}, {len(FILTERS)} filters: by skip "
+                f"{len(by_skip):,} requests, p50 {pct(by_skip, 0.5) * 1e3:.1f} ms, p95 "
+                f"{pct(by_skip, 0.95) * 1e3:.1f} ms, max {max(by_skip) * 1e3:.1f} ms (target "
+                f"p95 <= 50 ms under 2,000); by cursor at the same depths {len(by_cursor):,} "
+                f"requests, p50 {pct(by_cursor, 0.5) * 1e3:.1f} ms, p95 "
+                f"{pct(by_cursor, 0.95) * 1e3:.1f} ms"
             )
 
 
+def timed_get(http: httpx.Client, params: dict[str, Any]) -> float:
+    """Seconds one GET /runs took, at the client; a failed request stops the bench."""
+    t0 = time.perf_counter()
+    http.get(f"{API}/runs", params=params).raise_for_status()
+    return time.perf_counter() - t0
+
+
 def walk_pages(
-    http: httpx.Client, params: dict[str, Any], limit: int, depth: int
+    http: httpx.Client,
+    params: dict[str, Any],
+    limit: int,
+    depth: int,
+    cursors: dict[str, list[str]],
 ) -> tuple[list[float], str, int]:
     """Follow `next` from the first page for up to `depth` pages: each request's time, the
-    count as the API labels it, and the pages walked."""
+    count as the API labels it, and the pages walked. The `next` of each page goes into
+    cursors[canonical_json(params)] (the k-th opens the page at row (k + 1) * limit)."""
     times: list[float] = []
     cursor: str | None = None
     matched = "?"
+    kept = cursors.setdefault(canonical_json(params), [])
     for _ in range(depth):
         query = {**params, "limit": limit, **({"cursor": cursor} if cursor else {})}
         t0 = time.perf_counter()
@@ -336,6 +379,7 @@ def walk_pages(
         cursor = body["next"]
         if cursor is None:
             break
+        kept.append(cursor)
     return times, matched, len(times)
 
 

@@ -11,7 +11,7 @@ import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Literal, cast
 
 from sqlalchemy import delete, func, or_, select, update
@@ -119,6 +119,51 @@ def peek_next(sm: sessionmaker[Session]) -> Candidate | None:
     return Candidate(run_id, full_config(row.base_config, row.cell_config))
 
 
+def _claim_values(token: str, now: datetime, lease_s: float) -> dict[str, Any]:
+    """The claimed run's new columns: running under `token`'s lease, one attempt more."""
+    return {
+        "status": RunStatus.running,
+        "lease_owner": token,
+        "lease_expires_at": now + timedelta(seconds=lease_s),
+        "heartbeat_at": now,
+        "started_at": now,
+        "finished_at": None,
+        "error": None,
+        "cotenants": None,
+        "attempts": Run.attempts + 1,
+    }
+
+
+def _claim_target(session: Session, run_id: int | None) -> Any:
+    """What the claiming UPDATE matches: `run_id`; else the fair pick, taken FOR UPDATE SKIP
+    LOCKED on Postgres (None when nothing is queued) or as the UPDATE's subquery on SQLite."""
+    if run_id is not None:
+        return run_id
+    if session.get_bind().dialect.name == "postgresql":
+        return session.scalars(_fair_pick().with_for_update(skip_locked=True)).first()
+    return _fair_pick().scalar_subquery()
+
+
+def _claimed_row(session: Session, token: str, now: datetime) -> Any:
+    """The run `token` claimed (id, sweep, configs, attempts, kind); its earlier attempt's
+    probes deleted, its sweep's last claim time set to `now`."""
+    row = session.execute(
+        select(Run.id, Run.sweep_id, Run.cell_config, Sweep.base_config, Run.attempts)
+        .add_columns(Sweep.kind)
+        .join(Sweep, Sweep.id == Run.sweep_id)
+        .where(Run.lease_owner == token)
+    ).one()
+    # A new attempt measures afresh: probes an earlier, interrupted attempt stored go.
+    session.execute(delete(Probe).where(Probe.run_id == row.id))
+    session.execute(
+        update(Sweep)
+        .where(Sweep.id == row.sweep_id)
+        .values(last_claimed_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    return row
+
+
 def claim_next(
     sm: sessionmaker[Session], owner: str, lease_s: float, run_id: int | None = None
 ) -> Claim | None:
@@ -133,47 +178,19 @@ def claim_next(
     """
     token = new_token(owner)
     now = utcnow()
-    values = {
-        "status": RunStatus.running,
-        "lease_owner": token,
-        "lease_expires_at": now + timedelta(seconds=lease_s),
-        "heartbeat_at": now,
-        "started_at": now,
-        "finished_at": None,
-        "error": None,
-        "cotenants": None,
-        "attempts": Run.attempts + 1,
-    }
     with sm() as session, session.begin():
-        target: Any = run_id
-        if run_id is None and session.get_bind().dialect.name == "postgresql":
-            target = session.scalars(_fair_pick().with_for_update(skip_locked=True)).first()
-            if target is None:
-                return None
-        elif run_id is None:
-            target = _fair_pick().scalar_subquery()
+        target = _claim_target(session, run_id)
+        if target is None:
+            return None
         result = session.execute(
             update(Run)
             .where(Run.id == target, Run.status == RunStatus.queued)
-            .values(**values)
+            .values(**_claim_values(token, now, lease_s))
             .execution_options(synchronize_session=False)
         )
         if rowcount(result) != 1:
             return None
-        row = session.execute(
-            select(Run.id, Run.sweep_id, Run.cell_config, Sweep.base_config, Run.attempts)
-            .add_columns(Sweep.kind)
-            .join(Sweep, Sweep.id == Run.sweep_id)
-            .where(Run.lease_owner == token)
-        ).one()
-        # A new attempt measures afresh: probes an earlier, interrupted attempt stored go.
-        session.execute(delete(Probe).where(Probe.run_id == row.id))
-        session.execute(
-            update(Sweep)
-            .where(Sweep.id == row.sweep_id)
-            .values(last_claimed_at=now)
-            .execution_options(synchronize_session=False)
-        )
+        row = _claimed_row(session, token, now)
     return Claim(
         run_id=row.id,
         token=token,

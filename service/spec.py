@@ -353,16 +353,22 @@ def _check_axis(where: str, axis: str) -> dict[str, Any] | None:
     return None
 
 
-def _check_structure(spec: SweepSpec, limits: RunLimits) -> None:
-    """Field names, axis shapes and the cell count: everything checked before expanding."""
-    errors: list[dict[str, Any]] = []
-    for key in spec.base:
+def _base_errors(base: dict[str, Any]) -> list[dict[str, Any]]:
+    """A base key that is no run config field (search included: it belongs at the top)."""
+    errors = []
+    for key in base:
         if key == "search":
             errors.append(_err(("base", key), "put the search block at the top level of the sweep"))
         elif key not in RUN_FIELDS:
             errors.append(
                 _err(("base", key), f"unknown run config field {key!r}", "extra_forbidden")
             )
+    return errors
+
+
+def _axis_errors(spec: SweepSpec) -> list[dict[str, Any]]:
+    """Axis names that are no field, empty axes, and axes in both grid and zip."""
+    errors = []
     for where, axes in (("grid", spec.grid), ("zip", spec.zip)):
         for axis, values in axes.items():
             problem = _check_axis(where, axis)
@@ -372,6 +378,12 @@ def _check_structure(spec: SweepSpec, limits: RunLimits) -> None:
                 errors.append(_err((where, axis), "an axis needs at least one value"))
     for axis in spec.grid.keys() & spec.zip.keys():
         errors.append(_err(("zip", axis), f"axis {axis!r} is in both grid and zip"))
+    return errors
+
+
+def _nested_axis_errors(spec: SweepSpec) -> list[dict[str, Any]]:
+    """A nested axis (model.d_model) whose field the whole object's axis (model) sets too."""
+    errors = []
     for where, axes in (("grid", spec.grid), ("zip", spec.zip)):
         for axis in axes:
             nested = nested_axis(axis)
@@ -384,37 +396,62 @@ def _check_structure(spec: SweepSpec, limits: RunLimits) -> None:
                         "one place",
                     )
                 )
-    if spec.zip:
-        first_axis, first = next(iter(spec.zip.items()))
-        for axis, values in spec.zip.items():
-            if len(values) != len(first):
-                errors.append(
-                    _err(
-                        ("zip", axis),
-                        f"zip axes vary together and need equal lengths: {axis!r} has "
-                        f"{len(values)}, {first_axis!r} has {len(first)}",
-                    )
-                )
-    if spec.kind == "max_seq_len":
-        for where, axes in (("base", spec.base), ("grid", spec.grid), ("zip", spec.zip)):
-            if "seq_len" in axes:
-                errors.append(
-                    _err(
-                        (where, "seq_len"),
-                        "a max_seq_len sweep searches seq_len; set search.start and search.max",
-                    )
-                )
-        if spec.search is None:  # no silent default: a search up to 16M tokens is rarely meant
+    return errors
+
+
+def _zip_length_errors(zipped: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """A zip axis whose length is not the first zip axis's."""
+    if not zipped:
+        return []
+    errors = []
+    first_axis, first = next(iter(zipped.items()))
+    for axis, values in zipped.items():
+        if len(values) != len(first):
             errors.append(
                 _err(
-                    ("search",),
-                    "a max_seq_len sweep needs a search block (start, max, granularity), e.g. "
-                    "search: {start: 1024, max: 65536, granularity: 1024}",
-                    "missing",
+                    ("zip", axis),
+                    f"zip axes vary together and need equal lengths: {axis!r} has "
+                    f"{len(values)}, {first_axis!r} has {len(first)}",
                 )
             )
-    elif spec.search is not None:
-        errors.append(_err(("search",), f"a search block needs kind max_seq_len, not {spec.kind}"))
+    return errors
+
+
+def _search_errors(spec: SweepSpec) -> list[dict[str, Any]]:
+    """A max_seq_len sweep sets no seq_len and has a search block; no other kind has one."""
+    if spec.kind != "max_seq_len":
+        if spec.search is None:
+            return []
+        return [_err(("search",), f"a search block needs kind max_seq_len, not {spec.kind}")]
+    errors = [
+        _err(
+            (where, "seq_len"),
+            "a max_seq_len sweep searches seq_len; set search.start and search.max",
+        )
+        for where, axes in (("base", spec.base), ("grid", spec.grid), ("zip", spec.zip))
+        if "seq_len" in axes
+    ]
+    if spec.search is None:  # no silent default: a search up to 16M tokens is rarely meant
+        errors.append(
+            _err(
+                ("search",),
+                "a max_seq_len sweep needs a search block (start, max, granularity), e.g. "
+                "search: {start: 1024, max: 65536, granularity: 1024}",
+                "missing",
+            )
+        )
+    return errors
+
+
+def _check_structure(spec: SweepSpec, limits: RunLimits) -> None:
+    """Field names, axis shapes and the cell count: everything checked before expanding."""
+    errors = [
+        *_base_errors(spec.base),
+        *_axis_errors(spec),
+        *_nested_axis_errors(spec),
+        *_zip_length_errors(spec.zip),
+        *_search_errors(spec),
+    ]
     if errors:
         raise SpecError(errors)
     n = cell_count(spec)

@@ -431,6 +431,21 @@ def _free_summary() -> str:
     return f"{info['free_cpus']:g} CPU, {info['free_gpus']:g} GPU"
 
 
+def _checked_device(config: RunConfig, kind: Kind) -> DeviceKind:
+    """The device kind `config` runs on, once it is known to be a runnable run of `kind` that
+    the cluster can hold (ValueError, Infeasible, or a missing reference's error otherwise)."""
+    if kind not in ("benchmark", "max_seq_len", "correctness"):
+        raise ValueError(f"kind: must be benchmark, max_seq_len or correctness, got {kind!r}")
+    if kind == "max_seq_len" and config.search is None:
+        raise ValueError("search: a max_seq_len run needs a search config")
+    kernels.check_mode(config)
+    if kernels.gated(config, kind):
+        references.check_available(config.kernel, config.params)
+    cluster = describe()
+    check_feasible(config, cluster)
+    return device_kind(config, cluster)
+
+
 class GangPool:
     """Starts runs on gangs, keeps one warm gang for the next run with the same key."""
 
@@ -453,20 +468,31 @@ class GangPool:
         max_seq_len run without `search` or a correctness check with no reference to check
         against.
         """
-        if kind not in ("benchmark", "max_seq_len", "correctness"):
-            raise ValueError(f"kind: must be benchmark, max_seq_len or correctness, got {kind!r}")
-        if kind == "max_seq_len" and config.search is None:
-            raise ValueError("search: a max_seq_len run needs a search config")
-        kernels.check_mode(config)
-        if kernels.gated(config, kind):
-            references.check_available(config.kernel, config.params)
-        cluster = describe()
-        check_feasible(config, cluster)
-        device = device_kind(config, cluster)
-        key = GangKey.of(config, device)
+        key = GangKey.of(config, _checked_device(config, kind))
         fresh = config.fresh_processes or bool(
             kind == "max_seq_len" and config.search and config.search.fresh_processes
         )
+        gang, cold = self._take(key, fresh)
+        if cold:
+            ready, _ = ray.wait([gang.ready_ref()], timeout=READY_AT_ONCE_S)
+            if not ready and on_waiting is not None:
+                on_waiting()
+        handle = RunHandle(
+            self,
+            gang,
+            config,
+            kind,
+            cold=cold,
+            fresh=fresh,
+            deadline=time.monotonic() + self.placement_timeout_s,
+        )
+        handle._thread.start()
+        return handle
+
+    def _take(self, key: GangKey, fresh: bool) -> tuple[Gang, bool]:
+        """(a gang for `key`, now busy; whether it is cold). A warm idle one unless `fresh`;
+        else a new one, every idle gang removed first (they hold resources the new one may
+        need). A warm one that lost a rank while idle is discarded for a new one."""
         with self._lock:
             gang = None
             if not fresh:
@@ -488,21 +514,7 @@ class GangPool:
             gang, cold = Gang(key), True
             with self._lock:
                 self._busy.append(gang)
-        if cold:
-            ready, _ = ray.wait([gang.ready_ref()], timeout=READY_AT_ONCE_S)
-            if not ready and on_waiting is not None:
-                on_waiting()
-        handle = RunHandle(
-            self,
-            gang,
-            config,
-            kind,
-            cold=cold,
-            fresh=fresh,
-            deadline=time.monotonic() + self.placement_timeout_s,
-        )
-        handle._thread.start()
-        return handle
+        return gang, cold
 
     def fits(self, config: RunConfig) -> bool:
         """Whether the cluster holds `config`'s W bundles now, beside every placement group

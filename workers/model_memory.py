@@ -229,21 +229,29 @@ def _head(model: ModelConfig, training: TrainingConfig, t: int) -> _Head:
     return _Head(final_norm + head_saved, 0, min(chunk, t))
 
 
-def _forward_transient(
-    model: ModelConfig,
-    training: TrainingConfig,
-    km: KernelMemory,
-    blocks: _Blocks,
-    below: int,
-    activations: int,
-    head: _Head,
-) -> int:
+@dataclass(frozen=True)
+class _Step:
+    """What one rank's training step holds at one length, for its forward and backward peaks."""
+
+    model: ModelConfig
+    training: TrainingConfig
+    km: KernelMemory
+    blocks: _Blocks
+    head: _Head
+    below: int
+    """Kept from the first block's forward to the end: autocast's weight copies, rotary's tables."""
+    activations: int
+
+
+def _forward_transient(step: _Step) -> int:
     """The largest extra the forward allocates above the activations it keeps.
 
     Block by block, what a block holds while it runs above what it keeps: the q/k/v
     projection output (until q, k, v are copied out of it) plus rotary's temporaries; the
     kernel's own; autocast's fp32 norm output before its low-precision copy. Then the head.
     """
+    model, training, km, blocks = step.model, step.training, step.km, step.blocks
+    below, activations, head = step.below, step.activations, step.head
     t, d, f, v = blocks.t, model.d_model, model.ffn_dim, model.vocab_size
     c = widths(training).compute
     qkv_out = t * (model.n_heads + 2 * model.kv_heads) * model.head_dim * c
@@ -268,15 +276,7 @@ def _forward_transient(
     return max(0, forward_peak - activations)
 
 
-def _backward_peak(
-    model: ModelConfig,
-    training: TrainingConfig,
-    km: KernelMemory,
-    blocks: _Blocks,
-    below: int,
-    activations: int,
-    head: _Head,
-) -> int:
+def _backward_peak(step: _Step) -> int:
     """The peak of the backward above what is held before the forward.
 
     First the loss's fp32 gradient twice (log_softmax's backward; a chunk recomputes its
@@ -285,6 +285,8 @@ def _backward_peak(
     attention's backward working set (a recomputed block its recomputed tensors too); last
     the embedding's dense gradient.
     """
+    model, training, km, blocks = step.model, step.training, step.km, step.blocks
+    below, activations, head = step.below, step.activations, step.head
     t, d, v, lt = blocks.t, model.d_model, model.vocab_size, head.logit_tokens
     wd = widths(training)
     c, r = wd.compute, wd.residual
@@ -342,8 +344,9 @@ def predict(config: RunConfig, seq_len: int | None = None) -> Prediction:
     # kept from the first block's forward to the end
     below = _weight_copies(model, training, linear, blocks.recompute) + rotary
     activations = sum(blocks.per_block) + below + head.saved + head.loss_saved
-    forward_transient = _forward_transient(model, training, km, blocks, below, activations, head)
-    backward_peak = _backward_peak(model, training, km, blocks, below, activations, head)
+    step = _Step(model, training, km, blocks, head, below, activations)
+    forward_transient = _forward_transient(step)
+    backward_peak = _backward_peak(step)
     step_peak = params + optim + max(activations + forward_transient, backward_peak)
     return Prediction(
         seq_len=length,

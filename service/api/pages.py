@@ -124,12 +124,42 @@ def after(
     return later
 
 
+def capped_count_statement(query: Select[Any]) -> Select[Any]:
+    """SELECT the number of rows of `query` (a select of the matching rows), stopping at
+    COUNT_CAP + 1: it reads at most that many index entries whatever the table's size."""
+    limited = query.with_only_columns(query.selected_columns[0]).limit(COUNT_CAP + 1).subquery()
+    return select(func.count()).select_from(limited)
+
+
+def capped(n: int) -> tuple[int, bool]:
+    """A count read by capped_count_statement as (count up to COUNT_CAP, whether exact)."""
+    return min(n, COUNT_CAP), n <= COUNT_CAP
+
+
 def capped_count(session: Session, query: Select[Any]) -> tuple[int, bool]:
     """How many rows `query` (a select of the matching rows) has, up to COUNT_CAP; and whether
-    that is exact. Reads at most COUNT_CAP + 1 rows whatever the table's size."""
-    limited = query.with_only_columns(query.selected_columns[0]).limit(COUNT_CAP + 1).subquery()
-    n = session.scalar(select(func.count()).select_from(limited)) or 0
-    return min(n, COUNT_CAP), n <= COUNT_CAP
+    that is exact."""
+    return capped(session.scalar(capped_count_statement(query)) or 0)
+
+
+COUNT_LABEL = "matched"
+"""The column counted adds to a page's rows."""
+
+
+def counted(statement: Select[Any], query: Select[Any]) -> Select[Any]:
+    """`statement` (a page) with the capped count of `query` as one more column, COUNT_LABEL:
+    the page and its count in one round trip. The count is an uncorrelated subquery, which
+    Postgres (an InitPlan) and SQLite both run once per statement, not once per row."""
+    return statement.add_columns(capped_count_statement(query).scalar_subquery().label(COUNT_LABEL))
+
+
+def count_of(session: Session, rows: list[Any], query: Select[Any]) -> tuple[int, bool]:
+    """The capped count of `query` as a `counted` page's rows carry it; counted on its own
+    only when the page has no row to carry it (a filter that matches nothing, a skip past the
+    end)."""
+    if rows:
+        return capped(rows[0]._mapping[COUNT_LABEL])
+    return capped_count(session, query)
 
 
 def page_statement(

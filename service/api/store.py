@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Select, delete, exists, func, insert, select, update
@@ -137,6 +138,30 @@ def _insert_runs(session: Session, rows: list[dict[str, Any]]) -> None:
             )  # fmt: skip
 
 
+def _add_runs(session: Session, sweep: Sweep, cells: Iterable[Cell], now: datetime) -> int:
+    """Add `sweep` (flushed at the first cell, whose config becomes its base_config) and a run
+    per cell, inserted INSERT_CHUNK at a time as cells come; how many runs. Commits nothing."""
+    stored = 0
+    chunk: list[dict[str, Any]] = []
+    for cell in cells:
+        if sweep.base_config is None:
+            sweep.base_config = cell.config_json
+            session.add(sweep)
+            session.flush()
+        assert sweep.base_config is not None  # for mypy: set just above
+        chunk.append(_run_row(sweep.id, cell, sweep.base_config, now))
+        if len(chunk) == INSERT_CHUNK:
+            _insert_runs(session, chunk)
+            stored += len(chunk)
+            chunk = []
+    if chunk:
+        _insert_runs(session, chunk)
+        stored += len(chunk)
+    if sweep.base_config is None:  # no cells at all
+        session.add(sweep)
+    return stored
+
+
 def create_sweep(
     session: Session,
     spec: SweepSpec,
@@ -166,25 +191,8 @@ def create_sweep(
         created_at=now,
         submitter=submitter,
     )
-    stored = 0
     try:
-        chunk: list[dict[str, Any]] = []
-        for cell in cells:
-            if sweep.base_config is None:
-                sweep.base_config = cell.config_json
-                session.add(sweep)
-                session.flush()
-            assert sweep.base_config is not None  # for mypy: set just above
-            chunk.append(_run_row(sweep.id, cell, sweep.base_config, now))
-            if len(chunk) == INSERT_CHUNK:
-                _insert_runs(session, chunk)
-                stored += len(chunk)
-                chunk = []
-        if chunk:
-            _insert_runs(session, chunk)
-            stored += len(chunk)
-        if sweep.base_config is None:  # no cells at all
-            session.add(sweep)
+        stored = _add_runs(session, sweep, cells, now)
         session.commit()
     except IntegrityError:
         session.rollback()
@@ -307,14 +315,15 @@ def list_sweeps(
     if name is not None:
         where.append(Sweep.name.contains(name, autoescape=True))
     query = select(Sweep.id).where(*where)
-    count, exact = pages.capped_count(session, query)
     statement = pages.page_statement(
         query, sort="-id", column=Sweep.id, id_column=Sweep.id, cursor=cursor, skip=skip,
         limit=limit,
     )  # fmt: skip
     rows, next_cursor = pages.page_of(
-        session, statement, sort="-id", column=Sweep.id, id_column=Sweep.id, limit=limit
-    )
+        session, pages.counted(statement, query), sort="-id", column=Sweep.id,
+        id_column=Sweep.id, limit=limit,
+    )  # fmt: skip
+    count, exact = pages.count_of(session, rows, query)
     ids = [row.id for row in rows]
     by_id = {s.id: s for s in session.scalars(select(Sweep).where(Sweep.id.in_(ids)))}
     counts = run_counts(session, ids)
@@ -413,19 +422,21 @@ def list_runs(
 ) -> Page:
     """A page of runs matching `filters`, sorted by a whitelisted key (id breaks ties), as
     plain row dicts; with their capped count unless `with_count` is False (a client paging on
-    already has it: the page then costs no count)."""
-    count, exact = (
-        pages.capped_count(session, select(Run.id).where(*filters.clauses()))
-        if with_count
-        else (None, False)
-    )
+    already has it: the page then costs no count).
+
+    One statement either way: the count rides on the page's rows (pages.counted), so a
+    counted page costs one round trip and one indexed count, not two queries."""
+    statement = page_query(filters, sort, limit=limit, cursor=cursor, skip=skip)
+    matching = select(Run.id).where(*filters.clauses())
     rows, next_cursor = pages.page_of(
-        session, page_query(filters, sort, limit=limit, cursor=cursor, skip=skip), sort=sort,
+        session, pages.counted(statement, matching) if with_count else statement, sort=sort,
         column=RUN_SORT_KEYS[sort.removeprefix("-")], id_column=Run.id, limit=limit,
     )  # fmt: skip
+    count, exact = pages.count_of(session, rows, matching) if with_count else (None, False)
     data = []
     for row in rows:
         out = dict(row._mapping)
+        out.pop(pages.COUNT_LABEL, None)
         out["config"] = full_config(out.pop("base_config"), out.pop("cell_config"))
         data.append(out)
     return Page(data, count, exact, next_cursor)

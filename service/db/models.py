@@ -194,16 +194,19 @@ class Run(Base):
         UniqueConstraint("sweep_id", "cell_key", name="uq_run_sweep_id_cell_key"),
         Index("ix_run_status_id", "status", "id"),
         # Every prefix of the list filters, sorted by length; counts read only the index.
+        # Pages by offset (migrations 0011, 0017): a filter's rows in the page's order
+        # (column, id), straight from an index, so `skip` steps over index entries, not over
+        # other filters' rows nor over table rows read to break ties by id.
         Index(
-            "ix_run_kernel_status_world_size_seq_len", "kernel", "status", "world_size", "seq_len"
+            "ix_run_kernel_status_world_size_seq_len_id",
+            *("kernel", "status", "world_size", "seq_len", "id"),
         ),
-        Index("ix_run_sweep_id_status", "sweep_id", "status"),
-        # Pages by offset (migration 0011): a filter's rows in the page's order, straight from
-        # an index, so `skip` steps over index entries, not over other filters' rows.
+        Index("ix_run_kernel_status_world_size_id", "kernel", "status", "world_size", "id"),
+        Index("ix_run_sweep_id_status_id", "sweep_id", "status", "id"),
         Index("ix_run_sweep_id_id", "sweep_id", "id"),
         Index("ix_run_kernel_id", "kernel", "id"),
-        Index("ix_run_status_seq_len", "status", "seq_len"),
-        Index("ix_run_dtype_seq_len", "dtype", "seq_len"),
+        Index("ix_run_status_seq_len_id", "status", "seq_len", "id"),
+        Index("ix_run_dtype_seq_len_id", "dtype", "seq_len", "id"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

@@ -100,11 +100,12 @@ def test_the_backward_calls_repeat_k_and_v_only_for_the_efficient_op(
 
 def test_the_flash_ops_shape_kernels_take_grouped_heads() -> None:
     """On the meta device the flash forward gives out and lse per query head, and the
-    fused backward (through _cuda_backward) dk, dv per kv head."""
+    fused backward (through _piece_backward) dk, dv per kv head."""
     meta = functools.partial(torch.randn, dtype=torch.bfloat16, device="meta")
     q, k, v = meta(B, SQ, H, D), meta(B, SK, H_KV, D), meta(B, SK, H_KV, D)
     out, lse = primitive._piece_forward("cuda_flash", q, k, v, 0.25, (0, SQ, 0, SK, True))
     assert out.shape == (B, SQ, H, D) and lse.shape == (B, H, SQ)
     dout, lse32 = meta(B, SQ, H, D), meta(B, H, SQ, dtype=torch.float32)
-    dq, dk, dv = primitive._cuda_backward("cuda_flash", dout, q, k, v, out, lse32, 0.25, True)
+    piece = (0, SQ, 0, SK, True)
+    dq, dk, dv = primitive._piece_backward("cuda_flash", dout, q, k, v, out, lse32, 0.25, piece)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)

@@ -194,7 +194,8 @@ def test_cuda_backward_calls_bind_to_the_ops_schemas(dtype, backend):
     meta = functools.partial(torch.randn, dtype=dtype, device="meta")
     q, dout, out = meta(2, 40, 4, 64), meta(2, 40, 4, 64), meta(2, 40, 4, 64, dtype=torch.float32)
     k, v, lse = meta(2, 48, 2, 64), meta(2, 48, 2, 64), meta(2, 4, 40, dtype=torch.float32)
-    dq, dk, dv = primitive._cuda_backward(backend, dout, q, k, v, out, lse, 0.125, True)
+    piece = (0, 40, 0, 48, True)
+    dq, dk, dv = primitive._piece_backward(backend, dout, q, k, v, out, lse, 0.125, piece)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     assert {t.dtype for t in (dq, dk, dv)} == {torch.float32}
     op, args, _ = primitive._cuda_backward_args(backend, dout, q, k, v, out, lse, 0.125, True)

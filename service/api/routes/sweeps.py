@@ -31,6 +31,7 @@ from service.api.schemas import (
     SweepList,
     SweepOut,
 )
+from service.core.config import RunLimits
 from service.db.models import DEFAULT_SUBMITTER, SUBMITTER_PATTERN, RunStatus, Sweep
 from service.results import baselines, export, queries, report
 from service.results.compare import compare_out, same_spec
@@ -57,6 +58,42 @@ def _noted(out: SweepOut, note: str | None) -> SweepOut:
     if note is None or not out.counts.get(RunStatus.queued):
         return out
     return out.model_copy(update={"waiting": note})
+
+
+SWEEP_LOCATION = "/api/v1/sweeps/{}"
+"""A stored sweep's Location header."""
+
+
+def _in_body(errors: list[dict[str, Any]]) -> RequestValidationError:
+    """A 422 for spec errors, each located under the request body."""
+    return RequestValidationError([{**err, "loc": ["body", *err["loc"]]} for err in errors])
+
+
+def _stored_before(session: SessionDep, response: Response, sweep_id: int) -> SweepOut:
+    """The answer to a replayed Idempotency-Key: 200 with the sweep it created."""
+    response.status_code = status.HTTP_200_OK
+    response.headers["Location"] = SWEEP_LOCATION.format(sweep_id)
+    return _sweep_or_404(session, sweep_id)
+
+
+def _store_sweep(
+    session: SessionDep,
+    spec: SweepSpec,
+    limits: RunLimits,
+    idempotency_key: str | None,
+    submitter: str,
+) -> tuple[Sweep, int, bool]:
+    """store.create_sweep over the lazy expansion; an invalid cell is a 422 (nothing stored),
+    a key reused for another spec a 409."""
+    try:
+        # Expanded lazily while inserting, in one transaction rolled back on any invalid cell.
+        return store.create_sweep(
+            session, spec, iter_cells(spec, limits), idempotency_key, submitter=submitter
+        )
+    except SpecError as e:
+        raise _in_body(e.errors) from e
+    except store.IdempotencyConflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
 
 
 @router.post(
@@ -98,36 +135,20 @@ def create_sweep(
 
     An invalid spec answers 422 with the field path of every problem; nothing is stored then.
     """
-    location = "/api/v1/sweeps/{}"
     if bad := unstorable_values(spec.model_dump(exclude_unset=True)):
-        raise RequestValidationError([{**err, "loc": ["body", *err["loc"]]} for err in bad])
+        raise _in_body(bad)
     try:
         existing = store.sweep_for_key(session, idempotency_key, spec) if idempotency_key else None
     except store.IdempotencyConflict as e:
         raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
     if existing is not None:  # answered before expanding: a replay costs one lookup
-        response.status_code = status.HTTP_200_OK
-        response.headers["Location"] = location.format(existing.id)
-        return _sweep_or_404(session, existing.id)
-    try:
-        # Expanded lazily while inserting, in one transaction rolled back on any invalid cell.
-        sweep, stored, created = store.create_sweep(
-            session,
-            spec,
-            iter_cells(spec, settings.run_limits()),
-            idempotency_key,
-            submitter=x_ringlab_submitter,
-        )
-    except SpecError as e:
-        raise RequestValidationError(
-            [{**err, "loc": ["body", *err["loc"]]} for err in e.errors]
-        ) from e
-    except store.IdempotencyConflict as e:
-        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
-    response.headers["Location"] = location.format(sweep.id)
+        return _stored_before(session, response, existing.id)
+    sweep, stored, created = _store_sweep(
+        session, spec, settings.run_limits(), idempotency_key, x_ringlab_submitter
+    )
     if not created:
-        response.status_code = status.HTTP_200_OK
-        return _sweep_or_404(session, sweep.id)
+        return _stored_before(session, response, sweep.id)
+    response.headers["Location"] = SWEEP_LOCATION.format(sweep.id)
     # Just stored, all queued: no need to count them again.
     out = store.sweep_out(sweep, {**dict.fromkeys(RunStatus, 0), RunStatus.queued: stored})
     return _noted(out, ray_link.queue_problem(request))

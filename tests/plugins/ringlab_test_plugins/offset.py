@@ -8,10 +8,12 @@ run that fails after its gate passed."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+import ringlab_example_kernel
 import torch
-from ringlab_example_kernel import SlidingWindowAttention, SlidingWindowParams, keep_mask, keep_rows
+from ringlab_example_kernel import SlidingWindowAttention, SlidingWindowParams, keep_mask
 from torch.nn import functional as F
 
 from attention import KernelSpec
@@ -50,14 +52,8 @@ class OffsetWindow(SlidingWindowAttention):
 
 
 def kernel_specs() -> list[KernelSpec]:
-    return [
-        KernelSpec(
-            name="offset_window",
-            description="Sliding-window attention missing one key offset (wrong on purpose).",
-            params=OffsetParams,
-            factory=OffsetWindow,
-            keep_mask=keep_mask,
-            keep_rows=keep_rows,
-            periods=lambda params: (params.window,),
-        )
-    ]
+    """The example's spec (its correct mask, rows and period) for this kernel."""
+    (example,) = ringlab_example_kernel.kernel_specs()
+    description = "Sliding-window attention missing one key offset (wrong on purpose)."
+    spec = dataclasses.replace(example, name="offset_window", description=description)
+    return [dataclasses.replace(spec, params=OffsetParams, factory=OffsetWindow)]
