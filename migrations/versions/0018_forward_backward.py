@@ -3,8 +3,8 @@ times of every timed iteration, their spreads (p10, p90; the medians forward_s a
 exist since model runs stored them) and the kernel's forward FLOPs. Ranks stored before read
 NULL.
 
-Revision ID: 0017_forward_backward
-Revises: 0016
+Revision ID: 0018_forward_backward
+Revises: 0017_listing_indexes
 Create Date: 2026-11-28 21:00:00
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0017_forward_backward"
-down_revision: str | None = "0016"
+revision: str = "0018_forward_backward"
+down_revision: str | None = "0017_listing_indexes"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
