@@ -50,6 +50,17 @@ def _layout(title: str, x: str, y: str, **extra: Any) -> dict[str, Any]:
     }
 
 
+def _log_x_layout(title: str, x: str, y: str, **y_extra: Any) -> dict[str, Any]:
+    """A layout with a log x axis and a y axis from zero (y_extra: more of the y axis)."""
+    return _layout(
+        title,
+        x,
+        y,
+        xaxis={"type": "log", "title": {"text": x}},
+        yaxis={"title": {"text": y}, **y_extra, "rangemode": "tozero"},
+    )
+
+
 def _empty(fig: go.Figure, message: str) -> dict[str, Any]:
     """The figure with its axes hidden and `message` in the middle: says why it is empty."""
     fig.update_xaxes(visible=False)
@@ -472,15 +483,10 @@ def scaling_figure(rows: Sequence[Row]) -> dict[str, Any]:
     each point with its interval (both runs' noise) as an error bar; a point above 100% beyond
     the noise (flagged) is drawn as a red cross, its reason in the hover."""
     fig = go.Figure(
-        layout=_layout(
+        layout=_log_x_layout(
             "Scaling efficiency (bars: interval from both runs' noise; ✕: above 100%, flagged)",
             "world size (ranks)",
             "scaling efficiency (fraction of linear)",
-            xaxis={"type": "log", "title": {"text": "world size (ranks)"}},
-            yaxis={
-                "title": {"text": "scaling efficiency (fraction of linear)"},
-                "rangemode": "tozero",
-            },
         )
     )
     points = scaling_points(rows)
@@ -910,16 +916,11 @@ def exposed_comm_figure(rows: Sequence[Row]) -> dict[str, Any]:
     """Exposed-communication share against tokens per rank, one line per ring variant and
     world size; each series' F/B crossover (tokens per rank) marked by a dashed line."""
     fig = go.Figure(
-        layout=_layout(
+        layout=_log_x_layout(
             "Exposed communication",
             "tokens per rank (tokens)",
             "blocked on transfers (% of step time)",
-            xaxis={"type": "log", "title": {"text": "tokens per rank (tokens)"}},
-            yaxis={
-                "title": {"text": "blocked on transfers (% of step time)"},
-                "tickformat": ".0%",
-                "rangemode": "tozero",
-            },
+            tickformat=".0%",
         )
     )
     ok = _succeeded(rows, "exposed_comm_share")
