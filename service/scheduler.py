@@ -33,7 +33,7 @@ from service.results import write
 from service.results.write import Completion, completion_from_outcome
 from service.tenancy import Tenancy
 from workers.config import RunConfig
-from workers.results import RunOutcome
+from workers.results import ProbeResult, RunOutcome
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class RunHandle(Protocol):
 
     def placement(self) -> list[Any]: ...  # where the ranks run; empty until the gang is up
 
-    def probes(self) -> list[Any]: ...  # ProbeResults of a max_seq_len search so far
+    def probes(self) -> list[ProbeResult]: ...  # of a max_seq_len search so far
 
 
 class Pool(Protocol):
@@ -112,7 +112,7 @@ def _nodes(placement: Sequence[Any]) -> set[str]:
 def _ended_early(status: RunStatus, error: str, handle: RunHandle) -> Completion:
     """A run that ended without an outcome (timeout, kill, lost rank): its status and error,
     and the probes a max_seq_len search had finished by then, which are measurements too."""
-    return Completion(status=status, error=error, probes=[p.row() for p in handle.probes()])
+    return Completion(status=status, error=error, probes=handle.probes())
 
 
 @dataclass
@@ -547,7 +547,7 @@ class Scheduler:
         if len(probes) <= stored:
             return stored
         try:
-            held = write.record_probes(self.sessionmaker, claim, [p.row() for p in probes[stored:]])
+            held = write.record_probes(self.sessionmaker, claim, probes[stored:])
         except DBAPIError:  # the final write stores them all; here they wait for the next try
             log.warning("run %d: storing probes failed; retrying", claim.run_id, exc_info=True)
             return stored

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -79,6 +80,21 @@ def percentile(values: list[float], q: float) -> float:
     pos = (len(ordered) - 1) * q
     lo, hi = math.floor(pos), math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def timed_fields(times: list[float], tokens: int, flops: float) -> dict[str, Any]:
+    """A RankResult's figures of its timed iterations: every time, their median, p10 and p90,
+    and the tokens and FLOPs per second at the median (`tokens`, `flops`: per iteration)."""
+    median = statistics.median(times)
+    return {
+        "times_s": times,
+        "median_s": median,
+        "p10_s": percentile(times, 0.1),
+        "p90_s": percentile(times, 0.9),
+        "tokens_per_s": tokens / median,
+        "flops": flops,
+        "flops_per_s": flops / median,
+    }
 
 
 def kv_block_bytes(config: RunConfig, tokens: int) -> int:

@@ -38,6 +38,7 @@ from workers.harness import (
     percentile,
     resolve_device,
     sync,
+    timed_fields,
     timer,
 )
 from workers.inputs import batch_rows, make_input, shorter_length
@@ -92,6 +93,22 @@ def _error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
+@dataclass
+class _Loop:
+    """What the timed loop measured: every timed iteration's seconds, the unix times of the
+    first one's start and the last one's end, the ring steps of every timed iteration
+    (attention.ring.steps; none for a kernel without a ring, or when not recorded), the
+    meter's peak (0 without one), and in train mode each iteration's forward and backward."""
+
+    times: list[float]
+    first_at: float
+    last_at: float
+    steps: list[StepTime]
+    peak: int
+    forward: list[float] | None = None
+    backward: list[float] | None = None
+
+
 def _timed_loop(
     module: torch.nn.Module,
     inputs: dict[str, torch.Tensor],
@@ -100,12 +117,11 @@ def _timed_loop(
     device: torch.device,
     record_steps: bool = True,
     trace: contextlib.AbstractContextManager[None] | None = None,
-) -> tuple[list[float], float, float, list[StepTime], int]:
+) -> _Loop:
     """Warm-up, then every timed iteration (barrier before each; config.iterations of them,
     under auto as many as workers.noise.Iterations decides, the same on every rank); returns
-    (times, t0, t1, steps, peak): `steps` are the ring steps of every timed iteration
-    (attention.ring.steps; none for a kernel without a ring, or when `record_steps` is off);
-    `peak` the meter's (0 without one).
+    what they measured (_Loop): in train mode each iteration's forward and backward timed
+    apart besides the whole.
 
     The peak meter is reset once the inputs exist, read after the case's first iteration (the
     first warm-up one, else the first timed one: every iteration computes the same) and then
@@ -125,10 +141,15 @@ def _timed_loop(
         for t in (q, k, v):
             t.requires_grad_(True)
 
+    marks = _PhaseMarks(device)
+
     def step() -> None:
         if train:
+            marks.mark()
             out = module(q, k, v, causal=config.causal)
+            marks.mark()
             out.backward(inputs["dout"])
+            marks.mark()
             q.grad = k.grad = v.grad = None
         else:
             with torch.no_grad():
@@ -136,7 +157,40 @@ def _timed_loop(
         del out
 
     with _ring_scope(world):
-        return _scoped_loop(step, config, meter, device, record_steps, trace)
+        loop = _scoped_loop(step, config, meter, device, record_steps, trace)
+    if train:
+        loop.forward, loop.backward = marks.phases(len(loop.times))
+    return loop
+
+
+class _PhaseMarks:
+    """Marks between the phases of each train iteration (before the forward, between forward
+    and backward, after the backward): CUDA events on GPU, perf_counter on CPU, read once the
+    loop is over (every timed iteration is synchronized by then)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def phases(self, iterations: int) -> tuple[list[float], list[float]]:
+        """(forward, backward) seconds of the last `iterations` iterations (the timed ones)."""
+        spans = [
+            self._seconds(self.marks[i], self.marks[i + 1]) for i in range(len(self.marks) - 1)
+        ]
+        fwd = [spans[i] for i in range(0, len(spans), 3)]
+        bwd = [spans[i] for i in range(1, len(spans), 3)]
+        return fwd[len(fwd) - iterations :], bwd[len(bwd) - iterations :]
+
+    def _seconds(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end) / 1e3 if self.cuda else end - start)
 
 
 def _scoped_loop(
@@ -146,7 +200,7 @@ def _scoped_loop(
     device: torch.device,
     record_steps: bool,
     trace: contextlib.AbstractContextManager[None] | None,
-) -> tuple[list[float], float, float, list[StepTime], int]:
+) -> _Loop:
     """_timed_loop's iterations, inside its ring abort scope."""
     world = config.world_size
     timed = timer(device)
@@ -188,7 +242,7 @@ def _scoped_loop(
                     first_done()
         finally:
             clock.stop()
-    return times, first_at, time.time(), steps, peak
+    return _Loop(times, first_at, time.time(), steps, peak)
 
 
 _PRIMED: set[str] = set()
@@ -372,9 +426,7 @@ def _measure(
                     inputs[name] = make_input(name, config, config.seq_len, positions, rows, device)
                 after_inputs = meter.current()
                 trace = profiled(config.profile, device, rank, artifacts)
-                times, first_at, last_at, steps, peak = _timed_loop(
-                    module, inputs, config, meter, device, trace=trace
-                )
+                loop = _timed_loop(module, inputs, config, meter, device, trace=trace)
                 backend = kernels.backend_of(module)
             except Exception as exc:
                 if is_oom(exc):  # the failing rank's allocations, its inputs still held
@@ -396,9 +448,10 @@ def _measure(
         inputs.clear()
         release()
     flops = kernels.flops(module, config, config.local_batch, positions.numel(), train)
-    measures = _Measures(times, peak, after_inputs, meter.resident_peak(), steps, backend, flops)
+    forward = kernels.flops(module, config, config.local_batch, positions.numel(), False)
+    measures = _Measures(loop, after_inputs, meter.resident_peak(), backend, flops, forward)
     result = _rank_result(config, rank, tokens, measures, link)
-    measured = measured_case(case, result, device, (first_at, last_at))
+    measured = measured_case(case, result, device, (loop.first_at, loop.last_at))
     return measured.model_copy(update={"artifacts": artifacts})
 
 
@@ -406,36 +459,44 @@ def _measure(
 class _Measures:
     """What the timed and metered iterations of one case measured."""
 
-    times: list[float]
-    peak: int
+    loop: _Loop
     after_inputs: int
     resident_peak: int | None
-    steps: list[StepTime]
     backend: str
     flops: float
+    forward_flops: float
 
 
 def _rank_result(
     config: RunConfig, rank: int, tokens: int, m: _Measures, link: LinkFigures | None
 ) -> RankResult:
-    """The rank's RankResult from its measures: the median and percentiles of its times."""
-    median = statistics.median(m.times)
+    """The rank's RankResult from its measures: the median and percentiles of its times (in
+    train mode of its forward and backward times too)."""
     return RankResult(
         rank=rank,
         seq_len=config.seq_len,
-        times_s=m.times,
-        median_s=median,
-        p10_s=percentile(m.times, 0.1),
-        p90_s=percentile(m.times, 0.9),
-        tokens_per_s=tokens / median,
-        flops=m.flops,
-        flops_per_s=m.flops / median,
-        peak_memory_bytes=m.peak,
+        **timed_fields(m.loop.times, tokens, m.flops),
+        peak_memory_bytes=m.loop.peak,
         input_memory_bytes=m.after_inputs,
         resident_peak_bytes=m.resident_peak,
         memory_budget_bytes=config.memory_budget_bytes,
         backend=m.backend,
-        steps=m.steps,
-        **step_totals(m.steps),
+        steps=m.loop.steps,
+        **step_totals(m.loop.steps),
         **link_fields(link),
+        **_phase_fields(m),
     )
+
+
+def _phase_fields(m: _Measures) -> dict[str, Any]:
+    """Train mode: the forward's and the backward's median, p10 and p90, their raw times and
+    the forward's FLOPs (the kernel's own: flops(backward=False)); nothing in forward mode."""
+    if m.loop.forward is None or m.loop.backward is None:
+        return {}
+    out: dict[str, Any] = {"forward_flops": m.forward_flops}
+    for phase, times in (("forward", m.loop.forward), ("backward", m.loop.backward)):
+        out[f"{phase}_times_s"] = times
+        out[f"{phase}_s"] = statistics.median(times)
+        out[f"{phase}_p10_s"] = percentile(times, 0.1)
+        out[f"{phase}_p90_s"] = percentile(times, 0.9)
+    return out

@@ -1,8 +1,9 @@
 """Typed results of the engine: what ranks measure, what a search probed, what a run ran on.
 
-Raw units only (bytes, seconds, FLOPs). Field names match the columns of service/db/models.py
-(RankResult, Probe, Environment); `row()` gives exactly those columns, so the scheduler can
-write them without knowing the engine-only extras.
+Raw units only (bytes, seconds, FLOPs). These models are the one declaration of what a rank
+measures: service/db/models.py generates the columns of rank_result, probe, memory_component and
+ring_step from their stored fields (every field not marked ENGINE_ONLY; a test holds the
+environment table to EnvironmentInfo field for field), and the API returns them as they are.
 """
 
 from __future__ import annotations
@@ -16,77 +17,28 @@ from pydantic import BaseModel, ConfigDict, Field
 RunStatus = Literal["succeeded", "failed", "oom"]
 ProbeOutcome = Literal["fit", "oom", "error"]
 
-RANK_RESULT_COLUMNS = (
-    "rank",
-    "seq_len",
-    "times_s",
-    "median_s",
-    "p10_s",
-    "p90_s",
-    "tokens_per_s",
-    "flops",
-    "flops_per_s",
-    "peak_memory_bytes",
-    "input_memory_bytes",
-    "resident_peak_bytes",
-    "memory_budget_bytes",
-    "backend",
-    "max_abs_error",
-    "check_seq_len",
-    "sampled_check_error",
-    "sampled_check_seq_len",
-    "sampled_check_rows",
-    "forward_s",
-    "backward_s",
-    "optimizer_s",
-    "predicted_max_seq_len",
-    "step_compute_s",
-    "step_wait_s",
-    "step_received_bytes",
-    "transfer_window_bytes_per_s",
-    "link_probe_bytes",
-    "link_probe_bytes_per_s",
-    "link_latency_s",
-)
-STEP_COLUMNS = (
-    "iteration",
-    "phase",
-    "step",
-    "compute_s",
-    "wait_s",
-    "sent_bytes",
-    "received_bytes",
-    "transfer_window_bytes_per_s",
-)
-COMPONENT_COLUMNS = ("component", "predicted_bytes", "measured_bytes")
-PROBE_COLUMNS = (
-    "seq_len",
-    "outcome",
-    "peak_memory_bytes",
-    "input_memory_bytes",
-    "rank_peak_bytes",
-    "requested_bytes",
-    "time_s",
-    "error",
-    "emulated",
-)
-ENVIRONMENT_COLUMNS = (
-    "hosts",
-    "gpus",
-    "driver",
-    "cuda",
-    "torch",
-    "nccl",
-    "ray",
-    "python",
-    "git_sha",
-    "git_dirty",
-    "plugins",
-    "cpu_threads",
-    "plugin_code",
-    "cpu_model",
-    "cpu_cores",
-)
+ENGINE_ONLY: dict[str, Any] = {"stored": False}
+"""json_schema_extra of a field the engine carries but no table stores as a column (its
+rows go elsewhere, or it only steers the run's outcome): see stored_fields."""
+
+
+def stored_fields(model: type[BaseModel]) -> tuple[str, ...]:
+    """The fields of `model` its table stores, in declaration order: every field not marked
+    ENGINE_ONLY. service.db.models generates the rank_result, probe, memory_component and
+    ring_step columns from them, and the API returns them: each is declared here, once."""
+    return tuple(
+        name
+        for name, info in model.model_fields.items()
+        if not (
+            isinstance(info.json_schema_extra, dict)
+            and info.json_schema_extra.get("stored") is False
+        )
+    )
+
+
+def stored(item: BaseModel) -> dict[str, Any]:
+    """The stored fields of `item` (stored_fields) as a table's column values."""
+    return item.model_dump(include=set(stored_fields(type(item))))
 
 
 class MemoryComponent(BaseModel):
@@ -98,10 +50,6 @@ class MemoryComponent(BaseModel):
     predicted_bytes: int | None = Field(None, description="None: no prediction for it.")
     measured_bytes: int | None = Field(None, description="None: not measurable here.")
 
-    def row(self) -> dict[str, Any]:
-        """The columns of the memory_component table (without run and rank)."""
-        return self.model_dump(include=set(COMPONENT_COLUMNS))
-
 
 class StepTime(BaseModel):
     """One step of a ring kernel on one rank in one timed iteration (attention.ring.steps):
@@ -111,7 +59,9 @@ class StepTime(BaseModel):
 
     iteration: int = Field(ge=0, description="The timed iteration (0-based, warm-up excluded).")
     phase: Literal["forward", "backward"]
-    step: int = Field(ge=0)
+    step: int = Field(
+        ge=0, description="ring, ring_block_sparse: the K/V of rank - step travelled."
+    )
     compute_s: float = Field(ge=0, description="The step's time minus its waits.")
     wait_s: float = Field(ge=0, description="Time blocked waiting for a transfer.")
     sent_bytes: int = Field(0, ge=0, description="Bytes of the transfers the step posted.")
@@ -124,10 +74,6 @@ class StepTime(BaseModel):
         "window includes waiting for the peer to post its side: not the link's bandwidth "
         "(RankResult.link_probe_bytes_per_s is).",
     )
-
-    def row(self) -> dict[str, Any]:
-        """The columns of the ring_step table (without run and rank)."""
-        return self.model_dump(include=set(STEP_COLUMNS))
 
 
 def step_totals(steps: list[StepTime]) -> dict[str, Any]:
@@ -214,21 +160,55 @@ class RankResult(BaseModel):
         None, description="Query rows the sampled check compared (edges, boundaries, random)."
     )
     emulated_oom: bool = Field(
-        False, description="CPU: the peak exceeded memory_budget_bytes (an emulated OOM)."
+        False,
+        description="CPU: the peak exceeded memory_budget_bytes (an emulated OOM; the run's "
+        "status says it, not a column).",
+        json_schema_extra=ENGINE_ONLY,
     )
-    forward_s: float | None = Field(None, description="Model runs: median forward seconds.")
+    forward_s: float | None = Field(
+        None,
+        description="Train mode (kernels and model runs): median seconds of the forward pass, "
+        "timed apart within each timed iteration.",
+    )
     backward_s: float | None = Field(
-        None, description="Model runs: median backward seconds (gradient all-reduce included)."
+        None,
+        description="Train mode: median seconds of the backward pass (model runs: the "
+        "gradient all-reduce included).",
+    )
+    forward_p10_s: float | None = Field(
+        None, description="Kernels in train mode: the forward times' 10th percentile."
+    )
+    forward_p90_s: float | None = Field(None, description="Their 90th percentile.")
+    backward_p10_s: float | None = Field(
+        None, description="Kernels in train mode: the backward times' 10th percentile."
+    )
+    backward_p90_s: float | None = Field(None, description="Their 90th percentile.")
+    forward_times_s: list[float] | None = Field(
+        None,
+        description="Kernels in train mode: seconds of every timed iteration's forward pass, in "
+        "order (times_s holds each whole iteration).",
+    )
+    backward_times_s: list[float] | None = Field(
+        None, description="Kernels in train mode: every timed iteration's backward seconds."
+    )
+    forward_flops: float | None = Field(
+        None,
+        description="Kernels in train mode: the forward pass's FLOPs of this rank per iteration "
+        "(kernel.flops(backward=False)); flops - forward_flops is the backward's.",
     )
     optimizer_s: float | None = Field(None, description="Model runs: median optimizer step.")
     predicted_max_seq_len: int | None = Field(
         None, description="Model runs with a memory budget: the longest length predicted to fit."
     )
     components: list[MemoryComponent] = Field(
-        default_factory=list, description="Model runs: memory per component (memory_component)."
+        default_factory=list,
+        description="Model runs: memory per component (rows of memory_component).",
+        json_schema_extra=ENGINE_ONLY,
     )
     steps: list[StepTime] = Field(
-        default_factory=list, description="Ring kernels: every step of every timed iteration."
+        default_factory=list,
+        description="Ring kernels: every step of every timed iteration (rows of ring_step).",
+        json_schema_extra=ENGINE_ONLY,
     )
     step_compute_s: float | None = Field(None, description="Ring kernels: see step_totals.")
     step_wait_s: float | None = None
@@ -255,10 +235,6 @@ class RankResult(BaseModel):
         description="That link's one-way time of a 4-byte message (fastest round trip / 2).",
     )
 
-    def row(self) -> dict[str, Any]:
-        """The columns of the rank_result table."""
-        return self.model_dump(include=set(RANK_RESULT_COLUMNS))
-
 
 class ProbeResult(BaseModel):
     """One tried length of a max_seq_len search and how it ended (worst rank wins)."""
@@ -280,10 +256,6 @@ class ProbeResult(BaseModel):
     time_s: float | None = Field(None, description="Median iteration time (slowest rank).")
     error: str | None = None
     emulated: bool = Field(False, description="oom decided by the CPU memory budget.")
-
-    def row(self) -> dict[str, Any]:
-        """The columns of the probe table."""
-        return self.model_dump(include=set(PROBE_COLUMNS))
 
 
 class EnvironmentInfo(BaseModel):
@@ -327,10 +299,6 @@ class EnvironmentInfo(BaseModel):
         """sha256 of the canonical JSON: the key environment rows are deduplicated by."""
         canon = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(canon.encode()).hexdigest()
-
-    def row(self) -> dict[str, Any]:
-        """The columns of the environment table, `hash` included."""
-        return {**self.model_dump(include=set(ENVIRONMENT_COLUMNS)), "hash": self.hash()}
 
     @classmethod
     def merge(cls, parts: list[EnvironmentInfo]) -> EnvironmentInfo:

@@ -35,9 +35,9 @@ from workers.harness import (
     measure_link,
     measured_case,
     memory_fraction,
-    percentile,
     resolve_device,
     sync,
+    timed_fields,
 )
 from workers.inputs import shorter_length
 from workers.link import LinkFigures
@@ -402,19 +402,11 @@ def _model_result(
 ) -> RankResult:
     """The rank's RankResult: a step's time is its forward + backward + optimizer seconds."""
     times = [sum(p) for p in zip(*phases.values(), strict=True)]
-    median = statistics.median(times)
     tokens = config.local_batch * config.local_seq_len
-    flops = model_flops(config)
     return RankResult(
         rank=rank,
         seq_len=config.seq_len,
-        times_s=times,
-        median_s=median,
-        p10_s=percentile(times, 0.1),
-        p90_s=percentile(times, 0.9),
-        tokens_per_s=tokens / median,
-        flops=flops,
-        flops_per_s=flops / median,
+        **timed_fields(times, tokens, model_flops(config)),
         memory_budget_bytes=config.memory_budget_bytes,
         backend=backend,
         forward_s=statistics.median(phases["forward"]),

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from copy import copy
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
+
+from service.results.stored import StoredRank
+from workers import results
+from workers.results import stored_fields
 
 
 def _as_utc(value: datetime) -> datetime:
@@ -102,106 +108,58 @@ class RunList(BaseModel):
     next: str | None = Field(description=NEXT_HELP)
 
 
-class RankResultOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-    rank: int
-    seq_len: int
-    times_s: list[float]
-    median_s: float
-    p10_s: float
-    p90_s: float
-    tokens_per_s: float
-    flops: float
-    flops_per_s: float
-    peak_memory_bytes: int = Field(
-        description="Peak the allocator held above the pre-input baseline (max_memory_allocated's "
-        "meaning; on CPU c10's CPU allocator, the ops' internal buffers included)."
-    )
-    input_memory_bytes: int | None = Field(
-        description="What the allocator held above the baseline once the inputs existed."
-    )
-    resident_peak_bytes: int | None = Field(
-        None,
-        description="CPU: the process' resident-set (RSS) high-water mark above the baseline "
-        "over the metered iteration; not the allocator's figure. None on CUDA and before 0009.",
-    )
-    memory_budget_bytes: int | None
-    backend: str
-    max_abs_error: float | None
-    check_seq_len: int | None
-    sampled_check_error: float | None = None
-    sampled_check_seq_len: int | None = None
-    sampled_check_rows: int | None = None
-    step_compute_s: float | None = Field(
-        None, description="Ring kernels: compute seconds of every step, summed over iterations."
-    )
-    step_wait_s: float | None = Field(
-        None, description="Ring kernels: seconds blocked on transfers, summed likewise."
-    )
-    step_received_bytes: int | None = Field(None, description="Ring kernels: bytes received.")
-    node: str | None = Field(
-        None, description="The node the rank ran on (its Ray node's IP; None before 0015)."
-    )
-    transfer_window_bytes_per_s: float | None = Field(
-        None,
-        description="Ring kernels: the best bytes / window (posting to completion) of its "
-        "steps' transfers; the window includes waiting for the peer: not the link's bandwidth.",
-    )
-    link_probe_bytes: int | None = Field(
-        None,
-        description="W > 1 sequence parallel: bytes of the K/V block (this rank's k and v) "
-        "pinged to the next ring rank and back before the timed loop.",
-    )
-    link_probe_bytes_per_s: float | None = Field(
-        None,
-        description="That link's bandwidth: the block's bytes / one-way time (the fastest timed "
-        "round trip / 2).",
-    )
-    link_latency_s: float | None = Field(
-        None, description="That link's one-way time of a 4-byte message (fastest round trip / 2)."
-    )
+def stored_model(
+    name: str,
+    model: type[BaseModel],
+    doc: str,
+    nullable: Collection[str] = (),
+    **extra: Any,
+) -> type[BaseModel]:
+    """The output model of a table generated from `model` (service.db.columns): its stored
+    fields as workers.results declares them (type, default, description), read from the rows,
+    and the `extra` fields the service keeps beside them (name=(type, Field(...))). nullable:
+    fields rows stored before they existed hold as NULL."""
+    fields: dict[str, Any] = {}
+    for field in stored_fields(model):
+        info = model.model_fields[field]
+        annotation: Any = info.annotation
+        if field in nullable:
+            annotation = annotation | None
+        fields[field] = (annotation, copy(info))
+    config = ConfigDict(from_attributes=True)
+    return create_model(name, __config__=config, __doc__=doc, **fields, **extra)
 
 
-class ProbeOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-    seq_len: int
-    outcome: str
-    peak_memory_bytes: int | None
-    input_memory_bytes: int | None
-    rank_peak_bytes: list[int | None] | None
-    requested_bytes: int | None
-    time_s: float | None
-    error: str | None
-    emulated: bool
-
-
-class EnvironmentOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-    id: int
-    hash: str
-    hosts: list[Any]
-    gpus: list[Any]
-    driver: str | None
-    cuda: str | None
-    torch: str
-    nccl: str | None
-    ray: str | None
-    python: str
-    git_sha: str | None
-    git_dirty: bool | None
-    plugins: dict[str, Any] | None = Field(None, description="Kernel plugins: package -> version.")
-    cpu_threads: int | None = Field(
-        None, description="torch's intra-op CPU threads in each rank (None: not recorded)."
+if TYPE_CHECKING:  # mypy reads the engine's models; the API's carry their stored fields
+    RankResultOut = StoredRank
+    ProbeOut = results.ProbeResult
+    EnvironmentOut = results.EnvironmentInfo
+    RingStepOut = results.StepTime
+else:
+    RankResultOut = stored_model(
+        "RankResultOut",
+        StoredRank,
+        "What one rank measured (workers.results.RankResult's stored fields) and its node.",
     )
-    cpu_model: str | None = Field(None, description="The host CPU's model name.")
-    cpu_cores: int | None = Field(None, description="Logical CPUs of the host.")
-    plugin_code: dict[str, Any] | None = Field(
-        None,
-        description="Code version of each plugin package installed editable from a git "
-        "checkout: package -> {git_sha, git_dirty, path} (None: not recorded).",
+    ProbeOut = stored_model(
+        "ProbeOut",
+        results.ProbeResult,
+        "One tried length of a max_seq_len search (workers.results.ProbeResult).",
+        nullable={"rank_peak_bytes"},
+    )
+    EnvironmentOut = stored_model(
+        "EnvironmentOut",
+        results.EnvironmentInfo,
+        "What a run ran on (workers.results.EnvironmentInfo), with its id and content hash.",
+        nullable={"plugins", "plugin_code"},  # environments stored before 0006 and 0012
+        id=(int, ...),
+        hash=(str, Field(description="sha256 of its canonical JSON: the key it is kept by.")),
+    )
+    RingStepOut = stored_model(
+        "RingStepOut",
+        results.StepTime,
+        "One step of a ring kernel on one rank in one timed iteration.",
+        rank=(int, ...),
     )
 
 
@@ -230,25 +188,6 @@ class Headline(BaseModel):
     )
     link_kind: str | None = Field(
         description="What that link was: loopback (one host), one host (GPU to GPU), network."
-    )
-
-
-class RingStepOut(BaseModel):
-    """One step of a ring kernel on one rank in one timed iteration."""
-
-    model_config = ConfigDict(from_attributes=True)
-
-    rank: int
-    iteration: int
-    phase: str = Field(description="forward | backward")
-    step: int = Field(description="ring, ring_block_sparse: the K/V of rank - step travelled.")
-    compute_s: float
-    wait_s: float = Field(description="Seconds blocked waiting for a transfer.")
-    sent_bytes: int = Field(description="Bytes of the transfers the step posted.")
-    received_bytes: int = Field(description="Bytes of the transfers that completed in it.")
-    transfer_window_bytes_per_s: float | None = Field(
-        description="The best bytes / window (posting to completion) of those transfers; the "
-        "window includes waiting for the peer to post: not the link's bandwidth."
     )
 
 
@@ -301,176 +240,6 @@ class HealthOut(BaseModel):
 
     status: str
     checks: dict[str, str] = Field(default_factory=dict)
-
-
-class ComponentOut(BaseModel):
-    """One memory component of a model run's rank, predicted and measured."""
-
-    rank: int
-    component: str
-    predicted_bytes: int | None
-    measured_bytes: int | None
-    ratio: float | None = Field(description="measured / predicted.")
-
-
-class FlagOut(BaseModel):
-    """A number above its physical limit (service.results.rows.Flag)."""
-
-    code: str = Field(
-        description="speedup_above_world_size, efficiency_above_100 or peak_below_inputs."
-    )
-    field: str = Field(description="The row field it marks (speedup, efficiency, ...).")
-    text: str = Field(description="What is wrong with it, with the numbers.")
-
-
-class ResultRow(BaseModel):
-    """One run in results.json / results.csv: its cell, outcome, numbers and ratios.
-
-    Every number is defined once in service.results.rows (measurement) and
-    service.results.baselines (ratios).
-    """
-
-    run_id: int
-    sweep_id: int
-    label: str = Field(description="The kernel and what varies within the sweep.")
-    kernel: str
-    params: str = Field(description="The kernel's parameters as canonical JSON.")
-    seq_len: int = Field(description="The cell's length (a max_seq_len search's start).")
-    measured_seq_len: int | None = Field(
-        description="The length the ranks measured: seq_len, or a search's answer."
-    )
-    world_size: int
-    batch_size: int
-    num_heads: int
-    num_kv_heads: int = Field(description="Key/value heads (num_heads without grouped-query).")
-    head_dim: int
-    dtype: str
-    causal: bool
-    mode: str
-    parallel: str
-    status: str
-    outcome: str = Field(description="ok (with the correctness error and its length), OOM, ...")
-    attempts: int
-    median_s: float | None = Field(description="Slowest rank's median seconds per iteration.")
-    p10_s: float | None = Field(description="That rank's 10th percentile.")
-    p90_s: float | None = Field(description="That rank's 90th percentile.")
-    median_lo_s: float | None = Field(
-        description="That rank's confidence interval of the median, low end (order "
-        "statistics; None with one iteration)."
-    )
-    median_hi_s: float | None = Field(description="Its high end.")
-    median_ci_level: float | None = Field(
-        description="Its coverage: >= 0.95 from 6 iterations, below with 2-5 (their range)."
-    )
-    iterations: int | None = Field(description="Timed iterations run (length of times_s).")
-    tokens_per_s: float | None = Field(description="batch_size * measured_seq_len / median_s.")
-    tflops_per_s: float | None = Field(description="FLOPs summed over ranks / median_s / 1e12.")
-    flops_per_s_per_rank: float | None = Field(description="FLOPs summed / median_s / ranks.")
-    peak_fraction: float | None = Field(description="Per-rank FLOP/s / the GPU's dense peak.")
-    peak_memory_bytes: int | None = Field(description="Largest per-rank peak memory.")
-    rank_peak_bytes: list[int] = Field(description="Each rank's peak memory, in rank order.")
-    input_memory_bytes: int | None = Field(description="Largest memory after the inputs.")
-    resident_peak_bytes: int | None = Field(
-        None,
-        description="CPU: the largest per-rank resident-set (RSS) high-water mark above the "
-        "baseline, a second figure beside the allocator's peak_memory_bytes.",
-    )
-    floor_bytes: int | None = Field(description="q, k, v, out and lse for one rank's tokens.")
-    memory_per_token_bytes: float | None = Field(description="Peak / tokens one rank holds.")
-    max_seq_len: int | None = Field(description="max_seq_len runs: the longest length that fit.")
-    exposed_comm_share: float | None = Field(
-        description="Ring kernels: time blocked on transfers / time in steps, all ranks."
-    )
-    step_coverage: float | None = Field(
-        description="Ring kernels: the smallest share of a rank's time its steps account for."
-    )
-    comm_bytes_per_rank: float | None = Field(
-        None,
-        description="Sequence parallel: bytes moved per rank per timed iteration (the most "
-        "any rank received: K/V hops, all-to-alls, gathers and reduce-scatters).",
-    )
-    ulysses_groups: str | None = Field(
-        None,
-        description="usp: each Ulysses group's ranks and the node(s) they ran on ('ranks 0-1 "
-        "on 10.0.0.1; ...'); a group across nodes says so.",
-    )
-    step_flops_per_s_per_rank: float | None = Field(
-        None,
-        description="Sequence parallel: one rank's compute rate in its steps (FLOPs over the "
-        "steps' compute seconds, all ranks summed).",
-    )
-    link_probe_bytes_per_s: float | None = Field(
-        description="W > 1 sequence parallel: the ring link's bandwidth, probed before the "
-        "timed loop (one K/V block pinged to the next rank and back); the slowest rank's."
-    )
-    link_latency_s: float | None = Field(
-        description="The probed links' largest one-way time of a 4-byte message."
-    )
-    link_kind: str | None = Field(
-        description="What the probed link was: loopback (one host), one host (GPU to GPU), "
-        "network (N hosts)."
-    )
-    crossover_tokens: float | None = Field(
-        description="ring: tokens per rank where compute would hide a step's transfer (F/B)."
-    )
-    crossover_basis: str | None = Field(
-        description="Where F and B come from: the steps' compute rate and the probed link "
-        "(with its kind)."
-    )
-    backend: str | None = Field(description="The backends the ranks ran, comma-separated.")
-    max_abs_error: float | None = Field(
-        description="The correctness gate's full check (every row); None: not checked."
-    )
-    check_seq_len: int | None = Field(description="The length the full check ran at.")
-    sampled_check_error: float | None = Field(
-        description="The gate's sampled rows at the run's own length (None: the full check "
-        "ran at the run's length)."
-    )
-    sampled_check_seq_len: int | None = Field(description="The sampled check's length.")
-    sampled_check_rows: int | None = Field(description="Rows the sampled check compared.")
-    baseline_run_id: int | None = Field(description="The run the ratios compare with.")
-    baseline: str | None = Field(description="What the baseline changes (e.g. W=1, dense).")
-    speedup: float | None = Field(description="tokens_per_s / the baseline's.")
-    memory_ratio: float | None = Field(description="peak_memory_bytes / the baseline's.")
-    max_len_gain: float | None = Field(description="max_seq_len / the baseline's.")
-    efficiency: float | None = Field(description="Gain / world-size ratio (W differs only).")
-    speedup_lo: float | None = Field(
-        description="The speedup's interval from both runs' median intervals: a_lo / b_hi."
-    )
-    speedup_hi: float | None = Field(description="a_hi / b_lo.")
-    efficiency_lo: float | None = Field(description="speedup_lo / world-size ratio (timed).")
-    efficiency_hi: float | None = Field(description="speedup_hi / world-size ratio (timed).")
-    within_noise: list[str] = Field(
-        description="The ratios whose interval holds 1.0 (speedup, checkpoint_time_ratio)."
-    )
-    flags: list[FlagOut] = Field(description="Numbers of this row above a physical limit.")
-    workload: str = Field(description="attention (the kernel alone) or model (training).")
-    model: str | None = Field(description="Model cells: the model's name, else its shape.")
-    model_shape: str | None = Field(description="Model cells: d_model x heads x layers.")
-    optimizer: str | None
-    precision: str | None
-    checkpointing: str | None
-    fixed_bytes: int | None = Field(description="Parameters + gradients + optimizer states.")
-    predicted_fixed_bytes: int | None
-    bytes_per_token: float | None = Field(description="(Step peak - fixed) / rank tokens.")
-    predicted_peak_bytes: int | None = Field(description="The predicted step peak.")
-    predicted_max_seq_len: int | None = Field(
-        description="The longest length predicted to fit the memory budget."
-    )
-    forward_s: float | None = Field(description="Model cells: median forward seconds.")
-    backward_s: float | None = Field(description="Model cells: median backward seconds.")
-    optimizer_s: float | None = Field(description="Model cells: median optimizer seconds.")
-    checkpoint_time_ratio: float | None = Field(
-        description="Step time / the same cell's without checkpointing."
-    )
-    checkpoint_time_ratio_lo: float | None = Field(description="Its interval's low end.")
-    checkpoint_time_ratio_hi: float | None = Field(description="Its interval's high end.")
-    components: list[ComponentOut] = Field(
-        description="Model cells: the limiting rank's memory components."
-    )
-    device: str | None
-    environment_id: int | None
-    error: str | None
 
 
 class ClusterNode(BaseModel):

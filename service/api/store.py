@@ -30,6 +30,7 @@ from service.db.models import (
     Sweep,
     cell_delta,
     full_config,
+    probe_table,
     run_config_columns,
     utcnow,
 )
@@ -474,7 +475,7 @@ def run_states(session: Session, sweep_id: int) -> dict[int, RunState]:
         newest = {
             p.id: (p.seq_len, str(p.outcome))
             for p in session.execute(
-                select(Probe.id, Probe.seq_len, Probe.outcome).where(
+                select(Probe.id, probe_table.c.seq_len, probe_table.c.outcome).where(
                     Probe.id.in_([last for _, _, last in found])
                 )
             )

@@ -1,6 +1,9 @@
 """SQLAlchemy 2 typed models: sweeps, their runs, per-rank results, probes and environments.
 
-Raw units only: bytes, seconds, FLOPs. JSON columns hold what users submitted verbatim; the
+What a rank measures is declared once, in workers/results.py: the columns of rank_result,
+probe, memory_component and ring_step are generated from its models (service.db.columns); this
+module adds only what the service keeps beside them (ids, the run, the node). Raw units only:
+bytes, seconds, FLOPs. JSON columns hold what users submitted verbatim; the
 columns users filter by are copied out of it and indexed.
 """
 
@@ -14,18 +17,22 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    Column,
     DateTime,
     Enum,
-    Float,
     ForeignKey,
     Index,
     Integer,
     MetaData,
     String,
+    Table,
     Text,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from service.db.columns import columns_of
+from workers import results
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -271,108 +278,96 @@ class Run(Base):
     )
 
 
+def _run_rows(name: str, *columns: Any) -> Table:
+    """A table of rows that belong to a run: their id, the run's (deleted with it), `columns`."""
+    return Table(
+        name,
+        Base.metadata,
+        Column("id", Integer, primary_key=True),
+        Column("run_id", ForeignKey("run.id", ondelete="CASCADE"), nullable=False, index=True),
+        *columns,
+    )
+
+
+rank_result_table = _run_rows(
+    "rank_result",
+    *columns_of(
+        results.RankResult,
+        {"rank": Integer(), "sampled_check_rows": Integer(), "backend": String(64)},
+    ),
+    Column("node", String(255), doc="The node the rank ran on (its Ray node's IP; 0016)."),
+    UniqueConstraint("run_id", "rank", name="uq_rank_result_run_id_rank"),
+)
+
+
 class RankResult(Base):
-    """What one rank measured for one run."""
+    """What one rank measured for one run: the stored fields of workers.results.RankResult
+    (their columns generated from it), and the node it ran on."""
 
-    __tablename__ = "rank_result"
-    __table_args__ = (UniqueConstraint("run_id", "rank", name="uq_rank_result_run_id_rank"),)
+    __table__ = rank_result_table
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
-    rank: Mapped[int] = mapped_column(Integer)
-    seq_len: Mapped[int] = mapped_column(BigInteger)
-    """The total length measured: run.seq_len, or for a max_seq_len run the search's answer."""
-    times_s: Mapped[list[Any]]
-    median_s: Mapped[float] = mapped_column(Float)
-    p10_s: Mapped[float] = mapped_column(Float)
-    p90_s: Mapped[float] = mapped_column(Float)
-    tokens_per_s: Mapped[float] = mapped_column(Float)
-    flops: Mapped[float] = mapped_column(Float)
-    flops_per_s: Mapped[float] = mapped_column(Float)
-    peak_memory_bytes: Mapped[int] = mapped_column(BigInteger)
-    """The allocator's peak above the baseline (workers.memory.PeakMeter; CPU: c10's allocator)."""
-    input_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    resident_peak_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    """CPU: the process' RSS high-water mark above the baseline, not the allocator's (0009)."""
-    memory_budget_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    backend: Mapped[str] = mapped_column(String(64))
-    max_abs_error: Mapped[float | None] = mapped_column(Float)
-    check_seq_len: Mapped[int | None] = mapped_column(BigInteger)
-    sampled_check_error: Mapped[float | None] = mapped_column(Float)
-    sampled_check_seq_len: Mapped[int | None] = mapped_column(BigInteger)
-    sampled_check_rows: Mapped[int | None] = mapped_column(Integer)
-    forward_s: Mapped[float | None] = mapped_column(Float)
-    backward_s: Mapped[float | None] = mapped_column(Float)
-    optimizer_s: Mapped[float | None] = mapped_column(Float)
-    predicted_max_seq_len: Mapped[int | None] = mapped_column(BigInteger)
-    step_compute_s: Mapped[float | None] = mapped_column(Float)
-    """Ring kernels: the sums of this rank's ring_step rows (workers.results.step_totals)."""
-    step_wait_s: Mapped[float | None] = mapped_column(Float)
-    step_received_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    transfer_window_bytes_per_s: Mapped[float | None] = mapped_column(Float)
-    """The best bytes / window of its ring steps' transfers (waits for the peer included)."""
-    link_probe_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    """W > 1 sequence parallel: the K/V block pinged to the next ring rank (workers.link)."""
-    link_probe_bytes_per_s: Mapped[float | None] = mapped_column(Float)
-    link_latency_s: Mapped[float | None] = mapped_column(Float)
-    node: Mapped[str | None] = mapped_column(String(255))
-    """The node the rank ran on (its Ray node's IP, from the gang's placement; 0015)."""
+    id: Mapped[int]
+    run_id: Mapped[int]
+    rank: Mapped[int]  # typed for the queries that order by it; declared in workers.results
+    node: Mapped[str | None]
 
     run: Mapped[Run] = relationship(back_populates="rank_results")
 
 
+memory_component_table = _run_rows(
+    "memory_component",
+    Column("rank", Integer, nullable=False),
+    *columns_of(results.MemoryComponent, {"component": String(32)}),
+    UniqueConstraint("run_id", "rank", "component", name="uq_memory_component_run_rank"),
+)
+
+
 class MemoryComponent(Base):
-    """One memory component of a model run on one rank: predicted and measured bytes."""
+    """One memory component of a model run on one rank (workers.results.MemoryComponent)."""
 
-    __tablename__ = "memory_component"
-    __table_args__ = (
-        UniqueConstraint("run_id", "rank", "component", name="uq_memory_component_run_rank"),
-    )
+    __table__ = memory_component_table
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
-    rank: Mapped[int] = mapped_column(Integer)
-    component: Mapped[str] = mapped_column(String(32))
-    predicted_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    measured_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    id: Mapped[int]
+    run_id: Mapped[int]
+    rank: Mapped[int]
+
+
+probe_table = _run_rows(
+    "probe",
+    *columns_of(
+        results.ProbeResult,
+        {"outcome": _enum(ProbeOutcome, "probe_outcome")},
+        nullable={"rank_peak_bytes"},  # probes stored before 0002
+    ),
+)
 
 
 class Probe(Base):
-    """One tried length of a max_seq_len search."""
+    """One tried length of a max_seq_len search (workers.results.ProbeResult)."""
 
-    __tablename__ = "probe"
+    __table__ = probe_table
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
-    seq_len: Mapped[int] = mapped_column(BigInteger)
-    outcome: Mapped[ProbeOutcome] = mapped_column(_enum(ProbeOutcome, "probe_outcome"))
-    peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    input_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    rank_peak_bytes: Mapped[list[Any] | None]
-    requested_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    time_s: Mapped[float | None] = mapped_column(Float)
-    error: Mapped[str | None] = mapped_column(Text)
-    emulated: Mapped[bool] = mapped_column(Boolean, default=False)
+    id: Mapped[int]
+    run_id: Mapped[int]
 
     run: Mapped[Run] = relationship(back_populates="probes")
 
 
+ring_step_table = _run_rows(
+    "ring_step",
+    Column("rank", Integer, nullable=False),
+    *columns_of(results.StepTime, {"iteration": Integer(), "phase": String(16), "step": Integer()}),
+)
+
+
 class RingStep(Base):
-    """One step of a ring kernel on one rank in one timed iteration (attention.ring.steps)."""
+    """One step of a ring kernel on one rank in one timed iteration (workers.results.StepTime)."""
 
-    __tablename__ = "ring_step"
+    __table__ = ring_step_table
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
-    rank: Mapped[int] = mapped_column(Integer)
-    iteration: Mapped[int] = mapped_column(Integer)
-    phase: Mapped[str] = mapped_column(String(16))
-    step: Mapped[int] = mapped_column(Integer)
-    compute_s: Mapped[float] = mapped_column(Float)
-    wait_s: Mapped[float] = mapped_column(Float)
-    sent_bytes: Mapped[int] = mapped_column(BigInteger)
-    received_bytes: Mapped[int] = mapped_column(BigInteger)
-    transfer_window_bytes_per_s: Mapped[float | None] = mapped_column(Float)
+    id: Mapped[int]
+    run_id: Mapped[int]
+    rank: Mapped[int]
 
 
 class Artifact(Base):

@@ -50,6 +50,17 @@ def _layout(title: str, x: str, y: str, **extra: Any) -> dict[str, Any]:
     }
 
 
+def _log_x_layout(title: str, x: str, y: str, **y_extra: Any) -> dict[str, Any]:
+    """A layout with a log x axis and a y axis from zero (y_extra: more of the y axis)."""
+    return _layout(
+        title,
+        x,
+        y,
+        xaxis={"type": "log", "title": {"text": x}},
+        yaxis={"title": {"text": y}, **y_extra, "rangemode": "tozero"},
+    )
+
+
 def _empty(fig: go.Figure, message: str) -> dict[str, Any]:
     """The figure with its axes hidden and `message` in the middle: says why it is empty."""
     fig.update_xaxes(visible=False)
@@ -192,31 +203,41 @@ def throughput_figure(rows: Sequence[Row], styles: Styles | None = None) -> dict
     """Tokens/s vs sequence length, one line per kernel variant and world size, log-log."""
     ok = _succeeded(rows, "tokens_per_s")
     styles = styles or Styles(rows)
-    fig = go.Figure(
-        layout=_layout(
-            "Throughput",
-            "sequence length (tokens)",
-            "throughput (tokens/s)",
-            xaxis=length_axis(r["length"] for r in ok),
-            yaxis=log_axis((r["tokens_per_s"] for r in ok), "throughput (tokens/s)"),
-        )
-    )
+    fig = go.Figure(layout=_throughput_layout("Throughput", ok))
     if not ok:
         return _empty(fig, "No succeeded runs with a measured time yet")
     for name, group in _grouped(ok).items():
-        fig.add_trace(
-            go.Scatter(
-                x=[r["length"] for r in group],
-                y=[r["tokens_per_s"] for r in group],
-                mode="lines+markers",
-                name=name,
-                line=styles.line(group[0]),
-                marker=styles.marker(group[0]),
-                customdata=[r["run_id"] for r in group],
-                hovertemplate="seq %{x}<br>%{y:.4s} tokens/s<br>run %{customdata}<extra></extra>",
-            )
-        )
+        fig.add_trace(_throughput_line(name, group, styles))
     return _to_json(fig)
+
+
+def _throughput_layout(title: str, rows: Sequence[Row]) -> dict[str, Any]:
+    """Tokens/s against length, both on log axes fitted to `rows`."""
+    return _layout(
+        title,
+        "sequence length (tokens)",
+        "throughput (tokens/s)",
+        xaxis=length_axis(r["length"] for r in rows),
+        yaxis=log_axis((r["tokens_per_s"] for r in rows), "throughput (tokens/s)"),
+    )
+
+
+def _throughput_line(
+    name: str, group: Sequence[Row], styles: Styles, hover_name: bool = False
+) -> go.Scatter:
+    """One line of tokens/s against length, its run in the hover (and its name, hover_name)."""
+    return go.Scatter(
+        x=[r["length"] for r in group],
+        y=[r["tokens_per_s"] for r in group],
+        mode="lines+markers",
+        name=name,
+        line=styles.line(group[0]),
+        marker=styles.marker(group[0]),
+        customdata=[r["run_id"] for r in group],
+        hovertemplate="seq %{x}<br>%{y:.4s} tokens/s<br>run %{customdata}<extra>"
+        + (name if hover_name else "")
+        + "</extra>",
+    )
 
 
 def memory_figure(rows: Sequence[Row], styles: Styles | None = None) -> dict[str, Any]:
@@ -462,15 +483,10 @@ def scaling_figure(rows: Sequence[Row]) -> dict[str, Any]:
     each point with its interval (both runs' noise) as an error bar; a point above 100% beyond
     the noise (flagged) is drawn as a red cross, its reason in the hover."""
     fig = go.Figure(
-        layout=_layout(
+        layout=_log_x_layout(
             "Scaling efficiency (bars: interval from both runs' noise; ✕: above 100%, flagged)",
             "world size (ranks)",
             "scaling efficiency (fraction of linear)",
-            xaxis={"type": "log", "title": {"text": "world size (ranks)"}},
-            yaxis={
-                "title": {"text": "scaling efficiency (fraction of linear)"},
-                "rangemode": "tozero",
-            },
         )
     )
     points = scaling_points(rows)
@@ -489,22 +505,7 @@ def scaling_figure(rows: Sequence[Row]) -> dict[str, Any]:
         )
     )
     for name, line in points.items():
-        spans = [noise.get((name, w), (e, e, "")) for w, e in line]
-        fig.add_trace(
-            go.Scatter(
-                x=[w for w, _ in line],
-                y=[e for _, e in line],
-                mode="lines+markers",
-                name=name,
-                error_y={
-                    "type": "data",
-                    "symmetric": False,
-                    "array": [hi - e for (_, e), (_, hi, _) in zip(line, spans, strict=True)],
-                    "arrayminus": [e - lo for (_, e), (lo, _, _) in zip(line, spans, strict=True)],
-                },
-                hovertemplate="W=%{x}<br>efficiency %{y:.2f}<extra></extra>",
-            )
-        )
+        fig.add_trace(_scaling_line(name, line, noise))
     flagged = [(name, w, e, noise[(name, w)][2]) for name, line in points.items()
                for w, e in line if noise.get((name, w), (0, 0, ""))[2]]  # fmt: skip
     if flagged:
@@ -520,6 +521,28 @@ def scaling_figure(rows: Sequence[Row]) -> dict[str, Any]:
             )
         )
     return _to_json(fig)
+
+
+def _scaling_line(
+    name: str,
+    line: Sequence[tuple[int, float]],
+    noise: dict[tuple[str, int], tuple[float, float, str]],
+) -> go.Scatter:
+    """One config's efficiency against world size, each point's interval as its error bar."""
+    spans = [noise.get((name, w), (e, e, "")) for w, e in line]
+    return go.Scatter(
+        x=[w for w, _ in line],
+        y=[e for _, e in line],
+        mode="lines+markers",
+        name=name,
+        error_y={
+            "type": "data",
+            "symmetric": False,
+            "array": [hi - e for (_, e), (_, hi, _) in zip(line, spans, strict=True)],
+            "arrayminus": [e - lo for (_, e), (lo, _, _) in zip(line, spans, strict=True)],
+        },
+        hovertemplate="W=%{x}<br>efficiency %{y:.2f}<extra></extra>",
+    )
 
 
 def peak_fraction_figure(rows: Sequence[Row], styles: Styles | None = None) -> dict[str, Any]:
@@ -792,19 +815,8 @@ def model_peak_figure(rows: Sequence[Row]) -> dict[str, Any]:
     )
     drawn = False
     for name, group in _grouped([r for r in rows if r["status"] != "queued"], False).items():
-        measured: list[tuple[int, float]] = []
-        predicted: list[tuple[int, float]] = []
-        for r in group:
-            for p in r.get("probes") or []:
-                if p.get("peak_memory_bytes") is not None:
-                    measured.append((p["seq_len"], p["peak_memory_bytes"] / GIB))
-            if not r.get("probes") and r.get("peak_memory_bytes") is not None:
-                measured.append((r["length"], r["peak_memory_bytes"] / GIB))
-            predicted += [(n, b / GIB) for n, b in r.get("predicted_peaks") or []]
-            if not r.get("probes") and r.get("predicted_peak_bytes") is not None:
-                predicted.append((r["length"], r["predicted_peak_bytes"] / GIB))
+        measured, predicted = _peak_points(group)
         if measured:
-            measured.sort()
             fig.add_trace(
                 go.Scatter(
                     x=[m[0] for m in measured],
@@ -814,9 +826,7 @@ def model_peak_figure(rows: Sequence[Row]) -> dict[str, Any]:
                     legendgroup=name,
                 )
             )
-            drawn = True
         if predicted:
-            predicted = sorted(set(predicted))
             fig.add_trace(
                 go.Scatter(
                     x=[q[0] for q in predicted],
@@ -827,7 +837,7 @@ def model_peak_figure(rows: Sequence[Row]) -> dict[str, Any]:
                     legendgroup=name,
                 )
             )
-            drawn = True
+        drawn = drawn or bool(measured or predicted)
     budgets = {
         b
         for r in rows
@@ -843,6 +853,23 @@ def model_peak_figure(rows: Sequence[Row]) -> dict[str, Any]:
     if not drawn:
         return _empty(fig, "No model run has measured a step peak yet")
     return _to_json(fig)
+
+
+def _peak_points(group: Sequence[Row]) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """A model series' (length, GiB) step peaks, measured (a search's probes, else the runs)
+    and predicted (every length the cell was predicted at), each sorted by length."""
+    measured: list[tuple[int, float]] = []
+    predicted: list[tuple[int, float]] = []
+    for r in group:
+        for p in r.get("probes") or []:
+            if p.get("peak_memory_bytes") is not None:
+                measured.append((p["seq_len"], p["peak_memory_bytes"] / GIB))
+        if not r.get("probes") and r.get("peak_memory_bytes") is not None:
+            measured.append((r["length"], r["peak_memory_bytes"] / GIB))
+        predicted += [(n, b / GIB) for n, b in r.get("predicted_peaks") or []]
+        if not r.get("probes") and r.get("predicted_peak_bytes") is not None:
+            predicted.append((r["length"], r["predicted_peak_bytes"] / GIB))
+    return sorted(measured), sorted(set(predicted))
 
 
 def step_time_figure(rows: Sequence[Row]) -> dict[str, Any]:
@@ -889,16 +916,11 @@ def exposed_comm_figure(rows: Sequence[Row]) -> dict[str, Any]:
     """Exposed-communication share against tokens per rank, one line per ring variant and
     world size; each series' F/B crossover (tokens per rank) marked by a dashed line."""
     fig = go.Figure(
-        layout=_layout(
+        layout=_log_x_layout(
             "Exposed communication",
             "tokens per rank (tokens)",
             "blocked on transfers (% of step time)",
-            xaxis={"type": "log", "title": {"text": "tokens per rank (tokens)"}},
-            yaxis={
-                "title": {"text": "blocked on transfers (% of step time)"},
-                "tickformat": ".0%",
-                "rangemode": "tozero",
-            },
+            tickformat=".0%",
         )
     )
     ok = _succeeded(rows, "exposed_comm_share")
@@ -948,15 +970,7 @@ def sp_schemes_figure(rows: Sequence[Row], styles: Styles | None = None) -> dict
     if len({r["kernel"] for r in ok}) < 2:
         return {}
     styles = styles or Styles(rows)
-    fig = go.Figure(
-        layout=_layout(
-            "Sequence-parallel schemes",
-            "sequence length (tokens)",
-            "throughput (tokens/s)",
-            xaxis=length_axis(r["length"] for r in ok),
-            yaxis=log_axis((r["tokens_per_s"] for r in ok), "throughput (tokens/s)"),
-        )
-    )
+    fig = go.Figure(layout=_throughput_layout("Sequence-parallel schemes", ok))
     several = {(r.get("mode"), r["world_size"]) for r in ok}
     lines: dict[str, list[Row]] = defaultdict(list)
     for r in ok:
@@ -964,20 +978,7 @@ def sp_schemes_figure(rows: Sequence[Row], styles: Styles | None = None) -> dict
         lines[r["kernel"] + extra].append(r)
     for name in sorted(lines, key=natural_key):
         group = sorted(lines[name], key=lambda r: r["length"])
-        fig.add_trace(
-            go.Scatter(
-                x=[r["length"] for r in group],
-                y=[r["tokens_per_s"] for r in group],
-                mode="lines+markers",
-                name=name,
-                line=styles.line(group[0]),
-                marker=styles.marker(group[0]),
-                customdata=[r["run_id"] for r in group],
-                hovertemplate="seq %{x}<br>%{y:.4s} tokens/s<br>run %{customdata}<extra>"
-                + name
-                + "</extra>",
-            )
-        )
+        fig.add_trace(_throughput_line(name, group, styles, hover_name=True))
     return _to_json(fig)
 
 

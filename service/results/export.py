@@ -10,127 +10,80 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import asdict, fields
+from typing import Any, get_type_hints
+
+from pydantic import BaseModel, Field, create_model
 
 from service.results import baselines
 from service.results.rows import RunRow
+from service.results.stored import StoredComponent
 from service.spec import PivotSpec, canonical_json
 
-CSV_COLUMNS = (
-    "run_id",
-    "sweep_id",
-    "label",
-    "kernel",
-    "params",
-    "seq_len",
-    "measured_seq_len",
-    "world_size",
-    "batch_size",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "dtype",
-    "causal",
-    "mode",
-    "parallel",
-    "status",
-    "outcome",
-    "attempts",
-    "median_s",
-    "p10_s",
-    "p90_s",
-    "median_lo_s",
-    "median_hi_s",
-    "median_ci_level",
-    "iterations",
-    "tokens_per_s",
-    "tflops_per_s",
-    "flops_per_s_per_rank",
-    "peak_fraction",
-    "peak_memory_bytes",
-    "rank_peak_bytes",
-    "input_memory_bytes",
-    "resident_peak_bytes",
-    "floor_bytes",
-    "memory_per_token_bytes",
-    "max_seq_len",
-    "exposed_comm_share",
-    "step_coverage",
-    "comm_bytes_per_rank",
-    "step_flops_per_s_per_rank",
-    "ulysses_groups",
-    "link_probe_bytes_per_s",
-    "link_latency_s",
-    "link_kind",
-    "crossover_tokens",
-    "crossover_basis",
-    "backend",
-    "max_abs_error",
-    "check_seq_len",
-    "sampled_check_error",
-    "sampled_check_seq_len",
-    "sampled_check_rows",
-    "baseline_run_id",
-    "baseline",
-    "speedup",
-    "memory_ratio",
-    "max_len_gain",
-    "efficiency",
-    "speedup_lo",
-    "speedup_hi",
-    "efficiency_lo",
-    "efficiency_hi",
-    "within_noise",
-    "flags",
-    "workload",
-    "model",
-    "model_shape",
-    "optimizer",
-    "precision",
-    "checkpointing",
-    "fixed_bytes",
-    "predicted_fixed_bytes",
-    "bytes_per_token",
-    "predicted_peak_bytes",
-    "predicted_max_seq_len",
-    "forward_s",
-    "backward_s",
-    "optimizer_s",
-    "checkpoint_time_ratio",
-    "checkpoint_time_ratio_lo",
-    "checkpoint_time_ratio_hi",
-    "device",
-    "environment_id",
-    "error",
-)
+EXPORTED = tuple(f.name for f in fields(RunRow) if f.metadata.get("export", True))
+"""results.json's fields, in order: RunRow's fields marked for export (rows._doc)."""
+JSON_ONLY = ("components",)
+CSV_MOVED = {"ulysses_groups": "step_flops_per_s_per_rank"}
+"""A column results.csv has always placed elsewhere than results.json: after the one named
+(both came in one change; files already written keep their layout)."""
+
+
+def _csv_columns() -> tuple[str, ...]:
+    """results.csv's columns: results.json's but the nested components (components.csv),
+    with CSV_MOVED applied."""
+    columns = [name for name in EXPORTED if name not in JSON_ONLY and name not in CSV_MOVED]
+    for name, after in CSV_MOVED.items():
+        columns.insert(columns.index(after) + 1, name)
+    return tuple(columns)
+
+
+CSV_COLUMNS = _csv_columns()
+COMPONENT_ROW_FIELDS = ("run_id", "label", "measured_seq_len")
 COMPONENT_CSV_COLUMNS = (
-    "run_id",
-    "label",
-    "measured_seq_len",
-    "rank",
-    "component",
-    "predicted_bytes",
-    "measured_bytes",
-    "ratio",
+    *COMPONENT_ROW_FIELDS,
+    *StoredComponent.model_fields,
+    *StoredComponent.model_computed_fields,
 )
+"""components.csv's columns: the run's, then a stored component's (its ratio included)."""
+EXPORT_TYPES: dict[str, Any] = {"params": str}
+"""A field exported in another form than the row holds it: params as canonical JSON."""
+
+
+def _result_row_model() -> type[BaseModel]:
+    """results.json's row model, generated from RunRow's exported fields: each field's type
+    (EXPORT_TYPES where it is written otherwise) and its doc as its description."""
+    hints = get_type_hints(RunRow)
+    declared: dict[str, Any] = {}
+    for f in fields(RunRow):
+        if f.name in EXPORTED:
+            annotation = EXPORT_TYPES.get(f.name, hints[f.name])
+            declared[f.name] = (annotation, Field(description=f.metadata.get("doc") or None))
+    doc = "One run in results.json / results.csv: its cell, outcome, numbers and ratios."
+    return create_model("ResultRow", __doc__=doc, **declared)
+
+
+ResultRow = _result_row_model()
 
 
 def result_row(row: RunRow) -> dict[str, Any]:
-    """One flat row of results.json / results.csv."""
-    out = {k: getattr(row, k) for k in CSV_COLUMNS if k not in ("params", "flags")}
+    """One flat row of results.json / results.csv: the row's exported fields as JSON values."""
+    out = {name: getattr(row, name) for name in EXPORTED}
     out["params"] = canonical_json(row.params)
-    out["flags"] = [{"code": f.code, "field": f.field, "text": f.text} for f in row.flags]
-    out["components"] = [
-        {
-            "rank": c.rank,
-            "component": c.component,
-            "predicted_bytes": c.predicted_bytes,
-            "measured_bytes": c.measured_bytes,
-            "ratio": c.ratio,
-        }
-        for c in row.components
-    ]
+    out["flags"] = [asdict(f) for f in row.flags]
+    out["components"] = [c.model_dump() for c in row.components]
     return out
+
+
+def figures(row: RunRow) -> list[tuple[str, float | int | str | bool, str]]:
+    """(name, value, doc) of every number and word results.json holds for the row, in its
+    order, those measured only (None and lists left out): the run page lists them all, so a
+    field added to RunRow shows there without a template of its own."""
+    docs = {f.name: str(f.metadata.get("doc") or "") for f in fields(RunRow)}
+    return [
+        (name, value, docs[name])
+        for name, value in result_row(row).items()
+        if isinstance(value, float | int | str | bool) and value != ""
+    ]
 
 
 def components_csv(rows: Sequence[RunRow]) -> str:
@@ -140,19 +93,9 @@ def components_csv(rows: Sequence[RunRow]) -> str:
     writer = csv.DictWriter(buf, fieldnames=COMPONENT_CSV_COLUMNS, lineterminator="\n")
     writer.writeheader()
     for r in rows:
+        run = {name: getattr(r, name) for name in COMPONENT_ROW_FIELDS}
         for c in r.components:
-            writer.writerow(
-                {
-                    "run_id": r.run_id,
-                    "label": r.label,
-                    "measured_seq_len": _csv_cell(r.measured_seq_len),
-                    "rank": c.rank,
-                    "component": c.component,
-                    "predicted_bytes": _csv_cell(c.predicted_bytes),
-                    "measured_bytes": _csv_cell(c.measured_bytes),
-                    "ratio": _csv_cell(c.ratio),
-                }
-            )
+            writer.writerow({k: _csv_cell(v) for k, v in {**run, **c.model_dump()}.items()})
     return buf.getvalue()
 
 

@@ -29,6 +29,7 @@ from service.db.models import (
     RingStep,
     Run,
     Sweep,
+    ring_step_table,
 )
 from service.results import baselines
 from service.results.rows import RunRow, rows_of, run_row
@@ -112,12 +113,13 @@ def load_run(session: Session, run_id: int) -> Run | None:
 
 def run_steps(session: Session, run_id: int) -> list[RingStep]:
     """A ring run's steps, by rank, iteration, phase (forward first) and step."""
-    forward_first = case((RingStep.phase == "forward", 0), else_=1)
+    step = ring_step_table.c  # its columns generated from workers.results.StepTime
+    forward_first = case((step.phase == "forward", 0), else_=1)
     return list(
         session.scalars(
             select(RingStep)
             .where(RingStep.run_id == run_id)
-            .order_by(RingStep.rank, RingStep.iteration, forward_first, RingStep.step)
+            .order_by(RingStep.rank, step.iteration, forward_first, step.step)
         )
     )
 

@@ -192,53 +192,12 @@ def report_markdown(
     pivot_spec: PivotSpec | None,
 ) -> str:
     """A markdown report of a sweep in the style of the reports users write by hand."""
-    created = sweep.created_at.strftime("%Y-%m-%d %H:%M")
-    state = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no runs"
-    lines = [
-        f"# {sweep.name}",
-        "",
-        f"Sweep {sweep.id} · kind `{sweep.kind}` · created {created} UTC · "
-        f"{len(rows)} runs: {state}",
-        "",
-    ]
-    failed = [r for r in rows if r.error]
-    if failed:
-        lines += _errors(failed)
-    fixed = _fixed(rows, SETUP_FIELDS)
-    if fixed:
-        lines += ["**Setup**: " + " · ".join(f"{k}={v}" for k, v in fixed.items()), ""]
-    protocol = _fixed(rows, PROTOCOL_FIELDS)
-    if protocol:
-        lines += ["**Protocol**: " + " · ".join(f"{k}={v}" for k, v in protocol.items()), ""]
-    lines += [
-        "Time is the slowest rank's median per iteration (p10-p90 of that rank beside it); "
-        "tokens/s = batch_size x measured length / time; TFLOP/s = FLOPs summed over ranks / "
-        "time (attention FLOPs 4·b·s·s·h·d, halved for causal, x3.5 for forward+backward, only "
-        "computed blocks for sparse kernels); peak memory is each rank's own, reset for the "
-        "case; memory/token divides the largest rank peak by the tokens that rank holds. "
-        "Ratios compare each run with its baseline (named in the Baseline column): speedup = "
-        "tokens/s / baseline tokens/s, memory ratio = peak / baseline peak, max-length gain = "
-        "max tokens / baseline max tokens, scaling efficiency = gain / world-size ratio. "
-        "The noise: a time's interval is the 95% confidence interval of the slowest rank's "
-        "median (order statistics; with 2-5 iterations the range of all of them, which covers "
-        "less: median_ci_level in results.json); a ratio of times carries (lo-hi) = a_lo / b_hi "
-        "to a_hi / b_lo from both runs' intervals, and says within noise when that holds 1.0. "
-        "Peak memory and maximum length are one measurement each: their ratios have no "
-        "interval. A number above its physical limit carries ⚠ and a footnote.",
-        "",
-    ]
-    flagged = [r for r in rows if r.flags]
-    if flagged:
-        lines += [
-            f"**{len(flagged)} of {len(rows)} runs show a result above its physical limit** "
-            "(marked ⚠, explained in the footnotes): read those numbers as suspect.",
-            "",
-        ]
-    lines += _cotenant_lines(rows)
+    lines = _preamble(sweep, rows, counts)
     ordered = sorted(rows, key=lambda r: (r.label, r.length, r.run_id))
     bench = [r for r in ordered if not r.searched]
     if bench:
         lines += _results_section(bench)
+        lines += _phase_section(bench)
     lines += _baseline_section(ordered)
     lines += sp_schemes_section([result_row(r) for r in ordered])
     models = [r for r in ordered if r.workload == "model"]
@@ -253,6 +212,55 @@ def report_markdown(
     lines += _environment_section(environments)
     lines += flag_footnotes(rows)
     return "\n".join(lines)
+
+
+DEFINITIONS = (
+    "Time is the slowest rank's median per iteration (p10-p90 of that rank beside it); "
+    "tokens/s = batch_size x measured length / time; TFLOP/s = FLOPs summed over ranks / "
+    "time (attention FLOPs 4·b·s·s·h·d, halved for causal, x3.5 for forward+backward, only "
+    "computed blocks for sparse kernels); peak memory is each rank's own, reset for the "
+    "case; memory/token divides the largest rank peak by the tokens that rank holds. "
+    "Ratios compare each run with its baseline (named in the Baseline column): speedup = "
+    "tokens/s / baseline tokens/s, memory ratio = peak / baseline peak, max-length gain = "
+    "max tokens / baseline max tokens, scaling efficiency = gain / world-size ratio. "
+    "The noise: a time's interval is the 95% confidence interval of the slowest rank's "
+    "median (order statistics; with 2-5 iterations the range of all of them, which covers "
+    "less: median_ci_level in results.json); a ratio of times carries (lo-hi) = a_lo / b_hi "
+    "to a_hi / b_lo from both runs' intervals, and says within noise when that holds 1.0. "
+    "Peak memory and maximum length are one measurement each: their ratios have no "
+    "interval. A number above its physical limit carries ⚠ and a footnote."
+)
+"""What the report's figures mean, said once under its heading."""
+
+
+def _preamble(sweep: Sweep, rows: Sequence[RunRow], counts: dict[str, int]) -> list[str]:
+    """The report's heading, its errors, the setup and protocol every run shares, what the
+    figures mean, and the warnings (flagged results, runs timed beside others)."""
+    created = sweep.created_at.strftime("%Y-%m-%d %H:%M")
+    state = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no runs"
+    lines = [
+        f"# {sweep.name}",
+        "",
+        f"Sweep {sweep.id} · kind `{sweep.kind}` · created {created} UTC · "
+        f"{len(rows)} runs: {state}",
+        "",
+    ]
+    failed = [r for r in rows if r.error]
+    if failed:
+        lines += _errors(failed)
+    for title, names in (("Setup", SETUP_FIELDS), ("Protocol", PROTOCOL_FIELDS)):
+        shared = _fixed(rows, names)
+        if shared:
+            lines += [f"**{title}**: " + " · ".join(f"{k}={v}" for k, v in shared.items()), ""]
+    lines += [DEFINITIONS, ""]
+    flagged = [r for r in rows if r.flags]
+    if flagged:
+        lines += [
+            f"**{len(flagged)} of {len(rows)} runs show a result above its physical limit** "
+            "(marked ⚠, explained in the footnotes): read those numbers as suspect.",
+            "",
+        ]
+    return lines + _cotenant_lines(rows)
 
 
 FLAG_TITLES = {
@@ -359,6 +367,44 @@ def fmt_latency(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e6:,.0f} us"
 
 
+def _phase_section(rows: Sequence[RunRow]) -> list[str]:
+    """Kernel cells in train mode: forward and backward apart, as FlashAttention's and
+    attention-gym's benchmarks report them (each phase's time and TFLOP/s, then the whole)."""
+    phased = [r for r in rows if r.forward_tflops_per_s is not None]
+    if not phased:
+        return []
+    unit = time_unit(t for r in phased for t in (r.forward_s, r.backward_s, r.median_s))
+    body = [
+        [
+            r.label, f"{r.length:,}", str(r.world_size),
+            unit(r.forward_s), _spread(unit, r.forward_p10_s, r.forward_p90_s),
+            unit(r.backward_s), _spread(unit, r.backward_p10_s, r.backward_p90_s),
+            unit(r.median_s), fmt_num(r.forward_tflops_per_s, 4),
+            fmt_num(r.backward_tflops_per_s, 4), fmt_num(r.tflops_per_s, 4),
+        ]
+        for r in phased
+    ]  # fmt: skip
+    header = ["Run", "Seq len", "World", "Forward", "p10 - p90", "Backward", "p10 - p90",
+              "Forward+backward", "Forward TFLOP/s", "Backward TFLOP/s",
+              "Total TFLOP/s"]  # fmt: skip
+    return [
+        "## Forward and backward (train mode)",
+        "",
+        "The slowest rank's medians, each phase timed apart within every timed iteration (p10 - "
+        "p90 of that rank beside them); forward+backward is the whole iteration (Time above). "
+        "TFLOP/s = the kernel's own FLOPs summed over ranks / the phase's time: the forward's "
+        "from kernel.flops(backward=False), the backward's = forward+backward's minus them.",
+        "",
+        *_table(header, body),
+        "",
+    ]
+
+
+def _spread(unit: TimeUnit, lo: float | None, hi: float | None) -> str:
+    """A p10 - p90 spread in `unit` ('-' when not measured)."""
+    return "-" if lo is None or hi is None else f"{unit(lo)} - {unit(hi)}"
+
+
 def _comm_section(rows: Sequence[RunRow]) -> list[str]:
     """Where a ring run's time goes: the seeds blame 'communication overhead' unmeasured."""
     ring = [
@@ -407,67 +453,44 @@ def _baseline_section(rows: Sequence[RunRow]) -> list[str]:
     'dilation impact' tables, with both measurements shown so every ratio can be checked."""
     by_id = {r.run_id: r for r in rows}
     pairs = [(r, by_id[r.baseline_run_id]) for r in rows if r.baseline_run_id in by_id]
-    lines: list[str] = []
     bench = [(r, b) for r, b in pairs if not r.searched]
-    if bench:
-        unit = time_unit(x.median_s for pair in bench for x in pair)
-        body = [
-            [
-                r.label,
-                f"{r.length:,}",
-                r.baseline or "-",
-                time_cell(b, unit),
-                time_cell(r, unit),
-                ratio_cell(r, "speedup", fmt_x),
-                fmt_bytes(b.peak_memory_bytes) + marks(b, "peak_memory_bytes"),
-                fmt_bytes(r.peak_memory_bytes) + marks(r, "peak_memory_bytes"),
-                fmt_x(r.memory_ratio),
-                ratio_cell(r, "efficiency", fmt_pct),
-            ]
-            for r, b in bench
-        ]
-        header = [
-            "Run",
-            "Seq len",
-            "Baseline",
-            f"Baseline time (interval, {unit.name})",
-            f"Time (interval, {unit.name})",
-            "Speedup",
-            "Baseline peak",
-            "Peak",
-            "Memory ratio",
-            "Scaling efficiency",
-        ]
-        lines += ["## Against the baseline", "", *_table(header, body), ""]
     searched = [(r, b) for r, b in pairs if r.searched]
-    if searched:
-        body = [
-            [
-                r.label,
-                r.baseline or "-",
-                fmt_num(b.max_seq_len),
-                fmt_num(r.max_seq_len),
-                fmt_x(r.max_len_gain),
-                fmt_num(b.tokens_per_s),
-                fmt_num(r.tokens_per_s),
-                ratio_cell(r, "speedup", fmt_x),
-                ratio_cell(r, "efficiency", fmt_pct),
-            ]
-            for r, b in searched
-        ]
-        header = [
-            "Run",
-            "Baseline",
-            "Baseline max tokens",
-            "Max tokens",
-            "Max-length gain",
-            "Baseline tokens/s at max",
-            "Tokens/s at max",
-            "Speedup",
-            "Scaling efficiency",
-        ]
-        lines += ["## Maximum length against the baseline", "", *_table(header, body), ""]
-    return lines
+    return (_timed_against_baseline(bench) if bench else []) + (
+        _max_len_against_baseline(searched) if searched else []
+    )
+
+
+def _timed_against_baseline(pairs: Sequence[tuple[RunRow, RunRow]]) -> list[str]:
+    """(run, its baseline) of timed runs: both times with their intervals, both peaks, the
+    speedup, memory ratio and scaling efficiency."""
+    unit = time_unit(x.median_s for pair in pairs for x in pair)
+    body = [
+        [r.label, f"{r.length:,}", r.baseline or "-", time_cell(b, unit), time_cell(r, unit),
+         ratio_cell(r, "speedup", fmt_x),
+         fmt_bytes(b.peak_memory_bytes) + marks(b, "peak_memory_bytes"),
+         fmt_bytes(r.peak_memory_bytes) + marks(r, "peak_memory_bytes"),
+         fmt_x(r.memory_ratio), ratio_cell(r, "efficiency", fmt_pct)]
+        for r, b in pairs
+    ]  # fmt: skip
+    header = ["Run", "Seq len", "Baseline", f"Baseline time (interval, {unit.name})",
+              f"Time (interval, {unit.name})", "Speedup", "Baseline peak", "Peak",
+              "Memory ratio", "Scaling efficiency"]  # fmt: skip
+    return ["## Against the baseline", "", *_table(header, body), ""]
+
+
+def _max_len_against_baseline(pairs: Sequence[tuple[RunRow, RunRow]]) -> list[str]:
+    """(run, its baseline) of searches: both maximum lengths and tokens/s at them, the gain,
+    speedup and scaling efficiency."""
+    body = [
+        [r.label, r.baseline or "-", fmt_num(b.max_seq_len), fmt_num(r.max_seq_len),
+         fmt_x(r.max_len_gain), fmt_num(b.tokens_per_s), fmt_num(r.tokens_per_s),
+         ratio_cell(r, "speedup", fmt_x), ratio_cell(r, "efficiency", fmt_pct)]
+        for r, b in pairs
+    ]  # fmt: skip
+    header = ["Run", "Baseline", "Baseline max tokens", "Max tokens", "Max-length gain",
+              "Baseline tokens/s at max", "Tokens/s at max", "Speedup",
+              "Scaling efficiency"]  # fmt: skip
+    return ["## Maximum length against the baseline", "", *_table(header, body), ""]
 
 
 def _pivot_section(rows: Sequence[RunRow], spec: PivotSpec) -> list[str]:
@@ -652,7 +675,24 @@ def model_sections(rows: Sequence[RunRow]) -> list[str]:
     """Seed 004's tables: training memory per model cell (max tokens found and predicted,
     fixed memory, memory per token, against the baseline), memory per component predicted
     and measured, and the step time by phase with the cost of checkpointing."""
-    lines = [
+    return [*_training_memory(rows), *_component_table(rows), *_step_time_table(rows)]
+
+
+TRAINING_MEMORY_HEADER = [
+    "Model", "d × heads × layers", "Optimizer", "Precision", "Checkpointing", "Tokens measured",
+    "Max tokens found", "Max tokens predicted", "Fixed", "KB per token", "Step peak",
+    "Step peak predicted",
+]  # fmt: skip
+"""The training memory table's columns but its last (the gain against the baseline)."""
+
+
+def _training_memory(rows: Sequence[RunRow]) -> list[str]:
+    """One line per model cell: its setup, the tokens found and predicted, fixed memory,
+    memory per token and the step peak, and its gain against the baseline run named."""
+    searched = any(r.searched for r in rows)
+    gain_title = "Max-length gain" if searched else "Memory ratio"
+    body = [_training_memory_cells(r) for r in rows]
+    return [
         "## Training memory",
         "",
         "Per model cell, on its limiting rank: fixed = parameters + gradients + optimizer "
@@ -660,112 +700,65 @@ def model_sections(rows: Sequence[RunRow]) -> list[str]:
         "predicted values come from the cell alone (workers/model_memory.py) before it ran; "
         "the last column compares with the baseline run named (see Against the baseline).",
         "",
+        *_table([*TRAINING_MEMORY_HEADER, gain_title], body),
+        "",
     ]
-    searched = any(r.searched for r in rows)
-    gain_title = "Max-length gain" if searched else "Memory ratio"
-    body = []
-    for r in rows:
-        found = r.max_seq_len if r.searched else None
-        gain = r.max_len_gain if r.searched else r.memory_ratio
-        chunk = (r.config.get("training") or {}).get("loss_chunk_tokens")
-        checkpointing = r.checkpointing or "-"
-        if chunk is not None:
-            checkpointing += f" · loss in chunks of {chunk:,}"
-        body.append(
-            [
-                r.model or "-",
-                r.model_shape or "-",
-                r.optimizer or "-",
-                r.precision or "-",
-                checkpointing,
-                fmt_num(r.measured_seq_len),
-                fmt_num(found),
-                fmt_num(r.predicted_max_seq_len),
-                fmt_bytes(r.fixed_bytes),
-                "-" if r.bytes_per_token is None else f"{r.bytes_per_token / 1e3:,.1f}",
-                fmt_bytes(r.peak_memory_bytes),
-                fmt_bytes(r.predicted_peak_bytes),
-                f"{fmt_x(gain)} vs run {r.baseline_run_id}" if gain is not None else "-",
-            ]
-        )
-    header = [
-        "Model",
-        "d × heads × layers",
-        "Optimizer",
-        "Precision",
-        "Checkpointing",
-        "Tokens measured",
-        "Max tokens found",
-        "Max tokens predicted",
-        "Fixed",
-        "KB per token",
-        "Step peak",
-        "Step peak predicted",
-        gain_title,
-    ]
-    lines += [*_table(header, body), ""]
-    lines += ["### Memory per component, predicted and measured", ""]
-    comp_body = []
-    for r in rows:
-        for c in r.components:
-            comp_body.append(
-                [
-                    r.label,
-                    f"{r.length:,}",
-                    str(c.rank),
-                    COMPONENT_TITLES.get(c.component, c.component),
-                    fmt_bytes(c.predicted_bytes),
-                    fmt_bytes(c.measured_bytes),
-                    fmt_ratio(c.ratio),
-                ]
-            )
-    if comp_body:
-        header = [
-            "Run",
-            "Tokens",
-            "Rank",
-            "Component",
-            "Predicted",
-            "Measured",
-            "Measured / predicted",
-        ]
-        lines += [*_table(header, comp_body), ""]
-    else:
-        lines += ["No model run has stored its components yet.", ""]
+
+
+def _training_memory_cells(r: RunRow) -> list[str]:
+    """One model cell's line of the training memory table."""
+    found = r.max_seq_len if r.searched else None
+    gain = r.max_len_gain if r.searched else r.memory_ratio
+    chunk = (r.config.get("training") or {}).get("loss_chunk_tokens")
+    checkpointing = r.checkpointing or "-"
+    if chunk is not None:
+        checkpointing += f" · loss in chunks of {chunk:,}"
+    return [
+        r.model or "-", r.model_shape or "-", r.optimizer or "-", r.precision or "-",
+        checkpointing, fmt_num(r.measured_seq_len), fmt_num(found),
+        fmt_num(r.predicted_max_seq_len), fmt_bytes(r.fixed_bytes),
+        "-" if r.bytes_per_token is None else f"{r.bytes_per_token / 1e3:,.1f}",
+        fmt_bytes(r.peak_memory_bytes), fmt_bytes(r.predicted_peak_bytes),
+        f"{fmt_x(gain)} vs run {r.baseline_run_id}" if gain is not None else "-",
+    ]  # fmt: skip
+
+
+def _component_table(rows: Sequence[RunRow]) -> list[str]:
+    """Every model cell's memory components (its limiting rank), predicted and measured."""
+    lines = ["### Memory per component, predicted and measured", ""]
+    body = [
+        [r.label, f"{r.length:,}", str(c.rank), COMPONENT_TITLES.get(c.component, c.component),
+         fmt_bytes(c.predicted_bytes), fmt_bytes(c.measured_bytes), fmt_ratio(c.ratio)]
+        for r in rows
+        for c in r.components
+    ]  # fmt: skip
+    if not body:
+        return [*lines, "No model run has stored its components yet.", ""]
+    header = ["Run", "Tokens", "Rank", "Component", "Predicted", "Measured",
+              "Measured / predicted"]  # fmt: skip
+    return [*lines, *_table(header, body), ""]
+
+
+def _step_time_table(rows: Sequence[RunRow]) -> list[str]:
+    """Each timed model cell's step by phase, its MFU and the cost of checkpointing."""
     timed = [r for r in rows if r.median_s is not None]
-    if timed:
-        lines += [
-            "### Step time by phase",
-            "",
-            "The slowest rank's medians; MFU = model FLOP/s per rank (6 x parameters per token "
-            "plus the kernel's attention FLOPs) / the device's dense peak; checkpointing cost "
-            "= step time / the same cell's without checkpointing.",
-            "",
-        ]
-        time_body = [
-            [
-                r.label,
-                f"{r.length:,}",
-                fmt_ms(r.forward_s),
-                fmt_ms(r.backward_s),
-                fmt_ms(r.optimizer_s),
-                fmt_ms(r.median_s),
-                fmt_num(r.tokens_per_s),
-                fmt_pct(r.peak_fraction),
-                ratio_cell(r, "checkpoint_time_ratio", fmt_x),
-            ]
-            for r in timed
-        ]
-        header = [
-            "Run",
-            "Tokens",
-            "Forward",
-            "Backward",
-            "Optimizer",
-            "Step",
-            "Tokens/s",
-            "MFU",
-            "Checkpointing cost",
-        ]
-        lines += [*_table(header, time_body), ""]
-    return lines
+    if not timed:
+        return []
+    body = [
+        [r.label, f"{r.length:,}", fmt_ms(r.forward_s), fmt_ms(r.backward_s),
+         fmt_ms(r.optimizer_s), fmt_ms(r.median_s), fmt_num(r.tokens_per_s),
+         fmt_pct(r.peak_fraction), ratio_cell(r, "checkpoint_time_ratio", fmt_x)]
+        for r in timed
+    ]  # fmt: skip
+    header = ["Run", "Tokens", "Forward", "Backward", "Optimizer", "Step", "Tokens/s", "MFU",
+              "Checkpointing cost"]  # fmt: skip
+    return [
+        "### Step time by phase",
+        "",
+        "The slowest rank's medians; MFU = model FLOP/s per rank (6 x parameters per token "
+        "plus the kernel's attention FLOPs) / the device's dense peak; checkpointing cost "
+        "= step time / the same cell's without checkpointing.",
+        "",
+        *_table(header, body),
+        "",
+    ]

@@ -42,7 +42,7 @@ A step's transfer window (posting to completion, stored per step and each rank's
 link figure: it includes waiting for the peer to post its side.
 
 A model cell (`workload: model`) adds, from its limiting rank (the largest measured step peak):
-its memory components predicted and measured (ComponentView, ratio = measured / predicted);
+its memory components predicted and measured (StoredComponent, ratio = measured / predicted);
 fixed memory = parameters + gradients + optimizer states (measured); memory per token = (step
 peak - fixed) / the tokens the rank holds; the predicted maximum length; the step's forward,
 backward and optimizer times of the slowest rank; MFU = per-rank FLOP/s (6 x parameters per
@@ -55,20 +55,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from copy import deepcopy
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from service.db.models import (
     Environment,
     MemoryComponent,
     Probe,
-    ProbeOutcome,
     RankResult,
     Run,
     RunStatus,
 )
 from service.results.peaks import dense_peak_flops
+from service.results.stored import StoredComponent, StoredProbe, StoredRank
 from workers.noise import Interval, inverse, median_interval
+from workers.results import stored_fields
 
 BYTES_PER_ELEMENT = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -126,37 +128,8 @@ def device_name(env: Environment | None) -> str | None:
     return "CPU"
 
 
-@dataclass(frozen=True)
-class ProbeView:
-    """One tried length of a search, as measured (None where nothing was measured)."""
-
-    seq_len: int
-    outcome: str
-    peak_memory_bytes: int | None
-    input_memory_bytes: int | None
-    rank_peak_bytes: list[int | None]
-    requested_bytes: int | None
-    time_s: float | None
-    error: str | None
-    emulated: bool
-
-
-@dataclass(frozen=True)
-class ComponentView:
-    """One memory component of a model run's rank: predicted and measured bytes."""
-
-    rank: int
-    component: str
-    predicted_bytes: int | None
-    measured_bytes: int | None
-
-    @property
-    def ratio(self) -> float | None:
-        """measured / predicted (None when either is missing or the prediction is 0)."""
-        if self.measured_bytes is None or not self.predicted_bytes:
-            return None
-        return self.measured_bytes / self.predicted_bytes
-
+RANK_FIELDS = set(stored_fields(StoredRank))
+"""What a rank of a row holds: the stored fields of workers.results.RankResult and its node."""
 
 FIXED_COMPONENTS = ("parameters", "gradients", "optimizer_states")
 """What a model holds whatever the length: the seed's 'fixed' memory."""
@@ -175,43 +148,6 @@ def model_shape(model: dict[str, Any]) -> str:
 
 
 @dataclass(frozen=True)
-class RankView:
-    """What one rank measured, as stored."""
-
-    rank: int
-    seq_len: int
-    times_s: list[float]
-    median_s: float
-    p10_s: float
-    p90_s: float
-    flops: float
-    peak_memory_bytes: int
-    input_memory_bytes: int | None
-    memory_budget_bytes: int | None
-    backend: str
-    max_abs_error: float | None
-    check_seq_len: int | None
-    sampled_check_error: float | None = None
-    sampled_check_seq_len: int | None = None
-    sampled_check_rows: int | None = None
-    resident_peak_bytes: int | None = None
-    """CPU: the process' RSS high-water mark above the baseline (not the allocator's peak)."""
-    forward_s: float | None = None
-    backward_s: float | None = None
-    optimizer_s: float | None = None
-    predicted_max_seq_len: int | None = None
-    step_compute_s: float | None = None
-    step_wait_s: float | None = None
-    step_received_bytes: int | None = None
-    transfer_window_bytes_per_s: float | None = None
-    link_probe_bytes: int | None = None
-    link_probe_bytes_per_s: float | None = None
-    link_latency_s: float | None = None
-    node: str | None = None
-    """The node it ran on (its Ray node's IP; None before migration 0015)."""
-
-
-@dataclass(frozen=True)
 class Flag:
     """A number above its physical limit: `code` (short, stable), the row `field` it marks,
     and a sentence that says what is wrong with it."""
@@ -221,124 +157,308 @@ class Flag:
     text: str
 
 
-@dataclass
+def _doc(text: str, export: bool = True) -> dict[str, Any]:
+    """A RunRow field's metadata: what it means (results.json's schema says it) and whether
+    results.json and results.csv carry it (service.results.export.EXPORTED)."""
+    return {"doc": text, "export": export}
+
+
+@dataclass(kw_only=True)
 class RunRow:
-    """One run with every number a table or chart shows for it (see the module docstring)."""
+    """One run with every number a table or chart shows for it (see the module docstring).
+
+    The declaration of results.json and results.csv: their columns are its fields marked for
+    export, in this order, each described by its doc (service.results.export)."""
 
     run_id: int
     sweep_id: int
+    label: str = field(default="", metadata=_doc("The kernel and what varies within the sweep."))
     kernel: str
-    params: dict[str, Any]
-    config: dict[str, Any]
-    seq_len: int = field(metadata={"doc": "The cell's length (a search's start)."})
+    params: dict[str, Any] = field(metadata=_doc("The kernel's parameters as canonical JSON."))
+    seq_len: int = field(metadata=_doc("The cell's length (a max_seq_len search's start)."))
+    measured_seq_len: int | None = field(
+        default=None, metadata=_doc("The length the ranks measured: seq_len, or a search's answer.")
+    )
     world_size: int
     batch_size: int
     num_heads: int
-    num_kv_heads: int
+    num_kv_heads: int = field(metadata=_doc("Key/value heads (num_heads without grouped-query)."))
     head_dim: int
     dtype: str
     causal: bool
     mode: str
     parallel: str
-    searched: bool
     status: str
+    outcome: str = field(
+        default="", metadata=_doc("ok (with the correctness error and its length), OOM, ...")
+    )
     attempts: int
-    error: str | None
-    environment_id: int | None
-    device: str | None
-    ranks: list[RankView]
-    probes: list[ProbeView]
-    measured_seq_len: int | None = None
-    median_s: float | None = None
-    p10_s: float | None = None
-    p90_s: float | None = None
-    median_lo_s: float | None = None
-    median_hi_s: float | None = None
-    median_ci_level: float | None = None
-    iterations: int | None = None
-    tokens_per_s: float | None = None
-    flops_per_s: float | None = None
-    flops_per_s_per_rank: float | None = None
-    peak_fraction: float | None = None
-    peak_memory_bytes: int | None = None
-    rank_peak_bytes: list[int] = field(default_factory=list)
-    input_memory_bytes: int | None = None
-    resident_peak_bytes: int | None = None
-    floor_bytes: int | None = None
-    memory_per_token_bytes: float | None = None
-    max_seq_len: int | None = None
-    backend: str | None = None
-    max_abs_error: float | None = None
-    check_seq_len: int | None = None
-    sampled_check_error: float | None = None
-    sampled_check_seq_len: int | None = None
-    sampled_check_rows: int | None = None
-    # Ring kernels: where the time goes (see the module docstring).
-    exposed_comm_share: float | None = None
-    step_coverage: float | None = None
-    ulysses_groups: str | None = field(
+    median_s: float | None = field(
+        default=None, metadata=_doc("Slowest rank's median seconds per iteration.")
+    )
+    p10_s: float | None = field(default=None, metadata=_doc("That rank's 10th percentile."))
+    p90_s: float | None = field(default=None, metadata=_doc("That rank's 90th percentile."))
+    median_lo_s: float | None = field(
         default=None,
-        metadata={"doc": "usp: each Ulysses group's ranks and the node(s) they ran on."},
+        metadata=_doc(
+            "That rank's confidence interval of the median, low end (order statistics; None with "
+            "one iteration)."
+        ),
+    )
+    median_hi_s: float | None = field(default=None, metadata=_doc("Its high end."))
+    median_ci_level: float | None = field(
+        default=None,
+        metadata=_doc("Its coverage: >= 0.95 from 6 iterations, below with 2-5 (their range)."),
+    )
+    iterations: int | None = field(
+        default=None, metadata=_doc("Timed iterations run (length of times_s).")
+    )
+    tokens_per_s: float | None = field(
+        default=None, metadata=_doc("batch_size * measured_seq_len / median_s.")
+    )
+    tflops_per_s: float | None = field(
+        default=None, metadata=_doc("FLOPs summed over ranks / median_s / 1e12.")
+    )
+    flops_per_s_per_rank: float | None = field(
+        default=None, metadata=_doc("FLOPs summed / median_s / ranks.")
+    )
+    peak_fraction: float | None = field(
+        default=None, metadata=_doc("Per-rank FLOP/s / the GPU's dense peak.")
+    )
+    peak_memory_bytes: int | None = field(
+        default=None, metadata=_doc("Largest per-rank peak memory.")
+    )
+    rank_peak_bytes: list[int] = field(
+        default_factory=list, metadata=_doc("Each rank's peak memory, in rank order.")
+    )
+    input_memory_bytes: int | None = field(
+        default=None, metadata=_doc("Largest memory after the inputs.")
+    )
+    resident_peak_bytes: int | None = field(
+        default=None,
+        metadata=_doc(
+            "CPU: the largest per-rank resident-set (RSS) high-water mark above the baseline, a "
+            "second figure beside the allocator's peak_memory_bytes."
+        ),
+    )
+    floor_bytes: int | None = field(
+        default=None, metadata=_doc("q, k, v, out and lse for one rank's tokens.")
+    )
+    memory_per_token_bytes: float | None = field(
+        default=None, metadata=_doc("Peak / tokens one rank holds.")
+    )
+    max_seq_len: int | None = field(
+        default=None, metadata=_doc("max_seq_len runs: the longest length that fit.")
+    )
+    exposed_comm_share: float | None = field(
+        default=None,
+        metadata=_doc("Ring kernels: time blocked on transfers / time in steps, all ranks."),
+    )
+    step_coverage: float | None = field(
+        default=None,
+        metadata=_doc("Ring kernels: the smallest share of a rank's time its steps account for."),
     )
     comm_bytes_per_rank: float | None = field(
         default=None,
-        metadata={"doc": "Bytes moved per rank per timed iteration: the most any rank received."},
+        metadata=_doc(
+            "Sequence parallel: bytes moved per rank per timed iteration (the most any rank "
+            "received: K/V hops, all-to-alls, gathers and reduce-scatters)."
+        ),
+    )
+    ulysses_groups: str | None = field(
+        default=None,
+        metadata=_doc(
+            "usp: each Ulysses group's ranks and the node(s) they ran on ('ranks 0-1 on 10.0.0.1;"
+            " ...'); a group across nodes says so."
+        ),
     )
     step_flops_per_s_per_rank: float | None = field(
         default=None,
-        metadata={"doc": "One rank's compute rate in its steps: FLOPs / step compute seconds."},
+        metadata=_doc(
+            "Sequence parallel: one rank's compute rate in its steps (FLOPs over the steps' "
+            "compute seconds, all ranks summed)."
+        ),
     )
-    # W > 1 sequence parallel: the probed ring link (see the module docstring).
-    link_probe_bytes_per_s: float | None = None
-    link_latency_s: float | None = None
-    link_kind: str | None = None
-    crossover_tokens: float | None = None
-    crossover_basis: str | None = None
-    outcome: str = ""
-    label: str = ""
-    series: str = ""
-    # Filled by service.results.baselines.apply: the baseline and the ratios against it.
-    baseline_run_id: int | None = None
-    baseline: str | None = None
-    speedup: float | None = None
-    memory_ratio: float | None = None
-    max_len_gain: float | None = None
-    efficiency: float | None = None
-    speedup_lo: float | None = None
-    speedup_hi: float | None = None
-    efficiency_lo: float | None = None
-    efficiency_hi: float | None = None
-    within_noise: list[str] = field(default_factory=list)
-    flags: list[Flag] = field(default_factory=list)
+    link_probe_bytes_per_s: float | None = field(
+        default=None,
+        metadata=_doc(
+            "W > 1 sequence parallel: the ring link's bandwidth, probed before the timed loop "
+            "(one K/V block pinged to the next rank and back); the slowest rank's."
+        ),
+    )
+    link_latency_s: float | None = field(
+        default=None, metadata=_doc("The probed links' largest one-way time of a 4-byte message.")
+    )
+    link_kind: str | None = field(
+        default=None,
+        metadata=_doc(
+            "What the probed link was: loopback (one host), one host (GPU to GPU), network (N "
+            "hosts)."
+        ),
+    )
+    crossover_tokens: float | None = field(
+        default=None,
+        metadata=_doc("ring: tokens per rank where compute would hide a step's transfer (F/B)."),
+    )
+    crossover_basis: str | None = field(
+        default=None,
+        metadata=_doc(
+            "Where F and B come from: the steps' compute rate and the probed link (with its kind)."
+        ),
+    )
+    backend: str | None = field(
+        default=None, metadata=_doc("The backends the ranks ran, comma-separated.")
+    )
+    max_abs_error: float | None = field(
+        default=None,
+        metadata=_doc("The correctness gate's full check (every row); None: not checked."),
+    )
+    check_seq_len: int | None = field(
+        default=None, metadata=_doc("The length the full check ran at.")
+    )
+    sampled_check_error: float | None = field(
+        default=None,
+        metadata=_doc(
+            "The gate's sampled rows at the run's own length (None: the full check ran at the "
+            "run's length)."
+        ),
+    )
+    sampled_check_seq_len: int | None = field(
+        default=None, metadata=_doc("The sampled check's length.")
+    )
+    sampled_check_rows: int | None = field(
+        default=None, metadata=_doc("Rows the sampled check compared.")
+    )
+    baseline_run_id: int | None = field(
+        default=None, metadata=_doc("The run the ratios compare with.")
+    )
+    baseline: str | None = field(
+        default=None, metadata=_doc("What the baseline changes (e.g. W=1, dense).")
+    )
+    speedup: float | None = field(default=None, metadata=_doc("tokens_per_s / the baseline's."))
+    memory_ratio: float | None = field(
+        default=None, metadata=_doc("peak_memory_bytes / the baseline's.")
+    )
+    max_len_gain: float | None = field(default=None, metadata=_doc("max_seq_len / the baseline's."))
+    efficiency: float | None = field(
+        default=None, metadata=_doc("Gain / world-size ratio (W differs only).")
+    )
+    speedup_lo: float | None = field(
+        default=None,
+        metadata=_doc("The speedup's interval from both runs' median intervals: a_lo / b_hi."),
+    )
+    speedup_hi: float | None = field(default=None, metadata=_doc("a_hi / b_lo."))
+    efficiency_lo: float | None = field(
+        default=None, metadata=_doc("speedup_lo / world-size ratio (timed).")
+    )
+    efficiency_hi: float | None = field(
+        default=None, metadata=_doc("speedup_hi / world-size ratio (timed).")
+    )
+    within_noise: list[str] = field(
+        default_factory=list,
+        metadata=_doc("The ratios whose interval holds 1.0 (speedup, checkpoint_time_ratio)."),
+    )
+    flags: list[Flag] = field(
+        default_factory=list, metadata=_doc("Numbers of this row above a physical limit.")
+    )
+    workload: str = field(
+        default="attention", metadata=_doc("attention (the kernel alone) or model (training).")
+    )
+    model: str | None = field(
+        default=None, metadata=_doc("Model cells: the model's name, else its shape.")
+    )
+    model_shape: str | None = field(
+        default=None, metadata=_doc("Model cells: d_model x heads x layers.")
+    )
+    optimizer: str | None = field(default=None)
+    precision: str | None = field(default=None)
+    checkpointing: str | None = field(default=None)
+    fixed_bytes: int | None = field(
+        default=None, metadata=_doc("Parameters + gradients + optimizer states.")
+    )
+    predicted_fixed_bytes: int | None = field(default=None)
+    bytes_per_token: float | None = field(
+        default=None, metadata=_doc("(Step peak - fixed) / rank tokens.")
+    )
+    predicted_peak_bytes: int | None = field(
+        default=None, metadata=_doc("The predicted step peak.")
+    )
+    predicted_max_seq_len: int | None = field(
+        default=None, metadata=_doc("The longest length predicted to fit the memory budget.")
+    )
+    forward_s: float | None = field(
+        default=None,
+        metadata=_doc(
+            "Train mode: the slowest rank's median forward seconds (timed apart within each "
+            "iteration)."
+        ),
+    )
+    backward_s: float | None = field(
+        default=None, metadata=_doc("Train mode: that rank's median backward seconds.")
+    )
+    forward_p10_s: float | None = field(
+        default=None, metadata=_doc("Kernel cells in train mode: its forward's 10th percentile.")
+    )
+    forward_p90_s: float | None = field(
+        default=None, metadata=_doc("Its forward's 90th percentile.")
+    )
+    backward_p10_s: float | None = field(
+        default=None, metadata=_doc("Its backward's 10th percentile.")
+    )
+    backward_p90_s: float | None = field(
+        default=None, metadata=_doc("Its backward's 90th percentile.")
+    )
+    forward_tflops_per_s: float | None = field(
+        default=None,
+        metadata=_doc(
+            "Kernel cells in train mode: the kernel's own forward FLOPs (flops(backward=False)) "
+            "summed over ranks / forward_s / 1e12 (tflops_per_s is forward + backward's)."
+        ),
+    )
+    backward_tflops_per_s: float | None = field(
+        default=None,
+        metadata=_doc(
+            "Its backward FLOPs (forward + backward minus forward) summed over ranks / "
+            "backward_s / 1e12."
+        ),
+    )
+    optimizer_s: float | None = field(
+        default=None, metadata=_doc("Model cells: median optimizer seconds.")
+    )
+    checkpoint_time_ratio: float | None = field(
+        default=None, metadata=_doc("Step time / the same cell's without checkpointing.")
+    )
+    checkpoint_time_ratio_lo: float | None = field(
+        default=None, metadata=_doc("Its interval's low end.")
+    )
+    checkpoint_time_ratio_hi: float | None = field(
+        default=None, metadata=_doc("Its interval's high end.")
+    )
+    components: list[StoredComponent] = field(
+        default_factory=list, metadata=_doc("Model cells: the limiting rank's memory components.")
+    )
+    device: str | None
+    environment_id: int | None
+    error: str | None
+    config: dict[str, Any] = field(metadata=_doc("", export=False))
+    searched: bool = field(metadata=_doc("", export=False))
+    ranks: list[StoredRank] = field(metadata=_doc("", export=False))
+    probes: list[StoredProbe] = field(metadata=_doc("", export=False))
+    flops_per_s: float | None = field(default=None, metadata=_doc("", export=False))
+    series: str = field(default="", metadata=_doc("", export=False))
     cotenants: list[int] | None = field(
         default=None,
-        metadata={
-            "doc": "Runs whose gangs shared this run's nodes while it ran (None: never "
-            "placed, or stored before they were recorded): its times may include contention."
-        },
+        metadata=_doc(
+            "Runs whose gangs shared this run's nodes while it ran (None: never placed, or stored"
+            " before they were recorded): its times may include contention.",
+            export=False,
+        ),
     )
-    # Model cells (workload: model); None / empty for attention-only cells.
-    workload: str = "attention"
-    model: str | None = None
-    model_shape: str | None = None
-    optimizer: str | None = None
-    precision: str | None = None
-    checkpointing: str | None = None
-    components: list[ComponentView] = field(default_factory=list)
-    fixed_bytes: int | None = None
-    predicted_fixed_bytes: int | None = None
-    bytes_per_token: float | None = None
-    predicted_peak_bytes: int | None = None
-    predicted_max_seq_len: int | None = None
-    forward_s: float | None = None
-    backward_s: float | None = None
-    optimizer_s: float | None = None
-    checkpoint_time_ratio: float | None = None  # filled by analysis: time / no checkpointing
-    checkpoint_time_ratio_lo: float | None = None
-    checkpoint_time_ratio_hi: float | None = None
-    predicted_peaks: list[tuple[int, int]] = field(default_factory=list)
+    predicted_peaks: list[tuple[int, int]] = field(
+        default_factory=list, metadata=_doc("", export=False)
+    )
 
-    def component(self, name: str) -> ComponentView | None:
+    def component(self, name: str) -> StoredComponent | None:
         """The limiting rank's component `name`, if stored."""
         return next((c for c in self.components if c.component == name), None)
 
@@ -365,10 +485,6 @@ class RunRow:
         return [f for f in self.flags if f.field == field]
 
     @property
-    def tflops_per_s(self) -> float | None:
-        return None if self.flops_per_s is None else self.flops_per_s / 1e12
-
-    @property
     def length(self) -> int:
         """Where the run sits on a length axis: the measured length, else the cell's."""
         return self.measured_seq_len or self.seq_len
@@ -378,12 +494,13 @@ class RunRow:
         return config_key(self.config)
 
     def as_dict(self) -> dict[str, Any]:
-        """Every field as plain JSON values (the dashboard's payload row)."""
-        out = asdict(self)
-        out.pop("config")
-        out["tflops_per_s"] = self.tflops_per_s
-        for c, view in zip(out["components"], self.components, strict=True):
-            c["ratio"] = view.ratio
+        """Every field as plain JSON values (the dashboard's payload row): a rank as its
+        stored fields and node, a component with its ratio."""
+        out = {f.name: deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "config"}
+        out["flags"] = [asdict(f) for f in self.flags]
+        out["ranks"] = [r.model_dump(include=RANK_FIELDS) for r in self.ranks]
+        out["probes"] = [p.model_dump() for p in self.probes]
+        out["components"] = [c.model_dump() for c in self.components]
         out["length"] = self.length
         return out
 
@@ -436,54 +553,8 @@ def run_row(
         environment_id=run.environment_id,
         cotenants=None if run.cotenants is None else list(run.cotenants),
         device=device_name(environment),
-        ranks=[
-            RankView(
-                rank=r.rank,
-                seq_len=r.seq_len,
-                times_s=list(r.times_s),
-                median_s=r.median_s,
-                p10_s=r.p10_s,
-                p90_s=r.p90_s,
-                flops=r.flops,
-                peak_memory_bytes=r.peak_memory_bytes,
-                input_memory_bytes=r.input_memory_bytes,
-                resident_peak_bytes=r.resident_peak_bytes,
-                memory_budget_bytes=r.memory_budget_bytes,
-                backend=r.backend,
-                max_abs_error=r.max_abs_error,
-                check_seq_len=r.check_seq_len,
-                sampled_check_error=r.sampled_check_error,
-                sampled_check_seq_len=r.sampled_check_seq_len,
-                sampled_check_rows=r.sampled_check_rows,
-                forward_s=r.forward_s,
-                backward_s=r.backward_s,
-                optimizer_s=r.optimizer_s,
-                predicted_max_seq_len=r.predicted_max_seq_len,
-                step_compute_s=r.step_compute_s,
-                step_wait_s=r.step_wait_s,
-                step_received_bytes=r.step_received_bytes,
-                transfer_window_bytes_per_s=r.transfer_window_bytes_per_s,
-                link_probe_bytes=r.link_probe_bytes,
-                link_probe_bytes_per_s=r.link_probe_bytes_per_s,
-                link_latency_s=r.link_latency_s,
-                node=r.node,
-            )
-            for r in sorted(ranks, key=lambda r: r.rank)
-        ],
-        probes=[
-            ProbeView(
-                seq_len=p.seq_len,
-                outcome=str(ProbeOutcome(p.outcome).value),
-                peak_memory_bytes=p.peak_memory_bytes,
-                input_memory_bytes=p.input_memory_bytes,
-                rank_peak_bytes=list(p.rank_peak_bytes or []),
-                requested_bytes=p.requested_bytes,
-                time_s=p.time_s,
-                error=p.error,
-                emulated=p.emulated,
-            )
-            for p in probes
-        ],
+        ranks=[StoredRank.model_validate(r) for r in sorted(ranks, key=lambda r: r.rank)],
+        probes=[StoredProbe.model_validate(p) for p in probes],
     )
     fits = [p.seq_len for p in row.probes if p.outcome == "fit"]
     row.max_seq_len = max(fits) if fits else None
@@ -516,10 +587,10 @@ def _model(row: RunRow, components: Sequence[MemoryComponent], tokens: int) -> N
     if checkpointing == "every_k":
         checkpointing = f"every {training.get('checkpoint_every')}"
     row.checkpointing = checkpointing
-    by_rank: dict[int, list[ComponentView]] = {}
+    by_rank: dict[int, list[StoredComponent]] = {}
     for c in components:
-        view = ComponentView(c.rank, c.component, c.predicted_bytes, c.measured_bytes)
-        by_rank.setdefault(c.rank, []).append(view)
+        view = StoredComponent.model_validate(c)
+        by_rank.setdefault(view.rank, []).append(view)
     if by_rank:
 
         def peak_of(rank: int) -> int:
@@ -538,12 +609,7 @@ def _model(row: RunRow, components: Sequence[MemoryComponent], tokens: int) -> N
         if row.peak_memory_bytes is not None and row.fixed_bytes is not None:
             row.bytes_per_token = (row.peak_memory_bytes - row.fixed_bytes) / tokens
     if row.ranks:
-        slow = max(row.ranks, key=lambda r: r.median_s)
-        row.forward_s, row.backward_s, row.optimizer_s = (
-            slow.forward_s,
-            slow.backward_s,
-            slow.optimizer_s,
-        )
+        row.optimizer_s = max(row.ranks, key=lambda r: r.median_s).optimizer_s
         predicted = [r.predicted_max_seq_len for r in row.ranks if r.predicted_max_seq_len]
         row.predicted_max_seq_len = min(predicted) if predicted else None
     if row.probes:
@@ -584,6 +650,7 @@ def _measured(row: RunRow) -> None:
     if slow.median_s > 0:
         row.tokens_per_s = row.batch_size * row.measured_seq_len / slow.median_s
         row.flops_per_s = sum(r.flops for r in ranks) / slow.median_s
+        row.tflops_per_s = row.flops_per_s / 1e12
         row.flops_per_s_per_rank = row.flops_per_s / row.world_size
         peak = dense_peak_flops(row.device, row.dtype)
         row.peak_fraction = row.flops_per_s_per_rank / peak if peak else None
@@ -604,10 +671,26 @@ def _measured(row: RunRow) -> None:
     first = ranks[0]  # every rank checks the same rows at the same length
     row.sampled_check_seq_len = first.sampled_check_seq_len
     row.sampled_check_rows = first.sampled_check_rows
+    _phases(row, slow)
     _steps(row)
 
 
-def peak_flags(ranks: Sequence[RankView]) -> list[Flag]:
+def _phases(row: RunRow, slow: StoredRank) -> None:
+    """Train mode: the slowest rank's forward and backward apart (medians, and for kernel
+    cells their p10 and p90), and their TFLOP/s from the kernel's own forward FLOPs, summed
+    over ranks as tflops_per_s sums the whole's."""
+    row.forward_s, row.backward_s = slow.forward_s, slow.backward_s
+    row.forward_p10_s, row.forward_p90_s = slow.forward_p10_s, slow.forward_p90_s
+    row.backward_p10_s, row.backward_p90_s = slow.backward_p10_s, slow.backward_p90_s
+    forward = [r.forward_flops for r in row.ranks if r.forward_flops is not None]
+    if len(forward) != len(row.ranks) or not slow.forward_s or not slow.backward_s:
+        return
+    backward = sum(r.flops for r in row.ranks) - sum(forward)
+    row.forward_tflops_per_s = sum(forward) / slow.forward_s / 1e12
+    row.backward_tflops_per_s = backward / slow.backward_s / 1e12
+
+
+def peak_flags(ranks: Sequence[StoredRank]) -> list[Flag]:
     """peak_below_inputs for a rank whose peak is below the inputs it held while that peak
     was metered: the peak counts those inputs, so the meter missed memory."""
     low = [
@@ -688,7 +771,7 @@ def _link(row: RunRow, environment: Environment | None) -> None:
     row.link_kind = link_kind(environment)
 
 
-def _crossover(row: RunRow, stepped: Sequence[RankView]) -> None:
+def _crossover(row: RunRow, stepped: Sequence[StoredRank]) -> None:
     """`ring` only: the tokens per rank at which a step's compute takes as long as its transfer
     (F/B), scaled from this run. A ring step's FLOPs grow with the square of the tokens per rank
     and its bytes linearly, so c* = c x (F / B) x (bytes / FLOPs) of one iteration, all ranks

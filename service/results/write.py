@@ -9,7 +9,7 @@ as they come, under the same condition.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,8 @@ from service.db.models import (
     utcnow,
 )
 from service.leases import Claim, holding
-from workers.results import RunOutcome
+from workers.results import EnvironmentInfo, ProbeResult, RunOutcome, stored
+from workers.results import RankResult as RankMeasure
 
 OUTCOME_STATUS = {
     "succeeded": RunStatus.succeeded,
@@ -41,15 +42,15 @@ OUTCOME_STATUS = {
 
 @dataclass(frozen=True)
 class Completion:
-    """What finishing a run writes: its terminal status and every row of its results."""
+    """What finishing a run writes: its terminal status and its results as the engine declared
+    them (workers.results), each stored as the rows of its generated table."""
 
     status: RunStatus
     error: str | None = None
-    ranks: Sequence[dict[str, Any]] = field(default_factory=tuple)
-    probes: Sequence[dict[str, Any]] = field(default_factory=tuple)
-    environment: dict[str, Any] | None = None  # Environment columns, "hash" included
-    components: Sequence[dict[str, Any]] = field(default_factory=tuple)  # rank included
-    steps: Sequence[dict[str, Any]] = field(default_factory=tuple)  # ring_step, rank included
+    ranks: Sequence[RankMeasure] = field(default_factory=tuple)  # with their components, steps
+    nodes: Mapping[int, str] = field(default_factory=dict)  # rank -> the node it ran on
+    probes: Sequence[ProbeResult] = field(default_factory=tuple)
+    environment: EnvironmentInfo | None = None
     artifacts: Sequence[dict[str, Any]] = field(default_factory=tuple)  # artifact rows
     cotenants: Sequence[int] | None = None  # runs that shared its nodes (None: never placed)
 
@@ -57,27 +58,23 @@ class Completion:
 def completion_from_outcome(
     outcome: RunOutcome, artifacts: Sequence[dict[str, Any]] = ()
 ) -> Completion:
-    """Map a workers.results.RunOutcome onto the rows finishing a run writes (their row());
-    `artifacts`: the rows of its artifacts, already written (ArtifactStore.write)."""
+    """What finishing a run writes from a workers.results.RunOutcome; `artifacts`: the rows of
+    its artifacts, already written (ArtifactStore.write)."""
     status = OUTCOME_STATUS.get(str(outcome.status))
     if status is None:
         raise ValueError(f"outcome.status: unknown status {outcome.status!r}")
-    nodes = {p.rank: p.node_ip for p in outcome.placement}  # where each rank ran
     return Completion(
-        steps=[{"rank": r.rank, **s.row()} for r in outcome.ranks for s in r.steps],
-        artifacts=artifacts,
         status=status,
         error=outcome.error,
-        ranks=[{**r.row(), "node": nodes.get(r.rank)} for r in outcome.ranks],
-        probes=[p.row() for p in outcome.probes],
-        environment=None if outcome.environment is None else outcome.environment.row(),
-        components=[{"rank": r.rank, **c.row()} for r in outcome.ranks for c in r.components],
+        ranks=outcome.ranks,
+        nodes={p.rank: p.node_ip for p in outcome.placement},  # where each rank ran
+        probes=outcome.probes,
+        environment=outcome.environment,
+        artifacts=artifacts,
     )
 
 
-def record_probes(
-    sm: sessionmaker[Session], claim: Claim, probes: Sequence[dict[str, Any]]
-) -> bool:
+def record_probes(sm: sessionmaker[Session], claim: Claim, probes: Sequence[ProbeResult]) -> bool:
     """Store probes of a running search as they come (the dashboard and `ringlab watch` show
     them live), only while the lease holds; False if it no longer does. finish() replaces
     them with the outcome's, which holds them all."""
@@ -92,18 +89,19 @@ def record_probes(
             session.rollback()
             return False
         for probe in probes:
-            session.add(Probe(run_id=claim.run_id, **probe))
+            session.add(Probe(run_id=claim.run_id, **stored(probe)))
     return True
 
 
-def _environment_id(session: Session, env: dict[str, Any]) -> int:
+def _environment_id(session: Session, env: EnvironmentInfo) -> int:
     # Insert-if-absent by hash: concurrent schedulers writing the same environment both succeed.
     insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
-    row = {"created_at": utcnow(), **env}
+    key = env.hash()
+    row = {"created_at": utcnow(), **stored(env), "hash": key}
     session.execute(
         insert(Environment).values(**row).on_conflict_do_nothing(index_elements=["hash"])
     )
-    return session.scalars(select(Environment.id).where(Environment.hash == env["hash"])).one()
+    return session.scalars(select(Environment.id).where(Environment.hash == key)).one()
 
 
 def finish(sm: sessionmaker[Session], claim: Claim, completion: Completion) -> bool:
@@ -145,18 +143,7 @@ def finish(sm: sessionmaker[Session], claim: Claim, completion: Completion) -> b
                 .values(environment_id=env_id)
                 .execution_options(synchronize_session=False)
             )
-        for rank in completion.ranks:
-            session.add(RankResult(run_id=claim.run_id, **rank))
-        # The outcome holds every probe: it replaces those stored live while the search ran.
-        session.execute(delete(Probe).where(Probe.run_id == claim.run_id))
-        for probe in completion.probes:
-            session.add(Probe(run_id=claim.run_id, **probe))
-        for component in completion.components:
-            session.add(MemoryComponent(run_id=claim.run_id, **component))
-        if completion.steps:  # many narrow rows: one executemany
-            session.execute(
-                insert(RingStep), [{"run_id": claim.run_id, **step} for step in completion.steps]
-            )
+        _add_results(session, claim.run_id, completion)
         # A retried run's artifacts of the same name were overwritten: one row per name.
         names = [a["name"] for a in completion.artifacts]
         if names:
@@ -167,3 +154,23 @@ def finish(sm: sessionmaker[Session], claim: Claim, completion: Completion) -> b
             session.add(Artifact(run_id=claim.run_id, **artifact))
         session.flush()
     return True
+
+
+def _add_results(session: Session, run_id: int, completion: Completion) -> None:
+    """The rows of every rank (its components and ring steps), and of every probe."""
+    for rank in completion.ranks:
+        node = completion.nodes.get(rank.rank)
+        session.add(RankResult(run_id=run_id, node=node, **stored(rank)))
+        for component in rank.components:
+            session.add(MemoryComponent(run_id=run_id, rank=rank.rank, **stored(component)))
+    # The outcome holds every probe: it replaces those stored live while the search ran.
+    session.execute(delete(Probe).where(Probe.run_id == run_id))
+    for probe in completion.probes:
+        session.add(Probe(run_id=run_id, **stored(probe)))
+    steps = [
+        {"run_id": run_id, "rank": rank.rank, **stored(step)}
+        for rank in completion.ranks
+        for step in rank.steps
+    ]
+    if steps:  # many narrow rows: one executemany
+        session.execute(insert(RingStep), steps)

@@ -47,7 +47,22 @@ def _fmt_s(value: float | None) -> str:
     return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
 
 
+def _fmt_figure(value: float | int | str | bool, name: str) -> str:
+    """A row's figure by its name's unit: seconds (`_s`), bytes (`_bytes`), rates
+    (`_per_s`, SI prefixes), other numbers to 4 significant digits or with separators."""
+    if isinstance(value, bool | str):
+        return str(value)
+    if name.endswith("_per_s"):
+        return _fmt_si(value, "/s")
+    if name.endswith("_s"):
+        return _fmt_s(value)
+    if name.endswith("_bytes"):
+        return _fmt_bytes(value)
+    return f"{value:,}" if isinstance(value, int) else f"{value:.4g}"
+
+
 templates.env.filters["si"] = _fmt_si
+templates.env.filters["figure"] = _fmt_figure
 templates.env.filters["nbytes"] = _fmt_bytes
 templates.env.filters["secs"] = _fmt_s
 templates.env.globals["component_titles"] = COMPONENT_TITLES

@@ -27,7 +27,7 @@ from service.api.outputs import artifact_out
 from service.api.pages import query_error
 from service.api.schemas import RingStepOut, SweepOut
 from service.db.models import TERMINAL_STATUSES, Sweep
-from service.results import charts, compare, queries
+from service.results import charts, compare, export, queries
 from service.results.rows import RunRow
 from service.web import login
 from service.web.render import HERE, STATIC_FILES
@@ -254,6 +254,7 @@ def run_page(request: Request, session: SessionDep, run_id: RunId) -> HTMLRespon
         timeline=charts.step_timeline_figure(steps) if steps else None,
         artifacts=[artifact_out(a) for a in queries.run_artifacts(session, run_id)],
         env=run.environment,
+        figures=export.figures(row),
     )
 
 

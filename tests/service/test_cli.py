@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from service import cli
 from service.cli import app
 from service.core.config import Settings
+from workers.results import ProbeResult
 
 pytestmark = pytest.mark.timeout(120)
 runner = CliRunner()
@@ -260,8 +261,8 @@ def test_watch_shows_a_running_searchs_probes_as_they_come(
             claim = leases.claim_next(sm, "test-scheduler", lease_s=60)
             assert claim is not None
             probes = [
-                {"seq_len": 4096, "outcome": "fit", "peak_memory_bytes": 1 << 20},
-                {"seq_len": 8192, "outcome": "oom", "error": "over budget"},
+                ProbeResult(seq_len=4096, outcome="fit", peak_memory_bytes=1 << 20),
+                ProbeResult(seq_len=8192, outcome="oom", error="over budget"),
             ]
             for probe in probes:
                 time.sleep(1.5)  # each is its own event

@@ -78,7 +78,7 @@ def test_streamed_exports_cross_pages_unchanged(database_url: str, monkeypatch: 
             whole = [export.result_row(r) for r in queries.sweep_rows(session, sweep)]
         got = client.get(f"/api/v1/sweeps/{sweep_id}/results.json")
         assert got.status_code == 200 and got.headers["content-type"] == "application/json"
-        want = [sweeps.ResultRow(**r).model_dump(mode="json") for r in whole]
+        want = [export.ResultRow(**r).model_dump(mode="json") for r in whole]
         assert got.json() == want and len(want) > 4
         csv = client.get(f"/api/v1/sweeps/{sweep_id}/results.csv").text
         assert csv == export.to_csv(whole)

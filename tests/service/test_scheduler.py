@@ -241,9 +241,9 @@ def test_results_are_committed_in_one_transaction(engine: Engine) -> None:
     (run_id,) = add_sweep(sm, [tiny_config()])
     claim = leases.claim_next(sm, "me", lease_s=30)
     assert claim is not None
-    row = fake_outcome(tiny_config()).ranks[0].row()
+    rank = fake_outcome(tiny_config()).ranks[0]
     with pytest.raises(IntegrityError):
-        write.finish(sm, claim, Completion(RunStatus.succeeded, ranks=[row, row]))
+        write.finish(sm, claim, Completion(RunStatus.succeeded, ranks=[rank, rank]))
     run = run_row(sm, run_id)
     assert run.status == RunStatus.running and rank_rows_per_run(sm) == Counter()
 

@@ -195,6 +195,12 @@ def test_seed_004_training_memory_tables_from_a_stored_sweep(database_url: str) 
 
         run_page = client.get(f"/runs/{blocks['id']}").text
         assert 'id="components"' in run_page and "Activations saved for backward" in run_page
+        # every figure results.json holds for the run, listed with its doc (export.figures)
+        row = next(r for r in client.get(f"{API}/sweeps/{sweep_id}/results.json").json()
+                   if r["run_id"] == blocks["id"])  # fmt: skip
+        shown = [n for n, v in row.items() if isinstance(v, float | int | str) and v != ""]
+        assert shown and all(f"<th>{n}</th>" in run_page for n in shown)
+        assert "(Step peak - fixed) / rank tokens." in run_page
 
 
 def test_training_refusals_are_422s_naming_the_field(database_url: str) -> None:

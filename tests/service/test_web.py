@@ -15,7 +15,8 @@ from service.db.engine import make_engine
 from service.db.models import Sweep
 from service.results import baselines, charts, compare, queries
 from service.results.peaks import dense_peak_flops
-from service.results.rows import RankView, RunRow, config_key, local_tokens, memory_floor
+from service.results.rows import RunRow, config_key, local_tokens, memory_floor
+from service.results.stored import StoredRank
 from service.spec import AnalysisSpec
 from workers.noise import median_interval
 
@@ -74,8 +75,11 @@ def _row(run_id: int = 1, median: float | None = 1.0, spread: float = 0.05, **cf
         row.tokens_per_s = row.batch_size * row.seq_len / median
         row.peak_memory_bytes = 100
         row.ranks = [
-            RankView(0, row.seq_len, times, median, times[0], times[-1], 1.0, 100, None, None,
-                     "x", None, None)
+            StoredRank(
+                rank=0, seq_len=row.seq_len, times_s=times, median_s=median, p10_s=times[0],
+                p90_s=times[-1], tokens_per_s=row.tokens_per_s, flops=1.0,
+                flops_per_s=1.0 / median, peak_memory_bytes=100, backend="x",
+            )
         ]  # fmt: skip
     return row
 

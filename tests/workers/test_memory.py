@@ -117,9 +117,8 @@ def test_the_protocol_meters_only_the_first_iteration_then_traces(warmup: int) -
     meter.baseline()
     x = torch.randn(1, 64, 1, 8)
     probe = Probe()
-    times, _, _, _, peak = _timed_loop(
-        probe, {"q": x, "k": x, "v": x}, cfg, meter, CPU, trace=trace()
-    )
+    loop = _timed_loop(probe, {"q": x, "k": x, "v": x}, cfg, meter, CPU, trace=trace())
+    times, peak = loop.times, loop.peak
     assert len(times) == 3 and len(probe.profiled) == 3 + warmup
     assert probe.profiled == [True] + [False] * (2 + warmup)
     assert peak == x.nbytes + MIB  # the input (made after the baseline), one tensor at a time

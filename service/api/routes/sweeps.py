@@ -27,7 +27,6 @@ from service.api.events import sweep_events
 from service.api.schemas import (
     CompareOut,
     Message,
-    ResultRow,
     SweepAction,
     SweepList,
     SweepOut,
@@ -241,6 +240,24 @@ def _sweep_rows(session: SessionDep, sweep_id: int) -> tuple[Sweep, list[RunRow]
     return sweep, queries.sweep_rows(session, sweep)
 
 
+CSV_ROUTE: dict[str, Any] = {
+    "dependencies": read,
+    "response_model": None,
+    "response_class": Response,
+    "responses": {
+        200: {"content": {"text/csv": {"schema": {"type": "string"}}}},
+        **NOT_FOUND,
+        **AUTH,
+    },
+}
+"""What every CSV export route declares: read access, a text/csv body, 404 and 401."""
+
+
+def _attachment(name: str) -> dict[str, str]:
+    """The header that saves a response as the file `name`."""
+    return {"Content-Disposition": f'attachment; filename="{name}"'}
+
+
 EXPORT_PAGE = 1_000
 """Runs per page of a streamed export: its memory stays one page whatever the sweep's size."""
 
@@ -266,7 +283,7 @@ def _stream_json(pages: Iterator[list[dict[str, Any]]]) -> Iterator[str]:
     yield "["
     sep = ""
     for page in pages:
-        yield sep + ",".join(ResultRow(**row).model_dump_json() for row in page)
+        yield sep + ",".join(export.ResultRow(**row).model_dump_json() for row in page)
         sep = ","
     yield "]"
 
@@ -285,7 +302,7 @@ def _exists_or_404(session: SessionDep, sweep_id: int) -> None:
 @router.get(
     "/{sweep_id}/results.json",
     dependencies=read,
-    response_model=list[ResultRow],
+    response_model=list[export.ResultRow],  # type: ignore[valid-type]  # generated (export)
     responses={**NOT_FOUND, **AUTH},
 )
 def results_json(sweep_id: SweepId, session: SessionDep, request: Request) -> Response:
@@ -299,10 +316,7 @@ def results_json(sweep_id: SweepId, session: SessionDep, request: Request) -> Re
 
 @router.get(
     "/{sweep_id}/results.csv",
-    dependencies=read,
-    response_model=None,
-    response_class=Response,
-    responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}, **NOT_FOUND, **AUTH},
+    **CSV_ROUTE,
 )
 def results_csv(sweep_id: SweepId, session: SessionDep, request: Request) -> Response:
     """The rows of results.json as CSV with a header line, streamed likewise."""
@@ -312,16 +326,13 @@ def results_csv(sweep_id: SweepId, session: SessionDep, request: Request) -> Res
     return StreamingResponse(
         _stream_csv(pages),
         media_type="text/csv",
-        headers={"Content-Disposition": f'attachment; filename="sweep-{sweep_id}.csv"'},
+        headers=_attachment(f"sweep-{sweep_id}.csv"),
     )
 
 
 @router.get(
     "/{sweep_id}/components.csv",
-    dependencies=read,
-    response_model=None,
-    response_class=Response,
-    responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}, **NOT_FOUND, **AUTH},
+    **CSV_ROUTE,
 )
 def components_csv(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
     """Model runs' memory per component (limiting rank): predicted, measured, ratio."""
@@ -330,16 +341,13 @@ def components_csv(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
     return PlainTextResponse(
         text,
         media_type="text/csv",
-        headers={"Content-Disposition": f'attachment; filename="sweep-{sweep_id}-components.csv"'},
+        headers=_attachment(f"sweep-{sweep_id}-components.csv"),
     )
 
 
 @router.get(
     "/{sweep_id}/pivot.csv",
-    dependencies=read,
-    response_model=None,
-    response_class=Response,
-    responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}, **NOT_FOUND, **AUTH},
+    **CSV_ROUTE,
 )
 def pivot_csv(
     sweep_id: SweepId,
