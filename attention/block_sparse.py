@@ -23,10 +23,10 @@ Inputs narrower than fp32 (bf16, fp16) are finished in accumulator windows of qu
 Two execution plans compute the same kept pairs (`plan`; "auto": by the inputs' device type):
 "cpu", many small calls sized for the CPU flash op (superblocks, stairs, rel views; below), and
 "cuda", a few large calls, since a CUDA call costs its kernel launches whatever its size: for
-the band patterns (local_window, dilated, global_local) one call per chunk diagonal on strided
-views (attention.block_sparse_band), for random batched calls on gathered K/V
-(attention.block_sparse_cuda). Either runs on either device (the primitive picks
-the fused op by device); the backend string names the plan that ran.
+the band patterns (local_window, global_local) one call per chunk diagonal on strided views
+(attention.block_sparse_band), for random and dilated (FLEX_PATTERNS) one FlexAttention call
+under a cached BlockMask (attention.block_sparse_flex). Either runs on either device (the
+primitive picks the fused op by device); the backend string names the plan that ran.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from fractions import Fraction
 
 import torch
 
-from attention import block_sparse_band, block_sparse_cuda, primitive
+from attention import block_sparse_band, block_sparse_flex, primitive
 from attention.autograd import merged_attention
 from attention.base import MergedKernel, attention_flops, check_qkv
 from attention.errors import ParamError
@@ -113,7 +113,8 @@ class BlockSparseParams:
     ordering: str = "natural"
     plan: str = "auto"
     """Execution plan: "cpu" (many small calls tuned to the CPU flash op), "cuda" (few large
-    batched calls, attention.block_sparse_cuda) or "auto" (by the inputs' device type)."""
+    calls: the band plan, or FlexAttention for FLEX_PATTERNS) or "auto" (by the inputs' device
+    type)."""
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
@@ -821,6 +822,87 @@ def _backward_split(call: _Call, bs: int, heads: int) -> tuple[int, int]:
     return tokens // unit * unit, max_heads
 
 
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""(dq, dk, dv) accumulators."""
+Saved = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""(dout, q, k, v, out, lse): what one backward call reads."""
+
+
+def _rel_backward(
+    call: _Call, saved: Saved, grads: Grads, bs: int, tokens: int, pieces: list[tuple[int, ...]]
+) -> None:
+    """A rel call's backward, per batch row `tokens` query tokens (whole blocks) and one
+    (query heads, K/V heads) piece at a time: each row's own keys (_rel_keys), their dk and dv
+    added back block by block."""
+    dout, q, k, v, out, lse = saved
+    dq, dk, dv = grads
+    n, kv_heads, dim = q.shape[1] // bs, k.shape[2], q.shape[3]
+    diag = _call_diagonal(call, bs)
+    for b in range(q.shape[0]):
+        dk_blocks = dk[b, : n * bs].view(n, bs, kv_heads, dim)
+        dv_blocks = dv[b, : n * bs].view(n, bs, kv_heads, dim)
+        for (r0, r1), (a0, a1, c0, c1) in itertools.product(_chunks(call, tokens // bs), pieces):
+            hq, hk = slice(a0, a1), slice(c0, c1)
+            q_rows, lse_rows = _row_views(q, lse, b, r0, r1, bs)
+            dq_b, dk_b, dv_b = block_backward(
+                _row_views(dout, lse, b, r0, r1, bs)[0][:, :, hq],
+                q_rows[:, :, hq],
+                _rel_keys(k, b, r0, r1, call, bs)[:, :, hk],
+                _rel_keys(v, b, r0, r1, call, bs)[:, :, hk],
+                _row_views(out, lse, b, r0, r1, bs)[0][:, :, hq],
+                lse_rows[:, hq],
+                scale=dim**-0.5,
+                causal=diag is not None,
+                diagonal=diag or 0,
+            )
+            _row_views(dq, lse, b, r0, r1, bs)[0][:, :, hq].add_(dq_b)
+            for t in range(call.key_blocks):  # slices, not a reshape: dk_b is strided
+                j0, keys = r0 + call.a + t, slice(t * bs, (t + 1) * bs)
+                dk_blocks[j0 : j0 + r1 - r0, :, hk].add_(dk_b[:, keys])
+                dv_blocks[j0 : j0 + r1 - r0, :, hk].add_(dv_b[:, keys])
+            del dq_b, dk_b, dv_b  # before the next call allocates its own
+
+
+def _shared_backward(
+    call: _Call, saved: Saved, grads: Grads, bs: int, tokens: int, pieces: list[tuple[int, ...]]
+) -> None:
+    """An abs or gathered call's backward (every query row shares its keys), `tokens` query
+    tokens and one (query heads, K/V heads) piece at a time; dk and dv added back to the key
+    range (abs) or scattered to the gathered blocks' tokens."""
+    dout, q, k, v, out, lse = saved
+    dq, dk, dv = grads
+    seq_len = q.shape[1]
+    diag = _call_diagonal(call, bs)
+    if call.kind == "abs":
+        keys, vals = (x[:, call.a * bs : call.b * bs] for x in (k, v))
+    else:
+        keys, vals = (_gather(x, call.blocks, bs) for x in (k, v))
+    first = call.r0 * bs  # query tokens in any cut: the keys are the same for all
+    spans = primitive.token_chunks(first, min(call.r1 * bs, seq_len), tokens)
+    for (t0, t1), (a0, a1, c0, c1) in itertools.product(spans, pieces):
+        rows, hq, hk = slice(t0, t1), slice(a0, a1), slice(c0, c1)
+        dq_b, dk_b, dv_b = block_backward(
+            dout[:, rows, hq],
+            q[:, rows, hq],
+            keys[:, :, hk],
+            vals[:, :, hk],
+            out[:, rows, hq],
+            lse[:, hq, rows],
+            scale=q.shape[3] ** -0.5,
+            causal=diag is not None,
+            diagonal=0 if diag is None else diag + t0 - first,
+        )
+        dq[:, rows, hq].add_(dq_b)
+        if call.kind == "abs":
+            dk[:, call.a * bs : call.b * bs, hk].add_(dk_b)
+            dv[:, call.a * bs : call.b * bs, hk].add_(dv_b)
+        else:
+            idx = _token_index(call.blocks, bs, seq_len).to(q.device)
+            dk[:, :, hk].index_add_(1, idx, dk_b)
+            dv[:, :, hk].index_add_(1, idx, dv_b)
+        del dq_b, dk_b, dv_b
+
+
 def block_sparse_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -836,125 +918,51 @@ def block_sparse_backward(
 
     All inputs contiguous. Per call, key gradients come per query row and are summed into
     their blocks; rows per call are bounded so those copies stay small."""
-    bsz, seq_len, _, dim = q.shape
-    kv_heads = k.shape[2]
-    bs, scale = params.block_size, dim**-0.5
-    n = seq_len // bs  # whole blocks (a short last block is only met by abs and gather calls)
-    dq, dk, dv = zero_grads(q, k)
-    heads = q.shape[2]
+    bs, heads, kv_heads = params.block_size, q.shape[2], k.shape[2]
+    grads = zero_grads(q, k)
     calls = _backward_plan(
-        params, seq_len, causal, SUPERBLOCK_TOKENS, BACKWARD_QUERY_TOKENS, BACKWARD_KEY_TOKENS
+        params, q.shape[1], causal, SUPERBLOCK_TOKENS, BACKWARD_QUERY_TOKENS, BACKWARD_KEY_TOKENS
     )
     for call in calls:
-        diag = _call_diagonal(call, bs)
         tokens, max_heads = _backward_split(call, bs, heads)
         pieces = primitive.kv_head_pieces(0, heads, heads, kv_heads, max_heads)
-        if call.kind == "rel":
-            for b in range(bsz):
-                dk_blocks = dk[b, : n * bs].view(n, bs, kv_heads, dim)
-                dv_blocks = dv[b, : n * bs].view(n, bs, kv_heads, dim)
-                for (r0, r1), (a0, a1, c0, c1) in itertools.product(
-                    _chunks(call, tokens // bs), pieces
-                ):
-                    hq, hk = slice(a0, a1), slice(c0, c1)
-                    q_rows, lse_rows = _row_views(q, lse, b, r0, r1, bs)
-                    dq_b, dk_b, dv_b = block_backward(
-                        _row_views(dout, lse, b, r0, r1, bs)[0][:, :, hq],
-                        q_rows[:, :, hq],
-                        _rel_keys(k, b, r0, r1, call, bs)[:, :, hk],
-                        _rel_keys(v, b, r0, r1, call, bs)[:, :, hk],
-                        _row_views(out, lse, b, r0, r1, bs)[0][:, :, hq],
-                        lse_rows[:, hq],
-                        scale=scale,
-                        causal=diag is not None,
-                        diagonal=diag or 0,
-                    )
-                    _row_views(dq, lse, b, r0, r1, bs)[0][:, :, hq].add_(dq_b)
-                    for t in range(call.key_blocks):  # slices, not a reshape: dk_b is strided
-                        j0, keys = r0 + call.a + t, slice(t * bs, (t + 1) * bs)
-                        dk_blocks[j0 : j0 + r1 - r0, :, hk].add_(dk_b[:, keys])
-                        dv_blocks[j0 : j0 + r1 - r0, :, hk].add_(dv_b[:, keys])
-                    del dq_b, dk_b, dv_b  # before the next call allocates its own
-            continue
-        if call.kind == "abs":
-            keys, vals = (x[:, call.a * bs : call.b * bs] for x in (k, v))
-        else:
-            keys, vals = (_gather(x, call.blocks, bs) for x in (k, v))
-        first = call.r0 * bs  # query tokens in any cut: the keys are the same for all
-        spans = primitive.token_chunks(first, min(call.r1 * bs, seq_len), tokens)
-        for (t0, t1), (a0, a1, c0, c1) in itertools.product(spans, pieces):
-            rows, hq, hk = slice(t0, t1), slice(a0, a1), slice(c0, c1)
-            dq_b, dk_b, dv_b = block_backward(
-                dout[:, rows, hq],
-                q[:, rows, hq],
-                keys[:, :, hk],
-                vals[:, :, hk],
-                out[:, rows, hq],
-                lse[:, hq, rows],
-                scale=scale,
-                causal=diag is not None,
-                diagonal=0 if diag is None else diag + t0 - first,
-            )
-            dq[:, rows, hq].add_(dq_b)
-            if call.kind == "abs":
-                dk[:, call.a * bs : call.b * bs, hk].add_(dk_b)
-                dv[:, call.a * bs : call.b * bs, hk].add_(dv_b)
-            else:
-                idx = _token_index(call.blocks, bs, seq_len).to(q.device)
-                dk[:, :, hk].index_add_(1, idx, dk_b)
-                dv[:, :, hk].index_add_(1, idx, dv_b)
-            del dq_b, dk_b, dv_b
-        del keys, vals
-    return dq, dk, dv
+        run = _rel_backward if call.kind == "rel" else _shared_backward
+        run(call, (dout, q, k, v, out, lse), grads, bs, tokens, pieces)
+    return grads
 
 
-@functools.lru_cache(maxsize=64)
-def cuda_plan(
-    params: BlockSparseParams,
-    seq_len: int,
-    causal: bool,
-    window_starts: tuple[int, ...] = (),
-    forward: bool = True,
-) -> block_sparse_cuda.CudaPlan:
-    """The CUDA plan (attention.block_sparse_cuda) of the cached block mask: the forward's
-    (batches inside the accumulator windows starting at query blocks `window_starts`, no row
-    twice in a batch) or the backward's."""
+FLEX_PATTERNS = ("random", "dilated")
+"""Patterns whose CUDA plan is FlexAttention (attention.block_sparse_flex): random's kept blocks
+follow no offset rule; dilated's (every dilation-th offset of a band) took 10 chunk diagonals of
+the band plan at 128K (density 0.25), computing twice its kept pairs."""
+
+
+@functools.lru_cache(maxsize=16)
+def flex_block_mask(
+    params: BlockSparseParams, seq_len: int, causal: bool, device: torch.device, tile: int
+) -> block_sparse_flex.flex.BlockMask:
+    """The BlockMask of the cached block mask on `device` in tiles of `tile` tokens, built
+    once per (params, length, causal, device, tile): forward and backward copy nothing to the
+    device."""
     mask = _cached_block_mask(params, seq_len)
-    return block_sparse_cuda.build_plan(
-        mask, seq_len, params.block_size, causal, window_starts, forward
+    return block_sparse_flex.build_block_mask(
+        mask, seq_len, params.block_size, causal, tile, device
     )
-
-
-@functools.lru_cache(maxsize=64)
-def _cuda_indices(
-    params: BlockSparseParams,
-    seq_len: int,
-    causal: bool,
-    window_starts: tuple[int, ...],
-    forward: bool,
-    bsz: int,
-    device: torch.device,
-) -> block_sparse_cuda.Indices:
-    """cuda_plan's index tensors on `device`, built once per (plan, batch size, device)."""
-    plan = cuda_plan(params, seq_len, causal, window_starts, forward)
-    return block_sparse_cuda.plan_indices(plan, bsz, device)
 
 
 @functools.lru_cache(maxsize=64)
 def band_plan(
     params: BlockSparseParams, seq_len: int, causal: bool
 ) -> block_sparse_band.BandPlan | None:
-    """The band plan (attention.block_sparse_band) of a band pattern; None for `random`, whose
-    kept blocks follow no offset rule (it runs the gathered plan)."""
-    if params.pattern == "random":
+    """The band plan (attention.block_sparse_band) of a band pattern; None for FLEX_PATTERNS
+    (they run FlexAttention)."""
+    if params.pattern in FLEX_PATTERNS:
         return None
     n = -(-seq_len // params.block_size)
     window = min(_pattern_size(params, seq_len), n)
-    dilation = min(params.dilation or 2, n) if params.pattern == "dilated" else 1
     num_global = params.num_global if params.num_global is not None else 1
     return block_sparse_band.build_plan(
-        "dilated" if params.pattern == "dilated" else "local_window",
-        seq_len, params.block_size, causal, window, dilation,
+        seq_len, params.block_size, causal, window,
         num_global if params.pattern == "global_local" else 0,
         _kept_tokens(params, seq_len, causal),
     )  # fmt: skip
@@ -974,22 +982,12 @@ def _kept_tokens(params: BlockSparseParams, seq_len: int, causal: bool) -> int:
 def cuda_plan_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: BlockSparseParams, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_sparse_forward under the CUDA plan: (out in q's dtype, lse): the band plan's few
-    calls, or for `random` the gathered plan's batches window by window."""
-    bsz, seq_len = q.shape[:2]
-    band = band_plan(params, seq_len, causal)
-    if band is not None:
-        return block_sparse_band.forward(q, k, v, band)
-    bs = params.block_size
-    spans = primitive.windows(seq_len, q.dtype, bs)
-    starts = tuple(c0 // bs for c0, _ in spans)
-    plan = cuda_plan(params, seq_len, causal, starts, True)
-    index = _cuda_indices(params, seq_len, causal, starts, True, bsz, q.device)
-
-    def fill(c0: int, c1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
-        block_sparse_cuda.plan_forward(q, k, v, out, lse, plan, index, c0 // bs, -(-c1 // bs))
-
-    return primitive.windowed_result(q, fill, spans)
+    """block_sparse_forward under the CUDA plan of a band pattern: (out in q's dtype, lse), the
+    band plan's few calls (FLEX_PATTERNS run `flex_attention` instead)."""
+    band = band_plan(params, q.shape[1], causal)
+    if band is None:
+        raise ValueError(f"pattern {params.pattern!r} runs FlexAttention, not the band plan")
+    return block_sparse_band.forward(q, k, v, band)
 
 
 def cuda_plan_backward(
@@ -1002,16 +1000,22 @@ def cuda_plan_backward(
     params: BlockSparseParams,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """block_sparse_backward under the CUDA plan: (dq, dk, dv) in the accumulator dtype."""
-    bsz, seq_len = q.shape[:2]
-    band = band_plan(params, seq_len, causal)
-    if band is not None:
-        return block_sparse_band.backward(dout, q, k, v, out, lse, band)
-    plan = cuda_plan(params, seq_len, causal, (), False)
-    index = _cuda_indices(params, seq_len, causal, (), False, bsz, q.device)
-    dq, dk, dv = zero_grads(q, k)
-    block_sparse_cuda.plan_backward(dout, q, k, v, out, lse, (dq, dk, dv), plan, index)
-    return dq, dk, dv
+    """block_sparse_backward under the CUDA plan of a band pattern: (dq, dk, dv) in the
+    accumulator dtype."""
+    band = band_plan(params, q.shape[1], causal)
+    if band is None:
+        raise ValueError(f"pattern {params.pattern!r} runs FlexAttention, not the band plan")
+    return block_sparse_band.backward(dout, q, k, v, out, lse, band)
+
+
+def flex_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: BlockSparseParams, causal: bool
+) -> torch.Tensor:
+    """block_sparse under the CUDA plan of FLEX_PATTERNS: FlexAttention under the cached
+    BlockMask, one fused call forward and one backward (its own autograd)."""
+    tile = block_sparse_flex.tile_size(params.block_size, primitive.device_type_of(q.device))
+    mask = flex_block_mask(params, q.shape[1], causal, q.device, tile)
+    return block_sparse_flex.attention(q, k, v, mask)
 
 
 class BlockSparseAttention(MergedKernel):
@@ -1041,7 +1045,12 @@ class BlockSparseAttention(MergedKernel):
         check_qkv(q, k, v)
         check_block_sparse(self.params, seq_len=q.shape[1], num_heads=q.shape[2])
         plan = resolve_plan(self.params.plan, q.device)
-        self.backend = f"{primitive.backend_for(q.device, q.dtype)}-plan-{plan}"
+        flex = plan == "cuda" and self.params.pattern in FLEX_PATTERNS
+        fused = block_sparse_flex.backend(q.device) if flex else None
+        self.backend = f"{fused or primitive.backend_for(q.device, q.dtype)}-plan-{plan}"
+        if flex:
+            run = functools.partial(flex_attention, params=self.params, causal=causal)
+            return in_order(self.params.ordering, run, q, k, v)
         cuda = plan == "cuda"
         fwd = functools.partial(
             cuda_plan_forward if cuda else block_sparse_forward, params=self.params, causal=causal

@@ -1,6 +1,6 @@
 """`block_sparse`'s CUDA plan for band patterns: a handful of fused calls on strided views.
 
-local_window, dilated and global_local keep a block pair (i, j) by its offset i - j alone
+local_window and global_local keep a block pair (i, j) by its offset i - j alone
 (global_local: outside its global rows and columns). Cut the query and key blocks into chunks
 of C blocks; every chunk pair (I, J) on one chunk diagonal D = I - J then keeps the same
 C x C block sub-mask. So one fused call runs a whole chunk diagonal: its items are the chunk
@@ -31,8 +31,9 @@ most WASTE_BOUND x the kept pairs: a window of w blocks runs in about 2w/C + 1 c
 way, whatever the length (calls after the first whose output is nearly a whole output run as
 two halves, so the forward's transient stays within a quarter of the floor: SPLIT_FRACTION).
 The price: a masked call computes its (trimmed) chunk pairs whole, kept or not (a window's
-fringe; dilated's every other offset), so the plan computes more pairs than are kept, unlike
-the gathered plan (attention.block_sparse_cuda), which `random` (no band) still runs.
+fringe), so the plan computes more pairs than are kept. `random` (no band) and `dilated` (a
+band of every other offset, which took 10 chunk diagonals here at 128K, density 0.25, and
+computed twice its kept pairs) run FlexAttention instead (attention.block_sparse_flex).
 
 Merging: every call's (out, lse) is merged in place into out (q's dtype, as dilated's cuda plan:
 bf16 rounds once per call a row takes part in) and lse ((B, S, H) in memory, (B, H, S) view).
@@ -98,11 +99,9 @@ class BandPlan:
     causal: bool
 
 
-def kept_offsets(pattern: str, n: int, window: int, dilation: int, causal: bool) -> Tensor:
+def kept_offsets(n: int, window: int, causal: bool) -> Tensor:
     """bool (2n - 1,): entry o + n - 1 says whether the band keeps block offset o = i - j."""
-    o = torch.arange(-(n - 1), n).abs()
-    band = o <= window * (dilation if pattern == "dilated" else 1)
-    keep = band & (o % dilation == 0) if pattern == "dilated" else band
+    keep = torch.arange(-(n - 1), n).abs() <= window
     if causal:
         keep &= torch.arange(-(n - 1), n) >= 0
     return keep
@@ -132,16 +131,14 @@ def _submask(keep: Tensor, d: int, chunk: int) -> Tensor:
 
 
 def build_plan(
-    pattern: str,
     seq_len: int,
     bs: int,
     causal: bool,
     window: int,
-    dilation: int = 1,
     num_global: int = 0,
     kept_pairs: int = 0,
 ) -> BandPlan:
-    """The band plan (module docstring) of a band pattern (window, dilation: the pattern's;
+    """The band plan (module docstring) of a band pattern (window: the pattern's;
     num_global: global_local's global blocks, else 0; kept_pairs: the token pairs the mask
     keeps, which bounds the waste of a chunk size)."""
     n = -(-seq_len // bs)
@@ -155,7 +152,7 @@ def build_plan(
     rest = n - g
     if not rest:
         return BandPlan(seq_len, bs, 1, tuple(_split(first, seq_len)), {}, causal)
-    keep = kept_offsets(pattern, rest, window, dilation, causal)
+    keep = kept_offsets(rest, window, causal)
     best: BandPlan | None = None
     for chunk, merge in itertools.product(chunk_candidates(rest, bs), (False, True)):
         submasks = dict(boxes)

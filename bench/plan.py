@@ -10,7 +10,13 @@ with --json one object per row (its `case` names the pattern). Nothing is comput
 is needed; every figure is exact for the shapes:
 
 - fused calls: the fused attention ops dispatched (CUDA flash / efficient / cuDNN, the CPU flash
-  op; forward and backward ops), per forward and per backward;
+  op; forward and backward ops), per forward and per backward. FlexAttention (block_sparse's
+  CUDA plan of random and dilated, attention.block_sparse_flex) runs here as torch's
+  flex_attention higher-order op, eagerly: its forward op and its backward op (what
+  torch.compile turns into one Triton kernel each on CUDA) count one fused call and one op
+  each, their outputs allocated as torch's fake impl allocates them (out, lse, max; dq, dk,
+  dv), and the ops its autograd wrapper dispatches around them (tracing the identity score_mod
+  into graphs: a few empty tensors) count as ops;
 - ops: every aten op dispatched (views, allocations and in-place ops included);
 - h2d: copies from a CPU tensor to a non-CPU one (aten._to_copy, copy_); syncs: ops that read
   a device value on the host (aten._local_scalar_dense: .item(), bool(), int(); aten.nonzero);
@@ -38,6 +44,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._higher_order_ops.flex_attention import (
+    flex_attention,
+    flex_attention_backward,
+    flex_attention_backward_fake_tensor_mode,
+    flex_attention_fake_impl,
+)
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -123,17 +135,40 @@ class Counter(TorchDispatchMode):
         c.calls += name in FUSED
         c.syncs += name in SYNCS
         c.h2d += _is_h2d(name, args, kwargs)
-        out = func(*args, **kwargs)
+        return self.track(func(*args, **kwargs), (args, kwargs))
+
+    def track(self, out: Any, inputs: Any) -> Any:
+        """Hold the new storages of `out` (not one of `inputs`') weakly; update the peak."""
+        c = self.count
         seen: set[int] | None = None  # the inputs' storages, found only when an output is new
         for t in _tensors(out):
             key = _cdata(t)
             if key in c.live:
                 continue
-            seen = {_cdata(x) for x in _tensors((args, kwargs))} if seen is None else seen
+            seen = {_cdata(x) for x in _tensors(inputs)} if seen is None else seen
             if key not in seen:
                 c.live[key] = (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
         c.peak = max(c.peak, c.live_bytes())
         return out
+
+
+@flex_attention.py_impl(Counter)
+def _count_flex(mode: Counter, *args: Any) -> Any:
+    """FlexAttention's forward op under a Counter: one fused call and one op, its outputs
+    (out, lse, max) as the kernel's (torch's fake impl: allocations only). On CUDA the compiled
+    kernel is this one op (module docstring); its eager math, which would materialize the
+    (B, H, S, S) scores, is not what is counted."""
+    mode.count.ops += 1
+    mode.count.calls += 1
+    return mode.track(flex_attention_fake_impl(*args), args)
+
+
+@flex_attention_backward.py_impl(Counter)
+def _count_flex_backward(mode: Counter, *args: Any) -> Any:
+    """FlexAttention's backward op under a Counter: one fused call and one op (dq, dk, dv)."""
+    mode.count.ops += 1
+    mode.count.calls += 1
+    return mode.track(flex_attention_backward_fake_tensor_mode(*args), args)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -40,6 +40,7 @@ try:  # torch >= 2.9 asks for the lse this way (return_lse is deprecated)
 except ImportError:
     AuxRequest = None
 
+from attention import block_sparse_flex
 from attention.base import Kernel
 from attention.block_sparse import (
     BlockSparseAttention,
@@ -78,25 +79,27 @@ causal or not, without holding every mask a long search probed."""
 
 class MaskCache:
     """A flex module's BlockMasks by (pattern key, heads, seq_len, device), bounded by
-    MASK_CACHE_SIZE. create_block_mask is not free (on CPU it materializes a (1, H, S, S) mask
-    eagerly), so a mask is built on the first forward of a shape (the warm-up's) and reused;
-    `build_s` holds the seconds the module's last forward spent building masks (0.0 when every
-    mask came from the cache), which the module reports as `mask_build_s`."""
+    MASK_CACHE_SIZE. Building one is not free (create_block_mask, which flex_dilated's head
+    groups need, materializes a (1, H, S, S) mask eagerly; flex_block_sparse's comes from the
+    (n, n) block mask, attention.block_sparse_flex), so a mask is built on the first forward of
+    a shape (the warm-up's) and reused; `build_s` holds the seconds the module's last forward
+    spent building masks (0.0 when every mask came from the cache), which the module reports as
+    `mask_build_s`."""
 
     def __init__(self) -> None:
         self._masks: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self.build_s = 0.0
 
-    def get(self, pattern: tuple[Any, ...], mask_mod: Callable[[], Any], q: torch.Tensor) -> Any:
-        """The BlockMask of `pattern` for q's heads, length and device; `mask_mod()` makes the
-        mask_mod on a miss only (its own inputs, e.g. a block table, are built then)."""
+    def get(self, pattern: tuple[Any, ...], build: Callable[[], Any], q: torch.Tensor) -> Any:
+        """The BlockMask of `pattern` for q's heads, length and device; `build()` makes it on a
+        miss only."""
         _, s, h, _ = q.shape
         key = (*pattern, h, s, str(q.device))
         if key in self._masks:
             self._masks.move_to_end(key)
             return self._masks[key]
         start = time.perf_counter()
-        mask = create_block_mask(mask_mod(), None, h, s, s, device=q.device)
+        mask = build()
         if q.device.type == "cuda":  # its kernels run asynchronously: time them whole
             torch.cuda.synchronize(q.device)
         self.build_s += time.perf_counter() - start
@@ -173,21 +176,17 @@ class FlexBlockSparse(Kernel):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
         _check_trainable(q)
-        bs = self.params.block_size
+        bs, seq_len = self.params.block_size, q.shape[1]
 
-        def mask_mod() -> Any:
-            blocks = self.ours.block_mask(q.shape[1], causal=causal).to(q.device)
-
-            def keep_mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
-                keep = blocks[qi // bs, ki // bs]
-                return keep & (qi >= ki) if causal else keep
-
-            return keep_mod
+        def build() -> Any:  # tiles of at least 128 tokens: what compiled flex is tuned for
+            tile = block_sparse_flex.tile_size(bs, "cuda")
+            blocks = self.ours.block_mask(seq_len)
+            return block_sparse_flex.build_block_mask(blocks, seq_len, bs, causal, tile, q.device)
 
         compiled = self.params.compiled is not False
         self.backend = _backend(compiled)
         self.masks.build_s = 0.0
-        block_mask = self.masks.get(("block_sparse", causal), mask_mod, q)
+        block_mask = self.masks.get(("block_sparse", causal), build, q)
         self.mask_build_s = self.masks.build_s
         return _flex(q, k, v, block_mask, compiled, lse=False)[0]
 
@@ -283,9 +282,11 @@ class FlexDilated(Kernel):
         out: torch.Tensor | None = None
         lse: torch.Tensor | None = None
         self.masks.build_s = 0.0
+        _, s, h, _ = q.shape
         for w, r in zip(self.params.segment_lengths, self.params.dilation_rates, strict=True):
-            mask_mod = functools.partial(_dilated_mask_mod, w, r, math.ceil(q.shape[2] / r), causal)
-            block_mask = self.masks.get(("dilated", w, r, causal), mask_mod, q)
+            mask_mod = _dilated_mask_mod(w, r, math.ceil(q.shape[2] / r), causal)
+            build = functools.partial(create_block_mask, mask_mod, None, h, s, s, device=q.device)
+            block_mask = self.masks.get(("dilated", w, r, causal), build, q)
             out_b, lse_b = _flex(q, k, v, block_mask, compiled, lse=True)
             assert lse_b is not None
             out, lse = _merge(out, lse, out_b.float(), lse_b.float())

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from attention import primitive
 from attention.autograd import merged_attention
@@ -387,6 +388,77 @@ def _alone_forward(
         return primitive.windowed_result(q, fill, primitive.windows(n, q.dtype))
 
 
+class _Accumulators:
+    """ring_backward's dK/dV accumulators: acc[held] the held piece's (dk, dv), travelling one
+    step behind its K/V; `home` my piece whose sum is on its last hop, into acc[1 - held].
+    Without a dK/dV ring (`comm` None) one accumulator, scattered when its piece is done."""
+
+    def __init__(
+        self, world: int, shape: tuple[int, ...], dk: Tensor, dv: Tensor, comm: RingComm | None
+    ) -> None:
+        self.acc = torch.empty((1 + (world > 1), *shape), dtype=dk.dtype, device=dk.device)
+        self.held = 0
+        self.home: Piece | None = None
+        self.dk, self.dv, self.comm = dk, dv, comm
+
+    def add(self, blk: Block, dk_b: Tensor, dv_b: Tensor) -> None:
+        """A block's (dk, dv) added into the held accumulator."""
+        self.acc[self.held][0, :, blk.k0 : blk.k1] += dk_b
+        self.acc[self.held][1, :, blk.k0 : blk.k1] += dv_b
+
+    def arrive(self, t: int) -> None:
+        """Complete the accumulator exchange: at t > 0 the held piece's accumulator from the
+        previous rank; at t = 0 my previous piece's sum, which goes to dk, dv (and the
+        accumulator just sent is free for the new piece)."""
+        self.comm.wait()  # type: ignore[union-attr]
+        if t > 0:
+            self.held = 1 - self.held
+        else:
+            _scatter(self.dk, self.home, self.acc[1 - self.held][0])  # type: ignore[arg-type]
+            _scatter(self.dv, self.home, self.acc[1 - self.held][1])  # type: ignore[arg-type]
+            self.home = None
+            self.acc[self.held].zero_()
+
+    def start(self) -> None:
+        """Send the held accumulator on (receiving the previous rank's into the other)."""
+        if self.comm is not None:
+            self.comm.start(self.acc[self.held], self.acc[1 - self.held])
+
+    def done(self, piece: Piece) -> None:
+        """`piece`'s W steps are done: without a ring its sum goes to dk, dv now; with one,
+        it comes home after W hops, collected in the next piece's first step (or `finish`)."""
+        if self.comm is None:
+            _scatter(self.dk, piece, self.acc[self.held][0])
+            _scatter(self.dv, piece, self.acc[self.held][1])
+        else:
+            self.home = piece
+
+
+def _step_grads(
+    saved: tuple[Tensor, Tensor, Tensor, Tensor],
+    kv: tuple[Tensor, Tensor],
+    blocks: Sequence[Block],
+    dq: Tensor,
+    scale: float,
+    accs: _Accumulators,
+    t: int,
+) -> None:
+    """One step's blocks: dq added in place, each block's (dk, dv) into the held accumulator.
+    Unless it is ready for this step's shares, the accumulator exchange completes after the
+    step's first block, so that it overlaps that block's compute."""
+    dout, q, out, lse = saved
+    ready = accs.comm is None or (t == 0 and accs.home is None)
+    for blk in blocks:
+        dk_b, dv_b = block_grads(dout, q, kv[0], kv[1], out, lse, blk, dq, scale)
+        if not ready:
+            accs.arrive(t)
+            ready = True
+        accs.add(blk, dk_b, dv_b)
+        del dk_b, dv_b
+    if not ready:
+        accs.arrive(t)
+
+
 def ring_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -416,58 +488,25 @@ def ring_backward(
     dq, dk, dv = zero_grads(q, k)
     shape = (2, bsz, p, k.shape[2], dim)  # one allocation for each pair of buffers
     bufs, own = _buffers(world, pieces, shape, k)
-    acc = torch.empty((1 + (world > 1), *shape), dtype=dq.dtype, device=k.device)
-    held = 0  # acc[held]: the accumulator of the piece held now
-    home: Piece | None = None  # my piece whose sum is on its last hop, into acc[1 - held]
-
-    def arrive(t: int) -> None:
-        """Complete the accumulator exchange: at t > 0 the held piece's accumulator from the
-        previous rank; at t = 0 my previous piece's sum, which goes to dk, dv (and the
-        accumulator just sent is free for the new piece)."""
-        nonlocal held, home
-        dkv_comm.wait()  # type: ignore[union-attr]
-        if t > 0:
-            held = 1 - held
-        else:
-            _scatter(dk, home, acc[1 - held][0])  # type: ignore[arg-type]
-            _scatter(dv, home, acc[1 - held][1])  # type: ignore[arg-type]
-            home = None
-            acc[held].zero_()
-
+    accs = _Accumulators(world, shape, dk, dv, dkv_comm)
     for piece in pieces:
         kt, vt = _gather(k, piece, own[0]), _gather(v, piece, own[1])
-        if home is None:
-            acc[held].zero_()
+        if accs.home is None:
+            accs.acc[accs.held].zero_()
         for t in range(world):
             with clock.step("backward", t):
                 if kv_comm is not None and t < world - 1:
                     _send_kv(kv_comm, kt, vt, bufs[t % 2])
-                # acc[held] ready for this step's shares? If not, the exchange completes after
-                # the step's first block, so that it overlaps that block's compute.
-                ready = dkv_comm is None or (t == 0 and home is None)
-                for blk in piece_blocks(plan[t], piece, p, n):
-                    dk_b, dv_b = block_grads(dout, q, kt, vt, out, lse, blk, dq, scale)
-                    if not ready:
-                        arrive(t)
-                        ready = True
-                    acc[held][0, :, blk.k0 : blk.k1] += dk_b
-                    acc[held][1, :, blk.k0 : blk.k1] += dv_b
-                    del dk_b, dv_b
-                if not ready:
-                    arrive(t)
-                if dkv_comm is not None:
-                    dkv_comm.start(acc[held], acc[1 - held])
+                blocks = piece_blocks(plan[t], piece, p, n)
+                _step_grads((dout, q, out, lse), (kt, vt), blocks, dq, scale, accs, t)
+                accs.start()
                 if kv_comm is not None and t < world - 1:
                     _wait_kv(kv_comm)
                     kt, vt = bufs[t % 2][0], bufs[t % 2][1]
-        if dkv_comm is None:
-            _scatter(dk, piece, acc[held][0])
-            _scatter(dv, piece, acc[held][1])
-        else:  # after W hops my piece comes home, summed over every rank: collected in the
-            home = piece  # next piece's first step (or below), overlapping its first block
-    if home is not None:
+        accs.done(piece)
+    if accs.home is not None:
         with clock.step("backward", world):  # the last piece's dK/dV, home after W hops
-            arrive(0)
+            accs.arrive(0)
     return dq, dk, dv
 
 

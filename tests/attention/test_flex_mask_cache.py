@@ -20,15 +20,18 @@ FLEX = [
 
 @pytest.fixture
 def builds(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """Every create_block_mask call of the adapters, as (heads, seq_len)."""
+    """Every BlockMask the adapters build (a cache miss), as (heads, seq_len)."""
     calls: list[tuple[int, int]] = []
-    real = flex.create_block_mask
+    real = flex.MaskCache.get
 
-    def counting(mask_mod: Any, b: Any, h: int, q_len: int, kv_len: int, **kw: Any) -> Any:
-        calls.append((h, q_len))
-        return real(mask_mod, b, h, q_len, kv_len, **kw)
+    def counting(self: flex.MaskCache, pattern: Any, build: Any, q: torch.Tensor) -> Any:
+        def counted() -> Any:
+            calls.append((q.shape[2], q.shape[1]))
+            return build()
 
-    monkeypatch.setattr(flex, "create_block_mask", counting)
+        return real(self, pattern, counted, q)
+
+    monkeypatch.setattr(flex.MaskCache, "get", counting)
     return calls
 
 
@@ -85,3 +88,25 @@ def test_the_cache_is_bounded_least_recently_used_first(
     module(*_qkv(64), causal=False)
     module(*_qkv(96), causal=False)
     assert [s for _, s in builds] == [64, 96, 128, 96]
+
+
+def test_flex_block_sparse_builds_its_mask_from_the_block_mask(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """flex_block_sparse's BlockMask comes from block_sparse's (n, n) block mask (tiles of at
+    least 128 tokens), never create_block_mask's (1, H, S, S) materialization, and its
+    output equals the masked reference computed by our kernel."""
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("create_block_mask materializes (1, H, S, S)")
+
+    monkeypatch.setattr(flex, "create_block_mask", refused)
+    params = {"block_size": 32, "pattern": "random", "num_random": 2, "seed": 3}
+    module = attention.build("flex_block_sparse", **params, compiled=False)
+    ours = attention.build("block_sparse", **params)
+    q, k, v = _qkv(250)  # a short last block, partial last tile
+    for causal in (False, True):
+        got = module(q, k, v, causal=causal)
+        torch.testing.assert_close(got, ours(q, k, v, causal=causal), atol=1e-5, rtol=1e-5)
+        mask = module.masks.get(("block_sparse", causal), lambda: None, q)  # the cached one
+        assert mask is not None and mask.BLOCK_SIZE == (128, 128)

@@ -1,0 +1,146 @@
+"""`block_sparse`'s CUDA plan for the patterns no band covers (`random`, and `dilated`, whose
+band plan needs more chunk diagonals than issue 37's 8 calls at 128K): FlexAttention, one fused
+call per forward and its own one per backward, under a BlockMask built once per (pattern,
+length, causal, device) and cached by the caller.
+
+Why FlexAttention: a random pattern's kept blocks follow no offset rule, so a plan made of
+aten's fused calls must gather each row's K/V blocks; at density 0.25 and 128K that is 256 GiB
+of gathered K/V (bf16, h16 d128) against a transient budget of 0.25x the 2 GiB floor, hence
+>= 512 calls whatever the packing (the gathered plan this replaces made 1,040 / 2,080).
+FlexAttention's kernel reads the kept tiles in place from the BlockMask's indices.
+
+The BlockMask (build_block_mask): tiles of `tile` tokens (the pattern's block, or on CUDA the
+smallest multiple of it that is at least FLEX_TILE, the tile flex's kernels are tuned for). A
+tile is "full" (no mask evaluated) when every block pair in it is kept, it lies wholly inside
+the sequence and, causal, strictly below the diagonal; "partial" (mask_mod evaluated per token
+pair) when it keeps some pair otherwise. mask_mod is the exact token rule everywhere (the kept
+block, the key inside the sequence, causal), so the tiles only decide what is skipped.
+
+How it runs (attention): on a CUDA device torch.compile(flex_attention) (Triton kernels, forward
+and backward). Elsewhere (the plan forced on CPU by the tests, or meta for bench.plan) the
+flex_attention higher-order op eagerly, with its own autograd: torch's public flex_attention
+refuses inputs that require grad on CPU (its _validate_device: "FlexAttention does not support
+backward on CPU"), though the op's eager forward and backward (the unfused math reference,
+which materializes the (B, H, S, S) scores and applies mask_mod to every pair) are exact there.
+That eager math ignores the tiles, so tests check the tiles against the block mask apart
+(tile_pairs). bench.plan counts each of the op's forward and backward as one fused call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
+from torch.nn.attention import flex_attention as flex
+
+FLEX_TILE = 128
+"""On CUDA a tile holds at least this many tokens (flex's default BLOCK_SIZE, which its kernels'
+BLOCK_M / BLOCK_N divide); elsewhere a tile is the pattern's block."""
+
+
+def tile_size(block_size: int, device_type: str) -> int:
+    """Tokens of one BlockMask tile for `block_size` blocks on `device_type` (module docstring)."""
+    if device_type != "cuda":
+        return block_size
+    return block_size * -(-FLEX_TILE // block_size)
+
+
+def _tiles(keep: Tensor, seq_len: int, bs: int, causal: bool, tile: int) -> tuple[Tensor, ...]:
+    """(padded, full, partial): `keep` (n, n; causal trimmed here) padded with dropped blocks
+    to whole tiles, and bool (T, T) full and partial tiles (module docstring)."""
+    per = tile // bs
+    count = -(-seq_len // tile)
+    n = keep.shape[0]
+    padded = torch.zeros(count * per, count * per, dtype=torch.bool)
+    padded[:n, :n] = keep.tril() if causal else keep
+    blocks = padded.view(count, per, count, per).transpose(1, 2)  # (T, T, per, per)
+    kept, whole = blocks.any((2, 3)), blocks.all((2, 3))
+    inside = torch.arange(count) < seq_len // tile  # tiles wholly inside the sequence
+    whole &= inside[:, None] & inside[None, :]
+    if causal:
+        whole &= torch.ones(count, count, dtype=torch.bool).tril(-1)
+    return padded, whole, kept & ~whole
+
+
+def _indices(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """(num_blocks (1, 1, T), indices (1, 1, T, T)) int32 of bool (T, T) tiles: each row's kept
+    tile columns first, ascending (the BlockMask layout)."""
+    order = torch.sort((~tiles).to(torch.int8), dim=-1, stable=True).indices
+    count = tiles.sum(-1)
+    return count.to(torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+
+def build_block_mask(
+    keep: Tensor, seq_len: int, bs: int, causal: bool, tile: int, device: torch.device
+) -> flex.BlockMask:
+    """The BlockMask of block mask `keep` (n, n bool, blocks of `bs` tokens) at `seq_len` tokens,
+    causal or not, in tiles of `tile` tokens (a multiple of bs), on `device`. Its mask_mod
+    holds the padded block mask on `device` (built once here: callers cache the result)."""
+    padded, full, partial = _tiles(keep, seq_len, bs, causal, tile)
+    table = padded.to(device)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        kept = table[q_idx // bs, kv_idx // bs] & (kv_idx < seq_len)
+        return kept & (q_idx >= kv_idx) if causal else kept
+
+    kv_num, kv_idx = _indices(partial)
+    full_num, full_idx = _indices(full)
+    mask = flex.BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod,
+        seq_lengths=(seq_len, seq_len),
+    )  # fmt: skip
+    return mask.to(device)
+
+
+def tile_pairs(mask: flex.BlockMask, seq_len: int, transposed: bool = False) -> Tensor:
+    """int64 (S, S): how the tiles of `mask` cover each token pair, as its CUDA kernel reads
+    them: 2 where a full tile holds it, 1 where a partial tile holds it and mask_mod keeps it,
+    0 otherwise; `transposed` reads the backward's (query-major) tile lists instead. A pair the
+    block mask keeps must read 1 or 2, any other 0 (the tests' check of the tiles)."""
+    tile = mask.BLOCK_SIZE[0]
+    count = -(-seq_len // tile)
+    kinds: list[Tensor] = []
+    fields = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+    if not transposed:
+        fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+    for num, idx in (fields[:2], fields[2:]):
+        nums, cols = getattr(mask, num)[0, 0].cpu(), getattr(mask, idx)[0, 0].cpu()
+        grid = torch.zeros(count, count, dtype=torch.int64)
+        for row in range(count):
+            grid[row, cols[row, : int(nums[row])].long()] = 1
+        kinds.append(grid.T if transposed else grid)
+    partial, full = (g.repeat_interleave(tile, 0).repeat_interleave(tile, 1) for g in kinds)
+    pos = torch.arange(count * tile)
+    rule = mask.mask_mod(torch.tensor(0), torch.tensor(0), pos[:, None], pos[None, :])
+    pairs = 2 * full + partial * rule.cpu().long()
+    return pairs[:seq_len, :seq_len]
+
+
+@functools.cache
+def _compiled() -> Any:
+    """torch.compile(flex_attention): FlexAttention's fused kernels (the first call per shape
+    compiles; a run's warm-up absorbs it)."""
+    return torch.compile(flex.flex_attention, dynamic=False)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: flex.BlockMask) -> Tensor:
+    """Attention of (B, S, H, D) q against (B, S, H_kv, D) k, v under `mask`, with autograd:
+    compiled FlexAttention on a CUDA device, the eager flex_attention op elsewhere (module
+    docstring). Returns (B, S, H, D) in q's dtype."""
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    scale = q.shape[-1] ** -0.5
+    if q.device.type == "cuda":
+        gqa = k.shape[2] != q.shape[2]
+        out = _compiled()(qt, kt, vt, block_mask=mask, scale=scale, enable_gqa=gqa)
+    else:  # the public API refuses grads on CPU; the op's own autograd is exact there
+        options = flex._apply_kernel_options(qt, kt, vt, False, None, None)
+        out = flex_attention_op(qt, kt, vt, flex._identity, mask.as_tuple(), scale, options)[0]
+    return out.transpose(1, 2)
+
+
+def backend(device: torch.device) -> str:
+    """What `attention` runs on `device`: "flex-compiled" (CUDA) or "flex-eager"."""
+    return "flex-compiled" if device.type == "cuda" else "flex-eager"
