@@ -216,6 +216,12 @@ def heartbeat(
         if status not in ACTIVE_STATUSES:
             raise ValueError(f"status: heartbeat moves between active states only, got {status}")
         values["status"] = status
+    return update_held(sm, claim, values)
+
+
+def update_held(sm: sessionmaker[Session], claim: Claim, values: dict[str, Any]) -> bool:
+    """Set `values` on the claimed run in one transaction, only while the claim still holds
+    its lease (holding); whether it did."""
     with sm() as session, session.begin():
         result = session.execute(
             update(Run)
@@ -251,14 +257,7 @@ def requeue(
     values = _back_to_queue(error)
     if not consume_attempt:
         values["attempts"] = Run.attempts - 1
-    with sm() as session, session.begin():
-        result = session.execute(
-            update(Run)
-            .where(holding(claim))
-            .values(**values)
-            .execution_options(synchronize_session=False)
-        )
-        return rowcount(result) == 1
+    return update_held(sm, claim, values)
 
 
 def recover_expired(sm: sessionmaker[Session]) -> list[int]:
