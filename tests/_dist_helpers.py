@@ -1,8 +1,9 @@
 """Run a function on W real gloo processes for tests: fails fast with the failing rank's traceback.
 
-Processes come from a forkserver that has torch and attention preloaded (a fork each, not a
-fresh interpreter); each rank joins a gloo group on a free loopback port with a short timeout.
-Results travel back as torch.save bytes (CPU tensors, no shared-memory handles).
+Processes come from a forkserver that has torch, attention, the workers' protocol and the test
+helpers preloaded (a fork each, not a fresh interpreter); each rank joins a gloo group on a free
+loopback port with a short timeout. Results travel back as torch.save bytes (CPU tensors, no
+shared-memory handles).
 """
 
 from __future__ import annotations
@@ -25,7 +26,21 @@ PG_TIMEOUT_S = 20.0
 """Process-group timeout: a collective that waits longer on a dead peer raises."""
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "attention"])
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "attention",
+    "pytest",
+    "workers.protocol",
+    "_workers_helpers",
+    "_api_helpers",
+    "service.cli",
+    "service.scheduler",
+]
+"""Imported once by the forkserver, so a rank's fork has them: a rank function's test module
+(imported in every rank to unpickle the function) imports these, and with them unloaded each
+rank of test_link or test_adapters spent 1.3-1.7 s of CPU importing the service and Ray."""
+_CTX.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 
 @contextmanager

@@ -14,7 +14,7 @@ import yaml
 from _api_helpers import api_client
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import func, select
+from sqlalchemy import func, make_url, select
 
 from service.db.models import Run, Sweep
 
@@ -124,8 +124,16 @@ def hostile_specs(draw: st.DrawFn) -> Any:
     return doc
 
 
+EXAMPLES_PER_BACKEND = {"sqlite": 1000, "postgresql": 300}
+"""Specs tried per database. The validation that answers most of them (422) is the same code
+before either backend and gets its 1,000 on SQLite; the Postgres half is there for what only
+Postgres refuses (NUL and lone surrogates in stored text and JSON): about 40 of 300 specs
+carry one (180 of 1,000)."""
+
+
 def test_mutated_specs_never_get_a_500_and_a_refusal_stores_nothing(database_url: str) -> None:
     """On SQLite and on Postgres (which refuses NUL and lone surrogates in text and JSON)."""
+    examples = EXAMPLES_PER_BACKEND[make_url(database_url).get_backend_name()]
     seen: dict[int, int] = {}
     took: dict[int, float] = {}
     start = time.perf_counter()
@@ -140,7 +148,7 @@ def test_mutated_specs_never_get_a_500_and_a_refusal_stores_nothing(database_url
                 return sweeps, session.scalar(select(func.count()).select_from(Run))
 
         @settings(
-            max_examples=1000,
+            max_examples=examples,
             deadline=None,
             database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -166,4 +174,4 @@ def test_mutated_specs_never_get_a_500_and_a_refusal_stores_nothing(database_url
     spent = {code: round(s, 1) for code, s in took.items()}
     print(f"fuzz: {sum(seen.values())} POSTs in {time.perf_counter() - start:.1f} s: {seen}")
     print(f"fuzz: seconds in the POSTs by status: {spent}")
-    assert seen.get(422, 0) > 500 and seen.get(201, 0) + seen.get(200, 0) > 0, seen
+    assert seen.get(422, 0) > examples // 2 and seen.get(201, 0) + seen.get(200, 0) > 0, seen

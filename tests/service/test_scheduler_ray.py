@@ -1,5 +1,9 @@
 """The scheduler on real gangs (the session's local Ray, gloo ranks): results, infeasible runs,
 cancel, timeout, a killed rank retried, and a scheduler killed with -9 mid-sweep then restarted.
+
+The tests share one GangPool, in order, so several of them run on the warm gang the test before
+left (multihead -> max_seq_len -> the sweep's W=1 run at W=1; the sweep -> cancel at W=2; the
+retried run -> the restarted scheduler at W=2).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,18 +54,42 @@ SCHEDULER_MAIN = (
 NEVER_ENDS = 10**7  # iterations: far longer than any test waits
 
 
-@pytest.fixture
-def gang_pool(ray_session: Any) -> Iterator[RecordingPool]:
-    """A real GangPool on the session Ray; closed after the test, which must leak no group."""
+@dataclass
+class SharedPool:
+    """The module's GangPool, and Ray's live placement groups when its first test began."""
+
+    pool: Any
+    before: set[str] | None = None
+
+
+@pytest.fixture(scope="module")
+def _shared_pool() -> Iterator[SharedPool]:
+    """One GangPool for the module, so a run finds the warm gang the test before it left (a
+    cold gang costs each rank a torch import on this 2-core machine); closed after the last
+    test, which must leak no group."""
     from workers.gang import GangPool
 
+    shared = SharedPool(GangPool(placement_timeout_s=60))
+    yield shared
+    shared.pool.close()
+    if shared.before is not None:
+        before = shared.before
+        wait_for(lambda: live_placement_groups() <= before, what="placement groups removed")
+
+
+@pytest.fixture
+def gang_pool(ray_session: Any, _shared_pool: SharedPool) -> Iterator[RecordingPool]:
+    """The module's real GangPool on the session Ray, recording this test's handles. After the
+    test no placement group is left but the one warm gang the pool keeps for the next."""
     before = live_placement_groups()
-    pool = RecordingPool(GangPool(placement_timeout_s=60))
+    if _shared_pool.before is None:
+        _shared_pool.before = before
+    pool = RecordingPool(_shared_pool.pool)
     try:
         yield pool
     finally:
-        pool.pool.close()
-    wait_for(lambda: live_placement_groups() <= before, what="placement groups removed")
+        pool.pool.placement_timeout_s = 60  # a test may shorten it
+    wait_for(lambda: len(live_placement_groups() - before) <= 1, what="placement groups removed")
 
 
 @pytest.fixture
@@ -99,33 +128,7 @@ def gone(pid: int) -> bool:
     return False
 
 
-@pytest.mark.timeout(120)
-def test_sweep_runs_on_real_gangs(
-    sqlite_sm: sessionmaker[Session], gang_pool: RecordingPool
-) -> None:
-    sm = sqlite_sm
-    configs = [
-        tiny_config(seed=0),
-        tiny_config(seed=1, world_size=2, parallel="data", batch_size=2),
-        tiny_config(seed=2, world_size=2, parallel="data", batch_size=2, seq_len=128),
-    ]
-    ids = add_sweep(sm, configs)
-    sched = scheduler(sm, gang_pool)
-    while sched.run_once():
-        pass
-    runs = [run_row(sm, i) for i in ids]
-    assert [(r.status, r.error, r.attempts) for r in runs] == [(RunStatus.succeeded, None, 1)] * 3
-    assert rank_rows_per_run(sm) == Counter({ids[0]: 1, ids[1]: 2, ids[2]: 2})
-    assert len({r.environment_id for r in runs}) == 1 and runs[0].environment_id is not None
-    with sm() as session:
-        run = session.get(Run, ids[2])
-        assert run is not None
-        for rr in run.rank_results:
-            assert rr.median_s > 0 and rr.tokens_per_s > 0 and rr.peak_memory_bytes >= 0
-            assert len(rr.times_s) == 2 and rr.backend
-
-
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)  # the first test: it may start the session's Ray too
 def test_multihead_cell_runs_on_a_real_gang(
     sqlite_sm: sessionmaker[Session], gang_pool: RecordingPool
 ) -> None:
@@ -165,6 +168,32 @@ def test_max_seq_len_run_stores_its_probes(
         assert run.probes, f"no probes stored (status {run.status}, error {run.error})"
         assert run.probes[0].seq_len == 64 and run.probes[0].outcome == "oom"
         assert run.probes[0].emulated
+
+
+@pytest.mark.timeout(120)
+def test_sweep_runs_on_real_gangs(
+    sqlite_sm: sessionmaker[Session], gang_pool: RecordingPool
+) -> None:
+    sm = sqlite_sm
+    configs = [
+        tiny_config(seed=0),
+        tiny_config(seed=1, world_size=2, parallel="data", batch_size=2),
+        tiny_config(seed=2, world_size=2, parallel="data", batch_size=2, seq_len=128),
+    ]
+    ids = add_sweep(sm, configs)
+    sched = scheduler(sm, gang_pool)
+    while sched.run_once():
+        pass
+    runs = [run_row(sm, i) for i in ids]
+    assert [(r.status, r.error, r.attempts) for r in runs] == [(RunStatus.succeeded, None, 1)] * 3
+    assert rank_rows_per_run(sm) == Counter({ids[0]: 1, ids[1]: 2, ids[2]: 2})
+    assert len({r.environment_id for r in runs}) == 1 and runs[0].environment_id is not None
+    with sm() as session:
+        run = session.get(Run, ids[2])
+        assert run is not None
+        for rr in run.rank_results:
+            assert rr.median_s > 0 and rr.tokens_per_s > 0 and rr.peak_memory_bytes >= 0
+            assert len(rr.times_s) == 2 and rr.backend
 
 
 @pytest.mark.timeout(60)
@@ -333,17 +362,19 @@ def _migrated(engine: Engine) -> bool:
         return MigrationContext.configure(conn).get_current_revision() == head
 
 
-def _block_all_but_one_cpu(ray_session: Any) -> Any:
+def _block_all_but_one_cpu(ray_session: Any, gang_pool: RecordingPool) -> Any:
     """A placement group holding every CPU of the cluster but one: a W=2 gang must wait.
 
     Sized from the total, not from what is free now: the previous test's gang may still be
     releasing its CPUs, and a blocker sized from a momentary reading would leave room for two.
-    ready() waits until those CPUs are back, then exactly one stays free.
+    ready() waits until those CPUs are back (the pool's warm gang is removed first: it would
+    hold two of them), then exactly one stays free.
     """
     from ray.util.placement_group import placement_group
 
     from workers.cluster import describe
 
+    gang_pool.pool.close()
     total = int(describe()["total_cpus"])
     assert total >= 2, f"the session Ray has {total} CPUs; the test needs 2"
     blocker = placement_group([{"CPU": 1}] * (total - 1))
@@ -358,7 +389,7 @@ def test_busy_cluster_shows_waiting_resources_then_runs(
     from ray.util.placement_group import remove_placement_group
 
     (run_id,) = add_sweep(sqlite_sm, [long_config(iterations=3000)])
-    blocker = _block_all_but_one_cpu(ray_session)
+    blocker = _block_all_but_one_cpu(ray_session, gang_pool)
     try:
         worker = run_in_thread(scheduler(sqlite_sm, gang_pool).run_once)
         wait_for(
@@ -387,7 +418,7 @@ def test_placement_deadline_fails_the_run_with_what_is_free(
 
     (run_id,) = add_sweep(sqlite_sm, [long_config(iterations=2)])
     gang_pool.pool.placement_timeout_s = 2.0
-    blocker = _block_all_but_one_cpu(ray_session)
+    blocker = _block_all_but_one_cpu(ray_session, gang_pool)
     try:
         assert scheduler(sqlite_sm, gang_pool).run_once()
     finally:
