@@ -32,9 +32,20 @@ from attention.registry import KernelSpec
 ROTATE_METHODS = ("allgather", "alltoall")
 
 
+CPU_REFUSAL = (
+    "Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding "
+    "strategy registered."
+)
+"""What torch 2.13's DTensor dispatch raises for SDPA's CPU op, the catalogue's reason on a
+machine without CUDA: stated, not looked up, so that loading the plugin does not import
+torch.distributed.tensor (half a second in every process that imports attention);
+tests/attention/test_torch_cp.py holds it to cpu_refusal() and to what torch raises."""
+
+
 def cpu_refusal() -> str | None:
     """torch's reason its context parallelism cannot run SDPA on CPU (the message its DTensor
     dispatch raises for an op without a sharding strategy), None if it could."""
+    # Imported here: DTensor costs half a second, and only this check and a CUDA run need it.
     from torch.distributed.tensor import DTensor
 
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -142,7 +153,7 @@ def kernel_specs() -> list[KernelSpec]:
     if not torch.cuda.is_available():
         raise RuntimeError(
             f"torch_cp is CUDA-only: torch {torch.__version__}'s context_parallel cannot run "
-            f"SDPA on CPU: {cpu_refusal()}"
+            f"SDPA on CPU: {CPU_REFUSAL}"
         )
     return [
         KernelSpec(
