@@ -47,13 +47,33 @@ def _fmt_s(value: float | None) -> str:
     return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
 
 
+RATE_UNITS = (
+    ("tflops_per_s", None),  # already in TFLOP/s
+    ("flops_per_s", "FLOP/s"),
+    ("tokens_per_s", "tok/s"),
+    ("bytes_per_s", None),  # binary units
+    ("_per_s", "/s"),
+)
+"""How a rate's name ends, and the unit its value is shown in."""
+
+
+def _fmt_rate(value: float, name: str) -> str:
+    """A rate by its name: TFLOP/s as stored, bytes/s in binary units, others SI-prefixed."""
+    suffix, unit = next((s, u) for s, u in RATE_UNITS if name.endswith(s))
+    if suffix == "tflops_per_s":
+        return f"{value:.4g} TFLOP/s"
+    if suffix == "bytes_per_s":
+        return f"{_fmt_bytes(value)}/s"
+    return _fmt_si(value, unit or "")
+
+
 def _fmt_figure(value: float | int | str | bool, name: str) -> str:
     """A row's figure by its name's unit: seconds (`_s`), bytes (`_bytes`), rates
-    (`_per_s`, SI prefixes), other numbers to 4 significant digits or with separators."""
+    (`_per_s`, _fmt_rate), other numbers to 4 significant digits or with separators."""
     if isinstance(value, bool | str):
         return str(value)
     if name.endswith("_per_s"):
-        return _fmt_si(value, "/s")
+        return _fmt_rate(value, name)
     if name.endswith("_s"):
         return _fmt_s(value)
     if name.endswith("_bytes"):

@@ -111,6 +111,9 @@ def test_the_phases_reach_every_export_recomputed_from_the_raw_times(tmp_path: A
             page = client.get(f"/runs/{row['run_id']}").text
             for name in ("forward_s", "backward_p90_s", "forward_tflops_per_s"):
                 assert f"<th>{name}</th>" in page
+            for name in ("forward_tflops_per_s", "backward_tflops_per_s", "tflops_per_s"):
+                shown = f"<th>{name}</th><td>{row[name]:.4g} TFLOP/s</td>"
+                assert shown in page, name  # as stored, in TFLOP/s: not SI-scaled again
             section = report.split("## Forward and backward (train mode)")[1].split("\n## ")[0]
             line = next(x for x in section.splitlines() if x.startswith(f"| {row['label']} |"))
             assert f"{row['forward_tflops_per_s']:,.4f}" in line
