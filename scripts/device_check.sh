@@ -24,7 +24,7 @@ CPU=0
 if [[ ${1:-} == --cpu ]]; then CPU=1; shift; fi
 [[ $# -eq 1 ]] || { echo "usage: $0 [--cpu] OUTDIR" >&2; exit 2; }
 mkdir -p "$1" && OUT=$(cd "$1" && pwd)
-BUDGET_S=${DEVICE_CHECK_BUDGET_S:-560}
+BUDGET_S=${DEVICE_CHECK_BUDGET_S:-530}  # 600 s less the stop of serve (30 s) and a kill grace (15 s)
 WORK=$(mktemp -d /tmp/device-check.XXXXXX)
 export PYTHONUNBUFFERED=1 COLUMNS=200 RAY_memory_monitor_refresh_ms=0
 export CPU OUT WORK REPO
@@ -62,7 +62,7 @@ run_step() {  # NAME CAP_S LOG FUNCTION [RESERVE_S]: the function under timeout,
   timeout -k 15 "$t" bash -c "source scripts/device_steps.sh && $fn" >>"$OUT/$log" 2>&1
   rc=$?
   if ((rc == 0)); then word=PASS; else word=FAIL; FAILED=1; fi
-  ((rc == 124)) && word="FAIL (timed out)"
+  ((rc == 124 || rc == 137)) && word="FAIL (timed out)"  # 137: killed after the grace
   printf '%-10s %s  rc %s  %ss\n' "$name" "$word" "$rc" "$((SECONDS - begin))" \
     | tee -a "$OUT/summary.txt"
 }

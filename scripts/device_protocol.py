@@ -36,6 +36,11 @@ OOM = {
 4 MiB budget."""
 
 
+def _or_dash(value: object) -> str:
+    """A figure as printed, or - when it was not measured (an exact 0.0 is a figure)."""
+    return "-" if value is None else str(value)
+
+
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], required=True)
@@ -119,7 +124,7 @@ def main() -> int:
         peak = r["peak_memory_bytes"] and f"{r['peak_memory_bytes'] / 2**20:.1f}"
         ms = r["median_s"] and f"{r['median_s'] * 1e3:.2f}"
         print(f"| {r['case']} | {r['status']} | {'yes' if r['ok'] else 'NO'} | {r['wall_s']} | "
-              f"{ms or '-'} | {peak or '-'} | {r['max_abs_error'] or '-'} |")  # fmt: skip
+              f"{ms or '-'} | {peak or '-'} | {_or_dash(r['max_abs_error'])} |")  # fmt: skip
     return 0 if all(r["ok"] for r in lines) else 1
 
 
