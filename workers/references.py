@@ -74,21 +74,14 @@ def _ordered(params: Any, inner: Reference) -> Reference:
     return reference
 
 
-def _dense(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    rows: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Plain einsum softmax attention (not SDPA: the kernel under test must not check itself)."""
-    at = _all_rows(q, rows)
-    keep = torch.ones(len(at), k.shape[1], dtype=torch.bool, device=q.device)
-    return masked_attention(q, k, v, causal_rows(keep, at) if causal else keep)[0]
+KeepOf = Callable[[int, bool, torch.Tensor], torch.Tensor]
+"""(seq_len, causal, rows) -> bool (len(rows), seq_len): which keys each of those query rows
+keeps (rows on the inputs' device)."""
 
 
-def _documents(lengths: tuple[int, ...]) -> Reference:
-    """Packed documents: einsum softmax attention under the block-diagonal document mask."""
+def _masked(keep_of: KeepOf) -> Reference:
+    """Plain einsum softmax attention (not SDPA: the kernel under test must not check itself)
+    under the keys `keep_of` keeps for each query row computed."""
 
     def reference(
         q: torch.Tensor,
@@ -97,9 +90,23 @@ def _documents(lengths: tuple[int, ...]) -> Reference:
         causal: bool,
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return masked_attention(q, k, v, document_rows(lengths, _all_rows(q, rows), causal))[0]
+        return masked_attention(q, k, v, keep_of(k.shape[1], causal, _all_rows(q, rows)))[0]
 
     return reference
+
+
+def _every_key(seq_len: int, causal: bool, rows: torch.Tensor) -> torch.Tensor:
+    """Dense attention's keys: all of them, or those at or before the row when causal."""
+    keep = torch.ones(len(rows), seq_len, dtype=torch.bool, device=rows.device)
+    return causal_rows(keep, rows) if causal else keep
+
+
+_dense = _masked(_every_key)
+
+
+def _documents(lengths: tuple[int, ...]) -> Reference:
+    """Packed documents: attention under the block-diagonal document mask."""
+    return _masked(lambda seq_len, causal, rows: document_rows(lengths, rows, causal))
 
 
 def _dilated(params: Any) -> Reference:
@@ -119,20 +126,12 @@ def _dilated(params: Any) -> Reference:
 def _block_sparse(params: Any) -> Reference:
     module = attention.build("block_sparse", **_as_dict(params))
 
-    def reference(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        seq_len = k.shape[1]
-        keep = block_token_rows(
-            module.block_mask(seq_len), params.block_size, _all_rows(q, rows), seq_len, causal
+    def keep_of(seq_len: int, causal: bool, rows: torch.Tensor) -> torch.Tensor:
+        return block_token_rows(
+            module.block_mask(seq_len), params.block_size, rows, seq_len, causal
         )
-        return masked_attention(q, k, v, keep)[0]
 
-    return _ordered(params, reference)
+    return _ordered(params, _masked(keep_of))
 
 
 def _plugin(spec: attention.KernelSpec, params: Any) -> Reference:
@@ -140,19 +139,7 @@ def _plugin(spec: attention.KernelSpec, params: Any) -> Reference:
     keep_mask's rows (dense, with the causal mask when asked, when it declares neither)."""
     if spec.keep_mask is None and spec.keep_rows is None:
         return _dense
-
-    def reference(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return masked_attention(
-            q, k, v, plugin_rows(spec, params, k.shape[1], causal, _all_rows(q, rows))
-        )[0]
-
-    return reference
+    return _masked(lambda seq_len, causal, rows: plugin_rows(spec, params, seq_len, causal, rows))
 
 
 def plugin_rows(
