@@ -22,11 +22,11 @@ Inputs narrower than fp32 (bf16, fp16) are finished in accumulator windows of qu
 
 Two execution plans compute the same kept pairs (`plan`; "auto": by the inputs' device type):
 "cpu", many small calls sized for the CPU flash op (superblocks, stairs, rel views; below), and
-"cuda", a few large calls, since a CUDA call costs its kernel launches whatever its size: for
-the band patterns (local_window, global_local) one call per chunk diagonal on strided views
-(attention.block_sparse_band), for random and dilated (FLEX_PATTERNS) one FlexAttention call
-under a cached BlockMask (attention.block_sparse_flex). Either runs on either device (the
-primitive picks the fused op by device); the backend string names the plan that ran.
+"cuda", one FlexAttention call each way under a BlockMask built once per (pattern, length,
+causal, device) and cached (attention.block_sparse_flex), since a CUDA call costs its kernel
+launches whatever its size. Either runs on either device (the CPU plan's primitive picks the
+fused op by device; FlexAttention is compiled on CUDA and runs eagerly elsewhere); the backend
+string names the plan that ran.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from fractions import Fraction
 
 import torch
 
-from attention import block_sparse_band, block_sparse_flex, primitive
+from attention import block_sparse_flex, primitive
 from attention.autograd import merged_attention
 from attention.base import MergedKernel, attention_flops, check_qkv
 from attention.errors import ParamError
@@ -112,8 +112,8 @@ class BlockSparseParams:
     seed: int | None = None
     ordering: str = "natural"
     plan: str = "auto"
-    """Execution plan: "cpu" (many small calls tuned to the CPU flash op), "cuda" (few large
-    calls: the band plan, or FlexAttention for FLEX_PATTERNS) or "auto" (by the inputs' device
+    """Execution plan: "cpu" (many small calls tuned to the CPU flash op), "cuda" (one
+    FlexAttention call each way under a cached BlockMask) or "auto" (by the inputs' device
     type)."""
 
     def __post_init__(self) -> None:
@@ -931,12 +931,6 @@ def block_sparse_backward(
     return grads
 
 
-FLEX_PATTERNS = ("random", "dilated")
-"""Patterns whose CUDA plan is FlexAttention (attention.block_sparse_flex): random's kept blocks
-follow no offset rule; dilated's (every dilation-th offset of a band) took 10 chunk diagonals of
-the band plan at 128K (density 0.25), computing twice its kept pairs."""
-
-
 @functools.lru_cache(maxsize=16)
 def flex_block_mask(
     params: BlockSparseParams, seq_len: int, causal: bool, device: torch.device, tile: int
@@ -950,69 +944,11 @@ def flex_block_mask(
     )
 
 
-@functools.lru_cache(maxsize=64)
-def band_plan(
-    params: BlockSparseParams, seq_len: int, causal: bool
-) -> block_sparse_band.BandPlan | None:
-    """The band plan (attention.block_sparse_band) of a band pattern; None for FLEX_PATTERNS
-    (they run FlexAttention)."""
-    if params.pattern in FLEX_PATTERNS:
-        return None
-    n = -(-seq_len // params.block_size)
-    window = min(_pattern_size(params, seq_len), n)
-    num_global = params.num_global if params.num_global is not None else 1
-    return block_sparse_band.build_plan(
-        seq_len, params.block_size, causal, window,
-        num_global if params.pattern == "global_local" else 0,
-        _kept_tokens(params, seq_len, causal),
-    )  # fmt: skip
-
-
-def _kept_tokens(params: BlockSparseParams, seq_len: int, causal: bool) -> int:
-    """Token pairs the block mask keeps (the short last block and causal diagonals counted)."""
-    bs = params.block_size
-    mask = _cached_block_mask(params, seq_len)
-    mask = mask.tril() if causal else mask.clone()  # the cached mask stays as it is
-    sizes = torch.full((mask.shape[0],), bs, dtype=torch.int64)
-    sizes[-1] = seq_len - (mask.shape[0] - 1) * bs
-    pairs = int((sizes[:, None] * sizes[None, :] * mask.fill_diagonal_(False)).sum())
-    return pairs + int((sizes * (sizes + 1) // 2 if causal else sizes * sizes).sum())
-
-
-def cuda_plan_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: BlockSparseParams, causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_sparse_forward under the CUDA plan of a band pattern: (out in q's dtype, lse), the
-    band plan's few calls (FLEX_PATTERNS run `flex_attention` instead)."""
-    band = band_plan(params, q.shape[1], causal)
-    if band is None:
-        raise ValueError(f"pattern {params.pattern!r} runs FlexAttention, not the band plan")
-    return block_sparse_band.forward(q, k, v, band)
-
-
-def cuda_plan_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    params: BlockSparseParams,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """block_sparse_backward under the CUDA plan of a band pattern: (dq, dk, dv) in the
-    accumulator dtype."""
-    band = band_plan(params, q.shape[1], causal)
-    if band is None:
-        raise ValueError(f"pattern {params.pattern!r} runs FlexAttention, not the band plan")
-    return block_sparse_band.backward(dout, q, k, v, out, lse, band)
-
-
 def flex_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: BlockSparseParams, causal: bool
 ) -> torch.Tensor:
-    """block_sparse under the CUDA plan of FLEX_PATTERNS: FlexAttention under the cached
-    BlockMask, one fused call forward and one backward (its own autograd)."""
+    """block_sparse under the CUDA plan: FlexAttention under the cached BlockMask, one fused
+    call forward and one backward (its own autograd)."""
     tile = block_sparse_flex.tile_size(params.block_size, primitive.device_type_of(q.device))
     mask = flex_block_mask(params, q.shape[1], causal, q.device, tile)
     return block_sparse_flex.attention(q, k, v, mask)
@@ -1045,21 +981,13 @@ class BlockSparseAttention(MergedKernel):
         check_qkv(q, k, v)
         check_block_sparse(self.params, seq_len=q.shape[1], num_heads=q.shape[2])
         plan = resolve_plan(self.params.plan, q.device)
-        flex = plan == "cuda" and self.params.pattern in FLEX_PATTERNS
-        fused = block_sparse_flex.backend(q.device) if flex else None
-        self.backend = f"{fused or primitive.backend_for(q.device, q.dtype)}-plan-{plan}"
-        if flex:
+        if plan == "cuda":
+            self.backend = f"{block_sparse_flex.backend(q.device)}-plan-cuda"
             run = functools.partial(flex_attention, params=self.params, causal=causal)
             return in_order(self.params.ordering, run, q, k, v)
-        cuda = plan == "cuda"
-        fwd = functools.partial(
-            cuda_plan_forward if cuda else block_sparse_forward, params=self.params, causal=causal
-        )
-        bwd = functools.partial(
-            cuda_plan_backward if cuda else block_sparse_backward,
-            params=self.params,
-            causal=causal,
-        )
+        self.backend = f"{primitive.backend_for(q.device, q.dtype)}-plan-cpu"
+        fwd = functools.partial(block_sparse_forward, params=self.params, causal=causal)
+        bwd = functools.partial(block_sparse_backward, params=self.params, causal=causal)
         return in_order(
             self.params.ordering, lambda q, k, v: merged_attention(q, k, v, fwd, bwd), q, k, v
         )

@@ -1,13 +1,18 @@
-"""`block_sparse`'s CUDA plan for the patterns no band covers (`random`, and `dilated`, whose
-band plan needs more chunk diagonals than issue 37's 8 calls at 128K): FlexAttention, one fused
-call per forward and its own one per backward, under a BlockMask built once per (pattern,
-length, causal, device) and cached by the caller.
+"""`block_sparse`'s CUDA plan, every pattern: FlexAttention, one fused call per forward and
+its own one per backward, under a BlockMask built once per (pattern, length, causal, device)
+and cached by the caller.
 
-Why FlexAttention: a random pattern's kept blocks follow no offset rule, so a plan made of
-aten's fused calls must gather each row's K/V blocks; at density 0.25 and 128K that is 256 GiB
-of gathered K/V (bf16, h16 d128) against a transient budget of 0.25x the 2 GiB floor, hence
->= 512 calls whatever the packing (the gathered plan this replaces made 1,040 / 2,080).
-FlexAttention's kernel reads the kept tiles in place from the BlockMask's indices.
+Why FlexAttention: FlashAttention's fused ops take one dense rectangle (or causal square) per
+call. A random pattern's kept blocks follow no offset rule, so a plan made of them must gather
+each row's K/V blocks; at density 0.25 and 128K that is 256 GiB of gathered K/V (bf16, h16
+d128) against a transient budget of 0.25x the 2 GiB floor, hence >= 512 calls whatever the
+packing (the gathered plan this replaced made 1,040 / 2,080). The band patterns (local_window,
+global_local) ran as chunk diagonals, strided fused calls of whole chunk pairs (6 and 8 calls
+at 128K): a masked call computed the window's fringe whole (up to 3x the kept pairs), and the
+backward's per-call gradients and (B, S, H, D)-contiguous dout and out over nearly every row
+held 0.48x its floor in bf16 (0.85x with fp32 accumulators), against issue 37's quarter.
+FlexAttention's kernel reads the kept tiles in place from the BlockMask's indices, skips the
+others, and holds nothing beyond its outputs and lse.
 
 The BlockMask (build_block_mask): tiles of `tile` tokens (the pattern's block, or on CUDA the
 smallest multiple of it that is at least FLEX_TILE, the tile flex's kernels are tuned for). A

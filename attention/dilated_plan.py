@@ -23,7 +23,11 @@ torchscale's merge), where the cpu plan keeps fp32 windows; fp32 and fp64 merge 
 (the accumulator) dtype exactly as the cpu plan. lse is kept (B, S, H) in memory (returned as its
 (B, H, S) view), since only that order folds segments into the batch.
 The backward recomputes each call with the final merged (out, lse) (FlashAttention-2; the fused
-lse carries no gradient) and adds its dq, dk, dv into fp32 accumulators through the same views.
+lse carries no gradient) and adds its dq, dk, dv through the same views into gradients in the
+inputs' dtype: for bf16/fp16 one rounding per branch a row takes part in, as the forward's merge
+and as torchscale (autograd sums the branches' gradients of a bf16 tensor in bf16). fp32
+accumulators would hold 3 fp32 copies of q's size beyond the gradients themselves: at 128K
+(h16, d128) half the backward's floor again, against issue 37's quarter.
 """
 
 from __future__ import annotations
@@ -202,15 +206,14 @@ def backward(
     branches: tuple[tuple[int, int], ...],
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in the accumulator dtype: each call's fused backward with the final merged
-    (out, lse), added through the call's views (dout, q, k, v, out contiguous (B, S, H, D)).
-    The accumulators are made at the first call, one at a time, each op gradient freed once
-    added: a first call over every row (rate 1, whole segments) fills them instead of adding to
-    zeros, so the op's three gradients and three zeroed accumulators never coexist."""
+    """(dq, dk, dv) in the inputs' dtype (module docstring): each call's fused backward with the
+    final merged (out, lse), added through the call's views (dout, q, k, v, out contiguous
+    (B, S, H, D)). The gradients are made at the first call, one at a time, each op gradient
+    freed once added: a first call over every row (rate 1, whole segments) fills them instead
+    of adding to zeros, so the op's three gradients and three zeroed ones never coexist."""
     bsz, seq_len, heads, dim = q.shape
     _check_dense(dout, q, k, v, out, lse.transpose(1, 2))
     backend = primitive.backend_for(q.device, q.dtype)
-    acc = primitive.accumulator_dtype(q.dtype)
     grads: list[torch.Tensor | None] = [None, None, None]
     for call in plan(branches, bsz, seq_len, heads, k.shape[2]):
         for b in _batch_rows(call, bsz):
@@ -224,14 +227,14 @@ def backward(
                 grad = grads[i]
                 if grad is None:
                     make = torch.empty if _covers_all(call, like, kv=i > 0) else torch.zeros
-                    grads[i] = grad = make(like.shape, dtype=acc, device=like.device)
+                    grads[i] = grad = make(like.shape, dtype=q.dtype, device=like.device)
                     if make is torch.empty:
                         rows(grad, call, b, kv=i > 0).copy_(part)
                         continue
                 rows(grad, call, b, kv=i > 0).add_(part)
             del part
     if grads[0] is None:  # no call (empty sequence)
-        return primitive.zero_grads(q, k)  # type: ignore[return-value]
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return grads[0], grads[1], grads[2]  # type: ignore[return-value]
 
 

@@ -58,7 +58,7 @@ class RingBlockSparseParams(BlockSparseParams):
                 f"{self.plan!r} selects block_sparse's single-process execution plan; "
                 "ring_block_sparse runs its own per-step schedule (leave plan unset): its "
                 "steps pair a query shard with another rank's K/V shard, which block_sparse's "
-                "cuda plan (chunk diagonals from token 0 of one sequence) does not cut",
+                "cuda plan (one FlexAttention call under one sequence's BlockMask) does not cut",
             )
 
     def twin(self) -> BlockSparseParams:

@@ -80,8 +80,8 @@ BOTH_PLANS_PARAMS = [
     *PARAMS,
     {"block_size": 4, "pattern": "global_local", "window": 3, "num_global": 4},
 ]
-"""PARAMS and global_local whose global blocks the window's end cuts (the cuda plan's masked
-boxes: attention.block_sparse_band._strip_calls), for the tests run under both plans."""
+"""PARAMS and global_local whose global blocks the window's end cuts (partial tiles inside the
+global rows and columns), for the tests run under both plans."""
 
 
 PLANS = ["cpu", "cuda"]

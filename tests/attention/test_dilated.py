@@ -357,9 +357,10 @@ def test_backward_calls_cover_the_counted_pairs_within_the_bounds(causal, monkey
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_bf16_cuda_plan_is_as_close_to_float64_as_the_cpu_plan(causal) -> None:
-    """The cuda plan merges bf16 outputs in bf16 (one rounding per branch) where the cpu plan
-    keeps fp32 windows: against the float64 reference, its output and gradients stay within
-    twice the cpu plan's error (and within bf16's few ulps)."""
+    """The cuda plan merges bf16 outputs and sums bf16 gradients in bf16 (one rounding per
+    branch, as torchscale) where the cpu plan keeps fp32 windows and accumulators: against the
+    float64 reference, its output and gradients stay within twice the cpu plan's error (and
+    within bf16's few ulps)."""
     ws, rs = PAPER[0][:3], PAPER[1][:3]
     q64, k64, v64 = (t.requires_grad_() for t in _inputs(1, 300, 12, 8, seed=5))
     ref = dilated_reference(q64, k64, v64, ws, rs, causal=causal)
