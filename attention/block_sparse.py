@@ -954,6 +954,16 @@ def flex_attention(
     return block_sparse_flex.attention(q, k, v, mask)
 
 
+def cuda_head_dim_problem(
+    params: BlockSparseParams, dtype: torch.dtype, head_dim: int
+) -> str | None:
+    """Why block_sparse with `params` cannot run `head_dim` on CUDA: the cuda plan (auto's on
+    CUDA) runs compiled FlexAttention, the cpu plan the primitive's fused ops."""
+    if resolve_plan(params.plan, torch.device("cuda")) == "cuda":
+        return block_sparse_flex.head_dim_problem(head_dim)
+    return primitive.cuda_head_dim_problem(dtype, head_dim)
+
+
 class BlockSparseAttention(MergedKernel):
     """Attention over (B, S, H, D) restricted to `block_mask`; see the module docstring."""
 
@@ -1025,5 +1035,6 @@ register(
         factory=BlockSparseAttention,
         check=check_block_sparse,
         periods=block_sparse_periods,
+        cuda_head_dim=cuda_head_dim_problem,
     )
 )

@@ -46,6 +46,21 @@ FLEX_TILE = 128
 BLOCK_M / BLOCK_N divide); elsewhere a tile is the pattern's block."""
 
 
+FLEX_MIN_HEAD_DIM = 16
+"""The least head_dim FlexAttention's compiled CUDA kernels take (Inductor's lowering: "NYI:
+embedding dimension of the query, key, and value must be at least 16"; tl.dot's limit)."""
+
+
+def head_dim_problem(head_dim: int) -> str | None:
+    """Why compiled FlexAttention cannot run `head_dim` on CUDA (None when it can)."""
+    if head_dim >= FLEX_MIN_HEAD_DIM:
+        return None
+    return (
+        f"{head_dim} does not run on CUDA: compiled FlexAttention (Triton's tl.dot) needs at "
+        f"least {FLEX_MIN_HEAD_DIM}; pick a head_dim of {FLEX_MIN_HEAD_DIM} or more"
+    )
+
+
 def tile_size(block_size: int, device_type: str) -> int:
     """Tokens of one BlockMask tile for `block_size` blocks on `device_type` (module docstring)."""
     if device_type != "cuda":

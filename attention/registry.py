@@ -73,6 +73,9 @@ class KernelSpec:
     `plugin`: set by attention.plugins for a plugin's kernel (None for ours).
     `primitive`: the kernel computes its blocks through attention.primitive's fused ops, so
     their CUDA head_dim limits apply (check_cuda_head_dim).
+    `cuda_head_dim`: (params, dtype, head_dim) -> why the kernel cannot run head_dim on CUDA
+    (None: it can), for a kernel whose CUDA ops depend on its params (block_sparse's cuda plan
+    and the flex adapters run compiled FlexAttention); it replaces `primitive`'s rule.
     `reference_of`: params -> (kernel, params) whose exact reference this kernel is checked
     against, when that depends on its params (ulysses: its inner kernel's); None: the twin's.
     """
@@ -91,6 +94,7 @@ class KernelSpec:
     plugin: PluginInfo | None = None
     primitive: bool = False
     reference_of: Callable[[dict[str, Any]], tuple[str, dict[str, Any]]] | None = None
+    cuda_head_dim: Callable[[Any, torch.dtype, int], str | None] | None = None
     heads_check: Callable[[Any, int, int, int], None] | None = None
     """(params, num_heads, num_kv_heads, world_size) -> None, raising when the ranks cannot
     split the heads (ulysses, usp); `validate` calls it when given num_kv_heads."""
@@ -134,14 +138,22 @@ def _spec(name: str) -> KernelSpec:
     return KERNELS[name]
 
 
-def check_cuda_head_dim(name: str, dtype: torch.dtype, head_dim: int) -> None:
-    """Raise ParamError("head_dim") when kernel `name` runs attention.primitive's fused CUDA
-    ops and the one for `dtype` cannot run `head_dim` (call it once the device is CUDA)."""
+def check_cuda_head_dim(
+    name: str, dtype: torch.dtype, head_dim: int, params: dict[str, Any] | None = None
+) -> None:
+    """Raise ParamError("head_dim") when kernel `name` with `params` runs fused CUDA ops that
+    cannot run `head_dim` in `dtype`: its own rule (KernelSpec.cuda_head_dim), else
+    attention.primitive's when it computes through the primitive (call it once the device is
+    CUDA)."""
     from attention.primitive import cuda_head_dim_problem
 
-    if not _spec(name).primitive:
+    spec = _spec(name)
+    if spec.cuda_head_dim is not None:
+        problem = spec.cuda_head_dim(make_params(name, params or {}), dtype, head_dim)
+    elif spec.primitive:
+        problem = cuda_head_dim_problem(dtype, head_dim)
+    else:
         return
-    problem = cuda_head_dim_problem(dtype, head_dim)
     if problem is not None:
         raise ParamError("head_dim", f"{name}: {problem}")
 

@@ -458,7 +458,9 @@ class RunConfig(BaseModel):
             num_kv_heads=self.kv_heads,
         )
         if self.device == "cuda":  # on auto the rank checks once its device resolved to CUDA
-            attention.check_cuda_head_dim(self.kernel, getattr(torch, self.dtype), self.head_dim)
+            attention.check_cuda_head_dim(
+                self.kernel, getattr(torch, self.dtype), self.head_dim, params
+            )
         return self
 
     @property

@@ -300,7 +300,9 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
     kernels.check_mode(config)
     device = resolve_device(config)
     if device.type == "cuda":  # device auto resolved to CUDA: the fused ops' head_dim limits
-        attention.check_cuda_head_dim(config.kernel, DTYPES[config.dtype], config.head_dim)
+        attention.check_cuda_head_dim(
+            config.kernel, DTYPES[config.dtype], config.head_dim, config.params
+        )
     case = {"rank": rank, "seq_len": config.seq_len, "environment": collect(device)}
     gate: GateResult | None = None
     try:

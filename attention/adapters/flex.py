@@ -303,6 +303,12 @@ def check_flex_block_sparse(params: FlexBlockSparseParams, **shape: Any) -> None
     check_block_sparse(params.ours(), **shape)
 
 
+def flex_head_dim_problem(params: Any, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why a flex adapter cannot run `head_dim` on CUDA: compiled (`compiled` true, or None:
+    compiled on CUDA) FlexAttention's least head_dim; eager flex takes any."""
+    return None if params.compiled is False else block_sparse_flex.head_dim_problem(head_dim)
+
+
 def block_sparse_specs() -> list[KernelSpec]:
     return [
         KernelSpec(
@@ -314,6 +320,7 @@ def block_sparse_specs() -> list[KernelSpec]:
             keep_rows=block_sparse_keep_rows,
             check=check_flex_block_sparse,
             periods=lambda params: block_sparse_periods(params.ours()),
+            cuda_head_dim=flex_head_dim_problem,
         )
     ]
 
@@ -327,5 +334,6 @@ def dilated_specs() -> list[KernelSpec]:
             params=FlexDilatedParams,
             factory=FlexDilated,
             twin="dilated",
+            cuda_head_dim=flex_head_dim_problem,
         )
     ]

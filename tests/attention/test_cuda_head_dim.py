@@ -1,6 +1,8 @@
 """A head_dim that the fused CUDA op of the run's dtype cannot run is refused (issue 37 item
-4.2): one rule (attention.primitive.cuda_head_dim_problem), a 422 naming head_dim for a
-device: cuda spec, and on device auto the rank's check once its device resolved to CUDA."""
+4.2): the primitive's rule (attention.primitive.cuda_head_dim_problem) or, where the kernel's
+CUDA ops depend on its params (block_sparse's cuda plan, the flex adapters: compiled
+FlexAttention), the kernel's own; a 422 naming head_dim for a device: cuda spec, and on
+device auto the rank's check once its device resolved to CUDA."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def test_float32_runs_the_efficient_op_which_has_no_rule() -> None:
 
 
 def test_only_kernels_on_the_primitive_are_held_to_it() -> None:
-    for name in ("ring", "dilated", "block_sparse", "ring_dilated", "ring_block_sparse"):
+    for name in ("ring", "dilated", "ring_dilated", "ring_block_sparse"):
         with pytest.raises(attention.ParamError) as caught:
             attention.check_cuda_head_dim(name, torch.bfloat16, 12)
         assert caught.value.path == ("head_dim",) and name in str(caught.value)
@@ -39,6 +41,31 @@ def test_only_kernels_on_the_primitive_are_held_to_it() -> None:
         attention.check_cuda_head_dim(name, torch.float32, 12)
     attention.check_cuda_head_dim("dense", torch.bfloat16, 12)  # SDPA pads the last dim
     attention.check_cuda_head_dim("sdpa", torch.bfloat16, 12)
+
+
+def test_flexattention_kernels_are_held_to_its_least_head_dim_of_16() -> None:
+    """block_sparse's cuda plan (auto's on CUDA) and the compiled flex adapters run compiled
+    FlexAttention (head_dim >= 16, any multiple, any dtype); block_sparse's cpu plan and eager
+    flex keep the primitive's rule and none."""
+    runs = [
+        ("block_sparse", {}),
+        ("block_sparse", {"plan": "cuda"}),
+        ("flex_block_sparse", {}),
+        ("flex_block_sparse", {"compiled": True}),
+        ("flex_dilated", {"segment_lengths": [4], "dilation_rates": [1]}),
+    ]
+    for name, params in runs:
+        for dtype in (torch.bfloat16, torch.float32):
+            with pytest.raises(attention.ParamError) as caught:
+                attention.check_cuda_head_dim(name, dtype, 12, params)
+            assert caught.value.path == ("head_dim",)
+            assert f"{name}: 12 does not run on CUDA: compiled FlexAttention" in str(caught.value)
+            for fine in (16, 20, 100, 128):
+                attention.check_cuda_head_dim(name, dtype, fine, params)
+    with pytest.raises(attention.ParamError, match="multiple of 8 of at most 256"):
+        attention.check_cuda_head_dim("block_sparse", torch.bfloat16, 20, {"plan": "cpu"})
+    attention.check_cuda_head_dim("block_sparse", torch.bfloat16, 8, {"plan": "cpu"})
+    attention.check_cuda_head_dim("flex_block_sparse", torch.bfloat16, 8, {"compiled": False})
 
 
 def _spec(device: str, head_dim: int, dtype: str = "bfloat16") -> dict[str, Any]:
@@ -63,6 +90,12 @@ def test_a_cuda_spec_with_such_a_head_dim_is_422_naming_head_dim(database_url: s
         assert r.status_code == 422, r.text
         (err,) = r.json()["detail"]
         assert err["loc"][-1] == "head_dim" and "12 does not run on CUDA in bfloat16" in err["msg"]
+        block_sparse = _spec("cuda", 8)
+        block_sparse["base"].update(kernel="block_sparse", params={"block_size": 16})
+        r = client.post(f"{API}/sweeps", json=block_sparse)
+        assert r.status_code == 422, r.text
+        (err,) = r.json()["detail"]
+        assert err["loc"][-1] == "head_dim" and "compiled FlexAttention" in err["msg"]
         for fine in (_spec("cuda", 16), _spec("cuda", 12, "float32"), _spec("auto", 12)):
             r = client.post(f"{API}/sweeps", json=fine)
             assert r.status_code in (200, 201), r.text
