@@ -114,3 +114,18 @@ def accumulator_windows(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None
         monkeypatch.setattr(primitive, "windows", windows)
 
     return use
+
+
+RAY_GROUP = "ray"
+"""The xdist group of every test that uses or starts a Ray (scripts/test.sh runs two workers
+with --dist loadgroup): one worker runs them one after another, so the session keeps one
+local Ray and no two Rays start at once; the other worker runs everything else beside it."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put the tests that use the session's Ray (marker `ray`, fixture `ray_session`) or start
+    one of their own (marker `ray_process`) in RAY_GROUP."""
+    for item in items:
+        uses = "ray_session" in getattr(item, "fixturenames", ())
+        if uses or item.get_closest_marker("ray") or item.get_closest_marker("ray_process"):
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))

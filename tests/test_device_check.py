@@ -22,6 +22,7 @@ FILES = {
 """What OUTDIR holds: 8 files, the most the device tool brings back."""
 
 
+@pytest.mark.ray_process
 @pytest.mark.timeout(600)
 def test_the_cpu_rehearsal_passes_every_step_into_eight_files(tmp_path: Path) -> None:
     out = tmp_path / "out"

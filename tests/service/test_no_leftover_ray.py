@@ -15,7 +15,7 @@ import httpx
 import pytest
 from _api_helpers import free_port
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.ray_process]
 
 AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 
