@@ -59,9 +59,15 @@ def _compiled() -> Any:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _natural(params: Any) -> None:
+def _check_flex_params(params: Any) -> None:
+    """The flex adapters' rules on the params they inherit: natural order only, and no `plan`
+    to choose (the adapters run their own FlexAttention calls, not our kernels' plans)."""
     if params.ordering != "natural":
         raise ParamError("params.ordering", "the flex adapters take natural order only")
+    if params.plan != "auto":  # inherited from dilated's params: none to choose here
+        raise ParamError(
+            "params.plan", "is dilated's; this kernel makes one FlexAttention call per branch"
+        )
 
 
 def _check_trainable(q: torch.Tensor) -> None:
@@ -142,6 +148,22 @@ def _backend(compiled: bool) -> str:
     return "flex-compiled" if compiled else "flex-eager"
 
 
+class _FlexKernel(Kernel):
+    """What both flex adapters hold: their params, `ours` (our kernel of the same pattern: its
+    mask and its FLOPs) and their BlockMask cache; `mask_build_s` is the seconds the last
+    forward spent building masks."""
+
+    def __init__(self, params: Any, ours: Kernel) -> None:
+        super().__init__()
+        self.params = params
+        self.ours = ours
+        self.masks = MaskCache()
+        self.mask_build_s = 0.0
+
+    def flops(self, *args: Any, **kwargs: Any) -> int:
+        return self.ours.flops(*args, **kwargs)
+
+
 @dataclass(frozen=True)
 class FlexBlockSparseParams(BlockSparseParams):
     """block_sparse's params, and `compiled` (torch.compile the FlexAttention call; None:
@@ -151,26 +173,18 @@ class FlexBlockSparseParams(BlockSparseParams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _natural(self)
-        if self.plan != "auto":  # inherited from dilated's params: none to choose here
-            raise ParamError(
-                "params.plan", "is dilated's; this kernel makes one FlexAttention call per branch"
-            )
+        _check_flex_params(self)
 
     def ours(self) -> BlockSparseParams:
         names = [f.name for f in dataclasses.fields(BlockSparseParams)]
         return BlockSparseParams(**{n: getattr(self, n) for n in names})
 
 
-class FlexBlockSparse(Kernel):
+class FlexBlockSparse(_FlexKernel):
     """block_sparse's pattern through FlexAttention."""
 
     def __init__(self, params: FlexBlockSparseParams) -> None:
-        super().__init__()
-        self.params = params
-        self.ours = BlockSparseAttention(params.ours())
-        self.masks = MaskCache()
-        self.mask_build_s = 0.0
+        super().__init__(params, BlockSparseAttention(params.ours()))
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
@@ -189,9 +203,6 @@ class FlexBlockSparse(Kernel):
         block_mask = self.masks.get(("block_sparse", causal), build, q)
         self.mask_build_s = self.masks.build_s
         return _flex(q, k, v, block_mask, compiled, lse=False)[0]
-
-    def flops(self, *args: Any, **kwargs: Any) -> int:
-        return self.ours.flops(*args, **kwargs)
 
 
 def block_sparse_keep(
@@ -221,11 +232,7 @@ class FlexDilatedParams(DilatedParams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _natural(self)
-        if self.plan != "auto":  # inherited from dilated's params: none to choose here
-            raise ParamError(
-                "params.plan", "is dilated's; this kernel makes one FlexAttention call per branch"
-            )
+        _check_flex_params(self)
 
     def ours(self) -> DilatedParams:
         return DilatedParams(self.segment_lengths, self.dilation_rates, self.ordering)
@@ -256,15 +263,11 @@ def _dilated_mask_mod(w: int, r: int, g: int, causal: bool) -> Any:
     return keep_mod
 
 
-class FlexDilated(Kernel):
+class FlexDilated(_FlexKernel):
     """LongNet dilated attention, one FlexAttention call per branch, merged by lse."""
 
     def __init__(self, params: FlexDilatedParams) -> None:
-        super().__init__()
-        self.params = params
-        self.ours = DilatedAttention(params.ours())
-        self.masks = MaskCache()
-        self.mask_build_s = 0.0
+        super().__init__(params, DilatedAttention(params.ours()))
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
@@ -293,9 +296,6 @@ class FlexDilated(Kernel):
         self.mask_build_s = self.masks.build_s
         assert out is not None
         return out.to(q.dtype)
-
-    def flops(self, *args: Any, **kwargs: Any) -> int:
-        return self.ours.flops(*args, **kwargs)
 
 
 def check_flex_block_sparse(params: FlexBlockSparseParams, **shape: Any) -> None:

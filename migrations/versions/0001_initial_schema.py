@@ -1,19 +1,13 @@
 """initial schema
 
-Revision ID: 0001
-Revises:
 Create Date: 2026-11-22 07:33:35.867718
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0001"
 down_revision: str | None = None
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

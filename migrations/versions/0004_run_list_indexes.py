@@ -7,19 +7,13 @@ the filters (kernel, status, world_size, seq_len) answers every prefix of them, 
 and counts them without reading the table; it replaces the index on kernel alone. Likewise
 (sweep_id, status) replaces the index on sweep_id alone: one sweep's runs in a given state.
 
-Revision ID: 0004
-Revises: 0003
 Create Date: 2026-11-24 15:00:00
 """
-
-from collections.abc import Sequence
 
 from alembic import op
 
 revision: str = "0004"
 down_revision: str | None = "0003"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 FILTERS = ["kernel", "status", "world_size", "seq_len"]
 

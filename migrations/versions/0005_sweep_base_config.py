@@ -5,20 +5,14 @@ this revision a sweep keeps what all its runs' normalized configs share in base_
 run keeps the rest (run.config keeps its name). Sweeps stored before have base_config NULL and
 runs with their whole config, which reads the same.
 
-Revision ID: 0005
-Revises: 0004
 Create Date: 2026-11-24 16:00:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0005"
 down_revision: str | None = "0004"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

@@ -5,20 +5,15 @@ link_bytes_per_s (a transfer's bytes over its window, which includes waiting for
 its values under the name of what it is: transfer_window_bytes_per_s. Rank results stored before
 read NULL for the new columns.
 
-Revision ID: 0010
-Revises: 0009
 Create Date: 2026-11-27 23:00:00
 """
 
-from collections.abc import Sequence
-
 import sqlalchemy as sa
 from alembic import op
+from service.migrations.ops import add_columns, drop_columns
 
 revision: str = "0010"
 down_revision: str | None = "0009"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 RENAMED = ("rank_result", "ring_step")
 
@@ -27,14 +22,15 @@ def upgrade() -> None:
     # In place, not batch mode (which on SQLite rebuilds the table runs refer to; see 0005).
     for table in RENAMED:
         op.alter_column(table, "link_bytes_per_s", new_column_name="transfer_window_bytes_per_s")
-    op.add_column("rank_result", sa.Column("link_probe_bytes", sa.BigInteger(), nullable=True))
-    op.add_column("rank_result", sa.Column("link_probe_bytes_per_s", sa.Float(), nullable=True))
-    op.add_column("rank_result", sa.Column("link_latency_s", sa.Float(), nullable=True))
+    add_columns(
+        "rank_result",
+        link_probe_bytes=sa.BigInteger(),
+        link_probe_bytes_per_s=sa.Float(),
+        link_latency_s=sa.Float(),
+    )
 
 
 def downgrade() -> None:
-    op.drop_column("rank_result", "link_latency_s")
-    op.drop_column("rank_result", "link_probe_bytes_per_s")
-    op.drop_column("rank_result", "link_probe_bytes")
+    drop_columns("rank_result", "link_latency_s", "link_probe_bytes_per_s", "link_probe_bytes")
     for table in RENAMED:
         op.alter_column(table, "transfer_window_bytes_per_s", new_column_name="link_bytes_per_s")

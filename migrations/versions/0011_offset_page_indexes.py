@@ -7,19 +7,13 @@ the skip step over that filter's own index entries: a sweep's runs newest first,
 newest first, a state's by length, a dtype's by length. The index on status alone goes (every
 query it served is a prefix of ix_run_status_id), and the one on dtype alone becomes its prefix.
 
-Revision ID: 0011
-Revises: 0010
 Create Date: 2026-11-28 02:00:00
 """
-
-from collections.abc import Sequence
 
 from alembic import op
 
 revision: str = "0011"
 down_revision: str | None = "0010"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 NEW = {
     "ix_run_sweep_id_id": ["sweep_id", "id"],

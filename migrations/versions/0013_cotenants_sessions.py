@@ -3,20 +3,14 @@ run ids; NULL for runs stored before, or never placed), and when a sweep last ha
 (sweep.last_claimed_at), which the scheduler's round-robin across sweeps orders by; and the
 dashboard's server-side sessions (web_session: a logout revokes one, each expires).
 
-Revision ID: 0013
-Revises: 0012
 Create Date: 2026-11-28 01:30:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0013"
 down_revision: str | None = "0012"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

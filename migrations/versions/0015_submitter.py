@@ -2,20 +2,14 @@
 --as or RINGLAB_SUBMITTER): the queue round-robins across submitters first, then across each
 submitter's sweeps (service.leases). Sweeps stored before read 'anonymous'.
 
-Revision ID: 0015
-Revises: 0014
 Create Date: 2026-11-28 18:00:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0015"
 down_revision: str | None = "0014"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

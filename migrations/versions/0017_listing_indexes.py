@@ -10,19 +10,13 @@ the primary key backwards and read every row of the table until enough matched (
 1,000 when the matches sit in older ids). Each new index replaces one it extends (same prefix,
 so its counts stay index-only), except the last, which is one more on every insert.
 
-Revision ID: 0017_listing_indexes
-Revises: 0016
 Create Date: 2026-11-28 21:00:00
 """
-
-from collections.abc import Sequence
 
 from alembic import op
 
 revision: str = "0017_listing_indexes"
 down_revision: str | None = "0016"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 REPLACED = {
     "ix_run_status_seq_len": (["status", "seq_len"], "ix_run_status_seq_len_id"),

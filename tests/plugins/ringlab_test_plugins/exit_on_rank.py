@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from attention import ExactKernel, KernelSpec
+from ringlab_test_plugins import one_kernel
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,5 @@ class ExitOnRank(ExactKernel):
 
 
 def kernel_specs() -> list[KernelSpec]:
-    return [
-        KernelSpec(
-            name="exit_on_rank",
-            description="Dense attention whose process kills itself on one rank (on purpose).",
-            params=ExitParams,
-            factory=ExitOnRank,
-        )
-    ]
+    description = "Dense attention whose process kills itself on one rank (on purpose)."
+    return one_kernel("exit_on_rank", description, ExitOnRank, ExitParams)

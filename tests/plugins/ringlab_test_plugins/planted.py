@@ -7,20 +7,14 @@ right."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.nn import functional as F
 
 from attention import ExactKernel, KernelSpec
+from ringlab_test_plugins import NoParams, one_kernel
 
 SLOWDOWN_ACTOR = "ringlab-test-planted-slowdown"
 """A Ray actor of this name in the job's namespace with a `slowdown()` method plants the bug."""
-
-
-@dataclass(frozen=True)
-class NoParams:
-    """No parameters."""
 
 
 def planted_slowdown() -> int:
@@ -54,11 +48,5 @@ class PlantedDense(ExactKernel):
 
 
 def kernel_specs() -> list[KernelSpec]:
-    return [
-        KernelSpec(
-            name="planted_dense",
-            description="Dense attention, slowed down on request (the regression gate's test).",
-            params=NoParams,
-            factory=PlantedDense,
-        )
-    ]
+    description = "Dense attention, slowed down on request (the regression gate's test)."
+    return one_kernel("planted_dense", description, PlantedDense)

@@ -3,16 +3,10 @@ the correctness gate exists to catch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from attention import ExactKernel, KernelSpec
-
-
-@dataclass(frozen=True)
-class NoParams:
-    """No parameters."""
+from ringlab_test_plugins import one_kernel
 
 
 class UnscaledDense(ExactKernel):
@@ -30,11 +24,5 @@ class UnscaledDense(ExactKernel):
 
 
 def kernel_specs() -> list[KernelSpec]:
-    return [
-        KernelSpec(
-            name="unscaled_dense",
-            description="Dense attention without the softmax scale (wrong on purpose).",
-            params=NoParams,
-            factory=UnscaledDense,
-        )
-    ]
+    description = "Dense attention without the softmax scale (wrong on purpose)."
+    return one_kernel("unscaled_dense", description, UnscaledDense)
