@@ -34,6 +34,7 @@ from service.db.models import (
     run_config_columns,
     utcnow,
 )
+from service.leases import back_to_queue
 from service.spec import Cell, SweepSpec
 
 CANCELLABLE = (RunStatus.queued, RunStatus.waiting_resources, RunStatus.running)
@@ -257,17 +258,7 @@ def retry_sweep(
     result = session.execute(
         update(Run)
         .where(Run.sweep_id == sweep_id, Run.status.in_(statuses))
-        .values(
-            status=RunStatus.queued,
-            attempts=0,
-            error=None,
-            started_at=None,
-            finished_at=None,
-            heartbeat_at=None,
-            lease_owner=None,
-            lease_expires_at=None,
-            environment_id=None,
-        )
+        .values(**back_to_queue(None), attempts=0, finished_at=None, environment_id=None)
         .execution_options(synchronize_session=False)
     )
     session.commit()
