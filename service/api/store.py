@@ -19,12 +19,9 @@ from service.db.models import (
     ACTIVE_STATUSES,
     DEFAULT_SUBMITTER,
     RUN_CONFIG_COLUMNS,
+    RUN_RESULT_TABLES,
     TERMINAL_STATUSES,
-    Artifact,
-    MemoryComponent,
     Probe,
-    RankResult,
-    RingStep,
     Run,
     RunStatus,
     Sweep,
@@ -249,12 +246,9 @@ def retry_sweep(
     if include_cancelled:
         statuses.append(RunStatus.cancelled)
     retry_ids = select(Run.id).where(Run.sweep_id == sweep_id, Run.status.in_(statuses))
-    session.execute(delete(RankResult).where(RankResult.run_id.in_(retry_ids)))
-    session.execute(delete(Probe).where(Probe.run_id.in_(retry_ids)))
-    session.execute(delete(MemoryComponent).where(MemoryComponent.run_id.in_(retry_ids)))
-    session.execute(delete(RingStep).where(RingStep.run_id.in_(retry_ids)))
-    # (their files stay under the artifact root; the new attempt's replace those of its names)
-    session.execute(delete(Artifact).where(Artifact.run_id.in_(retry_ids)))
+    # (artifacts' files stay under the artifact root; the new attempt's replace those of its names)
+    for table in RUN_RESULT_TABLES:
+        session.execute(delete(table).where(table.run_id.in_(retry_ids)))
     result = session.execute(
         update(Run)
         .where(Run.sweep_id == sweep_id, Run.status.in_(statuses))
