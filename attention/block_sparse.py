@@ -37,6 +37,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import NamedTuple
 
 import torch
 
@@ -585,19 +586,21 @@ def _gather_runs(
     return buffer[:, :at]
 
 
-def _shared_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    sup: _Superblock,
-    bs: int,
-    scale: float,
-    at: int,
-) -> None:
-    """Superblock `sup`'s shared run, stored into its rows of (out, lse), whose row 0 is query
-    block `at`'s first token."""
+class _Window(NamedTuple):
+    """The forward's inputs (q, k, v) and one window's accumulators (out, lse), whose row 0 is
+    query block `at`'s first token: what every part of the window's forward reads or fills."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    at: int
+
+
+def _shared_forward(win: _Window, sup: _Superblock, bs: int, scale: float) -> None:
+    """Superblock `sup`'s shared run, stored into its rows of the window's (out, lse)."""
+    q, k, v, out, lse, at = win
     seq_len = q.shape[1]
     t0, t1 = sup.r0 * bs, min(seq_len, sup.r1 * bs)
     a, b = sup.shared
@@ -613,21 +616,17 @@ def _shared_forward(
 
 
 def _stairs_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
+    win: _Window,
     sup: _Superblock,
     bs: int,
     scale: float,
     buffers: tuple[torch.Tensor, torch.Tensor],
-    at: int,
     tokens: int,
 ) -> None:
-    """Superblock `sup`'s stairs merged into (out, lse) (row 0: query block `at`'s first
-    token); `buffers` (batch 1): room for the blocks of k and of v a stairs call of at most
-    `tokens` (_forward_tokens, the same value that sized them) gathers."""
+    """Superblock `sup`'s stairs merged into the window's (out, lse); `buffers` (batch 1): room
+    for the blocks of k and of v a stairs call of at most `tokens` (_forward_tokens, the same
+    value that sized them) gathers."""
+    q, k, v, out, lse, at = win
     seq_len = q.shape[1]
     count, width = sup.r1 - sup.r0, sup.r1 - sup.r0 - 1
     per_call = _stair_rows(count, bs, tokens)
@@ -680,36 +679,26 @@ def block_sparse_forward(
     def fill(c0: int, c1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
         at, end = c0 // bs, -(-c1 // bs)  # the window's query blocks
         mine = [sup for sup in supers if at <= sup.r0 < end]
+        win = _Window(q, k, v, out, lse, at)
         for sup in mine:  # shared runs first: in one window, their outputs never meet buffers
-            _shared_forward(q, k, v, out, lse, sup, bs, scale, at)
+            _shared_forward(win, sup, bs, scale)
         if mine and not buffers:
             buffers.extend(x.new_empty(1, most * bs, *x.shape[2:]) for x in (k, v))
         for sup in mine:
-            pair = (buffers[0], buffers[1])
-            _stairs_forward(q, k, v, out, lse, sup, bs, scale, pair, at, tokens)
+            _stairs_forward(win, sup, bs, scale, (buffers[0], buffers[1]), tokens)
         for call in calls:
             r0, r1 = max(call.r0, at), min(call.r1, end)
             if r0 < r1:
-                part = dataclasses.replace(call, r0=r0, r1=r1)
-                _call_forward(q, k, v, out, lse, part, at, bs, rows_per_call)
+                _call_forward(win, dataclasses.replace(call, r0=r0, r1=r1), bs, rows_per_call)
 
     return primitive.windowed_result(q, fill, spans)
 
 
-def _call_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    call: _Call,
-    at: int,
-    bs: int,
-    rows_per_call: int,
-) -> None:
+def _call_forward(win: _Window, call: _Call, bs: int, rows_per_call: int) -> None:
     """One plan call's rows, `rows_per_call` (_rows_per_call) at a time (on CPU in head halves
-    from SUPERBLOCK_TOKENS queries, see _forward_heads), stored or merged into (out, lse),
-    whose row 0 is query block `at`'s first token."""
+    from SUPERBLOCK_TOKENS queries, see _forward_heads), stored or merged into the window's
+    (out, lse)."""
+    q, k, v, out, lse, at = win
     bsz, seq_len = q.shape[:2]
     scale = q.shape[3] ** -0.5
     diag = _call_diagonal(call, bs)

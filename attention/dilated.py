@@ -226,6 +226,7 @@ def backward_rows(
     """Add the block backward of every (w, r, lo, hi) of `spans` (see forward_rows), with the
     merged (out, lse), to grads (dq, dk, dv)."""
     bsz, _, heads, _ = q.shape
+    saved = (dout, q, k, v, out, lse)
     for w, r, lo, hi in spans:
         for rows in branch_rows(lo, hi, w, r, heads, chunk_tokens=CHUNK_TOKENS):
             parts = backward_parts(rows.m, causal)
@@ -236,16 +237,11 @@ def backward_rows(
                     rows, start=rows.start + s0 * rows.stride, count=min(per_call, rows.count - s0)
                 )
                 for b, qr, kr in calls(segs, bsz, heads, k.shape[2], BACKWARD_ROW_HEADS, widest):
-                    _backward_parts_into(dout, q, k, v, out, lse, grads, b, qr, kr, parts, causal)
+                    _backward_parts_into(saved, grads, b, qr, kr, parts, causal)
 
 
 def _backward_parts_into(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
+    saved: tuple[torch.Tensor, ...],
     grads: tuple[torch.Tensor, ...],
     b: int,
     qr: Rows,
@@ -253,7 +249,9 @@ def _backward_parts_into(
     parts: list[tuple[int, int, int, int]],
     causal: bool,
 ) -> None:
-    """One call's rows (qr, kr of batch row b) by backward_parts, added to grads."""
+    """One call's rows (qr, kr of batch row b) by backward_parts, added to grads; `saved`:
+    backward_rows' (dout, q, k, v, out, lse)."""
+    dout, q, k, v, out, lse = saved
     dim = q.shape[3]
     dq, dk, dv = grads
     for q0, q1, k0, k1 in parts:

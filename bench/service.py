@@ -26,7 +26,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,11 +36,11 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import httpx  # noqa: E402
 import uvicorn  # noqa: E402
-from sqlalchemy import create_engine, func, insert, select, text  # noqa: E402
+from sqlalchemy import func, insert, select, text  # noqa: E402
 
 from service.app import create_app  # noqa: E402
 from service.core.config import Settings, normalize_database_url  # noqa: E402
-from service.db.engine import make_engine, make_sessionmaker  # noqa: E402
+from service.db.engine import make_engine, make_sessionmaker, scratch_schema  # noqa: E402
 from service.db.models import Run, RunStatus, Sweep, SweepKind, utcnow  # noqa: E402
 from service.spec import SweepSpec, canonical_json, cell_key_of, expand  # noqa: E402
 from workers.config import RunConfig  # noqa: E402
@@ -86,18 +85,8 @@ def parse() -> argparse.Namespace:
 @contextlib.contextmanager
 def fresh_schema(base_url: str) -> Iterator[str]:
     """A URL whose connections use a new, empty schema; the schema is dropped afterwards."""
-    base = normalize_database_url(base_url)
-    schema = f"bench_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    sep = "&" if "?" in base else "?"
-    try:
-        yield f"{base}{sep}options=-csearch_path%3D{schema}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        admin.dispose()
+    with scratch_schema(normalize_database_url(base_url), "bench_") as url:
+        yield url
 
 
 @contextlib.contextmanager

@@ -23,17 +23,25 @@ def load_settings() -> Settings:
     return Settings()
 
 
+def _migrate(step: Callable[[str, str], object], revision: str) -> None:
+    """Run `step` (migrate.upgrade or downgrade) on the configured database to `revision` and
+    print the revision it is at afterwards."""
+    from service.db.migrate import current
+
+    settings = load_settings()
+    step(settings.database_url, revision)
+    out.print(f"database at revision {current(settings.database_url)}: {_safe(settings)}")
+
+
 @db_app.command("upgrade")
 @friendly_errors
 def db_upgrade(
     revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
 ) -> None:
     """Bring the database (RINGLAB_DATABASE_URL) to the latest schema."""
-    from service.db.migrate import current, upgrade
+    from service.db.migrate import upgrade
 
-    settings = load_settings()
-    upgrade(settings.database_url, revision)
-    out.print(f"database at revision {current(settings.database_url)}: {_safe(settings)}")
+    _migrate(upgrade, revision)
 
 
 @db_app.command("downgrade")
@@ -42,11 +50,9 @@ def db_downgrade(
     revision: Annotated[str, typer.Argument(help="Target revision ('base' empties it).")],
 ) -> None:
     """Take the database back to an earlier revision."""
-    from service.db.migrate import current, downgrade
+    from service.db.migrate import downgrade
 
-    settings = load_settings()
-    downgrade(settings.database_url, revision)
-    out.print(f"database at revision {current(settings.database_url)}: {_safe(settings)}")
+    _migrate(downgrade, revision)
 
 
 @db_app.command("current")

@@ -235,8 +235,9 @@ def update_held(sm: sessionmaker[Session], claim: Claim, values: dict[str, Any])
 DIED_HERE = "requeued: the scheduler running it on this host had died"
 
 
-def _back_to_queue(error: str | None) -> dict[str, Any]:
-    """What a run that goes back to the queue gets: no lease, no start, why it went back."""
+def back_to_queue(error: str | None) -> dict[str, Any]:
+    """What a run that goes back to the queue gets: no lease, no start, why it went back
+    (a requeue here, a retry in service.api.store)."""
     return {
         "status": RunStatus.queued,
         "lease_owner": None,
@@ -254,7 +255,7 @@ def requeue(
 
     A graceful stop does not consume an attempt (attempts goes back down by one).
     """
-    values = _back_to_queue(error)
+    values = back_to_queue(error)
     if not consume_attempt:
         values["attempts"] = Run.attempts - 1
     return update_held(sm, claim, values)
@@ -275,7 +276,7 @@ def recover_expired(sm: sessionmaker[Session]) -> list[int]:
         ids = session.scalars(
             update(Run)
             .where(stale)
-            .values(**_back_to_queue("requeued: the lease of the scheduler running it expired"))
+            .values(**back_to_queue("requeued: the lease of the scheduler running it expired"))
             .returning(Run.id)
             .execution_options(synchronize_session=False)
         ).all()
@@ -331,9 +332,7 @@ def recover_orphans(
             result = session.execute(
                 update(Run)
                 .where(Run.id == run_id, Run.lease_owner == token, Run.status.in_(ACTIVE_STATUSES))
-                .values(
-                    **_back_to_queue("requeued: the scheduler running it on this host had died")
-                )
+                .values(**back_to_queue("requeued: the scheduler running it on this host had died"))
                 .execution_options(synchronize_session=False)
             )
             if rowcount(result) == 1:

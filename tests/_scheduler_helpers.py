@@ -9,11 +9,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.models import (
@@ -24,6 +26,7 @@ from service.db.models import (
     Sweep,
     SweepKind,
     run_config_columns,
+    utcnow,
 )
 from workers.config import RunConfig
 from workers.errors import Infeasible, RankFailed
@@ -78,6 +81,43 @@ def run_row(sm: sessionmaker[Session], run_id: int) -> Run:
         run = session.get(Run, run_id)
         assert run is not None
         return run
+
+
+@contextmanager
+def migrated_sqlite(path: Path) -> Iterator[sessionmaker[Session]]:
+    """Sessions on a SQLite file at `path` migrated to head (the tests that need one backend
+    only); the engine is disposed afterwards."""
+    from service.db.engine import make_engine, make_sessionmaker
+    from service.db.migrate import upgrade
+
+    url = f"sqlite:///{path}"
+    upgrade(url)
+    engine = make_engine(url)
+    try:
+        yield make_sessionmaker(engine)
+    finally:
+        engine.dispose()
+
+
+def cancel_as_api(sm: sessionmaker[Session], run_id: int) -> None:
+    """Cancel run `run_id` the way POST /sweeps/{id}/cancel does: status, finished_at, error."""
+    with sm() as session, session.begin():
+        session.execute(
+            update(Run)
+            .where(Run.id == run_id)
+            .values(status=RunStatus.cancelled, finished_at=utcnow(), error="cancelled by request")
+        )
+
+
+@contextmanager
+def succeeded_run(sm: sessionmaker[Session], run_id: int) -> Iterator[tuple[Session, Run]]:
+    """An open session and run `run_id` in it, asserted succeeded without an error (the session
+    stays open so that its rank results and probes load)."""
+    with sm() as session:
+        run = session.get(Run, run_id)
+        assert run is not None
+        assert (run.status, run.error) == (RunStatus.succeeded, None)
+        yield session, run
 
 
 def rank_rows_per_run(sm: sessionmaker[Session]) -> Counter[int]:

@@ -39,7 +39,8 @@ def _stat(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), int(fields[19])
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
+    """The command line of process `pid`, arguments joined by spaces ("" once it is gone)."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
@@ -67,7 +68,7 @@ def _descendants(root: int) -> list[int]:
 
 def local_processes() -> dict[int, str]:
     """pid -> command line of the processes recorded for the local Ray (alive or not)."""
-    return {pid: _cmdline(pid) for pid in _recorded}
+    return {pid: cmdline(pid) for pid in _recorded}
 
 
 def start() -> None:
@@ -81,8 +82,8 @@ def start() -> None:
         return  # not Linux: nothing to record (and none of this was seen there)
     deadline = time.monotonic() + AGENT_WAIT_S
     while True:
-        pids = [p for p in _descendants(os.getpid()) if "ray" in _cmdline(p)]
-        agents = [p for p in pids if _cmdline(p).startswith(AGENTS)]
+        pids = [p for p in _descendants(os.getpid()) if "ray" in cmdline(p)]
+        agents = [p for p in pids if cmdline(p).startswith(AGENTS)]
         if len(agents) >= len(AGENTS) or time.monotonic() > deadline:
             break
         time.sleep(0.1)

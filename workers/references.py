@@ -49,15 +49,21 @@ GATE_MASK_TOKENS = 8192
 (64 MiB of bools); beyond it the plugin must declare keep_rows."""
 
 
-def _all_rows(q: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """The query positions a reference computes: `rows`, or every row q holds."""
-    return torch.arange(q.shape[1], device=q.device) if rows is None else rows.to(q.device)
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One reference call: q holds the query rows at positions `rows` (resolved: on q's device),
+    k and v the whole sequence."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    causal: bool
+    rows: torch.Tensor
 
 
-def _ordered(params: Any, inner: Reference) -> Reference:
-    """Apply the kernel's token ordering (hilbert) around a reference on natural positions."""
-    if getattr(params, "ordering", "natural") != "hilbert":
-        return inner
+def _reference(body: Callable[[_Call], torch.Tensor]) -> Reference:
+    """The Reference that runs `body` on its call, `rows` resolved (None: every row q holds):
+    the one place the references' calling convention is spelled out."""
 
     def reference(
         q: torch.Tensor,
@@ -66,12 +72,24 @@ def _ordered(params: Any, inner: Reference) -> Reference:
         causal: bool,
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # natural row i is row inverse[i] of the permuted sequence, whose query is q[i]
-        perm = hilbert_permutation(k.shape[1], k.device)
-        inverse = inverse_permutation(perm)
-        return inner(q, k[:, perm], v[:, perm], causal, inverse[_all_rows(q, rows)])
+        resolved = torch.arange(q.shape[1], device=q.device) if rows is None else rows.to(q.device)
+        return body(_Call(q, k, v, causal, resolved))
 
     return reference
+
+
+def _ordered(params: Any, inner: Reference) -> Reference:
+    """Apply the kernel's token ordering (hilbert) around a reference on natural positions."""
+    if getattr(params, "ordering", "natural") != "hilbert":
+        return inner
+
+    def permuted(c: _Call) -> torch.Tensor:
+        # natural row i is row inverse[i] of the permuted sequence, whose query is q[i]
+        perm = hilbert_permutation(c.k.shape[1], c.k.device)
+        inverse = inverse_permutation(perm)
+        return inner(c.q, c.k[:, perm], c.v[:, perm], c.causal, inverse[c.rows])
+
+    return _reference(permuted)
 
 
 KeepOf = Callable[[int, bool, torch.Tensor], torch.Tensor]
@@ -83,16 +101,10 @@ def _masked(keep_of: KeepOf) -> Reference:
     """Plain einsum softmax attention (not SDPA: the kernel under test must not check itself)
     under the keys `keep_of` keeps for each query row computed."""
 
-    def reference(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return masked_attention(q, k, v, keep_of(k.shape[1], causal, _all_rows(q, rows)))[0]
+    def masked(c: _Call) -> torch.Tensor:
+        return masked_attention(c.q, c.k, c.v, keep_of(c.k.shape[1], c.causal, c.rows))[0]
 
-    return reference
+    return _reference(masked)
 
 
 def _every_key(seq_len: int, causal: bool, rows: torch.Tensor) -> torch.Tensor:
@@ -110,17 +122,11 @@ def _documents(lengths: tuple[int, ...]) -> Reference:
 
 
 def _dilated(params: Any) -> Reference:
-    def reference(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def dilated(c: _Call) -> torch.Tensor:
         ws, rs = params.segment_lengths, params.dilation_rates
-        return dilated_reference(q, k, v, ws, rs, causal=causal, rows=_all_rows(q, rows).cpu())
+        return dilated_reference(c.q, c.k, c.v, ws, rs, causal=c.causal, rows=c.rows.cpu())
 
-    return _ordered(params, reference)
+    return _ordered(params, _reference(dilated))
 
 
 def _block_sparse(params: Any) -> Reference:
@@ -217,21 +223,15 @@ def _mha_reference(layer: MultiheadAttention) -> Reference:
             mha.in_proj_bias.copy_(torch.cat([p.bias for p in projections]))
             mha.out_proj.bias.copy_(layer.out_proj.bias)
 
-    def reference(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def layer(c: _Call) -> torch.Tensor:
         mask = None
-        if causal:  # True: the key is masked out, i.e. every key after the query
-            keys = torch.arange(k.shape[1], device=q.device)
-            mask = keys[None, :] > _all_rows(q, rows)[:, None]
-        out, _ = mha(q, k, v, attn_mask=mask, need_weights=True)
+        if c.causal:  # True: the key is masked out, i.e. every key after the query
+            keys = torch.arange(c.k.shape[1], device=c.q.device)
+            mask = keys[None, :] > c.rows[:, None]
+        out, _ = mha(c.q, c.k, c.v, attn_mask=mask, need_weights=True)
         return out
 
-    return reference
+    return _reference(layer)
 
 
 def _projected_reference(layer: MultiheadAttention) -> Reference:
@@ -246,22 +246,16 @@ def _projected_reference(layer: MultiheadAttention) -> Reference:
     ]
     heads = layer.num_heads
 
-    def reference(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        e = q.shape[-1]
+    def projected(c: _Call) -> torch.Tensor:
+        e = c.q.shape[-1]
         split = [
             F.linear(x, w, bias).unflatten(-1, (-1, e // heads))  # k, v: num_kv_heads
-            for x, w, bias in zip((q, k, v), weights[:3], biases[:3], strict=True)
+            for x, w, bias in zip((c.q, c.k, c.v), weights[:3], biases[:3], strict=True)
         ]
-        out = inner(*split, causal, rows).flatten(-2)
+        out = inner(*split, c.causal, c.rows).flatten(-2)
         return F.linear(out, weights[3], biases[3])
 
-    return reference
+    return _reference(projected)
 
 
 def layer_reference(layer: nn.Module) -> Reference:

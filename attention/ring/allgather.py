@@ -137,9 +137,8 @@ def _backward(dout, q, k, v, out, lse, blocks, group, scale):  # type: ignore[no
         p = piece_size(n, q.device, _row_bytes(k))
         dq = torch.zeros(q.shape, dtype=primitive.accumulator_dtype(q.dtype), device=q.device)
         dkv = torch.zeros((2, *kt.shape), dtype=dq.dtype, device=q.device)
-        step_backward(
-            dout, q, kt, vt, out, lse, _chunked(blocks, n, kt.shape[1], p), dq, dkv, scale
-        )
+        chunked = _chunked(blocks, n, kt.shape[1], p)
+        step_backward((dout, q, out, lse), (kt, vt), chunked, dq, dkv, scale)
         del kt, vt
         dk, dv = (
             reduce_scatter(g.view(bsz, world, n, *k.shape[2:]).transpose(0, 1), group)

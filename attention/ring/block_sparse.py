@@ -220,7 +220,7 @@ def _backward(dout, q, k, v, out, lse, sched: _Schedule, group, scale: float):
 
     def local_step() -> None:
         plan = sched.plan(rank, 0)
-        step_backward(dout, q, k, v, out, lse, plan, dq, dkv, scale)
+        step_backward((dout, q, out, lse), (k, v), plan, dq, dkv, scale)
 
     if world == 1:
         with clock.step("backward", 0):
@@ -255,7 +255,7 @@ def _backward(dout, q, k, v, out, lse, sched: _Schedule, group, scale: float):
             partial = None
             if plan:
                 partial = partials[t % 2].zero_()
-                step_backward(dout, q, kv[0], kv[1], out, lse, plan, dq, partial, scale)
+                step_backward((dout, q, out, lse), (kv[0], kv[1]), plan, dq, partial, scale)
             if pending is not None:
                 finish_return()
             # my share of rank - t's dK/dV goes home; rank + t's share of mine comes in

@@ -115,18 +115,18 @@ def step_forward(
     return fresh
 
 
+Saved = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""What a backward reads of this rank's rows: (dout, q, out, lse) with the forward's final
+merged (out, lse)."""
+
+
 def block_grads(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    kt: torch.Tensor,
-    vt: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    blk: Block,
-    dq: torch.Tensor,
-    scale: float,
+    saved: Saved, kv: tuple[torch.Tensor, torch.Tensor], blk: Block, dq: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's backward: adds its dq into `dq`, returns its (dk, dv) for the held keys."""
+    """One block's backward against the held keys and values `kv`: adds its dq into `dq`,
+    returns its (dk, dv) for the held keys."""
+    dout, q, out, lse = saved
+    kt, vt = kv
     dq_b, dk_b, dv_b = block_backward(
         dout[:, blk.q0 : blk.q1],
         q[:, blk.q0 : blk.q1],
@@ -142,21 +142,18 @@ def block_grads(
 
 
 def step_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    kt: torch.Tensor,
-    vt: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
+    saved: Saved,
+    kv: tuple[torch.Tensor, torch.Tensor],
     blocks: Sequence[Block],
     dq: torch.Tensor,
     dkv: torch.Tensor,
     scale: float,
 ) -> None:
-    """One step's backward: dq into `dq`, each block's (dk, dv) into `dkv` (2, B, keys, H, D)
-    as soon as it is computed (one block's gradients live at a time)."""
+    """One step's backward against the held (k, v) `kv`: dq into `dq`, each block's (dk, dv)
+    into `dkv` (2, B, keys, H, D) as soon as it is computed (one block's gradients live at a
+    time)."""
     for blk in blocks:
-        dk_b, dv_b = block_grads(dout, q, kt, vt, out, lse, blk, dq, scale)
+        dk_b, dv_b = block_grads(saved, kv, blk, dq, scale)
         dkv[0, :, blk.k0 : blk.k1] += dk_b
         dkv[1, :, blk.k0 : blk.k1] += dv_b
         del dk_b, dv_b  # else held while the next block computes: two blocks' at once
@@ -435,7 +432,7 @@ class _Accumulators:
 
 
 def _step_grads(
-    saved: tuple[Tensor, Tensor, Tensor, Tensor],
+    saved: Saved,
     kv: tuple[Tensor, Tensor],
     blocks: Sequence[Block],
     dq: Tensor,
@@ -446,10 +443,9 @@ def _step_grads(
     """One step's blocks: dq added in place, each block's (dk, dv) into the held accumulator.
     Unless it is ready for this step's shares, the accumulator exchange completes after the
     step's first block, so that it overlaps that block's compute."""
-    dout, q, out, lse = saved
     ready = accs.comm is None or (t == 0 and accs.home is None)
     for blk in blocks:
-        dk_b, dv_b = block_grads(dout, q, kv[0], kv[1], out, lse, blk, dq, scale)
+        dk_b, dv_b = block_grads(saved, kv, blk, dq, scale)
         if not ready:
             accs.arrive(t)
             ready = True

@@ -30,6 +30,10 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+CredentialsDep = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+"""The request's bearer credentials (None: no Authorization header), for the auth checks."""
+
 SESSION_COOKIE = "ringlab_session"
 """The dashboard's session cookie (service.web.login, service.api.sessions): a browser cannot
 send a bearer header, with EventSource least of all. It admits reads only; writes always need
@@ -67,8 +71,8 @@ def _unauthorized() -> HTTPException:
 
 
 async def require_write(
-    settings: Annotated[Settings, Depends(get_settings)],
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    settings: SettingsDep,
+    credentials: CredentialsDep,
 ) -> None:
     """Mutating endpoints: the token is required whenever one is configured."""
     if not _bearer_ok(settings, credentials):
@@ -77,8 +81,8 @@ async def require_write(
 
 async def require_read(
     request: Request,
-    settings: Annotated[Settings, Depends(get_settings)],
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    settings: SettingsDep,
+    credentials: CredentialsDep,
 ) -> None:
     """Reads: open unless settings.require_token_for_reads; then the bearer token or the
     dashboard's session cookie."""
@@ -88,8 +92,8 @@ async def require_read(
 
 async def require_read_page(
     request: Request,
-    settings: Annotated[Settings, Depends(get_settings)],
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    settings: SettingsDep,
+    credentials: CredentialsDep,
 ) -> None:
     """A dashboard page: as require_read, but a browser without a session is sent to the
     login page (303), which brings it back here."""
@@ -105,7 +109,6 @@ async def require_read_page(
 
 
 SessionDep = Annotated[Session, Depends(get_session)]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 MAX_ID = 2**31 - 1
 """Ids are 32-bit integer columns; larger path values are 422, not a database error."""

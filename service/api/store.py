@@ -19,12 +19,9 @@ from service.db.models import (
     ACTIVE_STATUSES,
     DEFAULT_SUBMITTER,
     RUN_CONFIG_COLUMNS,
+    RUN_RESULT_TABLES,
     TERMINAL_STATUSES,
-    Artifact,
-    MemoryComponent,
     Probe,
-    RankResult,
-    RingStep,
     Run,
     RunStatus,
     Sweep,
@@ -34,6 +31,7 @@ from service.db.models import (
     run_config_columns,
     utcnow,
 )
+from service.leases import back_to_queue
 from service.spec import Cell, SweepSpec
 
 CANCELLABLE = (RunStatus.queued, RunStatus.waiting_resources, RunStatus.running)
@@ -248,26 +246,13 @@ def retry_sweep(
     if include_cancelled:
         statuses.append(RunStatus.cancelled)
     retry_ids = select(Run.id).where(Run.sweep_id == sweep_id, Run.status.in_(statuses))
-    session.execute(delete(RankResult).where(RankResult.run_id.in_(retry_ids)))
-    session.execute(delete(Probe).where(Probe.run_id.in_(retry_ids)))
-    session.execute(delete(MemoryComponent).where(MemoryComponent.run_id.in_(retry_ids)))
-    session.execute(delete(RingStep).where(RingStep.run_id.in_(retry_ids)))
-    # (their files stay under the artifact root; the new attempt's replace those of its names)
-    session.execute(delete(Artifact).where(Artifact.run_id.in_(retry_ids)))
+    # (artifacts' files stay under the artifact root; the new attempt's replace those of its names)
+    for table in RUN_RESULT_TABLES:
+        session.execute(delete(table).where(table.run_id.in_(retry_ids)))
     result = session.execute(
         update(Run)
         .where(Run.sweep_id == sweep_id, Run.status.in_(statuses))
-        .values(
-            status=RunStatus.queued,
-            attempts=0,
-            error=None,
-            started_at=None,
-            finished_at=None,
-            heartbeat_at=None,
-            lease_owner=None,
-            lease_expires_at=None,
-            environment_id=None,
-        )
+        .values(**back_to_queue(None), attempts=0, finished_at=None, environment_id=None)
         .execution_options(synchronize_session=False)
     )
     session.commit()

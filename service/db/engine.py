@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import sqlite3
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, Engine, create_engine, event
+from sqlalchemy import CursorResult, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -68,3 +71,23 @@ def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
 def rowcount(result: Any) -> int:
     """Rows an UPDATE or DELETE changed (Session.execute is typed as a plain Result)."""
     return cast(CursorResult[Any], result).rowcount
+
+
+@contextmanager
+def scratch_schema(base_url: str, prefix: str) -> Iterator[str]:
+    """A URL on the Postgres database `base_url` (normalized) whose every connection uses a new,
+    empty schema named `prefix` + 16 hex digits; the schema is dropped afterwards.
+
+    libpq's options parameter sets search_path for every pooled connection, so the models,
+    Alembic's version table and raw SQL all land in that schema (tests, benchmarks)."""
+    schema = f"{prefix}{uuid.uuid4().hex[:16]}"
+    admin = create_engine(base_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+        sep = "&" if "?" in base_url else "?"
+        yield f"{base_url}{sep}options=-csearch_path%3D{schema}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        admin.dispose()

@@ -389,6 +389,17 @@ class Artifact(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+RUN_RESULT_TABLES: tuple[type[RankResult | Probe | MemoryComponent | RingStep | Artifact], ...] = (
+    RankResult,
+    Probe,
+    MemoryComponent,
+    RingStep,
+    Artifact,
+)
+"""The tables of a run's results, each keyed by run_id: what a retry deletes, so that the new
+attempt's numbers stand alone."""
+
+
 class WebSession(Base):
     """A dashboard login (service.api.sessions): the cookie holds a random id and an HMAC of
     it under the API token; the table holds the id's SHA-256, so a logout (the row deleted)

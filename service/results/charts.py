@@ -816,27 +816,16 @@ def model_peak_figure(rows: Sequence[Row]) -> dict[str, Any]:
     drawn = False
     for name, group in _grouped([r for r in rows if r["status"] != "queued"], False).items():
         measured, predicted = _peak_points(group)
-        if measured:
-            fig.add_trace(
-                go.Scatter(
-                    x=[m[0] for m in measured],
-                    y=[m[1] for m in measured],
-                    mode="markers",
-                    name=f"{name} measured",
-                    legendgroup=name,
+        series: tuple[tuple[Any, str, dict[str, Any]], ...] = (
+            (measured, "measured", {"mode": "markers"}),
+            (predicted, "predicted", {"mode": "lines", "line": {"dash": "dash"}}),
+        )
+        for points, kind, style in series:
+            if points:
+                xs, ys = [p[0] for p in points], [p[1] for p in points]
+                fig.add_trace(
+                    go.Scatter(x=xs, y=ys, name=f"{name} {kind}", legendgroup=name, **style)
                 )
-            )
-        if predicted:
-            fig.add_trace(
-                go.Scatter(
-                    x=[q[0] for q in predicted],
-                    y=[q[1] for q in predicted],
-                    mode="lines",
-                    line={"dash": "dash"},
-                    name=f"{name} predicted",
-                    legendgroup=name,
-                )
-            )
         drawn = drawn or bool(measured or predicted)
     budgets = {
         b

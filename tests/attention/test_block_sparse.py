@@ -364,7 +364,7 @@ def test_superblocks_equal_the_reference(case, chunk, seq, causal, monkeypatch) 
     real = bs_module._shared_forward
 
     def spy(*args):
-        ran.append(args[5])
+        ran.append(args[1])  # (window, superblock, bs, scale)
         return real(*args)
 
     monkeypatch.setattr(bs_module, "_shared_forward", spy)
@@ -384,7 +384,7 @@ def test_superblocks_stay_inside_their_window(seq, causal, monkeypatch, accumula
     real = bs_module._shared_forward
 
     def spy(*args):
-        sup, at = args[5], args[8]
+        sup, at = args[1], args[0].at  # (window, superblock, bs, scale)
         ran.append(sup)
         assert at % 7 == 0 and at <= sup.r0 < sup.r1 <= at + 7
         return real(*args)

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -179,22 +178,11 @@ def database_url_for_cluster() -> Iterator[str]:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return
-    from sqlalchemy import create_engine, text
-
     from service.core.config import normalize_database_url
+    from service.db.engine import scratch_schema
 
-    base = normalize_database_url(raw)
-    schema = f"t_{uuid.uuid4().hex[:16]}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-        sep = "&" if "?" in base else "?"
-        yield f"{base}{sep}options=-csearch_path%3D{schema}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        admin.dispose()
+    with scratch_schema(normalize_database_url(raw), "t_") as url:
+        yield url
 
 
 @pytest.fixture

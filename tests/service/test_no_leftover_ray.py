@@ -15,16 +15,11 @@ import httpx
 import pytest
 from _api_helpers import free_port
 
+from workers.local_ray import cmdline
+
 pytestmark = [pytest.mark.timeout(180), pytest.mark.ray_process]
 
 AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
 
 
 def _session_agents(sid: int) -> list[int]:
@@ -34,7 +29,7 @@ def _session_agents(sid: int) -> list[int]:
         if not entry.name.isdigit():
             continue
         try:
-            if os.getsid(int(entry.name)) == sid and _cmdline(int(entry.name)).startswith(AGENTS):
+            if os.getsid(int(entry.name)) == sid and cmdline(int(entry.name)).startswith(AGENTS):
                 found.append(int(entry.name))
         except OSError:
             continue
@@ -66,9 +61,9 @@ def test_serve_leaves_no_ray_agents(tmp_path: Path, how: str) -> None:
             os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(_cmdline(p) for p in agents):
+        while time.monotonic() < deadline and any(cmdline(p) for p in agents):
             time.sleep(0.5)
-        left = {p: _cmdline(p) for p in agents if _cmdline(p)}
+        left = {p: cmdline(p) for p in agents if cmdline(p)}
         assert left == {}, f"left running after {how}: {left}"
     finally:
         if proc.poll() is None:

@@ -21,6 +21,7 @@ from _scheduler_helpers import (
     Script,
     ThreadPool,
     add_sweep,
+    cancel_as_api,
     fake_outcome,
     rank_rows_per_run,
     run_row,
@@ -256,12 +257,7 @@ def test_cancel_while_running_kills_and_stays_cancelled(engine: Engine) -> None:
     worker = threading.Thread(target=sched.run_once)
     worker.start()
     wait_for(lambda: run_row(sm, run_id).status == RunStatus.running, what="running")
-    with sm() as session, session.begin():  # what POST /sweeps/{id}/cancel does
-        session.execute(
-            update(Run)
-            .where(Run.id == run_id)
-            .values(status=RunStatus.cancelled, finished_at=utcnow(), error="cancelled by request")
-        )
+    cancel_as_api(sm, run_id)
     worker.join(timeout=10)
     assert not worker.is_alive()
     assert pool.kills == ["run cancelled or lease lost"]

@@ -21,6 +21,7 @@ from _scheduler_helpers import (
     ThreadPool,
     add_sweep,
     live_placement_groups,
+    migrated_sqlite,
     run_row,
     tiny_config,
     wait_for,
@@ -28,8 +29,8 @@ from _scheduler_helpers import (
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db.engine import make_engine, make_sessionmaker
-from service.db.migrate import upgrade
+from bench.concurrency import peak_in_flight
+from service.db.engine import make_sessionmaker
 from service.db.models import TERMINAL_STATUSES, Run, RunStatus
 from service.scheduler import Scheduler
 from service.tenancy import Tenancy
@@ -165,13 +166,8 @@ def test_a_claim_waits_for_its_gang_before_the_next_fits(engine: Engine) -> None
 
 @pytest.fixture
 def sqlite_sm(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
-    url = f"sqlite:///{tmp_path / 'ringlab.db'}"
-    upgrade(url)
-    engine = make_engine(url)
-    try:
-        yield make_sessionmaker(engine)
-    finally:
-        engine.dispose()
+    with migrated_sqlite(tmp_path / "ringlab.db") as sm:
+        yield sm
 
 
 @pytest.fixture(scope="module")
@@ -199,16 +195,6 @@ def real_pool(ray_session: Any, _module_pool: dict[str, Any]) -> Any:
     return _module_pool["pool"]
 
 
-def _peak_in_flight(spans: list[tuple[float, float]]) -> int:
-    """The most [start, end] spans that overlap at one instant (an end before a start)."""
-    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
-    live = peak = 0
-    for _, step in events:
-        live += step
-        peak = max(peak, live)
-    return peak
-
-
 @pytest.mark.ray
 @pytest.mark.timeout(120)
 def test_eight_one_rank_cells_run_at_least_four_at_once_on_8_declared_cpus(
@@ -229,7 +215,7 @@ def test_eight_one_rank_cells_run_at_least_four_at_once_on_8_declared_cpus(
     runs = [run_row(sm, i) for i in ids]
     assert {r.status for r in runs} == {RunStatus.succeeded}, [r.error for r in runs]
     spans = [(r.started_at.timestamp(), r.finished_at.timestamp()) for r in runs]
-    peak = _peak_in_flight(spans)
+    peak = peak_in_flight(spans)
     total = sum(e - s for s, e in spans)
     wall = max(e for _, e in spans) - min(s for s, _ in spans)
     print(f"8 cells: {peak} in flight at once; wall {wall:.1f} s, sum {total:.1f} s, "

@@ -25,20 +25,23 @@ from _scheduler_helpers import (
     TINY,
     RecordingPool,
     add_sweep,
+    cancel_as_api,
     live_placement_groups,
     long_config,
+    migrated_sqlite,
     rank_rows_per_run,
     run_row,
+    succeeded_run,
     tiny_config,
     wait_for,
 )
-from sqlalchemy import Engine, update
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 import attention
 from service.db.engine import make_engine, make_sessionmaker
 from service.db.migrate import upgrade
-from service.db.models import TERMINAL_STATUSES, Run, RunStatus, SweepKind, utcnow
+from service.db.models import TERMINAL_STATUSES, Run, RunStatus, SweepKind
 from service.scheduler import Scheduler
 from service.spec import SweepSpec, expand
 
@@ -95,13 +98,8 @@ def gang_pool(ray_session: Any, _shared_pool: SharedPool) -> Iterator[RecordingP
 @pytest.fixture
 def sqlite_sm(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
     """A migrated SQLite database (the Ray tests that need one backend only)."""
-    url = f"sqlite:///{tmp_path / 'ringlab.db'}"
-    upgrade(url)
-    engine = make_engine(url)
-    try:
-        yield make_sessionmaker(engine)
-    finally:
-        engine.dispose()
+    with migrated_sqlite(tmp_path / "ringlab.db") as sm:
+        yield sm
 
 
 def scheduler(sm: sessionmaker[Session], pool: RecordingPool, **kwargs: Any) -> Scheduler:
@@ -141,10 +139,7 @@ def test_multihead_cell_runs_on_a_real_gang(
     assert (cell.config.params["embed_dim"], cell.config.params["num_heads"]) == (None, None)
     (run_id,) = add_sweep(sqlite_sm, [cell.config], kind=SweepKind.correctness)
     assert scheduler(sqlite_sm, gang_pool).run_once()
-    with sqlite_sm() as session:
-        run = session.get(Run, run_id)
-        assert run is not None
-        assert (run.status, run.error) == (RunStatus.succeeded, None)
+    with succeeded_run(sqlite_sm, run_id) as (_, run):
         (rank,) = run.rank_results
         assert 0 < (rank.max_abs_error or 0) <= 1e-4 and rank.check_seq_len == 128
         layer = attention.build("multihead", kernel="dense", embed_dim=32, num_heads=2)
@@ -219,12 +214,7 @@ def test_cancel_kills_the_gang_and_stays_cancelled(
     worker = run_in_thread(scheduler(sqlite_sm, gang_pool).run_once)
     wait_for(lambda: bool(gang_pool.handles) and bool(pids_of(gang_pool)), 60, "gang up")
     pids = pids_of(gang_pool)
-    with sqlite_sm() as session, session.begin():  # what the API's cancel does
-        session.execute(
-            update(Run)
-            .where(Run.id == run_id)
-            .values(status=RunStatus.cancelled, finished_at=utcnow(), error="cancelled by request")
-        )
+    cancel_as_api(sqlite_sm, run_id)
     worker.join(timeout=30)
     assert not worker.is_alive()
     wait_for(lambda: all(gone(p) for p in pids), 30, "rank processes killed")
@@ -469,10 +459,7 @@ def test_model_search_runs_on_a_real_gang_and_stores_its_components(
     assert predicted == model_memory.max_seq_len(cell.config, 256 << 20) and predicted > 1024
     (run_id,) = add_sweep(sqlite_sm, [cell.config], kind=SweepKind.max_seq_len)
     assert scheduler(sqlite_sm, gang_pool).run_once()
-    with sqlite_sm() as session:
-        run = session.get(Run, run_id)
-        assert run is not None
-        assert (run.status, run.error) == (RunStatus.succeeded, None)
+    with succeeded_run(sqlite_sm, run_id) as (session, run):
         assert run.probes[0].seq_len == predicted  # dense accepts any length: no snapping
         fits = [p.seq_len for p in run.probes if p.outcome == "fit"]
         (rank,) = run.rank_results
