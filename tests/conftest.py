@@ -122,6 +122,7 @@ with --dist loadgroup): one worker runs them one after another, so the session k
 local Ray and no two Rays start at once; the other worker runs everything else beside it."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Put the tests that use the session's Ray (marker `ray`, fixture `ray_session`) or start
     one of their own (marker `ray_process`) in RAY_GROUP."""
