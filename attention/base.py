@@ -98,7 +98,9 @@ def merged_memory(
     than fp32, the fp32 rows of its largest accumulator window (primitive.windows, in
     `window_unit` tokens: block_sparse's block size). The backward's transient is the fp32 dq,
     dk, dv accumulators plus, when the input dtype is not fp32, one copy in it (MergedFunction
-    casts them one at a time, each accumulator freed once cast)."""
+    casts them one at a time, each accumulator freed once cast). This is the cpu plan's; the
+    cuda plans hold less (dilated's sums bf16 gradients in bf16, block_sparse's FlexAttention
+    keeps no accumulator), so on CUDA the model is an upper bound (bench.plan counts them)."""
     one = qkv_bytes(batch, seq_len, num_heads, head_dim, dtype_bytes)
     fp32 = qkv_bytes(batch, seq_len, num_heads, head_dim, 4)
     lse = 4 * batch * num_heads * seq_len

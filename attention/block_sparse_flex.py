@@ -15,7 +15,7 @@ FlexAttention's kernel reads the kept tiles in place from the BlockMask's indice
 others, and holds nothing beyond its outputs and lse.
 
 The BlockMask (build_block_mask): tiles of `tile` tokens (the pattern's block, or on CUDA the
-smallest multiple of it that is at least FLEX_TILE, the tile flex's kernels are tuned for). A
+least common multiple of it and FLEX_TILE, the tile flex's kernels are tuned for). A
 tile is "full" (no mask evaluated) when every block pair in it is kept, it lies wholly inside
 the sequence and, causal, strictly below the diagonal; "partial" (mask_mod evaluated per token
 pair) when it keeps some pair otherwise. mask_mod is the exact token rule everywhere (the kept
@@ -34,6 +34,7 @@ That eager math ignores the tiles, so tests check the tiles against the block ma
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -62,10 +63,14 @@ def head_dim_problem(head_dim: int) -> str | None:
 
 
 def tile_size(block_size: int, device_type: str) -> int:
-    """Tokens of one BlockMask tile for `block_size` blocks on `device_type` (module docstring)."""
+    """Tokens of one BlockMask tile for `block_size` blocks on `device_type` (module docstring):
+    on CUDA the least common multiple of the block and FLEX_TILE, since a tile must hold whole
+    blocks and Inductor's kernels need their BLOCK_M / BLOCK_N (64 or 128) to divide it ("Q and
+    KV block size must be divisible by BLOCK_M and BLOCK_N"; 48-token blocks in 144-token tiles
+    would not compile)."""
     if device_type != "cuda":
         return block_size
-    return block_size * -(-FLEX_TILE // block_size)
+    return math.lcm(block_size, FLEX_TILE)
 
 
 def _tiles(keep: Tensor, seq_len: int, bs: int, causal: bool, tile: int) -> tuple[Tensor, ...]:

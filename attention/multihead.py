@@ -20,7 +20,7 @@ from torch import nn
 
 from attention.base import Kernel
 from attention.errors import ParamError
-from attention.registry import KERNELS, KernelSpec, make_params, register
+from attention.registry import KERNELS, KernelSpec, cuda_head_dim_problem, make_params, register
 
 LINEAR_BACKWARD_FACTOR = 2
 """Backward FLOPs of a linear layer per forward FLOP (grad of input and of weight)."""
@@ -211,9 +211,17 @@ class MultiheadAttention(Kernel):
         return proj + inner
 
 
+def inner_head_dim_problem(
+    params: MultiheadParams, dtype: torch.dtype, head_dim: int
+) -> str | None:
+    """The inner kernel's CUDA head_dim rule: the projections keep the run's head_dim."""
+    return cuda_head_dim_problem(params.kernel, params.kernel_params, dtype, head_dim)
+
+
 register(
     KernelSpec(
         name="multihead",
+        cuda_head_dim=inner_head_dim_problem,
         description=(
             "Input/output projections (bias) around any single-process kernel; called with "
             "(batch, seq, embed_dim) tensors, embed_dim and num_heads set from the run's "

@@ -138,22 +138,30 @@ def _spec(name: str) -> KernelSpec:
     return KERNELS[name]
 
 
+def cuda_head_dim_problem(
+    name: str, params: dict[str, Any], dtype: torch.dtype, head_dim: int
+) -> str | None:
+    """Why kernel `name` with `params` cannot run `head_dim` in `dtype` on CUDA (None when it
+    can): its own rule (KernelSpec.cuda_head_dim), else attention.primitive's when it computes
+    through the primitive, else none. A kernel that wraps another (ulysses, multihead) asks
+    this of its inner kernel."""
+    from attention import primitive
+
+    spec = _spec(name)
+    if spec.cuda_head_dim is not None:
+        return spec.cuda_head_dim(make_params(name, params), dtype, head_dim)
+    if spec.primitive:
+        return primitive.cuda_head_dim_problem(dtype, head_dim)
+    return None
+
+
 def check_cuda_head_dim(
     name: str, dtype: torch.dtype, head_dim: int, params: dict[str, Any] | None = None
 ) -> None:
     """Raise ParamError("head_dim") when kernel `name` with `params` runs fused CUDA ops that
-    cannot run `head_dim` in `dtype`: its own rule (KernelSpec.cuda_head_dim), else
-    attention.primitive's when it computes through the primitive (call it once the device is
+    cannot run `head_dim` in `dtype` (cuda_head_dim_problem; call it once the device is
     CUDA)."""
-    from attention.primitive import cuda_head_dim_problem
-
-    spec = _spec(name)
-    if spec.cuda_head_dim is not None:
-        problem = spec.cuda_head_dim(make_params(name, params or {}), dtype, head_dim)
-    elif spec.primitive:
-        problem = cuda_head_dim_problem(dtype, head_dim)
-    else:
-        return
+    problem = cuda_head_dim_problem(name, params or {}, dtype, head_dim)
     if problem is not None:
         raise ParamError("head_dim", f"{name}: {problem}")
 

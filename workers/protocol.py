@@ -301,7 +301,7 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
     device = resolve_device(config)
     if device.type == "cuda":  # device auto resolved to CUDA: the fused ops' head_dim limits
         attention.check_cuda_head_dim(
-            config.kernel, DTYPES[config.dtype], config.head_dim, config.params
+            config.kernel, DTYPES[config.dtype], config.head_dim, kernels.kernel_params(config)
         )
     case = {"rank": rank, "seq_len": config.seq_len, "environment": collect(device)}
     gate: GateResult | None = None

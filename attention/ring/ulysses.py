@@ -38,6 +38,7 @@ from attention.registry import (
     KERNELS,
     KernelSpec,
     build,
+    cuda_head_dim_problem,
     make_params,
     register,
     structural_periods,
@@ -277,10 +278,15 @@ def check_ulysses(
         spec.check(inner, seq_len=seq_len, world_size=1, num_heads=num_heads, causal=causal)
 
 
+def inner_head_dim_problem(params: UlyssesParams, dtype: torch.dtype, head_dim: int) -> str | None:
+    """The inner kernel's CUDA head_dim rule: each rank runs it on whole heads."""
+    return cuda_head_dim_problem(params.inner, params.inner_params(), dtype, head_dim)
+
+
 register(
     KernelSpec(
         name="ulysses",
-        primitive=True,
+        cuda_head_dim=inner_head_dim_problem,
         description=(
             "DeepSpeed-Ulysses: an all-to-all gives each rank the whole sequence for H / W "
             "heads, an inner kernel (dense, dilated, block_sparse) runs on it, a second "

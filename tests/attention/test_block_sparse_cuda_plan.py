@@ -56,7 +56,7 @@ def test_the_flex_tiles_hold_each_kept_pair_and_no_other(params, tiles) -> None:
     """The BlockMask's tiles as FlexAttention's CUDA kernels read them (the forward's key-tile
     lists and the backward's query-tile lists; full tiles unmasked, partial ones through
     mask_mod) keep exactly the block mask's token pairs, causal or not, with a short last block
-    and a partial last tile, tiles of 1, 2 and 4 blocks (CUDA: at least FLEX_TILE tokens). The
+    and a partial last tile, tiles of 1, 2 and 4 blocks (CUDA: a multiple of FLEX_TILE). The
     eager op the CPU tests run applies mask_mod to every pair and ignores the tiles."""
     module = attention.build("block_sparse", plan="cuda", **{**params, "block_size": 4})
     for seq, causal in ((64, False), (62, True), (58, False), (64, True)):
@@ -70,9 +70,11 @@ def test_the_flex_tiles_hold_each_kept_pair_and_no_other(params, tiles) -> None:
             assert torch.equal(pairs > 0, keep), (params, seq, causal, transposed)
             if tiles == 1:  # whole blocks: every kept pair off the causal diagonal is full
                 assert (pairs == 2).sum() > 0
-    assert block_sparse_flex.tile_size(64, "cuda") == 128
-    assert block_sparse_flex.tile_size(96, "cuda") == 192
-    assert block_sparse_flex.tile_size(256, "cuda") == 256
+    # on CUDA whole blocks that Inductor's BLOCK_M / BLOCK_N (64, 128) divide
+    sizes = {64: 128, 96: 384, 48: 384, 3: 384, 128: 128, 256: 256, 200: 3200}
+    for block, tile in sizes.items():
+        assert block_sparse_flex.tile_size(block, "cuda") == tile, block
+        assert tile % block == 0 and tile % block_sparse_flex.FLEX_TILE == 0
     assert block_sparse_flex.tile_size(64, "cpu") == 64
 
 

@@ -68,6 +68,24 @@ def test_flexattention_kernels_are_held_to_its_least_head_dim_of_16() -> None:
     attention.check_cuda_head_dim("flex_block_sparse", torch.bfloat16, 8, {"compiled": False})
 
 
+def test_a_wrapping_kernel_is_held_to_its_inner_kernels_rule() -> None:
+    """ulysses runs its inner kernel on whole heads and multihead keeps the run's head_dim: the
+    rule is the inner kernel's (block_sparse's flex: >= 16; dense's SDPA pads: none)."""
+    sparse = {"block_size": 16}
+    wrapped = [
+        ("ulysses", {"inner": "block_sparse", **sparse}),
+        ("multihead", {"kernel": "block_sparse", "kernel_params": sparse}),
+    ]
+    for name, params in wrapped:
+        with pytest.raises(attention.ParamError, match="compiled FlexAttention"):
+            attention.check_cuda_head_dim(name, torch.bfloat16, 8, params)
+        attention.check_cuda_head_dim(name, torch.bfloat16, 20, params)  # flex: any >= 16
+    with pytest.raises(attention.ParamError, match="multiple of 8 of at most 256"):
+        attention.check_cuda_head_dim("ulysses", torch.bfloat16, 12, {"inner": "dilated"})
+    attention.check_cuda_head_dim("ulysses", torch.bfloat16, 12, {"inner": "dense"})
+    attention.check_cuda_head_dim("multihead", torch.bfloat16, 12, {"kernel": "dense"})
+
+
 def _spec(device: str, head_dim: int, dtype: str = "bfloat16") -> dict[str, Any]:
     return {
         "name": "head-dim",
