@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine
 
 from service.core.config import normalize_database_url
-from service.db.engine import make_engine
+from service.db.engine import make_engine, scratch_schema
 
 POSTGRES_URL_ENV = "RINGLAB_TEST_POSTGRES_URL"
 
@@ -20,13 +19,6 @@ POSTGRES_URL_ENV = "RINGLAB_TEST_POSTGRES_URL"
 def _postgres_base_url() -> str | None:
     raw = os.environ.get(POSTGRES_URL_ENV)
     return normalize_database_url(raw) if raw else None
-
-
-def _pg_url_with_schema(base: str, schema: str) -> str:
-    # libpq's options parameter sets search_path for every pooled connection, so the
-    # models, Alembic's version table and raw SQL all land in the test's own schema.
-    sep = "&" if "?" in base else "?"
-    return f"{base}{sep}options=-csearch_path%3D{schema}"
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -42,16 +34,8 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
     base = _postgres_base_url()
     if base is None:
         pytest.skip(f"{POSTGRES_URL_ENV} is unset: Postgres half skipped")
-    schema = f"t_{uuid.uuid4().hex[:16]}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-        yield _pg_url_with_schema(base, schema)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        admin.dispose()
+    with scratch_schema(base, "t_") as url:
+        yield url
 
 
 @pytest.fixture
