@@ -52,6 +52,8 @@ def engine(database_url: str) -> Iterator[Engine]:
 
 
 RAY_INIT_ARGS = {
+    # A Ray of the test session's own, whatever cluster a `ray start` on this machine recorded.
+    "address": "local",
     # Logical CPUs, more than this 2-core machine has: a 4-rank gloo gang fits, and issue 42's
     # concurrency criterion (8 one-rank cells, at least 4 at once) is tested on 8.
     "num_cpus": 8,

@@ -76,7 +76,8 @@ def start() -> None:
     for interpreter exit; the service also calls it at the end of its lifespan, since a
     SIGTERM ends the process before atexit runs)."""
     global _started
-    ray.init(log_to_driver=False, include_dashboard=False)
+    # address="local": always a Ray of our own, never the cluster a `ray start` recorded.
+    ray.init(address="local", log_to_driver=False, include_dashboard=False)
     _started = True
     if not Path("/proc/self/stat").exists():
         return  # not Linux: nothing to record (and none of this was seen there)
