@@ -25,7 +25,8 @@ Two execution plans compute the same kept pairs (`plan`; "auto": by the inputs' 
 "cuda", one FlexAttention call each way under a BlockMask built once per (pattern, length,
 causal, device) and cached (attention.block_sparse_flex), since a CUDA call costs its kernel
 launches whatever its size. Either runs on either device (the CPU plan's primitive picks the
-fused op by device; FlexAttention is compiled on CUDA and runs eagerly elsewhere); the backend
+fused op by device; FlexAttention is compiled on CUDA, and on CPU under
+RINGLAB_COMPILE_BACKEND, and runs eagerly elsewhere); the backend
 string names the plan that ran.
 """
 
@@ -973,6 +974,12 @@ class BlockSparseAttention(MergedKernel):
         check_block_sparse(self.params, seq_len=seq_len)
         mask = _cached_block_mask(self.params, seq_len).clone()
         return mask.tril() if causal else mask
+
+    def compiles(self, device: torch.device) -> bool:
+        """Whether a forward on `device` runs a compiled kernel: the cuda plan, compiled there
+        (attention.block_sparse_flex.compiles)."""
+        plan = resolve_plan(self.params.plan, device)
+        return plan == "cuda" and block_sparse_flex.compiles(device)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False

@@ -21,9 +21,11 @@ the sequence and, causal, strictly below the diagonal; "partial" (mask_mod evalu
 pair) when it keeps some pair otherwise. mask_mod is the exact token rule everywhere (the kept
 block, the key inside the sequence, causal), so the tiles only decide what is skipped.
 
-How it runs (attention): on a CUDA device torch.compile(flex_attention) (Triton kernels, forward
-and backward). Elsewhere (the plan forced on CPU by the tests, or meta for bench.plan) the
-flex_attention higher-order op eagerly, with its own autograd: torch's public flex_attention
+How it runs (attention): compiled FlexAttention (attention.compiled's `block_sparse_plan`,
+Triton kernels forward and backward) on a CUDA device, and on CPU when RINGLAB_COMPILE_BACKEND
+names a backend (eager, aot_eager: Dynamo's guards and recompile limit as on a GPU). Elsewhere
+(the plan forced on CPU by the tests, or meta for bench.plan) the same function eagerly: the
+flex_attention higher-order op with its own autograd, since torch's public flex_attention
 refuses inputs that require grad on CPU (its _validate_device: "FlexAttention does not support
 backward on CPU"), though the op's eager forward and backward (the unfused math reference,
 which materializes the (B, H, S, S) scores and applies mask_mod to every pair) are exact there.
@@ -33,14 +35,13 @@ That eager math ignores the tiles, so tests check the tiles against the block ma
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import Any
 
 import torch
 from torch import Tensor
-from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
 from torch.nn.attention import flex_attention as flex
+
+from attention import compiled
 
 FLEX_TILE = 128
 """On CUDA a tile holds at least this many tokens (flex's default BLOCK_SIZE, which its kernels'
@@ -144,28 +145,25 @@ def tile_pairs(mask: flex.BlockMask, seq_len: int, transposed: bool = False) -> 
     return pairs[:seq_len, :seq_len]
 
 
-@functools.cache
-def _compiled() -> Any:
-    """torch.compile(flex_attention): FlexAttention's fused kernels (the first call per shape
-    compiles; a run's warm-up absorbs it)."""
-    return torch.compile(flex.flex_attention, dynamic=False)
-
-
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: flex.BlockMask) -> Tensor:
     """Attention of (B, S, H, D) q against (B, S, H_kv, D) k, v under `mask`, with autograd:
-    compiled FlexAttention on a CUDA device, the eager flex_attention op elsewhere (module
-    docstring). Returns (B, S, H, D) in q's dtype."""
+    the compiled kernel `block_sparse_plan` (attention.compiled) where a compile backend
+    applies (CUDA; CPU under RINGLAB_COMPILE_BACKEND), else the same function eagerly (the
+    flex_attention op; module docstring). Returns (B, S, H, D) in q's dtype."""
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    scale = q.shape[-1] ** -0.5
-    if q.device.type == "cuda":
-        gqa = k.shape[2] != q.shape[2]
-        out = _compiled()(qt, kt, vt, block_mask=mask, scale=scale, enable_gqa=gqa)
-    else:  # the public API refuses grads on CPU; the op's own autograd is exact there
-        options = flex._apply_kernel_options(qt, kt, vt, False, None, None)
-        out = flex_attention_op(qt, kt, vt, flex._identity, mask.as_tuple(), scale, options)[0]
+    chosen = compiled.backend(q.device.type)
+    if chosen is None:
+        out = compiled.block_sparse_plan(qt, kt, vt, mask)
+    else:
+        out = compiled.KERNELS["block_sparse_plan"](chosen, qt, kt, vt, mask)
     return out.transpose(1, 2)
 
 
+def compiles(device: torch.device) -> bool:
+    """Whether `attention` runs compiled on `device` (attention.compiled.backend)."""
+    return compiled.backend(device.type) is not None
+
+
 def backend(device: torch.device) -> str:
-    """What `attention` runs on `device`: "flex-compiled" (CUDA) or "flex-eager"."""
-    return "flex-compiled" if device.type == "cuda" else "flex-eager"
+    """What `attention` runs on `device`: "flex-compiled" or "flex-eager"."""
+    return "flex-compiled" if compiles(device) else "flex-eager"

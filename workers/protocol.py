@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import attention
+from attention import compiled
 from attention.ring.comm import AbortScope, PeerAborted, abort_scope, group_broken, wait_all
 from attention.ring.steps import clock
 from workers import kernels, references
@@ -50,7 +51,8 @@ from workers.results import Artifact, CaseOutcome, RankResult, StepTime, step_to
 from workers.training import run_model_case
 
 PRIME_MIN_LEN = 1024
-"""The warm-up run (_prime) runs at the smallest valid length >= this (or seq_len if smaller).
+"""The warm-up run (_prime) of a kernel that compiles nothing runs at the smallest valid length
+>= this (or seq_len if smaller); a compiled plan's runs at the run's own length.
 Shorter, the CPU ops run inline, and the case's first parallel region would fault in its thread
 team's memory inside the metered iteration: measured with the resident-set meter, block_sparse
 at 8K tokens (h4 d32) read 1.7 MB more in a process primed at 128 tokens, nothing more primed
@@ -156,8 +158,16 @@ def _timed_loop(
                 out = module(q, k, v, causal=config.causal)
         del out
 
+    before = compiled.stats()
     with _ring_scope(world):
         loop = _scoped_loop(step, config, meter, device, record_steps, trace)
+    made = compiled.stats().since(before).compilations
+    if made and meter is not None:  # the measured loop (the prime's runs unmetered)
+        raise RuntimeError(
+            f"{made} torch.compile compilation(s) ran inside the metered iterations at "
+            f"seq_len {config.seq_len} ({config.mode}): the warm-up did not absorb them, so "
+            "the times and the peak would include compiling"
+        )
     if train:
         loop.forward, loop.backward = marks.phases(len(loop.times))
     return loop
@@ -246,31 +256,59 @@ def _scoped_loop(
 
 
 _PRIMED: set[str] = set()
+_COMPILING: set[str] = set()
+"""Prime keys whose short warm-up compiled something (a plugin's own torch.compile): such a
+case primes at its own length too, as a kernel of attention.compiled does."""
+
+
+def _compiles(module: torch.nn.Module, device: torch.device) -> bool:
+    """Whether the kernel (or a kernel inside it: multihead's) runs a compiled kernel of
+    attention.compiled on `device` (its `compiles(device)`)."""
+    return any(
+        callable(getattr(m, "compiles", None)) and m.compiles(device) for m in module.modules()
+    )
 
 
 def _prime(config: RunConfig, rank: int, device: torch.device) -> None:
-    """Run the kernel once at a small length, once per process and case shape, so that lazy
-    one-time allocations (thread pools, library workspaces) are not counted in a case's peak.
-    """
+    """Warm the process up before the case's metered iterations, outside every timing.
+
+    A compiled plan (attention.compiled: block_sparse's cuda plan, the flex adapters; or a
+    kernel whose short warm-up compiled) runs once at the run's own length and mode, every
+    run, whatever config.warmup: torch.compile makes one graph per shape and grad mode, so this
+    call is where the run's compilation happens, and no timed iteration and no peak holds
+    one. Other kernels run once at a small length (PRIME_MIN_LEN), once per process and case
+    shape, so that lazy one-time allocations (thread pools, library workspaces) are not
+    counted in a case's peak."""
     key = config.model_dump_json(include={"kernel", "params", "dtype", "mode", "causal"})
     key += f"{device}|{config.world_size}|{config.parallel}"
-    if key in _PRIMED:
-        return
-    small = config.model_copy(update={"seq_len": shorter_length(config, PRIME_MIN_LEN)})
+    compiling = key in _COMPILING or _compiles(kernels.build(config, device), device)
+    if not compiling and key not in _PRIMED:
+        small = config.model_copy(update={"seq_len": shorter_length(config, PRIME_MIN_LEN)})
+        before = compiled.stats()
+        _run_once(small, rank, device)
+        _PRIMED.add(key)
+        if compiled.stats().since(before).compilations:
+            _COMPILING.add(key)
+            compiling = True
+    if compiling:
+        _run_once(config, rank, device)
+
+
+def _run_once(config: RunConfig, rank: int, device: torch.device) -> None:
+    """One untimed, unmetered iteration of the case `config` on fresh inputs."""
     sworld = kernels.shard_world(config)
-    module = kernels.build(small, device)
+    module = kernels.build(config, device)
     positions = kernels.local_positions(
-        module, small, small.seq_len, rank if sworld > 1 else 0, sworld
+        module, config, config.seq_len, rank if sworld > 1 else 0, sworld
     )
     names = ["q", "k", "v", "dout"] if config.mode == "train" else ["q", "k", "v"]
     rows = batch_rows(config, rank)
-    inputs = {n: make_input(n, small, small.seq_len, positions, rows, device) for n in names}
-    quiet = small.model_copy(update={"warmup": 0, "iterations": 1, "time_cap_s": None})
+    inputs = {n: make_input(n, config, config.seq_len, positions, rows, device) for n in names}
+    quiet = config.model_copy(update={"warmup": 0, "iterations": 1, "time_cap_s": None})
     _timed_loop(module, inputs, quiet, None, device, record_steps=False)
     sync(device)
     del inputs, module
     release()
-    _PRIMED.add(key)
 
 
 def _oom_outcome(case: dict[str, Any], message: str) -> CaseOutcome:
@@ -305,6 +343,7 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
         )
     case = {"rank": rank, "seq_len": config.seq_len, "environment": collect(device)}
     gate: GateResult | None = None
+    before = compiled.stats()
     try:
         if kernels.gated(config, kind):
             checked = _gate(config, rank, device, kind, case)
@@ -318,7 +357,17 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
     except Exception as exc:  # the case's error, kept with what it ran on
         after = f" (after the correctness gate passed: {gate.summary()})" if gate else ""
         return CaseOutcome(**case, status="failed", error=error_text(exc) + after)
-    return _with_gate(outcome, gate)
+    return _with_compile(_with_gate(outcome, gate), compiled.stats().since(before))
+
+
+def _with_compile(outcome: CaseOutcome, made: compiled.Stats) -> CaseOutcome:
+    """The outcome with what the run compiled on this rank (compile_s, compilations) on its
+    result: Dynamo's totals over the gate, the warm-up and the loop, which compiles nothing
+    (_timed_loop refuses a compilation there)."""
+    if outcome.result is None:
+        return outcome
+    update = {"compile_s": made.compile_s, "compilations": made.compilations}
+    return outcome.model_copy(update={"result": outcome.result.model_copy(update=update)})
 
 
 def _gate(
@@ -382,9 +431,9 @@ def _over_budget(
 def _prime_and_probe(
     config: RunConfig, rank: int, device: torch.device, case: dict[str, Any], tokens: int
 ) -> tuple[CaseOutcome | None, LinkFigures | None]:
-    """The warm-up at a short length, then the ring link probe (before the inputs exist):
-    (an oom or peer-abort outcome that ends the case, or None; the link figures)."""
-    stage = "the warm-up run at a short length"
+    """The warm-up (_prime), then the ring link probe (before the inputs exist): (an oom or
+    peer-abort outcome that ends the case, or None; the link figures)."""
+    stage = "the warm-up run"
     try:
         with memory_fraction(device, config.memory_budget_bytes):
             _prime(config, rank, device)

@@ -216,6 +216,17 @@ class RankResult(BaseModel):
     transfer_window_bytes_per_s: float | None = Field(
         None, description="Ring kernels: the best of its steps' (see step_totals)."
     )
+    compile_s: float | None = Field(
+        None,
+        ge=0,
+        description="Seconds Dynamo spent compiling (torch.compile: traced frames and lazily "
+        "compiled backward graphs, its own metric) while this rank ran the run: the gate's "
+        "checks and the warm-up at the run's length, never a timed iteration (attention."
+        "compiled.stats). 0.0 when nothing compiled; None: stored before it was recorded.",
+    )
+    compilations: int | None = Field(
+        None, ge=0, description="Graphs Dynamo compiled for the run on this rank (same span)."
+    )
     link_probe_bytes: int | None = Field(
         None,
         ge=1,

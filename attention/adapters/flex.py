@@ -7,13 +7,15 @@ dilated patterns, to compare our kernels with the compiler's.
   that branch's mask (LongNet's segments and head groups, dilated_branch_mask's definition),
   returning the log-sum-exp, and merges the branches by it, as `dilated` does.
 
-`compiled` true runs torch.compile(flex_attention), what FlexAttention is for (the first call
-per shape compiles, which the warm-up absorbs); false runs it eagerly, which materializes the
-scores; None (the default) compiles where torch can: everywhere but flex_dilated on CPU, whose
-compiled kernel cannot return the log-sum-exp the branch merge needs (asking for it there is
-a params.compiled error). `backend` in the results says which ran. Natural token order only.
-On CPU torch's FlexAttention has no backward: train mode runs on CUDA only, and a CPU train
-run fails saying so.
+`compiled` true runs FlexAttention compiled (attention.compiled: fullgraph, a recompile limit
+that raises, RINGLAB_COMPILE_BACKEND's backend, inductor by default), what FlexAttention is for
+(the first call per shape compiles, which the warm-up at the run's own length absorbs); false
+runs it eagerly, which materializes the scores; None (the default) compiles where torch can:
+everywhere but flex_dilated on CPU under Inductor, whose compiled CPU kernel cannot return the
+log-sum-exp the branch merge needs (asking for it there is a params.compiled error). `backend`
+in the results says which ran. Natural token order only. On CPU torch's FlexAttention has no
+backward: train mode runs on CUDA, or on CPU under RINGLAB_COMPILE_BACKEND=eager or aot_eager
+(FlexAttention's op and its own autograd); otherwise a CPU train run fails saying so.
 
 BlockMasks are cached on the module per (pattern, heads, length, device), at most
 MASK_CACHE_SIZE of them (MaskCache): a shape's masks are built by its first forward, which in a
@@ -33,14 +35,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 
 try:  # torch >= 2.9 asks for the lse this way (return_lse is deprecated)
     from torch.nn.attention.flex_attention import AuxRequest
 except ImportError:
     AuxRequest = None
 
-from attention import block_sparse_flex
+from attention import block_sparse_flex, compiled
 from attention.base import Kernel
 from attention.block_sparse import (
     BlockSparseAttention,
@@ -54,11 +56,6 @@ from attention.masks import block_token_mask, block_token_rows
 from attention.registry import KernelSpec
 
 
-@functools.cache
-def _compiled() -> Any:
-    return torch.compile(flex_attention, dynamic=False)
-
-
 def _check_flex_params(params: Any) -> None:
     """The flex adapters' rules on the params they inherit: natural order only, and no `plan`
     to choose (the adapters run their own FlexAttention calls, not our kernels' plans)."""
@@ -70,11 +67,25 @@ def _check_flex_params(params: Any) -> None:
         )
 
 
-def _check_trainable(q: torch.Tensor) -> None:
+def _compile_backend(params: Any, device: torch.device) -> str | None:
+    """The backend a flex adapter compiles with on `device` (None: it runs eagerly): none when
+    params.compiled is false; else attention.compiled's, inductor on CPU without the setting.
+    """
+    if params.compiled is False:
+        return None
+    return compiled.backend(device.type, cpu_default="inductor")
+
+
+def _check_trainable(q: torch.Tensor, chosen: str | None) -> None:
+    """CPU train mode runs only through the eager compile backends (RINGLAB_COMPILE_BACKEND
+    eager or aot_eager: FlexAttention's op and its autograd); torch's public FlexAttention and
+    Inductor's CPU kernel have no backward."""
+    if chosen in ("eager", "aot_eager"):
+        return
     if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
         raise ValueError(
             "mode: torch's FlexAttention has no backward on CPU; run flex kernels in mode "
-            "forward on CPU (train on CUDA)"
+            "forward on CPU (train on CUDA, or on CPU under RINGLAB_COMPILE_BACKEND=eager)"
         )
 
 
@@ -116,36 +127,38 @@ class MaskCache:
 
 
 def _flex(
+    name: str,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     block_mask: Any,
-    compiled: bool,
-    lse: bool,
+    chosen: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """FlexAttention on (b, s, h, d) tensors under `block_mask`: out (b, s, h, d), and with
-    `lse` the log-sum-exp (b, h, s)."""
-    h = q.shape[2]
-    run = _compiled() if compiled else flex_attention
-    extra: dict[str, Any] = {}
-    if lse:
-        extra = {"return_aux": AuxRequest(lse=True)} if AuxRequest else {"return_lse": True}
-    got = run(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        block_mask=block_mask,
-        enable_gqa=k.shape[2] != h,
-        **extra,
-    )
+    """FlexAttention on (b, s, h, d) tensors under `block_mask`: out (b, s, h, d), and for
+    flex_dilated the log-sum-exp (b, h, s). `chosen`: the compiled kernel `name` of
+    attention.compiled with that backend; None: torch's flex_attention uncompiled (which
+    materializes the scores)."""
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    lse = name == "flex_dilated"
+    if chosen is not None:
+        got = compiled.KERNELS[name](chosen, qt, kt, vt, block_mask)
+    else:
+        extra: dict[str, Any] = {}
+        if lse:
+            extra = {"return_aux": AuxRequest(lse=True)} if AuxRequest else {"return_lse": True}
+        got = flex_attention(
+            qt, kt, vt, block_mask=block_mask, enable_gqa=k.shape[2] != q.shape[2], **extra
+        )
     if not lse:
         return got.transpose(1, 2), None
     out, aux = got
-    return out.transpose(1, 2), aux.lse if AuxRequest else aux
+    if chosen is None and AuxRequest is not None:
+        aux = aux.lse
+    return out.transpose(1, 2), aux
 
 
-def _backend(compiled: bool) -> str:
-    return "flex-compiled" if compiled else "flex-eager"
+def _backend(chosen: str | None) -> str:
+    return "flex-compiled" if chosen is not None else "flex-eager"
 
 
 class _FlexKernel(Kernel):
@@ -162,6 +175,13 @@ class _FlexKernel(Kernel):
 
     def flops(self, *args: Any, **kwargs: Any) -> int:
         return self.ours.flops(*args, **kwargs)
+
+    def compiles(self, device: torch.device) -> bool:
+        """Whether a forward on `device` runs a compiled kernel (attention.compiled)."""
+        return self._backend_on(device) is not None
+
+    def _backend_on(self, device: torch.device) -> str | None:
+        return _compile_backend(self.params, device)
 
 
 @dataclass(frozen=True)
@@ -189,7 +209,8 @@ class FlexBlockSparse(_FlexKernel):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
-        _check_trainable(q)
+        chosen = _compile_backend(self.params, q.device)
+        _check_trainable(q, chosen)
         bs, seq_len = self.params.block_size, q.shape[1]
 
         def build() -> Any:  # tiles of at least 128 tokens: what compiled flex is tuned for
@@ -197,12 +218,11 @@ class FlexBlockSparse(_FlexKernel):
             blocks = self.ours.block_mask(seq_len)
             return block_sparse_flex.build_block_mask(blocks, seq_len, bs, causal, tile, q.device)
 
-        compiled = self.params.compiled is not False
-        self.backend = _backend(compiled)
+        self.backend = _backend(chosen)
         self.masks.build_s = 0.0
         block_mask = self.masks.get(("block_sparse", causal), build, q)
         self.mask_build_s = self.masks.build_s
-        return _flex(q, k, v, block_mask, compiled, lse=False)[0]
+        return _flex("flex_block_sparse", q, k, v, block_mask, chosen)[0]
 
 
 def block_sparse_keep(
@@ -269,28 +289,37 @@ class FlexDilated(_FlexKernel):
     def __init__(self, params: FlexDilatedParams) -> None:
         super().__init__(params, DilatedAttention(params.ours()))
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
-    ) -> torch.Tensor:
-        _check_trainable(q)
-        on_cpu = q.device.type == "cpu"
-        if self.params.compiled and on_cpu:
+    def _backend_on(self, device: torch.device) -> str | None:
+        """The compile backend on `device` (_compile_backend), except on CPU without an eager
+        backend: Inductor's CPU FlexAttention cannot return the log-sum-exp the branch merge
+        needs, so unset `compiled` runs eagerly there and `compiled: true` is an error."""
+        chosen = _compile_backend(self.params, device)
+        if device.type != "cpu" or chosen in (None, "eager", "aot_eager"):
+            return chosen
+        if self.params.compiled:
             raise ParamError(
                 "params.compiled",
                 "torch.compile's CPU FlexAttention cannot return the log-sum-exp that merging "
-                "the dilated branches needs; leave compiled unset (eager on CPU) or run on CUDA",
+                "the dilated branches needs; leave compiled unset (eager on CPU), run on CUDA, "
+                "or set RINGLAB_COMPILE_BACKEND=eager",
             )
-        compiled = self.params.compiled if self.params.compiled is not None else not on_cpu
-        self.backend = _backend(compiled)
+        return None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
+    ) -> torch.Tensor:
+        chosen = self._backend_on(q.device)
+        _check_trainable(q, chosen)
+        self.backend = _backend(chosen)
         out: torch.Tensor | None = None
         lse: torch.Tensor | None = None
         self.masks.build_s = 0.0
         _, s, h, _ = q.shape
         for w, r in zip(self.params.segment_lengths, self.params.dilation_rates, strict=True):
             mask_mod = _dilated_mask_mod(w, r, math.ceil(q.shape[2] / r), causal)
-            build = functools.partial(create_block_mask, mask_mod, None, h, s, s, device=q.device)
+            build = functools.partial(compiled.block_mask, mask_mod, h, s, q.device)
             block_mask = self.masks.get(("dilated", w, r, causal), build, q)
-            out_b, lse_b = _flex(q, k, v, block_mask, compiled, lse=True)
+            out_b, lse_b = _flex("flex_dilated", q, k, v, block_mask, chosen)
             assert lse_b is not None
             out, lse = _merge(out, lse, out_b.float(), lse_b.float())
         self.mask_build_s = self.masks.build_s
