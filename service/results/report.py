@@ -210,6 +210,7 @@ def report_markdown(
         lines += _max_len_section(searched)
         lines += _probe_sections(searched)
     lines += _environment_section(environments)
+    lines += compile_notes(ordered)
     lines += flag_footnotes(rows)
     return "\n".join(lines)
 
@@ -649,6 +650,31 @@ def _environment_section(environments: Sequence[Environment]) -> list[str]:
     header = ["Env", "Hosts", "GPUs", "Driver", "torch", "CUDA", "NCCL", "Ray", "Python"]
     header += ["CPU", "CPU threads", "git", "plugin code"]
     return ["## Environment", "", *_table(header, rows), ""]
+
+
+def compile_notes(rows: Sequence[RunRow]) -> list[str]:
+    """The environment notes' compilation line: each run that compiled (torch.compile), its
+    graphs and seconds on the rank that spent longest, as Dynamo counted them; nothing when no
+    run recorded a compilation."""
+    noted = []
+    for row in rows:
+        ranks = [r for r in row.ranks if r.compilations and r.compile_s is not None]
+        if not ranks:
+            continue
+        worst = max(ranks, key=lambda r: r.compile_s or 0.0)
+        noted.append(
+            f"run {row.run_id} ({row.label}, {row.length:,}, {row.mode}): "
+            f"{worst.compilations} graph{'s' if worst.compilations != 1 else ''} in "
+            f"{worst.compile_s:.1f} s"
+        )
+    if not noted:
+        return []
+    return [
+        "**Compilation** (torch.compile, Dynamo's own count and seconds, on the rank that "
+        "spent longest; in the correctness gate and the warm-up at the run's own length, "
+        "never in a timed iteration): " + " · ".join(noted),
+        "",
+    ]
 
 
 # ---------------------------------------------------------------- training memory (seed 004)

@@ -81,7 +81,19 @@ def _fmt_figure(value: float | int | str | bool, name: str) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:.4g}"
 
 
+def _fmt_compiling(rank: Any) -> str:
+    """A rank's compilation outside its timed iterations: '3 graphs in 41.2 s', 'none', or
+    '—' when not recorded (stored before 0019)."""
+    count, seconds = rank.compilations, rank.compile_s
+    if count is None or seconds is None:
+        return "—"
+    if count == 0:
+        return "none"
+    return f"{count} graph{'s' if count != 1 else ''} in {_fmt_s(seconds)}"
+
+
 templates.env.filters["si"] = _fmt_si
+templates.env.filters["compiling"] = _fmt_compiling
 templates.env.filters["figure"] = _fmt_figure
 templates.env.filters["nbytes"] = _fmt_bytes
 templates.env.filters["secs"] = _fmt_s

@@ -23,7 +23,7 @@ from workers.results import CaseOutcome
 from workers.search import run_search
 
 SHRINK = 64
-"""The GPU document's lengths and block over this: 256-1024 tokens, 8-token blocks."""
+"""The GPU document's lengths and block over this: 256-1024 tokens, 2-token blocks."""
 
 
 @pytest.fixture
