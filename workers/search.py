@@ -8,6 +8,11 @@ budget is met (workers.bracket), else by halving.
 Every probed length is one the kernel accepts at the run's world size (attention.validate);
 every probe is returned with its outcome, peak memory and time; the answer is the largest
 length that fit.
+
+A compiled kernel (attention.compiled) compiles a graph per length, so at every probe: its
+warm-up (workers.protocol._prime) runs once at the probe's own length and mode even under
+`warmup: 0`, the search's usual setting, so the probe's peak and time never hold the
+compilation; the probe's run records it apart (compile_s, compilations).
 """
 
 from __future__ import annotations
