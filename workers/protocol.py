@@ -264,9 +264,8 @@ case primes at its own length too, as a kernel of attention.compiled does."""
 def _compiles(module: torch.nn.Module, device: torch.device) -> bool:
     """Whether the kernel (or a kernel inside it: multihead's) runs a compiled kernel of
     attention.compiled on `device` (its `compiles(device)`)."""
-    return any(
-        callable(getattr(m, "compiles", None)) and m.compiles(device) for m in module.modules()
-    )
+    asks = (getattr(m, "compiles", None) for m in module.modules())
+    return any(callable(ask) and bool(ask(device)) for ask in asks)
 
 
 def _prime(config: RunConfig, rank: int, device: torch.device) -> None:
