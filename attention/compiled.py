@@ -143,11 +143,6 @@ class Compiled:
             ) from exc
 
 
-def total_calls() -> int:
-    """Calls made through every compiled kernel of this module in this process."""
-    return sum(k.calls for k in KERNELS.values())
-
-
 def _flex(
     q: torch.Tensor,
     k: torch.Tensor,
