@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -17,6 +16,7 @@ import plotly.graph_objects as go
 
 from service.results.rows import local_tokens, memory_floor
 from service.results.schemes import SCHEMES as SP_SCHEMES
+from service.units import natural_key
 
 Row = dict[str, Any]
 
@@ -73,14 +73,6 @@ def _empty(fig: go.Figure, message: str) -> dict[str, Any]:
 
 def _succeeded(rows: Iterable[Row], metric: str) -> list[Row]:
     return [r for r in rows if r["status"] == "succeeded" and r.get(metric) is not None]
-
-
-def natural_key(text: str) -> tuple[Any, ...]:
-    """Sort key reading numbers as numbers: "seq 512" < "seq 1,024" < "seq 2,048"."""
-    parts = re.split(r"(\d[\d,]*(?:\.\d+)?)", text)
-    return tuple(
-        (1, float(p.replace(",", ""))) if i % 2 else (0, p) for i, p in enumerate(parts) if p
-    )
 
 
 def _grouped(rows: Sequence[Row], with_world: bool = True) -> dict[str, list[Row]]:
@@ -605,7 +597,8 @@ def compare_figure(pairs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     fig = go.Figure(
         layout=_layout(
             "Throughput ratio B / A per matching cell, with its interval (red: slower, green: "
-            "faster, beyond both medians' 95% intervals)",
+            "faster, beyond both medians' intervals at 95% or more; grey: neither, or too few "
+            "iterations to tell)",
             "tokens/s B / A (ratio)",
             "",
             xaxis={"title": {"text": "tokens/s B / A (ratio)"}, "rangemode": "tozero"},
