@@ -87,6 +87,7 @@ templates.env.filters["figure"] = _fmt_figure
 templates.env.filters["nbytes"] = _fmt_bytes
 templates.env.filters["secs"] = _fmt_s
 templates.env.filters["level"] = units.level
+templates.env.filters["levels"] = units.levels
 templates.env.globals["component_titles"] = COMPONENT_TITLES
 templates.env.filters["tojson_pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True)
 
