@@ -99,3 +99,52 @@ def test_rows_sort_by_their_numbers_and_the_interval_level_is_stated(tmp_path: P
     ], results
     assert "**Intervals**: the median intervals here cover 75% (3 iterations per run)." in md
     assert "too few iterations to tell a change from noise" in md
+
+
+def test_a_pivot_of_axes_varying_together_puts_them_on_one_side(tmp_path: Path) -> None:
+    """A weak-scaling sweep (seq_len zipped with world_size) pivoted seq len x world size was
+    a diagonal, one cell per row; now each row names both and the times fill one column."""
+    spec = {
+        "name": "weak scaling",
+        "base": {**CPU, "kernel": "ring"},
+        "zip": {"seq_len": [1024, 2048, 4096], "world_size": [2, 4, 8]},
+    }
+    with api_client(f"sqlite:///{tmp_path / 'r.db'}") as client:
+        sweep_id = finish_all(client, spec, lambda c: 1e-3 * c.seq_len / 1024)
+        md = client.get(f"{API}/sweeps/{sweep_id}/report.md").text
+        pivot_csv = client.get(f"{API}/sweeps/{sweep_id}/pivot.csv").text
+    table = section(md, "## Time by seq len · world size and time")
+    assert table.splitlines() == [
+        "| Seq len · world size | time |",
+        "|---|---|",
+        "| 1,024 · W=2 | 1.00 ms |",
+        "| 2,048 · W=4 | 2.00 ms |",
+        "| 4,096 · W=8 | 4.00 ms |",
+    ], table
+    assert "1,024 · W=2" in pivot_csv, pivot_csv
+
+
+def test_a_pivot_of_two_one_kernel_params_is_no_diagonal() -> None:
+    """Rows of one kernel's param, columns of another's: each run sets one and leaves the
+    other unset, so the table was a mostly empty diagonal; the params go on the rows' side."""
+    from test_web import _row
+
+    from service.results import baselines
+    from service.spec import PivotSpec
+
+    rows = [
+        _row(1, 1.0, kernel="block_sparse", params={"sparsity_ratio": 0.1}),
+        _row(2, 2.0, kernel="block_sparse", params={"sparsity_ratio": 0.05}),
+        _row(3, 3.0, kernel="dilated", params={"dilation_rates": [1, 2]}),
+        _row(4, 4.0, kernel="dilated", params={"dilation_rates": [1, 2, 4]}),
+    ]
+    baselines.set_labels(rows)
+    spec = PivotSpec(rows="params.sparsity_ratio", columns=["params.dilation_rates"])
+    table = baselines.pivot(rows, spec)
+    cells = sum(len(values) for _, values in table.rows)
+    filled = sum(v is not None for _, values in table.rows for v in values)
+    assert filled == 4 and cells == 4, table.rows  # every cell of the table holds a run
+    assert [name for name, _ in table.rows] == [
+        "0.05 · block_sparse", "0.1 · block_sparse",
+        "dilated · dilation_rates=[1,2]", "dilated · dilation_rates=[1,2,4]",
+    ]  # fmt: skip
