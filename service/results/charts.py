@@ -614,14 +614,15 @@ def compare_figure(pairs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     with_ratio = [p for p in pairs if p.get("tps_ratio") is not None]
     fig = go.Figure(
         layout=_layout(
-            "Throughput ratio B / A per matching cell, with its interval (red: slower, green: "
-            "faster, beyond both medians' intervals at 95% or more; grey: neither, or too few "
-            "iterations to tell)",
+            "Throughput ratio B / A per matching cell, with its interval<br><sup>red: slower, "
+            "green: faster, beyond both medians' intervals at 95% or more; grey: neither, or "
+            "too few iterations to tell</sup>",
             "tokens/s B / A (ratio)",
             "",
             xaxis={"title": {"text": "tokens/s B / A (ratio)"}, "rangemode": "tozero"},
             yaxis={"automargin": True, "autorange": "reversed"},
             height=max(320, 140 + 32 * len(with_ratio)),
+            margin={"l": 70, "r": 20, "t": 80, "b": 60},
         )
     )
     if not with_ratio:

@@ -70,6 +70,7 @@ def test_three_iterations_are_too_few_to_call_a_regression_twelve_are_not(
         api_many = http.get(f"{API}/sweeps/{many[0]}/compare/{many[1]}").json()
         page_few = http.get("/compare", params={"a": few[0], "b": few[1]}).text
         page_many = http.get("/compare", params={"a": many[0], "b": many[1]}).text
+        history = http.get("/cells/history", params={"run": 1}).text  # sweep A's first run
         gate_few = _gate(base, monkeypatch, *few)
         gate_many = _gate(base, monkeypatch, *many)
 
@@ -84,6 +85,7 @@ def test_three_iterations_are_too_few_to_call_a_regression_twelve_are_not(
     assert "0 regressions" in verdict and "2 too few iterations to tell" in verdict, verdict
     assert "95% confidence" not in page_few and "every difference" not in page_few
     assert "(0.96 ms-1.08 ms, 75%, n=3)" in page_few
+    assert "interval at 75%" in history and "75%, n=3)" in history, history
     assert gate_few.exit_code == 0, gate_few.stdout
     (untold,) = [line for line in gate_few.stdout.splitlines() if line.startswith("untold ")]
     assert "B/A 2.00" in untold and "too few iterations to tell" in untold and "75%" in untold
