@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -703,6 +703,26 @@ def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def cut_apart(names: Sequence[str], width: int) -> list[str]:
+    """Each name in `width` characters, still told apart: whole when it fits; cut at its end
+    ("…") when no other name cuts alike; else its head and tail around "…" ("cpu…- dense"),
+    or its tail alone, the first of these that no other cut name shares."""
+    ends = [_cut(n, width) for n in names]
+    shown = []
+    for name, end in zip(names, ends, strict=True):
+        alike = [n for n, e in zip(names, ends, strict=True) if e == end and n != name]
+        if len(name) <= width or not alike:
+            shown.append(end)
+            continue
+        head = max(1, (width - 1) // 3)
+        for keep in (head, 0):  # head and tail, then the tail alone
+            cut = name[:keep] + "…" + name[len(name) - (width - 1 - keep) :]
+            if all(cut != n[:keep] + "…" + n[len(n) - (width - 1 - keep) :] for n in alike):
+                break
+        shown.append(cut)
+    return shown
+
+
 @app.command()
 @friendly_errors
 def watch(
@@ -745,8 +765,9 @@ def list_sweeps(
     if spare < 0:  # the name gives way first (to 8 characters), then the counts
         widths[1] = max(8, widths[1] + spare)
         widths[5] = max(12, out.width - 2 * len(headers) - sum(widths[:5]))
-        for r in rows:
-            r[1], r[5] = _cut(r[1], widths[1]), _cut(r[5], widths[5])
+        names = cut_apart([r[1] for r in rows], widths[1])
+        for r, name in zip(rows, names, strict=True):
+            r[1], r[5] = name, _cut(r[5], widths[5])
     table = Table(box=None)
     for header in headers:
         right = header in ("id", "done")
@@ -858,9 +879,16 @@ def results(
             cells[shown.index(("speedup", "speedup"))] += _speedup_note(row)
         table.add_row(*cells)
     out.print(table)
+    if any(_speedup_note(row) == " ~" for row in rows if row.get("speedup") is not None):
+        out.print(NOISE_LEGEND, markup=False, highlight=False)
     for row in rows:  # a number above its physical limit is never shown without why
         for flag in row.get("flags") or []:
             out.print(f"⚠ run {row['run_id']}: {flag['text']}", markup=False, highlight=False)
+
+
+NOISE_LEGEND = ("~ within noise: the speedup's interval (from both runs' median intervals) "
+                "holds 1.00x; the two runs cannot be told apart")  # fmt: skip
+"""What `~` beside a speedup means, printed under the table whenever one shows."""
 
 
 def _speedup_note(row: dict[str, Any]) -> str:

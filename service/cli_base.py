@@ -72,7 +72,7 @@ def friendly_errors(fn: F) -> F:
             ConnectionError,  # Ray: no cluster at RINGLAB_RAY_ADDRESS
         ) as e:
             err.print(f"[red]error:[/red] {escape(one_line(e))}")
-            if isinstance(e, CliError) and e.detail:
+            if isinstance(e, CliError | ClientError) and e.detail:
                 err.print(e.detail, markup=False)
             raise typer.Exit(1) from None
 

@@ -26,8 +26,10 @@ def compare(
     threshold: Annotated[str, typer.Option(help="Ignore moves smaller than this, e.g. 5%.")] = "5%",
 ) -> None:
     """Print the cells of B that moved against A on one metric: a time beyond both sweeps'
-    spreads (their 95% median intervals do not overlap) and the threshold, memory and maximum
-    length beyond the threshold, and cells that succeeded in A but not in B."""
+    spreads (their median intervals, each at 95% or more, do not overlap) and the threshold,
+    memory and maximum length beyond the threshold, and cells that succeeded in A but not in
+    B. A time from fewer than 6 iterations (an interval below 95%) is too few to tell: said,
+    never a regression."""
     try:
         fraction = regression.parse_threshold(threshold)
         if metric not in regression.METRICS:
@@ -43,11 +45,16 @@ def compare(
         word = "worse" if move.worse else "better"
         out.print(f"{word}  {move.label}  runs {move.a_run_id} -> {move.b_run_id}: {move.text}",
                   markup=False)  # fmt: skip
+    unsure = regression.untold(answer, metric, fraction)
+    for move in unsure:
+        out.print(f"untold  {move.label}  runs {move.a_run_id} -> {move.b_run_id}: {move.text}",
+                  markup=False)  # fmt: skip
     worse = sum(m.worse for m in moved)
+    told = f"; {len(unsure)} moved beyond {threshold} with {regression.TOO_FEW}" if unsure else ""
     out.print(
         f"{len(answer['pairs'])} matching cells (only in A {answer['only_a']}, only in B "
         f"{answer['only_b']}): {worse} worse, {len(moved) - worse} better on {metric} beyond "
-        f"both spreads and {threshold}",
+        f"both spreads (intervals at 95% or more) and {threshold}{told}",
         markup=False,
     )
     if fail_on_regression and worse:

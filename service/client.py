@@ -46,21 +46,41 @@ class ClientError(Exception):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+        # the lines after the first: each problem of a 422 that had several
+        self.detail = "\n".join(message.splitlines()[1:])
+
+
+SHOWN_ERRORS = 10
+"""Validation errors a CLI error lists, one a line; the rest are counted."""
+
+
+def _one_error(error: Any) -> str:
+    """'base.seq_len: <why>' of one validation error (its message alone without a place)."""
+    if not isinstance(error, dict):
+        return str(error)
+    where = ".".join(str(p) for p in error.get("loc", []) if p != "body")
+    return f"{where}: {error.get('msg')}" if where else str(error.get("msg"))
 
 
 def _detail(response: httpx.Response) -> str:
-    """The service's error detail as one line: FastAPI's string, or the first validation error."""
+    """The service's error detail: FastAPI's string as one line, or the validation errors:
+    one as a line, several as a count, then each on its own indented line (up to
+    SHOWN_ERRORS, the rest counted): none hidden behind "and 1 more"."""
     try:
         body = response.json()
     except ValueError:
         return response.text.strip().splitlines()[0] if response.text.strip() else ""
     detail = body.get("detail") if isinstance(body, dict) else body
     if isinstance(detail, list) and detail:
-        first = detail[0]
-        loc = [str(p) for p in first.get("loc", []) if p != "body"]
-        more = f" (and {len(detail) - 1} more)" if len(detail) > 1 else ""
-        where = ".".join(loc)
-        return f"{where}: {first.get('msg', first)}{more}" if where else f"{first.get('msg')}{more}"
+        if len(detail) == 1:
+            return _one_error(detail[0])
+        counted = [e for e in detail if isinstance(e, dict) and e.get("type") == "too_many_errors"]
+        errors = [e for e in detail if e not in counted]
+        lines = [f"  {_one_error(e)}" for e in errors[:SHOWN_ERRORS]]
+        hidden = len(errors) - len(lines)
+        if hidden or counted:
+            lines.append(f"  ... {'and more' if counted else f'and {hidden} more'} not shown")
+        return "\n".join([f"{len(errors)}{'+' if counted else ''} problems:", *lines])
     return str(detail)
 
 

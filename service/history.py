@@ -95,6 +95,8 @@ def cell_history(session: Session, config: dict[str, Any]) -> dict[str, Any]:
                 "median_s": row.median_s,
                 "median_lo_s": row.median_lo_s,
                 "median_hi_s": row.median_hi_s,
+                "median_ci_level": row.median_ci_level,
+                "iterations": row.iterations,
                 "tokens_per_s": row.tokens_per_s,
                 "peak_memory_bytes": row.peak_memory_bytes,
                 "environment_id": run.environment_id,

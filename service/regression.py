@@ -3,9 +3,12 @@ two sweeps moved, on one metric, beyond the noise and a threshold.
 
 It reads GET /api/v1/sweeps/{a}/compare/{b} and adds no rule of its own for the noise: a time
 (median_s, tokens_per_s) moved only when the compare endpoint's `time_change` says so (the two
-medians' 95% intervals do not overlap: beyond both sweeps' spreads, service.results.compare), and
-then only when it moved by more than the threshold too. Peak memory and maximum length are
-one measurement each (no spread): they moved beyond the threshold alone. A cell that succeeded
+medians' intervals, each at 95% or more, do not overlap: beyond both sweeps' spreads,
+service.results.compare), and then only when it moved by more than the threshold too. A cell
+whose time moved by more than the threshold while a run's interval covers less than 95% (fewer
+than 6 iterations) is neither worse nor better: "too few iterations to tell" (`untold`). Peak
+memory and maximum length are one measurement each (no spread): they moved beyond the
+threshold alone. A cell that succeeded
 in A and did not in B is a regression on every metric: a kernel that stopped working is worse.
 """
 
@@ -80,6 +83,35 @@ def _direction(pair: dict[str, Any], metric: str, threshold: float) -> bool | No
     if ratio < 1 / (1 + threshold):
         return not higher_is_worse
     return None
+
+
+TOO_FEW = "too few iterations to tell"
+"""The compare endpoint's time_verdict for a cell whose intervals cannot tell a change."""
+
+
+def _level(value: Any) -> str:
+    return "no interval" if value is None else f"{100 * value:.3g}%"
+
+
+def untold(compare: dict[str, Any], metric: str, threshold: float) -> list[Move]:
+    """The matching cells whose time moved beyond the threshold but whose intervals are too
+    weak to tell it from noise (worse=False: never a regression); none for memory and length."""
+    if metric not in ("median_s", "tokens_per_s"):
+        return []
+    found = []
+    for pair in compare["pairs"]:
+        ratio = _ratio(pair, "median_s")
+        if pair.get("time_verdict") != TOO_FEW or ratio is None:
+            continue
+        if 1 / (1 + threshold) <= ratio <= 1 + threshold:
+            continue
+        n = f"{pair.get('a_iterations')} and {pair.get('b_iterations')} iterations"
+        levels = f"{_level(pair.get('a_median_ci_level'))}, {_level(pair.get('b_median_ci_level'))}"
+        text = (f"median_s {_fmt('median_s', pair.get('a_median_s'))} -> "
+                f"{_fmt('median_s', pair.get('b_median_s'))} (B/A {ratio:.2f}): {TOO_FEW} "
+                f"({n}; intervals at {levels}, below 95%)")  # fmt: skip
+        found.append(Move(pair["label"], pair["a_run_id"], pair["b_run_id"], False, text))
+    return found
 
 
 def moves(compare: dict[str, Any], metric: str, threshold: float) -> list[Move]:

@@ -1,14 +1,17 @@
-"""Units a person reads: one time unit per table chosen from its values, and counted nouns.
+"""Units a person reads: one time unit per table chosen from its values, counted nouns, an
+interval's level, and the numeric order of labels.
 
 Light on imports: the CLI uses it without loading the analysis (torch) modules.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["MS", "TimeUnit", "duration", "plural", "time_unit"]
+__all__ = ["MS", "TimeUnit", "duration", "level", "levels", "natural_key", "plural", "time_unit"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +64,30 @@ def duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60} min {s % 60:02d} s"
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def level(value: float | None) -> str:
+    """What an interval covers, as a person reads it: 0.75 -> '75%', 0.96875 -> '96.9%';
+    None (one iteration) -> 'no interval'."""
+    return "no interval" if value is None else f"{100 * value:.3g}%"
+
+
+def levels(values: Iterable[float | None]) -> str:
+    """The levels of a set of intervals, lowest to highest: '75%', '75% to 99.2%', '96.9% (and
+    no interval: 1 iteration)'; '' when there is no value at all."""
+    seen = list(values)
+    known = sorted({v for v in seen if v is not None})
+    text = "" if not known else level(known[0])
+    if len(known) > 1:
+        text += f" to {level(known[-1])}"
+    if None in seen:
+        text += " (and no interval: 1 iteration)" if known else "no interval (1 iteration)"
+    return text
+
+
+def natural_key(text: str) -> tuple[Any, ...]:
+    """Sort key reading numbers as numbers: "seq 512" < "seq 1,024" < "seq 2,048"."""
+    parts = re.split(r"(\d[\d,]*(?:\.\d+)?)", text)
+    return tuple(
+        (1, float(p.replace(",", ""))) if i % 2 else (0, p) for i, p in enumerate(parts) if p
+    )

@@ -5,7 +5,9 @@ the valid axes), and an error echoing a lone surrogate could not be encoded (a 5
 
 from __future__ import annotations
 
+import difflib
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,9 +68,47 @@ def safe_error(err: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_VALID = re.compile(r"valid: (.*)$")
+
+
+def _names_where(loc: Sequence[Any]) -> list[str]:
+    """The field names valid where an unknown field `loc` sits in a sweep spec (the request
+    body, or one document of a list): the spec's own at its top, a run config's in `base`."""
+    from service.spec import RUN_FIELDS, SweepSpec
+
+    path = [p for p in loc if isinstance(p, str) and p != "body"][:-1]
+    if not path:
+        return sorted(SweepSpec.model_fields)
+    return sorted(RUN_FIELDS) if path == ["base"] else []
+
+
+def did_you_mean(err: dict[str, Any]) -> dict[str, Any]:
+    """An unknown-name error with the nearest valid name added ("; did you mean 'seq_len'?"),
+    from the names its message lists ("valid: ...") or the fields valid where it sits."""
+    msg, loc = str(err.get("msg", "")), err.get("loc") or ()
+    name = loc[-1] if loc else None
+    unknown = err.get("type") == "extra_forbidden" or msg.startswith("unknown ")
+    if not isinstance(name, str) or not unknown or "did you mean" in msg:
+        return err
+    listed = _VALID.search(msg)
+    names = (
+        [n.strip().removeprefix("or ") for n in listed.group(1).split(", ")]
+        if listed
+        else _names_where(loc)
+    )
+    close = difflib.get_close_matches(name, [n for n in names if n != name], n=1)
+    if not close:
+        return err
+    if listed:  # the hint before the long list of valid names, where it is read
+        head = msg[: listed.start()].rstrip("; ")
+        return {**err, "msg": f"{head}; did you mean {close[0]!r}? {msg[listed.start() :]}"}
+    return {**err, "msg": f"{msg.rstrip('.')}; did you mean {close[0]!r}?"}
+
+
 def capped_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
-    """The first MAX_ERRORS errors made safe, then one entry counting the rest."""
-    shown = [safe_error(e) for e in list(errors)[:MAX_ERRORS]]
+    """The first MAX_ERRORS errors made safe (an unknown name with its did-you-mean), then
+    one entry counting the rest."""
+    shown = [safe_error(did_you_mean(dict(e))) for e in list(errors)[:MAX_ERRORS]]
     if len(errors) > MAX_ERRORS:
         rest = len(errors) - MAX_ERRORS
         shown.append(

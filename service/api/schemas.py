@@ -281,8 +281,16 @@ class ComparePair(BaseModel):
     tps_hi: float | None = Field(description="b_hi / a_lo.")
     within_noise: bool = Field(description="The interval holds 1.0.")
     time_change: Literal["slower", "faster"] | None = Field(
-        description="B's median interval wholly above (slower) or below A's; None: overlapping "
-        "(noise), or a run without an interval."
+        description="B's median interval wholly above (slower) or below A's, both intervals at "
+        "95% or more; None: overlapping (noise), or too few iterations to tell."
+    )
+    time_verdict: (
+        Literal["slower", "faster", "within noise", "too few iterations to tell"] | None
+    ) = Field(
+        None,
+        description="The time's verdict: too few iterations to tell when either run's interval "
+        "is missing (1 iteration) or covers less than 95% (2-5 iterations); None without a "
+        "time in both.",
     )
     memory_ratio: float | None = Field(description="B peak / A peak (one measurement each).")
     max_len_ratio: float | None = Field(description="B max length / A max length.")
@@ -299,6 +307,10 @@ class ComparePair(BaseModel):
     b_peak_memory_bytes: int | None = None
     a_max_seq_len: int | None = None
     b_max_seq_len: int | None = None
+    a_iterations: int | None = Field(None, description="A's timed iterations.")
+    b_iterations: int | None = Field(None, description="B's timed iterations.")
+    a_median_ci_level: float | None = Field(None, description="What A's interval covers.")
+    b_median_ci_level: float | None = Field(None, description="What B's interval covers.")
 
 
 class CompareOut(BaseModel):
@@ -311,6 +323,7 @@ class CompareOut(BaseModel):
     only_b: int = Field(description="Cells only in B.")
     regressions: int
     within_noise: int
+    too_few: int = Field(0, description="Pairs whose time is too few iterations to tell.")
     pairs: list[ComparePair]
 
 
@@ -323,8 +336,12 @@ class CellHistoryEntry(BaseModel):
     status: str
     at: datetime = Field(description="When it finished (started, or was queued, if not yet).")
     median_s: float | None = Field(description="Slowest rank's median time per iteration.")
-    median_lo_s: float | None = Field(description="Its 95% interval's lower end.")
-    median_hi_s: float | None = Field(description="Its 95% interval's upper end.")
+    median_lo_s: float | None = Field(description="Its interval's lower end.")
+    median_hi_s: float | None = Field(description="Its interval's upper end.")
+    median_ci_level: float | None = Field(
+        None, description="What that interval covers: 95% or more from 6 iterations, less below."
+    )
+    iterations: int | None = Field(None, description="Timed iterations run.")
     tokens_per_s: float | None
     peak_memory_bytes: int | None = Field(description="Largest allocator peak over the ranks.")
     environment_id: int | None

@@ -38,6 +38,7 @@ from typing import Any
 import attention
 from service.results.rows import Flag, RunRow
 from service.spec import NESTED, AnalysisSpec, PivotSpec, nested_axis
+from service.units import natural_key
 from workers.config import PRECISION_DTYPES
 from workers.noise import Interval, ratio_interval, scaled
 
@@ -521,7 +522,13 @@ def _axis_value(row: RunRow, name: str) -> Any:
 
 
 def _sort_key(value: Any) -> tuple[int, Any]:
-    return (0, value) if isinstance(value, int | float) else (1, _text(value))
+    """Numbers first, in numeric order; then text with its numbers read as numbers ("W=4"
+    before "W=16"), a list of numbers element by element ([1,2] before [1,2,4])."""
+    if isinstance(value, int | float):
+        return (0, value)
+    if isinstance(value, list | tuple) and all(isinstance(v, int | float) for v in value):
+        return (1, ((0, "["), *((1, float(v)) for v in value)))  # sorts as its text would
+    return (1, natural_key(_text(value)))
 
 
 def default_pivot(rows: Sequence[RunRow]) -> PivotSpec | None:
@@ -612,19 +619,52 @@ def _splits_columns(rows: Sequence[RunRow], name: str, columns: Sequence[str]) -
     return len({frozenset(v) for v in filled.values()}) > 1
 
 
-def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
-    """The metric spec.value for every (row value, column values) pair of the rows, one
-    section per combination of what else varies (so two runs never share one cell); what else
-    varies but fills different columns per value (the kernel of a dense-vs-ring
-    sweep) joins the columns instead."""
-    measured = [r for r in rows if getattr(r, spec.value) is not None]
+def _together(rows: Sequence[RunRow], a: str, b: str) -> bool:
+    """Whether fields a and b vary together over the rows: each takes two values or more, and
+    one fixes the other (a zip of them; a param and the kernel it belongs to) or a table of a
+    against b would fill half its cells or fewer (two params of one kernel each: each run sets
+    one, the other unset): a mostly empty diagonal."""
+    pairs = {(_text(_axis_value(r, a)), _text(_axis_value(r, b))) for r in rows}
+    firsts, seconds = {x for x, _ in pairs}, {y for _, y in pairs}
+    if len(firsts) < 2 or len(seconds) < 2:
+        return False
+    fixed = len(pairs) in (len(firsts), len(seconds))
+    return fixed or 2 * len(pairs) <= len(firsts) * len(seconds)
+
+
+def _row_text(row: RunRow, name: str, beside: Sequence[str]) -> str:
+    """A pivot row's name: the rows field's value, then each field that varies with it
+    ("1,024 · W=2"); an unset value is left out ("-" when all are)."""
+    value = _axis_value(row, name)
+    parts = [] if value is None else [_shown(value)]
+    parts += [t for b in beside if (t := _column_text(row, [b])) != "-"]
+    return " · ".join(parts) or "-"
+
+
+def _pivot_layout(measured: Sequence[RunRow], spec: PivotSpec) -> tuple[list[str], ...]:
+    """(section fields, columns, fields beside the rows): what else varies but fills
+    different columns per value joins the columns; a column field that varies together with
+    the rows field moves beside it, on the rows' side."""
     fields = _section_fields(measured, {spec.rows, *spec.columns})
     columns = list(spec.columns)
     for f in list(fields):
         if _splits_columns(measured, f, columns):
             fields.remove(f)
             columns.insert(0, f)
+    beside = [c for c in columns if _together(measured, spec.rows, c)]
+    return fields, [c for c in columns if c not in beside], beside
+
+
+def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
+    """The metric spec.value for every (row value, column values) pair of the rows, one
+    section per combination of what else varies (so two runs never share one cell); what else
+    varies but fills different columns per value (the kernel of a dense-vs-ring
+    sweep) joins the columns instead, and a column field varying together with the rows field
+    joins the rows (_pivot_layout): never a mostly empty diagonal."""
+    measured = [r for r in rows if getattr(r, spec.value) is not None]
+    fields, columns, beside = _pivot_layout(measured, spec)
     cells: dict[tuple[str, Any], dict[str, Any]] = {}
+    row_keys: dict[tuple[str, Any], tuple[Any, ...]] = {}
     flagged: dict[tuple[str, Any], dict[str, list[str]]] = {}
     col_keys: dict[str, tuple[Any, ...]] = {}
     sec_keys: dict[str, tuple[Any, ...]] = {}
@@ -633,9 +673,10 @@ def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
         title = _section_title(r, fields)
         sec_keys[title] = tuple(_sort_key(_axis_value(r, f)) for f in fields)
         sec_values[title] = [_section_value(r, f) for f in fields]
-        ctext = _column_text(r, columns)
+        ctext = _column_text(r, columns) if columns else PIVOT_VALUES[spec.value]
         col_keys[ctext] = tuple(_sort_key(_axis_value(r, c)) for c in columns)
-        key = (title, _axis_value(r, spec.rows))
+        key = (title, _row_text(r, spec.rows, beside))
+        row_keys[key] = tuple(_sort_key(_axis_value(r, f)) for f in (spec.rows, *beside))
         cells.setdefault(key, {})[ctext] = getattr(r, spec.value)
         codes = [f.code for f in r.flags_on(spec.value)]
         if codes:
@@ -644,8 +685,8 @@ def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
     ordered = sorted(filled, key=lambda c: col_keys[c])  # a column with nothing measured: gone
     sections = []
     for title in sorted(sec_keys, key=lambda t: sec_keys[t]):
-        keys = sorted((k for k in cells if k[0] == title), key=lambda k: _sort_key(k[1]))
-        body = [(_shown(k[1]), [cells[k].get(c) for c in ordered]) for k in keys]
+        keys = sorted((k for k in cells if k[0] == title), key=lambda k: row_keys[k])
+        body = [(k[1], [cells[k].get(c) for c in ordered]) for k in keys]
         if all(v is None for _, values in body for v in values):
             continue  # nothing measured here (the baselines of a pivot of speedups)
         marks = {
@@ -658,8 +699,8 @@ def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
         sections.append(PivotSection(title=title, values=values, rows=body, flags=marks))
     return Pivot(
         value=spec.value,
-        row_header=_axis_title(spec.rows),
-        column_header=" x ".join(_axis_title(c) for c in columns),
+        row_header=" · ".join(_axis_title(f) for f in (spec.rows, *beside)),
+        column_header=" x ".join(_axis_title(c) for c in columns) or PIVOT_VALUES[spec.value],
         columns=ordered,
         sections=sections,
         section_fields=fields,

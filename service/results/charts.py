@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -17,6 +16,7 @@ import plotly.graph_objects as go
 
 from service.results.rows import local_tokens, memory_floor
 from service.results.schemes import SCHEMES as SP_SCHEMES
+from service.units import natural_key
 
 Row = dict[str, Any]
 
@@ -75,14 +75,6 @@ def _succeeded(rows: Iterable[Row], metric: str) -> list[Row]:
     return [r for r in rows if r["status"] == "succeeded" and r.get(metric) is not None]
 
 
-def natural_key(text: str) -> tuple[Any, ...]:
-    """Sort key reading numbers as numbers: "seq 512" < "seq 1,024" < "seq 2,048"."""
-    parts = re.split(r"(\d[\d,]*(?:\.\d+)?)", text)
-    return tuple(
-        (1, float(p.replace(",", ""))) if i % 2 else (0, p) for i, p in enumerate(parts) if p
-    )
-
-
 def _grouped(rows: Sequence[Row], with_world: bool = True) -> dict[str, list[Row]]:
     """Rows by legend label (the row's label, or its series label without the world size),
     the labels in numeric order."""
@@ -94,28 +86,44 @@ def _grouped(rows: Sequence[Row], with_world: bool = True) -> dict[str, list[Row
 
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-           "#17becf", "#bcbd22", "#7f7f7f")  # fmt: skip
+           "#17becf", "#bcbd22", "#7f7f7f", "#393b79", "#e6550d", "#31a354", "#843c39",
+           "#7b4173", "#3182bd", "#636363", "#b5cf6b", "#ce6dbd", "#fd8d3c")  # fmt: skip
+"""20 distinct colours: a chart with more series than this reuses them (its markers and dashes
+still tell series apart)."""
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "cross", "x", "star", "pentagon")
 
 
 class Styles:
-    """One colour per kernel, one dash per mode, one marker per world size and parallel mode,
-    the same in every chart of a sweep (built from all of its rows)."""
+    """One colour per series (a legend label: kernel and what else varies), one dash per mode,
+    one marker per world size and parallel mode, the same in every chart of a sweep (built from
+    all of its rows). A kernel's series take neighbouring colours and the kernel's own colour
+    is its first series' one: a chart that draws one line per kernel (the sequence-parallel
+    schemes) colours it as the other charts colour that kernel."""
 
     def __init__(self, rows: Sequence[Row]) -> None:
-        kernels = sorted({r["kernel"] for r in rows})
+        series = sorted({(r["kernel"], r["label"]) for r in rows},
+                        key=lambda kl: (kl[0], natural_key(kl[1])))  # fmt: skip
         modes = sorted({str(r.get("mode")) for r in rows})
         shapes = sorted({_shape(r) for r in rows}, key=natural_key)
-        self.colour = {k: PALETTE[i % len(PALETTE)] for i, k in enumerate(kernels)}
+        self.series = {label: PALETTE[i % len(PALETTE)] for i, (_, label) in enumerate(series)}
+        self.colour: dict[str, str] = {}
+        for kernel, label in series:
+            self.colour.setdefault(kernel, self.series[label])
         self.dash = {m: DASHES[i % len(DASHES)] for i, m in enumerate(modes)}
         self.symbol = {s: SYMBOLS[i % len(SYMBOLS)] for i, s in enumerate(shapes)}
 
-    def line(self, r: Row) -> dict[str, Any]:
-        return {"color": self.colour[r["kernel"]], "dash": self.dash[str(r.get("mode"))]}
+    def _of(self, r: Row) -> str:
+        return self.series.get(r["label"]) or self.colour[r["kernel"]]
 
-    def marker(self, r: Row) -> dict[str, Any]:
-        return {"color": self.colour[r["kernel"]], "symbol": self.symbol[_shape(r)], "size": 8}
+    def line(self, r: Row, by_kernel: bool = False) -> dict[str, Any]:
+        """A line's style: its series' colour (its kernel's with by_kernel), its mode's dash."""
+        colour = self.colour[r["kernel"]] if by_kernel else self._of(r)
+        return {"color": colour, "dash": self.dash[str(r.get("mode"))]}
+
+    def marker(self, r: Row, by_kernel: bool = False) -> dict[str, Any]:
+        colour = self.colour[r["kernel"]] if by_kernel else self._of(r)
+        return {"color": colour, "symbol": self.symbol[_shape(r)], "size": 8}
 
 
 def _shape(r: Row) -> str:
@@ -225,14 +233,16 @@ def _throughput_layout(title: str, rows: Sequence[Row]) -> dict[str, Any]:
 def _throughput_line(
     name: str, group: Sequence[Row], styles: Styles, hover_name: bool = False
 ) -> go.Scatter:
-    """One line of tokens/s against length, its run in the hover (and its name, hover_name)."""
+    """One line of tokens/s against length, its run in the hover (and its name, hover_name);
+    coloured as its series, or as its kernel when it joins several series."""
+    by_kernel = len({r["label"] for r in group}) > 1
     return go.Scatter(
         x=[r["length"] for r in group],
         y=[r["tokens_per_s"] for r in group],
         mode="lines+markers",
         name=name,
-        line=styles.line(group[0]),
-        marker=styles.marker(group[0]),
+        line=styles.line(group[0], by_kernel),
+        marker=styles.marker(group[0], by_kernel),
         customdata=[r["run_id"] for r in group],
         hovertemplate="seq %{x}<br>%{y:.4s} tokens/s<br>run %{customdata}<extra>"
         + (name if hover_name else "")
@@ -604,13 +614,15 @@ def compare_figure(pairs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     with_ratio = [p for p in pairs if p.get("tps_ratio") is not None]
     fig = go.Figure(
         layout=_layout(
-            "Throughput ratio B / A per matching cell, with its interval (red: slower, green: "
-            "faster, beyond both medians' 95% intervals)",
+            "Throughput ratio B / A per matching cell, with its interval<br><sup>red: slower, "
+            "green: faster, beyond both medians' intervals at 95% or more; grey: neither, or "
+            "too few iterations to tell</sup>",
             "tokens/s B / A (ratio)",
             "",
             xaxis={"title": {"text": "tokens/s B / A (ratio)"}, "rangemode": "tozero"},
             yaxis={"automargin": True, "autorange": "reversed"},
             height=max(320, 140 + 32 * len(with_ratio)),
+            margin={"l": 70, "r": 20, "t": 80, "b": 60},
         )
     )
     if not with_ratio:
@@ -679,6 +691,15 @@ def scaling_table(rows: Sequence[Row]) -> dict[str, Any] | None:
     return {"worlds": worlds, "rows": body}
 
 
+def _points(figure: dict[str, Any]) -> set[tuple[Any, Any, Any]]:
+    """The (run, x, y) points a figure draws (runs from its traces' customdata)."""
+    found = set()
+    for t in figure.get("data", []):
+        columns = (t.get("customdata") or [], t.get("x") or [], t.get("y") or [])
+        found |= set(zip(*columns, strict=False))
+    return found
+
+
 def _drawn(figure: dict[str, Any]) -> bool:
     """Whether a figure has anything on it (an empty one only says why)."""
     return bool(figure.get("data"))
@@ -687,8 +708,9 @@ def _drawn(figure: dict[str, Any]) -> bool:
 def sweep_figures(rows: Sequence[Row]) -> dict[str, dict[str, Any]]:
     """The charts of the sweep page its rows fill, keyed by the element id that draws each:
     a panel with nothing to show is left out (the page draws one that fills later, live);
-    scaling only with at least 3 world sizes (else scaling_table); a sweep with model cells
-    adds seed 004's three."""
+    scaling only with at least 3 world sizes (else scaling_table); the sequence-parallel
+    schemes only when they are not the throughput chart again (a sweep of those schemes
+    alone); a sweep with model cells adds seed 004's three."""
     styles = Styles(rows)
     figures = {
         "chart-throughput": throughput_figure(rows, styles),
@@ -700,8 +722,10 @@ def sweep_figures(rows: Sequence[Row]) -> dict[str, dict[str, Any]]:
     if any(r.get("peak_fraction") is not None for r in rows):
         figures["chart-peak"] = peak_fraction_figure(rows, styles)
     if any(r.get("exposed_comm_share") is not None for r in rows):
-        figures["chart-comm"] = exposed_comm_figure(rows)
-    figures["chart-sp-schemes"] = sp_schemes_figure(rows, styles)
+        figures["chart-comm"] = exposed_comm_figure(rows, styles)
+    schemes = sp_schemes_figure(rows, styles)
+    if _points(schemes) != _points(figures["chart-throughput"]):  # else the same chart twice
+        figures["chart-sp-schemes"] = schemes
     models = [r for r in rows if r.get("workload") == "model"]
     if models:
         figures["chart-components"] = components_figure(models)
@@ -901,9 +925,11 @@ def rank_times_figure(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
 STEP_COLOURS = {"compute": "#1f77b4", "wait": "#d62728"}
 
 
-def exposed_comm_figure(rows: Sequence[Row]) -> dict[str, Any]:
+def exposed_comm_figure(rows: Sequence[Row], styles: Styles | None = None) -> dict[str, Any]:
     """Exposed-communication share against tokens per rank, one line per ring variant and
-    world size; each series' F/B crossover (tokens per rank) marked by a dashed line."""
+    world size (coloured as in the sweep's other charts); each series' F/B crossover (tokens
+    per rank) marked by a dashed line of its colour, inside the plot (crossover_range)."""
+    styles = styles or Styles(rows)
     fig = go.Figure(
         layout=_log_x_layout(
             "Exposed communication",
@@ -915,23 +941,28 @@ def exposed_comm_figure(rows: Sequence[Row]) -> dict[str, Any]:
     ok = _succeeded(rows, "exposed_comm_share")
     if not ok:
         return _empty(fig, "No ring run has stored its steps yet")
+    xs: list[float] = []
     for name, group in _grouped(ok).items():
         tokens = [
             local_tokens(r["parallel"], r["world_size"], r["batch_size"], r["length"])
             for r in group
         ]
+        xs += tokens
         fig.add_trace(
             go.Scatter(
                 x=tokens,
                 y=[r["exposed_comm_share"] for r in group],
                 mode="lines+markers",
                 name=name,
+                line=styles.line(group[0]),
+                marker=styles.marker(group[0]),
                 hovertemplate="%{x:,} tokens per rank: %{y:.1%} blocked<extra>" + name + "</extra>",
             )
         )
         crossings = sorted(r["crossover_tokens"] for r in group if r.get("crossover_tokens"))
         if crossings:  # a vertical line as a trace: named in the legend, on the log axis
             at = crossings[len(crossings) // 2]
+            xs.append(at)
             basis = next(r["crossover_basis"] for r in group if r.get("crossover_tokens"))
             top = max(r["exposed_comm_share"] for r in ok) or 1.0
             fig.add_trace(
@@ -939,12 +970,22 @@ def exposed_comm_figure(rows: Sequence[Row]) -> dict[str, Any]:
                     x=[at, at],
                     y=[0, top],
                     mode="lines",
-                    line={"dash": "dash", "color": "#7f7f7f"},
+                    line={"dash": "dash", "color": styles.line(group[0])["color"], "width": 2},
                     name=f"F/B crossover {at:,.0f} tokens ({basis}): {name}",
                     hoverinfo="name",
                 )
             )
+    fig.update_xaxes(range=crossover_range(xs))
     return _to_json(fig)
+
+
+def crossover_range(xs: Sequence[float]) -> list[float]:
+    """A log axis's range (log10 ends) around every x, padded by 8% of its span (at least
+    0.1 decade) each side: a crossover line at the smallest or largest x stands clear of the
+    axis instead of lying on it."""
+    lo, hi = math.log10(min(xs)), math.log10(max(xs))
+    pad = max(0.1, 0.08 * (hi - lo))
+    return [lo - pad, hi + pad]
 
 
 def sp_schemes_figure(rows: Sequence[Row], styles: Styles | None = None) -> dict[str, Any]:

@@ -17,7 +17,8 @@ from service.results.export import result_row
 from service.results.rows import RunRow, local_tokens
 from service.results.schemes import sp_schemes_section
 from service.spec import PivotSpec, canonical_json
-from service.units import MS, TimeUnit, time_unit
+from service.units import MS, TimeUnit, levels, natural_key, time_unit
+from workers.noise import CONFIDENCE
 
 # ---------------------------------------------------------------- formatting
 
@@ -193,22 +194,23 @@ def report_markdown(
 ) -> str:
     """A markdown report of a sweep in the style of the reports users write by hand."""
     lines = _preamble(sweep, rows, counts)
-    ordered = sorted(rows, key=lambda r: (r.label, r.length, r.run_id))
+    ordered = sorted(rows, key=row_order)
+    unit = report_unit(rows)
     bench = [r for r in ordered if not r.searched]
     if bench:
-        lines += _results_section(bench)
-        lines += _phase_section(bench)
-    lines += _baseline_section(ordered)
+        lines += _results_section(bench, unit)
+        lines += _phase_section(bench, unit)
+    lines += _baseline_section(ordered, unit)
     lines += sp_schemes_section([result_row(r) for r in ordered])
     models = [r for r in ordered if r.workload == "model"]
     if models:
-        lines += model_sections(models)
+        lines += model_sections(models, unit)
     if pivot_spec is not None:
-        lines += _pivot_section(rows, pivot_spec)
+        lines += _pivot_section(rows, pivot_spec, unit)
     searched = [r for r in ordered if r.searched]
     if searched:
-        lines += _max_len_section(searched)
-        lines += _probe_sections(searched)
+        lines += _max_len_section(searched, unit)
+        lines += _probe_sections(searched, unit)
     lines += _environment_section(environments)
     lines += compile_notes(ordered)
     lines += flag_footnotes(rows)
@@ -224,14 +226,44 @@ DEFINITIONS = (
     "Ratios compare each run with its baseline (named in the Baseline column): speedup = "
     "tokens/s / baseline tokens/s, memory ratio = peak / baseline peak, max-length gain = "
     "max tokens / baseline max tokens, scaling efficiency = gain / world-size ratio. "
-    "The noise: a time's interval is the 95% confidence interval of the slowest rank's "
-    "median (order statistics; with 2-5 iterations the range of all of them, which covers "
-    "less: median_ci_level in results.json); a ratio of times carries (lo-hi) = a_lo / b_hi "
+    "The noise: a time's interval is the confidence interval of the slowest rank's median "
+    "(order statistics): at 95% or more from 6 iterations; with 2-5 iterations the range of "
+    "all of them, which covers less (median_ci_level in results.json; the level these runs "
+    "reached is stated below); a ratio of times carries (lo-hi) = a_lo / b_hi "
     "to a_hi / b_lo from both runs' intervals, and says within noise when that holds 1.0. "
     "Peak memory and maximum length are one measurement each: their ratios have no "
     "interval. A number above its physical limit carries ⚠ and a footnote."
 )
 """What the report's figures mean, said once under its heading."""
+
+
+def row_order(row: RunRow) -> tuple[Any, ...]:
+    """The report's row order: by label with its numbers read as numbers ("2,048" before
+    "4,096"), then length, then run id."""
+    return natural_key(row.label), row.length, row.run_id
+
+
+def report_unit(rows: Sequence[RunRow]) -> TimeUnit:
+    """The one time unit of every table of the report, from all its runs' medians: a run's
+    time reads the same in each table (not "1.45 s" in one and "1,446.6 ms" in the next)."""
+    return time_unit(r.median_s for r in rows)
+
+
+def interval_line(rows: Sequence[RunRow]) -> list[str]:
+    """What the report's time intervals cover, from the iterations that ran: the level is
+    stated, never assumed to be 95%."""
+    timed = [r for r in rows if r.median_s is not None]
+    if not timed:
+        return []
+    counts = sorted({r.iterations for r in timed if r.iterations is not None})
+    n = f"{counts[0]:,}" if len(counts) == 1 else f"{counts[0]:,}-{counts[-1]:,}"
+    covers = levels(r.median_ci_level for r in timed)
+    line = f"**Intervals**: the median intervals here cover {covers} ({n} iterations per run)."
+    if any(r.median_ci_level is None or r.median_ci_level < CONFIDENCE for r in timed):
+        line += (" Below 95% (fewer than 6 iterations) is too few iterations to tell a "
+                 "change from noise: the compare page and `ringlab compare` say so rather "
+                 "than calling a regression.")  # fmt: skip
+    return [line, ""]
 
 
 def _preamble(sweep: Sweep, rows: Sequence[RunRow], counts: dict[str, int]) -> list[str]:
@@ -253,7 +285,7 @@ def _preamble(sweep: Sweep, rows: Sequence[RunRow], counts: dict[str, int]) -> l
         shared = _fixed(rows, names)
         if shared:
             lines += [f"**{title}**: " + " · ".join(f"{k}={v}" for k, v in shared.items()), ""]
-    lines += [DEFINITIONS, ""]
+    lines += [DEFINITIONS, "", *interval_line(rows)]
     flagged = [r for r in rows if r.flags]
     if flagged:
         lines += [
@@ -320,12 +352,12 @@ def _cotenant_lines(rows: Sequence[RunRow]) -> list[str]:
     ]
 
 
-def _results_section(rows: Sequence[RunRow]) -> list[str]:
+def _results_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> list[str]:
     peaks = _rank_peaks(rows)
     joined = peaks == ["Peak memory per rank"]
     ratios = _ratio_columns(rows)
     comm = any(r.exposed_comm_share is not None for r in rows)
-    unit = time_unit(r.median_s for r in rows)
+    unit = unit or report_unit(rows)
     body = []
     for r in rows:
         body.append(
@@ -368,13 +400,13 @@ def fmt_latency(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e6:,.0f} us"
 
 
-def _phase_section(rows: Sequence[RunRow]) -> list[str]:
+def _phase_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> list[str]:
     """Kernel cells in train mode: forward and backward apart, as FlashAttention's and
     attention-gym's benchmarks report them (each phase's time and TFLOP/s, then the whole)."""
     phased = [r for r in rows if r.forward_tflops_per_s is not None]
     if not phased:
         return []
-    unit = time_unit(t for r in phased for t in (r.forward_s, r.backward_s, r.median_s))
+    unit = unit or time_unit(t for r in phased for t in (r.forward_s, r.backward_s, r.median_s))
     body = [
         [
             r.label, f"{r.length:,}", str(r.world_size),
@@ -449,22 +481,24 @@ def _comm_section(rows: Sequence[RunRow]) -> list[str]:
     ]
 
 
-def _baseline_section(rows: Sequence[RunRow]) -> list[str]:
+def _baseline_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> list[str]:
     """Each run beside its baseline: the seeds' 'single GPU | multi-GPU | speedup' and
     'dilation impact' tables, with both measurements shown so every ratio can be checked."""
     by_id = {r.run_id: r for r in rows}
     pairs = [(r, by_id[r.baseline_run_id]) for r in rows if r.baseline_run_id in by_id]
     bench = [(r, b) for r, b in pairs if not r.searched]
     searched = [(r, b) for r, b in pairs if r.searched]
-    return (_timed_against_baseline(bench) if bench else []) + (
+    return (_timed_against_baseline(bench, unit) if bench else []) + (
         _max_len_against_baseline(searched) if searched else []
     )
 
 
-def _timed_against_baseline(pairs: Sequence[tuple[RunRow, RunRow]]) -> list[str]:
+def _timed_against_baseline(
+    pairs: Sequence[tuple[RunRow, RunRow]], unit: TimeUnit | None = None
+) -> list[str]:
     """(run, its baseline) of timed runs: both times with their intervals, both peaks, the
     speedup, memory ratio and scaling efficiency."""
-    unit = time_unit(x.median_s for pair in pairs for x in pair)
+    unit = unit or time_unit(x.median_s for pair in pairs for x in pair)
     body = [
         [r.label, f"{r.length:,}", r.baseline or "-", time_cell(b, unit), time_cell(r, unit),
          ratio_cell(r, "speedup", fmt_x),
@@ -494,7 +528,9 @@ def _max_len_against_baseline(pairs: Sequence[tuple[RunRow, RunRow]]) -> list[st
     return ["## Maximum length against the baseline", "", *_table(header, body), ""]
 
 
-def _pivot_section(rows: Sequence[RunRow], spec: PivotSpec) -> list[str]:
+def _pivot_section(
+    rows: Sequence[RunRow], spec: PivotSpec, unit: TimeUnit | None = None
+) -> list[str]:
     """The pivot: a table per section (what else varies, in its heading), the same columns in
     each, so a column is one kind of run all the way down; times in one unit for all of them."""
     table = baselines.pivot(rows, spec)
@@ -502,7 +538,7 @@ def _pivot_section(rows: Sequence[RunRow], spec: PivotSpec) -> list[str]:
         return []
     show = FORMATS[spec.value]
     if spec.value == "median_s":
-        show = time_unit(v for _, values in table.rows for v in values)
+        show = unit or time_unit(v for _, values in table.rows for v in values)
     title = baselines.PIVOT_VALUES[spec.value]
     lines = [
         f"## {title[0].upper() + title[1:]} by {table.row_header} and {table.column_header}",
@@ -529,11 +565,11 @@ def _flag_marks(codes: Sequence[str]) -> str:
     return "".join(f" ⚠[^{code}]" for code in codes)
 
 
-def _max_len_section(rows: Sequence[RunRow]) -> list[str]:
+def _max_len_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> list[str]:
     peaks = _rank_peaks(rows)
     joined = peaks == ["Peak memory per rank"]
     ratios = _ratio_columns(rows)
-    unit = time_unit(r.median_s for r in rows)
+    unit = unit or report_unit(rows)
     body = []
     for r in rows:
         body.append(
@@ -557,7 +593,7 @@ def _max_len_section(rows: Sequence[RunRow]) -> list[str]:
     return ["## Maximum sequence length", "", *_table(header, body), ""]
 
 
-def _probe_sections(rows: Sequence[RunRow]) -> list[str]:
+def _probe_sections(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> list[str]:
     """Every probe of every search: the seed's 'length | memory | result | notes' tables."""
     lines = ["## Probes of each search", ""]
     for r in rows:
@@ -565,7 +601,7 @@ def _probe_sections(rows: Sequence[RunRow]) -> list[str]:
             continue
         most = max(len(p.rank_peak_bytes) for p in r.probes)
         peaks = [f"Peak rank {i}" for i in range(most)] if most > 1 else ["Peak memory"]
-        unit = time_unit(p.time_s for p in r.probes)
+        shown = unit or time_unit(p.time_s for p in r.probes)
         body = []
         for p in sorted(r.probes, key=lambda p: p.seq_len):
             per_rank = p.rank_peak_bytes if most > 1 else [p.peak_memory_bytes]
@@ -582,7 +618,7 @@ def _probe_sections(rows: Sequence[RunRow]) -> list[str]:
             body.append(
                 [
                     f"{p.seq_len:,}",
-                    unit(p.time_s),
+                    shown(p.time_s),
                     fmt_bytes(p.input_memory_bytes),
                     *(fmt_bytes(v) for v in (list(per_rank) + [None] * most)[: len(peaks)]),
                     {"fit": "fit", "oom": "OOM", "error": "error"}[p.outcome],
@@ -697,11 +733,11 @@ def fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def model_sections(rows: Sequence[RunRow]) -> list[str]:
+def model_sections(rows: Sequence[RunRow], unit: TimeUnit = MS) -> list[str]:
     """Seed 004's tables: training memory per model cell (max tokens found and predicted,
     fixed memory, memory per token, against the baseline), memory per component predicted
     and measured, and the step time by phase with the cost of checkpointing."""
-    return [*_training_memory(rows), *_component_table(rows), *_step_time_table(rows)]
+    return [*_training_memory(rows), *_component_table(rows), *_step_time_table(rows, unit)]
 
 
 TRAINING_MEMORY_HEADER = [
@@ -765,14 +801,14 @@ def _component_table(rows: Sequence[RunRow]) -> list[str]:
     return [*lines, *_table(header, body), ""]
 
 
-def _step_time_table(rows: Sequence[RunRow]) -> list[str]:
+def _step_time_table(rows: Sequence[RunRow], unit: TimeUnit = MS) -> list[str]:
     """Each timed model cell's step by phase, its MFU and the cost of checkpointing."""
     timed = [r for r in rows if r.median_s is not None]
     if not timed:
         return []
     body = [
-        [r.label, f"{r.length:,}", fmt_ms(r.forward_s), fmt_ms(r.backward_s),
-         fmt_ms(r.optimizer_s), fmt_ms(r.median_s), fmt_num(r.tokens_per_s),
+        [r.label, f"{r.length:,}", unit(r.forward_s), unit(r.backward_s),
+         unit(r.optimizer_s), unit(r.median_s), fmt_num(r.tokens_per_s),
          fmt_pct(r.peak_fraction), ratio_cell(r, "checkpoint_time_ratio", fmt_x)]
         for r in timed
     ]  # fmt: skip

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
+from service import units
 from service.api import ray_link
 from service.results.report import COMPONENT_TITLES
 
@@ -97,6 +98,8 @@ templates.env.filters["compiling"] = _fmt_compiling
 templates.env.filters["figure"] = _fmt_figure
 templates.env.filters["nbytes"] = _fmt_bytes
 templates.env.filters["secs"] = _fmt_s
+templates.env.filters["level"] = units.level
+templates.env.filters["levels"] = units.levels
 templates.env.globals["component_titles"] = COMPONENT_TITLES
 templates.env.filters["tojson_pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True)
 

@@ -14,6 +14,7 @@ import plotly
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 
+from service import units
 from service.api import store
 from service.api.deps import (
     MAX_ID,
@@ -289,13 +290,18 @@ def compare_page(
                 pairs=pairs,
                 figure=charts.compare_figure(pairs),
                 tolerance=compare.MEMORY_TOLERANCE,
-            )
+                levels=units.levels(r.median_ci_level for r in [*a_rows, *b_rows]
+                                    if r.median_s is not None) or "nothing (no time measured)",
+                confidence=compare.CONFIDENCE,
+                too_few=compare.TOO_FEW,
+            )  # fmt: skip
             return _page(request, "compare.html", **context)
     return _page(request, "compare.html", **context)
 
 
 def _history_figure(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The cell's median time per run in the order they ran, with its 95% interval."""
+    """The cell's median time per run in the order they ran, with its interval, titled with
+    the level those intervals cover (their iteration counts set it)."""
     done = [e for e in entries if e["median_s"] is not None]
     x = [f"sweep {e['sweep_id']} · run {e['run_id']}" for e in done]
     y = [e["median_s"] * 1e3 for e in done]
@@ -305,7 +311,9 @@ def _history_figure(entries: list[dict[str, Any]]) -> dict[str, Any]:
     trace = {"type": "scatter", "mode": "lines+markers+text", "x": x, "y": y, "text": text,
              "textposition": "top center", "name": "median time",
              "error_y": {"type": "data", "array": up, "arrayminus": down}}  # fmt: skip
-    layout = {"title": {"text": "Median time per run (95% interval), labelled by commit"},
+    covers = units.levels(e["median_ci_level"] for e in done) or "none"
+    layout = {"title": {"text": f"Median time per run (interval at {covers}), labelled by "
+                                "commit"},
               "yaxis": {"title": {"text": "ms"}, "rangemode": "tozero"},
               "xaxis": {"type": "category"}, "margin": {"t": 50}}  # fmt: skip
     return {"data": [trace], "layout": layout}

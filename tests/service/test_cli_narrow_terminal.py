@@ -85,6 +85,9 @@ def test_ls_at_80_columns_keeps_each_sweep_on_one_line(
         "base": {"kernel": "dense", "device": "cpu", "num_heads": 2},
         "grid": {"seq_len": [128, 256, 384]},
     }
+    alike = [f"cpu max-seq-len 1 rank - {k}" for k in ("dense", "block_sparse", "dilated")]
+    alike_ids = [httpx.post(f"{base}/api/v1/sweeps", json={**spec, "name": n}).json()["id"]
+                 for n in alike]  # fmt: skip
     sweep_id = httpx.post(f"{base}/api/v1/sweeps", json=spec).json()["id"]
     run_ids = [r["id"] for r in httpx.get(f"{base}/api/v1/runs", params={"sweep_id": sweep_id})
                .json()["data"]]  # fmt: skip
@@ -97,6 +100,11 @@ def test_ls_at_80_columns_keeps_each_sweep_on_one_line(
     assert row.rstrip().endswith("  1/3  queued 1, waiting 1, failed 1"), done.stdout
     assert "  a sweep w" in row and "…" in row
     assert all(len(ln) <= 80 for ln in lines), done.stdout
+    # names cut alike at their end ("cpu max…") keep what tells them apart: their tails
+    cells = [next(ln for ln in lines if ln.lstrip().startswith(f"{i} ")).lstrip()
+             .removeprefix(f"{i} ").split("  benchmark")[0].strip() for i in alike_ids]  # fmt: skip
+    assert len(set(cells)) == 3 and all("…" in c for c in cells), done.stdout
+    assert [c[-5:] for c in cells] == ["dense", "parse", "lated"], done.stdout
     # the counted nouns: one run, one sweep's delete prompt
     cancelled = ringlab("cancel", str(sweep_id), env=env)
     assert cancelled.stdout.strip() == f"sweep {sweep_id}: 2 runs cancelled", cancelled.stdout

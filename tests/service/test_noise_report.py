@@ -345,3 +345,32 @@ def test_no_limit_flag_against_a_baseline_that_changes_more_than_the_ranks() -> 
         "speedup_above_world_size",
         "efficiency_above_100",
     ]
+
+
+def test_ringlab_results_explains_its_tilde_under_the_table(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ringlab results` at 80 columns of a sweep with speedups within noise: the `~` beside
+    them is explained under the table, once."""
+    from _web_helpers import live_server, make_web_app
+    from fastapi.testclient import TestClient
+    from typer.testing import CliRunner
+
+    from service import cli
+    from service.core.config import Settings
+
+    app = make_web_app(Settings(database_url=f"sqlite:///{tmp_path / 'tilde.db'}"))
+    with TestClient(app) as client:
+        sweep_id = store_dp_sweep(client, seed=7)
+        rows = client.get(f"{API}/sweeps/{sweep_id}/results.json").json()
+    assert any("speedup" in r["within_noise"] for r in rows)
+    with live_server(app) as base:
+        monkeypatch.setenv("RINGLAB_URL", base)
+        monkeypatch.setattr(cli.out, "width", 80)
+        shown = CliRunner().invoke(cli.app, ["results", str(sweep_id)], catch_exceptions=False)
+    assert shown.exit_code == 0, shown.stdout
+    lines = shown.stdout.splitlines()
+    assert any(line.rstrip().endswith("x ~") for line in lines), shown.stdout
+    legend = [line for line in lines if line.startswith("~ within noise")]
+    assert len(legend) == 1, shown.stdout
+    assert "holds 1.00x" in shown.stdout.replace("\n", " "), shown.stdout

@@ -427,9 +427,10 @@ def test_the_header_says_why_queued_runs_wait(browser: Any, tmp_path: Path) -> N
 def test_the_schemes_chart_draws_tokens_per_s_against_length_per_scheme(
     browser: Any, tmp_path: Path
 ) -> None:
-    """A sweep of three sequence-parallel schemes at W=4, stored through the scheduler's write
-    path: the sweep page draws one line per scheme, each point the slowest rank's tokens/s
-    recomputed here from the ranks' raw medians, with both axis titles naming their unit."""
+    """A sweep of three sequence-parallel schemes at W=4 beside dense at W=1, stored through
+    the scheduler's write path: the sweep page draws one line per scheme, each point the
+    slowest rank's tokens/s recomputed here from the ranks' raw medians, with both axis titles
+    naming their unit. (Without dense the chart would be the throughput chart again: not drawn.)"""
     from test_result_goldens import CPU, _rank, _store
 
     from workers.config import RunConfig
@@ -437,8 +438,9 @@ def test_the_schemes_chart_draws_tokens_per_s_against_length_per_scheme(
     database = f"sqlite:///{tmp_path / 'ringlab.db'}"
     spec = {
         "name": "schemes",
-        "base": {**CPU, "causal": True, "world_size": 4},
-        "grid": {"seq_len": [1024, 2048], "kernel": ["ring", "ulysses", "allgather_kv"]},
+        "base": {**CPU, "causal": True},
+        "grid": {"seq_len": [1024, 2048]},
+        "zip": {"kernel": ["ring", "ulysses", "allgather_kv", "dense"], "world_size": [4, 4, 4, 1]},
     }
     with api_client(database) as client:
         sweep_id = _store(client, spec)
@@ -446,6 +448,8 @@ def test_the_schemes_chart_draws_tokens_per_s_against_length_per_scheme(
     expected: dict[str, list[tuple[int, float]]] = {}
     for run in runs:
         config = RunConfig.model_validate(run["config"])
+        if config.kernel == "dense":
+            continue
         slowest = max(_rank(config, r, config.seq_len).median_s for r in range(4))
         point = (config.seq_len, config.batch_size * config.seq_len / slowest)
         expected.setdefault(config.kernel, []).append(point)
@@ -472,6 +476,48 @@ def test_the_schemes_chart_draws_tokens_per_s_against_length_per_scheme(
             assert drawn["y"] == "throughput (tokens/s)"
             titles = pg.locator("#chart-sp-schemes .legendtext").all_text_contents()
             assert sorted(titles) == sorted(expected), titles
+            page.check()
+        finally:
+            page.close()
+
+
+def test_the_demo_page_reads_as_drawn(browser: Any, tmp_path: Path) -> None:
+    """The demo's sweep in chromium: each drawn series its own colour, the same in every
+    chart; the F/B crossover line drawn clear of the y-axis (pixels from plotly's own axes);
+    no chart twice; and the results table's legend says what its interval covers and what
+    "within noise" (`~` in the terminal) means."""
+    from test_chart_reading import DEMO
+    from test_result_goldens import _store
+
+    database = f"sqlite:///{tmp_path / 'ringlab.db'}"
+    with api_client(database) as client:
+        sweep_id = _store(client, DEMO)
+    with live_server(make_web_app(Settings(database_url=database))) as base:
+        page = Page(browser, base)
+        try:
+            pg = page.open(f"/sweeps/{sweep_id}")
+            page.charts_drawn(3)
+            drawn = pg.evaluate(
+                """() => [...document.querySelectorAll('div.chart')].map((c) => ({
+                  id: c.id,
+                  lines: c._fullData.filter((t) => t.mode === 'lines+markers')
+                    .map((t) => [t.name, t.line.color]),
+                  cross: c._fullData.filter((t) => (t.name || '').startsWith('F/B crossover'))
+                    .map((t) => c._fullLayout.xaxis.l2p(Math.log10(t.x[0]))),
+                }))"""
+            )
+            seen: dict[str, str] = {}
+            for chart in drawn:
+                colours = dict(chart["lines"])
+                assert len(set(colours.values())) == len(colours), chart
+                for name, colour in colours.items():
+                    assert seen.setdefault(name, colour) == colour, (chart["id"], name)
+            (comm,) = [c for c in drawn if c["id"] == "chart-comm"]
+            (x,) = comm["cross"]
+            assert x > 20, comm  # pixels right of the y-axis (0 is on it)
+            assert [c["id"] for c in drawn] == ["chart-throughput", "chart-memory", "chart-comm"]
+            legend = pg.locator("#results-legend").inner_text()
+            assert "covering 75%" in legend and "within noise" in legend and "~" in legend
             page.check()
         finally:
             page.close()

@@ -1,0 +1,67 @@
+"""Unknown fields in a sweep spec as the researcher reads them, from the API and from
+`ringlab submit`: each with the nearest valid name ("did you mean"), every one listed on its
+own line (up to 10, the rest counted), none hidden behind "and 1 more"."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from _api_helpers import api_client
+from _web_helpers import live_server, make_web_app
+from typer.testing import CliRunner
+
+from service import cli
+from service.core.config import Settings
+
+API = "/api/v1"
+BASE = {"kernel": "dense", "device": "cpu", "seq_len": 128}
+
+
+def test_the_api_adds_did_you_mean_to_each_unknown_field(tmp_path: Path) -> None:
+    with api_client(f"sqlite:///{tmp_path / 's.db'}") as client:
+        typos = {"name": "t", "base": {**BASE, "num_head": 2, "warmpu": 1}}
+        base = client.post(f"{API}/sweeps", json=typos).json()["detail"]
+        top = client.post(f"{API}/sweeps", json={"name": "t", "base": BASE, "gird": {}})
+        axis = {"name": "t", "base": BASE, "grid": {"wold_size": [1]}}
+        axes = client.post(f"{API}/sweeps", json=axis).json()["detail"]
+    assert [e["msg"] for e in base] == [
+        "unknown run config field 'num_head'; did you mean 'num_heads'?",
+        "unknown run config field 'warmpu'; did you mean 'warmup'?",
+    ]
+    (error,) = top.json()["detail"]
+    assert error["loc"] == ["body", "gird"] and error["msg"].endswith("did you mean 'grid'?")
+    (error,) = axes
+    assert error["msg"].startswith("unknown axis 'wold_size'; did you mean 'world_size'? valid: ")
+
+
+def _submit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: dict[str, Any]) -> Any:
+    app = make_web_app(Settings(database_url=f"sqlite:///{tmp_path / 'cli.db'}"))
+    file = tmp_path / "spec.yaml"
+    file.write_text(yaml.safe_dump(spec))
+    with live_server(app) as base:
+        monkeypatch.setenv("RINGLAB_URL", base)
+        monkeypatch.setattr(cli.err, "width", 200)
+        return CliRunner().invoke(cli.app, ["submit", str(file)], catch_exceptions=False)
+
+
+def test_ringlab_submit_lists_every_problem_with_its_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    two = _submit(tmp_path, monkeypatch, {"name": "t", "base": {**BASE, "num_head": 2,
+                                                                 "warmpu": 1}})  # fmt: skip
+    assert two.exit_code == 1
+    assert two.stderr.splitlines() == [
+        "error: POST /api/v1/sweeps -> 422: 2 problems:",
+        "  base.num_head: unknown run config field 'num_head'; did you mean 'num_heads'?",
+        "  base.warmpu: unknown run config field 'warmpu'; did you mean 'warmup'?",
+    ], two.stderr
+    many = {f"field_{i:02d}": 1 for i in range(12)}
+    twelve = _submit(tmp_path, monkeypatch, {"name": "t", "base": {**BASE, **many}})
+    lines = twelve.stderr.splitlines()
+    assert lines[0] == "error: POST /api/v1/sweeps -> 422: 12 problems:", twelve.stderr
+    assert lines[1:11] == [f"  base.field_{i:02d}: unknown run config field 'field_{i:02d}'"
+                           for i in range(10)], twelve.stderr  # fmt: skip
+    assert lines[11:] == ["  ... and 2 more not shown"], twelve.stderr
