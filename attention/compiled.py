@@ -1,5 +1,6 @@
 """Every torch.compile the project makes, in one place: FlexAttention for block_sparse's cuda
-plan and for the flex adapters, and create_block_mask for flex_dilated's masks.
+plan and for the flex adapters (flex_dilated's masks are built from their tiles:
+attention.dilated_blocks, nothing to compile).
 
 What a compiled kernel promises (issue 49):
 
@@ -191,26 +192,9 @@ def flex_dilated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -
     return _flex(q, k, v, mask, lse=True)
 
 
-def flex_dilated_mask(
-    mask_mod: Any, heads: int, seq_len: int, device: torch.device
-) -> flex.BlockMask:
-    """flex_dilated's BlockMask of one branch, create_block_mask compiled (block by block
-    under inductor; the eager backends trace it and build it eagerly)."""
-    return flex.create_block_mask(mask_mod, None, heads, seq_len, seq_len, device=device)
-
-
-def block_mask(mask_mod: Any, heads: int, seq_len: int, device: torch.device) -> flex.BlockMask:
-    """flex_dilated_mask compiled where a backend applies on `device` (backend()), else
-    create_block_mask eagerly (which materializes (1, heads, S, S) first)."""
-    chosen = backend(device.type)
-    if chosen is None:
-        return flex_dilated_mask(mask_mod, heads, seq_len, device)
-    return KERNELS["flex_dilated_mask"](chosen, mask_mod, heads, seq_len, device)
-
-
 KERNELS: dict[str, Compiled] = {
     fn.__name__: Compiled(fn.__name__, fn)
-    for fn in (block_sparse_plan, flex_block_sparse, flex_dilated, flex_dilated_mask)
+    for fn in (block_sparse_plan, flex_block_sparse, flex_dilated)
 }
 """Every compiled kernel by name (each its own function: its own code object, cache and
 limit)."""

@@ -611,16 +611,10 @@ def fused_forward(
             qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
             out, lse = _math_forward(qs, ks, vs, scale, causal)
             return out.transpose(1, 2), lse
-        k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
-        if backend == "cuda_flash":
-            res = torch.ops.aten._scaled_dot_product_flash_attention(
-                q, k, v, 0.0, causal, False, scale=scale
-            )
-            return res[0], res[1]
-        res = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, 0.0, causal, scale=scale
-        )
-        return res[0], res[1][..., : q.shape[2]]
+        op, args, kwargs = _cuda_forward_args(backend, q, k, v, scale, causal)  # GQA: _gqa_kv
+        res = op(*args, **kwargs)
+        lse = res[1] if backend == "cuda_flash" else res[1][..., : q.shape[2]]  # padded to 32
+        return res[0], lse
 
 
 def fused_backward(

@@ -3,7 +3,8 @@
 `python -m bench.plan [--seq 32768 131072] [--plans cpu cuda] [--json]` runs every kernel
 (dense, dilated, and block_sparse once per pattern: local_window, dilated, global_local and
 random at density 0.25, block 128) forward and backward on the META device under a
-TorchDispatchMode, at h=16, d=128, bf16 by default, under each plan it accepts (a kernel whose
+TorchDispatchMode, at h=16, d=128, bf16 by default (`--kv-heads` < `--heads`: k and v with
+fewer heads, GQA), under each plan it accepts (a kernel whose
 params have a `plan` field: cpu and cuda, forced; any other: its one plan, "-"). It prints a
 table, a row as soon as it is counted (block_sparse's cpu plan at 128K takes minutes here), or
 with --json one object per row (its `case` names the pattern). Nothing is computed and no GPU
@@ -229,18 +230,22 @@ def count_plan(
     *,
     seq_len: int,
     heads: int = 16,
+    kv_heads: int | None = None,
     dim: int = 128,
     dtype: torch.dtype = torch.bfloat16,
     device_type: str = "cuda",
     causal: bool = False,
 ) -> dict[str, Any]:
     """One kernel's counts under `plan` ("-": none passed) at batch 1: forward, then backward
-    through autograd, on meta tensors standing for `device_type`. Counted on the second call:
+    through autograd, on meta tensors standing for `device_type`; k and v with `kv_heads` heads
+    (GQA; None: `heads`). Counted on the second call:
     the first builds what a plan caches once per (pattern, length, device), as a run's warm-up
     does, so the counts are those of every timed iteration."""
     module = attention.build(kernel, **params, **({} if plan == "-" else {"plan": plan}))
+    kv_heads = heads if kv_heads is None else kv_heads
     q, k, v, dout = (
-        torch.empty(1, seq_len, heads, dim, dtype=dtype, device="meta") for _ in range(4)
+        torch.empty(1, seq_len, h, dim, dtype=dtype, device="meta")
+        for h in (heads, kv_heads, kv_heads, heads)
     )
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     fwd, bwd = Count(), Count()
@@ -250,15 +255,17 @@ def count_plan(
             out = module(q, k, v, causal=causal)
         with Counter(bwd):
             torch.autograd.grad(out, (q, k, v), dout)
-    one = seq_len * heads * dim * dtype.itemsize
-    floor = 4 * one + seq_len * heads * 4
+    one = seq_len * heads * dim * dtype.itemsize  # q, out, dout, dq
+    kv = 2 * seq_len * kv_heads * dim * dtype.itemsize  # k and v, dk and dv
+    floor = 2 * one + kv + seq_len * heads * 4
     return {
         "kernel": kernel, "seq_len": seq_len, "plan": plan,
         "fwd_calls": fwd.calls, "bwd_calls": bwd.calls, "fwd_ops": fwd.ops, "bwd_ops": bwd.ops,
         "h2d_copies": fwd.h2d + bwd.h2d, "syncs": fwd.syncs + bwd.syncs,
         "transient_bytes": max(0, fwd.peak - (one + seq_len * heads * 4)),
         "floor_bytes": floor,
-        "bwd_transient_bytes": max(0, bwd.peak - 3 * one), "bwd_floor_bytes": floor + 4 * one,
+        "bwd_transient_bytes": max(0, bwd.peak - one - kv),
+        "bwd_floor_bytes": floor + 2 * one + kv,
         "backend": getattr(module, "backend", None),
     }  # fmt: skip
 
@@ -290,6 +297,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=None, help="k, v heads (GQA); default: --heads")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument(
@@ -320,7 +328,8 @@ def main(argv: list[str] | None = None, emit: Callable[[str], None] = _print) ->
     groups = cases(args.kernels, given)
     setup = {
         "torch": torch.__version__, "device": "meta", "meta_stands_for": args.device,
-        "batch": 1, "heads": args.heads, "head_dim": args.dim, "dtype": args.dtype,
+        "batch": 1, "heads": args.heads, "kv_heads": args.kv_heads or args.heads,
+        "head_dim": args.dim, "dtype": args.dtype,
         "causal": args.causal, "seq": args.seq, "plans": args.plans,
         "params": {f"{k} {label}".strip(): p for k, label, p in groups},
         "fused_op": primitive.backend_for(args.device, dtype),
@@ -338,8 +347,8 @@ def main(argv: list[str] | None = None, emit: Callable[[str], None] = _print) ->
                 if plan != "-" and plan not in args.plans:
                     continue
                 row = count_plan(
-                    kernel, params, plan, seq_len=seq, heads=args.heads, dim=args.dim,
-                    dtype=dtype, device_type=args.device, causal=args.causal,
+                    kernel, params, plan, seq_len=seq, heads=args.heads, kv_heads=args.kv_heads,
+                    dim=args.dim, dtype=dtype, device_type=args.device, causal=args.causal,
                 )  # fmt: skip
                 row["case"] = label
                 emit(json.dumps(row) if args.json else line(row))

@@ -11,7 +11,7 @@ import functools
 import gc
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -184,6 +184,39 @@ class CpuAllocatorLedger:
         return self._high
 
 
+def cuda_used_bytes(device: torch.device) -> int:
+    """The device's used bytes now (cudaMemGetInfo: total - free), device-wide: the caching
+    allocator's reserve (cached blocks included), NCCL's communicator buffers, cuBLAS/cuDNN
+    workspaces, the CUDA context and its loaded kernels, and any other process on the device."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total - free)
+
+
+def used_growth(before: int, after: int) -> int:
+    """Bytes the device's use grew by between two cuda_used_bytes readings (never negative, as
+    the meter's other figures: a reading below the baseline means something else freed)."""
+    return max(0, after - before)
+
+
+class DeviceUsed:
+    """A CUDA rank's device-wide used bytes at its baseline and later (`read`: a reading of
+    them, cuda_used_bytes by default): what max_memory_allocated cannot see, NCCL's buffers and
+    the libraries' workspaces above all, beside the allocator's peak."""
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self._read = read
+        self._base: int | None = None
+
+    def baseline(self) -> None:
+        self._base = self._read()
+
+    def growth(self) -> int:
+        """used_growth from the baseline to now."""
+        if self._base is None:
+            raise RuntimeError("the device-used reading has no baseline: call baseline() first")
+        return used_growth(self._base, self._read())
+
+
 class PeakMeter:
     """Memory of one case above a baseline, with torch.cuda.max_memory_allocated's meaning on
     every device: the bytes the device's allocator handed out, the ops' internal buffers
@@ -204,7 +237,10 @@ class PeakMeter:
     The CPU ledger runs a profiler session from baseline() to stop(): its overhead (measured
     1.0-1.15x over a block_sparse forward or backward, plus 0.03-0.06 s to read the events)
     lands on the metered work only; a caller stops the meter before timing, and no other
-    torch.profiler may run meanwhile."""
+    torch.profiler may run meanwhile.
+
+    CUDA also reads the device's used bytes at baseline() and at `device_used()` (DeviceUsed):
+    what the device gave the process beyond the allocator's peak, NCCL's buffers included."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -212,6 +248,9 @@ class PeakMeter:
         self._resident_base: int | None = None
         self._resident_high: int | None = None  # read by peak()
         self._ledger = CpuAllocatorLedger() if device.type == "cpu" else None
+        self.used: DeviceUsed | None = None
+        if device.type == "cuda":
+            self.used = DeviceUsed(functools.partial(cuda_used_bytes, device))
 
     def baseline(self) -> None:
         """What the allocator holds now becomes the zero of every figure (CPU: the ledger
@@ -220,6 +259,8 @@ class PeakMeter:
         if self._ledger is None:
             torch.cuda.synchronize(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
+            if self.used is not None:
+                self.used.baseline()
             return
         self._ledger.start()
         self._resident_high = None
@@ -255,6 +296,16 @@ class PeakMeter:
             high = _status_kib("VmHWM") * 1024
             self._resident_high = max(0, high - self._resident_base)
         return self._ledger.peak()
+
+    def device_used(self) -> int | None:
+        """CUDA: the device's used bytes now minus at baseline() (DeviceUsed), read after the
+        timed iterations: NCCL's buffers and library workspaces made meanwhile included, and
+        the allocator's cached blocks, which peak() leaves out. None elsewhere (on CPU no such
+        figure exists: absent, not zero)."""
+        if self.used is None:
+            return None
+        torch.cuda.synchronize(self.device)
+        return self.used.growth()
 
     def resident_peak(self) -> int | None:
         """CPU: the process' resident-set high-water mark from reset() to the last peak(),

@@ -477,6 +477,7 @@ def _measure(
                 after_inputs = meter.current()
                 trace = profiled(config.profile, device, rank, artifacts)
                 loop = _timed_loop(module, inputs, config, meter, device, trace=trace)
+                device_used = meter.device_used()  # CUDA, after the timed iterations
                 backend = kernels.backend_of(module)
             except Exception as exc:
                 if is_oom(exc):  # the failing rank's allocations, its inputs still held
@@ -499,7 +500,9 @@ def _measure(
         release()
     flops = kernels.flops(module, config, config.local_batch, positions.numel(), train)
     forward = kernels.flops(module, config, config.local_batch, positions.numel(), False)
-    measures = _Measures(loop, after_inputs, meter.resident_peak(), backend, flops, forward)
+    measures = _Measures(
+        loop, after_inputs, meter.resident_peak(), backend, flops, forward, device_used
+    )
     result = _rank_result(config, rank, tokens, measures, link)
     measured = measured_case(case, result, device, (loop.first_at, loop.last_at))
     return measured.model_copy(update={"artifacts": artifacts})
@@ -515,6 +518,7 @@ class _Measures:
     backend: str
     flops: float
     forward_flops: float
+    device_used: int | None
 
 
 def _rank_result(
@@ -529,6 +533,7 @@ def _rank_result(
         peak_memory_bytes=m.loop.peak,
         input_memory_bytes=m.after_inputs,
         resident_peak_bytes=m.resident_peak,
+        device_used_bytes=m.device_used,
         memory_budget_bytes=config.memory_budget_bytes,
         backend=m.backend,
         steps=m.loop.steps,

@@ -136,6 +136,14 @@ class RankResult(BaseModel):
         "resident set over the metered iteration, not the allocator's figure: it misses heap "
         "pages earlier work left resident and counts glibc's fragmentation. None on CUDA.",
     )
+    device_used_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="CUDA: the device's used bytes (cudaMemGetInfo, device-wide) after the "
+        "timed iterations minus at the pre-input baseline: what peak_memory_bytes leaves out "
+        "(NCCL's buffers, cuBLAS/cuDNN workspaces, the allocator's cached blocks) made in that "
+        "span. None on CPU.",
+    )
     memory_budget_bytes: int | None = None
     backend: str = Field(description="The kernel backend that ran (kernel.backend).")
     max_abs_error: float | None = Field(

@@ -271,6 +271,7 @@ def _measure(
     peaks += _second_step(config, trainer, meter, measured, resident)
     meter.stop()  # CPU: the timed steps run without the meter's profiler session
     phases, (first_at, last_at) = _timed_steps(config, device, trainer)
+    device_used = meter.device_used()  # CUDA, after the timed steps
     peak = max(peaks)
     measured["step_peak"] = peak
     if device.type == "cuda":
@@ -296,6 +297,7 @@ def _measure(
     memory = {
         "peak_memory_bytes": peak,
         "input_memory_bytes": inputs,
+        "device_used_bytes": device_used,
         "resident_peak_bytes": None
         if None in resident
         else max(r for r in resident if r is not None),

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -42,7 +41,7 @@ try:  # torch >= 2.9 asks for the lse this way (return_lse is deprecated)
 except ImportError:
     AuxRequest = None
 
-from attention import block_sparse_flex, compiled
+from attention import block_sparse_flex, compiled, dilated_blocks
 from attention.base import Kernel
 from attention.block_sparse import (
     BlockSparseAttention,
@@ -96,12 +95,12 @@ causal or not, without holding every mask a long search probed."""
 
 class MaskCache:
     """A flex module's BlockMasks by (pattern key, heads, seq_len, device), bounded by
-    MASK_CACHE_SIZE. Building one is not free (create_block_mask, which flex_dilated's head
-    groups need, materializes a (1, H, S, S) mask eagerly; flex_block_sparse's comes from the
-    (n, n) block mask, attention.block_sparse_flex), so a mask is built on the first forward of
-    a shape (the warm-up's) and reused; `build_s` holds the seconds the module's last forward
-    spent building masks (0.0 when every mask came from the cache), which the module reports as
-    `mask_build_s`."""
+    MASK_CACHE_SIZE. Building one is not free (flex_dilated's come from each branch's tiles,
+    attention.dilated_blocks; flex_block_sparse's from the (n, n) block mask,
+    attention.block_sparse_flex; neither holds an (S, S) mask), so a mask is built on the first
+    forward of a shape (the warm-up's) and reused; `build_s` holds the seconds the module's last
+    forward spent building masks (0.0 when every mask came from the cache), which the module
+    reports as `mask_build_s`."""
 
     def __init__(self) -> None:
         self._masks: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
@@ -272,22 +271,18 @@ def _merge(
     return out * wa + out_b * wb, total
 
 
-def _dilated_mask_mod(w: int, r: int, g: int, causal: bool) -> Any:
-    """The mask_mod of dilated branch (w, r) whose head groups have g heads (LongNet's)."""
-
-    def keep_mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
-        group = h // g
-        keep = (qi // w == ki // w) & ((qi % w) % r == group) & ((ki % w) % r == group)
-        return keep & (qi >= ki) if causal else keep
-
-    return keep_mod
-
-
 class FlexDilated(_FlexKernel):
     """LongNet dilated attention, one FlexAttention call per branch, merged by lse."""
 
     def __init__(self, params: FlexDilatedParams) -> None:
         super().__init__(params, DilatedAttention(params.ours()))
+
+    def branch_mask(self, w: int, r: int, q: torch.Tensor, causal: bool) -> Any:
+        """Branch (w, r)'s BlockMask for q's heads, length and device, from the cache or built
+        from its tiles (attention.dilated_blocks: no (S, S) mask)."""
+        _, s, h, _ = q.shape
+        build = functools.partial(dilated_blocks.branch_block_mask, w, r, h, s, causal, q.device)
+        return self.masks.get(("dilated", w, r, causal), build, q)
 
     def _backend_on(self, device: torch.device) -> str | None:
         """The compile backend on `device` (_compile_backend), except on CPU without an eager
@@ -314,11 +309,8 @@ class FlexDilated(_FlexKernel):
         out: torch.Tensor | None = None
         lse: torch.Tensor | None = None
         self.masks.build_s = 0.0
-        _, s, h, _ = q.shape
         for w, r in zip(self.params.segment_lengths, self.params.dilation_rates, strict=True):
-            mask_mod = _dilated_mask_mod(w, r, math.ceil(q.shape[2] / r), causal)
-            build = functools.partial(compiled.block_mask, mask_mod, h, s, q.device)
-            block_mask = self.masks.get(("dilated", w, r, causal), build, q)
+            block_mask = self.branch_mask(w, r, q, causal)
             out_b, lse_b = _flex("flex_dilated", q, k, v, block_mask, chosen)
             assert lse_b is not None
             out, lse = _merge(out, lse, out_b.float(), lse_b.float())

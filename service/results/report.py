@@ -352,7 +352,23 @@ def _cotenant_lines(rows: Sequence[RunRow]) -> list[str]:
     ]
 
 
+DEVICE_USED = (
+    "Peak memory is the allocator's (CUDA: torch.cuda.max_memory_allocated above the rank's "
+    "baseline); Device used (CUDA) is the largest rank's growth in the device's used bytes "
+    "(cudaMemGetInfo, device-wide) from that baseline to the end of its timed iterations, "
+    "NCCL's buffers, cuBLAS/cuDNN workspaces and the allocator's cached blocks included."
+)
+"""What the two memory figures of a CUDA run are, said under the table that shows both."""
+
+
+def _device_used(r: RunRow) -> int | None:
+    """CUDA: the largest device_used_bytes over the run's ranks; None where none has one."""
+    used = [v.device_used_bytes for v in r.ranks if v.device_used_bytes is not None]
+    return max(used) if used else None
+
+
 def _results_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> list[str]:
+    used = any(_device_used(r) is not None for r in rows)
     peaks = _rank_peaks(rows)
     joined = peaks == ["Peak memory per rank"]
     ratios = _ratio_columns(rows)
@@ -371,6 +387,7 @@ def _results_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> li
                 fmt_num(r.tflops_per_s, 4),
                 *([fmt_pct(r.exposed_comm_share)] if comm else []),
                 fmt_bytes(r.input_memory_bytes),
+                *([fmt_bytes(_device_used(r))] if used else []),
                 *_tail_cells(r, len(peaks), joined, ratios),
             ]
         )
@@ -384,9 +401,11 @@ def _results_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> li
         "TFLOP/s",
         *(["Exposed comm"] if comm else []),
         "Memory after inputs",
+        *(["Device used (CUDA)"] if used else []),
         *_tail_header(peaks, ratios),
     ]
     lines = ["## Results per run and sequence length", "", *_table(header, body), ""]
+    lines += [DEVICE_USED, ""] if used else []
     linked = any(r.link_probe_bytes_per_s is not None for r in rows)
     return lines + (_comm_section(rows) if comm or linked else [])
 

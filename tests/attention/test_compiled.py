@@ -72,4 +72,3 @@ def test_the_flex_adapters_train_on_cpu_under_the_eager_backend(eager_compile: N
         ref.sum().backward()
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)
-    assert compiled.KERNELS["flex_dilated_mask"].calls >= 2  # one mask per branch, compiled

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import attention
-from attention import compiled
 from attention.adapters import flex
 
 FLEX = [
@@ -101,7 +100,7 @@ def test_flex_block_sparse_builds_its_mask_from_the_block_mask(
     def refused(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("create_block_mask materializes (1, H, S, S)")
 
-    monkeypatch.setattr(compiled.flex, "create_block_mask", refused)
+    monkeypatch.setattr(torch.nn.attention.flex_attention, "create_block_mask", refused)
     params = {"block_size": 32, "pattern": "random", "num_random": 2, "seed": 3}
     module = attention.build("flex_block_sparse", **params, compiled=False)
     ours = attention.build("block_sparse", **params)

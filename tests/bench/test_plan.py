@@ -142,3 +142,24 @@ def test_the_table_has_a_row_per_block_sparse_pattern_printed_as_counted(monkeyp
         for pattern in ("local_window", "dilated", "global_local", "random")
     ]
     assert all(int(r[5]) > 0 and int(r[6]) > 0 for r in rows)  # fused calls each way
+
+
+def test_dilated_cuda_plan_with_gqa_holds_no_kv_copies() -> None:
+    """`--kv-heads` < `--heads`: the bf16 flash op takes grouped K/V as they are, so the
+    forward's transient bytes are those without GQA (repeated K/V held 0.8x the floor at 4
+    kv heads of 16) and the backward's no more; the floors count k, v and their gradients at
+    their own heads."""
+    rows = {}
+    for kv in (16, 4):
+        out: list[str] = []
+        argv = ["--seq", "4096", "--kernels", "dilated", "--plans", "cuda", "--json"]
+        bench_plan.main([*argv, "--kv-heads", str(kv)], out.append)
+        assert json.loads(out[0])["setup"]["kv_heads"] == kv
+        rows[kv] = json.loads(out[1])
+    plain, grouped = rows[16], rows[4]
+    assert grouped["transient_bytes"] == plain["transient_bytes"] > 0
+    assert grouped["bwd_transient_bytes"] <= plain["bwd_transient_bytes"]
+    q, kv_bytes, lse = 4096 * 16 * 128 * 2, 2 * 4096 * 4 * 128 * 2, 4096 * 16 * 4
+    assert grouped["floor_bytes"] == 2 * q + kv_bytes + lse
+    assert grouped["bwd_floor_bytes"] == 4 * q + 2 * kv_bytes + lse
+    assert grouped["h2d_copies"] == grouped["syncs"] == 0

@@ -74,6 +74,7 @@ def test_model_case_measures_every_component_beside_its_prediction(one_thread: N
         got, want = components[name].measured_bytes, components[name].predicted_bytes
         assert got == pytest.approx(want, rel=1e-3), (name, got, want)
     assert components["allocator_overhead"].measured_bytes is None  # CUDA only
+    assert result.device_used_bytes is None  # CUDA only: absent on CPU, not 0
     # times: phases, median, throughput and FLOPs agree with each other
     assert len(result.times_s) == 2 and all(t > 0 for t in result.times_s)
     phases = result.forward_s + result.backward_s + result.optimizer_s
