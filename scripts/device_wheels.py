@@ -4,9 +4,12 @@
     python scripts/device_wheels.py check .whl          # needs closed, one version each, size
 
 `check` reads every wheel's Requires-Dist with the GPU machine's markers (CPython 3.12 on x86-64
-Linux, no extra asked for) and requires each name to be a wheel in the wheelhouse or a package
-of scripts/device_packages.txt (what that machine already has). Then it sums the tree that
-travels (git's tracked and untracked-not-ignored files) and the wheelhouse against the limit.
+Linux, no extra asked for) and requires each to be met, specifier included, by a wheel in the
+wheelhouse (its version from its file name) or else by a package of scripts/device_packages.txt
+(what that machine already has, at the version listed there). A need with a specifier is never
+met by a package whose version there is `unknown`: the wheelhouse must carry it. A need without
+one (any version) is met by the name. Then it sums the tree that travels (git's tracked and
+untracked-not-ignored files) and the wheelhouse against the limit.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE_PACKAGES = ROOT / "scripts" / "device_packages.txt"
@@ -71,21 +75,52 @@ def requirements(wheel: Path) -> list[Requirement]:
     return [r for r in reqs if r.marker is None or r.marker.evaluate(MARKERS)]
 
 
-def device_packages() -> set[str]:
-    """The GPU machine's installed packages, canonical names."""
-    lines = DEVICE_PACKAGES.read_text().splitlines()
-    return {canonicalize_name(ln) for ln in lines if ln.strip() and not ln.startswith("#")}
+def device_packages(path: Path = DEVICE_PACKAGES) -> dict[str, Version | None]:
+    """The GPU machine's installed packages (`NAME VERSION` lines; `NAME unknown`: None), by
+    canonical name; a line of another form is an error naming it."""
+    found: dict[str, Version | None] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        words = line.split()
+        if len(words) != 2:
+            raise ValueError(f"{path.name} line {number}: {line!r} is not 'NAME VERSION'")
+        found[canonicalize_name(words[0])] = None if words[1] == "unknown" else Version(words[1])
+    return found
 
 
-def closure_problems(wheels: list[Path]) -> list[str]:
-    """Names needed and found neither in the wheelhouse nor on the machine; a name twice."""
-    names = [canonicalize_name(parse_wheel_filename(w.name)[0]) for w in wheels]
+def unmet(req: Requirement, version: Version | None, where: str) -> str | None:
+    """Why `version` of req's package (None: unknown) found in `where` does not meet `req`."""
+    if not req.specifier:
+        return None  # any version
+    if version is None:
+        return f"the machine's {req.name} is of unknown version: carry a wheel of it"
+    if not req.specifier.contains(version, prereleases=True):
+        return f"{where} has {req.name} {version}"
+    return None
+
+
+def closure_problems(
+    wheels: list[Path], device: dict[str, Version | None] | None = None
+) -> list[str]:
+    """Needs met neither by a wheel of the wheelhouse nor by the machine (`device`: what
+    device_packages reads), each naming the wheel, the need and the version found; a name twice."""
+    device = device_packages() if device is None else device
+    parsed = [parse_wheel_filename(w.name) for w in wheels]
+    names = [canonicalize_name(p[0]) for p in parsed]
     problems = [f"two wheels of {n}" for n in sorted(set(names)) if names.count(n) > 1]
-    have = set(names) | device_packages()
+    carried = {canonicalize_name(p[0]): p[1] for p in parsed}
     for wheel in wheels:
         for req in requirements(wheel):
-            if canonicalize_name(req.name) not in have:
-                problems.append(f"{wheel.name} needs {req}: not in the wheelhouse nor the machine")
+            name = canonicalize_name(req.name)
+            if name in carried:
+                why = unmet(req, carried[name], "the wheelhouse")
+            elif name in device:
+                why = unmet(req, device[name], "the machine")
+            else:
+                why = "not in the wheelhouse nor the machine"
+            if why:
+                problems.append(f"{wheel.name} needs {req}: {why}")
     return problems
 
 
