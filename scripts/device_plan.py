@@ -46,9 +46,9 @@ class Rate:
 
 
 RATES = {
-    "bfloat16": Rate(400e12, "bf16 flash attention achieved on an H100 (issue 49's figure; the "
-                     "project's reference facts give FlashAttention-2 330-370 and "
-                     "FlashAttention-3 600-650 TFLOP/s forward at head_dim 128)"),
+    "bfloat16": Rate(400e12, "bf16 flash attention achieved on an H100 (issue 49's figure; "
+                     "published: FlashAttention-2 330-370 and FlashAttention-3 600-650 TFLOP/s "
+                     "forward at head_dim 128)"),
     "float16": Rate(400e12, "as bf16: the same flash kernels"),
     "float32": Rate(25e12, "fp32 attention (the efficient op, no tensor cores): about 40% of "
                     "the H100 SXM datasheet's 67 TFLOP/s fp32; an assumption, not measured"),
@@ -57,7 +57,7 @@ RATES = {
                     "peak; an assumption, not measured"),
     "sparse": Rate(0.8, "dilated and block_sparse (and their ring twins) at 0.8x the rate of "
                    "their dtype on the FLOPs they compute: issue 49's target against SDPA "
-                   "flash (the reference facts: FlexAttention ~85-90% of FA2/FA3)"),
+                   "flash (published: FlexAttention at 85-90% of FlashAttention-2/3)"),
     "compile_fwd_bwd": Rate(30.0, "one torch.compile of a kernel, forward plus backward "
                             "(Triton kernels): the middle of issue 49's 20-40 s"),
     "compile_fwd": Rate(15.0, "one forward-only compilation: half of forward plus backward"),
