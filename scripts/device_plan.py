@@ -111,6 +111,8 @@ class Step:
     cap_s: int
     fixed_s: float
     cells: list[Cell]
+    entries: list[int] = dataclasses.field(default_factory=list)
+    """Compiled entries of each of the step's processes (one per distinct key)."""
 
     @property
     def predicted_s(self) -> float:
@@ -202,7 +204,7 @@ def protocol_step(cap: int, proto_args: str) -> Step:
     args = proto.parse(["--device", "cuda", *proto_args.split()])
     seen: set[str] = set()
     cells = [run_cell(config, "benchmark", seen, name) for name, config in proto.cases(args)]
-    return Step("protocol", cap, RATES["start"].value, cells)
+    return Step("protocol", cap, RATES["start"].value, cells, [len(seen)])
 
 
 def cuda_tests_step(cap: int) -> Step:
@@ -216,7 +218,7 @@ def cuda_tests_step(cap: int) -> Step:
     for name, config in module.CASES.items():
         for _ in range(source.count(f'CASES["{name}"]')):
             cells.append(run_cell(config, "benchmark", seen, f"test_cuda {name}"))
-    return Step("cuda-tests", cap, RATES["start"].value, cells)
+    return Step("cuda-tests", cap, RATES["start"].value, cells, [len(seen)])
 
 
 def engine_step(cap: int, example: str) -> Step:
@@ -226,7 +228,7 @@ def engine_step(cap: int, example: str) -> Step:
 
     from service.spec import SweepSpec, expand
 
-    cells, fixed = [], RATES["engine_start"].value
+    cells, fixed, entries = [], RATES["engine_start"].value, []
     for doc in yaml.safe_load_all((ROOT / example).read_text()):
         spec = SweepSpec.model_validate(doc)
         seen: set[str] = set()
@@ -240,7 +242,8 @@ def engine_step(cap: int, example: str) -> Step:
             for cell in found:
                 cell.seconds += RATES["per_cell"].value
             cells += found
-    return Step("engine", cap, fixed, cells)
+        entries.append(len(seen))
+    return Step("engine", cap, fixed, cells, entries)
 
 
 def search_cells(config: RunConfig, search: Any, seen: set[str]) -> list[Cell]:
@@ -278,7 +281,7 @@ def bench_step(cap: int, bench_args: str) -> Step:
     cells = [_bench_check(gpu, *c, seen) for c in gpu.check_list(args)]
     for dtype in args.dtypes:
         cells += [_bench_timed(gpu, args, dtype, *c, seen) for c in gpu.timed_list(args)]
-    return Step("bench", cap, RATES["start"].value, cells)
+    return Step("bench", cap, RATES["start"].value, cells, [len(seen)])
 
 
 def _bench_check(gpu: ModuleType, kernel: str, seq: int, dtype: str, causal: bool,
@@ -337,6 +340,15 @@ def plan(caps: dict[str, int], env: dict[str, str]) -> list[Step]:
     ]
 
 
+def recompile_limit() -> int:
+    """Dynamo's limit on one compiled function's entries in a process, as configured once the
+    kernels are imported (past it a compiled kernel falls back or, with fullgraph, fails)."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    return int(getattr(config, "recompile_limit", None) or config.cache_size_limit)
+
+
 def render(steps: list[Step], budget: int) -> tuple[str, list[str]]:
     """The printed plan, and what is wrong with it (a step over its cap, the total over the
     budget)."""
@@ -344,7 +356,8 @@ def render(steps: list[Step], budget: int) -> tuple[str, list[str]]:
     problems = []
     for step in steps:
         lines += [f"## {step.name}: predicted {step.predicted_s:.0f} s (timeout {step.cap_s} s; "
-                  f"start-up and fixed costs {step.fixed_s:.0f} s)"]  # fmt: skip
+                  f"start-up and fixed costs {step.fixed_s:.0f} s; compiled entries per "
+                  f"process {step.entries or '-'})"]  # fmt: skip
         if step.cells:
             lines += ["| cell | TFLOP | compilations | s |", "|---|---|---|---|"]
         for c in step.cells:
@@ -354,6 +367,11 @@ def render(steps: list[Step], budget: int) -> tuple[str, list[str]]:
         if step.predicted_s > step.cap_s:
             problems.append(f"step {step.name}: predicted {step.predicted_s:.0f} s is over its "
                             f"timeout of {step.cap_s} s")  # fmt: skip
+    limit = recompile_limit()
+    for step in steps:
+        if max(step.entries, default=0) > limit:
+            problems.append(f"step {step.name}: a process compiles {max(step.entries)} entries, "
+                            f"over torch's recompile limit of {limit}")  # fmt: skip
     total = sum(s.predicted_s for s in steps)
     lines += ["## sources"] + [f"- {k} = {r.value:g}: {r.source}" for k, r in RATES.items()]
     compiles = sum(c.compiles for s in steps for c in s.cells)

@@ -1,6 +1,6 @@
-"""The wheelhouse's two tools (scripts/device_wheelhouse.sh): repack ray smaller, check the whole.
+"""The wheelhouse's two tools (scripts/device_wheelhouse.sh): repack smaller, check the whole.
 
-    python scripts/device_wheels.py repack RAY_WHEEL    # drop the Java jar and the dashboard build
+    python scripts/device_wheels.py repack WHEEL        # ray's or plotly's: drop DROPPED[name]
     python scripts/device_wheels.py check .whl          # needs closed, one version each, size
 
 `check` reads every wheel's Requires-Dist with the GPU machine's markers (CPython 3.12 on x86-64
@@ -30,9 +30,17 @@ DEVICE_PACKAGES = ROOT / "scripts" / "device_packages.txt"
 LIMIT_MIB = 62.0
 """What the tree and the wheelhouse may weigh together: the device tool carries 64 MiB, and the
 2 MiB left is slack for what a session adds before it runs the check."""
-RAY_DROPPED = ("ray/jars/", "ray/dashboard/client/build/")
-"""What the repacked ray wheel leaves out: Java's jar (unused from Python, 31 MB) and the
-dashboard's web client (ringlab starts Ray without its dashboard)."""
+DROPPED = {
+    "ray": r"ray/(jars|dashboard/client/build|rllib|data|serve|tune|train|llm|air)/",
+    "plotly": r"plotly/package_data/widgetbundle\.js|plotly/labextension/"
+    r"|plotly-[^/]+\.data/data/share/jupyter/",
+}
+"""What a repacked wheel leaves out (a pattern its entries' paths start with). ray: Java's jar
+(unused from Python, 31 MB), the dashboard's web client (ringlab starts Ray without its
+dashboard) and the libraries on top of Ray Core that ringlab never imports (RLlib, Data, Serve,
+Tune, Train, LLM, AIR: 4.5 MiB; ray.init, actors in a placement group and the state API run
+without them). plotly: its Jupyter widget and JupyterLab extension (4.2 MiB); the service
+serves package_data's plotly.min.js, which stays."""
 MARKERS = {
     "python_version": "3.12",
     "python_full_version": "3.12.3",
@@ -49,17 +57,18 @@ MARKERS = {
 
 
 def repack(wheel: Path) -> None:
-    """Rewrite `wheel` in place without RAY_DROPPED; each entry keeps its ZipInfo (so the
-    raylet's and gcs_server's exec bits survive) and RECORD loses the dropped files' lines."""
+    """Rewrite `wheel` in place without DROPPED[its name]; each entry keeps its ZipInfo (so
+    the raylet's and gcs_server's exec bits survive) and RECORD loses the dropped files' lines."""
+    dropped = re.compile(DROPPED[canonicalize_name(parse_wheel_filename(wheel.name)[0])])
     tmp = wheel.with_suffix(".tmp")
     with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as dst:
         for info in src.infolist():
-            if info.filename.startswith(RAY_DROPPED):
+            if dropped.match(info.filename):
                 continue
             data = src.read(info)
             if info.filename.endswith(".dist-info/RECORD"):
                 lines = data.decode().splitlines(keepends=True)
-                data = "".join(ln for ln in lines if not ln.startswith(RAY_DROPPED)).encode()
+                data = "".join(ln for ln in lines if not dropped.match(ln)).encode()
             info.compress_type = zipfile.ZIP_DEFLATED
             dst.writestr(info, data)
     tmp.replace(wheel)

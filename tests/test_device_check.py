@@ -96,12 +96,18 @@ def test_the_plan_predicts_the_gpu_check_within_its_budget() -> None:
     assert "- bfloat16 = 4e+14: bf16 flash attention achieved on an H100" in out
 
 
-def test_the_plan_names_a_step_over_its_timeout_and_a_total_over_the_budget() -> None:
+def test_the_plan_names_a_step_over_its_timeout_or_recompile_limit_and_the_total() -> None:
     plan = _plan_module()
-    steps = [plan.Step("engine", 300, 320.0, []), plan.Step("bench", 240, 10.0, [])]
+    limit = plan.recompile_limit()
+    steps = [
+        plan.Step("engine", 300, 320.0, [], [3, 2]),
+        plan.Step("bench", 240, 10.0, [], [limit + 1]),
+    ]
     text, problems = plan.render(steps, 300)
     assert problems == [
         "step engine: predicted 320 s is over its timeout of 300 s",
+        f"step bench: a process compiles {limit + 1} entries, over torch's recompile limit "
+        f"of {limit}",
         "predicted 330 s is over the 300 s budget",
     ]
     assert "total predicted 330 s of the 300 s budget" in text

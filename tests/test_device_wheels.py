@@ -123,3 +123,26 @@ def test_the_check_command_prints_the_problem_and_exits_1(tmp_path: Path) -> Non
     assert done.returncode == 1
     want = "app-1.0-py3-none-any.whl needs numpy>=99: the machine has numpy 2.5.2"
     assert f"wheelhouse check failed: {want}" in done.stderr
+
+
+def test_repack_drops_what_is_never_loaded_and_keeps_the_rest_and_its_record(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "plotly-7.1.0-py3-none-any.whl"
+    kept = [
+        "plotly/__init__.py",
+        "plotly/package_data/plotly.min.js",
+        "plotly-7.1.0.dist-info/METADATA",
+    ]
+    dropped = ["plotly/package_data/widgetbundle.js", "plotly/labextension/static/a.js",
+               "plotly-7.1.0.data/data/share/jupyter/labextensions/x.js"]  # fmt: skip
+    record = "".join(f"{n},,\n" for n in kept + dropped)
+    with zipfile.ZipFile(path, "w") as zf:
+        for n in kept + dropped:
+            zf.writestr(n, "x")
+        zf.writestr("plotly-7.1.0.dist-info/RECORD", record)
+    wheels.repack(path)
+    with zipfile.ZipFile(path) as zf:
+        assert sorted(zf.namelist()) == sorted([*kept, "plotly-7.1.0.dist-info/RECORD"])
+        lines = zf.read("plotly-7.1.0.dist-info/RECORD").decode().splitlines()
+    assert lines == [f"{n},," for n in kept]
