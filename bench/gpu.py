@@ -30,7 +30,8 @@ more: this script says so and runs none.
 On CPU (no GPU, or --device cpu) it runs tiny shapes in fp32 so that CI keeps it working:
 
     python -m bench.gpu --out /tmp/gpu            # the GPU defaults on a GPU, tiny on CPU
-    python -m bench.gpu --seq 32768 --dtypes bfloat16 --repeats 2 --no-whole-search  # device check
+    python -m bench.gpu --seq 32768 --check-seq 8192 --dtypes bfloat16 --repeats 2 --no-search
+                                                  # the device check's
 """
 
 from __future__ import annotations

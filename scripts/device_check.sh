@@ -41,7 +41,7 @@ else
   export SITE=/tmp/ringlab-site PY=python3 DEVICE=cuda
   export RINGLAB=$SITE/bin/ringlab PYTHONPATH=$SITE  # the ringlab wheel: entry points, migrations
   export EXAMPLE=examples/gpu-proof.yaml PROTO_ARGS="--seq 16384 --dtype bfloat16"
-  export BENCH_ARGS="--seq 32768 --check-seq 8192 --dtypes bfloat16 --repeats 2 --no-whole-search"
+  export BENCH_ARGS="--seq 32768 --check-seq 8192 --dtypes bfloat16 --repeats 2 --no-search"
   export TESTS_K=""
 fi
 if ((PLAN)); then  # the GPU run's steps and arguments, predicted here with the venv

@@ -113,6 +113,8 @@ class Step:
     cells: list[Cell]
     entries: list[int] = dataclasses.field(default_factory=list)
     """Compiled entries of each of the step's processes (one per distinct key)."""
+    unpredicted: list[str] = dataclasses.field(default_factory=list)
+    """What the step runs and the plan cannot predict (a problem: the check must not run it)."""
 
     @property
     def predicted_s(self) -> float:
@@ -273,7 +275,8 @@ def search_cells(config: RunConfig, search: Any, seen: set[str]) -> list[Cell]:
 def bench_step(cap: int, bench_args: str) -> Step:
     """bench.gpu's checks (`check_list`, each against its chunked float64 reference: forward
     twice under checkpoint and backward, 4.5x a forward) and timed rows (`timed_list`), in one
-    process; the primitive's checks are inside the start-up."""
+    process; the primitive's checks are inside the start-up. Its max-length searches are not
+    predicted (a problem when the step runs them)."""
     from bench import gpu
 
     args = gpu.parse([*bench_args.split(), "--device", "cuda"])
@@ -281,7 +284,10 @@ def bench_step(cap: int, bench_args: str) -> Step:
     cells = [_bench_check(gpu, *c, seen) for c in gpu.check_list(args)]
     for dtype in args.dtypes:
         cells += [_bench_timed(gpu, args, dtype, *c, seen) for c in gpu.timed_list(args)]
-    return Step("bench", cap, RATES["start"].value, cells, [len(seen)])
+    step = Step("bench", cap, RATES["start"].value, cells, [len(seen)])
+    if not args.no_search:  # each probe's length follows the peaks measured before it
+        step.unpredicted.append("bench.gpu's max-length searches (--no-search skips them)")
+    return step
 
 
 def _bench_check(gpu: ModuleType, kernel: str, seq: int, dtype: str, causal: bool,
@@ -369,6 +375,7 @@ def render(steps: list[Step], budget: int) -> tuple[str, list[str]]:
                             f"timeout of {step.cap_s} s")  # fmt: skip
     limit = recompile_limit()
     for step in steps:
+        problems += [f"step {step.name}: not predicted: {u}" for u in step.unpredicted]
         if max(step.entries, default=0) > limit:
             problems.append(f"step {step.name}: a process compiles {max(step.entries)} entries, "
                             f"over torch's recompile limit of {limit}")  # fmt: skip

@@ -101,11 +101,12 @@ def test_the_plan_names_a_step_over_its_timeout_or_recompile_limit_and_the_total
     limit = plan.recompile_limit()
     steps = [
         plan.Step("engine", 300, 320.0, [], [3, 2]),
-        plan.Step("bench", 240, 10.0, [], [limit + 1]),
+        plan.Step("bench", 240, 10.0, [], [limit + 1], ["its searches"]),
     ]
     text, problems = plan.render(steps, 300)
     assert problems == [
         "step engine: predicted 320 s is over its timeout of 300 s",
+        "step bench: not predicted: its searches",
         f"step bench: a process compiles {limit + 1} entries, over torch's recompile limit "
         f"of {limit}",
         "predicted 330 s is over the 300 s budget",
