@@ -8,9 +8,11 @@ tests/workers/test_cuda.py, the engine's example sweep expanded as the service e
 (service.spec.expand), and bench.gpu's `check_list` and `timed_list`. Each cell's FLOPs come
 from the kernel's own accounting (workers.kernels.flops, workers.training.model_flops), its
 correctness gate's from workers.gate (the full check's length, the sampled check's rows); the
-compilations it causes are counted per process, one per distinct shape, dtype, grad mode and
-mask of a torch.compile'd kernel (block_sparse's cuda plan: FlexAttention). The predicted time
-of a step is its start-up, plus FLOPs over the RATES below, plus its compilations.
+compilations it causes are counted per process as torch counts them: one forward graph per
+distinct length, dtype, grad mode and mask of a torch.compile'd kernel (block_sparse's cuda
+plan: FlexAttention), and one backward graph per forward graph that runs a backward. The
+predicted time of a step is its start-up, plus FLOPs over the RATES below, plus its
+compilations.
 
 It prints one table per step and a total, and exits 1, naming why, when the total is over the
 budget or a step's prediction is over its own timeout. The rates are H100 figures (the device
@@ -58,9 +60,9 @@ RATES = {
     "sparse": Rate(0.8, "dilated and block_sparse (and their ring twins) at 0.8x the rate of "
                    "their dtype on the FLOPs they compute: issue 49's target against SDPA "
                    "flash (published: FlexAttention at 85-90% of FlashAttention-2/3)"),
-    "compile_fwd_bwd": Rate(30.0, "one torch.compile of a kernel, forward plus backward "
-                            "(Triton kernels): the middle of issue 49's 20-40 s"),
-    "compile_fwd": Rate(15.0, "one forward-only compilation: half of forward plus backward"),
+    "compile_graph": Rate(15.0, "one compiled graph of a kernel, its forward or its backward "
+                          "(Triton kernels): half the middle of issue 49's 20-40 s for "
+                          "forward plus backward"),
     "start": Rate(8.0, "a step's start-up: python, import torch, the CUDA context; assumed"),
     "engine_start": Rate(25.0, "the engine's start: db upgrade, serve and its local Ray "
                          "answering; assumed"),
@@ -94,13 +96,13 @@ class Cell:
         rate = RATES[dtype].value * (RATES["sparse"].value if kernel in SPARSE else 1.0)
         self.seconds += flops / rate
 
-    def compile(self, key: str, backward: bool, seen: set[str]) -> None:
-        """One compilation, if this process has not compiled `key` yet."""
+    def compile(self, key: str, seen: set[str]) -> None:
+        """One graph's compilation, if this process has not compiled `key` yet."""
         if key in seen:
             return
         seen.add(key)
         self.compiles += 1
-        self.seconds += RATES["compile_fwd_bwd" if backward else "compile_fwd"].value
+        self.seconds += RATES["compile_graph"].value
 
 
 @dataclasses.dataclass
@@ -112,13 +114,19 @@ class Step:
     fixed_s: float
     cells: list[Cell]
     entries: list[int] = dataclasses.field(default_factory=list)
-    """Compiled entries of each of the step's processes (one per distinct key)."""
+    """Compiled entries (forward graphs: what the recompile limit counts) of each of the step's
+    processes."""
     unpredicted: list[str] = dataclasses.field(default_factory=list)
     """What the step runs and the plan cannot predict (a problem: the check must not run it)."""
 
     @property
     def predicted_s(self) -> float:
         return self.fixed_s + sum(c.seconds for c in self.cells)
+
+
+def entries_of(seen: set[str]) -> int:
+    """A process's compiled entries: its forward graphs (a backward graph is no entry)."""
+    return sum(not key.startswith("backward") for key in seen)
 
 
 def compiled(kernel: str, params: dict[str, Any], device: torch.device) -> bool:
@@ -130,12 +138,12 @@ def compiled(kernel: str, params: dict[str, Any], device: torch.device) -> bool:
     return resolve_plan(BlockSparseParams(**params).plan, device) == "cuda"
 
 
-def compile_key(config: RunConfig, seq: int) -> str:
-    """What a compiled entry is keyed on: shape, dtype, grad mode and the mask (params, causal)."""
-    shape = config.model_dump_json(
-        include={"kernel", "params", "dtype", "mode", "causal", "num_heads", "head_dim"}
-    )
-    return f"{shape}|{config.local_batch}|{seq}"
+def graph_keys(shape: object, seq: int, grad: bool, backward: bool) -> list[str]:
+    """The graphs a compiled kernel's call at `seq` needs: its forward graph (keyed on the
+    shape, dtype and mask in `shape`, the length and the grad mode) and, when it runs a
+    backward, that graph's backward."""
+    forward = json.dumps(["forward", shape, seq, grad], sort_keys=True, default=str)
+    return [forward, "backward " + forward] if backward else [forward]
 
 
 def _reference(cell: Cell, config: RunConfig, rows: int, seq: int) -> None:
@@ -163,22 +171,26 @@ def run_cell(
     train = config.mode == "train"
     on_gpu = compiled(config.kernel, kernels.kernel_params(config), torch.device("cuda"))
 
-    def kernel_at(seq: int, times: int) -> None:
+    shape = config.model_dump(
+        include={"kernel", "params", "dtype", "causal", "num_heads", "head_dim", "batch_size"}
+    )
+
+    def kernel_at(seq: int, times: int, grad: bool) -> None:
         flops = kernels.flops(module, config, config.local_batch, seq, train)
         cell.add(flops * times, config.dtype, config.kernel)
-        if on_gpu:
-            cell.compile(compile_key(config, seq), train, seen)
+        for key in graph_keys(shape, seq, grad, train) if on_gpu else []:
+            cell.compile(key, seen)
 
     seq = config.seq_len
-    if kernels.gated(config, kind):
+    if kernels.gated(config, kind):  # the gate's kernel runs with grad on in either mode
         full = gate.full_length(config)
-        kernel_at(full, 1)
+        kernel_at(full, 1, grad=True)
         _reference(cell, config, full, full)
         if full < seq:
-            kernel_at(seq, 1)
+            kernel_at(seq, 1, grad=True)
             _reference(cell, config, len(gate.sample_rows(config, seq)), seq)
     if not (over_budget(config) if oom is None else oom):
-        kernel_at(seq, 1 + config.warmup + config.iterations)
+        kernel_at(seq, 1 + config.warmup + config.iterations, grad=train)
     return cell
 
 
@@ -206,7 +218,7 @@ def protocol_step(cap: int, proto_args: str) -> Step:
     args = proto.parse(["--device", "cuda", *proto_args.split()])
     seen: set[str] = set()
     cells = [run_cell(config, "benchmark", seen, name) for name, config in proto.cases(args)]
-    return Step("protocol", cap, RATES["start"].value, cells, [len(seen)])
+    return Step("protocol", cap, RATES["start"].value, cells, [entries_of(seen)])
 
 
 def cuda_tests_step(cap: int) -> Step:
@@ -220,7 +232,7 @@ def cuda_tests_step(cap: int) -> Step:
     for name, config in module.CASES.items():
         for _ in range(source.count(f'CASES["{name}"]')):
             cells.append(run_cell(config, "benchmark", seen, f"test_cuda {name}"))
-    return Step("cuda-tests", cap, RATES["start"].value, cells, [len(seen)])
+    return Step("cuda-tests", cap, RATES["start"].value, cells, [entries_of(seen)])
 
 
 def engine_step(cap: int, example: str) -> Step:
@@ -244,7 +256,7 @@ def engine_step(cap: int, example: str) -> Step:
             for cell in found:
                 cell.seconds += RATES["per_cell"].value
             cells += found
-        entries.append(len(seen))
+        entries.append(entries_of(seen))
     return Step("engine", cap, fixed, cells, entries)
 
 
@@ -284,7 +296,7 @@ def bench_step(cap: int, bench_args: str) -> Step:
     cells = [_bench_check(gpu, *c, seen) for c in gpu.check_list(args)]
     for dtype in args.dtypes:
         cells += [_bench_timed(gpu, args, dtype, *c, seen) for c in gpu.timed_list(args)]
-    step = Step("bench", cap, RATES["start"].value, cells, [len(seen)])
+    step = Step("bench", cap, RATES["start"].value, cells, [entries_of(seen)])
     if not args.no_search:  # each probe's length follows the peaks measured before it
         step.unpredicted.append("bench.gpu's max-length searches (--no-search skips them)")
     return step
@@ -302,7 +314,8 @@ def _bench_check(gpu: ModuleType, kernel: str, seq: int, dtype: str, causal: boo
     cell.add(module.flops(1, seq, 1, dim, causal=causal, backward=True), dtype, kernel)
     cell.add(4.0 * seq * seq * dim * 4.5, "float64")
     if compiled(kernel, params, torch.device("cuda")):
-        cell.compile(json.dumps([kernel, params, seq, dtype, causal, dim, "train"]), True, seen)
+        for key in graph_keys([kernel, params, dtype, causal, 1, dim], seq, True, True):
+            cell.compile(key, seen)
     return cell
 
 
@@ -321,10 +334,10 @@ def _bench_timed(gpu: ModuleType, args: argparse.Namespace, dtype: str, seq: int
     cell.add(module.flops(*shape, backward=True) * calls, dtype, kernel)
     if kernel != "sdpa":
         cell.add(4.0 * seq * seq * args.heads * args.dim * (1 + args.repeats), dtype)
-    if compiled(kernel, params, torch.device("cuda")):
-        for backward in (False, True):
-            key = json.dumps([kernel, params, seq, dtype, args.heads, args.dim, backward])
-            cell.compile(key, backward, seen)
+    if compiled(kernel, params, torch.device("cuda")):  # forward without grad, then with
+        shape = [kernel, params, dtype, False, args.heads, args.dim]
+        for key in graph_keys(shape, seq, False, False) + graph_keys(shape, seq, True, True):
+            cell.compile(key, seen)
     return cell
 
 
@@ -347,8 +360,8 @@ def plan(caps: dict[str, int], env: dict[str, str]) -> list[Step]:
 
 
 def recompile_limit() -> int:
-    """Dynamo's limit on one compiled function's entries in a process, as configured once the
-    kernels are imported (past it a compiled kernel falls back or, with fullgraph, fails)."""
+    """The forward graphs one compiled kernel may hold in a process: torch's recompile limit
+    (past it a compiled kernel falls back unfused or, with fullgraph, fails)."""
     import torch._dynamo
 
     config = torch._dynamo.config
