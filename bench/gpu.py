@@ -30,7 +30,8 @@ more: this script says so and runs none.
 On CPU (no GPU, or --device cpu) it runs tiny shapes in fp32 so that CI keeps it working:
 
     python -m bench.gpu --out /tmp/gpu            # the GPU defaults on a GPU, tiny on CPU
-    python -m bench.gpu --seq 32768 --dtypes bfloat16 --repeats 2 --no-whole-search  # device check
+    python -m bench.gpu --seq 32768 --check-seq 8192 --dtypes bfloat16 --repeats 2 --no-search
+                                                  # the device check's
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ GPU = {"seq": [16384, 32768, 65536, 131072], "check_seq": [1024, 32768], "heads"
        "reference_rows": 1024}  # fmt: skip
 """The GPU defaults; the checks' reference runs `reference_rows` queries at a time (its masks
 and scores: about 5 x rows x seq float64s per dilated branch, 1.3 GB at 32K)."""
+CHECK_DIM = {"cuda": 64, "cpu": 16}
+"""The checks' head_dim (one head, batch 1)."""
 CPU = {"seq": [256], "check_seq": [128], "heads": 2, "dim": 16, "reference_rows": 48}
 SEARCH = {
     "cuda": {"heads": 8, "dim": 64, "dtype": torch.bfloat16, "granularity": 32768,
@@ -245,7 +248,7 @@ def check(
     params = scaled(kernel, seq)
     module = attention.build(kernel, **params).to(device)
     g = torch.Generator(device=device).manual_seed(0)
-    dim = 64 if device.type == "cuda" else 16
+    dim = CHECK_DIM[device.type]
     inputs = [torch.randn(1, seq, 1, dim, generator=g, device=device) for _ in range(4)]
     q, k, v = (t.to(getattr(torch, dtype)).requires_grad_() for t in inputs[:3])
     dout = inputs[3].to(q.dtype)
@@ -333,17 +336,34 @@ def primitive_check(dtype: str, device: torch.device, causal: int) -> dict[str, 
     }
 
 
+def check_list(args: argparse.Namespace) -> list[tuple[str, int, str, bool]]:
+    """(kernel, seq, dtype, causal) of every kernel check, in order (scripts/device_plan.py
+    budgets the same list)."""
+    return [
+        (kernel, seq, dtype, causal)
+        for dtype in args.dtypes
+        for seq in args.check_seq
+        for kernel in (*SINGLE, *RING)
+        for causal in (False, True)
+    ]
+
+
+def timed_list(args: argparse.Namespace) -> list[tuple[int, str, dict[str, Any]]]:
+    """(seq, kernel, params) of every timed row of a dtype, SDPA flash first at each length."""
+    return [
+        (seq, kernel, {"backend": "flash"} if kernel == "sdpa" else scaled(kernel, seq))
+        for seq in args.seq
+        for kernel in ("sdpa", *SINGLE, *RING)
+    ]
+
+
 def timed_rows(args: argparse.Namespace, dtype: str, device: torch.device) -> list[dict[str, Any]]:
     """Every kernel (and SDPA flash) at every --seq: memory first, then timings."""
     ns = argparse.Namespace(
         device=args.device, dtype=dtype, batch=1, heads=args.heads, dim=args.dim,
         causal=False, repeats=args.repeats, forward_only=False,
     )  # fmt: skip
-    cases = [
-        (seq, kernel, {"backend": "flash"} if kernel == "sdpa" else scaled(kernel, seq))
-        for seq in args.seq
-        for kernel in ("sdpa", *SINGLE, *RING)
-    ]
+    cases = timed_list(args)
     meter = PeakMeter(device)
     memory = [measure_case(make_case(k, p, s, ns), meter) for s, k, p in cases]
     rows, peak = [], peak_tflops(device)
@@ -478,11 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with one_rank_group(device):  # the ring kernels' W = 1
         checks += [
-            check(kernel, seq, dtype, device, causal)
-            for dtype in args.dtypes
-            for seq in args.check_seq
-            for kernel in (*SINGLE, *RING)
-            for causal in (False, True)
+            check(k, seq, dtype, device, causal) for k, seq, dtype, causal in check_list(args)
         ]
         write(args.out, setup, checks, rows, [])
         for dtype in args.dtypes:

@@ -4,6 +4,8 @@
 #
 #   scripts/device_check.sh OUTDIR          # on the GPU machine, after scripts/device_wheelhouse.sh
 #   scripts/device_check.sh --cpu OUTDIR    # the rehearsal here: device cpu, tiny sizes, the venv
+#   scripts/device_check.sh --plan          # here: the GPU run's predicted time, step by step
+#                                           # (scripts/device_plan.py); exit 1 over the budget
 #
 # Steps, each under its own `timeout` (clamped to what is left of DEVICE_CHECK_BUDGET_S), each
 # writing its own file in OUTDIR; a failing step does not stop the next; the exit code is 0 only
@@ -20,14 +22,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
-CPU=0
-if [[ ${1:-} == --cpu ]]; then CPU=1; shift; fi
-[[ $# -eq 1 ]] || { echo "usage: $0 [--cpu] OUTDIR" >&2; exit 2; }
-mkdir -p "$1" && OUT=$(cd "$1" && pwd)
+CPU=0 PLAN=0
+if [[ ${1:-} == --cpu ]]; then CPU=1; shift; elif [[ ${1:-} == --plan ]]; then PLAN=1; shift; fi
+[[ $# -eq $((1 - PLAN)) ]] || { echo "usage: $0 [--cpu] OUTDIR | $0 --plan" >&2; exit 2; }
 BUDGET_S=${DEVICE_CHECK_BUDGET_S:-530}  # 600 s less the stop of serve (30 s) and a kill grace (15 s)
-WORK=$(mktemp -d /tmp/device-check.XXXXXX)
+# Each step's timeout (clamped to what is left of the budget), and what --plan predicts against
+declare -A CAP=([facts]=60 [install]=120 [cuda-tests]=120 [protocol]=150 [engine]=300 [report]=60
+                [bench]=240)
 export PYTHONUNBUFFERED=1 COLUMNS=200 RAY_memory_monitor_refresh_ms=0
-export CPU OUT WORK REPO
 
 if ((CPU)); then
   PY=${DEVICE_CHECK_PYTHON:-$REPO/.venv/bin/python}  # the venv's (tests: the running one)
@@ -39,17 +41,26 @@ else
   export SITE=/tmp/ringlab-site PY=python3 DEVICE=cuda
   export RINGLAB=$SITE/bin/ringlab PYTHONPATH=$SITE  # the ringlab wheel: entry points, migrations
   export EXAMPLE=examples/gpu-proof.yaml PROTO_ARGS="--seq 16384 --dtype bfloat16"
-  export BENCH_ARGS="--seq 32768 --check-seq 1024 8192 --dtypes bfloat16 --repeats 2 --no-whole-search"
+  export BENCH_ARGS="--seq 32768 --check-seq 8192 --dtypes bfloat16 --repeats 2 --no-search"
   export TESTS_K=""
 fi
+if ((PLAN)); then  # the GPU run's steps and arguments, predicted here with the venv
+  PY=${DEVICE_CHECK_PYTHON:-$REPO/.venv/bin/python}
+  caps=$(for step in "${!CAP[@]}"; do printf '%s=%s ' "$step" "${CAP[$step]}"; done)
+  exec env PYTHONPATH="$REPO" "$PY" scripts/device_plan.py --budget "$BUDGET_S" --caps "$caps" \
+    --proto-args "$PROTO_ARGS" --bench-args "$BENCH_ARGS" --example "$EXAMPLE"
+fi
+mkdir -p "$1" && OUT=$(cd "$1" && pwd)
+WORK=$(mktemp -d /tmp/device-check.XXXXXX)
+export CPU OUT WORK REPO
 # shellcheck source=scripts/device_steps.sh
 source scripts/device_steps.sh
 
 START=$SECONDS
 FAILED=0
-run_step() {  # NAME CAP_S LOG FUNCTION [RESERVE_S]: the function under timeout, into OUTDIR/LOG,
-  # leaving RESERVE_S of the budget to the steps after it
-  local name=$1 cap=$2 log=$3 fn=$4 reserve=${5:-0} left t rc begin
+run_step() {  # NAME LOG FUNCTION [RESERVE_S]: the function under timeout (CAP[NAME], clamped),
+  # into OUTDIR/LOG, leaving RESERVE_S of the budget to the steps after it
+  local name=$1 cap=${CAP[$1]} log=$2 fn=$3 reserve=${4:-0} left t rc begin
   left=$((BUDGET_S - (SECONDS - START) - reserve))
   t=$((cap < left ? cap : left))
   if ((t < 5)); then
@@ -68,20 +79,20 @@ run_step() {  # NAME CAP_S LOG FUNCTION [RESERVE_S]: the function under timeout,
 }
 
 : >"$OUT/summary.txt"
-run_step facts 60 facts.txt step_facts
+run_step facts facts.txt step_facts
 if ((CPU)); then
   echo "skipped with --cpu: the venv is used" >"$OUT/install.log"
   printf '%-10s SKIP  --cpu uses the venv\n' install | tee -a "$OUT/summary.txt"
 else
-  run_step install 120 install.log step_install
+  run_step install install.log step_install
 fi
-run_step cuda-tests 120 cuda-tests.log step_cuda_tests
-run_step protocol 150 protocol.log step_protocol
+run_step cuda-tests cuda-tests.log step_cuda_tests
+run_step protocol protocol.log step_protocol
 export RINGLAB_DATABASE_URL=sqlite:///$WORK/ringlab.db RINGLAB_ARTIFACT_ROOT=$WORK/artifacts
-run_step engine 300 engine.log step_engine 45  # 45 s kept for the report of what finished
-run_step report 60 engine-report.md step_report
+run_step engine engine.log step_engine 45  # 45 s kept for the report of what finished
+run_step report engine-report.md step_report
 stop_serve >>"$OUT/engine.log" 2>&1  # whatever the steps' end (a timeout too): serve and its Ray
-run_step bench 240 bench-gpu.md step_bench
+run_step bench bench-gpu.md step_bench
 collect_bench >>"$OUT/bench-gpu.md" 2>&1
 echo "total ${SECONDS}s of ${BUDGET_S}s; $(ls "$OUT" | wc -l) files in $OUT" | tee -a "$OUT/summary.txt"
 rm -rf "$WORK"

@@ -9,6 +9,10 @@ step_facts() {  # the machine before anything runs on it
   else
     nvidia-smi || rc=1
     "$PY" scripts/device_facts.py || rc=1
+    # every package's version there: what scripts/device_packages.txt records (`unknown` lines)
+    echo "## pip list"
+    "$PY" -m pip list --format=freeze 2>/dev/null | tr '\n' ' '
+    echo
   fi
   grep -E '^(MemTotal|MemAvailable)' /proc/meminfo
   df -h /dev/shm

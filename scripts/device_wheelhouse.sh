@@ -4,7 +4,8 @@
 #
 # It holds the cp312 manylinux wheels of exactly what the service, the scheduler and the workers
 # import and the GPU machine lacks (scripts/device_packages.txt lists what it has), at
-# constraints.txt's versions; ray repacked without its Java jar and dashboard client build; and
+# constraints.txt's versions; ray and plotly repacked without what ringlab never loads
+# (scripts/device_wheels.py DROPPED); and
 # the ringlab wheel (its entry points register the adapters' kernels, its service.migrations
 # serves `ringlab db upgrade`). Then it installs them all as the device check does (pip
 # --target, cp312) and checks ray's daemons kept their exec bits; scripts/device_wheels.py
@@ -20,6 +21,12 @@ NAMES=(
   ray fastapi starlette pydantic pydantic_core pydantic-settings python-dotenv typing-inspection
   annotated-types alembic Mako uvicorn sse-starlette python-multipart platformdirs plotly psycopg
   jsonschema jsonschema-specifications referencing rpds-py opentelemetry-api importlib_metadata
+  # what it has at a version never read (`unknown` in scripts/device_packages.txt) and a wheel
+  # here needs with a version specifier: carried at our pin (fill in the version from the
+  # check's facts.txt, and one that meets the need can leave this list)
+  typing_extensions anyio annotated-doc zipp attrs MarkupSafe narwhals click msgpack packaging
+  protobuf typer rich PyYAML Jinja2 httpx fsspec h11 idna certifi httpcore markdown-it-py
+  Pygments mdurl shellingham
 )
 PURE=(SQLAlchemy)  # its pure-Python wheel: the cp312 one is 4.5 MB
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64
@@ -47,6 +54,7 @@ common=(download -q --no-deps --only-binary=:all: --python-version 3.12 --implem
 "$PY" -m pip "${common[@]}" --platform any "${pure[@]}"
 
 "$PY" scripts/device_wheels.py repack "$WHL"/ray-*.whl
+"$PY" scripts/device_wheels.py repack "$WHL"/plotly-*.whl
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WHL" . >/dev/null
 rm -rf build  # what the ringlab wheel's build leaves
 

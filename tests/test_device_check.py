@@ -7,10 +7,13 @@ alone shows (the cp312 install, CUDA, NCCL) is the device session's (docs/device
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -54,3 +57,58 @@ def test_the_cpu_rehearsal_passes_every_step_into_eight_files(tmp_path: Path) ->
     bench = text["bench-gpu.md"]
     assert "## results.md" in bench
     assert "| sdpa | 128 |" in bench and "| ring_dilated | 128 |" in bench  # timed rows
+
+
+def _plan_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "device_plan", ROOT / "scripts" / "device_plan.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_plan_predicts_the_gpu_check_within_its_budget() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RINGLAB_", "DEVICE_CHECK"))}
+    env["DEVICE_CHECK_PYTHON"] = sys.executable
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "device_check.sh"), "--plan"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    steps = re.findall(r"^## (\S+): predicted (\d+) s \(timeout (\d+) s", out, re.M)
+    assert [s[0] for s in steps] == [
+        "facts", "install", "cuda-tests", "protocol", "engine", "report", "bench"
+    ]  # fmt: skip
+    assert all(int(predicted) <= int(cap) for _, predicted, cap in steps)
+    (total,) = re.findall(r"^total predicted (\d+) s of the 530 s budget", out, re.M)
+    assert int(total) == pytest.approx(sum(int(s[1]) for s in steps), abs=len(steps))
+    assert int(total) <= 530
+    # every cell with its FLOPs, compilations and seconds; the deliberate OOMs compute nothing
+    assert re.search(
+        r"^\| block_sparse train 65536 bfloat16 \| [\d.]+ \| 1 \| [\d.]+ \|$", out, re.M
+    )
+    assert re.search(r"^\| deliberate oom \| 0 \| 0 \| 0\.0 \|$", out, re.M)
+    assert len(re.findall(r"^\| test_cuda oom \| 0 \| 0 \| 0\.0 \|$", out, re.M)) == 2
+    assert "- bfloat16 = 4e+14: bf16 flash attention achieved on an H100" in out
+
+
+def test_the_plan_names_a_step_over_its_timeout_or_recompile_limit_and_the_total() -> None:
+    plan = _plan_module()
+    limit = plan.recompile_limit()
+    steps = [
+        plan.Step("engine", 300, 320.0, [], [3, 2]),
+        plan.Step("bench", 240, 10.0, [], [limit + 1], ["its searches"]),
+    ]
+    text, problems = plan.render(steps, 300)
+    assert problems == [
+        "step engine: predicted 320 s is over its timeout of 300 s",
+        "step bench: not predicted: its searches",
+        f"step bench: a process compiles {limit + 1} entries, over the compiled kernels' "
+        f"recompile limit of {limit}",
+        "predicted 330 s is over the 300 s budget",
+    ]
+    assert "total predicted 330 s of the 300 s budget" in text

@@ -29,6 +29,22 @@ def config(**fields: Any) -> RunConfig:
     return RunConfig.model_validate({**base, **fields})
 
 
+BUDGET = 256 * 2**20
+CASES = {
+    "peak": config(device="cuda", seq_len=8192, num_heads=8, head_dim=64),
+    # 2 GiB per input; ungated: it measures the OOM, not the kernel (the gate, which no budget
+    # caps, would first run the whole dense fp32 attention at 2^20 tokens: 14 GiB, tens of s)
+    "oom": config(
+        device="cuda", seq_len=1 << 20, num_heads=8, head_dim=64, memory_budget_bytes=BUDGET,
+        correctness_check=False,
+    ),
+    "small under the budget": config(device="cuda", memory_budget_bytes=BUDGET),
+    "ring": config(device="cuda", kernel="ring", seq_len=4096, mode="train"),
+}  # fmt: skip
+"""Every case the tests run, each named where it runs (scripts/device_plan.py budgets each
+case once per use in this file)."""
+
+
 @pytest.fixture
 def one_rank_nccl() -> Iterator[None]:
     """A process group of this process alone on NCCL: a ring kernel runs at W = 1 in it."""
@@ -41,8 +57,7 @@ def one_rank_nccl() -> Iterator[None]:
 
 
 def test_cuda_peak_is_the_allocator_peak_above_the_inputs() -> None:
-    cfg = config(device="cuda", seq_len=8192, num_heads=8, head_dim=64)
-    case = protocol.run_case(cfg)
+    case = protocol.run_case(CASES["peak"])
     assert case.status == "ok", case.error
     tensor = 8192 * 8 * 64 * 4
     assert 4 * tensor <= case.result.peak_memory_bytes <= 8 * tensor
@@ -51,23 +66,15 @@ def test_cuda_peak_is_the_allocator_peak_above_the_inputs() -> None:
 
 
 def test_cuda_budget_turns_a_big_case_into_a_real_oom_and_the_rank_recovers() -> None:
-    budget = 256 * 2**20
-    big = config(
-        device="cuda", seq_len=1 << 20, num_heads=8, head_dim=64, memory_budget_bytes=budget
-    )  # 2 GiB per input
-    case = protocol.run_case(big)
+    case = protocol.run_case(CASES["oom"])
     assert case.status == "oom" and not case.emulated
     assert case.requested_bytes is not None and case.requested_bytes > 0
-    small = protocol.run_case(config(device="cuda", memory_budget_bytes=budget))
+    small = protocol.run_case(CASES["small under the budget"])
     assert small.status == "ok", small.error
 
 
 def test_a_cuda_oom_saves_the_failing_rank_memory_snapshot() -> None:
-    budget = 256 * 2**20
-    big = config(
-        device="cuda", seq_len=1 << 20, num_heads=8, head_dim=64, memory_budget_bytes=budget
-    )
-    case = protocol.run_case(big)
+    case = protocol.run_case(CASES["oom"])
     assert case.status == "oom"
     (snapshot,) = case.artifacts
     assert snapshot.name == "memory-snapshot-rank0.pickle" and snapshot.kind == "memory_snapshot"
@@ -76,7 +83,7 @@ def test_a_cuda_oom_saves_the_failing_rank_memory_snapshot() -> None:
 
 @pytest.mark.usefixtures("one_rank_nccl")
 def test_ring_steps_on_cuda_are_timed_by_events() -> None:
-    case = protocol.run_case(config(device="cuda", kernel="ring", seq_len=4096, mode="train"))
+    case = protocol.run_case(CASES["ring"])
     assert case.status == "ok", case.error
     steps = case.result.steps
     assert steps and all(s.compute_s > 0 for s in steps)
