@@ -29,8 +29,8 @@ from service.api.errors import (
 )
 from service.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from service.api.routes import cells, cluster, health, kernels, runs, sweeps
-from service.api.security import SecurityHeaders
-from service.core.config import Settings
+from service.api.security import SecurityHeaders, ServerErrors, SiteGuard
+from service.core.config import Settings, allowed_host_names
 from service.db.engine import make_engine, make_sessionmaker
 from service.db.migrate import upgrade
 from service.ray_status import RAY, Link
@@ -133,10 +133,13 @@ def _lifespan(
     return lifespan
 
 
-def _add_middleware_and_handlers(app: FastAPI, max_body_bytes: int) -> None:
-    """The body size limit, the security headers and the error handlers (JSON errors)."""
+def _add_middleware_and_handlers(app: FastAPI, settings: Settings, max_body_bytes: int) -> None:
+    """The body size limit, the host and cross-site checks, the 500 answer, the security
+    headers and the error handlers (JSON errors)."""
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    app.add_middleware(SecurityHeaders)  # outermost: a 413 carries the headers too
+    app.add_middleware(SiteGuard, allowed_hosts=allowed_host_names(settings))
+    app.add_middleware(ServerErrors)
+    app.add_middleware(SecurityHeaders)  # outermost: a 400, 403, 413 or 500 has the headers
     app.add_exception_handler(queries.WholeSweepBusy, _busy)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -167,7 +170,7 @@ def create_app(
     app.state.settings = settings
     app.state.scheduler_thread = None
     app.state.scheduler_error = None
-    _add_middleware_and_handlers(app, max_body_bytes)
+    _add_middleware_and_handlers(app, settings, max_body_bytes)
     app.include_router(api_router())
     app.include_router(web_router)  # the dashboard's HTML pages at /
     for router in extra_routers:
@@ -210,6 +213,8 @@ def run_server(
     import uvicorn
 
     settings = settings or Settings()
+    if host is not None and host != settings.host:  # the allowed Host names follow the bind
+        settings = settings.model_copy(update={"host": host})
     app = create_app(settings, with_scheduler=with_scheduler)
     config = uvicorn.Config(
         app,

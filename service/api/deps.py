@@ -12,6 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
+from service.api.security import SESSION_COOKIE
 from service.api.sessions import session_valid
 from service.core.config import Settings
 
@@ -34,10 +35,9 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 CredentialsDep = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 """The request's bearer credentials (None: no Authorization header), for the auth checks."""
 
-SESSION_COOKIE = "ringlab_session"
-"""The dashboard's session cookie (service.web.login, service.api.sessions): a browser cannot
-send a bearer header, with EventSource least of all. It admits reads only; writes always need
-the bearer token."""
+# The dashboard's session cookie (SESSION_COOKIE: service.web.login, service.api.sessions): a
+# browser cannot send a bearer header, with EventSource least of all. It admits reads only;
+# writes always need the bearer token.
 
 
 def _bearer_ok(settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> bool:

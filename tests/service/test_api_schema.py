@@ -34,7 +34,7 @@ def _schema(database_url: str) -> Any:
     """The app's OpenAPI schema, loaded in-process, over a database holding one finished sweep."""
     app = create_app(Settings(database_url=database_url))
     loaded = schemathesis.openapi.from_asgi("/openapi.json", app)  # starts the app's lifespan
-    client = TestClient(app)  # that lifespan is running: no second one
+    client = TestClient(app, base_url="http://localhost")  # that lifespan is running: no second one
     sweep_id = client.post("/api/v1/sweeps", json=small_spec()).json()["id"]
     assert client.post(f"/api/v1/sweeps/{sweep_id}/cancel").status_code == 200
     # /events streams until its sweep ends, and generated sweeps never do here: tested elsewhere.
