@@ -69,7 +69,7 @@ def test_a_database_outage_is_a_503_with_retry_after_and_the_reason(tmp_path: Pa
             for r in (
                 client.get("/api/v1/sweeps"),
                 client.post("/api/v1/sweeps", json=small_spec("during")),
-                client.get("/sweeps/1"),
+                client.get("/sweeps/1/dashboard.json"),
             ):
                 assert r.status_code == 503, r.text
                 assert r.headers["retry-after"] == "5"
@@ -77,6 +77,14 @@ def test_a_database_outage_is_a_503_with_retry_after_and_the_reason(tmp_path: Pa
                 detail = r.json()["detail"]
                 assert detail.startswith("database unavailable (OperationalError: "), detail
                 assert "port 1 failed" in detail and detail.endswith("; retry later"), detail
+            for path in ("/sweeps/1", "/", "/cells/history?run=1"):  # the dashboard: a page
+                page = client.get(path)
+                assert page.status_code == 503 and page.headers["retry-after"] == "5", path
+                assert page.headers["content-type"].startswith("text/html"), path
+                _csp_nonce(page.headers)
+                reason = re.search(r'<p id="unavailable">([^<]*)</p>', page.text)
+                assert reason is not None, page.text
+                assert reason.group(1).startswith("database unavailable (OperationalError: ")
         finally:
             state.sessionmaker = working
             dead.dispose()
