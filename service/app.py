@@ -21,6 +21,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.engine import make_url
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api import docs
+from service.api.docs import install_openapi
 from service.api.errors import (
     DATABASE_ERRORS,
     database_unavailable,
@@ -166,12 +168,17 @@ def create_app(
         version="0.1.0",
         summary="Sweeps of long-context attention kernels on a Ray cluster, and their results.",
         lifespan=_lifespan(settings, with_scheduler),
+        openapi_url=None,  # served by service.api.docs, behind the read check
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.scheduler_thread = None
     app.state.scheduler_error = None
     _add_middleware_and_handlers(app, settings, max_body_bytes)
     app.include_router(api_router())
+    install_openapi(app, settings)
+    app.include_router(docs.router)  # /openapi.json and /docs
     app.include_router(web_router)  # the dashboard's HTML pages at /
     for router in extra_routers:
         if router in (web_router, web_pages):  # callers from before the dashboard was built in

@@ -48,8 +48,8 @@ def config_of_cell(text: str) -> dict[str, Any]:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise CellError("cell", f"{where}: {first['msg']}") from None
-    if (where := _too_large(config)) is not None:
-        raise CellError("cell", f"{where}: at most {MAX_INT64:,} (a 64-bit integer)")
+    if (too_large := _too_large(config)) is not None:
+        raise CellError("cell", f"{too_large}: at most {MAX_INT64:,} (a 64-bit integer)")
     return config
 
 

@@ -45,6 +45,18 @@ MAX_STREAMS_PER_CLIENT = 64
 NAT address with a few dozen dashboards open still fits)."""
 RETRY_AFTER_S = 5
 
+EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "One server-sent event: `event` names it, `data` holds its JSON.",
+    "properties": {
+        "event": {"enum": ["progress", "run", "error", "end"]},
+        "data": {"type": "string", "contentMediaType": "application/json"},
+        "retry": {"type": "integer", "minimum": 0},
+    },
+    "required": ["event", "data"],
+}
+"""Each event of the stream, as its OpenAPI response documents it (one event per item)."""
+
 Snapshot = tuple[SweepOut, dict[int, store.RunState]] | None
 """A sweep with its run counts and every run's state; None once the sweep is deleted."""
 

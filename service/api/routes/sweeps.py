@@ -23,7 +23,7 @@ from service.api.deps import (
     require_read,
     require_write,
 )
-from service.api.events import sweep_events
+from service.api.events import EVENT_SCHEMA, sweep_events
 from service.api.schemas import (
     CompareOut,
     Message,
@@ -436,7 +436,10 @@ router.add_api_route(
     response_model=None,
     response_class=Response,
     responses={
-        200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+        200: {
+            "description": "The events, until `end`.",
+            "content": {"text/event-stream": {"schema": EVENT_SCHEMA}},
+        },
         429: {"model": Message, "description": "Too many open streams; see Retry-After."},
         **NOT_FOUND,
         **AUTH,
