@@ -27,6 +27,12 @@ SAFE_METHODS = {"get", "head", "options"}
 
 router = APIRouter(include_in_schema=False)
 
+THROTTLED = {
+    "description": "Too many wrong tokens from this address (limits.FailureThrottle); see "
+    "Retry-After.",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Message"}}},
+}
+
 
 def _needs_token(settings: Settings, method: str) -> bool:
     """Whether an operation with the auth check behind `method` asks for the bearer token."""
@@ -51,6 +57,8 @@ def openapi_schema(app: FastAPI, settings: Settings) -> dict[str, Any]:
             if not _needs_token(settings, method):
                 operation["security"] = []
                 operation.get("responses", {}).pop("401", None)
+            else:
+                operation.setdefault("responses", {}).setdefault("429", THROTTLED)
     return schema
 
 
