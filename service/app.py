@@ -23,12 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api import docs
 from service.api.docs import install_openapi
-from service.api.errors import (
-    DATABASE_ERRORS,
-    database_unavailable,
-    http_error,
-    validation_error,
-)
+from service.api.errors import DATABASE_ERRORS, http_error, validation_error
 from service.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from service.api.routes import cells, cluster, health, kernels, runs, sweeps
 from service.api.security import SecurityHeaders, ServerErrors, SiteGuard
@@ -37,6 +32,7 @@ from service.db.engine import make_engine, make_sessionmaker
 from service.db.migrate import upgrade
 from service.ray_status import RAY, Link
 from service.results import queries
+from service.web.render import database_unavailable
 from service.web.router import dashboard as web_router
 from service.web.router import router as web_pages
 from workers import local_ray
@@ -145,7 +141,7 @@ def _add_middleware_and_handlers(app: FastAPI, settings: Settings, max_body_byte
     app.add_exception_handler(queries.WholeSweepBusy, _busy)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    for error in DATABASE_ERRORS:
+    for error in DATABASE_ERRORS:  # JSON for the API, an HTML page for the dashboard
         app.add_exception_handler(error, database_unavailable)
 
 

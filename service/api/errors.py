@@ -123,25 +123,18 @@ def database_reason(exc: BaseException) -> str:
     return safe_text(f"{type(orig).__name__}: {first}", 300)
 
 
-def _wants_page(request: Request) -> bool:
-    """A dashboard page (HTML), not the API, a page's JSON or a static file."""
-    path = request.url.path
-    return not path.startswith(("/api/", "/static/")) and not path.endswith(".json")
+def unavailable_detail(exc: BaseException) -> str:
+    """What a 503 says while the database cannot answer."""
+    return f"database unavailable ({database_reason(exc)}); retry later"
 
 
-async def database_unavailable(request: Request, exc: Exception) -> Response:
-    """503 with Retry-After and the reason, instead of a plain-text 500, when the database
-    cannot answer: the request did nothing and may be repeated. JSON for the API; a dashboard
-    page gets an HTML page saying so."""
+async def database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    """503 with Retry-After and the reason as JSON, instead of a plain-text 500, when the
+    database cannot answer: the request did nothing and may be repeated. (The dashboard's
+    pages answer an HTML page instead: service.web.render.database_unavailable.)"""
     log.warning("database unavailable for %s %s: %s", request.method, request.url.path, exc)
-    detail = f"database unavailable ({database_reason(exc)}); retry later"
-    headers = {"Retry-After": str(DATABASE_RETRY_AFTER_S)}
-    if _wants_page(request):
-        from service.web.render import page  # the dashboard renders through the API's app
-
-        response = page(
-            request, "unavailable.html", 503, detail=detail, retry_after_s=DATABASE_RETRY_AFTER_S
-        )
-        response.headers.update(headers)
-        return response
-    return JSONResponse({"detail": detail}, status_code=503, headers=headers)
+    return JSONResponse(
+        {"detail": unavailable_detail(exc)},
+        status_code=503,
+        headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
+    )
