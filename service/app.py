@@ -21,20 +21,18 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.engine import make_url
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.api.errors import (
-    DATABASE_ERRORS,
-    database_unavailable,
-    http_error,
-    validation_error,
-)
+from service.api import docs
+from service.api.docs import install_openapi
+from service.api.errors import DATABASE_ERRORS, http_error, validation_error
 from service.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from service.api.routes import cells, cluster, health, kernels, runs, sweeps
-from service.api.security import SecurityHeaders
-from service.core.config import Settings
+from service.api.security import SecurityHeaders, ServerErrors, SiteGuard
+from service.core.config import Settings, allowed_host_names
 from service.db.engine import make_engine, make_sessionmaker
 from service.db.migrate import upgrade
 from service.ray_status import RAY, Link
 from service.results import queries
+from service.web.render import database_unavailable
 from service.web.router import dashboard as web_router
 from service.web.router import router as web_pages
 from workers import local_ray
@@ -133,14 +131,17 @@ def _lifespan(
     return lifespan
 
 
-def _add_middleware_and_handlers(app: FastAPI, max_body_bytes: int) -> None:
-    """The body size limit, the security headers and the error handlers (JSON errors)."""
+def _add_middleware_and_handlers(app: FastAPI, settings: Settings, max_body_bytes: int) -> None:
+    """The body size limit, the host and cross-site checks, the 500 answer, the security
+    headers and the error handlers (JSON errors)."""
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    app.add_middleware(SecurityHeaders)  # outermost: a 413 carries the headers too
+    app.add_middleware(SiteGuard, allowed_hosts=allowed_host_names(settings))
+    app.add_middleware(ServerErrors)
+    app.add_middleware(SecurityHeaders)  # outermost: a 400, 403, 413 or 500 has the headers
     app.add_exception_handler(queries.WholeSweepBusy, _busy)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    for error in DATABASE_ERRORS:
+    for error in DATABASE_ERRORS:  # JSON for the API, an HTML page for the dashboard
         app.add_exception_handler(error, database_unavailable)
 
 
@@ -163,12 +164,17 @@ def create_app(
         version="0.1.0",
         summary="Sweeps of long-context attention kernels on a Ray cluster, and their results.",
         lifespan=_lifespan(settings, with_scheduler),
+        openapi_url=None,  # served by service.api.docs, behind the read check
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.scheduler_thread = None
     app.state.scheduler_error = None
-    _add_middleware_and_handlers(app, max_body_bytes)
+    _add_middleware_and_handlers(app, settings, max_body_bytes)
     app.include_router(api_router())
+    install_openapi(app, settings)
+    app.include_router(docs.router)  # /openapi.json and /docs
     app.include_router(web_router)  # the dashboard's HTML pages at /
     for router in extra_routers:
         if router in (web_router, web_pages):  # callers from before the dashboard was built in
@@ -210,6 +216,8 @@ def run_server(
     import uvicorn
 
     settings = settings or Settings()
+    if host is not None and host != settings.host:  # the allowed Host names follow the bind
+        settings = settings.model_copy(update={"host": host})
     app = create_app(settings, with_scheduler=with_scheduler)
     config = uvicorn.Config(
         app,

@@ -729,10 +729,21 @@ def watch(
     sweep_ids: Annotated[
         list[int], typer.Argument(metavar="SWEEP_ID", help="Sweep ids (one or more).")
     ],
+    patience: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            max=86_400,
+            help="Seconds to keep trying while the service or its database is unavailable "
+            "(honouring Retry-After) before giving up.",
+        ),
+    ] = 120.0,
 ) -> None:
     """Follow sweeps with a progress line each until all end; exit 1 if any run failed or
     timed out."""
     with client() as c:
+        c.patience_s = patience
+        c.on_wait = lambda line: err.print(line, style="dim", markup=False)
         _watch(c, sweep_ids)
 
 

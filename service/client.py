@@ -4,6 +4,11 @@ RINGLAB_URL (default http://127.0.0.1:8000) says where the service is; RINGLAB_A
 set, is sent as a bearer token; a submission names its submitter (RINGLAB_SUBMITTER, else the
 login user) in X-Ringlab-Submitter, which the queue is fair across. Every failure becomes a
 ClientError with one readable line.
+
+With `patience_s` (`ringlab watch --patience`), reads ride out an outage: a GET that finds the
+service unreachable, busy or without its database (429, 502, 503, 504) is tried again after
+its Retry-After, and an event stream reconnects, or waits while the server reports `error`
+events, until the outage has lasted `patience_s`; then one line says what it gave up on.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ import getpass
 import json
 import os
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -21,6 +27,11 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 API = "/api/v1"
 SUBMITTER_HEADER = "X-Ringlab-Submitter"
 SUBMITTER_RE = re.compile(r"[A-Za-z0-9._@+-]{1,64}")  # service.db.models.SUBMITTER_PATTERN
+RETRYABLE = frozenset({429, 502, 503, 504})
+"""Answers that say "not now": a GET is tried again after Retry-After, within the patience."""
+DEFAULT_WAIT_S = 2.0
+"""The wait before another try when no Retry-After says how long (the service unreachable)."""
+MAX_WAIT_S = 60.0
 
 
 def default_submitter() -> str | None:
@@ -84,16 +95,56 @@ def _detail(response: httpx.Response) -> str:
     return str(detail)
 
 
+def retry_after_s(response: httpx.Response) -> float:
+    """The answer's Retry-After in seconds (DEFAULT_WAIT_S when absent or not a number)."""
+    try:
+        wait = float(response.headers.get("retry-after", DEFAULT_WAIT_S))
+    except ValueError:  # an HTTP date: no server of ours sends one
+        return DEFAULT_WAIT_S
+    return min(max(wait, 0.1), MAX_WAIT_S) if wait == wait else DEFAULT_WAIT_S
+
+
 class Client:
-    """A thin client for /api/v1: each method returns the decoded answer or raises ClientError."""
+    """A thin client for /api/v1: each method returns the decoded answer or raises ClientError.
+
+    `patience_s` > 0: reads retry through an outage for that long (see the module's doc), and
+    `on_wait` is told each wait in one line."""
 
     def __init__(
-        self, base_url: str | None = None, token: str | None = None, timeout_s: float = 30.0
+        self,
+        base_url: str | None = None,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        patience_s: float = 0.0,
     ) -> None:
         self.base_url = (base_url or os.environ.get("RINGLAB_URL") or DEFAULT_URL).rstrip("/")
         token = token if token is not None else os.environ.get("RINGLAB_API_TOKEN")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
+        self.patience_s = patience_s
+        self.on_wait: Callable[[str], None] | None = None
+
+    def _wait_or_give_up(
+        self, failure: ClientError, wait_s: float, since: float | None, sleep: bool = True
+    ) -> float:
+        """Within the patience since the outage began (`since`, None: now), wait `wait_s` (at
+        most what is left of it) and return `since`; past it, raise `failure` (with the time
+        given up after, when there was patience)."""
+        now = time.monotonic()
+        since = now if since is None else since
+        left = self.patience_s - (now - since)
+        if left <= 0:
+            if self.patience_s > 0:
+                raise ClientError(
+                    f"gave up after {self.patience_s:.0f} s: {failure}", failure.status
+                )
+            raise failure
+        wait_s = min(wait_s, left)
+        if self.on_wait is not None:
+            self.on_wait(f"{failure}; trying again for up to {left:.0f} s more")
+        if sleep:
+            time.sleep(wait_s)
+        return since
 
     def close(self) -> None:
         self.http.close()
@@ -115,17 +166,26 @@ class Client:
         )
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """One request under /api/v1; an error status or a transport failure -> ClientError."""
-        try:
-            response = self.http.request(method, API + path, **kwargs)
-        except httpx.TransportError as exc:
-            raise self._unreachable(exc) from exc
-        if response.status_code >= 400:
-            raise ClientError(
+        """One request under /api/v1; an error status or a transport failure -> ClientError.
+        A GET is tried again within the patience (RETRYABLE answers, unreachable service)."""
+        since: float | None = None
+        while True:
+            try:
+                response = self.http.request(method, API + path, **kwargs)
+            except httpx.TransportError as exc:
+                if method != "GET" or self.patience_s <= 0:
+                    raise self._unreachable(exc) from exc
+                since = self._wait_or_give_up(self._unreachable(exc), DEFAULT_WAIT_S, since)
+                continue
+            if response.status_code < 400:
+                return response
+            failure = ClientError(
                 f"{method} {API}{path} -> {response.status_code}: {_detail(response)}",
                 status=response.status_code,
             )
-        return response
+            if method != "GET" or response.status_code not in RETRYABLE:
+                raise failure
+            since = self._wait_or_give_up(failure, retry_after_s(response), since)
 
     def submit(
         self,
@@ -183,27 +243,44 @@ class Client:
             return False
 
     def events(self, sweep_id: int) -> Iterator[tuple[str, dict[str, Any]]]:
-        """The sweep's server-sent events as (event, data) until the stream ends."""
-        try:
-            with self.http.stream(
-                "GET", f"{API}/sweeps/{sweep_id}/events", timeout=httpx.Timeout(30, read=None)
-            ) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    raise ClientError(
-                        f"GET {API}/sweeps/{sweep_id}/events -> {response.status_code}: "
-                        f"{_detail(response)}",
-                        status=response.status_code,
-                    )
-                event, data = "message", list[str]()
-                for line in response.iter_lines():
-                    if not line:
-                        if data:
-                            yield event, json.loads("\n".join(data))
-                        event, data = "message", []
-                    elif line.startswith("event:"):
-                        event = line[6:].strip()
-                    elif line.startswith("data:"):
-                        data.append(line[5:].strip())
-        except httpx.TransportError as exc:
-            raise self._unreachable(exc) from exc
+        """The sweep's server-sent events as (event, data) until the stream ends. Within the
+        patience, a refused or lost stream is opened again and the server's `error` events
+        (its database unavailable) are waited through; without, either is a ClientError."""
+        path = f"{API}/sweeps/{sweep_id}/events"
+        since: float | None = None  # when the current outage began
+        while True:
+            try:
+                with self.http.stream("GET", path, timeout=httpx.Timeout(30, read=None)) as r:
+                    if r.status_code >= 400:
+                        r.read()
+                        failure = ClientError(
+                            f"GET {path} -> {r.status_code}: {_detail(r)}", status=r.status_code
+                        )
+                        if r.status_code not in RETRYABLE:
+                            raise failure
+                        since = self._wait_or_give_up(failure, retry_after_s(r), since)
+                        continue
+                    for event, data in _server_events(r):
+                        if event == "error":  # the server keeps the stream and polls again
+                            failure = ClientError(f"GET {path}: {data.get('detail')}", 503)
+                            since = self._wait_or_give_up(failure, 0, since, sleep=False)
+                            continue
+                        since = None
+                        yield event, data
+                    return
+            except httpx.TransportError as exc:
+                since = self._wait_or_give_up(self._unreachable(exc), DEFAULT_WAIT_S, since)
+
+
+def _server_events(response: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(event, data) of each server-sent event of `response` (comments and retry: skipped)."""
+    event, data = "message", list[str]()
+    for line in response.iter_lines():
+        if not line:
+            if data:
+                yield event, json.loads("\n".join(data))
+            event, data = "message", []
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].strip())

@@ -43,11 +43,36 @@ def config_of_cell(text: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise CellError("cell", "a JSON object (a run config) is needed")
     try:
-        return RunConfig.model_validate(raw).model_dump(mode="json")
+        config = RunConfig.model_validate(raw).model_dump(mode="json")
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise CellError("cell", f"{where}: {first['msg']}") from None
+    if (too_large := _too_large(config)) is not None:
+        raise CellError("cell", f"{too_large}: at most {MAX_INT64:,} (a 64-bit integer)")
+    return config
+
+
+MAX_INT64 = 2**63 - 1
+"""The largest integer a stored run's columns hold (seq_len is a BIGINT)."""
+
+
+def _too_large(value: Any, where: str = "") -> str | None:
+    """The path of the first integer in `value` no 64-bit column holds, or None: such a value
+    names no stored cell, and the database would refuse to compare with it."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return where if abs(value) > MAX_INT64 else None
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for key, item in items:
+        if (found := _too_large(item, f"{where}.{key}" if where else str(key))) is not None:
+            return found
+    return None
 
 
 def _when(run: Run) -> datetime:

@@ -44,7 +44,7 @@ def small_spec(name: str = "small", **overrides: Any) -> dict[str, Any]:
 def api_client(database_url: str, **settings: Any) -> Iterator[TestClient]:
     """A TestClient on a fresh app (lifespan run: migrations, engine) for `database_url`."""
     app = create_app(Settings(database_url=database_url, **settings))
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         yield client
 
 

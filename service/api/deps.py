@@ -12,6 +12,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
+from service.api.limits import auth_throttle
+from service.api.security import SESSION_COOKIE
 from service.api.sessions import session_valid
 from service.core.config import Settings
 
@@ -34,10 +36,9 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 CredentialsDep = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 """The request's bearer credentials (None: no Authorization header), for the auth checks."""
 
-SESSION_COOKIE = "ringlab_session"
-"""The dashboard's session cookie (service.web.login, service.api.sessions): a browser cannot
-send a bearer header, with EventSource least of all. It admits reads only; writes always need
-the bearer token."""
+# The dashboard's session cookie (SESSION_COOKIE: service.web.login, service.api.sessions): a
+# browser cannot send a bearer header, with EventSource least of all. It admits reads only;
+# writes always need the bearer token.
 
 
 def _bearer_ok(settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> bool:
@@ -47,19 +48,50 @@ def _bearer_ok(settings: Settings, credentials: HTTPAuthorizationCredentials | N
     return hmac.compare_digest(given.encode(), settings.api_token.encode())
 
 
-async def _read_allowed(
-    request: Request, settings: Settings, credentials: HTTPAuthorizationCredentials | None
+def client_address(request: Request) -> str:
+    """The client's address (behind a proxy: what --forwarded-allow-ips lets uvicorn trust)."""
+    return request.client.host if request.client is not None else "unknown"
+
+
+def throttled(request: Request) -> HTTPException | None:
+    """429 with Retry-After while the client's address has failed too often (limits.
+    FailureThrottle), else None."""
+    address = client_address(request)
+    wait = auth_throttle(request.app.state).retry_after_s(address)
+    if wait is None:
+        return None
+    return HTTPException(
+        status.HTTP_429_TOO_MANY_REQUESTS,
+        f"too many wrong tokens or logins from {address}; try again in {wait} s",
+        headers={"Retry-After": str(wait)},
+    )
+
+
+async def _allowed(
+    request: Request,
+    settings: Settings,
+    credentials: HTTPAuthorizationCredentials | None,
+    cookie_too: bool,
 ) -> bool:
-    """The bearer token, or a cookie of a live session (looked up in the database, off the
-    event loop, only when there is no right bearer token)."""
+    """The bearer token, or (`cookie_too`) a cookie of a live session, looked up in the
+    database off the event loop only when there is no right bearer token. Presented
+    credentials that are wrong count against the address; while it is throttled they are
+    not checked at all (429)."""
+    if settings.api_token is None:
+        return True
+    cookie = request.cookies.get(SESSION_COOKIE) if cookie_too else None
+    if credentials is None and cookie is None:
+        return False  # nothing tried: no guess to count
+    if (refusal := throttled(request)) is not None:
+        raise refusal
     if _bearer_ok(settings, credentials):
         return True
-    cookie = request.cookies.get(SESSION_COOKIE)
-    if cookie is None or settings.api_token is None:
-        return False
-    return await run_in_threadpool(
+    if cookie is not None and await run_in_threadpool(
         session_valid, request.app.state.sessionmaker, settings.api_token, cookie
-    )
+    ):
+        return True
+    auth_throttle(request.app.state).failed(client_address(request))
+    return False
 
 
 def _unauthorized() -> HTTPException:
@@ -71,11 +103,12 @@ def _unauthorized() -> HTTPException:
 
 
 async def require_write(
+    request: Request,
     settings: SettingsDep,
     credentials: CredentialsDep,
 ) -> None:
     """Mutating endpoints: the token is required whenever one is configured."""
-    if not _bearer_ok(settings, credentials):
+    if not await _allowed(request, settings, credentials, cookie_too=False):
         raise _unauthorized()
 
 
@@ -86,7 +119,9 @@ async def require_read(
 ) -> None:
     """Reads: open unless settings.require_token_for_reads; then the bearer token or the
     dashboard's session cookie."""
-    if settings.require_token_for_reads and not await _read_allowed(request, settings, credentials):
+    if settings.require_token_for_reads and not await _allowed(
+        request, settings, credentials, cookie_too=True
+    ):
         raise _unauthorized()
 
 
@@ -99,7 +134,7 @@ async def require_read_page(
     login page (303), which brings it back here."""
     if not settings.require_token_for_reads:
         return
-    if not await _read_allowed(request, settings, credentials):
+    if not await _allowed(request, settings, credentials, cookie_too=True):
         here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         raise HTTPException(
             status.HTTP_303_SEE_OTHER,

@@ -163,13 +163,18 @@ def database_reason(exc: BaseException) -> str:
     return safe_text(f"{type(orig).__name__}: {first}", 300)
 
 
+def unavailable_detail(exc: BaseException) -> str:
+    """What a 503 says while the database cannot answer."""
+    return f"database unavailable ({database_reason(exc)}); retry later"
+
+
 async def database_unavailable(request: Request, exc: Exception) -> JSONResponse:
     """503 with Retry-After and the reason as JSON, instead of a plain-text 500, when the
-    database cannot answer: the request did nothing and may be repeated."""
+    database cannot answer: the request did nothing and may be repeated. (The dashboard's
+    pages answer an HTML page instead: service.web.render.database_unavailable.)"""
     log.warning("database unavailable for %s %s: %s", request.method, request.url.path, exc)
-    detail = f"database unavailable ({database_reason(exc)}); retry later"
     return JSONResponse(
-        {"detail": detail},
+        {"detail": unavailable_detail(exc)},
         status_code=503,
         headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
     )

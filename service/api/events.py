@@ -2,7 +2,9 @@
 
 Events: `progress` (the sweep with its counts; first at connect and after every change),
 `run` (one run's new state: id, status, previous status, attempts, error, and for a running
-search the probes stored so far with the newest as `last_probe`) and a last `end`
+search the probes stored so far with the newest as `last_probe`), `error` while the database
+cannot answer (its reason as `detail`, with `retry:` in ms: the stream stays open and polls
+again after DATABASE_RETRY_AFTER_S, so a follower rides out an outage), and a last `end`
 (the final sweep, or {"id", "deleted": true}). The database is the truth, so any number of
 API replicas can serve streams while the scheduler writes.
 """
@@ -10,6 +12,7 @@ API replicas can serve streams while the scheduler writes.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,8 +26,11 @@ from starlette.background import BackgroundTask
 
 from service.api import store
 from service.api.deps import SweepId
+from service.api.errors import DATABASE_ERRORS, DATABASE_RETRY_AFTER_S, database_reason
 from service.api.schemas import SweepOut
 from service.db.models import Sweep
+
+log = logging.getLogger(__name__)
 
 DEFAULT_POLL_S = 1.0
 PING_S = 15
@@ -38,6 +44,18 @@ MAX_STREAMS_PER_CLIENT = 64
 """Open event streams per client address: one client cannot take every slot (a lab behind one
 NAT address with a few dozen dashboards open still fits)."""
 RETRY_AFTER_S = 5
+
+EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "One server-sent event: `event` names it, `data` holds its JSON.",
+    "properties": {
+        "event": {"enum": ["progress", "run", "error", "end"]},
+        "data": {"type": "string", "contentMediaType": "application/json"},
+        "retry": {"type": "integer", "minimum": 0},
+    },
+    "required": ["event", "data"],
+}
+"""Each event of the stream, as its OpenAPI response documents it (one event per item)."""
 
 Snapshot = tuple[SweepOut, dict[int, store.RunState]] | None
 """A sweep with its run counts and every run's state; None once the sweep is deleted."""
@@ -180,15 +198,32 @@ def _run_event(run_id: int, state: store.RunState, previous: str | None) -> dict
     return {"event": "run", "data": json.dumps(data)}
 
 
+def _outage_event(exc: BaseException) -> dict[str, Any]:
+    """The `error` event of a poll the database could not answer: its reason, and when to
+    expect the next try (also as the SSE retry field, for a client that reconnects)."""
+    log.warning("event stream: database unavailable (%s); polling again", database_reason(exc))
+    data = {
+        "detail": f"database unavailable ({database_reason(exc)}); retrying",
+        "retry_after_s": DATABASE_RETRY_AFTER_S,
+    }
+    return {"event": "error", "data": json.dumps(data), "retry": DATABASE_RETRY_AFTER_S * 1000}
+
+
 async def _stream(slot: StreamSlot, poll_s: float) -> AsyncIterator[dict[str, Any]]:
-    """Yield what changed between the feed's snapshots until the sweep is done or deleted;
-    the stream's slot is given back however it ends (a client that goes away included)."""
+    """Yield what changed between the feed's snapshots until the sweep is done or deleted (an
+    `error` event for each poll the database could not answer, the stream kept open); the
+    stream's slot is given back however it ends (a client that goes away included)."""
     feed = slot.feed
     try:
         seen = 0
         previous: dict[int, store.RunState] | None = None
         while True:
-            seen, snapshot = await feed.newer_than(seen, poll_s)
+            try:
+                seen, snapshot = await feed.newer_than(seen, poll_s)
+            except DATABASE_ERRORS as e:
+                yield _outage_event(e)
+                await anyio.sleep(DATABASE_RETRY_AFTER_S)
+                continue
             if snapshot is None:
                 deleted = {"id": feed.sweep_id, "deleted": True}
                 yield {"event": "end", "data": json.dumps(deleted)}

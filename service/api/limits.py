@@ -1,8 +1,14 @@
-"""Request body size limit (413) as a pure ASGI middleware, so streamed bodies are capped too."""
+"""Request body size limit (413) as a pure ASGI middleware, so streamed bodies are capped too;
+and the throttle on wrong tokens and failed logins per client address (429)."""
 
 from __future__ import annotations
 
 import json
+import math
+import threading
+import time
+from collections import deque
+from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -82,3 +88,60 @@ class BodySizeLimit:
             if started:
                 raise
             await _send_json(send, 413, self._too_large())
+
+
+AUTH_FAILURES_PER_WINDOW = 10
+AUTH_FAILURE_WINDOW_S = 60.0
+MAX_THROTTLED_ADDRESSES = 10_000
+"""Addresses whose failures are remembered at once; the stalest go first beyond it."""
+
+
+class FailureThrottle:
+    """Wrong tokens and failed logins per client address: after `limit` failures within
+    `window_s`, that address's credentials are not even checked (429 with Retry-After) until
+    its oldest failure ages out, so guessing the token costs a minute per ten tries."""
+
+    def __init__(
+        self, limit: int = AUTH_FAILURES_PER_WINDOW, window_s: float = AUTH_FAILURE_WINDOW_S
+    ) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self.failures: dict[str, deque[float]] = {}
+        self.lock = threading.Lock()
+
+    def retry_after_s(self, address: str) -> int | None:
+        """Whole seconds until `address` may try again, or None when it may now."""
+        with self.lock:
+            times = self.failures.get(address)
+            if times is None:
+                return None
+            now = time.monotonic()
+            while times and times[0] <= now - self.window_s:
+                times.popleft()
+            if not times:
+                del self.failures[address]
+                return None
+            if len(times) < self.limit:
+                return None
+            return max(1, math.ceil(times[0] + self.window_s - now))
+
+    def failed(self, address: str) -> None:
+        """Count one failure of `address` (the oldest remembered address goes past the cap)."""
+        with self.lock:
+            times = self.failures.pop(address, None) or deque(maxlen=self.limit)
+            times.append(time.monotonic())
+            self.failures[address] = times  # last in the dict: the most recent
+            if len(self.failures) > MAX_THROTTLED_ADDRESSES:
+                del self.failures[next(iter(self.failures))]
+
+
+_THROTTLE_LOCK = threading.Lock()
+
+
+def auth_throttle(app_state: Any) -> FailureThrottle:
+    """The app's FailureThrottle (made on first use)."""
+    with _THROTTLE_LOCK:
+        throttle = getattr(app_state, "auth_throttle", None)
+        if throttle is None:
+            throttle = app_state.auth_throttle = FailureThrottle()
+        return throttle

@@ -80,6 +80,11 @@ class Settings(BaseSettings):
         "cluster's free resources hold).",
     )
     host: str = "127.0.0.1"
+    allowed_hosts: str | None = Field(
+        default=None,
+        description="Comma-separated Host names the server answers to ('*': any); unset: "
+        "loopback names and the address it binds (allowed_host_names).",
+    )
     port: int = Field(default=8000, ge=1, le=65535)
     artifact_root: str = Field(
         default_factory=default_artifact_root,
@@ -136,6 +141,40 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+WILDCARD_BINDS = ("", "0.0.0.0", "::")
+
+
+def _machine_names() -> set[str]:
+    """This machine's host name, its fully qualified name and the addresses they resolve to:
+    what a client reaching a server bound to every address may call it."""
+    import socket
+
+    names = {socket.gethostname(), socket.getfqdn()}
+    for name in list(names):
+        try:
+            names.update(str(info[4][0]) for info in socket.getaddrinfo(name, None))
+        except OSError:  # a host name that does not resolve: its name alone
+            continue
+    return {n.lower() for n in names if n}
+
+
+def allowed_host_names(settings: Settings) -> frozenset[str] | None:
+    """The Host names (no port, lower case, IPv6 without brackets) requests may carry; None:
+    any (RINGLAB_ALLOWED_HOSTS=*). Unset: the loopback names and settings.host, and for a
+    wildcard bind (0.0.0.0, ::) this machine's names and addresses. A foreign Host is what a
+    DNS-rebinding page sends, so it is refused (service.api.security.SiteGuard)."""
+    if settings.allowed_hosts is not None:
+        names = {n.strip().lower().strip("[]") for n in settings.allowed_hosts.split(",")}
+        names.discard("")
+        return None if "*" in names else frozenset(names)
+    names = {*LOOPBACK_NAMES, settings.host.lower().strip("[]")}
+    if settings.host in WILDCARD_BINDS:
+        names |= _machine_names()
+    names.discard("")
+    return frozenset(names)
 
 
 def exposure_problem(settings: Settings, host: str, *, insecure: bool = False) -> str | None:

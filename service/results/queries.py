@@ -10,12 +10,15 @@ process by one pass in chunks (SweepContext) and kept.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import threading
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cache
 
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session, joinedload, selectinload
@@ -163,6 +166,26 @@ LARGE_SWEEP_RUNS = 20_000
 """A whole-sweep read (report, pivot, comparison) of a sweep larger than this holds hundreds of
 MiB while it runs: a process runs one such read at a time, and answers another with 429."""
 _large_reads = threading.BoundedSemaphore(1)
+
+
+@cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def give_back_memory() -> None:
+    """Run after a whole-sweep read has answered (a response's background task): collect the
+    cycles its rows left, and hand the freed heap back to the system. Without the trim, glibc
+    keeps the pages a 10,000-run report freed (~150 of its ~180 MiB), and the process stays at
+    its peak long after."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class WholeSweepBusy(Exception):

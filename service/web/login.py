@@ -16,7 +16,8 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Query, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from service.api.deps import SESSION_COOKIE, SettingsDep
+from service.api.deps import SESSION_COOKIE, SettingsDep, client_address, throttled
+from service.api.limits import auth_throttle
 from service.api.sessions import close_session, open_session
 from service.web.render import page
 
@@ -56,10 +57,16 @@ def login(
     token: Annotated[str, Form(max_length=1000)],
     next: Annotated[str | None, Form(max_length=2000)] = None,
 ) -> Response:
-    """Check the token; right: the session cookie and back to `next`; wrong: the form, 401."""
+    """Check the token; right: the session cookie and back to `next`; wrong: the form, 401
+    (and after too many from this address, the form saying when to try again, 429)."""
     target = _safe_next(next)
+    if (refusal := throttled(request)) is not None:
+        wait = _form(request, target, f"{str(refusal.detail).capitalize()}.", 429)
+        wait.headers.update(refusal.headers or {})
+        return wait
     expected = settings.api_token
     if expected is None or not hmac.compare_digest(token.encode(), expected.encode()):
+        auth_throttle(request.app.state).failed(client_address(request))
         return _form(request, target, "That is not this server's token.", 401)
     cookie = open_session(request.app.state.sessionmaker, expected, settings.session_ttl_s)
     response = RedirectResponse(target, status_code=status.HTTP_303_SEE_OTHER)

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, Response
 from fastapi.templating import Jinja2Templates
 
 from service import units
-from service.api import ray_link
+from service.api import errors, ray_link
 from service.results.report import COMPONENT_TITLES
 
 HERE = Path(__file__).resolve().parent
@@ -116,3 +116,26 @@ def page(request: Request, name: str, status_code: int = 200, **context: Any) ->
     context.setdefault("static_version", _static_version())
     context.setdefault("queue_problem", ray_link.queue_problem(request))  # the header says it
     return templates.TemplateResponse(request, name, context, status_code=status_code)
+
+
+def _wants_page(request: Request) -> bool:
+    """A dashboard page (HTML), not the API, a page's JSON or a static file."""
+    path = request.url.path
+    return not path.startswith(("/api/", "/static/", "/docs/")) and not path.endswith(".json")
+
+
+async def database_unavailable(request: Request, exc: Exception) -> Response:
+    """The app's 503 while the database cannot answer: for a dashboard page an HTML page with
+    the reason (and Retry-After), for the rest the API's JSON (errors.database_unavailable)."""
+    if not _wants_page(request):
+        return await errors.database_unavailable(request, exc)
+    errors.log.warning("database unavailable for page %s: %s", request.url.path, exc)
+    response = page(
+        request,
+        "unavailable.html",
+        503,
+        detail=errors.unavailable_detail(exc),
+        retry_after_s=errors.DATABASE_RETRY_AFTER_S,
+    )
+    response.headers["Retry-After"] = str(errors.DATABASE_RETRY_AFTER_S)
+    return response

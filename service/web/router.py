@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import plotly
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, BackgroundTasks, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 
 from service import units
@@ -264,6 +264,7 @@ def run_page(request: Request, session: SessionDep, run_id: RunId) -> HTMLRespon
 def compare_page(
     request: Request,
     session: SessionDep,
+    background: BackgroundTasks,
     a: Annotated[int | None, Query(ge=1, le=MAX_ID, description="Sweep A (the baseline).")] = None,
     b: Annotated[
         int | None, Query(ge=1, le=MAX_ID, description="Sweep B (compared with A).")
@@ -274,6 +275,7 @@ def compare_page(
     context: dict[str, Any] = {"sweeps": [_summary(s) for s in sweeps], "a": a, "b": b}
     context["pairs"] = None
     if a is not None and b is not None:
+        background.add_task(queries.give_back_memory)  # once the page is sent
         sa, sb = _summary_or_404(session, a), _summary_or_404(session, b)
         # The page holds both sweeps' rows until it is rendered: all of it is one whole read.
         with queries.whole_sweep_read(session, a, b):
@@ -295,7 +297,10 @@ def compare_page(
                 confidence=compare.CONFIDENCE,
                 too_few=compare.TOO_FEW,
             )  # fmt: skip
-            return _page(request, "compare.html", **context)
+            rendered = _page(request, "compare.html", **context)
+        # the body alone: a TemplateResponse keeps its context (both sweeps' rows) until sent,
+        # past the trim that runs once the page is sent
+        return HTMLResponse(rendered.body)
     return _page(request, "compare.html", **context)
 
 

@@ -409,7 +409,7 @@ def test_body_limit_kernels_and_health(tmp_path: Any) -> None:
     app = create_app(Settings(database_url=url), max_body_bytes=4096)
     from fastapi.testclient import TestClient
 
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         big = small_spec(description="x" * 5000)
         r = client.post(f"{API}/sweeps", json=big)
         assert r.status_code == 413 and "4,096 bytes" in r.json()["detail"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +176,90 @@ def test_mutated_specs_never_get_a_500_and_a_refusal_stores_nothing(database_url
     print(f"fuzz: {sum(seen.values())} POSTs in {time.perf_counter() - start:.1f} s: {seen}")
     print(f"fuzz: seconds in the POSTs by status: {spent}")
     assert seen.get(422, 0) > examples // 2 and seen.get(201, 0) + seen.get(200, 0) > 0, seen
+
+
+def _get_routes() -> list[tuple[str, list[str]]]:
+    """(path, its query parameters) of every GET of the API and the dashboard that has any."""
+    from fastapi.routing import APIRoute
+
+    from service.app import API_PREFIX, api_router
+    from service.web.router import dashboard
+
+    def walk(routes: list[Any]) -> Iterator[APIRoute]:
+        for route in routes:
+            if isinstance(route, APIRoute):
+                yield route
+            elif hasattr(route, "original_router"):  # an included router
+                yield from walk(route.original_router.routes)
+
+    def query(dependant: Any) -> list[str]:
+        names = [q.alias for q in dependant.query_params]
+        return names + [n for sub in dependant.dependencies for n in query(sub)]
+
+    found = [(API_PREFIX + r.path_format, query(r.dependant)) for r in walk(api_router().routes)]
+    found += [(r.path_format, query(r.dependant)) for r in walk(dashboard.routes)]
+    gets = {r.path_format for r in walk(dashboard.routes) if "GET" in r.methods}
+    gets |= {API_PREFIX + r.path_format for r in walk(api_router().routes) if "GET" in r.methods}
+    return [(path, names) for path, names in found if names and path in gets]
+
+
+HUGE = [10**26, -(10**26), 2**63, -(2**63) - 1, 2**31, 2**64 + 1, 10**400]
+QUERY_HOSTILE: list[str] = [
+    *(str(n) for n in HUGE), "-1", "0", "1e309", "-1e309", "nan", "inf", "-inf", "1.5", "",
+    " ", "x\x00y", "%00", "x" * 5000, "true", "null", "[]", "{}", "💥", "a,b", "1,2,99999999999",
+    "-seq_len", "../../etc/passwd", "//evil.example", "\\\\evil",
+]  # fmt: skip
+CELLS = [
+    json.dumps({"kernel": "dense", "seq_len": n, **extra})
+    for n in (*HUGE[:6], 128)
+    for extra in ({}, {"world_size": 10**20}, {"batch_size": 2**70}, {"timeout_s": 1e308})
+]
+
+
+def query_values() -> st.SearchStrategy[str]:
+    """Hostile query values: fixed ones, numbers of any size, free text and cell configs."""
+    return st.one_of(
+        st.sampled_from(QUERY_HOSTILE),
+        st.integers(-(10**40), 10**40).map(str),
+        st.sampled_from(CELLS),
+        st.text(st.characters(blacklist_categories=("Cs",)), max_size=30),
+    )
+
+
+GET_EXAMPLES_PER_BACKEND = {"sqlite": 500, "postgresql": 200}
+
+
+def test_hostile_query_values_on_every_get_never_get_a_500(database_url: str) -> None:
+    """Every GET of the API and the dashboard with query parameters, each parameter given
+    numbers out of every column's range, NaN, NUL, huge and empty text, and cell configs with
+    out-of-range numbers: never a 500, and a 422 names a query parameter."""
+    routes = _get_routes()
+    assert len(routes) >= 10, routes
+    seen: dict[int, int] = {}
+    with api_client(database_url) as client:
+        sweep = client.post("/api/v1/sweeps", json=SMALL).json()["id"]
+        client.post(f"/api/v1/sweeps/{sweep}/cancel")  # done: its event stream ends at once
+        run = client.get("/api/v1/runs", params={"sweep_id": sweep}).json()["data"][0]["id"]
+
+        @settings(
+            max_examples=GET_EXAMPLES_PER_BACKEND[make_url(database_url).get_backend_name()],
+            deadline=None,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
+        @given(data=st.data())
+        def check(data: st.DataObject) -> None:
+            path, names = data.draw(st.sampled_from(routes))
+            chosen = data.draw(st.lists(st.sampled_from(names), min_size=1, unique=True))
+            params = {name: data.draw(query_values()) for name in chosen}
+            url = path.format(sweep_id=sweep, other_id=sweep, run_id=run)
+            r = client.get(url, params=params)
+            seen[r.status_code] = seen.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (url, params, r.status_code, r.text[:1000])
+            if r.status_code == 422:
+                locs = [e["loc"] for e in r.json()["detail"]]
+                assert all(loc[0] == "query" for loc in locs), (url, params, locs)
+
+        check()
+    print(f"GET fuzz: {sum(seen.values())} requests: {seen}")
+    assert seen.get(422, 0) > 0 and seen.get(200, 0) > 0, seen

@@ -69,7 +69,7 @@ def test_a_database_outage_is_a_503_with_retry_after_and_the_reason(tmp_path: Pa
             for r in (
                 client.get("/api/v1/sweeps"),
                 client.post("/api/v1/sweeps", json=small_spec("during")),
-                client.get("/sweeps/1"),
+                client.get("/sweeps/1/dashboard.json"),
             ):
                 assert r.status_code == 503, r.text
                 assert r.headers["retry-after"] == "5"
@@ -77,6 +77,14 @@ def test_a_database_outage_is_a_503_with_retry_after_and_the_reason(tmp_path: Pa
                 detail = r.json()["detail"]
                 assert detail.startswith("database unavailable (OperationalError: "), detail
                 assert "port 1 failed" in detail and detail.endswith("; retry later"), detail
+            for path in ("/sweeps/1", "/", "/cells/history?run=1"):  # the dashboard: a page
+                page = client.get(path)
+                assert page.status_code == 503 and page.headers["retry-after"] == "5", path
+                assert page.headers["content-type"].startswith("text/html"), path
+                _csp_nonce(page.headers)
+                reason = re.search(r'<p id="unavailable">([^<]*)</p>', page.text)
+                assert reason is not None, page.text
+                assert reason.group(1).startswith("database unavailable (OperationalError: ")
         finally:
             state.sessionmaker = working
             dead.dispose()
@@ -133,3 +141,51 @@ def test_serve_refuses_a_public_address_without_a_token_unless_insecure(
         exposure_problem(Settings(database_url="sqlite:///x.db"), "0.0.0.0", insecure=True) is None
     )
     assert exposure_problem(Settings(database_url="sqlite:///x.db"), "127.0.0.1") is None
+
+
+def test_an_unanswered_exception_is_a_500_with_the_headers_and_a_request_id_in_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug no handler answers: JSON naming the request id (the same as X-Request-ID), the
+    security headers, and one log line naming the request with its traceback."""
+    from fastapi import APIRouter
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+
+    broken = APIRouter()
+
+    @broken.get("/broken")
+    def _broken() -> None:
+        raise RuntimeError("a bug")
+
+    app = create_app(
+        Settings(database_url=f"sqlite:///{tmp_path / 'r.db'}"), extra_routers=[broken]
+    )
+    with TestClient(app, base_url="http://localhost", raise_server_exceptions=False) as client:
+        r = client.get("/broken")
+        given = client.get("/broken", headers={"X-Request-ID": "abc-123"})
+        ok = client.get("/api/v1/healthz")
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    _csp_nonce(r.headers)
+    request_id = r.headers["x-request-id"]
+    assert r.json() == {
+        "detail": f"internal error; the server's log names request {request_id}",
+        "request_id": request_id,
+    }
+    assert given.json()["request_id"] == "abc-123"
+    assert ok.headers["x-request-id"] and ok.headers["x-request-id"] != request_id
+    lines = [rec for rec in caplog.records if request_id in rec.getMessage()]
+    assert [rec.getMessage() for rec in lines] == [f"500 for GET /broken (request {request_id})"]
+    assert lines[0].exc_info is not None and "a bug" in str(lines[0].exc_info[1])
+
+
+def test_credentials_make_an_answer_uncacheable(tmp_path: Path) -> None:
+    with api_client(f"sqlite:///{tmp_path / 'r.db'}", api_token=TOKEN) as client:
+        bearer = {"Authorization": f"Bearer {TOKEN}"}
+        assert client.get("/api/v1/sweeps", headers=bearer).headers["cache-control"] == "no-store"
+        client.cookies.set("ringlab_session", "x.y")
+        assert client.get("/").headers["cache-control"] == "no-store"
+        assert "no-store" not in client.get("/static/app.js").headers.get("cache-control", "")
+        client.cookies.clear()
+        assert "cache-control" not in client.get("/api/v1/sweeps").headers

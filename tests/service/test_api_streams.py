@@ -127,3 +127,55 @@ def test_one_stream_over_the_cap_is_429_with_retry_after(
             time.sleep(0.2)
         with httpx.stream("GET", f"{base}{API}/sweeps/{sweep_id}/events", timeout=30) as again:
             assert again.status_code == 200  # the slots were given back
+
+
+def test_the_event_stream_rides_out_a_database_outage(database_url: str) -> None:
+    """The database becomes unreachable under an open stream (its polls reach a port where
+    nothing listens): the stream sends `error` with the reason and `retry:`, stays open, and
+    once the database is back goes on to the sweep's `end` on the same connection."""
+    import json
+
+    import httpx
+    from _api_helpers import small_spec
+    from _web_helpers import live_server, make_web_app
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import sessionmaker
+
+    from service.core.config import Settings
+
+    app = make_web_app(Settings(database_url=database_url))
+    with live_server(app) as base, httpx.Client(base_url=base, timeout=30) as http:
+        sweep = http.post("/api/v1/sweeps", json=small_spec()).json()["id"]
+        working = app.state.sessionmaker
+        dead = create_engine("postgresql+psycopg://postgres@127.0.0.1:1/test?connect_timeout=2")
+        blocks: list[str] = []
+        timeout = httpx.Timeout(30, read=20)
+        with http.stream("GET", f"/api/v1/sweeps/{sweep}/events?poll_s=0.1", timeout=timeout) as r:
+            block: list[str] = []
+            for line in r.iter_lines():
+                if line:
+                    block.append(line)
+                    continue
+                if not block or block[0].startswith(":"):
+                    block = []
+                    continue
+                blocks.append("\n".join(block))
+                event = block[0].removeprefix("event: ")
+                if event == "progress" and len(blocks) == 1:
+                    app.state.sessionmaker = sessionmaker(dead)  # the outage begins
+                elif event == "error":
+                    app.state.sessionmaker = working  # and ends; the sweep is then cancelled
+                    assert http.post(f"/api/v1/sweeps/{sweep}/cancel").status_code == 200
+                elif event == "end":
+                    break
+                block = []
+        dead.dispose()
+    events = [b.splitlines()[0].removeprefix("event: ") for b in blocks]
+    assert events[0] == "progress" and events[1] == "error" and events[-1] == "end", events
+    error = blocks[1].splitlines()
+    assert "retry: 5000" in error, error
+    data = json.loads(next(x for x in error if x.startswith("data: ")).removeprefix("data: "))
+    assert data["detail"].startswith("database unavailable (OperationalError: "), data
+    assert data["retry_after_s"] == 5
+    end = json.loads(blocks[-1].splitlines()[1].removeprefix("data: "))
+    assert end["counts"]["cancelled"] == 4 and end["done"], end

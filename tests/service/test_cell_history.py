@@ -154,3 +154,23 @@ def test_the_history_query_on_each_database(database_url: str) -> None:
         answer = client.get(f"{API}/cells/history", params={"run": runs[1]}).json()
         assert [e["run_id"] for e in answer["entries"]] == runs
         assert all(e["git_sha"] == "abc1234" for e in answer["entries"])
+
+
+def test_out_of_range_numbers_in_a_cell_are_a_422_on_each_database(database_url: str) -> None:
+    """A seq_len no BIGINT holds once reached the database (a 500 on both); the API and the page
+    now answer 422 naming `cell` and the key, whatever the number's size or sign."""
+    from _api_helpers import api_client
+
+    with api_client(database_url) as client:
+        client.post(f"{API}/sweeps", json=_spec("one", [128]))
+        for seq_len in (10**26, 2**63, 99999999999999999999999999):
+            cell = json.dumps({"kernel": "dense", "seq_len": seq_len})
+            for path in (f"{API}/cells/history", "/cells/history"):
+                r = client.get(path, params={"cell": cell})
+                assert r.status_code == 422, (path, r.status_code, r.text)
+                (error,) = r.json()["detail"]
+                assert error["loc"] == ["query", "cell"], error
+                assert error["msg"].startswith("seq_len: at most 9,223,372,036,854,775,807"), error
+        other = json.dumps({**BASE, "seq_len": 128, "batch_size": -(10**30)})
+        r = client.get(f"{API}/cells/history", params={"cell": other})
+        assert r.status_code == 422 and r.json()["detail"][0]["msg"].startswith("batch_size: ")

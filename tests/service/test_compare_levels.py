@@ -63,7 +63,7 @@ def test_three_iterations_are_too_few_to_call_a_regression_twelve_are_not(
     with live_server(app) as base, httpx.Client(base_url=base) as http:
         from fastapi.testclient import TestClient
 
-        with TestClient(app) as client:
+        with TestClient(app, base_url="http://localhost") as client:
             few = _pair(client, 3, THREE)
             many = _pair(client, 12, TWELVE)
         api_few = http.get(f"{API}/sweeps/{few[0]}/compare/{few[1]}").json()

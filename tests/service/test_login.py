@@ -3,6 +3,7 @@ session cookie (HttpOnly, SameSite=Strict, Secure over https) that admits reads,
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from pathlib import Path
 from urllib.parse import unquote
@@ -132,3 +133,42 @@ def test_without_a_read_token_login_steps_aside(tmp_path: Path) -> None:
         r = client.get("/login", params={"next": "/compare"}, follow_redirects=False)
         assert r.status_code == 303 and r.headers["location"] == "/compare"
         assert client.get("/").status_code == 200
+
+
+def test_wrong_tokens_and_logins_are_throttled_per_address(tmp_path: Path) -> None:
+    """Ten wrong tokens a minute from one address; then 429 with Retry-After, even for the
+    right token, until the first failure is a minute old. A request with no token guesses
+    nothing and is not counted."""
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    with api_client(url, api_token=TOKEN, require_token_for_reads=True) as client:
+        for _ in range(5):
+            assert client.get("/api/v1/sweeps").status_code == 401  # no token: not counted
+        wrong = {"Authorization": "Bearer guess"}
+        for i in range(5):
+            assert client.post("/api/v1/sweeps", json={}, headers=wrong).status_code == 401
+            assert client.post("/login", data={"token": f"guess{i}"}).status_code == 401
+        right = {"Authorization": f"Bearer {TOKEN}"}
+        for answer in (
+            client.get("/api/v1/sweeps", headers=right),
+            client.post("/api/v1/sweeps/1/cancel", headers=wrong),
+        ):
+            assert answer.status_code == 429, answer.text
+            assert 55 <= int(answer.headers["retry-after"]) <= 60
+            assert answer.json()["detail"].startswith("too many wrong tokens or logins from ")
+        login = client.post("/login", data={"token": TOKEN}, follow_redirects=False)
+        assert login.status_code == 429 and "ringlab_session" not in login.cookies
+        assert "Too many wrong tokens or logins from " in login.text
+        assert int(login.headers["retry-after"]) <= 60
+
+
+def test_a_throttled_address_may_try_again_once_its_failures_age_out() -> None:
+    from service.api.limits import FailureThrottle
+
+    throttle = FailureThrottle(limit=3, window_s=0.5)
+    for _ in range(3):
+        assert throttle.retry_after_s("10.0.0.1") is None
+        throttle.failed("10.0.0.1")
+    assert throttle.retry_after_s("10.0.0.1") == 1  # whole seconds, at least one
+    assert throttle.retry_after_s("10.0.0.2") is None  # per address
+    time.sleep(0.6)
+    assert throttle.retry_after_s("10.0.0.1") is None and throttle.failures == {}

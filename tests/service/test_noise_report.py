@@ -360,7 +360,7 @@ def test_ringlab_results_explains_its_tilde_under_the_table(
     from service.core.config import Settings
 
     app = make_web_app(Settings(database_url=f"sqlite:///{tmp_path / 'tilde.db'}"))
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         sweep_id = store_dp_sweep(client, seed=7)
         rows = client.get(f"{API}/sweeps/{sweep_id}/results.json").json()
     assert any("speedup" in r["within_noise"] for r in rows)

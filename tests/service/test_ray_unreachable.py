@@ -28,7 +28,7 @@ from service.core.config import Settings
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 settings = Settings(database_url=sys.argv[1], ray_address=sys.argv[2])
-with TestClient(create_app(settings, with_scheduler=True)) as client:
+with TestClient(create_app(settings, with_scheduler=True), base_url="http://localhost") as client:
     seen = []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -51,7 +51,7 @@ with TestClient(create_app(settings, with_scheduler=True)) as client:
         "sweep": [sweep, client.get(f"/api/v1/sweeps/{sweep['id']}").json()],
         "runs": [runs, run], "pages": pages,
     }
-    c = ringlab_client.Client("http://testserver")
+    c = ringlab_client.Client("http://localhost")
     c.http = client  # (the command closes its client: last)
     cli.client = lambda: c
     done = CliRunner().invoke(cli.app, ["cluster"])

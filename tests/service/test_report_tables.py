@@ -56,7 +56,9 @@ def faster(t_base: float, t_run: float, world_ratio: float = 1.0) -> tuple[str, 
 @contextmanager
 def client_for(database_url: str) -> Iterator[TestClient]:
     """The service's API and dashboard on `database_url` (no scheduler: results are stored)."""
-    with TestClient(make_web_app(Settings(database_url=database_url))) as client:
+    with TestClient(
+        make_web_app(Settings(database_url=database_url)), base_url="http://localhost"
+    ) as client:
         yield client
 
 

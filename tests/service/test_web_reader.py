@@ -54,7 +54,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Seeded
     url = f"sqlite:///{tmp_path_factory.mktemp('reader') / 'ringlab.db'}"
     seeded = seed_sweeps(url)
     app = make_web_app(Settings(database_url=url))
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         dp = _dp_sweep(client)[0]["sweep_id"]
     with live_server(make_web_app(Settings(database_url=url))) as base:
         yield base, seeded, dp

@@ -5,11 +5,22 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response, status
+from fastapi import (
+    APIRouter,
+    BackgroundTasks,
+    Depends,
+    Header,
+    HTTPException,
+    Query,
+    Request,
+    Response,
+    status,
+)
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.background import BackgroundTask
 
 from service.api import ray_link, store
 from service.api.deps import (
@@ -23,7 +34,7 @@ from service.api.deps import (
     require_read,
     require_write,
 )
-from service.api.events import sweep_events
+from service.api.events import EVENT_SCHEMA, sweep_events
 from service.api.schemas import (
     CompareOut,
     Message,
@@ -392,10 +403,13 @@ def _pivot_csv(
     response_model=CompareOut,
     responses={**NOT_FOUND, **AUTH},
 )
-def compare(sweep_id: SweepId, other_id: SweepId, session: SessionDep) -> dict[str, Any]:
+def compare(
+    sweep_id: SweepId, other_id: SweepId, session: SessionDep, background: BackgroundTasks
+) -> dict[str, Any]:
     """This sweep (A) and another (B) cell by cell, as the /compare page: B/A with intervals
     from both runs' noise, regressions only beyond both spreads, and whether the two specs
     are identical (names aside)."""
+    background.add_task(queries.give_back_memory)  # once the answer is sent
     with queries.whole_sweep_read(session, sweep_id, other_id):
         (sa, a_rows), (sb, b_rows) = _sweep_rows(session, sweep_id), _sweep_rows(session, other_id)
         return compare_out(sweep_id, other_id, a_rows, b_rows, same_spec(sa.spec, sb.spec))
@@ -425,7 +439,10 @@ def report_md(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
             sweep_view.counts,
             baselines.pivot_spec(queries.analysis_of(sweep), run_rows),
         )
-    return PlainTextResponse(text, media_type="text/markdown")
+    # once the answer is sent: the rows are gone, and their memory goes back
+    return PlainTextResponse(
+        text, media_type="text/markdown", background=BackgroundTask(queries.give_back_memory)
+    )
 
 
 router.add_api_route(
@@ -436,7 +453,10 @@ router.add_api_route(
     response_model=None,
     response_class=Response,
     responses={
-        200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+        200: {
+            "description": "The events, until `end`.",
+            "content": {"text/event-stream": {"schema": EVENT_SCHEMA}},
+        },
         429: {"model": Message, "description": "Too many open streams; see Retry-After."},
         **NOT_FOUND,
         **AUTH,
