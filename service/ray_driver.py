@@ -138,8 +138,7 @@ def main() -> int:
     channel = Channel(os.fdopen(int(os.environ[DRIVER_FD_ENV]), "w", buffering=1))
     config = json.loads(sys.stdin.readline())
     from service.core.config import Settings
-    from service.scheduler import default_owner
-    from workers import cluster, local_ray
+    from workers import cluster, local_ray  # Ray without torch: the connection comes first
 
     settings = Settings(**config["settings"])
     stop = threading.Event()
@@ -151,6 +150,8 @@ def main() -> int:
     # ray.init installed a SIGTERM handler that exits at once: ours stops cleanly instead.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from service.scheduler import default_owner
+
     owner = default_owner()
     channel.send("connected", owner=owner, local_ray=local_ray.recorded())
     threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
