@@ -32,7 +32,7 @@ from service.ray_status import reason
 DRIVER_FD_ENV = "RINGLAB_DRIVER_FD"
 PROBE_S = 1.0
 """How often the cluster is read (the supervisor's /cluster and /readyz come from it)."""
-PROBE_DEADLINE_S = 3.0
+PROBE_DEADLINE_S = 4.0
 """A probe not answered by then means the GCS is gone (Ray's own calls would wait for ever)."""
 
 log = logging.getLogger("service.ray_driver")

@@ -110,6 +110,7 @@ class _Driver:
     def stop(self, wait_s: float) -> None:
         """Ask the driver to stop, SIGKILL it after wait_s, then the local Ray it started."""
         if self.proc.poll() is None:
+            self.local_ray.update(local_ray.descendants(self.proc.pid))
             try:
                 assert self.proc.stdin is not None
                 self.proc.stdin.write("stop\n")
@@ -123,7 +124,10 @@ class _Driver:
         self.kill()
 
     def kill(self) -> None:
+        """SIGKILL the driver, then what it started that outlives it (a local Ray's raylet and
+        agents, recorded when it connected and before it was asked to stop)."""
         if self.proc.poll() is None:
+            self.local_ray.update(local_ray.descendants(self.proc.pid))
             self.proc.kill()
             self.proc.wait()
         local_ray.kill_processes(self.local_ray)

@@ -121,6 +121,17 @@ def _kill(which: Callable[[int], bool]) -> list[int]:
     return kill_processes(chosen)
 
 
+def descendants(root: int) -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time) of every live descendant of process `root` now: what a
+    supervisor kills once `root` is gone (a local Ray's raylet and its agents outlive it)."""
+    found = {}
+    for pid in _descendants(root):
+        stat = _stat(pid)
+        if stat is not None:
+            found[pid] = stat
+    return found
+
+
 def recorded() -> dict[int, tuple[int, int]]:
     """pid -> (parent pid, start time) of the local Ray's processes this process started: a
     supervisor that must SIGKILL this process kills them after it (`kill_processes`)."""
