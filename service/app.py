@@ -31,17 +31,18 @@ from service.core.config import Settings, allowed_host_names
 from service.db.engine import make_engine, make_sessionmaker
 from service.db.migrate import upgrade
 from service.ray_status import RAY, Link
+from service.ray_supervisor import Supervisor as RaySupervisor
 from service.results import queries
 from service.web.render import database_unavailable
 from service.web.router import dashboard as web_router
 from service.web.router import router as web_pages
-from workers import local_ray
 
 log = logging.getLogger(__name__)
 
 API_PREFIX = "/api/v1"
-SCHEDULER_JOIN_TIMEOUT_S = 120.0
-"""How long shutdown waits for the scheduler to finish or requeue its runs."""
+SCHEDULER_JOIN_TIMEOUT_S = 8.0
+"""How long shutdown waits for the Ray driver to stop (its runs get a few seconds to finish,
+then are requeued; a driver that does not stop is killed within ray_supervisor.STOP_WAIT_S)."""
 
 
 def api_router() -> APIRouter:
@@ -59,14 +60,12 @@ def _engine_kwargs(url: str) -> dict[str, int]:
     return {"pool_size": 10, "max_overflow": 20}
 
 
-def _run_scheduler(app: FastAPI, settings: Settings, stop: threading.Event) -> None:
-    from service.scheduler import run_forever_from_settings
-
+def _supervise(app: FastAPI, supervisor: RaySupervisor, stop: threading.Event) -> None:
     try:
-        run_forever_from_settings(settings, stop)
+        supervisor.run(stop)
     except Exception as e:  # recorded for /readyz and logged with its traceback
         app.state.scheduler_error = f"{type(e).__name__}: {e}"
-        log.exception("embedded scheduler stopped")
+        log.exception("the Ray driver's supervisor stopped")
 
 
 async def _busy(request: Request, exc: Exception) -> JSONResponse:
@@ -75,26 +74,35 @@ async def _busy(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": str(retry)})
 
 
-def _start_scheduler(app: FastAPI, settings: Settings, stop: threading.Event) -> threading.Thread:
-    """The embedded scheduler's thread, started (it runs until `stop`)."""
+def _start_ray(
+    app: FastAPI, settings: Settings, stop: threading.Event, with_scheduler: bool
+) -> threading.Thread | None:
+    """The thread that keeps this process' Ray driver (service.ray_supervisor), started: it
+    runs the scheduler when `with_scheduler`, else it only reports the cluster at
+    RINGLAB_RAY_ADDRESS (None without one: an API-only process starts no Ray)."""
+    if not with_scheduler and settings.ray_address is None:
+        return None
     # /readyz says what the scheduler does from the first request on, not "not started"
     RAY.set(Link("starting", settings.ray_address or "a local Ray", 0, time.time()))
+    sm = app.state.sessionmaker if with_scheduler else None
+    supervisor = RaySupervisor(settings, sm, schedule=with_scheduler)
+    app.state.ray_supervisor = supervisor
     thread = threading.Thread(
-        target=_run_scheduler,
-        args=(app, settings, stop),
-        name="ringlab-scheduler",
-        daemon=True,  # a scheduler stuck past the join timeout must not block exit
+        target=_supervise,
+        args=(app, supervisor, stop),
+        name="ringlab-ray-supervisor",
+        daemon=True,  # one stuck past the join timeout must not block exit
     )
     thread.start()
     return thread
 
 
 def _join_scheduler(thread: threading.Thread) -> None:
-    """Wait SCHEDULER_JOIN_TIMEOUT_S for a stopped scheduler; log when it did not stop."""
+    """Wait SCHEDULER_JOIN_TIMEOUT_S for the stopped supervisor; log when it did not stop."""
     thread.join(SCHEDULER_JOIN_TIMEOUT_S)
     if thread.is_alive():
         log.error(
-            "scheduler did not stop within %.0f s; exiting anyway",
+            "the Ray driver did not stop within %.0f s; exiting anyway",
             SCHEDULER_JOIN_TIMEOUT_S,
         )
 
@@ -114,8 +122,8 @@ def _lifespan(
         stop = threading.Event()
         app.state.scheduler_stop = stop
         app.state.scheduler_error = None
-        thread = _start_scheduler(app, settings, stop) if with_scheduler else None
-        app.state.scheduler_thread = thread
+        thread = _start_ray(app, settings, stop, with_scheduler)
+        app.state.scheduler_thread = thread if with_scheduler else None
         # Start-up objects (torch, pydantic and SQLAlchemy metadata) never die: keep the cyclic
         # GC from rescanning them while a request builds tens of thousands of cells.
         gc.freeze()
@@ -126,7 +134,6 @@ def _lifespan(
             if thread is not None:
                 _join_scheduler(thread)
             engine.dispose()
-            local_ray.stop_leftovers()  # a local Ray this process started, and its agents
 
     return lifespan
 
@@ -171,6 +178,7 @@ def create_app(
     app.state.settings = settings
     app.state.scheduler_thread = None
     app.state.scheduler_error = None
+    app.state.ray_supervisor = None
     _add_middleware_and_handlers(app, settings, max_body_bytes)
     app.include_router(api_router())
     install_openapi(app, settings)

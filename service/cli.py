@@ -190,19 +190,22 @@ def scheduler() -> None:
     import signal
     import threading
 
-    from service.scheduler import run_forever_from_settings
-    from workers import cluster, local_ray
+    from service.db.engine import make_engine, make_sessionmaker
+    from service.db.migrate import upgrade
+    from service.ray_supervisor import Supervisor
 
     settings = load_settings()
-    # Ray first: ray.init() in the main thread installs its own SIGTERM handler (sys.exit),
-    # which would kill the scheduler mid-run; ours must be installed after it.
-    cluster.connect(settings.ray_address)
+    upgrade(settings.database_url)
+    engine = make_engine(settings.database_url)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     err.print(f"scheduler on {_safe(settings)}; SIGTERM or Ctrl-C stops it cleanly")
-    run_forever_from_settings(settings, stop)
-    local_ray.stop_leftovers()  # the local Ray it started, agents included
+    # Ray lives in a driver process this one supervises: losing Ray never ends this process.
+    try:
+        Supervisor(settings, make_sessionmaker(engine), schedule=True).run(stop)
+    finally:
+        engine.dispose()
 
 
 DEMO_EXAMPLE = "cpu-quick.yaml"

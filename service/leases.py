@@ -349,3 +349,21 @@ def process_alive(pid: int) -> bool:
     except PermissionError:  # someone else's process: alive
         return True
     return True
+
+
+def requeue_held_by(sm: sessionmaker[Session], owner: str, error: str) -> list[int]:
+    """Every active run whose lease `owner` (a scheduler instance) holds goes back to the queue
+    with `error`, its attempt not consumed (the scheduler, not the run, was lost); their ids.
+    One UPDATE: a run the owner finished meanwhile is no longer active and stays as it is."""
+    with sm() as session, session.begin():
+        ids = session.scalars(
+            update(Run)
+            .where(
+                Run.status.in_(ACTIVE_STATUSES),
+                Run.lease_owner.startswith(f"{owner}/", autoescape=True),
+            )
+            .values(**back_to_queue(error), attempts=Run.attempts - 1)
+            .returning(Run.id)
+            .execution_options(synchronize_session=False)
+        ).all()
+    return sorted(ids)

@@ -88,7 +88,14 @@ RAY = RayStatus()
 """This process' link (one Ray connection per process)."""
 
 
-def _reason(exc: BaseException) -> str:
+class DriverFailed(ConnectionError):
+    """The Ray driver process could not join Ray; its message is the reason as it reported it."""
+
+
+def reason(exc: BaseException) -> str:
+    """`Type: first line of the message` (500 characters at most); a DriverFailed's own text."""
+    if isinstance(exc, DriverFailed):
+        return str(exc)[:500]
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500]
 
@@ -98,14 +105,15 @@ def connect_with_backoff(
     connect: Callable[[str | None], None],
     stop: threading.Event,
     status: RayStatus = RAY,
+    failed: str | None = None,
 ) -> bool:
     """Call connect(address) until it succeeds (True) or `stop` is set (False), waiting 1, 2,
     4 ... up to 30 s between attempts; each failure is logged as one line with the reason and
-    recorded in `status`."""
+    recorded in `status`. `failed`: why Ray was lost, when this reconnects (shown until an
+    attempt fails with its own reason)."""
     where = address or "a local Ray"
     delay = FIRST_RETRY_S
     attempt = 0
-    failed: str | None = None  # the last attempt's reason: a retry does not hide it
     while not stop.is_set():
         attempt += 1
         status.set(Link("connecting", where, attempt, time.time(), failed))
@@ -117,12 +125,12 @@ def connect_with_backoff(
             if ray.is_initialized():  # a half-made connection must not look connected
                 ray.shutdown()
             now = time.time()
-            reason = failed = _reason(exc)
-            status.set(Link("unreachable", where, attempt, now, reason, now + delay))
+            why = failed = reason(exc)
+            status.set(Link("unreachable", where, attempt, now, why, now + delay))
             log.error(
                 "cannot connect to Ray at %s (%s); attempt %d in %g s",
                 where,
-                reason,
+                why,
                 attempt + 1,
                 delay,
             )

@@ -358,7 +358,15 @@ class Scheduler:
     def _finish(self, claim: Claim, completion: Completion) -> None:
         cotenants = self.tenancy.ended(claim.run_id, time.time())
         completion = dataclasses.replace(completion, cotenants=cotenants)
-        written = write.finish(self.sessionmaker, claim, completion)
+        # A database blip at the end must not lose an hour-long run: retried for twice the
+        # lease, renewing it meanwhile (nothing requeues it while the write waits).
+        written = write.finish_retrying(
+            self.sessionmaker,
+            claim,
+            completion,
+            patience_s=2 * self.lease_s,
+            renew=lambda: leases.heartbeat(self.sessionmaker, claim, self.lease_s),
+        )
         trace = self.traces.get(claim.run_id)
         if trace is not None:
             trace.committed_at = time.time()

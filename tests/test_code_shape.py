@@ -33,6 +33,8 @@ SERVICE_LAYERS = {
     "service.api": 3,
     "service.scheduler": 3,
     "service.web": 4,
+    "service.ray_driver": 4,
+    "service.ray_supervisor": 4,
     "service.app": 5,
     "service.cli_base": 6,
     "service.cli": 6,

@@ -7,15 +7,17 @@ run is checked here before its placement group is created.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import ray
 from ray._private.state import available_resources_per_node
 from ray.util.placement_group import placement_group_table
 
 from workers import local_ray
-from workers.config import RunConfig
 from workers.errors import Infeasible
+
+if TYPE_CHECKING:  # (workers.config imports torch: the Ray driver connects before that)
+    from workers.config import RunConfig
 
 DeviceKind = Literal["cuda", "cpu"]
 

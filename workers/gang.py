@@ -101,6 +101,8 @@ class Gang:
         self.actors: list[Any] = []
         self.placement: list[RankPlacement] = []
         self.removed = False
+        self.idle_since = time.monotonic()
+        """When it last went back to the pool idle (GangPool._release)."""
         self._lock = threading.Lock()
 
     def ready_ref(self) -> Any:
@@ -446,14 +448,80 @@ def _checked_device(config: RunConfig, kind: Kind) -> DeviceKind:
     return device_kind(config, cluster)
 
 
-class GangPool:
-    """Starts runs on gangs, keeps one warm gang for the next run with the same key."""
+def pending_demand() -> set[str]:
+    """The resources (CPU, GPU, ...) that Ray's pending work of anyone asks for: tasks and
+    actors waiting for a node, and placement groups waiting for bundles, read from the GCS's
+    autoscaler state (no dashboard needed)."""
+    from ray.autoscaler.v2.sdk import get_cluster_resource_state
 
-    def __init__(self, placement_timeout_s: float = 300.0) -> None:
+    state = get_cluster_resource_state(ray._private.worker.global_worker.gcs_client)
+    wanted: set[str] = set()
+    for pending in state.pending_resource_requests:
+        wanted.update(k for k, v in pending.request.resources_bundle.items() if v > 0)
+    for group in state.pending_gang_resource_requests:
+        for request in group.requests:
+            wanted.update(k for k, v in request.resources_bundle.items() if v > 0)
+    return wanted
+
+
+TRIM_EVERY_S = 1.0
+"""How often a pool looks at its idle gangs (their TTL, and Ray's pending demand)."""
+
+
+class GangPool:
+    """Starts runs on gangs, keeps one warm gang for the next run with the same key, and gives
+    an idle one back to Ray after `warm_ttl_s`, or at once when Ray has pending demand (anyone's
+    task, actor or placement group) for the resource it holds."""
+
+    def __init__(self, placement_timeout_s: float = 300.0, warm_ttl_s: float = 60.0) -> None:
+        if warm_ttl_s < 0:
+            raise ValueError(f"warm_ttl_s: must be >= 0, got {warm_ttl_s}")
         self.placement_timeout_s = placement_timeout_s
+        self.warm_ttl_s = warm_ttl_s
         self._lock = threading.Lock()
         self._idle: list[Gang] = []
         self._busy: list[Gang] = []
+        self._closed = threading.Event()
+        self._trimmer = threading.Thread(
+            target=self._trim_forever, name="ringlab-gang-trim", daemon=True
+        )
+        self._trimmer.start()
+
+    def _trim_forever(self) -> None:
+        while not self._closed.wait(TRIM_EVERY_S):
+            try:
+                self.trim()
+            except Exception:  # Ray unreachable for a moment, or a bug: logged, tried again
+                log.exception("looking at idle gangs failed; again in %g s", TRIM_EVERY_S)
+
+    def trim(self) -> list[Gang]:
+        """Remove the idle gangs past warm_ttl_s, and those holding a resource Ray's pending
+        demand asks for (they would starve other schedulers and Ray users); those removed."""
+        with self._lock:
+            idle = list(self._idle)
+        if not idle:
+            return []
+        now = time.monotonic()
+        demand = pending_demand()
+        drop = [
+            g
+            for g in idle
+            if now - g.idle_since >= self.warm_ttl_s or bundle(g.key.device).keys() & demand
+        ]
+        with self._lock:
+            drop = [g for g in drop if g in self._idle]  # taken by a run meanwhile: kept
+            for gang in drop:
+                self._idle.remove(gang)
+        for gang in drop:
+            log.info(
+                "gave back an idle gang %s (%s)",
+                gang.key,
+                "idle TTL"
+                if now - gang.idle_since >= self.warm_ttl_s
+                else "Ray has pending demand",
+            )
+            gang.remove()
+        return drop
 
     def start(
         self,
@@ -537,6 +605,7 @@ class GangPool:
 
     def close(self) -> None:
         """Kill every actor and remove every placement group this pool created."""
+        self._closed.set()
         with self._lock:
             gangs, self._idle, self._busy = self._idle + self._busy, [], []
         for gang in gangs:
@@ -551,6 +620,7 @@ class GangPool:
                 self._busy.remove(gang)
             others = list(self._busy)
         if busy and not any(other.waiting() for other in others):
+            gang.idle_since = time.monotonic()
             with self._lock:
                 self._idle.append(gang)
             return

@@ -115,18 +115,40 @@ def stop_leftovers() -> list[int]:
 def _kill(which: Callable[[int], bool]) -> list[int]:
     """SIGKILL the recorded processes still alive as themselves (start time unchanged) whose
     parent at start (`which(parent)`) selects them."""
+    chosen = {pid: stat for pid, stat in _recorded.items() if which(stat[0])}
+    for pid in chosen:
+        del _recorded[pid]
+    return kill_processes(chosen)
+
+
+def descendants(root: int) -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time) of every live descendant of process `root` now: what a
+    supervisor kills once `root` is gone (a local Ray's raylet and its agents outlive it)."""
+    found = {}
+    for pid in _descendants(root):
+        stat = _stat(pid)
+        if stat is not None:
+            found[pid] = stat
+    return found
+
+
+def recorded() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time) of the local Ray's processes this process started: a
+    supervisor that must SIGKILL this process kills them after it (`kill_processes`)."""
+    return dict(_recorded)
+
+
+def kill_processes(processes: dict[int, tuple[int, int]]) -> list[int]:
+    """SIGKILL each process (pid -> (parent pid, start time)) still alive as itself (its start
+    time unchanged, so a reused pid is never touched); the pids killed."""
     killed = []
-    for pid, (parent, started) in list(_recorded.items()):
+    for pid, (_, started) in processes.items():
         stat = _stat(pid)
         if stat is None or stat[1] != started:
-            del _recorded[pid]  # gone (or the pid is another process now)
-            continue
-        if not which(parent):
-            continue
+            continue  # gone (or the pid is another process now)
         try:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
         except ProcessLookupError:
             pass  # it ended between the check and the kill: what we wanted
-        del _recorded[pid]
     return killed

@@ -1,54 +1,44 @@
-"""This API process' link to Ray: used by /cluster and /readyz.
+"""This API process' link to Ray, as its Ray driver's supervisor (service.ray_supervisor)
+last heard it: used by /cluster, /readyz, queued runs and sweeps, and the dashboard's header.
 
-The embedded scheduler connects Ray at start; an API-only process connects on first use when
-RINGLAB_RAY_ADDRESS is set, and otherwise reports that it has no cluster (never starts one).
+Nothing here calls Ray: the driver process does, and reports. A process with no scheduler and
+no RINGLAB_RAY_ADDRESS has no driver and says so (it never starts a cluster).
 """
 
 from __future__ import annotations
 
-import threading
+from typing import Any
 
 from starlette.requests import HTTPConnection
 
-from service.core.config import Settings
+NO_DRIVER = (
+    "not connected: this process runs no scheduler and RINGLAB_RAY_ADDRESS is unset "
+    "(run `ringlab serve` with its scheduler, or set the address)"
+)
 
-_connect_lock = threading.Lock()
 
-
-def problem(settings: Settings, *, may_connect: bool) -> str | None:
+def problem(state: Any) -> str | None:
     """None when Ray is connected and has an alive node; else why not, in one line.
-
-    may_connect is False when the embedded scheduler owns the connection (it connects at start,
-    with backoff, and says how that goes in service.ray_status; a second ray.init racing it
-    would fail).
-    """
-    import ray
-
+    `state`: the app's state (its `ray_supervisor`)."""
     from service.ray_status import RAY
 
-    if not ray.is_initialized():
-        if not may_connect:
-            return RAY.problem() or "not connected: the embedded scheduler has not started"
-        if settings.ray_address is None:
-            return (
-                "not connected: this process runs no scheduler and RINGLAB_RAY_ADDRESS is unset "
-                "(run `ringlab serve` with its scheduler, or set the address)"
-            )
-        from workers import cluster
-
-        with _connect_lock:
-            if not ray.is_initialized():
-                try:
-                    cluster.connect(settings.ray_address)
-                except (ConnectionError, RuntimeError, ValueError) as e:
-                    return f"cannot connect to {settings.ray_address}: {e}"
-    try:
-        alive = [n for n in ray.nodes() if n.get("Alive")]
-    except (ConnectionError, RuntimeError) as e:
-        return f"connected but not answering: {e}"
-    if not alive:
+    supervisor = getattr(state, "ray_supervisor", None)
+    if supervisor is None:
+        return NO_DRIVER
+    if (link_problem := RAY.problem()) is not None:
+        return link_problem
+    info = supervisor.cluster()
+    if info is None:
+        return "connected: waiting for the Ray driver's first report of the cluster"
+    if not info["nodes"]:
         return "connected but no node is alive"
     return None
+
+
+def cluster_info(state: Any) -> dict[str, Any] | None:
+    """workers.cluster.describe() as the Ray driver last reported it (None: not connected)."""
+    supervisor = getattr(state, "ray_supervisor", None)
+    return None if supervisor is None else supervisor.cluster()
 
 
 def queue_problem(request: HTTPConnection) -> str | None:

@@ -79,6 +79,14 @@ class Settings(BaseSettings):
         description="The most runs one scheduler drives at once (None: as many as the "
         "cluster's free resources hold).",
     )
+    warm_gang_ttl_s: float = Field(
+        default=60.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="How long a warm gang (kept for the next run of its shape) may stay idle "
+        "before its resources go back to Ray; one is given back at once when Ray has "
+        "pending demand it could serve.",
+    )
     host: str = "127.0.0.1"
     allowed_hosts: str | None = Field(
         default=None,

@@ -9,12 +9,15 @@ as they come, under the same condition.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.engine import rowcount
@@ -32,6 +35,11 @@ from service.db.models import (
 from service.leases import Claim, holding
 from workers.results import EnvironmentInfo, ProbeResult, RunOutcome, stored
 from workers.results import RankResult as RankMeasure
+
+log = logging.getLogger(__name__)
+
+FIRST_RETRY_S = 0.25
+MAX_RETRY_S = 4.0
 
 OUTCOME_STATUS = {
     "succeeded": RunStatus.succeeded,
@@ -154,6 +162,50 @@ def finish(sm: sessionmaker[Session], claim: Claim, completion: Completion) -> b
             session.add(Artifact(run_id=claim.run_id, **artifact))
         session.flush()
     return True
+
+
+def finish_retrying(
+    sm: sessionmaker[Session],
+    claim: Claim,
+    completion: Completion,
+    *,
+    patience_s: float,
+    renew: Callable[[], object],
+) -> bool:
+    """finish(), retried with backoff (0.25 s doubling to 4 s) while the database fails, for
+    up to patience_s (the caller gives at least its lease's length); between tries `renew()`
+    keeps the lease alive once the database answers again, so recovery never requeues a run
+    whose result is on its way. Idempotent: a try whose commit went through but whose answer
+    was lost is seen (`_written_by`) and not written twice. Raises the last DBAPIError when
+    patience runs out."""
+    deadline = time.monotonic() + patience_s
+    delay = FIRST_RETRY_S
+    while True:
+        try:
+            if finish(sm, claim, completion):
+                return True
+            return _written_by(sm, claim, completion.status)
+        except DBAPIError as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("run %d: writing its end failed (%s); again in %g s", claim.run_id,
+                        str(exc).splitlines()[0][:200], delay)  # fmt: skip
+        time.sleep(delay)
+        delay = min(2 * delay, MAX_RETRY_S)
+        try:
+            renew()
+        except DBAPIError:  # still down: the next try of the write says so, or raises
+            log.info("run %d: lease renewal failed too; retrying the write", claim.run_id)
+
+
+def _written_by(sm: sessionmaker[Session], claim: Claim, status: RunStatus) -> bool:
+    """Whether the run already ended with `status` under this claim's lease (an earlier try
+    committed, and only its answer was lost): finish() keeps the lease token it wrote under."""
+    with sm() as session:
+        row = session.execute(
+            select(Run.status, Run.lease_owner).where(Run.id == claim.run_id)
+        ).one_or_none()
+    return row is not None and row.lease_owner == claim.token and row.status == status
 
 
 def _add_results(session: Session, run_id: int, completion: Completion) -> None:

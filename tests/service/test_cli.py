@@ -10,8 +10,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -197,8 +199,18 @@ def test_bundled_example_by_name() -> None:
 
 
 @pytest.mark.ray
-def test_cluster_lists_the_local_ray(base: str, ray_session: object) -> None:
-    result = ringlab("cluster")
+def test_cluster_lists_the_local_ray(
+    base: str, ray_session: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ringlab cluster` against an API that reports the cluster at RINGLAB_RAY_ADDRESS (its
+    Ray driver joins it: seconds, so the command is retried until it answers)."""
+    address = ray_session.get_runtime_context().gcs_address
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'c.db'}", ray_address=address)
+    with live_server(make_web_app(settings)) as url:
+        monkeypatch.setenv("RINGLAB_URL", url)
+        deadline = time.monotonic() + 60
+        while (result := ringlab("cluster")).exit_code != 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
     assert result.exit_code == 0, result.stderr
     total = result.stdout.strip().splitlines()[-1]
     assert total.startswith("total: ") and "/8 CPUs free" in total and "/0 GPUs free" in total

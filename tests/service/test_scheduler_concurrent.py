@@ -182,7 +182,8 @@ def _module_pool() -> Iterator[dict[str, Any]]:
 
     from workers.gang import GangPool
 
-    shared: dict[str, Any] = {"pool": GangPool(placement_timeout_s=60)}
+    # warm past the default idle TTL (60 s): the next test starts after the 8-cell one ends
+    shared: dict[str, Any] = {"pool": GangPool(placement_timeout_s=60, warm_ttl_s=600)}
     yield shared
     if ray.is_initialized():
         shared["pool"].close()

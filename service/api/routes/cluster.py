@@ -9,7 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.api import ray_link
-from service.api.deps import SessionDep, SettingsDep, require_read
+from service.api.deps import SessionDep, require_read
 from service.api.schemas import ClusterOut, Message
 from service.db.models import Run, RunStatus
 from workers import cluster
@@ -19,14 +19,14 @@ router = APIRouter(prefix="/cluster", tags=["cluster"], dependencies=[Depends(re
 
 
 @router.get("", responses={503: {"model": Message, "description": "No Ray cluster reachable."}})
-def get_cluster(request: Request, settings: SettingsDep, session: SessionDep) -> ClusterOut:
-    """The cluster as workers.cluster.describe() sees it (503 when Ray is unreachable), with
+def get_cluster(request: Request, session: SessionDep) -> ClusterOut:
+    """The cluster as workers.cluster.describe() saw it at the Ray driver's last report, a
+    second ago at most (503 when Ray is unreachable), with
     what warm gangs hold while they run nothing (a gang stays up for the next run)."""
-    embedded = request.app.state.scheduler_thread is not None
-    problem = ray_link.problem(settings, may_connect=not embedded)
-    if problem is not None:
+    problem = ray_link.problem(request.app.state)
+    info = ray_link.cluster_info(request.app.state)
+    if problem is not None or info is None:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"ray: {problem}")
-    info = cluster.describe()
     busy_cpus, busy_gpus = _running_ranks(session, info)
     return ClusterOut.model_validate(
         {

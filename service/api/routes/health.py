@@ -47,8 +47,7 @@ def _scheduler(request: Request) -> str:
 def readyz(request: Request) -> HealthOut | JSONResponse:
     """Readiness: the database answers and this process is connected to a live Ray cluster."""
     db_problem = _database(request)
-    embedded = request.app.state.scheduler_thread is not None
-    ray_problem = ray_link.problem(request.app.state.settings, may_connect=not embedded)
+    ray_problem = ray_link.problem(request.app.state)
     scheduler = _scheduler(request)
     checks = {
         "database": db_problem or "ok",
