@@ -173,8 +173,9 @@ class SweepSpec(BaseModel):
     grid: dict[str, list[Any]] = Field(
         default_factory=dict,
         description="Axis -> values; the cells are their cartesian product. Axes are run config "
-        "fields, `params.<name>`, `model.<name>`, `training.<name>`, or `model` / `training` "
-        "with whole objects as values (merged over the base's).",
+        "fields, `params.<name>`, `model.<name>`, `training.<name>`, or `params` / `model` / "
+        "`training` with whole objects as values (merged over the base's; a `params` axis zipped "
+        "with `kernel` gives each kernel its own params).",
     )
     zip: dict[str, list[Any]] = Field(
         default_factory=dict,
@@ -341,8 +342,6 @@ def _check_axis(where: str, axis: str) -> dict[str, Any] | None:
         return None
     if axis == "search":
         return _err((where, axis), "search is not an axis; use the sweep's search block")
-    if axis == "params":
-        return _err((where, axis), "vary single parameters with axes named params.<name>")
     if axis not in RUN_FIELDS:
         valid = ", ".join(sorted(RUN_FIELDS - set(NESTED)))
         return _err(
@@ -617,10 +616,13 @@ class _Expander:
             if axis in pos:
                 where, i = pos[axis]
                 return (where, axis, i, *path[2:])
+            if head in pos and self._sets(head, pos[head], path[1]):  # a whole object's field
+                where, i = pos[head]
+                return (where, head, i, *path[1:])
             given = self.spec.base.get(head)
             if isinstance(given, dict) and path[1] in given:
                 return ("base", *path)
-            if head in pos:  # a whole model / training object on an axis
+            if head in pos:  # a whole params / model / training object on an axis
                 where, i = pos[head]
                 return (where, head, i, *path[1:])
             if head != "params":
@@ -638,6 +640,11 @@ class _Expander:
         if head in RUN_FIELDS:
             return ("base", *path)
         return ("base",)
+
+    def _sets(self, axis: str, at: tuple[str, int], name: Any) -> bool:
+        """Whether the whole object that `axis` holds at `at` (grid|zip, index) sets `name`."""
+        value = (self.spec.grid if at[0] == "grid" else self.spec.zip)[axis][at[1]]
+        return isinstance(value, dict) and name in value
 
     def blame(self, pos: Position, msg: str) -> Loc:
         """For a whole-config error without a field prefix: the first axis or field it names."""
@@ -667,7 +674,7 @@ class _Expander:
                 raw[head] = dict(raw[head])
         for axis, value in axes.items():
             nested = nested_axis(axis)
-            if axis in NESTED and isinstance(value, dict):  # a whole model / training object
+            if axis in NESTED and isinstance(value, dict):  # a whole params / model / training
                 base_obj = raw.get(axis)
                 raw[axis] = {**(base_obj if isinstance(base_obj, dict) else {}), **value}
                 continue
@@ -695,7 +702,7 @@ class _Expander:
         key = tuple(
             i
             for (name, _, _), i in zip(self.axes, idx, strict=True)
-            if name == "kernel" or name.startswith("params.")
+            if name in ("kernel", "params") or name.startswith("params.")
         )
         if key not in self.params_cache:
             self.params_cache[key] = normalize_params(kernel, params)
