@@ -32,7 +32,7 @@ from service.db.models import (
     utcnow,
 )
 from service.leases import back_to_queue
-from service.spec import Cell, SweepSpec
+from service.spec import Cell, SpecError, SweepSpec
 
 CANCELLABLE = (RunStatus.queued, RunStatus.waiting_resources, RunStatus.running)
 RETRYABLE = (RunStatus.failed, RunStatus.timed_out)
@@ -161,6 +161,18 @@ def _add_runs(session: Session, sweep: Sweep, cells: Iterable[Cell], now: dateti
     return stored
 
 
+def _new_sweep(spec: SweepSpec, spec_json: dict[str, Any], key: str | None, submitter: str,
+               now: datetime) -> Sweep:  # fmt: skip
+    return Sweep(
+        name=spec.name,
+        kind=spec.kind,
+        spec=spec_json,
+        idempotency_key=key,
+        created_at=now,
+        submitter=submitter,
+    )
+
+
 def create_sweep(
     session: Session,
     spec: SweepSpec,
@@ -182,14 +194,7 @@ def create_sweep(
         if existing is not None:
             return existing, 0, False
     now = utcnow()
-    sweep = Sweep(
-        name=spec.name,
-        kind=spec.kind,
-        spec=spec_json,
-        idempotency_key=idempotency_key,
-        created_at=now,
-        submitter=submitter,
-    )
+    sweep = _new_sweep(spec, spec_json, idempotency_key, submitter, now)
     try:
         stored = _add_runs(session, sweep, cells, now)
         session.commit()
@@ -205,6 +210,52 @@ def create_sweep(
         session.rollback()
         raise
     return sweep, stored, True
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document of a multi-document submission: its spec, its lazy expansion, its key."""
+
+    spec: SweepSpec
+    cells: Iterable[Cell]
+    key: str | None
+
+
+def create_sweeps(
+    session: Session, documents: Sequence[Document], submitter: str = DEFAULT_SUBMITTER
+) -> list[tuple[Sweep, int, bool]]:
+    """Store every document's sweep and runs in one transaction, or none of them.
+
+    Every document is expanded even after one failed, so that the SpecError raised then lists
+    the problems of each (their locs start with ('documents', i)). A document whose key was
+    used before for the same spec is that sweep (created False); one used for another spec is
+    an IdempotencyConflict. A concurrent submission under the same keys that commits first
+    makes this one an IntegrityError (nothing stored)."""
+    now = utcnow()
+    out: list[tuple[Sweep, int, bool]] = []
+    errors: list[dict[str, Any]] = []
+    try:
+        for i, doc in enumerate(documents):
+            spec_json = doc.spec.model_dump(mode="json")
+            existing = _by_key(session, doc.key, spec_json) if doc.key is not None else None
+            try:
+                if existing is not None:
+                    out.append((existing, 0, False))
+                elif errors:  # nothing will be stored: only this document's problems count
+                    for _ in doc.cells:
+                        pass
+                else:
+                    sweep = _new_sweep(doc.spec, spec_json, doc.key, submitter, now)
+                    out.append((sweep, _add_runs(session, sweep, doc.cells, now), True))
+            except SpecError as e:
+                errors += [{**err, "loc": ["documents", i, *err["loc"]]} for err in e.errors]
+        if errors:
+            raise SpecError(errors)
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    return out
 
 
 def sweep_for_key(session: Session, key: str, spec: SweepSpec) -> Sweep | None:
