@@ -43,9 +43,23 @@ class ClientError(Exception):
     `status` is the HTTP status of an error answer (None when the service was unreachable).
     """
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(
+        self, message: str, status: int | None = None, errors: list[dict[str, Any]] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
+        self.errors = errors or []
+        """A 422's errors (loc, msg, type), every one; empty for other failures."""
+
+
+def _errors(response: httpx.Response) -> list[dict[str, Any]]:
+    """The validation errors of a 422 answer (its `detail` list), else []."""
+    try:
+        body = response.json()
+    except ValueError:
+        return []
+    detail = body.get("detail") if isinstance(body, dict) else None
+    return [e for e in detail if isinstance(e, dict)] if isinstance(detail, list) else []
 
 
 def _detail(response: httpx.Response) -> str:
@@ -104,8 +118,16 @@ class Client:
             raise ClientError(
                 f"{method} {API}{path} -> {response.status_code}: {_detail(response)}",
                 status=response.status_code,
+                errors=_errors(response) if response.status_code == 422 else None,
             )
         return response
+
+    def _submit_headers(self, idempotency_key: str | None, submitter: str | None) -> dict[str, str]:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        who = submitter if submitter is not None else default_submitter()
+        if who is not None:
+            headers[SUBMITTER_HEADER] = who
+        return headers
 
     def submit(
         self,
@@ -115,11 +137,26 @@ class Client:
     ) -> dict[str, Any]:
         """POST the sweep spec as `submitter` (None: default_submitter()); the stored sweep
         (with its run counts and submitter)."""
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        who = submitter if submitter is not None else default_submitter()
-        if who is not None:
-            headers[SUBMITTER_HEADER] = who
+        headers = self._submit_headers(idempotency_key, submitter)
         return self.request("POST", "/sweeps", json=spec, headers=headers).json()
+
+    def submit_documents(
+        self,
+        specs: list[dict[str, Any]],
+        idempotency_key: str | None = None,
+        submitter: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """POST several sweep specs at once: all stored, or none (ClientError 422 with every
+        document's errors, their locs under documents.<i>); the stored sweeps in order.
+        Document i's key is `<idempotency_key>-<i>`."""
+        headers = self._submit_headers(idempotency_key, submitter)
+        body = {"documents": specs}
+        return self.request("POST", "/sweeps", json=body, headers=headers).json()["sweeps"]
+
+    def check(self, specs: list[dict[str, Any]]) -> dict[str, Any]:
+        """A dry run: each document's cell count and problems; nothing is stored."""
+        params = {"dry_run": "true"}
+        return self.request("POST", "/sweeps", json={"documents": specs}, params=params).json()
 
     def sweeps(self, skip: int = 0, limit: int = 50) -> dict[str, Any]:
         return self.request("GET", "/sweeps", params={"skip": skip, "limit": limit}).json()
