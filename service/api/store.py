@@ -28,7 +28,6 @@ from service.db.models import (
     cell_delta,
     full_config,
     probe_table,
-    run_config_columns,
     utcnow,
 )
 from service.leases import back_to_queue
@@ -93,11 +92,16 @@ other requests get the interpreter between chunks."""
 
 
 def _run_row(sweep_id: int, cell: Cell, base: dict[str, Any], now: Any) -> dict[str, Any]:
+    config = cell.config_json
+    if cell.built_over is base:  # every other field is base's own object: diff only these
+        delta = cell_delta(base, {k: config[k] for k in cell.varies})
+    else:
+        delta = cell_delta(base, config)
     return {
         "sweep_id": sweep_id,
         "cell_key": cell.cell_key,
-        "config": cell_delta(base, cell.config_json),  # the column behind Run.cell_config
-        **run_config_columns(cell.config),
+        "config": delta,  # the column behind Run.cell_config
+        **{name: config[name] for name in RUN_CONFIG_COLUMNS},  # JSON: str, int and bool
         "status": RunStatus.queued,
         "attempts": 0,
         "created_at": now,

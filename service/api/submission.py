@@ -26,7 +26,7 @@ def _parse_one(raw: Any, where: Loc) -> tuple[SweepSpec | None, list[dict[str, A
     try:
         spec = SweepSpec.model_validate(raw)
     except ValidationError as e:
-        return None, _under(where, [safe_error(err) for err in e.errors(include_url=False)])
+        return None, _under(where, [safe_error(dict(err)) for err in e.errors(include_url=False)])
     return spec, _under(where, unstorable_values(spec.model_dump(exclude_unset=True)))
 
 

@@ -159,7 +159,21 @@ def create_sweep(
         return _create_many(
             body.root, request, session, settings, response, idempotency_key, x_ringlab_submitter
         )
-    spec = body.root
+    return _create_one(
+        body.root, request, session, settings, response, idempotency_key, x_ringlab_submitter
+    )
+
+
+def _create_one(
+    spec: SweepSpec,
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    response: Response,
+    idempotency_key: str | None,
+    submitter: str,
+) -> SweepOut:
+    """One spec stored with its runs (201), the replay of its key (200), or a 422."""
     if bad := unstorable_values(spec.model_dump(exclude_unset=True)):
         raise _in_body(bad)
     try:
@@ -169,7 +183,7 @@ def create_sweep(
     if existing is not None:  # answered before expanding: a replay costs one lookup
         return _stored_before(session, response, existing.id)
     sweep, stored, created = _store_sweep(
-        session, spec, settings.run_limits(), idempotency_key, x_ringlab_submitter
+        session, spec, settings.run_limits(), idempotency_key, submitter
     )
     if not created:
         return _stored_before(session, response, sweep.id)
@@ -214,7 +228,7 @@ def _create_many(
     out = []
     for sweep, stored, created in made:
         if created:
-            counts = {**dict.fromkeys(RunStatus, 0), RunStatus.queued: stored}
+            counts: dict[str, int] = {**dict.fromkeys(RunStatus, 0), RunStatus.queued: stored}
             out.append(_noted(store.sweep_out(sweep, counts), note))
         else:
             out.append(_noted(_sweep_or_404(session, sweep.id), note))
