@@ -146,13 +146,15 @@ def _add_runs(session: Session, sweep: Sweep, cells: Iterable[Cell], now: dateti
     per cell, inserted INSERT_CHUNK at a time as cells come; how many runs. Commits nothing."""
     stored = 0
     chunk: list[dict[str, Any]] = []
+    base: dict[str, Any] | None = None  # the ORM's attributes read once, not once a cell
+    sweep_id = 0
     for cell in cells:
-        if sweep.base_config is None:
-            sweep.base_config = cell.config_json
+        if base is None:
+            sweep.base_config = base = cell.config_json
             session.add(sweep)
             session.flush()
-        assert sweep.base_config is not None  # for mypy: set just above
-        chunk.append(_run_row(sweep.id, cell, sweep.base_config, now))
+            sweep_id = sweep.id
+        chunk.append(_run_row(sweep_id, cell, base, now))
         if len(chunk) == INSERT_CHUNK:
             _insert_runs(session, chunk)
             stored += len(chunk)
