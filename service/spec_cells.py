@@ -234,6 +234,8 @@ class CellMemo:
             self.on = False  # a cell is not its base with its axis values: memo nothing
             return
         for check, passed in zip(self.checks, self.passed, strict=True):
+            if any(tuple([idx[a] for a in where]) in keys for where, keys in passed.items()):
+                continue  # known to pass with this cell's values there
             reads = _Reads(cell.config)
             check(reads)
             if reads.opaque:

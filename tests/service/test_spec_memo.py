@@ -95,8 +95,9 @@ def test_each_distinct_part_is_validated_once_not_each_cell(
     # a full validation per new length, batch size or kernel, and per (length, kernel) the
     # kernel's own check reads: 20 x 2 + 49 more batch sizes, out of 2,000 cells
     assert calls["cells"] == 20 * 2 + 49
-    # the kernel's check runs only in those: once validating, once more to see what it reads
-    assert calls["kernel"] == 2 * calls["cells"]
+    # the kernel's check runs only in those, and once more for each new (length, kernel) to
+    # see what it reads
+    assert calls["kernel"] == calls["cells"] + 20 * 2
 
 
 @pytest.mark.parametrize(
