@@ -12,6 +12,10 @@ Starts uvicorn in-process on a free port, on a fresh Postgres schema (dropped at
     RINGLAB_TEST_POSTGRES_URL=postgresql://postgres@127.0.0.1:5432/test \\
         .venv/bin/python bench/service.py [--posts 5] [--runs 100000] [--depth 200] [--limit 50]
         [--separate-process]
+
+With --post-only it times POSTs alone: --posts sweeps each of 1,000, 10,000 and 100,000 cells
+(--sizes), the median of each beside the others from the same run (targets: 10,000 cells
+<= 0.8 s, 100,000 <= 3 s).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from service.app import create_app  # noqa: E402
 from service.core.config import Settings, normalize_database_url  # noqa: E402
 from service.db.engine import make_engine, make_sessionmaker, scratch_schema  # noqa: E402
 from service.db.models import Run, RunStatus, Sweep, SweepKind, utcnow  # noqa: E402
-from service.spec import SweepSpec, canonical_json, cell_key_of, expand  # noqa: E402
+from service.spec import SweepSpec, canonical_json, cell_key_of, expand, iter_cells  # noqa: E402
 from workers.config import RunConfig  # noqa: E402
 
 API = "/api/v1"
@@ -73,6 +77,17 @@ def parse() -> argparse.Namespace:
     ap.add_argument(
         "--database-url",
         default=os.environ.get("RINGLAB_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1/test"),
+    )
+    ap.add_argument(
+        "--post-only",
+        action="store_true",
+        help="time only POSTs: --posts each of 1,000, 10,000 and 100,000 cells (--sizes), "
+        "then stop (no run pages)",
+    )
+    ap.add_argument(
+        "--sizes",
+        default="1000,10000,100000",
+        help="cells per POSTed sweep with --post-only, comma-separated (multiples of 100)",
     )
     ap.add_argument(
         "--separate-process",
@@ -147,15 +162,20 @@ def serve_subprocess(url: str) -> Iterator[str]:
         proc.wait(60)
 
 
-def spec_10k(n: int) -> dict[str, Any]:
+def spec_cells(cells: int, n: int) -> dict[str, Any]:
+    """A dense sweep of `cells` cells (a multiple of 100): lengths x 100 batch sizes."""
     return {
-        "name": f"bench-10k-{n}",
+        "name": f"bench-{cells // 1000}k-{n}",
         "base": {"kernel": "dense", "num_heads": 8, "head_dim": 64},
         "grid": {
-            "seq_len": [1024 * (i + 1) for i in range(100)],
+            "seq_len": [1024 * (i + 1) for i in range(cells // 100)],
             "batch_size": list(range(1, 101)),
         },
     }
+
+
+def spec_10k(n: int) -> dict[str, Any]:
+    return spec_cells(10_000, n)
 
 
 def fill_runs(sessionmaker: Any, target: int) -> int:
@@ -248,6 +268,29 @@ def _bench_posts(http: httpx.Client, posts: int) -> None:
     )
 
 
+def _bench_post_sizes(http: httpx.Client, posts: int, sizes: list[int]) -> None:
+    """For each size, `posts` POSTs of a sweep of that many cells (after one untimed of 1,000
+    cells, which warms the connection pool and the imports), a line each: the POST at the
+    client, and validation + expansion alone in this process."""
+    http.post(f"{API}/sweeps", json=spec_cells(1_000, -1)).raise_for_status()
+    for cells in sizes:
+        post_s = []
+        for n in range(posts):
+            t0 = time.perf_counter()
+            r = http.post(f"{API}/sweeps", json=spec_cells(cells, n))
+            post_s.append(time.perf_counter() - t0)
+            if r.status_code != 201 or r.json()["total"] != cells:
+                raise SystemExit(f"POST failed: {r.status_code} {r.text[:300]}")
+        t0 = time.perf_counter()
+        assert sum(1 for _ in iter_cells(SweepSpec.model_validate(spec_cells(cells, 0)))) == cells
+        expand_s = time.perf_counter() - t0
+        print(
+            f"POST /sweeps, {cells:,} cells: {posts} requests; median "
+            f"{statistics.median(post_s):.3f} s, min {min(post_s):.3f} s, max "
+            f"{max(post_s):.3f} s; validation + expansion alone {expand_s:.3f} s"
+        )
+
+
 def _bench_pages(http: httpx.Client, args: argparse.Namespace, total: int) -> dict[str, list[str]]:
     """Walk each of FILTERS by cursor (--depth pages of --limit runs, after a warm-up), a line
     per filter and one for every request together; returns the cursors the walks met, by
@@ -286,6 +329,9 @@ def main() -> None:
             server = serve(create_app(Settings(database_url=url)))
         with server as base, httpx.Client(base_url=base, timeout=120) as http:
             assert http.get(f"{API}/healthz").status_code == 200
+            if args.post_only:
+                _bench_post_sizes(http, args.posts, [int(n) for n in args.sizes.split(",")])
+                return
             _bench_posts(http, args.posts)
             t0 = time.perf_counter()
             total = fill_runs(make_sessionmaker(engine), args.runs)

@@ -54,9 +54,13 @@ class ClientError(Exception):
     `status` is the HTTP status of an error answer (None when the service was unreachable).
     """
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(
+        self, message: str, status: int | None = None, errors: list[dict[str, Any]] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
+        self.errors = errors or []
+        """A 422's errors (loc, msg, type), every one; empty for other failures."""
         # the lines after the first: each problem of a 422 that had several
         self.detail = "\n".join(message.splitlines()[1:])
 
@@ -71,6 +75,16 @@ def _one_error(error: Any) -> str:
         return str(error)
     where = ".".join(str(p) for p in error.get("loc", []) if p != "body")
     return f"{where}: {error.get('msg')}" if where else str(error.get("msg"))
+
+
+def _errors(response: httpx.Response) -> list[dict[str, Any]]:
+    """The validation errors of a 422 answer (its `detail` list), else []."""
+    try:
+        body = response.json()
+    except ValueError:
+        return []
+    detail = body.get("detail") if isinstance(body, dict) else None
+    return [e for e in detail if isinstance(e, dict)] if isinstance(detail, list) else []
 
 
 def _detail(response: httpx.Response) -> str:
@@ -182,10 +196,18 @@ class Client:
             failure = ClientError(
                 f"{method} {API}{path} -> {response.status_code}: {_detail(response)}",
                 status=response.status_code,
+                errors=_errors(response) if response.status_code == 422 else None,
             )
             if method != "GET" or response.status_code not in RETRYABLE:
                 raise failure
             since = self._wait_or_give_up(failure, retry_after_s(response), since)
+
+    def _submit_headers(self, idempotency_key: str | None, submitter: str | None) -> dict[str, str]:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        who = submitter if submitter is not None else default_submitter()
+        if who is not None:
+            headers[SUBMITTER_HEADER] = who
+        return headers
 
     def submit(
         self,
@@ -195,11 +217,26 @@ class Client:
     ) -> dict[str, Any]:
         """POST the sweep spec as `submitter` (None: default_submitter()); the stored sweep
         (with its run counts and submitter)."""
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        who = submitter if submitter is not None else default_submitter()
-        if who is not None:
-            headers[SUBMITTER_HEADER] = who
+        headers = self._submit_headers(idempotency_key, submitter)
         return self.request("POST", "/sweeps", json=spec, headers=headers).json()
+
+    def submit_documents(
+        self,
+        specs: list[dict[str, Any]],
+        idempotency_key: str | None = None,
+        submitter: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """POST several sweep specs at once: all stored, or none (ClientError 422 with every
+        document's errors, their locs under documents.<i>); the stored sweeps in order.
+        Document i's key is `<idempotency_key>-<i>`."""
+        headers = self._submit_headers(idempotency_key, submitter)
+        body = {"documents": specs}
+        return self.request("POST", "/sweeps", json=body, headers=headers).json()["sweeps"]
+
+    def check(self, specs: list[dict[str, Any]]) -> dict[str, Any]:
+        """A dry run: each document's cell count and problems; nothing is stored."""
+        params = {"dry_run": "true"}
+        return self.request("POST", "/sweeps", json={"documents": specs}, params=params).json()
 
     def sweeps(self, skip: int = 0, limit: int = 50) -> dict[str, Any]:
         return self.request("GET", "/sweeps", params={"skip": skip, "limit": limit}).json()

@@ -7,12 +7,9 @@ cell's axis values, so the API can answer 422 with the exact place to fix.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
-import json
 import math
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -27,6 +24,7 @@ from pydantic import (
 
 from attention.errors import ParamError
 from service.core.config import RunLimits
+from service.spec_cells import Cell, CellMemo, all_plain, canonical_json, cell_key_of, model_checks
 from workers.config import RunConfig, SearchConfig
 
 MAX_CELLS = RunLimits.cells
@@ -173,8 +171,9 @@ class SweepSpec(BaseModel):
     grid: dict[str, list[Any]] = Field(
         default_factory=dict,
         description="Axis -> values; the cells are their cartesian product. Axes are run config "
-        "fields, `params.<name>`, `model.<name>`, `training.<name>`, or `model` / `training` "
-        "with whole objects as values (merged over the base's).",
+        "fields, `params.<name>`, `model.<name>`, `training.<name>`, or `params` / `model` / "
+        "`training` with whole objects as values (merged over the base's; a `params` axis zipped "
+        "with `kernel` gives each kernel its own params).",
     )
     zip: dict[str, list[Any]] = Field(
         default_factory=dict,
@@ -256,16 +255,6 @@ def unstorable_values(value: Any, loc: Loc = ()) -> list[dict[str, Any]]:
     return found
 
 
-@dataclass(frozen=True)
-class Cell:
-    """One expanded cell: its validated config (and its JSON form), key, and axis values."""
-
-    config: RunConfig
-    config_json: dict[str, Any]
-    cell_key: str
-    axes: dict[str, Any]
-
-
 class SpecError(ValueError):
     """A spec that cannot be expanded; `errors` are pydantic-style dicts (loc without 'body')."""
 
@@ -276,19 +265,6 @@ class SpecError(ValueError):
 
 def _err(loc: Loc, msg: str, kind: str = "value_error") -> dict[str, Any]:
     return {"loc": list(loc), "msg": msg, "type": kind}
-
-
-def canonical_json(value: Any) -> str:
-    """JSON with sorted keys and no whitespace, the form cell keys are computed from.
-
-    Raises ValueError for NaN or infinite floats (not JSON; the database would refuse them).
-    """
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
-
-
-def cell_key_of(config_json: dict[str, Any]) -> str:
-    """sha256 of a normalized run config (model_dump(mode='json')): equal cells, equal keys."""
-    return hashlib.sha256(canonical_json(config_json).encode()).hexdigest()
 
 
 def cell_key(config: RunConfig) -> str:
@@ -341,8 +317,6 @@ def _check_axis(where: str, axis: str) -> dict[str, Any] | None:
         return None
     if axis == "search":
         return _err((where, axis), "search is not an axis; use the sweep's search block")
-    if axis == "params":
-        return _err((where, axis), "vary single parameters with axes named params.<name>")
     if axis not in RUN_FIELDS:
         valid = ", ".join(sorted(RUN_FIELDS - set(NESTED)))
         return _err(
@@ -481,30 +455,56 @@ def _num(value: float) -> str:
     return f"{value:,g}"
 
 
-def limit_problems(config: RunConfig, limits: RunLimits) -> list[tuple[tuple[str, ...], str]]:
-    """(path, message) for every field of `config` above the service's caps (RunLimits)."""
-    longest = config.search.max if config.search is not None else config.seq_len
-    elements = longest * config.num_heads * config.head_dim
-    what = "search.max" if config.search is not None else "seq_len"
-    checks = [
-        _over("timeout_s", config.timeout_s, limits.timeout_s, "MAX_TIMEOUT_S"),
-        _over("dist_timeout_s", config.dist_timeout_s, limits.timeout_s, "MAX_TIMEOUT_S"),
-        _over("warmup", config.warmup, limits.warmup, "MAX_WARMUP"),
-        _over("batch_size", config.batch_size, limits.batch_size, "MAX_BATCH_SIZE"),
-    ]
-    if config.iterations != "auto":
-        checks.append(_over("iterations", config.iterations, limits.iterations, "MAX_ITERATIONS"))
-    problems = [(tuple(field.split(".")), msg) for field, msg in filter(None, checks)]
-    if elements > limits.elements:
+Problems = list[tuple[tuple[str, ...], str]]
+
+
+def _cap(field: str, cap: float, setting: str) -> Callable[[RunConfig], Problems]:
+    """The check of one field against its cap (RINGLAB_<setting>)."""
+
+    def check(config: RunConfig) -> Problems:
+        over = _over(field, getattr(config, field), cap, setting)
+        return [] if over is None else [(tuple(field.split(".")), over[1])]
+
+    return check
+
+
+def limit_checks(limits: RunLimits) -> list[Callable[[RunConfig], Problems]]:
+    """The service's caps (RunLimits), each a check of the few fields it reads: a sweep's
+    expansion remembers each one's answer per distinct value of those (service.spec_cells)."""
+
+    def iterations(config: RunConfig) -> Problems:
+        if config.iterations == "auto":
+            return []
+        return _cap("iterations", limits.iterations, "MAX_ITERATIONS")(config)
+
+    def elements(config: RunConfig) -> Problems:
+        longest = config.search.max if config.search is not None else config.seq_len
+        total = longest * config.num_heads * config.head_dim
+        if total <= limits.elements:
+            return []
+        what = "search.max" if config.search is not None else "seq_len"
         path = ("search", "max") if config.search is not None else ("seq_len",)
-        problems.append(
+        return [
             (
                 path,
-                f"{what} x num_heads x head_dim = {elements:,} must be <= {limits.elements:,} "
+                f"{what} x num_heads x head_dim = {total:,} must be <= {limits.elements:,} "
                 "(RINGLAB_MAX_ELEMENTS)",
             )
-        )
-    return problems
+        ]
+
+    return [
+        _cap("timeout_s", limits.timeout_s, "MAX_TIMEOUT_S"),
+        _cap("dist_timeout_s", limits.timeout_s, "MAX_TIMEOUT_S"),
+        _cap("warmup", limits.warmup, "MAX_WARMUP"),
+        _cap("batch_size", limits.batch_size, "MAX_BATCH_SIZE"),
+        iterations,
+        elements,
+    ]
+
+
+def limit_problems(config: RunConfig, limits: RunLimits) -> Problems:
+    """(path, message) for every field of `config` above the service's caps (RunLimits)."""
+    return [problem for check in limit_checks(limits) for problem in check(config)]
 
 
 @lru_cache(maxsize=64)
@@ -617,10 +617,13 @@ class _Expander:
             if axis in pos:
                 where, i = pos[axis]
                 return (where, axis, i, *path[2:])
+            if head in pos and self._sets(head, pos[head], path[1]):  # a whole object's field
+                where, i = pos[head]
+                return (where, head, i, *path[1:])
             given = self.spec.base.get(head)
             if isinstance(given, dict) and path[1] in given:
                 return ("base", *path)
-            if head in pos:  # a whole model / training object on an axis
+            if head in pos:  # a whole params / model / training object on an axis
                 where, i = pos[head]
                 return (where, head, i, *path[1:])
             if head != "params":
@@ -638,6 +641,11 @@ class _Expander:
         if head in RUN_FIELDS:
             return ("base", *path)
         return ("base",)
+
+    def _sets(self, axis: str, at: tuple[str, int], name: Any) -> bool:
+        """Whether the whole object that `axis` holds at `at` (grid|zip, index) sets `name`."""
+        value = (self.spec.grid if at[0] == "grid" else self.spec.zip)[axis][at[1]]
+        return isinstance(value, dict) and name in value
 
     def blame(self, pos: Position, msg: str) -> Loc:
         """For a whole-config error without a field prefix: the first axis or field it names."""
@@ -667,7 +675,7 @@ class _Expander:
                 raw[head] = dict(raw[head])
         for axis, value in axes.items():
             nested = nested_axis(axis)
-            if axis in NESTED and isinstance(value, dict):  # a whole model / training object
+            if axis in NESTED and isinstance(value, dict):  # a whole params / model / training
                 base_obj = raw.get(axis)
                 raw[axis] = {**(base_obj if isinstance(base_obj, dict) else {}), **value}
                 continue
@@ -695,7 +703,7 @@ class _Expander:
         key = tuple(
             i
             for (name, _, _), i in zip(self.axes, idx, strict=True)
-            if name == "kernel" or name.startswith("params.")
+            if name in ("kernel", "params") or name.startswith("params.")
         )
         if key not in self.params_cache:
             self.params_cache[key] = normalize_params(kernel, params)
@@ -765,22 +773,47 @@ class _Expander:
             return None
         return Cell(config, config_json, key, axes)
 
+    def memo(self) -> CellMemo | None:
+        """The memo of checked parts (service.spec_cells), for a sweep of attention cells."""
+        names = [name for name, _, _ in self.axes]
+        base = self.spec.base
+        if not all_plain(names) or {"workload", "model", "training"} & base.keys():
+            return None
+        limits = self.limits
+        checks = [
+            *model_checks(),
+            *limit_checks(limits),
+            lambda config: config.seq_len <= MAX_SEQ_LEN,
+        ]
+        if self.spec.kind == "correctness":
+            checks.append(lambda config: config.correctness_check)
+        return CellMemo([(n, v) for n, _, v in self.axes], checks)
+
     def cells(self) -> Iterator[Cell]:
         """Each valid cell as it is validated; once every cell has been seen, SpecError if any
-        was invalid. Only the cells' keys are kept (to find duplicates), never the cells."""
+        was invalid. Only the cells' keys are kept (to find duplicates), never the cells.
+
+        A cell whose every part was checked in an earlier cell comes from the memo; any other
+        is built and validated in full (and teaches the memo its parts)."""
         seen: dict[str, tuple[int, ...]] = {}
+        memo = self.memo()
         for idx in self.indices():
             if len(self.errors) >= MAX_ERRORS:
                 break
-            raw, axes = self.build(idx)
-            cell = self.validate(raw, idx, axes)
+            cell = memo.cell(idx) if memo is not None and not self.errors else None
             if cell is None:
-                continue
+                raw, axes = self.build(idx)
+                cell = self.validate(raw, idx, axes)
+                if cell is None:
+                    continue
+                if memo is not None:
+                    memo.learn(idx, cell)
             if cell.cell_key in seen:
                 first_axes = self.build(seen[cell.cell_key])[1]
                 first = ", ".join(f"{k}={v!r}" for k, v in first_axes.items())
                 where = self.axes[0][1] if self.axes else "base"
-                self.add((where,), f"duplicate cell: same run config as the cell {first}", axes)
+                msg = f"duplicate cell: same run config as the cell {first}"
+                self.add((where,), msg, cell.axes)
                 continue
             seen[cell.cell_key] = idx
             if not self.errors:  # after the first error only errors are of use

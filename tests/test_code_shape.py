@@ -23,6 +23,7 @@ SERVICE_LAYERS = {
     "service.core": 0,
     "service.units": 0,
     "service.spec": 1,
+    "service.spec_cells": 1,
     "service.spec_docs": 1,
     "service.results": 2,
     "service.leases": 2,

@@ -7,9 +7,18 @@ from copy import copy
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    RootModel,
+    create_model,
+    model_validator,
+)
 
 from service.results.stored import StoredRank
+from service.spec import SweepSpec
 from workers import results
 from workers.results import stored_fields
 
@@ -73,6 +82,64 @@ class SweepAction(BaseModel):
 
     changed: int
     sweep: SweepOut
+
+
+MAX_DOCUMENTS = 100
+"""Documents one submission may hold (a file's `---`-separated sweeps)."""
+
+
+class SweepDocuments(BaseModel):
+    """Several sweep specs submitted together (a file's documents): all stored in one
+    transaction, or none."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    documents: list[dict[str, Any]] = Field(
+        min_length=1,
+        max_length=MAX_DOCUMENTS,
+        description="Sweep specs, each as a single submission takes it.",
+        json_schema_extra={"items": {"$ref": "#/components/schemas/SweepSpec"}},
+    )
+
+
+class SweepBody(RootModel[SweepSpec | SweepDocuments]):
+    """POST /sweeps: one sweep spec, or {"documents": [spec, ...]}.
+
+    Each document is parsed on its own by the endpoint (SweepSpec), so that every problem of
+    every document is listed under `documents.<i>`, not only the first document's."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _dispatch(cls, data: Any, handler: Any) -> Any:
+        """A body with `documents` is the envelope; anything else one spec, whose errors keep
+        the paths a single submission has always had (no union member in them)."""
+        if isinstance(data, dict) and "documents" in data:
+            return handler(SweepDocuments.model_validate(data))
+        return handler(SweepSpec.model_validate(data))
+
+
+class SweepBatch(BaseModel):
+    """The sweeps a multi-document submission stored, in the documents' order."""
+
+    sweeps: list[SweepOut]
+
+
+class DocumentCheck(BaseModel):
+    """One document of a dry run: its cells and what is wrong with it."""
+
+    index: int = Field(description="Its position in the submission, from 0.")
+    name: str | None = Field(description="Its name, when it has one.")
+    cells: int | None = Field(description="Cells (runs) it expands into; null if unreadable.")
+    problems: list[dict[str, Any]] = Field(
+        description="Errors as a 422 lists them (loc, msg, type); empty when it is valid."
+    )
+
+
+class SweepCheck(BaseModel):
+    """A dry run (?dry_run=true): every document checked and expanded, nothing stored."""
+
+    valid: bool = Field(description="No document has a problem: submitting would store all.")
+    documents: list[DocumentCheck]
 
 
 class RunOut(BaseModel):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib.resources import files
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
 MIGRATION_LOCK_KEY = 0x72696E676C6162  # "ringlab": the Postgres advisory lock upgrades take
 
@@ -47,15 +48,46 @@ def _migrate(
     own = engine is None
     engine = make_engine(url) if engine is None else engine
     try:
-        with engine.begin() as conn:
+        with engine.connect() as conn, _sqlite_foreign_keys_off(conn), conn.begin():
             if conn.dialect.name == "postgresql":
                 lock = text("SELECT pg_advisory_xact_lock(:key)")
                 conn.execute(lock, {"key": MIGRATION_LOCK_KEY})
             cfg.attributes["connection"] = conn
             step(cfg, revision)
+            _check_foreign_keys(conn)
     finally:
         if own:
             engine.dispose()
+
+
+@contextmanager
+def _sqlite_foreign_keys_off(conn: Connection) -> Iterator[None]:
+    """SQLite's foreign keys off while migrating, on again after (Postgres: nothing).
+
+    A batch-mode rebuild drops the table's old copy, and with foreign keys on that drop
+    deletes the rows of every table that refers to it (runs, then their results): SQLite's
+    own procedure for rebuilding a table turns them off first. The pragma is a no-op inside a
+    transaction, so it is set before the migration's transaction begins."""
+    if conn.dialect.name != "sqlite":
+        yield
+        return
+    conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
+    conn.commit()
+    try:
+        yield
+    finally:
+        conn.rollback()  # whatever is left: the migration's transaction has ended
+        conn.exec_driver_sql("PRAGMA foreign_keys=ON")
+        conn.commit()
+
+
+def _check_foreign_keys(conn: Connection) -> None:
+    """On SQLite, refuse (and so roll back) a migration that left a row referring to none."""
+    if conn.dialect.name != "sqlite":
+        return
+    broken = conn.exec_driver_sql("PRAGMA foreign_key_check").all()
+    if broken:
+        raise RuntimeError(f"the migration left rows whose foreign keys refer to none: {broken}")
 
 
 def current(url: str) -> str | None:

@@ -141,6 +141,9 @@ def _enum(cls: type[enum.Enum], name: str) -> Enum:
 
 class Sweep(Base):
     __tablename__ = "sweep"
+    __table_args__ = ({"sqlite_autoincrement": True},)
+    """Ids are never reused (on SQLite too, since 0021): a deleted sweep's id names no other
+    sweep, so a bookmark, a report's "sweep 6" or an export's folder keeps meaning one thing."""
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
@@ -217,6 +220,7 @@ class Run(Base):
         Index("ix_run_kernel_id", "kernel", "id"),
         Index("ix_run_status_seq_len_id", "status", "seq_len", "id"),
         Index("ix_run_dtype_seq_len_id", "dtype", "seq_len", "id"),
+        {"sqlite_autoincrement": True},  # ids never reused, like the sweep's (0021)
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

@@ -114,3 +114,20 @@ def test_a_cell_keeps_a_value_that_only_equals_the_base_in_python() -> None:
         back = full_config(base, cell_delta(base, config))
         assert json.dumps(back, sort_keys=True) == json.dumps(config, sort_keys=True)
     assert cell_delta(base, dict(base)) == {}
+
+
+def test_values_that_copy_escapes_are_stored_as_given(database_url: str) -> None:
+    """A backslash, a tab, quotes and non-ASCII text in a value that varies by cell (so it is
+    in each run's own row, written by COPY on Postgres) read back exactly."""
+    values = [{"NCCL_A": "c:\\path\\n\tx"}, {"NCCL_A": 'q"uote \\t é ✓'}]
+    body = {
+        "name": "escapes",
+        "base": {"kernel": "dense", "num_heads": 2, "head_dim": 16, "seq_len": 64},
+        "grid": {"env": values, "batch_size": [1, 2]},
+    }
+    with api_client(database_url) as client:
+        assert client.post(f"{API}/sweeps", json=body).status_code == 201
+        page = client.get(f"{API}/runs", params={"limit": 10}).json()["data"]
+    assert sorted(json.dumps(r["config"]["env"]) for r in page) == sorted(
+        json.dumps(v) for v in values for _ in (1, 2)
+    )

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.background import BackgroundTask
 
-from service.api import ray_link, store
+from service.api import ray_link, store, submission
 from service.api.deps import (
     CURSOR_HELP,
     MAX_SKIP,
@@ -39,6 +39,10 @@ from service.api.schemas import (
     CompareOut,
     Message,
     SweepAction,
+    SweepBatch,
+    SweepBody,
+    SweepCheck,
+    SweepDocuments,
     SweepList,
     SweepOut,
 )
@@ -112,14 +116,17 @@ def _store_sweep(
     status_code=status.HTTP_201_CREATED,
     dependencies=write,
     responses={
-        200: {"model": SweepOut, "description": "The sweep stored earlier under this key."},
+        200: {
+            "model": SweepOut | SweepBatch | SweepCheck,
+            "description": "The sweep(s) stored earlier under this key, or a dry run's check.",
+        },
         409: {"model": Message, "description": "Idempotency-Key reused for a different spec."},
         413: {"model": Message, "description": "Request body too large."},
         **AUTH,
     },
 )
 def create_sweep(
-    spec: SweepSpec,
+    body: SweepBody,
     request: Request,
     session: SessionDep,
     settings: SettingsDep,
@@ -129,7 +136,8 @@ def create_sweep(
         Header(
             min_length=1,
             max_length=200,
-            description="The same key returns the sweep it created (200) instead of a new one.",
+            description="The same key returns the sweep it created (200) instead of a new one; "
+            "with several documents, document i uses `<key>-<i>`.",
         ),
     ] = None,
     x_ringlab_submitter: Annotated[
@@ -141,11 +149,42 @@ def create_sweep(
             "declared (there is one API token), not an authenticated identity.",
         ),
     ] = DEFAULT_SUBMITTER,
-) -> SweepOut:
+    dry_run: Annotated[
+        bool,
+        Query(
+            description="Check and expand every document, store nothing: each document's "
+            "cell count and problems (200)."
+        ),
+    ] = False,
+) -> SweepOut | SweepBatch | SweepCheck:
     """Validate and expand the spec, then store the sweep and one queued run per cell.
 
-    An invalid spec answers 422 with the field path of every problem; nothing is stored then.
+    The body is one spec, or {"documents": [spec, ...]}: every document is validated and all
+    are stored in one transaction, or none. An invalid spec answers 422 with the field path of
+    every problem (`documents.<i>.` first for a document); nothing is stored then.
     """
+    if dry_run:
+        response.status_code = status.HTTP_200_OK
+        return submission.check(body.root, settings.run_limits())
+    if isinstance(body.root, SweepDocuments):
+        return _create_many(
+            body.root, request, session, settings, response, idempotency_key, x_ringlab_submitter
+        )
+    return _create_one(
+        body.root, request, session, settings, response, idempotency_key, x_ringlab_submitter
+    )
+
+
+def _create_one(
+    spec: SweepSpec,
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    response: Response,
+    idempotency_key: str | None,
+    submitter: str,
+) -> SweepOut:
+    """One spec stored with its runs (201), the replay of its key (200), or a 422."""
     if bad := unstorable_values(spec.model_dump(exclude_unset=True)):
         raise _in_body(bad)
     try:
@@ -155,7 +194,7 @@ def create_sweep(
     if existing is not None:  # answered before expanding: a replay costs one lookup
         return _stored_before(session, response, existing.id)
     sweep, stored, created = _store_sweep(
-        session, spec, settings.run_limits(), idempotency_key, x_ringlab_submitter
+        session, spec, settings.run_limits(), idempotency_key, submitter
     )
     if not created:
         return _stored_before(session, response, sweep.id)
@@ -163,6 +202,48 @@ def create_sweep(
     # Just stored, all queued: no need to count them again.
     out = store.sweep_out(sweep, {**dict.fromkeys(RunStatus, 0), RunStatus.queued: stored})
     return _noted(out, ray_link.queue_problem(request))
+
+
+def _create_many(
+    body: SweepDocuments,
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    response: Response,
+    idempotency_key: str | None,
+    submitter: str,
+) -> SweepBatch:
+    """Every document stored in one transaction (201), the replay of a key (200), or none
+    with every document's problems (422)."""
+    specs, problems = submission.parse(body)
+    if problems:  # every document's problems: the others' expanded too, as a dry run would
+        checked = submission.check(body, settings.run_limits())
+        raise _in_body([p for doc in checked.documents for p in doc.problems])
+    documents = [
+        store.Document(
+            spec,
+            submission.lazy_cells(spec, settings.run_limits()),
+            f"{idempotency_key}-{i}" if idempotency_key else None,
+        )
+        for i, spec in enumerate(specs)
+    ]
+    try:
+        made = store.create_sweeps(session, documents, submitter)
+    except SpecError as e:
+        raise _in_body(e.errors) from e
+    except store.IdempotencyConflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    if not any(created for _, _, created in made):
+        response.status_code = status.HTTP_200_OK
+    note = ray_link.queue_problem(request)
+    out = []
+    for sweep, stored, created in made:
+        if created:
+            counts: dict[str, int] = {**dict.fromkeys(RunStatus, 0), RunStatus.queued: stored}
+            out.append(_noted(store.sweep_out(sweep, counts), note))
+        else:
+            out.append(_noted(_sweep_or_404(session, sweep.id), note))
+    return SweepBatch(sweeps=out)
 
 
 @router.get("", dependencies=read, responses=AUTH)
