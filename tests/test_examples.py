@@ -12,8 +12,8 @@ import pytest
 import attention
 from service.cli import load_specs
 from service.spec import SpecError, SweepSpec, expand
-from workers.fit import check_feasible
 from workers.errors import Infeasible
+from workers.fit import check_feasible
 
 EXAMPLES = sorted(p.name for p in files("service.examples").iterdir() if p.name.endswith(".yaml"))
 GPU_EXPERIMENTS = [
