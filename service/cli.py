@@ -991,7 +991,7 @@ def _safe(settings: Settings) -> str:
 
 
 # The commands of their own modules register on `app` (kept apart to keep this file small).
-from service import cli_results  # noqa: E402, F401
+from service import cli_kernels, cli_results  # noqa: E402, F401
 
 
 def main() -> None:
