@@ -27,6 +27,7 @@ from pydantic import (
 
 from attention.errors import ParamError
 from service.core.config import RunLimits
+from workers import resolved
 from workers.config import RunConfig, SearchConfig
 
 MAX_CELLS = RunLimits.cells
@@ -753,6 +754,7 @@ class _Expander:
                 where = path if path[0] == "search" else self.locate(self.position(idx), path)
                 self.add(where, msg, axes)
             return None
+        config = resolved.resolve(config)  # the layout, plan, inner params that will run
         config_json = config.model_dump(mode="json")
         try:
             key = cell_key_of(config_json)
