@@ -14,15 +14,14 @@ The reference is computed a chunk of rows at a time (workers.references takes th
 computes), so the sampled check costs O(rows x seq_len) and the full check no (S, S) matrix.
 
 The tolerance: float32 has a fixed one (CHECK_ATOL, about ten times dense SDPA's own float32
-error).
-In float16 and bfloat16 the dtype's own rounding dominates and grows with the gradients'
-magnitude: on a tiny decoder's attention (4 heads of 32, causal, train, 1,024 tokens) dense
-SDPA in bfloat16 is off its float64 reference by 8.2e-02 (dq) and dilated by 7.2e-02, so the
-fixed 6e-02 this gate had refused a kernel more accurate than dense itself, while in forward
-mode (dense off by 7.7e-03) it passed a kernel missing a key. So each check there also measures
-dense SDPA's error on the same inputs, length and rows in the run's dtype against the same
-float64 reference (`dense_error`), and allows HALF_FACTOR times it (never less than the dtype's
-eps: the rounding of a value of 1).
+error). In float16 and bfloat16 the dtype's own rounding dominates and grows with the
+gradients' magnitude: on a tiny decoder's attention (4 heads of 32, causal, train, 1,024
+tokens) dense SDPA in bfloat16 is off its float64 reference by 8.2e-02 (dq) and dilated by
+7.2e-02, so the fixed 6e-02 this gate had refused a kernel more accurate than dense itself,
+while in forward mode (dense off by 7.8e-03) it passed a kernel missing a key (off by 4.5e-02).
+So each check there also measures dense SDPA's error on the same inputs, length and rows in the
+run's dtype against the same float64 reference (`dense_error`), and allows HALF_FACTOR times it
+(never less than the dtype's eps: the rounding of a value of 1).
 """
 
 from __future__ import annotations
