@@ -13,8 +13,8 @@ import ray
 from ray._private.state import available_resources_per_node
 from ray.util.placement_group import placement_group_table
 
-from workers import local_ray
-from workers.fit import DeviceKind, bundle, check_feasible, device_kind
+from workers import fit, local_ray
+from workers.fit import DeviceKind, bundle
 
 KNOWN_RAY_NOTICES = (
     # ringlab connects from a scheduler thread and handles SIGTERM itself (service/cli.py)
@@ -108,3 +108,14 @@ def _held_by_gangs() -> tuple[float, float]:
             cpus += float(resources.get("CPU", 0.0))
             gpus += float(resources.get("GPU", 0.0))
     return cpus, gpus
+
+
+def device_kind(config: fit.Placed, cluster: dict[str, Any] | None = None) -> DeviceKind:
+    """cuda or cpu for this run (workers.fit.device_kind) on `cluster`, or on this one."""
+    return fit.device_kind(config, describe() if cluster is None else cluster)
+
+
+def check_feasible(config: fit.Placed, cluster: dict[str, Any] | None = None) -> None:
+    """Raise Infeasible unless `cluster` (default: this one) could ever hold this run
+    (workers.fit.check_feasible)."""
+    fit.check_feasible(config, describe() if cluster is None else cluster)

@@ -25,17 +25,10 @@ class Placed(Protocol):
     def placement(self) -> str: ...
 
 
-def _describe() -> dict[str, Any]:
-    from workers import cluster  # Ray: only when no description is given
-
-    return cluster.describe()
-
-
-def device_kind(config: Placed, cluster: dict[str, Any] | None = None) -> DeviceKind:
+def device_kind(config: Placed, cluster: dict[str, Any]) -> DeviceKind:
     """cuda or cpu for this run: as configured, `auto` meaning cuda when the cluster has GPUs."""
     if config.device in ("cuda", "cpu"):
         return "cuda" if config.device == "cuda" else "cpu"
-    cluster = _describe() if cluster is None else cluster
     return "cuda" if cluster["total_gpus"] >= 1 else "cpu"
 
 
@@ -44,13 +37,12 @@ def bundle(kind: DeviceKind) -> dict[str, float]:
     return {"GPU": 1.0} if kind == "cuda" else {"CPU": 1.0}
 
 
-def check_feasible(config: Placed, cluster: dict[str, Any] | None = None) -> None:
+def check_feasible(config: Placed, cluster: dict[str, Any]) -> None:
     """Raise Infeasible unless the cluster could ever hold this run's W bundles.
 
     W GPUs in total for a CUDA run, W CPUs for a CPU run; STRICT_SPREAD needs W distinct nodes
     with one each; every bundle needs one node that can hold it.
     """
-    cluster = _describe() if cluster is None else cluster
     kind = device_kind(config, cluster)
     resource, unit = ("gpus", "GPU") if kind == "cuda" else ("cpus", "CPU")
     world = config.world_size
