@@ -82,8 +82,15 @@ def reasons(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def sweep_runs(c: Any, sweep_id: int, status: str | None = None) -> list[dict[str, Any]]:
-    """Every run of a sweep (in `status` when given), page by page, as /api/v1/runs lists them."""
+MAX_CHECKED_RUNS = 10_000
+"""Runs of one sweep `ringlab submit` checks against the cluster (10 pages); beyond, it says so."""
+
+
+def sweep_runs(
+    c: Any, sweep_id: int, status: str | None = None, most: int | None = None
+) -> list[dict[str, Any]]:
+    """The runs of a sweep (in `status` when given; the first `most` when given), page by page,
+    as /api/v1/runs lists them."""
     params: dict[str, Any] = {"sweep_id": sweep_id, "limit": 1000, "sort": "id", "count": False}
     if status is not None:
         params["status"] = status
@@ -91,8 +98,8 @@ def sweep_runs(c: Any, sweep_id: int, status: str | None = None) -> list[dict[st
     while True:
         page = c.request("GET", "/runs", params=params).json()
         runs += page["data"]
-        if not page.get("next"):
-            return runs
+        if not page.get("next") or (most is not None and len(runs) >= most):
+            return runs[:most]
         params["cursor"] = page["next"]
 
 
@@ -107,7 +114,11 @@ def submit_warnings(c: Any, sweep_ids: list[int]) -> list[str]:
         return [f"warning: the cluster's capacity was not checked: {exc}"]
     lines = []
     for sweep_id in sweep_ids:
-        found = cannot_fit(cluster, sweep_runs(c, sweep_id))
+        runs = sweep_runs(c, sweep_id, most=MAX_CHECKED_RUNS + 1)
+        if len(runs) > MAX_CHECKED_RUNS:
+            runs = runs[:MAX_CHECKED_RUNS]
+            lines.append(f"sweep {sweep_id}: only its first {len(runs):,} runs were checked")
+        found = cannot_fit(cluster, runs)
         if found:
             lines += [f"sweep {sweep_id}: {found[0]}", *found[1:]]
     return lines
