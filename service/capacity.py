@@ -125,12 +125,13 @@ def submit_warnings(c: Any, sweep_ids: list[int]) -> list[str]:
 
 
 def watch_reasons(c: Any, sweep_ids: list[int]) -> list[str]:
-    """Why each run of these sweeps that did not end ok ended so (`reasons`), sweep by sweep."""
+    """Why each run of these sweeps that did not end ok ended so, sweep by sweep: 'sweep 3, run
+    12 failed: …' (`reasons`; never 'sweep 3 ', which starts the sweep's progress line)."""
     lines = []
     for sweep_id in sweep_ids:
         runs = [r for s in NOT_OK for r in sweep_runs(c, sweep_id, status=s)]
         lines += [
-            f"sweep {sweep_id} {line}" for line in reasons(sorted(runs, key=lambda r: r["id"]))
+            f"sweep {sweep_id}, {line}" for line in reasons(sorted(runs, key=lambda r: r["id"]))
         ]
     return lines
 

@@ -97,7 +97,7 @@ def test_watch_names_the_reason_of_failed_runs(
     monkeypatch.setattr(cli.err, "width", 400)
     result = runner.invoke(app, ["watch", str(ids["bench"])], catch_exceptions=False)
     assert result.exit_code == 1
-    assert f"sweep {ids['bench']} run {ids['bench_run']} failed: {INFEASIBLE}" in result.stderr
+    assert f"sweep {ids['bench']}, run {ids['bench_run']} failed: {INFEASIBLE}" in result.stderr
 
 
 def test_a_search_whose_runs_were_infeasible_says_so(
