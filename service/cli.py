@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
+from service import capacity
 from service.cli_base import CliError, app, client, db_app, err, friendly_errors, one_line, out
 from service.client import ClientError
 from service.core.config import Settings, exposure_problem
@@ -482,8 +483,10 @@ def submit(
                 continue
             out.print(f"sweep {sweep['id']} ({sweep['name']}): {plural(sweep['total'], 'run')}")
             out.print(f"dashboard: {c.dashboard_url(sweep['id'])}")
+        ids = [sweep["id"] for sweep in sweeps]
+        capacity.warn_at_submit(c, ids)
         if watch_:
-            _watch(c, [sweep["id"] for sweep in sweeps])
+            _watch(c, ids)
 
 
 def problem_path(loc: list[Any]) -> str:
@@ -677,6 +680,7 @@ def _watch(c: Any, sweep_ids: list[int]) -> None:
         while watcher.watching():
             watcher.handle(*events.get())
     _print_ended(c, sweeps, sweep_kinds, watcher.ended)
+    capacity.print_watch_reasons(c, sweeps, watcher.ended)
     _watch_exit(sweeps, watcher.ended, watcher.problems)
 
 
@@ -741,6 +745,8 @@ def search_answers(c: Any, sweep_id: int) -> list[str]:
         span = spans.get(row["run_id"], "")
         if row.get("max_seq_len"):
             lines.append(f"{head}max {row['max_seq_len']:,} tokens{span}")
+        elif row["status"] != "succeeded" and row.get("error"):  # e.g. "infeasible: …"
+            lines.append(f"{head}{capacity.reason(row)}")
         else:
             state = "" if row["status"] == "succeeded" else f" ({row['status']})"
             lines.append(f"{head}no length fit{state}{span}")
@@ -869,6 +875,7 @@ def show(sweep_id: Annotated[int, typer.Argument(help="Sweep id.")]) -> None:
 RESULT_COLUMNS = (
     ("run_id", "run"),
     ("label", "configuration"),
+    ("status", "status"),
     ("length", "length"),
     ("median_s", "time"),
     ("tokens_per_s", "tokens/s"),
@@ -894,6 +901,8 @@ def _cell(key: str, value: Any, unit: TimeUnit = MS) -> str:
         return "—"
     if key == "speedup":
         return f"{value:.2f}x"
+    if key == "status":  # the reason of each run not ok is printed below the table
+        return capacity.STATUS_WORDS.get(value, value)
     if key == "exposed_comm_share":  # ring runs: time blocked on transfers / time in steps
         return f"{value:.0%}"
     if key == "peak_memory_bytes":
@@ -943,12 +952,12 @@ def results(
         if row.get("baseline") and len(row["baseline"]) > BASELINE_TEXT:  # several changes
             row["baseline"] = f"run {row['baseline_run_id']}"  # `ringlab report` names them
         cells = [_cell(key, row.get(key), unit) for key, _ in shown]
-        if row.get("median_s") is None and ("median_s", "time") in shown:
-            cells[shown.index(("median_s", "time"))] = row["status"]
         if ("speedup", "speedup") in shown and row.get("speedup") is not None:
             cells[shown.index(("speedup", "speedup"))] += _speedup_note(row)
         table.add_row(*cells)
     out.print(table)
+    for line in capacity.reasons(rows):  # every run not ok, with its one-line reason
+        out.print(line, markup=False, highlight=False, soft_wrap=False)
     if any(_speedup_note(row) == " ~" for row in rows if row.get("speedup") is not None):
         out.print(NOISE_LEGEND, markup=False, highlight=False)
     for row in rows:  # a number above its physical limit is never shown without why
@@ -1081,7 +1090,7 @@ def _safe(settings: Settings) -> str:
 
 
 # The commands of their own modules register on `app` (kept apart to keep this file small).
-from service import cli_results  # noqa: E402, F401
+from service import cli_kernels, cli_results  # noqa: E402, F401
 
 
 def main() -> None:

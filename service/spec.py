@@ -25,6 +25,7 @@ from pydantic import (
 from attention.errors import ParamError
 from service.core.config import RunLimits
 from service.spec_cells import Cell, CellMemo, all_plain, canonical_json, cell_key_of, model_checks
+from workers import resolved
 from workers.config import RunConfig, SearchConfig
 
 MAX_CELLS = RunLimits.cells
@@ -761,6 +762,7 @@ class _Expander:
                 where = path if path[0] == "search" else self.locate(self.position(idx), path)
                 self.add(where, msg, axes)
             return None
+        config = resolved.resolve(config)  # the layout, plan, inner params that will run
         config_json = config.model_dump(mode="json")
         try:
             key = cell_key_of(config_json)

@@ -40,6 +40,8 @@ SERVICE_LAYERS = {
     "service.cli_base": 6,
     "service.cli": 6,
     "service.cli_results": 6,
+    "service.cli_kernels": 6,
+    "service.capacity": 6,
     "service.client": 5,
     "service.regression": 5,
 }

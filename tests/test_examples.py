@@ -4,6 +4,7 @@ each document expands into run configs the workers accept."""
 from __future__ import annotations
 
 import importlib.util
+import re
 from importlib.resources import files
 
 import pytest
@@ -11,6 +12,8 @@ import pytest
 import attention
 from service.cli import load_specs
 from service.spec import SpecError, SweepSpec, expand
+from workers.errors import Infeasible
+from workers.fit import check_feasible
 
 EXAMPLES = sorted(p.name for p in files("service.examples").iterdir() if p.name.endswith(".yaml"))
 GPU_EXPERIMENTS = [
@@ -82,3 +85,30 @@ def test_cpu_quick_is_a_handful_of_tiny_runs_at_one_and_two_ranks() -> None:
         for c in configs
     )
     assert flops < 140e9
+
+
+CPU_EXAMPLES = [name for name in EXAMPLES if name.startswith("cpu-")]
+NEEDS = re.compile(r"# Needs (\d+) CPUs: \S")
+"""A cpu-* example's first line when it needs more than 2 CPUs: how many, then why."""
+
+
+def cpu_cluster(cpus: int) -> dict:
+    """One node with `cpus` CPUs and no GPU, as workers.cluster.describe() reports it."""
+    node = {"node_id": "n", "ip": "127.0.0.1", "hostname": "h", "cpus": float(cpus), "gpus": 0.0}
+    node |= {"gpu_names": [], "free_cpus": float(cpus), "free_gpus": 0.0}
+    return {"nodes": [node], "total_cpus": float(cpus), "total_gpus": 0.0}
+
+
+@pytest.mark.parametrize("name", CPU_EXAMPLES)
+def test_every_cpu_example_fits_2_cpus_unless_its_first_line_says_what_it_needs(name: str) -> None:
+    first = (files("service.examples") / name).read_text().splitlines()[0]
+    needs = NEEDS.match(first)
+    cluster = cpu_cluster(int(needs.group(1)) if needs else 2)
+    for doc in load_specs(name):
+        for cell in expand(SweepSpec.model_validate(doc)):
+            check_feasible(cell.config, cluster)  # raises Infeasible naming what it needs
+    if needs:  # and it does need more than 2, as its first line says
+        with pytest.raises(Infeasible, match=r"the run needs \d+ CPU"):
+            for doc in load_specs(name):
+                for cell in expand(SweepSpec.model_validate(doc)):
+                    check_feasible(cell.config, cpu_cluster(2))

@@ -7,20 +7,14 @@ run is checked here before its placement group is created.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import ray
 from ray._private.state import available_resources_per_node
 from ray.util.placement_group import placement_group_table
 
-from workers import local_ray
-from workers.errors import Infeasible
-
-if TYPE_CHECKING:  # (workers.config imports torch: the Ray driver connects before that)
-    from workers.config import RunConfig
-
-DeviceKind = Literal["cuda", "cpu"]
-
+from workers import fit, local_ray
+from workers.fit import DeviceKind, bundle
 
 KNOWN_RAY_NOTICES = (
     # ringlab connects from a scheduler thread and handles SIGTERM itself (service/cli.py)
@@ -63,6 +57,9 @@ def _gpu_names(resources: dict[str, float]) -> list[str]:
 
 GANG_GROUP_PREFIX = "ringlab-gang-"
 """Name prefix of every gang's placement group (workers.gang): what gangs hold is counted by it."""
+
+
+__all__ = ["DeviceKind", "bundle", "check_feasible", "connect", "describe", "device_kind"]
 
 
 def describe() -> dict[str, Any]:
@@ -113,43 +110,12 @@ def _held_by_gangs() -> tuple[float, float]:
     return cpus, gpus
 
 
-def device_kind(config: RunConfig, cluster: dict[str, Any] | None = None) -> DeviceKind:
-    """cuda or cpu for this run: as configured, `auto` meaning cuda when the cluster has GPUs."""
-    if config.device != "auto":
-        return config.device
-    cluster = describe() if cluster is None else cluster
-    return "cuda" if cluster["total_gpus"] >= 1 else "cpu"
+def device_kind(config: fit.Placed, cluster: dict[str, Any] | None = None) -> DeviceKind:
+    """cuda or cpu for this run (workers.fit.device_kind) on `cluster`, or on this one."""
+    return fit.device_kind(config, describe() if cluster is None else cluster)
 
 
-def bundle(kind: DeviceKind) -> dict[str, float]:
-    """One rank's reservation: a GPU on CUDA runs, a CPU on CPU runs."""
-    return {"GPU": 1.0} if kind == "cuda" else {"CPU": 1.0}
-
-
-def check_feasible(config: RunConfig, cluster: dict[str, Any] | None = None) -> None:
-    """Raise Infeasible unless the cluster could ever hold this run's W bundles.
-
-    W GPUs in total for a CUDA run, W CPUs for a CPU run; STRICT_SPREAD needs W distinct nodes
-    with one each; every bundle needs one node that can hold it.
-    """
-    cluster = describe() if cluster is None else cluster
-    kind = device_kind(config, cluster)
-    resource, unit = ("gpus", "GPU") if kind == "cuda" else ("cpus", "CPU")
-    world = config.world_size
-    nodes = cluster["nodes"]
-    per_node = ", ".join(f"{n['ip']}: {n[resource]:g} {unit}" for n in nodes) or "no alive nodes"
-    total = cluster[f"total_{resource}"]
-    have = f"{total:g} {unit} in total on {len(nodes)} node(s) ({per_node})"
-    if config.placement == "strict_spread":
-        holders = sum(1 for n in nodes if n[resource] >= 1)
-        if holders < world:
-            raise Infeasible(
-                f"{world} distinct nodes with >= 1 {unit} each "
-                f"(world_size={world}, placement=strict_spread, device={kind})",
-                f"{holders} node(s) with a {unit}: {have}",
-            )
-        return
-    if total < world:
-        raise Infeasible(
-            f"{world} {unit} (world_size={world}, one {unit} per rank, device={kind})", have
-        )
+def check_feasible(config: fit.Placed, cluster: dict[str, Any] | None = None) -> None:
+    """Raise Infeasible unless `cluster` (default: this one) could ever hold this run
+    (workers.fit.check_feasible)."""
+    fit.check_feasible(config, describe() if cluster is None else cluster)

@@ -29,7 +29,7 @@ from workers.artifacts import memory_history, profiled, snapshot
 from workers.config import RunConfig
 from workers.environment import collect
 from workers.errors import error_text
-from workers.gate import CHECK_ATOL, CheckOutOfMemory, GateResult, run_gate
+from workers.gate import CheckOutOfMemory, GateResult, run_gate
 from workers.harness import (
     kv_block_bytes,
     link_fields,
@@ -388,7 +388,7 @@ def _gate(
         **case,
         status="failed",
         error=f"correctness check failed: max abs error {gate.summary()} exceeds "
-        f"{CHECK_ATOL[config.dtype]:g} ({config.kernel} vs "
+        f"{gate.tolerance_text(config.dtype)} ({config.kernel} vs "
         f"{references.describe(config.kernel, config.params)}, {config.dtype}, {config.mode})",
     )
 

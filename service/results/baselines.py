@@ -39,6 +39,7 @@ import attention
 from service.results.rows import Flag, RunRow
 from service.spec import NESTED, AnalysisSpec, PivotSpec, nested_axis
 from service.units import natural_key
+from workers import resolved
 from workers.config import PRECISION_DTYPES
 from workers.noise import Interval, ratio_interval, scaled
 
@@ -64,16 +65,27 @@ def _match_key(config: dict[str, Any]) -> str:
     kept = {k: v for k, v in config.items() if k not in IGNORED_FOR_MATCHING}
     # A param set to None is the kernel's own default, as if unset: a cell stored before the
     # kernel gained that param (dense's document_lengths) still matches one stored after.
-    kept["params"] = {k: v for k, v in (kept.get("params") or {}).items() if v is not None}
+    # So is a value resolved from the default when the run was expanded (workers.resolved).
+    kept["params"] = _given(kept)
     if kept.get("world_size", 1) == 1:
         kept["parallel"] = "sequence"  # one rank: data and sequence parallel are the same run
     return json.dumps(kept, sort_keys=True, separators=(",", ":"), default=str)
 
 
+def _given(config: dict[str, Any]) -> dict[str, Any]:
+    """The config's params without None and without what expansion resolved from a default."""
+    return resolved.as_given(
+        str(config.get("kernel")),
+        config.get("params") or {},
+        causal=bool(config.get("causal")),
+        device=str(config.get("device", "auto")),
+    )
+
+
 def _with(config: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     """The config with fields (or `params.<name>`, `model.<name>`, `training.<name>`) replaced."""
     out = dict(config)
-    out["params"] = dict(out.get("params") or {})
+    out["params"] = _given(config)  # the params as given: the changed kernel's resolve anew
     for key, value in changes.items():
         nested = nested_axis(key)
         if nested is not None:

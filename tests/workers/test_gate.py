@@ -166,3 +166,42 @@ def test_a_plugin_without_keep_rows_is_refused_beyond_the_mask_limit() -> None:
     assert references.plugin_rows(bare, params, 64, False, rows).shape == (2, 64)
     with pytest.raises(ValueError, match="keep_rows"):
         references.plugin_rows(bare, params, references.GATE_MASK_TOKENS + 1, False, rows)
+
+
+def test_bf16_tolerance_is_twice_dense_sdpas_own_error_on_the_same_check() -> None:
+    """The training-memory example's attention (4 heads of 32, causal, train) in bfloat16:
+    dilated is off its float64 reference by more than the old fixed 6e-2, but by less than
+    dense SDPA is on the same inputs, so it passes, the tolerance saying where it comes from."""
+    cfg = config(
+        kernel="dilated", params=DILATED, seq_len=1024, mode="train", causal=True,
+        dtype="bfloat16", num_heads=4, head_dim=32,
+    )  # fmt: skip
+    result = gate.run_gate(cfg, 0, CPU, "correctness")
+    dense = result.full_dense_error
+    assert dense is not None and dense > 6e-2  # dense alone failed the old fixed 6e-2
+    assert 6e-2 < result.full_error < dense
+    assert result.passed("bfloat16")
+    assert gate.tolerance("bfloat16", dense) == 2 * dense
+    assert result.tolerance_text("bfloat16") == (
+        f"{2 * dense:.1e} at 1,024 (dense SDPA's own bfloat16 error {dense:.1e} on every row): "
+        "2x dense's own error, at least 7.8e-03"
+    )
+    # the dense kernel (SDPA), gated the same way: its error is its own baseline
+    dense_cfg = cfg.model_copy(update={"kernel": "dense", "params": {}})
+    own = gate.run_gate(dense_cfg, 0, CPU, "correctness")
+    assert own.full_error == pytest.approx(dense, rel=1e-6)
+
+
+def test_a_failed_half_precision_check_states_its_measured_tolerance() -> None:
+    """The plugin missing one key of its window, in bfloat16 forward: under the old fixed
+    6e-2, but several times dense's own bfloat16 error there, so it fails, the outcome naming
+    the tolerance and the dense error it derives from; float32's stays fixed."""
+    cfg = config(kernel="offset_window", params={"window": 256}, seq_len=1024, dtype="bfloat16")
+    case = protocol.run_case(cfg)
+    assert case.status == "failed", case.error
+    error = float(case.error.split("max abs error ")[1].split()[0])
+    assert error < 6e-2
+    assert "at 512 (dense SDPA's own bfloat16 error " in case.error
+    assert "2x dense's own error, at least 7.8e-03 (offset_window vs" in case.error
+    plain = gate.GateResult(full_seq_len=512, full_error=2e-4)
+    assert not plain.passed("float32") and plain.tolerance_text("float32") == "0.0001"
