@@ -178,7 +178,7 @@ def _flex(
 
 
 def block_sparse_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> Any:
-    """block_sparse's cuda plan (attention.block_sparse_flex.attention)."""
+    """block_sparse's cuda plan (attention.block_sparse.cuda.attention)."""
     return _flex(q, k, v, mask, lse=False)[0]
 
 

@@ -12,7 +12,7 @@ is needed; every figure is exact for the shapes:
 
 - fused calls: the fused attention ops dispatched (CUDA flash / efficient / cuDNN, the CPU flash
   op; forward and backward ops), per forward and per backward. FlexAttention (block_sparse's
-  CUDA plan, every pattern, attention.block_sparse_flex) runs here as torch's
+  CUDA plan, every pattern, attention.block_sparse.cuda) runs here as torch's
   flex_attention higher-order op, eagerly: its forward op and its backward op (what
   torch.compile turns into one Triton kernel each on CUDA) count one fused call and one op
   each, their outputs allocated as torch's fake impl allocates them (out, lse, max; dq, dk,

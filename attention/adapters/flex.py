@@ -41,7 +41,7 @@ try:  # torch >= 2.9 asks for the lse this way (return_lse is deprecated)
 except ImportError:
     AuxRequest = None
 
-from attention import block_sparse_flex, compiled, dilated_blocks
+from attention import compiled, dilated_blocks
 from attention.base import Kernel
 from attention.block_sparse import (
     BlockSparseAttention,
@@ -49,6 +49,7 @@ from attention.block_sparse import (
     block_sparse_periods,
     check_block_sparse,
 )
+from attention.block_sparse import cuda as block_sparse_flex
 from attention.dilated import DilatedAttention, DilatedParams
 from attention.errors import ParamError
 from attention.masks import block_token_mask, block_token_rows
@@ -97,7 +98,7 @@ class MaskCache:
     """A flex module's BlockMasks by (pattern key, heads, seq_len, device), bounded by
     MASK_CACHE_SIZE. Building one is not free (flex_dilated's come from each branch's tiles,
     attention.dilated_blocks; flex_block_sparse's from the (n, n) block mask,
-    attention.block_sparse_flex; neither holds an (S, S) mask), so a mask is built on the first
+    attention.block_sparse.cuda; neither holds an (S, S) mask), so a mask is built on the first
     forward of a shape (the warm-up's) and reused; `build_s` holds the seconds the module's last
     forward spent building masks (0.0 when every mask came from the cache), which the module
     reports as `mask_build_s`."""

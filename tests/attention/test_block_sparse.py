@@ -11,12 +11,25 @@ from hypothesis import strategies as st
 
 import attention
 from attention import block_sparse as bs_module
+from attention.block_sparse import backward as bs_backward
+from attention.block_sparse import cpu_plan as bs_plan
+from attention.block_sparse import forward as bs_forward
 from attention.hilbert import hilbert_permutation
 from attention.masks import block_token_mask, masked_attention
 
 pytestmark = pytest.mark.timeout(120)
 
 ATOL = 1e-5
+
+
+def _patch(monkeypatch, name: str, value) -> None:
+    """Set `name` in every module of the block_sparse package that binds it: each module reads
+    its own binding of a name it imports from another (SUPERBLOCK_TOKENS: forward and backward)."""
+    modules = (bs_module, bs_plan, bs_forward, bs_backward)
+    holders = [module for module in modules if hasattr(module, name)]
+    assert holders, name
+    for module in holders:
+        monkeypatch.setattr(module, name, value)
 
 
 def assert_matches_reference(module, keep_fn, batch, seq, heads, dim, causal, seed=0) -> None:
@@ -143,10 +156,10 @@ def test_sparsity_ratio_sets_density_within_one_block_per_row(pattern) -> None:
 
 
 def _spy_pairs(monkeypatch, name: str) -> list[tuple[int, int]]:
-    """Patch bs_module.<name> (block_forward or block_backward) to record, per primitive call,
+    """Patch <name> (block_forward or block_backward) to record, per primitive call,
     (query tokens, kept token pairs x batch x heads)."""
     calls: list[tuple[int, int]] = []
-    real = getattr(bs_module, name)
+    real = getattr(bs_forward if name == "block_forward" else bs_backward, name)
     at = 0 if name == "block_forward" else 1  # the backward's q comes after dout
 
     def spy(*args, causal=False, diagonal=0, **kwargs):
@@ -156,7 +169,7 @@ def _spy_pairs(monkeypatch, name: str) -> list[tuple[int, int]]:
         calls.append((sq, q.shape[0] * q.shape[2] * kept))
         return real(*args, causal=causal, diagonal=diagonal, **kwargs)
 
-    monkeypatch.setattr(bs_module, name, spy)
+    _patch(monkeypatch, name, spy)
     return calls
 
 
@@ -309,7 +322,7 @@ def test_property_random_valid_configs_match_reference(config, batch, heads) -> 
 @pytest.mark.parametrize("params", PARAMS[::2], ids=lambda p: p["pattern"])
 def test_small_chunks_give_the_same_result(params, causal, monkeypatch) -> None:
     """Row chunking of the batched calls (forward and backward) changes nothing."""
-    monkeypatch.setattr(bs_module, "CHUNK_TOKENS", 8)
+    _patch(monkeypatch, "CHUNK_TOKENS", 8)
     module = attention.build("block_sparse", **params)
     assert_matches_reference(module, _reference(module, params["block_size"]), 2, 32, 2, 4, causal)
 
@@ -328,11 +341,11 @@ def test_windows_match_the_reference(params, units, causal, plan, accumulator_wi
 
 def test_query_blocks_with_the_same_key_offsets_share_one_call() -> None:
     params = attention.make_params("block_sparse", {"block_size": 4, "window": 2})
-    calls = bs_module._plan(params, 64, False)
+    calls = bs_plan._plan(params, 64, False)
     rel = [c for c in calls if c.kind == "rel" and (c.a, c.b) == (-2, 3)]
     assert [(c.r0, c.r1) for c in rel] == [(2, 14)]
     assert len(calls) == 5  # interior rows in one call, 4 edge rows alone
-    causal = bs_module._plan(params, 64, True)
+    causal = bs_plan._plan(params, 64, True)
     assert [(c.r0, c.r1, c.masked) for c in causal if (c.a, c.b) == (-2, 1)] == [(2, 16, True)]
 
 
@@ -356,18 +369,18 @@ def test_superblocks_equal_the_reference(case, chunk, seq, causal, monkeypatch) 
     diagonals apart, leftover rows, and a short last block (seq 81): output and gradients equal
     the masked reference, and the expected kinds of superblock ran."""
     params, expected, expected_causal = case
-    monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 8)
-    monkeypatch.setattr(bs_module, "CHUNK_TOKENS", chunk)
-    tokens = bs_module._forward_tokens(torch.device("cpu"))
-    assert bs_module._stair_rows(4, 2, tokens) == {2048: 4, 20: 2, 12: 0}[chunk]
+    _patch(monkeypatch, "SUPERBLOCK_TOKENS", 8)
+    _patch(monkeypatch, "CHUNK_TOKENS", chunk)
+    tokens = bs_forward._forward_tokens(torch.device("cpu"))
+    assert bs_forward._stair_rows(4, 2, tokens) == {2048: 4, 20: 2, 12: 0}[chunk]
     ran = []
-    real = bs_module._shared_forward
+    real = bs_forward._shared_forward
 
     def spy(*args):
         ran.append(args[1])  # (window, superblock, bs, scale)
         return real(*args)
 
-    monkeypatch.setattr(bs_module, "_shared_forward", spy)
+    _patch(monkeypatch, "_shared_forward", spy)
     module = attention.build("block_sparse", **params)
     assert_matches_reference(module, _reference(module, params["block_size"]), 2, seq, 4, 4, causal)
     assert {sup.shifted for sup in ran} == (expected_causal if causal else expected)
@@ -379,9 +392,9 @@ def test_superblocks_stay_inside_their_window(seq, causal, monkeypatch, accumula
     """In windows of 7 blocks, superblocks of up to 4 blocks start again at each window (one
     never holds rows of two windows) and still equal the reference, gathered stairs included."""
     accumulator_windows(7)
-    monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 8)
+    _patch(monkeypatch, "SUPERBLOCK_TOKENS", 8)
     ran = []
-    real = bs_module._shared_forward
+    real = bs_forward._shared_forward
 
     def spy(*args):
         sup, at = args[1], args[0].at  # (window, superblock, bs, scale)
@@ -389,7 +402,7 @@ def test_superblocks_stay_inside_their_window(seq, causal, monkeypatch, accumula
         assert at % 7 == 0 and at <= sup.r0 < sup.r1 <= at + 7
         return real(*args)
 
-    monkeypatch.setattr(bs_module, "_shared_forward", spy)
+    _patch(monkeypatch, "_shared_forward", spy)
     params = {"block_size": 2, "pattern": "local_window", "window": 9}
     module = attention.build("block_sparse", **params)
     assert_matches_reference(module, _reference(module, 2), 2, seq, 4, 4, causal)
@@ -400,22 +413,22 @@ def test_a_superblock_needs_a_shared_run_twice_as_wide_as_a_rows_stairs() -> Non
     """4 rows of a band of 7 blocks share 4 (stairs: 3 per row): no superblock; of 9: 6, one
     gathered ("shifted") call; rows of two runs, or runs that shrink, are no superblock."""
     band = [(i - 3, i + 4) for i in range(10, 14)]
-    assert bs_module._superblock([None] * 10 + band, 10, 14, 64) is None
+    assert bs_plan._superblock([None] * 10 + band, 10, 14, 64) is None
     wide = [(i - 4, i + 5) for i in range(10, 14)]
-    sup = bs_module._superblock([None] * 10 + wide, 10, 14, 64)
+    sup = bs_plan._superblock([None] * 10 + wide, 10, 14, 64)
     assert sup is not None and sup.shared == (9, 15) and sup.shifted
     assert sup.stairs[1] == (7, 9, 15, 16)  # row 11 keeps [7, 16)
-    assert bs_module._superblock([None] * 10 + wide[:3] + [None], 10, 14, 64) is None
-    assert bs_module._superblock([None] * 10 + wide[::-1], 10, 14, 64) is None
+    assert bs_plan._superblock([None] * 10 + wide[:3] + [None], 10, 14, 64) is None
+    assert bs_plan._superblock([None] * 10 + wide[::-1], 10, 14, 64) is None
     clipped = [(0, i + 9) for i in range(0, 4)]
-    sup = bs_module._superblock(clipped, 0, 4, 64)
+    sup = bs_plan._superblock(clipped, 0, 4, 64)
     assert sup is not None and sup.shared == (0, 9) and not sup.shifted
 
 
 def test_superblocks_keep_exactly_the_kept_pairs(monkeypatch) -> None:
     """Shared keys plus stairs cover each kept token pair once: the pairs asked of the primitive
     equal the mask's count."""
-    monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 8)
+    _patch(monkeypatch, "SUPERBLOCK_TOKENS", 8)
     seen = _spy_pairs(monkeypatch, "block_forward")
     for params, _, _ in SUPERBLOCK_CASES:
         module = attention.build("block_sparse", **params)
@@ -426,7 +439,7 @@ def test_superblocks_keep_exactly_the_kept_pairs(monkeypatch) -> None:
                 module(q, q, q, causal=causal)
             keep = block_token_mask(module.block_mask(72), 2, causal=causal)
             assert sum(p for _, p in seen) == 2 * int(keep.sum())
-            supers, _ = bs_module._forward_plan(module.params, 72, causal, 8)
+            supers, _ = bs_plan._forward_plan(module.params, 72, causal, 8)
             assert supers or causal, "no superblock ran"
 
 
@@ -434,7 +447,7 @@ def test_superblocks_keep_exactly_the_kept_pairs(monkeypatch) -> None:
 def test_superblocks_with_grouped_query_heads_equal_sdpa(causal, monkeypatch) -> None:
     """k and v with 2 heads for q's 4 (the gathered stairs keep k's heads): the superblock
     forward and its gradients equal SDPA with enable_gqa on the pattern's token mask."""
-    monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 8)
+    _patch(monkeypatch, "SUPERBLOCK_TOKENS", 8)
     module = attention.build("block_sparse", block_size=2, pattern="local_window", window=9)
     _assert_gqa_equals_sdpa(module, 2, causal, seed=3)
 
@@ -468,19 +481,19 @@ def test_forward_calls_of_dense_sized_tiles_run_in_head_halves(block_size, causa
     every block at block 4) hold the CPU op's dense-sized buffers, so they run one block row
     and half the heads at a time (kv heads to match, GQA 4:2): the forward and its gradients
     equal SDPA with enable_gqa on the pattern's token mask, and no such call had all heads."""
-    monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 4 if block_size == 4 else 8)
+    _patch(monkeypatch, "SUPERBLOCK_TOKENS", 4 if block_size == 4 else 8)
     calls: list[tuple[int, int, int]] = []  # q's (block rows or batch, queries, heads)
-    real = bs_module.block_forward
+    real = bs_forward.block_forward
 
     def spy(q, k, v, **kw):
         calls.append((q.shape[0], q.shape[1], q.shape[2]))
         return real(q, k, v, **kw)
 
-    monkeypatch.setattr(bs_module, "block_forward", spy)
+    _patch(monkeypatch, "block_forward", spy)
     params = {"block_size": block_size, "pattern": "local_window", "window": 9}
     module = attention.build("block_sparse", **params)
     _assert_gqa_equals_sdpa(module, block_size, causal, seed=4)
-    big = [c for c in calls if c[1] >= bs_module.SUPERBLOCK_TOKENS]
+    big = [c for c in calls if c[1] >= bs_forward.SUPERBLOCK_TOKENS]
     assert big and all(heads == 2 for _, _, heads in big), calls
     if block_size == 4:  # a block fills such a call: one row (of each batch row) at a time
         assert all(rows * queries <= 2 * block_size for rows, queries, _ in big), calls
@@ -491,12 +504,12 @@ def test_a_forward_calls_rows_follow_its_device() -> None:
     ones as many as FORWARD_TOKENS_PER_THREAD per thread allow; CUDA's calls take CHUNK_TOKENS
     of rows at every block size (one row of 1024 would halve a call's thread blocks)."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
-    on_cpu, on_cuda = bs_module._forward_tokens(cpu), bs_module._forward_tokens(cuda)
-    assert bs_module._rows_per_call(cpu, 64, on_cpu) == on_cpu // 64
-    assert bs_module._rows_per_call(cpu, bs_module.SUPERBLOCK_TOKENS, on_cpu) == 1
-    assert bs_module._rows_per_call(cpu, 4096, on_cpu) == 1
-    assert on_cuda == bs_module.CHUNK_TOKENS == 2048
-    rows = [bs_module._rows_per_call(cuda, bs, on_cuda) for bs in (64, 768, 1024, 4096)]
+    on_cpu, on_cuda = bs_forward._forward_tokens(cpu), bs_forward._forward_tokens(cuda)
+    assert bs_forward._rows_per_call(cpu, 64, on_cpu) == on_cpu // 64
+    assert bs_forward._rows_per_call(cpu, bs_forward.SUPERBLOCK_TOKENS, on_cpu) == 1
+    assert bs_forward._rows_per_call(cpu, 4096, on_cpu) == 1
+    assert on_cuda == bs_forward.CHUNK_TOKENS == 2048
+    rows = [bs_forward._rows_per_call(cuda, bs, on_cuda) for bs in (64, 768, 1024, 4096)]
     assert rows == [32, 2, 2, 1]
 
 
@@ -506,23 +519,23 @@ def test_a_cpu_forward_calls_queries_scale_with_the_threads(threads, monkeypatch
     one thread runs a local window's rows (plan calls, no superblocks) 4 blocks of 2 a call, two
     threads 8 (and a superblock of 4 rows gathers no stairs row a call, or one); the forward and
     its gradients equal SDPA on the token mask either way."""
-    monkeypatch.setattr(bs_module, "FORWARD_TOKENS_PER_THREAD", 8)
-    monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 10**6)  # plan calls only
+    _patch(monkeypatch, "FORWARD_TOKENS_PER_THREAD", 8)
+    _patch(monkeypatch, "SUPERBLOCK_TOKENS", 10**6)  # plan calls only
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        bound = bs_module._forward_tokens(torch.device("cpu"))
+        bound = bs_forward._forward_tokens(torch.device("cpu"))
         assert bound == 8 * threads
-        assert bs_module._stair_rows(4, 2, bound) == threads - 1
+        assert bs_forward._stair_rows(4, 2, bound) == threads - 1
         rows_a_call: list[int] = []
-        real = bs_module._chunks
+        real = bs_plan._chunks
 
         def spy(call, rows_per_call):
             if sys._getframe(1).f_code.co_name == "_call_forward":  # the backward cuts its own
                 rows_a_call.append(rows_per_call)
             return real(call, rows_per_call)
 
-        monkeypatch.setattr(bs_module, "_chunks", spy)
+        _patch(monkeypatch, "_chunks", spy)
         params = {"block_size": 2, "pattern": "local_window", "window": 9}
         _assert_gqa_equals_sdpa(attention.build("block_sparse", **params), 2, False, seed=6)
     finally:
@@ -538,10 +551,10 @@ def test_the_backwards_small_calls_equal_the_reference(params, seq, causal, monk
     as a row's abs call each once a block fills a call; a causal diagonal's mask cut with its
     queries), key parts, heads one at a time, kv heads grouped, a short last block (seq 50):
     gradients equal the masked reference's."""
-    monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 8)
-    monkeypatch.setattr(bs_module, "BACKWARD_QUERY_TOKENS", 3)
-    monkeypatch.setattr(bs_module, "BACKWARD_KEY_TOKENS", 4)
-    monkeypatch.setattr(bs_module, "CALL_ROW_HEADS", 20)
+    _patch(monkeypatch, "SUPERBLOCK_TOKENS", 8)
+    _patch(monkeypatch, "BACKWARD_QUERY_TOKENS", 3)
+    _patch(monkeypatch, "BACKWARD_KEY_TOKENS", 4)
+    _patch(monkeypatch, "CALL_ROW_HEADS", 20)
     module = attention.build("block_sparse", **params)
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, seq, 4, 4, generator=g, dtype=torch.float64, requires_grad=True)
@@ -560,7 +573,7 @@ def test_the_backwards_small_calls_equal_the_reference(params, seq, causal, monk
     refs = torch.autograd.grad(ref, (q, k, v), dout)
     for name, a, b in zip("qkv", grads, refs, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=f"d{name}")
-    plan = bs_module._backward_plan(module.params, seq, causal, 8, 3, 4)
+    plan = bs_plan._backward_plan(module.params, seq, causal, 8, 3, 4)
     bs = params["block_size"]
     assert all(c.key_blocks * bs <= max(bs, 4) for c in plan), "key parts"
     if bs >= 3:  # a block fills a call: rel rows are abs calls, their queries cut
@@ -569,19 +582,19 @@ def test_the_backwards_small_calls_equal_the_reference(params, seq, causal, monk
 
 @pytest.mark.parametrize("heads", [1, 4, 8, 32])
 @pytest.mark.parametrize("call", [
-    bs_module._Call("rel", 0, 40, -2, 3),
-    bs_module._Call("rel", 0, 40, -32, 1, masked=True),
-    bs_module._Call("abs", 0, 12, 0, 8),
-    bs_module._Call("abs", 0, 1, 0, 32),
-    bs_module._Call("gather", 5, 6, blocks=(0, 2, 5)),
-    bs_module._Call("abs", 0, 4, 0, 64),  # 4096 keys: alone over the budget
+    bs_plan._Call("rel", 0, 40, -2, 3),
+    bs_plan._Call("rel", 0, 40, -32, 1, masked=True),
+    bs_plan._Call("abs", 0, 12, 0, 8),
+    bs_plan._Call("abs", 0, 1, 0, 32),
+    bs_plan._Call("gather", 5, 6, blocks=(0, 2, 5)),
+    bs_plan._Call("abs", 0, 4, 0, 64),  # 4096 keys: alone over the budget
 ], ids=lambda c: f"{c.kind}-{c.key_blocks}")  # fmt: skip
 def test_a_backward_calls_temporaries_stay_within_the_budget(call, heads) -> None:
     """dq and dout's copy per query token, dk and dv per key token (each rel row its own):
     within CALL_ROW_HEADS rows x heads unless one head and one unit of queries exceed it;
     heads in powers of two, queries whole blocks for rel calls and within the bound."""
     bs = 64
-    tokens, max_heads = bs_module._backward_split(call, bs, heads)
+    tokens, max_heads = bs_backward._backward_split(call, bs, heads)
     keys = call.key_blocks * bs
     temps = max_heads * (
         tokens * (2 + 2 * call.key_blocks) if call.kind == "rel" else 2 * tokens + 2 * keys
@@ -590,13 +603,13 @@ def test_a_backward_calls_temporaries_stay_within_the_budget(call, heads) -> Non
     # call's) cannot fit; queries then go as far as the bound (fewer would only be slower)
     unit = bs if call.kind == "rel" else 1
     alone = max_heads * ((2 + 2 * call.key_blocks) * bs if call.kind == "rel" else 2 + 2 * keys)
-    assert temps <= bs_module.CALL_ROW_HEADS or (
-        max_heads == 1 and alone > bs_module.CALL_ROW_HEADS
+    assert temps <= bs_backward.CALL_ROW_HEADS or (
+        max_heads == 1 and alone > bs_backward.CALL_ROW_HEADS
     )
-    if alone > bs_module.CALL_ROW_HEADS:
-        assert tokens == max(unit, bs_module.BACKWARD_QUERY_TOKENS) // unit * unit
+    if alone > bs_backward.CALL_ROW_HEADS:
+        assert tokens == max(unit, bs_backward.BACKWARD_QUERY_TOKENS) // unit * unit
     assert max_heads & (max_heads - 1) == 0 and 1 <= max_heads <= heads
-    assert tokens <= max(bs_module.BACKWARD_QUERY_TOKENS, bs if call.kind == "rel" else 0)
+    assert tokens <= max(bs_backward.BACKWARD_QUERY_TOKENS, bs if call.kind == "rel" else 0)
     assert call.kind != "rel" or tokens % bs == 0
 
 
@@ -607,10 +620,10 @@ def test_the_backward_computes_each_kept_pair_once_within_the_query_bound(
 ) -> None:
     """The pairs the backward asks of the primitive equal the mask's count, and no call has
     more queries than BACKWARD_QUERY_TOKENS (a rel call's: whole blocks, at least one)."""
-    monkeypatch.setattr(bs_module, "SUPERBLOCK_TOKENS", 8)
-    monkeypatch.setattr(bs_module, "BACKWARD_QUERY_TOKENS", 3)
-    monkeypatch.setattr(bs_module, "BACKWARD_KEY_TOKENS", 4)
-    monkeypatch.setattr(bs_module, "CALL_ROW_HEADS", 20)
+    _patch(monkeypatch, "SUPERBLOCK_TOKENS", 8)
+    _patch(monkeypatch, "BACKWARD_QUERY_TOKENS", 3)
+    _patch(monkeypatch, "BACKWARD_KEY_TOKENS", 4)
+    _patch(monkeypatch, "CALL_ROW_HEADS", 20)
     bs = params["block_size"]
     seen = _spy_pairs(monkeypatch, "block_backward")
     module = attention.build("block_sparse", **params)

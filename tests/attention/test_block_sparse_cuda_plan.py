@@ -1,4 +1,4 @@
-"""block_sparse's CUDA plan (attention.block_sparse_flex: FlexAttention under a cached
+"""block_sparse's CUDA plan (attention.block_sparse.cuda: FlexAttention under a cached
 BlockMask, every pattern), counted by bench.plan on the meta device: one fused call forward and
 one backward at every length, the same aten ops at every length, no copy from the host and no
 sync inside them, transients within a quarter of the floor at 128K; the BlockMask's tiles as the
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import attention
-from attention import block_sparse, block_sparse_flex
+from attention import block_sparse
+from attention.block_sparse import cuda as block_sparse_flex
+from attention.block_sparse import params as block_sparse_params
 from attention.masks import block_token_mask
 from bench import plan as bench_plan
 
@@ -62,7 +64,7 @@ def test_the_flex_tiles_hold_each_kept_pair_and_no_other(params, tiles) -> None:
     for seq, causal in ((64, False), (62, True), (58, False), (64, True)):
         keep = block_token_mask(module.block_mask(seq), 4, causal=causal, seq_len=seq)
         mask = block_sparse_flex.build_block_mask(
-            block_sparse._cached_block_mask(module.params, seq), seq, 4, causal, 4 * tiles,
+            block_sparse_params._cached_block_mask(module.params, seq), seq, 4, causal, 4 * tiles,
             torch.device("cpu"),
         )  # fmt: skip
         for transposed in (False, True):

@@ -70,13 +70,14 @@ def head_calls(request, monkeypatch) -> None:
     """Calls on all heads at once, or cut to one or two query heads a call (as long rows are;
     dilated's backward also in parts of 3 queries and 2 keys)."""
     if request.param == "split":
-        from attention import block_sparse, dilated
+        from attention import dilated
+        from attention.block_sparse import backward as block_sparse_backward
 
         monkeypatch.setattr(dilated, "CALL_ROW_HEADS", 2 * SEQ)
         monkeypatch.setattr(dilated, "BACKWARD_ROW_HEADS", 1)
         monkeypatch.setattr(dilated, "BACKWARD_QUERY_TOKENS", 3)
         monkeypatch.setattr(dilated, "BACKWARD_KEY_TOKENS", 2)
-        monkeypatch.setattr(block_sparse, "CALL_ROW_HEADS", 1)
+        monkeypatch.setattr(block_sparse_backward, "CALL_ROW_HEADS", 1)
 
 
 @pytest.mark.usefixtures("head_calls")

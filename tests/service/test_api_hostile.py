@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from _api_helpers import api_client
 
-import attention.block_sparse as block_sparse
+from attention.block_sparse import params as bs_params
 
 ISSUE_POST = (
     '{"name":"bs","base":{"kernel":"block_sparse","seq_len":16384,"device":"cpu",'
@@ -28,7 +28,7 @@ def _vm_kib(field: str) -> int:
 def test_the_issues_block_sparse_post_costs_under_a_second_and_50_mb(tmp_path: Path) -> None:
     """Validation counts the pattern's pairs from its formula: the (n, n) mask of 16,384 blocks
     (256 MiB of bools, 1 GiB as floats) is never built, nor cached, in the API process."""
-    block_sparse._cached_block_mask.cache_clear()  # earlier tests in this process ran kernels
+    bs_params._cached_block_mask.cache_clear()  # earlier tests in this process ran kernels
     with api_client(f"sqlite:///{tmp_path / 'ringlab.db'}") as client:
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS from here
         rss = _vm_kib("VmRSS")
@@ -43,7 +43,7 @@ def test_the_issues_block_sparse_post_costs_under_a_second_and_50_mb(tmp_path: P
         assert r.status_code == 201, r.text
         assert took < 1.0, f"{took:.2f} s"
         assert peak_mib < 50, f"the resident set peaked {peak_mib:.0f} MiB above its start"
-        assert block_sparse._cached_block_mask.cache_info().currsize == 0
+        assert bs_params._cached_block_mask.cache_info().currsize == 0
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.3])

@@ -35,13 +35,15 @@ That eager math ignores the tiles, so tests check the tiles against the block ma
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import Tensor
 from torch.nn.attention import flex_attention as flex
 
-from attention import compiled
+from attention import compiled, primitive
+from attention.block_sparse.params import BlockSparseParams, _cached_block_mask
 
 FLEX_TILE = 128
 """On CUDA a tile holds at least this many tokens (flex's default BLOCK_SIZE, which its kernels'
@@ -167,3 +169,24 @@ def compiles(device: torch.device) -> bool:
 def backend(device: torch.device) -> str:
     """What `attention` runs on `device`: "flex-compiled" or "flex-eager"."""
     return "flex-compiled" if compiles(device) else "flex-eager"
+
+
+@functools.lru_cache(maxsize=16)
+def flex_block_mask(
+    params: BlockSparseParams, seq_len: int, causal: bool, device: torch.device, tile: int
+) -> flex.BlockMask:
+    """The BlockMask of the cached block mask on `device` in tiles of `tile` tokens, built
+    once per (params, length, causal, device, tile): forward and backward copy nothing to the
+    device."""
+    mask = _cached_block_mask(params, seq_len)
+    return build_block_mask(mask, seq_len, params.block_size, causal, tile, device)
+
+
+def flex_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: BlockSparseParams, causal: bool
+) -> torch.Tensor:
+    """block_sparse under the CUDA plan: FlexAttention under the cached BlockMask, one fused
+    call forward and one backward (its own autograd)."""
+    tile = tile_size(params.block_size, primitive.device_type_of(q.device))
+    mask = flex_block_mask(params, q.shape[1], causal, q.device, tile)
+    return attention(q, k, v, mask)
