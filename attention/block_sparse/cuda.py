@@ -1,6 +1,6 @@
 """`block_sparse`'s CUDA plan, every pattern: FlexAttention, one fused call per forward and
 its own one per backward, under a BlockMask built once per (pattern, length, causal, device)
-and cached by the caller.
+and cached (flex_block_mask; flex_attention runs it).
 
 Why FlexAttention: FlashAttention's fused ops take one dense rectangle (or causal square) per
 call. A random pattern's kept blocks follow no offset rule, so a plan made of them must gather
