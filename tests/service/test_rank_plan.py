@@ -49,6 +49,7 @@ def test_a_dilated_run_on_device_auto_records_the_plan_its_rank_ran(tmp_path: An
     assert rank["plan"] == "cpu" and rank["backend"].endswith("/plan-cpu")  # no GPU here
     ran = ",".join(sorted({r["plan"] for r in record["rank_results"]}))
     assert row["plan"] == ran == "cpu"
+    assert row["device"] == "CPU"  # the device auto became, from the run's environment
     assert [(int(r["run_id"]), r["plan"]) for r in table] == [(run_id, "cpu")]
     (line,) = [x for x in report.splitlines() if x.startswith("**Plan**")]
     assert line.endswith(f"ran as {row['plan']} on run {run_id}")
