@@ -127,6 +127,10 @@ class Kernel(nn.Module):
     """
 
     backend: str | None = None
+    plan: str | None = None
+    """The execution plan the last call ran ("cpu" or "cuda"), for the kernels that choose one
+    by the inputs' device under `plan: auto` (dilated, block_sparse, ring_dilated, and ulysses
+    over one of them); None for the others. Results record it beside `backend`."""
 
     def __init__(self, params: Any = None) -> None:
         """`params`: the kernel's parameters (its KernelSpec's dataclass), kept as self.params:

@@ -319,8 +319,6 @@ class DilatedAttention(MergedKernel):
     """LongNet dilated attention over (B, S, H, D); see the module docstring for the semantics."""
 
     chunk_tokens = CHUNK_TOKENS
-    plan: str | None = None
-    """The plan the last call ran ("cpu" or "cuda"; also the suffix of `backend`)."""
 
     def __init__(self, params: DilatedParams | None = None) -> None:
         super().__init__()

@@ -182,12 +182,12 @@ def run_cell(
             cell.compile(key, seen)
 
     seq = config.seq_len
-    if kernels.gated(config, kind):  # the gate's kernel runs with grad on in either mode
+    if kernels.gated(config, kind):  # the gate's kernel runs in the run's grad mode
         full = gate.full_length(config)
-        kernel_at(full, 1, grad=True)
+        kernel_at(full, 1, grad=train)
         _reference(cell, config, full, full)
         if full < seq:
-            kernel_at(seq, 1, grad=True)
+            kernel_at(seq, 1, grad=train)
             _reference(cell, config, len(gate.sample_rows(config, seq)), seq)
     if not (over_budget(config) if oom is None else oom):
         kernel_at(seq, 1 + config.warmup + config.iterations, grad=train)

@@ -273,10 +273,15 @@ def _kernel_side(
     local: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """The kernel on this rank's positions `local`: its output and, in train mode, the
-    gradients of the loss sum(out * dout) over the rows `at` only (dout zero elsewhere)."""
+    gradients of the loss sum(out * dout) over the rows `at` only (dout zero elsewhere).
+
+    Forward mode runs under no_grad, as the timed forward iterations do
+    (workers.protocol._timed_loop): a compiled kernel's graph is keyed on the grad mode, so the
+    check then reuses the graph the iterations run instead of compiling one more per length."""
     train = config.mode == "train"
     loc = {n: full[n][:, local].detach().requires_grad_(train) for n in ("q", "k", "v")}
-    out = module(loc["q"], loc["k"], loc["v"], causal=config.causal)
+    with torch.set_grad_enabled(train):
+        out = module(loc["q"], loc["k"], loc["v"], causal=config.causal)
     if not train:
         return {"out": out.detach()}
     keep = torch.zeros(config.seq_len, dtype=torch.bool, device=at.device)

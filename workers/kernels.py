@@ -116,6 +116,13 @@ def backend_of(module: torch.nn.Module) -> str:
     return str(backend)
 
 
+def plan_of(module: torch.nn.Module) -> str | None:
+    """The execution plan the kernel's last call ran (attention.base.Kernel.plan): "cpu" or
+    "cuda" for the kernels that choose one by device, None for the others."""
+    plan = getattr(module, "plan", None)
+    return None if plan is None else str(plan)
+
+
 def is_valid_length(config: RunConfig, seq_len: int) -> bool:
     """Whether the kernel accepts this total length at the config's world size."""
     try:

@@ -478,7 +478,7 @@ def _measure(
                 trace = profiled(config.profile, device, rank, artifacts)
                 loop = _timed_loop(module, inputs, config, meter, device, trace=trace)
                 device_used = meter.device_used()  # CUDA, after the timed iterations
-                backend = kernels.backend_of(module)
+                backend, plan = kernels.backend_of(module), kernels.plan_of(module)
             except Exception as exc:
                 if is_oom(exc):  # the failing rank's allocations, its inputs still held
                     artifacts += snapshot(device, rank)
@@ -501,7 +501,7 @@ def _measure(
     flops = kernels.flops(module, config, config.local_batch, positions.numel(), train)
     forward = kernels.flops(module, config, config.local_batch, positions.numel(), False)
     measures = _Measures(
-        loop, after_inputs, meter.resident_peak(), backend, flops, forward, device_used
+        loop, after_inputs, meter.resident_peak(), backend, plan, flops, forward, device_used
     )
     result = _rank_result(config, rank, tokens, measures, link)
     measured = measured_case(case, result, device, (loop.first_at, loop.last_at))
@@ -516,6 +516,7 @@ class _Measures:
     after_inputs: int
     resident_peak: int | None
     backend: str
+    plan: str | None
     flops: float
     forward_flops: float
     device_used: int | None
@@ -536,6 +537,7 @@ def _rank_result(
         device_used_bytes=m.device_used,
         memory_budget_bytes=config.memory_budget_bytes,
         backend=m.backend,
+        plan=m.plan,
         steps=m.loop.steps,
         **step_totals(m.loop.steps),
         **link_fields(link),

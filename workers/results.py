@@ -146,6 +146,13 @@ class RankResult(BaseModel):
     )
     memory_budget_bytes: int | None = None
     backend: str = Field(description="The kernel backend that ran (kernel.backend).")
+    plan: str | None = Field(
+        None,
+        description="The execution plan this rank ran (kernel.plan: cpu or cuda) for the "
+        "kernels that choose one by device (dilated, block_sparse, ring_dilated, ulysses over "
+        "one of them): under `plan: auto` with device auto the stored config keeps auto, and "
+        "this says what ran. None for the other kernels, and for ranks stored before.",
+    )
     max_abs_error: float | None = Field(
         None,
         description="The correctness gate's full check: max abs error of every row against "

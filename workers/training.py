@@ -279,6 +279,7 @@ def _measure(
             device
         ) - torch.cuda.max_memory_allocated(device)
     backend = kernels.backend_of(trainer.kernel)
+    plan = kernels.plan_of(trainer.kernel)
     del trainer
     release()
     components = [
@@ -303,7 +304,7 @@ def _measure(
         else max(r for r in resident if r is not None),
     }
     result = _model_result(config, rank, phases, memory, backend, predicted_max, components)
-    result = result.model_copy(update=link_fields(link))
+    result = result.model_copy(update={**link_fields(link), "plan": plan})
     return measured_case(case, result, device, (first_at, last_at))
 
 

@@ -68,6 +68,7 @@ class BlockSparseAttention(MergedKernel):
         check_qkv(q, k, v)
         check_block_sparse(self.params, seq_len=q.shape[1], num_heads=q.shape[2])
         plan = resolve_plan(self.params.plan, q.device)
+        self.plan = plan
         if plan == "cuda":
             self.backend = f"{cuda.backend(q.device)}-plan-cuda"
             run = functools.partial(flex_attention, params=self.params, causal=causal)

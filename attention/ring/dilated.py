@@ -356,6 +356,7 @@ class RingDilatedAttention(ShardedKernel):
         n = q.shape[1]
         check_ring_dilated(self.params, seq_len=n * world, world_size=world, num_heads=q.shape[2])
         plan = resolve_plan(self.params.plan, q.device)
+        self.plan = plan
         self.backend = f"{primitive.backend_for(q.device, q.dtype)}/plan-{plan}"
         spans, fars = _plan(self.params, n * world, rank, n)
         far_group = tuple(dataclasses.replace(f, group=group) for f in fars)

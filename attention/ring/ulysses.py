@@ -242,6 +242,7 @@ class UlyssesAttention(ShardedKernel):
             with _window(window), clock.step("forward", 1):
                 out = fn(qh, kh, vh)
         self.backend = getattr(self.inner, "backend", None)
+        self.plan = getattr(self.inner, "plan", None)
         return tokens_exchange(out, members, rank, group, 2)
 
     def flops(

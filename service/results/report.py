@@ -14,6 +14,7 @@ from typing import Any
 from service.db.models import Environment, Sweep
 from service.results import baselines
 from service.results.export import result_row
+from service.results.plans import plan_notes
 from service.results.rows import RunRow, local_tokens
 from service.results.schemes import sp_schemes_section
 from service.spec import PivotSpec, canonical_json
@@ -212,7 +213,7 @@ def report_markdown(
         lines += _max_len_section(searched, unit)
         lines += _probe_sections(searched, unit)
     lines += _environment_section(environments)
-    lines += compile_notes(ordered)
+    lines += compile_notes(ordered) + plan_notes(ordered)
     lines += flag_footnotes(rows)
     return "\n".join(lines)
 

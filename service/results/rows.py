@@ -309,6 +309,13 @@ class RunRow:
     backend: str | None = field(
         default=None, metadata=_doc("The backends the ranks ran, comma-separated.")
     )
+    plan: str | None = field(
+        default=None,
+        metadata=_doc(
+            "The execution plans the ranks ran (cpu, cuda), comma-separated: what `plan: auto` "
+            "became on the device; None for kernels without a plan and runs stored before."
+        ),
+    )
     max_abs_error: float | None = field(
         default=None,
         metadata=_doc("The correctness gate's full check (every row); None: not checked."),
@@ -662,6 +669,7 @@ def _measured(row: RunRow) -> None:
     resident = [r.resident_peak_bytes for r in ranks if r.resident_peak_bytes is not None]
     row.resident_peak_bytes = max(resident) if resident else None
     row.backend = ",".join(sorted({r.backend for r in ranks}))
+    row.plan = ",".join(sorted({r.plan for r in ranks if r.plan is not None})) or None
     errors = [r.max_abs_error for r in ranks if r.max_abs_error is not None]
     row.max_abs_error = max(errors) if errors else None
     checked = [r.check_seq_len for r in ranks if r.check_seq_len is not None]

@@ -47,7 +47,7 @@ def _rank_results(rank: int, world: int, cases: list[tuple], seed: int, **extra:
         inputs = tuple(t[:, pos].clone() for t in seeded_inputs(seed + i, SHAPE))
         results.append(trained(module, inputs, causal))
         if extra.get("plan") == "cuda":
-            assert module.backend.endswith("/plan-cuda")
+            assert module.backend.endswith("/plan-cuda") and module.plan == "cuda"
     return results
 
 

@@ -19,6 +19,8 @@ pytestmark = pytest.mark.timeout(120)
 BATCH, SEQ, HEADS, DIM = 2, 32, 4, 8  # 32 divides by 2 x 4 (zigzag at W=4)
 DILATED = {"inner": "dilated", "segment_lengths": [8, 16], "dilation_rates": [1, 2]}
 SPARSE = {"inner": "block_sparse", "block_size": 4, "pattern": "local_window", "window": 2}
+PLANNED = ("dilated", "block_sparse")
+"""Inner kernels that choose a plan by device (auto: cpu here)."""
 
 
 def cases(world: int) -> list[tuple[str, dict, str, bool, int]]:
@@ -54,7 +56,8 @@ def rank_cases(rank: int, world: int) -> list[dict]:
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         clock.start(q.device)
         comm.traffic.reset()
-        out = attention.build(kernel, **params)(q, k, v, causal=causal)
+        module = attention.build(kernel, **params)
+        out = module(q, k, v, causal=causal)
         out.backward(dout)
         steps = clock.collect()
         clock.stop()
@@ -66,6 +69,7 @@ def rank_cases(rank: int, world: int) -> list[dict]:
                 "dv": v.grad,
                 "sent": comm.traffic.sent,
                 "wait_bytes": sum(s["sent_bytes"] for s in steps),
+                "plan": module.plan,
             }
         )
     return results
@@ -102,6 +106,8 @@ def test_schemes_equal_the_float64_reference(world):
         for r in per_rank:  # every byte moved is counted, and in a clock step
             assert r[i]["sent"] == r[i]["wait_bytes"]
             assert (r[i]["sent"] > 0) == (world > 1)
+            # ulysses over dilated or block_sparse reports the plan its inner kernel ran
+            assert r[i]["plan"] == ("cpu" if params.get("inner") in PLANNED else None)
 
 
 def test_invalid_params_are_one_clear_error_naming_the_field():

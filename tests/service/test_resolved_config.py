@@ -5,8 +5,10 @@ the same, and the label names the layout where it varies within the sweep."""
 from __future__ import annotations
 
 import csv
+import html
 import io
 import json
+import re
 from collections.abc import Iterator
 
 import httpx
@@ -45,6 +47,22 @@ def test_a_causal_rings_default_layout_is_stored_as_zigzag_and_labelled(base: st
     assert {json.loads(r["params"])["layout"] for r in table} == {"zigzag", "contiguous"}
     report = httpx.get(f"{base}/api/v1/sweeps/{sweep}/report.md").text
     assert labels[True] in report and labels[False] in report
+
+
+def test_a_zigzag_rings_run_page_shows_its_stored_layout(base: str) -> None:
+    """The run page, rendered by the app: its stored config (the page's config block) says
+    zigzag, and its heading's label names the layout, which varies within the sweep."""
+    spec = {"name": "page", "base": {**RING, "causal": True},
+            "grid": {"params.layout": [None, "contiguous"]}}  # fmt: skip
+    sweep = httpx.post(f"{base}/api/v1/sweeps", json=spec).json()["id"]
+    runs = httpx.get(f"{base}/api/v1/runs", params={"sweep_id": sweep, "sort": "id"}).json()
+    first = runs["data"][0]["id"]  # asked for with layout null: a causal ring's zigzag
+    page = httpx.get(f"{base}/runs/{first}").text
+    shown = re.search(r'<pre id="config">(.*?)</pre>', page, re.S)
+    assert shown is not None
+    assert json.loads(html.unescape(shown.group(1)))["params"]["layout"] == "zigzag"
+    heading = re.search(r"<h1>(.*?)</h1>", page, re.S)
+    assert heading is not None and "layout=zigzag" in html.unescape(heading.group(1))
 
 
 def test_plan_and_inner_params_are_resolved_where_the_device_is_known() -> None:

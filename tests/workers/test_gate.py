@@ -64,10 +64,10 @@ def test_the_sampled_check_catches_what_only_the_full_length_shows() -> None:
 
 
 def test_a_run_that_fails_after_its_gate_keeps_the_gate_and_its_environment() -> None:
-    params = {"window": 64, "bug_offset": None, "fail_without_grad": True}
+    params = {"window": 64, "bug_offset": None, "fail_outside_gate": True}
     case = protocol.run_case(config(kernel="offset_window", params=params, seq_len=1024))
     assert case.status == "failed"
-    assert case.error.startswith("RuntimeError: offset_window: no inference mode")
+    assert case.error.startswith("RuntimeError: offset_window: called outside the gate")
     assert "after the correctness gate passed: " in case.error and "at 1,024 (" in case.error
     assert case.environment is not None and case.environment.plugins["ringlab-test-plugins"]
 

@@ -3,12 +3,14 @@
 beyond its first rows, which a gate checking 128 tokens passed. It declares the correct mask
 (keep_mask, keep_rows: the example plugin's, whose sliding window it is) and its period (the
 window), so the gate can catch it.
-`fail_without_grad` makes it raise under torch.no_grad (the timed forward, not the gate): a
-run that fails after its gate passed."""
+`fail_outside_gate` makes it raise when called from anywhere but the correctness gate
+(workers.gate): a run that fails after its gate passed. (The gate's forward checks run under
+no_grad as the timed forward does, so the grad mode no longer tells them apart.)"""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 
 import ringlab_example_kernel
@@ -22,13 +24,23 @@ from attention import KernelSpec
 @dataclass(frozen=True)
 class OffsetParams(SlidingWindowParams):
     """The example's window (keys less than this far away) and the bug: the key bug_offset
-    before each query at position >= bug_after is dropped (None: no bug); fail_without_grad:
-    raise under torch.no_grad."""
+    before each query at position >= bug_after is dropped (None: no bug); fail_outside_gate:
+    raise when not called from the correctness gate."""
 
     window: int = 256
     bug_offset: int | None = 200
     bug_after: int = 0
-    fail_without_grad: bool = False
+    fail_outside_gate: bool = False
+
+
+def _in_gate() -> bool:
+    """Whether this call comes from the correctness gate: workers.gate on the call stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "workers.gate":
+            return True
+        frame = frame.f_back
+    return False
 
 
 class OffsetWindow(SlidingWindowAttention):
@@ -38,8 +50,8 @@ class OffsetWindow(SlidingWindowAttention):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
         p, n = self.params, q.shape[1]
-        if p.fail_without_grad and not torch.is_grad_enabled():
-            raise RuntimeError("offset_window: no inference mode (fail_without_grad)")
+        if p.fail_outside_gate and not _in_gate():
+            raise RuntimeError("offset_window: called outside the gate (fail_outside_gate)")
         mask = keep_mask(p, n, causal, q.device)
         if p.bug_offset is not None:
             rows = torch.arange(min(p.bug_after, n), n, device=q.device)
