@@ -404,13 +404,16 @@ class Varying:
     def __init__(self) -> None:
         self.rows = 0
         self.params: dict[str, set[str]] = {}
+        self.ran: dict[str, set[str]] = {}  # the values that ran, resolved defaults included
         self.with_param: dict[str, int] = {}
         self.fields: dict[str, set[str]] = {f: set() for f in LABEL_AXES}
 
     def add(self, row: RunRow) -> None:
         self.rows += 1
+        given = _given(row.config)  # what was asked for: a resolved default counts as unset
         for k, v in row.params.items():
-            self.params.setdefault(k, set()).add(_text(v))
+            self.params.setdefault(k, set()).add(_text(given.get(k)))
+            self.ran.setdefault(k, set()).add(_text(v))
             self.with_param[k] = self.with_param.get(k, 0) + 1
         for f, seen in self.fields.items():
             seen.add(_text(_axis_value(row, f)))
@@ -422,6 +425,7 @@ class Varying:
             p
             for p in sorted(self.params)
             if len(self.params[p] | ({"None"} if self.with_param[p] < self.rows else set())) > 1
+            or len(self.ran[p]) > 1  # what ran differs (zigzag and contiguous), asked or not
         ]
         vary_fields = [f for f in LABEL_AXES if len(self.fields[f]) > 1]
         if "model" in vary_fields:  # the model implies its heads and head size
