@@ -129,3 +129,15 @@ def store_result(
             Probe(run_id=run_id, seq_len=seq_len, outcome=outcome, peak_memory_bytes=probe_peak)
         )
     session.commit()
+
+
+def cluster_once_connected(get: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    """GET /cluster once the API's Ray driver has joined and reported (a process of its own:
+    seconds); fails with the last answer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = get("/api/v1/cluster")
+        if r.status_code == 200 or time.monotonic() > deadline:
+            assert r.status_code == 200, r.text
+            return dict(r.json())
+        time.sleep(0.2)

@@ -5,12 +5,11 @@ from __future__ import annotations
 import csv
 import io
 import json
-import time
 from typing import Any
 
 import httpx
 import pytest
-from _api_helpers import TOKEN, api_client, small_spec, store_result
+from _api_helpers import TOKEN, api_client, cluster_once_connected, small_spec, store_result
 from _web_helpers import live_server
 from sqlalchemy import func, select, update
 
@@ -434,25 +433,13 @@ def test_body_limit_kernels_and_health(tmp_path: Any) -> None:
         assert ready["checks"]["scheduler"] == "not embedded"
 
 
-def _cluster_once_connected(get: Any, timeout_s: float = 60.0) -> dict[str, Any]:
-    """GET /cluster once the API's Ray driver has joined and reported (a process of its own:
-    seconds); fails with the last answer."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        r = get(f"{API}/cluster")
-        if r.status_code == 200 or time.monotonic() > deadline:
-            assert r.status_code == 200, r.text
-            return dict(r.json())
-        time.sleep(0.2)
-
-
 @pytest.mark.ray
 def test_cluster_and_readyz_with_ray(tmp_path: Any, ray_session: Any) -> None:
     """An API-only process with RINGLAB_RAY_ADDRESS reports that cluster through its Ray
     driver; one with no address and no scheduler says it has none."""
     address = ray_session.get_runtime_context().gcs_address
     with api_client(f"sqlite:///{tmp_path / 'ray.db'}", ray_address=address) as client:
-        cluster = _cluster_once_connected(client.get)
+        cluster = cluster_once_connected(client.get)
         assert cluster["total_cpus"] >= 1 and cluster["nodes"][0]["cpus"] >= 1
         ready = client.get(f"{API}/readyz")
         assert ready.status_code == 200 and ready.json()["checks"]["ray"] == "ok"
@@ -482,7 +469,7 @@ def test_cluster_shows_what_idle_warm_gangs_hold(tmp_path: Any, ray_session: Any
             Settings(database_url=f"sqlite:///{tmp_path / 'ray.db'}", ray_address=address)
         )
         with live_server(app) as base:
-            info = _cluster_once_connected(lambda path: httpx.get(f"{base}{path}"))
+            info = cluster_once_connected(lambda path: httpx.get(f"{base}{path}"))
             assert (info["gang_cpus"], info["idle_gang_cpus"]) == (2, 2), info
             assert info["idle_gang_gpus"] == 0
             assert info["free_cpus"] == info["total_cpus"] - 2

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _api_helpers import cluster_once_connected
 from _web_helpers import live_server, make_web_app
 from typer.testing import CliRunner
 
@@ -135,7 +136,11 @@ def test_submit_warns_of_runs_the_cluster_cannot_hold(
         "name: wide\nbase: {kernel: ring, device: cpu, num_heads: 2, head_dim: 16, seq_len: 256}\n"
         "grid: {world_size: [2, 64]}\n"
     )
-    with live_server(make_web_app(Settings(database_url=url))) as base:
+    # an API-only process reports the cluster at its Ray address through its Ray driver
+    address = ray_session.get_runtime_context().gcs_address  # type: ignore[attr-defined]
+    settings = Settings(database_url=url, ray_address=address)
+    with live_server(make_web_app(settings)) as base:
+        cluster_once_connected(lambda path: httpx.get(f"{base}{path}"))
         monkeypatch.setenv("RINGLAB_URL", base)
         monkeypatch.setattr(cli.err, "width", 400)
         result = runner.invoke(app, ["submit", str(spec)], catch_exceptions=False)
