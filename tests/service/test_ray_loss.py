@@ -205,6 +205,6 @@ def _check_runs(base: str, sweep_id: int, watcher: Watcher) -> None:
         assert detail["status"] == "succeeded", detail
         assert detail["attempts"] == 1, detail
         assert len(detail["rank_results"]) == 1, detail
-    for run_id in watcher.requeued:
-        moves = watcher.moves[run_id]
-        assert moves.count("queued") <= 2 and moves[-1] == "succeeded", moves
+    for run_id in watcher.requeued:  # (succeeded above: the watcher, stopped once the sweep
+        moves = watcher.moves[run_id]  # was done, may not have polled the last move)
+        assert moves.count("queued") <= 2, moves
