@@ -163,7 +163,7 @@ def _doc(text: str, export: bool = True) -> dict[str, Any]:
     return {"doc": text, "export": export}
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class RunRow:
     """One run with every number a table or chart shows for it (see the module docstring).
 
