@@ -42,29 +42,6 @@ from service.results.rows import RunRow, rows_of, run_row
 from service.spec import AnalysisSpec
 
 
-def results_for_sweep(
-    session: Session, sweep_id: int
-) -> tuple[dict[int, list[RankResult]], dict[int, list[Probe]]]:
-    """Rank results and probes of a sweep's runs, grouped by run id (two joined queries)."""
-    ranks: dict[int, list[RankResult]] = defaultdict(list)
-    probes: dict[int, list[Probe]] = defaultdict(list)
-    for rr in session.scalars(
-        select(RankResult)
-        .join(Run, Run.id == RankResult.run_id)
-        .where(Run.sweep_id == sweep_id)
-        .order_by(RankResult.run_id, RankResult.rank)
-    ):
-        ranks[rr.run_id].append(rr)
-    for p in session.scalars(
-        select(Probe)
-        .join(Run, Run.id == Probe.run_id)
-        .where(Run.sweep_id == sweep_id)
-        .order_by(Probe.id)
-    ):
-        probes[p.run_id].append(p)
-    return ranks, probes
-
-
 def results_for_runs(
     session: Session, run_ids: Sequence[int]
 ) -> tuple[dict[int, list[RankResult]], dict[int, list[Probe]], dict[int, list[MemoryComponent]]]:
@@ -89,19 +66,6 @@ def results_for_runs(
     ):
         components[c.run_id].append(c)
     return ranks, probes, components
-
-
-def components_for_sweep(session: Session, sweep_id: int) -> dict[int, list[MemoryComponent]]:
-    """Memory components of a sweep's model runs, grouped by run id (one joined query)."""
-    found: dict[int, list[MemoryComponent]] = defaultdict(list)
-    for c in session.scalars(
-        select(MemoryComponent)
-        .join(Run, Run.id == MemoryComponent.run_id)
-        .where(Run.sweep_id == sweep_id)
-        .order_by(MemoryComponent.run_id, MemoryComponent.rank, MemoryComponent.id)
-    ):
-        found[c.run_id].append(c)
-    return found
 
 
 def load_run(session: Session, run_id: int) -> Run | None:
@@ -217,16 +181,33 @@ def whole_sweep_read(session: Session, *sweep_ids: int) -> Iterator[None]:
         _large_reads.release()
 
 
+ROWS_CHUNK = 1_000
+"""Runs whose ORM objects (run, ranks, probes, components) sweep_rows holds at once."""
+
+
 def sweep_rows(session: Session, sweep: Sweep) -> list[RunRow]:
     """Every run of the sweep as a row, in id order, with baselines, ratios and labels. Its
-    memory grows with the sweep: request handlers call it inside whole_sweep_read."""
-    runs = sweep_runs(session, sweep.id)
-    ranks, probes = results_for_sweep(session, sweep.id)
-    env_ids = {r.environment_id for r in runs if r.environment_id is not None}
-    envs = {
-        e.id: e for e in session.scalars(select(Environment).where(Environment.id.in_(env_ids)))
-    }
-    rows = rows_of(runs, ranks, probes, envs, components_for_sweep(session, sweep.id))
+    memory grows with the sweep (the rows; the ORM objects they are read from come and go
+    ROWS_CHUNK runs at a time): request handlers call it inside whole_sweep_read."""
+    rows: list[RunRow] = []
+    envs: dict[int, Environment] = {}
+    after = 0
+    while True:
+        runs = list(
+            session.scalars(
+                select(Run).where(Run.sweep_id == sweep.id, Run.id > after).order_by(Run.id)
+                .limit(ROWS_CHUNK)
+            )
+        )  # fmt: skip
+        if not runs:
+            break
+        ranks, probes, components = results_for_runs(session, [r.id for r in runs])
+        new_envs = {r.environment_id for r in runs if r.environment_id is not None} - set(envs)
+        if new_envs:
+            found = session.scalars(select(Environment).where(Environment.id.in_(new_envs)))
+            envs.update((e.id, e) for e in found)
+        rows += rows_of(runs, ranks, probes, envs, components)
+        after = runs[-1].id
     baselines.apply(rows, analysis_of(sweep))
     baselines.set_labels(rows)
     return rows
