@@ -19,6 +19,8 @@ from service.results import queries
 
 pytestmark = pytest.mark.timeout(300)
 SMALL, LARGE = 200, 600
+"""Two sweep sizes; a row held costs ~7 KB a run, one page of a stream nothing a run (under
+1 KB: noise from the database driver and caches)."""
 
 
 def finished_sweep(database_url: str, runs: int) -> int:
@@ -91,7 +93,7 @@ def test_results_csv_holds_a_page_whatever_the_sweep(database_url: str, monkeypa
         engine.dispose()
         queries._contexts.clear()
     per_run = (peaks[1] - peaks[0]) / (LARGE - SMALL)
-    assert per_run < 100, f"results.csv holds {per_run:.0f} B more per run ({peaks})"
+    assert per_run < 1_000, f"results.csv holds {per_run:.0f} B more per run ({peaks})"
 
 
 def test_a_whole_sweep_read_holds_rows_not_orm_objects(database_url: str, monkeypatch: Any) -> None:
