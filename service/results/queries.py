@@ -16,9 +16,10 @@ import threading
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from functools import cache
+from typing import Any
 
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session, joinedload, selectinload
@@ -31,35 +32,14 @@ from service.db.models import (
     RankResult,
     RingStep,
     Run,
+    RunStatus,
     Sweep,
+    full_config,
     ring_step_table,
 )
 from service.results import baselines
 from service.results.rows import RunRow, rows_of, run_row
 from service.spec import AnalysisSpec
-
-
-def results_for_sweep(
-    session: Session, sweep_id: int
-) -> tuple[dict[int, list[RankResult]], dict[int, list[Probe]]]:
-    """Rank results and probes of a sweep's runs, grouped by run id (two joined queries)."""
-    ranks: dict[int, list[RankResult]] = defaultdict(list)
-    probes: dict[int, list[Probe]] = defaultdict(list)
-    for rr in session.scalars(
-        select(RankResult)
-        .join(Run, Run.id == RankResult.run_id)
-        .where(Run.sweep_id == sweep_id)
-        .order_by(RankResult.run_id, RankResult.rank)
-    ):
-        ranks[rr.run_id].append(rr)
-    for p in session.scalars(
-        select(Probe)
-        .join(Run, Run.id == Probe.run_id)
-        .where(Run.sweep_id == sweep_id)
-        .order_by(Probe.id)
-    ):
-        probes[p.run_id].append(p)
-    return ranks, probes
 
 
 def results_for_runs(
@@ -86,19 +66,6 @@ def results_for_runs(
     ):
         components[c.run_id].append(c)
     return ranks, probes, components
-
-
-def components_for_sweep(session: Session, sweep_id: int) -> dict[int, list[MemoryComponent]]:
-    """Memory components of a sweep's model runs, grouped by run id (one joined query)."""
-    found: dict[int, list[MemoryComponent]] = defaultdict(list)
-    for c in session.scalars(
-        select(MemoryComponent)
-        .join(Run, Run.id == MemoryComponent.run_id)
-        .where(Run.sweep_id == sweep_id)
-        .order_by(MemoryComponent.run_id, MemoryComponent.rank, MemoryComponent.id)
-    ):
-        found[c.run_id].append(c)
-    return found
 
 
 def load_run(session: Session, run_id: int) -> Run | None:
@@ -214,16 +181,36 @@ def whole_sweep_read(session: Session, *sweep_ids: int) -> Iterator[None]:
         _large_reads.release()
 
 
+_WITH_SWEEP = selectinload(Run.sweep)
+"""Runs read for their rows come with their sweep (one query): its base_config is half of
+every run's config, and a lazy load per run costs a quarter of a page's time."""
+ROWS_CHUNK = 1_000
+"""Runs whose ORM objects (run, ranks, probes, components) sweep_rows holds at once."""
+
+
 def sweep_rows(session: Session, sweep: Sweep) -> list[RunRow]:
     """Every run of the sweep as a row, in id order, with baselines, ratios and labels. Its
-    memory grows with the sweep: request handlers call it inside whole_sweep_read."""
-    runs = sweep_runs(session, sweep.id)
-    ranks, probes = results_for_sweep(session, sweep.id)
-    env_ids = {r.environment_id for r in runs if r.environment_id is not None}
-    envs = {
-        e.id: e for e in session.scalars(select(Environment).where(Environment.id.in_(env_ids)))
-    }
-    rows = rows_of(runs, ranks, probes, envs, components_for_sweep(session, sweep.id))
+    memory grows with the sweep (the rows; the ORM objects they are read from come and go
+    ROWS_CHUNK runs at a time): request handlers call it inside whole_sweep_read."""
+    rows: list[RunRow] = []
+    envs: dict[int, Environment] = {}
+    after = 0
+    while True:
+        runs = list(
+            session.scalars(
+                select(Run).where(Run.sweep_id == sweep.id, Run.id > after).order_by(Run.id)
+                .limit(ROWS_CHUNK).options(_WITH_SWEEP)
+            )
+        )  # fmt: skip
+        if not runs:
+            break
+        ranks, probes, components = results_for_runs(session, [r.id for r in runs])
+        new_envs = {r.environment_id for r in runs if r.environment_id is not None} - set(envs)
+        if new_envs:
+            found = session.scalars(select(Environment).where(Environment.id.in_(new_envs)))
+            envs.update((e.id, e) for e in found)
+        rows += rows_of(runs, ranks, probes, envs, components)
+        after = runs[-1].id
     baselines.apply(rows, analysis_of(sweep))
     baselines.set_labels(rows)
     return rows
@@ -287,26 +274,52 @@ def sweep_context(session: Session, sweep: Sweep) -> SweepContext:
         return _find_context(session, sweep, key)
 
 
+@dataclass(frozen=True, slots=True)
+class _RunColumns:
+    """A run's columns as run_row reads them (rows.RunColumns), without the ORM object: the
+    context pass reads every run of a sweep, and an ORM object per run costs it a third of
+    its time."""
+
+    id: int
+    sweep_id: int
+    kernel: str
+    seq_len: int
+    world_size: int
+    dtype: str
+    causal: bool
+    mode: str
+    status: RunStatus
+    attempts: int
+    error: str | None
+    environment_id: int | None
+    cotenants: list[Any] | None
+    config: dict[str, Any]
+
+
+_CONTEXT_COLUMNS = tuple(f.name for f in fields(_RunColumns) if f.name != "config")
+
+
 def _find_context(session: Session, sweep: Sweep, key: tuple[str, int, datetime]) -> SweepContext:
     varying = baselines.Varying()
     finder = baselines.ReferenceFinder(analysis_of(sweep))
+    base = sweep.base_config
+    columns = [getattr(Run, name) for name in _CONTEXT_COLUMNS]
     after = 0
-    # Its own session, emptied after every chunk: the caller's session keeps what it holds.
-    with Session(bind=session.get_bind()) as own:
-        while True:
-            own_sweep = own.get(Sweep, sweep.id)  # in the identity map: runs read their base
-            runs = own.scalars(
-                select(Run).where(Run.sweep_id == sweep.id, Run.id > after).order_by(Run.id)
-                .limit(CONTEXT_CHUNK)
-            ).all()  # fmt: skip
-            for run in runs:
-                row = run_row(run, [], [], None, [])
-                varying.add(row)
-                finder.add(row)
-            if len(runs) < CONTEXT_CHUNK or own_sweep is None:
-                break
-            after = runs[-1].id
-            own.expunge_all()
+    while True:  # in chunks by id: no more than CONTEXT_CHUNK runs' configs held at once
+        chunk = session.execute(
+            select(*columns, Run.cell_config)
+            .where(Run.sweep_id == sweep.id, Run.id > after)
+            .order_by(Run.id)
+            .limit(CONTEXT_CHUNK)
+        ).all()
+        for *values, cell in chunk:
+            cells = dict(zip(_CONTEXT_COLUMNS, values, strict=True))
+            row = run_row(_RunColumns(**cells, config=full_config(base, cell)), [], [], None, [])
+            varying.add(row)
+            finder.add(row)
+        if len(chunk) < CONTEXT_CHUNK:
+            break
+        after = chunk[-1][0]
     vary_params, vary_fields = varying.result()
     context = SweepContext(vary_params, vary_fields, finder.refs())
     with _contexts_lock:
@@ -329,7 +342,9 @@ def rows_page(
     reading only these runs and their baselines."""
     context = sweep_context(session, sweep)
     chosen = Run.id.in_(run_ids) if run_ids is not None else Run.id > after
-    query = select(Run).where(Run.sweep_id == sweep.id, chosen).order_by(Run.id)
+    query = (
+        select(Run).where(Run.sweep_id == sweep.id, chosen).order_by(Run.id).options(_WITH_SWEEP)
+    )
     if limit is not None:
         query = query.limit(limit)
     runs = list(session.scalars(query))

@@ -57,7 +57,7 @@ import json
 from collections.abc import Iterable, Sequence
 from copy import deepcopy
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 from service.db.models import (
     Environment,
@@ -163,7 +163,7 @@ def _doc(text: str, export: bool = True) -> dict[str, Any]:
     return {"doc": text, "export": export}
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class RunRow:
     """One run with every number a table or chart shows for it (see the module docstring).
 
@@ -527,8 +527,42 @@ def _outcome(status: str, row: RunRow) -> str:
     return {"oom": "OOM", "timed_out": "timed out"}.get(status, status)
 
 
+class RunColumns(Protocol):
+    """What run_row reads of a run: a Run, or its columns read without the ORM object (the
+    context pass over a 100,000-run sweep, service.results.queries)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def sweep_id(self) -> int: ...
+    @property
+    def kernel(self) -> str: ...
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def causal(self) -> bool: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def status(self) -> RunStatus: ...
+    @property
+    def attempts(self) -> int: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def environment_id(self) -> int | None: ...
+    @property
+    def cotenants(self) -> list[Any] | None: ...
+    @property
+    def config(self) -> dict[str, Any]: ...
+
+
 def run_row(
-    run: Run,
+    run: RunColumns,
     ranks: Sequence[RankResult],
     probes: Sequence[Probe],
     environment: Environment | None = None,

@@ -1,0 +1,123 @@
+"""A big sweep's reads in bounded memory, measured with tracemalloc at two sizes of one sweep:
+results.csv streamed a page at a time holds no more for three times the runs, and a whole-sweep
+read (report.md, compare) holds its rows, not the ORM objects they are read from."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import insert, select, update
+from test_report_tables import client_for
+
+from service.db.engine import make_engine, make_sessionmaker
+from service.db.models import Environment, RankResult, Run, RunStatus, Sweep, utcnow
+from service.results import queries
+
+pytestmark = pytest.mark.timeout(300)
+SMALL, LARGE = 200, 600
+"""Two sweep sizes; a row held costs ~7 KB a run, one page of a stream nothing a run (under
+1 KB: noise from the database driver and caches)."""
+
+
+def finished_sweep(database_url: str, runs: int) -> int:
+    """A dense sweep of `runs` cells, every run succeeded with one rank's result."""
+    spec = {
+        "name": f"big {runs}",
+        "base": {"kernel": "dense", "num_heads": 2, "head_dim": 16, "device": "cpu"},
+        "grid": {"seq_len": [128 * (i + 1) for i in range(runs // 2)], "batch_size": [1, 2]},
+    }
+    with client_for(database_url) as client:
+        created = client.post("/api/v1/sweeps", json=spec)
+        assert created.status_code == 201, created.text
+        sweep_id: int = created.json()["id"]
+    engine = make_engine(database_url)
+    with make_sessionmaker(engine)() as session:
+        env = Environment(hash=f"{runs:064d}", hosts=["node"], gpus=[], torch="2", python="3.11")
+        session.add(env)
+        session.flush()
+        now = utcnow()
+        done = {"status": RunStatus.succeeded, "environment_id": env.id, "finished_at": now}
+        session.execute(update(Run).where(Run.sweep_id == sweep_id).values(started_at=now, **done))
+        ids = session.execute(select(Run.id, Run.seq_len).where(Run.sweep_id == sweep_id)).all()
+        results = [
+            {"run_id": run_id, "rank": 0, "seq_len": seq_len, "times_s": [9e-4, 1e-3, 1.1e-3],
+             "median_s": 1e-3, "p10_s": 9e-4, "p90_s": 1.1e-3, "tokens_per_s": seq_len / 1e-3,
+             "flops": 1e9, "flops_per_s": 1e12, "peak_memory_bytes": seq_len * 1024,
+             "backend": "torch"}
+            for run_id, seq_len in ids
+        ]  # fmt: skip
+        session.execute(insert(RankResult), results)
+        session.commit()
+    engine.dispose()
+    return sweep_id
+
+
+def traced_peak(read: Callable[[], Any]) -> int:
+    """The most bytes Python held while `read` ran, above what it held before."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        kept = read()
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    del kept
+    return peak
+
+
+def test_results_csv_holds_a_page_whatever_the_sweep(database_url: str, monkeypatch: Any) -> None:
+    from service.api.routes import sweeps
+
+    monkeypatch.setattr(sweeps, "EXPORT_PAGE", 50)
+    small, large = finished_sweep(database_url, SMALL), finished_sweep(database_url, LARGE)
+    engine = make_engine(database_url)
+    factory = make_sessionmaker(engine)
+
+    def csv_of(sweep_id: int) -> Callable[[], int]:
+        def read() -> int:  # as the response sends it: chunk by chunk, none kept
+            return sum(len(c) for c in sweeps._stream_csv(sweeps._result_pages(factory, sweep_id)))
+
+        return read
+
+    try:
+        for sweep_id in (small, large):  # the sweeps' contexts, found once and kept
+            csv_of(sweep_id)()
+        peaks = [traced_peak(csv_of(small)), traced_peak(csv_of(large))]
+    finally:
+        engine.dispose()
+        queries._contexts.clear()
+    per_run = (peaks[1] - peaks[0]) / (LARGE - SMALL)
+    assert per_run < 1_000, f"results.csv holds {per_run:.0f} B more per run ({peaks})"
+
+
+def test_a_whole_sweep_read_holds_rows_not_orm_objects(database_url: str, monkeypatch: Any) -> None:
+    """sweep_rows (report.md, compare) keeps every row; the ORM objects it reads them from
+    (runs, rank results) live a chunk at a time, so a run costs its row alone."""
+    monkeypatch.setattr(queries, "ROWS_CHUNK", 50)
+    small, large = finished_sweep(database_url, SMALL), finished_sweep(database_url, LARGE)
+    engine = make_engine(database_url)
+
+    def rows_of(sweep_id: int, runs: int) -> Callable[[], Any]:
+        def read() -> Any:
+            with make_sessionmaker(engine)() as session:
+                sweep = session.get(Sweep, sweep_id)
+                assert sweep is not None
+                rows = queries.sweep_rows(session, sweep)
+                assert len(rows) == runs and all(r.median_s == 1e-3 for r in rows)
+                return rows
+
+        return read
+
+    try:
+        rows_of(small, SMALL)()  # imports and caches warmed
+        peaks = [traced_peak(rows_of(small, SMALL)), traced_peak(rows_of(large, LARGE))]
+    finally:
+        engine.dispose()
+    per_run = (peaks[1] - peaks[0]) / (LARGE - SMALL)
+    assert per_run < 10_000, f"a whole-sweep read holds {per_run:.0f} B per run ({peaks})"
