@@ -96,12 +96,14 @@ def test_code_version_and_regression_gate_through_the_service(
         assert all(e["plugin_code"]["ringlab-test-plugins"]["git_sha"] == sha for e in past)
 
         # the gate: same code passes, the planted 2x slowdown fails and is named
+        # 40%: a 4 ms cell on this shared 2-core machine moved 26% between identical sweeps
+        # beside the other test worker; the planted slowdown doubles the work
         same = _gate(base, monkeypatch, str(a), str(b), "--fail-on-regression", "--threshold",
-                     "25%")  # fmt: skip
+                     "40%")  # fmt: skip
         assert same.exit_code == 0, same.stdout + same.stderr
         assert "0 worse" in same.stdout
         slow = _gate(base, monkeypatch, str(a), str(c), "--fail-on-regression", "--threshold",
-                     "25%")  # fmt: skip
+                     "40%")  # fmt: skip
         pairs = httpx.get(f"{base}{API}/sweeps/{a}/compare/{c}").json()["pairs"]
         assert slow.exit_code == 1, (slow.stdout, slow.stderr, pairs)
         lines = slow.stdout.splitlines()
