@@ -30,6 +30,7 @@ class Tenancy:
         self._claimed: dict[int, float] = {}
         self._placed: dict[int, _Stay] = {}
         self._ended: list[_Stay] = []
+        self._last_end = float("-inf")
 
     def claimed(self, run_id: int, at: float) -> None:
         """The run was claimed at `at`: ended runs overlapping it are kept until it ends."""
@@ -37,16 +38,20 @@ class Tenancy:
             self._claimed[run_id] = at
 
     def placed(self, run_id: int, nodes: Iterable[str], since: float) -> None:
-        """The run's ranks hold `nodes` since `since`; later calls for it change nothing."""
+        """The run's ranks hold `nodes` since `since`; later calls for it change nothing. A stay
+        learned after another run ended starts no earlier than that end: the ended run's
+        co-tenants are written already, and both sides of an overlap must name each other."""
         with self._lock:
             if run_id not in self._placed:
-                self._placed[run_id] = _Stay(run_id, frozenset(nodes), since)
+                start = max(since, self._last_end)
+                self._placed[run_id] = _Stay(run_id, frozenset(nodes), start)
 
     def ended(self, run_id: int, at: float) -> list[int] | None:
         """The run ended at `at`: the sorted ids of the runs that shared one of its nodes while
         it was placed, or None if it was never placed. Forgets its claim."""
         with self._lock:
             self._claimed.pop(run_id, None)
+            self._last_end = max(self._last_end, at)
             stay = self._placed.pop(run_id, None)
             if stay is not None:
                 stay = _Stay(run_id, stay.nodes, stay.since, at)

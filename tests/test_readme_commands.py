@@ -148,11 +148,12 @@ def test_readme_commands_run_as_written(tmp_path: Path, ray_session: Any) -> Non
         assert "cpu-quick" in httpx.get(dashboard, timeout=10).text
         # the demo says when its sweep ended, where to look, and three rows of what it found;
         # uvicorn's access lines went to the file it named, not to the terminal
-        deadline = time.monotonic() + 30
-        while "demo sweep 1 ended" not in "".join(drained) and time.monotonic() < deadline:
+        ending = re.compile(r"demo sweep 1 ended \(succeeded 9\): (\S+)\n((?:  .*\n){3})")
+        deadline = time.monotonic() + 30  # the line and its three rows may arrive apart
+        while not ending.search("".join(drained)) and time.monotonic() < deadline:
             time.sleep(0.2)
         told = "".join(drained)
-        ended = re.search(r"demo sweep 1 ended \(succeeded 9\): (\S+)\n((?:  .*\n){3})", told)
+        ended = ending.search(told)
         assert ended and ended.group(1) == dashboard, told
         assert all(" at 2,048: " in row for row in ended.group(2).splitlines()), told
         assert '"GET /' not in seen + told, told

@@ -77,6 +77,18 @@ def test_tenancy_marks_overlaps_on_shared_nodes_both_ways() -> None:
     assert t._ended == [], "nothing in flight: the ended runs are forgotten"
 
 
+def test_tenancy_stay_learned_after_an_end_does_not_reach_back_before_it() -> None:
+    """Run 2's ranks were up at 1.0, but the scheduler learned it at its next poll, after
+    run 1 ended at 3.0 and wrote its co-tenants ([]): run 2 must not name run 1 either."""
+    t = Tenancy()
+    for run in (1, 2):
+        t.claimed(run, 0.0)
+    t.placed(1, ["n1"], 0.5)
+    assert t.ended(1, 3.0) == []
+    t.placed(2, ["n1"], 1.0)
+    assert t.ended(2, 4.0) == [], "both sides of an overlap name each other, or neither"
+
+
 def test_queue_round_robins_across_sweeps(engine: Engine) -> None:
     """A 3-cell sweep submitted first does not hold back the two after it: the claims go
     A B C A B A, where FIFO would go A A A B B C."""
