@@ -69,11 +69,20 @@ SHOWN_ERRORS = 10
 """Validation errors a CLI error lists, one a line; the rest are counted."""
 
 
+def problem_path(loc: list[Any]) -> str:
+    """A 422 error's loc as a path: ['body', 'documents', 1, 'grid', 'seq_len', 0] ->
+    'documents[1].grid.seq_len[0]' (the one way a place in a spec is written)."""
+    path = ""
+    for part in loc[1:] if loc[:1] == ["body"] else loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path
+
+
 def _one_error(error: Any) -> str:
     """'base.seq_len: <why>' of one validation error (its message alone without a place)."""
     if not isinstance(error, dict):
         return str(error)
-    where = ".".join(str(p) for p in error.get("loc", []) if p != "body")
+    where = problem_path(list(error.get("loc", [])))
     return f"{where}: {error.get('msg')}" if where else str(error.get("msg"))
 
 

@@ -68,7 +68,8 @@ def safe_error(err: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_VALID = re.compile(r"valid: (.*)$")
+_VALID = re.compile(r"valid: (.*?)(?: \(cell .*\))?$")
+"""The names an unknown-name message lists, without the cell it names after them."""
 
 
 def _names_where(loc: Sequence[Any]) -> list[str]:
@@ -76,7 +77,11 @@ def _names_where(loc: Sequence[Any]) -> list[str]:
     body, or one document of a list): the spec's own at its top, a run config's in `base`."""
     from service.spec import RUN_FIELDS, SweepSpec
 
-    path = [p for p in loc if isinstance(p, str) and p != "body"][:-1]
+    parts = list(loc)
+    parts = parts[1:] if parts[:1] == ["body"] else parts
+    if parts[:1] == ["documents"] and len(parts) > 1 and isinstance(parts[1], int):
+        parts = parts[2:]  # one document of a multi-document file: a spec of its own
+    path = [p for p in parts if isinstance(p, str)][:-1]
     if not path:
         return sorted(SweepSpec.model_fields)
     return sorted(RUN_FIELDS) if path == ["base"] else []

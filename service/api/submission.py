@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from service.api.errors import safe_error
+from service.api.errors import did_you_mean, safe_error
 from service.api.schemas import DocumentCheck, SweepCheck, SweepDocuments
 from service.core.config import RunLimits
 from service.spec import Cell, SpecError, SweepSpec, cell_count, iter_cells, unstorable_values
@@ -69,7 +69,7 @@ def _check_one(raw: Any, spec: SweepSpec | None, where: Loc, limits: RunLimits) 
         index=index,
         name=name if isinstance(name, str) else None,
         cells=cells,
-        problems=[safe_error(p) for p in problems],
+        problems=[safe_error(did_you_mean(p)) for p in problems],
     )
 
 

@@ -103,6 +103,9 @@ def test_mlflow_file_store(service: Any, expected: dict[str, Any], tmp_path: Pat
         assert run.data.metrics["tokens_per_s"] == pytest.approx(row["tokens_per_s"])
         assert run.data.metrics["tflops_per_s"] == pytest.approx(row["tflops_per_s"])
         assert run.data.metrics["peak_memory_bytes"] == row["peak_memory_bytes"]
+        # how much a time is worth: its iteration count and its interval's level go too
+        assert run.data.metrics["iterations"] == row["iterations"] > 0
+        assert run.data.metrics["time_median_ci_level"] == pytest.approx(row["median_ci_level"])
         history = client.get_metric_history(run.info.run_id, "rank_peak_memory_bytes")
         assert sorted((m.step, m.value) for m in history) == list(enumerate(row["rank_peak_bytes"]))
         assert len(client.get_metric_history(run.info.run_id, "time_median_s")) == 1

@@ -37,6 +37,28 @@ def test_the_api_adds_did_you_mean_to_each_unknown_field(tmp_path: Path) -> None
     assert error["msg"].startswith("unknown axis 'wold_size'; did you mean 'world_size'? valid: ")
 
 
+def test_the_hint_reaches_one_document_of_many_and_a_kernels_params(tmp_path: Path) -> None:
+    """A typo inside one document of a multi-document file gets the hint a lone spec gets, and
+    a params typo gets it from the kernel's valid names, whatever cell the message names."""
+    with api_client(f"sqlite:///{tmp_path / 's.db'}") as client:
+        docs = {"documents": [{"name": "a", "base": BASE, "gird": {}},
+                              {"name": "b", "base": {**BASE, "num_head": 2}}]}  # fmt: skip
+        many = client.post(f"{API}/sweeps", json=docs)
+        dry = client.post(f"{API}/sweeps", params={"dry_run": "true"}, json=docs).json()
+        ring = {**BASE, "kernel": "ring", "world_size": 2, "params": {"layuot": "zigzag"}}
+        grid = {"seq_len": [128, 256]}  # each error names its cell after the valid names
+        params = client.post(f"{API}/sweeps", json={"name": "t", "base": ring, "grid": grid})
+    hints = {tuple(e["loc"]): e["msg"] for e in many.json()["detail"]}
+    assert hints[("body", "documents", 1, "base", "num_head")].endswith(
+        "did you mean 'num_heads'?"
+    ), hints
+    assert hints[("body", "documents", 0, "gird")].endswith("did you mean 'grid'?"), hints
+    checked = {tuple(e["loc"]): e["msg"] for d in dry["documents"] for e in d["problems"]}
+    assert {("body", *loc): msg for loc, msg in checked.items()} == hints, "a dry run says the same"
+    errors = params.json()["detail"]
+    assert errors and all("ring'; did you mean 'layout'? valid: " in e["msg"] for e in errors)
+
+
 def _submit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: dict[str, Any]) -> Any:
     app = make_web_app(Settings(database_url=f"sqlite:///{tmp_path / 'cli.db'}"))
     file = tmp_path / "spec.yaml"

@@ -22,6 +22,8 @@ METRICS = {
     "median_s": "time_median_s",
     "median_lo_s": "time_median_lo_s",
     "median_hi_s": "time_median_hi_s",
+    "median_ci_level": "time_median_ci_level",
+    "iterations": "iterations",
     "tokens_per_s": "tokens_per_s",
     "tflops_per_s": "tflops_per_s",
     "peak_memory_bytes": "peak_memory_bytes",
