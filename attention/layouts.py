@@ -192,3 +192,34 @@ def imbalance(per_rank: torch.Tensor) -> float:
     if not mean > 0:
         raise ValueError(f"per_rank: imbalance needs a positive mean, got {per_rank.tolist()}")
     return float(per_rank.double().max() / mean)
+
+
+def tile_pairs(mask: dict[str, Any] | Mask, order_: torch.Tensor, tile_size: int) -> torch.Tensor:
+    """(n, n) int64: kept pairs between the query tile i and the key tile j when the tokens
+    sit in `order_` and are cut into tiles of tile_size positions (tile_size = seq_len / W: the
+    ranks' shards; smaller: a ring's pieces). Zero: a step or piece with nothing to compute or
+    to send. Exact, from each query's kept key range; O(n x S), no (S, S) tensor."""
+    seq_len = order_.numel()
+    if tile_size < 1 or seq_len % tile_size:
+        raise ValueError(f"tile_size: must divide seq_len {seq_len}, got {tile_size}")
+    n = seq_len // tile_size
+    order_ = order_.long()
+    lo, hi = parse_mask(mask, seq_len).bounds(order_, seq_len)
+    tile_of_token = torch.empty(seq_len, dtype=torch.int64)
+    tile_of_token[order_] = torch.arange(seq_len) // tile_size
+    q_tile = torch.arange(seq_len) // tile_size
+    out = torch.zeros(n, n, dtype=torch.int64)
+    group = max(1, (1 << 22) // (seq_len + 1))  # key tiles counted at once: 32 MiB of int64
+    for j0 in range(0, n, group):
+        tiles = torch.arange(j0, min(j0 + group, n))
+        held = torch.zeros(seq_len + 1, len(tiles), dtype=torch.int64)
+        held[1:] = (tile_of_token[:, None] == tiles[None, :]).long().cumsum(0)
+        out[:, j0 : j0 + len(tiles)].index_add_(0, q_tile, (held[hi] - held[lo]).clamp(min=0))
+    return out
+
+
+def shard_pairs(mask: dict[str, Any] | Mask, order_: torch.Tensor, world_size: int) -> torch.Tensor:
+    """(W, W) int64: kept pairs between rank r's queries and rank s's keys (row r, column s):
+    rank_pairs is its row sum; a zero entry is a ring step with no kept pair."""
+    check_seq_len(order_.numel(), "contiguous", world_size)
+    return tile_pairs(mask, order_, order_.numel() // world_size)

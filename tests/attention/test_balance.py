@@ -54,6 +54,12 @@ def test_orders_are_permutations_and_pairs_add_up(
     assert torch.equal(per_rank, want)
     assert int(per_rank.sum()) == parse(mask).pairs(S)
     assert layouts.imbalance(per_rank) == pytest.approx(float(want.max() / want.double().mean()))
+    moved = keep[order][:, order].long()  # rows and columns in shard order
+    for tile in (S // world, 8, 16):
+        n = S // tile
+        want_tiles = moved.view(n, tile, n, tile).sum((1, 3))
+        assert torch.equal(layouts.tile_pairs(mask, order, tile), want_tiles)
+    assert torch.equal(layouts.shard_pairs(mask, order, world).sum(1), per_rank)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
