@@ -94,7 +94,8 @@ class Mask(ABC):
         return (hi - lo).clamp(min=0)
 
     def pairs(self, seq_len: int) -> int:
-        """Kept (query, key) pairs of the whole mask."""
+        """Kept (query, key) pairs of the whole mask (kinds override it with a closed form;
+        the tests hold each to the sum of row_pairs and to brute force)."""
         return int(self.row_pairs(seq_len).sum())
 
     def blocks(self, seq_len: int, block_size: int) -> BlockMap:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from attention.mask.documents import Documents
+from attention.mask.sliding_window import window_pairs
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class DocumentsWindow(Documents):
 
     def pairs(self, seq_len: int) -> int:
         self.check(seq_len)
-        return int(self.row_pairs(seq_len).sum())
+        return sum(window_pairs(n, self.window, self.is_causal) for n in self.lengths)
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()

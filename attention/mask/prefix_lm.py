@@ -32,5 +32,10 @@ class PrefixLM(Mask):
         if self.prefix > seq_len:
             raise ParamError("mask.prefix", f"{self.prefix} is longer than seq_len {seq_len}")
 
+    def pairs(self, seq_len: int) -> int:
+        self.check(seq_len)
+        p = self.prefix
+        return p * p + (seq_len * (seq_len + 1) - p * (p + 1)) // 2
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "prefix": self.prefix}

@@ -44,5 +44,16 @@ class SlidingWindow(Mask):
     def check(self, seq_len: int) -> None:
         return None
 
+    def pairs(self, seq_len: int) -> int:
+        return window_pairs(seq_len, self.window, self.is_causal)
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "causal": self.is_causal, "window": self.window}
+
+
+def window_pairs(n: int, window: int, causal: bool) -> int:
+    """Pairs a window keeps in n tokens, in closed form: with w = min(window, n), every query
+    keeps w keys (causal) or 2w - 1 (both sides), less the w (w - 1) / 2 that the start of the
+    sequence cuts off (and as many at its end, both sides)."""
+    w = min(window, n)
+    return n * w - w * (w - 1) // 2 if causal else n * (2 * w - 1) - w * (w - 1)

@@ -79,6 +79,7 @@ def test_predicate_and_pairs_match_brute_force(spec: dict[str, Any], s: int) -> 
     assert torch.equal(mask.rows(rows, s), keep[rows])
     assert torch.equal(mask.row_pairs(s), keep.sum(1))
     assert mask.pairs(s) == int(keep.sum())
+    assert mask.pairs(s) == int(mask.row_pairs(s).sum())
     if mask.causal:  # a property of the kind: no key after its query at any length
         assert not keep.triu(1).any()
     assert parse(mask.to_dict(), s) == mask
@@ -110,6 +111,14 @@ def test_block_map_at_length_without_dense_mask() -> None:
     lengths = [4096, 1000, 30000, 536, 29904]
     mask = parse({"kind": "documents", "causal": True, "lengths": lengths}, s)
     assert int(mask.blocks(s, block).pairs.sum()) == sum(n * (n + 1) // 2 for n in lengths)
+    for spec in (
+        {"kind": "sliding_window", "causal": True, "window": 4096},
+        {"kind": "sliding_window", "causal": False, "window": 333},
+        {"kind": "prefix_lm", "prefix": 2048},
+        {"kind": "documents", "causal": True, "lengths": lengths, "window": 2000},
+    ):
+        other = parse(spec, s)
+        assert int(other.blocks(s, 1000).pairs.sum()) == other.pairs(s), spec
     tiles = parse({"kind": "causal"}).blocks(s, block).pairs
     n = s // block
     want = torch.full((n, n), block * block).tril(-1) + torch.eye(n, dtype=torch.int64) * (
