@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from attention.mask import Documents
+
 _BIG_NEG = -1e30  # finite "minus infinity": keeps autograd free of inf - inf NaNs
 
 
@@ -93,12 +95,7 @@ def block_token_rows(
 def document_rows(lengths: Sequence[int], rows: torch.Tensor, causal: bool) -> torch.Tensor:
     """The rows `rows` of the packed documents' mask (attention.documents.document_mask):
     (len(rows), S), a query attending to the keys of its own document."""
-    doc = torch.repeat_interleave(
-        torch.arange(len(lengths), device=rows.device),
-        torch.tensor(list(lengths), device=rows.device),
-    )
-    keep = doc[rows][:, None] == doc[None, :]
-    return causal_rows(keep, rows) if causal else keep
+    return Documents(tuple(lengths), causal).rows(rows, sum(lengths))
 
 
 def masked_attention(
