@@ -48,6 +48,25 @@ def api_client(database_url: str, **settings: Any) -> Iterator[TestClient]:
         yield client
 
 
+def run_in_process(client: TestClient, spec: dict[str, Any]) -> int:
+    """POST `spec`; run each cell's case on this CPU in this process (the engine's own
+    protocol) and finish the run through the scheduler's write path; the sweep's id."""
+    from service import leases
+    from service.results import write
+    from workers.config import RunConfig
+    from workers.protocol import run_case
+    from workers.results import outcome_of
+
+    created = client.post("/api/v1/sweeps", json=spec)
+    assert created.status_code == 201, created.text
+    sm = client.app.state.sessionmaker  # type: ignore[attr-defined]
+    while (claim := leases.claim_next(sm, "test", 60.0)) is not None:
+        case = run_case(RunConfig.model_validate(claim.config))
+        assert case.status == "ok", case.error
+        assert write.finish(sm, claim, write.completion_from_outcome(outcome_of([case], 1)))
+    return int(created.json()["id"])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

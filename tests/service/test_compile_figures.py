@@ -7,14 +7,9 @@ from typing import Any
 
 import pytest
 import torch._dynamo
-from _api_helpers import api_client
+from _api_helpers import api_client, run_in_process
 
 from attention import compiled
-from service import leases
-from service.results import write
-from workers.config import RunConfig
-from workers.protocol import run_case
-from workers.results import outcome_of
 
 API = "/api/v1"
 SPEC = {
@@ -33,14 +28,7 @@ def test_compile_figures_reach_the_api_the_run_page_and_the_report(
     monkeypatch.setenv(compiled.BACKEND_ENV, "eager")
     torch._dynamo.reset()
     with api_client(f"sqlite:///{tmp_path / 'compile.db'}") as client:
-        created = client.post(f"{API}/sweeps", json=SPEC)
-        assert created.status_code == 201, created.text
-        sm = client.app.state.sessionmaker
-        while (claim := leases.claim_next(sm, "test", 60.0)) is not None:
-            case = run_case(RunConfig.model_validate(claim.config))
-            assert case.status == "ok", case.error
-            assert write.finish(sm, claim, write.completion_from_outcome(outcome_of([case], 1)))
-        sweep_id = int(created.json()["id"])
+        sweep_id = run_in_process(client, SPEC)
         report = client.get(f"{API}/sweeps/{sweep_id}/report.md").text
         runs = client.get(f"{API}/sweeps/{sweep_id}/results.json").json()
         shown: dict[str, str] = {}

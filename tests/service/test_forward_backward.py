@@ -13,14 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from _api_helpers import api_client
+from _api_helpers import api_client, run_in_process
 
-from service import leases
-from service.results import write
 from workers import kernels
 from workers.config import RunConfig
 from workers.protocol import run_case
-from workers.results import outcome_of
 
 API = "/api/v1"
 SPEC = {
@@ -40,16 +37,8 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def _measure_and_store(client: Any) -> int:
-    """Submit SPEC; run each cell's case on this CPU (the engine's own protocol) and finish
-    the run through the scheduler's write path."""
-    created = client.post(f"{API}/sweeps", json=SPEC)
-    assert created.status_code == 201, created.text
-    sm = client.app.state.sessionmaker
-    while (claim := leases.claim_next(sm, "test", 60.0)) is not None:
-        case = run_case(RunConfig.model_validate(claim.config))
-        assert case.status == "ok", case.error
-        assert write.finish(sm, claim, write.completion_from_outcome(outcome_of([case], 1)))
-    return int(created.json()["id"])
+    """Submit SPEC; run each cell's case on this CPU and store it (run_in_process)."""
+    return run_in_process(client, SPEC)
 
 
 def test_a_train_rank_times_forward_and_backward_within_each_iteration() -> None:

@@ -9,13 +9,7 @@ import csv
 import io
 from typing import Any
 
-from _api_helpers import api_client
-
-from service import leases
-from service.results import write
-from workers.config import RunConfig
-from workers.protocol import run_case
-from workers.results import outcome_of
+from _api_helpers import api_client, run_in_process
 
 API = "/api/v1"
 SPEC = {
@@ -28,14 +22,7 @@ SPEC = {
 
 def test_a_dilated_run_on_device_auto_records_the_plan_its_rank_ran(tmp_path: Any) -> None:
     with api_client(f"sqlite:///{tmp_path / 'plan.db'}") as client:
-        created = client.post(f"{API}/sweeps", json=SPEC)
-        assert created.status_code == 201, created.text
-        sm = client.app.state.sessionmaker
-        while (claim := leases.claim_next(sm, "test", 60.0)) is not None:
-            case = run_case(RunConfig.model_validate(claim.config))
-            assert case.status == "ok", case.error
-            assert write.finish(sm, claim, write.completion_from_outcome(outcome_of([case], 1)))
-        sweep_id = int(created.json()["id"])
+        sweep_id = run_in_process(client, SPEC)
         (row,) = client.get(f"{API}/sweeps/{sweep_id}/results.json").json()
         run_id = row["run_id"]
         record = client.get(f"{API}/runs/{run_id}").json()
