@@ -53,6 +53,15 @@ class StoredRank(results.RankResult):
         return wait / (compute + wait)
 
 
+class StoredStep(results.StepTime):
+    """One ring step of one rank in one timed iteration (workers.results.StepTime), as stored
+    (table ring_step), with its rank."""
+
+    model_config = ConfigDict(from_attributes=True, extra="ignore")
+
+    rank: int = Field(ge=0, description="The rank that ran the step.")
+
+
 class StoredProbe(results.ProbeResult):
     """One tried length of a search (workers.results.ProbeResult), as stored."""
 
