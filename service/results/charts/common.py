@@ -45,6 +45,8 @@ def to_json(fig: go.Figure) -> dict[str, Any]:
 
 
 def chart_layout(title: str, x: str, y: str, **extra: Any) -> dict[str, Any]:
+    """A chart's layout: its title and axis titles, the legend below the plot (extra: more of
+    the layout, replacing these keys)."""
     return {
         "title": {"text": title},
         "xaxis": {"title": {"text": x}},
