@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from service.units import EMPTY, MIB, level, nbytes
+
 METRICS = ("median_s", "tokens_per_s", "peak_memory_bytes", "max_seq_len")
 """What the gate can compare; for the first two higher time is worse, then higher memory,
 then a shorter maximum length."""
@@ -49,11 +51,11 @@ class Move:
 
 def _fmt(metric: str, value: Any) -> str:
     if value is None:
-        return "-"
+        return EMPTY
     if metric == "median_s":
         return f"{value * 1e3:.3f} ms"
     if metric == "peak_memory_bytes":
-        return f"{value / 2**20:.1f} MiB"
+        return nbytes(value, units=(MIB,), digits=1)
     if metric == "tokens_per_s":
         return f"{value:,.0f} tok/s"
     return f"{value:,}"
@@ -89,10 +91,6 @@ TOO_FEW = "too few iterations to tell"
 """The compare endpoint's time_verdict for a cell whose intervals cannot tell a change."""
 
 
-def _level(value: Any) -> str:
-    return "no interval" if value is None else f"{100 * value:.3g}%"
-
-
 def untold(compare: dict[str, Any], metric: str, threshold: float) -> list[Move]:
     """The matching cells whose time moved beyond the threshold but whose intervals are too
     weak to tell it from noise (worse=False: never a regression); none for memory and length."""
@@ -106,7 +104,7 @@ def untold(compare: dict[str, Any], metric: str, threshold: float) -> list[Move]
         if 1 / (1 + threshold) <= ratio <= 1 + threshold:
             continue
         n = f"{pair.get('a_iterations')} and {pair.get('b_iterations')} iterations"
-        levels = f"{_level(pair.get('a_median_ci_level'))}, {_level(pair.get('b_median_ci_level'))}"
+        levels = f"{level(pair.get('a_median_ci_level'))}, {level(pair.get('b_median_ci_level'))}"
         text = (f"median_s {_fmt('median_s', pair.get('a_median_s'))} -> "
                 f"{_fmt('median_s', pair.get('b_median_s'))} (B/A {ratio:.2f}): {TOO_FEW} "
                 f"({n}; intervals at {levels}, below 95%)")  # fmt: skip

@@ -1,17 +1,22 @@
 """The shape of the code that issue 38 set targets for, checked on every run so it stays true:
 no import circles (imports inside functions counted), no import running up a layer inside
 service/, no function over 60 lines but the few listed here, and no source file outside tests/
-over 700 lines but the few listed here, none of which may grow.
+over 700 lines but the few listed here, none of which may grow; and the presentation layer of
+issue 52: templates compute nothing, and bytes become text in service/units.py alone.
 
-Read from the source with ast alone: nothing is imported or run.
+Read from the source with ast (and Jinja's parser) alone: nothing is imported or run.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+
+from jinja2 import Environment
+from jinja2 import nodes as jinja_nodes
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("attention", "workers", "service", "bench", "scripts")
@@ -22,7 +27,6 @@ LONG_FUNCTIONS_ALLOWED: set[str] = set()
 MAX_FILE_LINES = 700
 LONG_FILES_ALLOWED = {
     "service/cli.py": 1109,
-    "service/results/charts.py": 1069,
     "service/results/report.py": 846,
     "service/spec.py": 839,
     "service/results/rows.py": 858,
@@ -239,3 +243,159 @@ def test_the_length_check_names_a_long_file_and_a_grown_one(tmp_path: Path) -> N
     )
     assert _too_long(tmp_path, {"pkg/grown.py": 704}) == [big, grown]
     assert _too_long(tmp_path, {"pkg/grown.py": 705}) == [big]
+
+
+# ---------------------------------------------------------------- the presentation layer
+
+TEMPLATES = ROOT / "service" / "web" / "templates"
+ARITHMETIC = (
+    jinja_nodes.Add,
+    jinja_nodes.Sub,
+    jinja_nodes.Mul,
+    jinja_nodes.Div,
+    jinja_nodes.FloorDiv,
+    jinja_nodes.Pow,
+    jinja_nodes.Mod,
+    jinja_nodes.Neg,
+)
+ORDERING = {"lt", "lteq", "gt", "gteq"}
+INDEX_NAMES = {"loop", "page", "rank", "world_size"}
+"""Positions, not measurements: a loop's counters, a list's page, a rank and the ring's size
+(the next rank of a ring is (rank + 1) % world_size)."""
+
+
+def _is_index(node: jinja_nodes.Node) -> bool:
+    """An integer literal, a position (loop.<anything>, or a name or attribute in INDEX_NAMES),
+    or arithmetic on those alone."""
+    if isinstance(node, jinja_nodes.Const):
+        return isinstance(node.value, int) and not isinstance(node.value, bool)
+    if isinstance(node, jinja_nodes.Name):
+        return node.name in INDEX_NAMES
+    if isinstance(node, jinja_nodes.Getattr):
+        loop = isinstance(node.node, jinja_nodes.Name) and node.node.name == "loop"
+        return loop or node.attr in INDEX_NAMES
+    if isinstance(node, jinja_nodes.BinExpr) and isinstance(node, ARITHMETIC):
+        return _is_index(node.left) and _is_index(node.right)
+    if isinstance(node, jinja_nodes.Neg):
+        return _is_index(node.node)
+    return False
+
+
+def _computes(source: str) -> list[str]:
+    """Where a template computes, one line each: arithmetic (+ - * / // % ** and unary minus,
+    in any {{ }}, {% set %}, {% if %} or {% for %}) on anything but positions (_is_index), and
+    an ordering comparison (< <= > >=) of two values, neither a literal nor a position (a
+    derived flag, such as a peak below its inputs). Allowed: string formatting with a literal
+    on the left ('%.2f' % x: formatting, not arithmetic), and filters (service.units)."""
+    found = []
+    tree = Environment().parse(source)
+    for node in tree.find_all((jinja_nodes.BinExpr, jinja_nodes.UnaryExpr, jinja_nodes.Compare)):
+        if isinstance(node, jinja_nodes.Compare):
+            values = [node.expr, *(op.expr for op in node.ops)]
+            ordered = any(op.op in ORDERING for op in node.ops)
+            fixed = [isinstance(v, jinja_nodes.Const) or _is_index(v) for v in values]
+            if ordered and not any(fixed):
+                found.append(f"line {node.lineno}: compares two values")
+            continue
+        if not isinstance(node, ARITHMETIC) or _is_index(node):
+            continue
+        left = getattr(node, "left", None)
+        formatting = isinstance(left, jinja_nodes.Const) and isinstance(left.value, str)
+        if isinstance(node, jinja_nodes.Mod) and formatting:
+            continue  # '%.2f' % x: formatting (its right side is checked on its own)
+        found.append(f"line {node.lineno}: {type(node).__name__.lower()}")
+    return found
+
+
+def test_templates_compute_nothing() -> None:
+    """A page shows the read model's figures through service.units' filters: every derived
+    number (TFLOP/s per rank, a share, a flag) is a field of the read model, so a template
+    never computes one."""
+    problems = [
+        f"{path.name} {where}"
+        for path in sorted(TEMPLATES.glob("*.html"))
+        for where in _computes(path.read_text())
+    ]
+    assert problems == []
+
+
+def test_the_computing_check_finds_what_run_html_once_did() -> None:
+    once = (
+        "{{ '%.3f' % (r.flops / r.median_s / 1e12) if r.median_s else '—' }}"
+        "{% if r.input_memory_bytes is not none and r.peak_memory_bytes < r.input_memory_bytes %}"
+        "!{% endif %}{{ '%.0f%%' % (100 * row.efficiency) }}{% set x = a - b %}"
+    )
+    assert _computes(once) == [
+        "line 1: div", "line 1: div", "line 1: compares two values", "line 1: mul", "line 1: sub",
+    ]  # fmt: skip
+    fine = (
+        "{{ '%.2fx' % row.speedup }}{{ row.efficiency | percent }}{{ loop.index - 1 }}"
+        "{{ (r.rank + 1) % row.world_size }}{% if page > 1 %}{{ page - 1 }}{% endif %}"
+    )
+    assert _computes(fine) == []
+
+
+BINARY_UNIT = re.compile(r"\b[KMGT]iB\b")
+BYTE_FORMATTERS_ALLOWED = {
+    "service/units.py": "the one formatter of bytes",
+    "service/web/static/app.js": "the browser's copy, for the rows a live sweep page adds",
+    "service/cli.py": "its terminal table, until it calls service.units.nbytes",
+}
+"""The files that may name a binary unit in code, and why."""
+
+
+def _binary_units(path: Path) -> list[int]:
+    """The lines where a file names a binary unit (KiB, MiB, GiB, TiB) outside prose: in a
+    Python string that is not a docstring (f-strings included), or anywhere in a template or
+    script."""
+    text = path.read_text()
+    if path.suffix != ".py":
+        return [i for i, line in enumerate(text.splitlines(), 1) if BINARY_UNIT.search(line)]
+    tree = ast.parse(text)
+    prose = {
+        id(n.value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+    }
+    return sorted(
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant)
+        and isinstance(n.value, str)
+        and id(n) not in prose
+        and BINARY_UNIT.search(n.value)
+    )
+
+
+def test_bytes_are_formatted_only_in_units() -> None:
+    """One formatter of bytes (service.units.nbytes and its units): a KiB, MiB, GiB or TiB
+    written anywhere else in service/ is a second one."""
+    found = []
+    for path in _source_files(ROOT / "service"):
+        name = path.relative_to(ROOT).as_posix()
+        if "migrations" in path.parts or name in BYTE_FORMATTERS_ALLOWED:
+            continue
+        found += [f"{name}:{line}" for line in _binary_units(path)]
+    assert found == []
+
+
+def test_the_byte_check_reads_code_not_prose(tmp_path: Path) -> None:
+    source = tmp_path / "x.py"
+    source.write_text('"""Sizes in MiB."""\nA = 1\n"""1 GiB at most."""\nB = f"{A} KiB"\n')
+    assert _binary_units(source) == [4]
+
+
+MAX_TEMPLATE_LINE = 200
+LONG_TEMPLATE_LINES_ALLOWED = {"sweep.html": 3}
+"""Templates still holding lines over MAX_TEMPLATE_LINE characters, and how many: a number may
+fall, never rise. A long line is wrapped with a Jinja comment holding the line break
+(`...{#` then `#}...` on the next line), which renders nothing."""
+
+
+def test_template_lines_stay_readable() -> None:
+    long = {
+        path.name: sum(len(line) > MAX_TEMPLATE_LINE for line in path.read_text().splitlines())
+        for path in sorted(TEMPLATES.glob("*.html"))
+    }
+    over = {name: n for name, n in long.items() if n > LONG_TEMPLATE_LINES_ALLOWED.get(name, 0)}
+    assert over == {}, f"lines over {MAX_TEMPLATE_LINE} characters: wrap them"

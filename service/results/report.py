@@ -19,19 +19,10 @@ from service.results.rows import RunRow, local_tokens
 from service.results.schemes import sp_schemes_section
 from service.spec import PivotSpec, canonical_json
 from service.units import MS, TimeUnit, levels, natural_key, time_unit
+from service.units import nbytes as fmt_bytes  # binary units, '-' for none
 from workers.noise import CONFIDENCE
 
 # ---------------------------------------------------------------- formatting
-
-
-def fmt_bytes(n: float | None) -> str:
-    """Binary units: 1536 -> '1.50 KiB'; None -> '-'."""
-    if n is None:
-        return "-"
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def fmt_ms(s: float | None) -> str:
@@ -125,11 +116,7 @@ def _rank_peaks(rows: Sequence[RunRow]) -> list[str]:
 
 def _rank_peak_cells(r: RunRow, columns: int, joined: bool) -> list[str]:
     """Each rank's peak, marked where it is below that rank's inputs (peak_below_inputs)."""
-    low = {
-        v.rank
-        for v in r.ranks
-        if v.input_memory_bytes is not None and v.peak_memory_bytes < v.input_memory_bytes
-    }
+    low = {v.rank for v in r.ranks if v.peak_below_inputs}
     mark = marks(r, "peak_memory_bytes")
     cells = [fmt_bytes(v) + (mark if i in low else "") for i, v in enumerate(r.rank_peak_bytes)]
     if joined:

@@ -735,11 +735,7 @@ def _phases(row: RunRow, slow: StoredRank) -> None:
 def peak_flags(ranks: Sequence[StoredRank]) -> list[Flag]:
     """peak_below_inputs for a rank whose peak is below the inputs it held while that peak
     was metered: the peak counts those inputs, so the meter missed memory."""
-    low = [
-        r
-        for r in ranks
-        if r.input_memory_bytes is not None and r.peak_memory_bytes < r.input_memory_bytes
-    ]
+    low = [r for r in ranks if r.peak_below_inputs]
     if not low:
         return []
     which = "; ".join(

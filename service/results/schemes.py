@@ -24,6 +24,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from service.units import EMPTY, KIB, MIB, nbytes, percent
+
 SCHEMES = ("ring", "ulysses", "allgather_kv", "usp", "torch_cp")
 """The sequence-parallel schemes the section compares."""
 SHAPE = ("world_size", "num_heads", "num_kv_heads", "head_dim", "dtype", "causal", "mode")
@@ -78,13 +80,11 @@ def predicted_s(row: Mapping[str, Any]) -> float | None:
 
 def _mib(n: float | None) -> str:
     """MiB, or KiB below one MiB (a tiny run's bytes would read 0.0 MiB)."""
-    if n is None:
-        return "-"
-    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+    return nbytes(n, units=(MIB, KIB), digits=1, grouped=True)
 
 
 def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1%}"
+    return percent(x, 1, empty=EMPTY)
 
 
 def _key(row: Mapping[str, Any]) -> tuple[Any, ...]:

@@ -31,6 +31,36 @@ class StoredRank(results.RankResult):
         None, description="The node the rank ran on (its Ray node's IP; None before 0016)."
     )
 
+    @property
+    def tflops_per_s(self) -> float | None:
+        """What this rank computed per second at its median, in TFLOP/s (None without a time)."""
+        return self.flops / self.median_s / 1e12 if self.median_s else None
+
+    @property
+    def peak_below_inputs(self) -> bool:
+        """Whether the rank's peak is below the inputs it held while the peak was metered: the
+        peak counts those inputs, so the meter missed memory (rows.peak_flags raises the flag)."""
+        held = self.input_memory_bytes
+        return held is not None and self.peak_memory_bytes < held
+
+    @property
+    def step_wait_share(self) -> float | None:
+        """The share of this rank's ring-step time spent blocked on transfers (None without
+        steps, or with none of their time)."""
+        compute, wait = self.step_compute_s, self.step_wait_s
+        if compute is None or wait is None or not compute + wait:
+            return None
+        return wait / (compute + wait)
+
+
+class StoredStep(results.StepTime):
+    """One ring step of one rank in one timed iteration (workers.results.StepTime), as stored
+    (table ring_step), with its rank."""
+
+    model_config = ConfigDict(from_attributes=True, extra="ignore")
+
+    rank: int = Field(ge=0, description="The rank that ran the step.")
+
 
 class StoredProbe(results.ProbeResult):
     """One tried length of a search (workers.results.ProbeResult), as stored."""

@@ -26,10 +26,11 @@ from service.api.deps import (
 )
 from service.api.outputs import artifact_out
 from service.api.pages import query_error
-from service.api.schemas import RingStepOut, SweepOut
+from service.api.schemas import SweepOut
 from service.db.models import TERMINAL_STATUSES, Sweep
 from service.results import charts, compare, export, queries
 from service.results.rows import RunRow
+from service.results.stored import StoredStep
 from service.web import login
 from service.web.render import HERE, STATIC_FILES
 from service.web.render import page as _page
@@ -173,9 +174,9 @@ def _sweep_payload(
     more = run_ids is None and limit is not None and len(page) == limit
     figures = scaling = None
     if whole:
-        everything = rows if run_ids is None and after == 0 else None
+        everything = page if run_ids is None and after == 0 else None
         if everything is None:
-            everything = [r.as_dict() for r in queries.rows_page(session, sweep)]
+            everything = queries.rows_page(session, sweep)
         figures = charts.sweep_figures(everything)
         scaling = charts.scaling_table(everything)
     return {
@@ -243,8 +244,8 @@ def run_page(request: Request, session: SessionDep, run_id: RunId) -> HTMLRespon
     if found is None:
         raise HTTPException(404, f"no run {run_id}")
     run, row = found
-    figure = charts.rank_times_figure([{"rank": r.rank, "times_s": r.times_s} for r in row.ranks])
-    steps = [RingStepOut.model_validate(s).model_dump() for s in queries.run_steps(session, run_id)]
+    figure = charts.rank_times_figure(row.ranks)
+    steps = [StoredStep.model_validate(s) for s in queries.run_steps(session, run_id)]
     return _page(
         request,
         "run.html",

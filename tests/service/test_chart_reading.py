@@ -15,6 +15,7 @@ from typing import Any
 
 from _api_helpers import api_client
 from test_result_goldens import CPU, _store
+from test_web import _row
 
 from service.results import charts
 
@@ -66,12 +67,13 @@ def test_the_crossover_line_stands_clear_of_the_y_axis(tmp_path: Path) -> None:
     assert lo + 0.05 * (hi - lo) < at < hi - 0.05 * (hi - lo), (lo, at, hi)
     # a crossover below every measured length: still inside, a tenth of a decade off the axis
     rows = [
-        {"status": "succeeded", "label": "ring", "series": "ring", "kernel": "ring",
-         "mode": "forward", "parallel": "sequence", "world_size": 2, "batch_size": 1,
-         "length": n, "exposed_comm_share": 0.05, "crossover_tokens": 40 if n == 1024 else None,
-         "crossover_basis": "step compute rate", "run_id": i}
-        for i, n in enumerate((1024, 2048, 4096))
-    ]  # fmt: skip
+        _row(i, kernel="ring", world_size=2, seq_len=n) for i, n in enumerate((1024, 2048, 4096))
+    ]
+    for r in rows:
+        r.label = r.series = "ring"
+        r.exposed_comm_share = 0.05
+        r.crossover_tokens = 40 if r.seq_len == 1024 else None
+        r.crossover_basis = "step compute rate"
     figure = charts.exposed_comm_figure(rows)
     lo, _ = figure["layout"]["xaxis"]["range"]
     assert lo <= math.log10(40) - 0.1, lo

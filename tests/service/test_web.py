@@ -106,7 +106,7 @@ def test_dense_peaks_known_devices_only() -> None:
 def test_peak_chart_says_no_reference_peak_on_cpu() -> None:
     row = _row()
     row.flops_per_s_per_rank = 1e11
-    fig = charts.peak_fraction_figure([row.as_dict()])
+    fig = charts.peak_fraction_figure([row])
     texts = [a["text"] for a in fig["layout"]["annotations"]]
     assert texts == ["no reference peak for CPU (float32) (achieved TFLOP/s is in the table)"]
     assert fig["data"] == []
@@ -137,7 +137,7 @@ def test_default_baselines_world_size_one_and_the_single_process_twin() -> None:
     # share (weak scaling, equal work per rank), named so; a ring does not (quadratic cost).
     assert by_id[6].baseline_run_id is None and by_id[1].baseline_run_id is None
     assert by_id[7].baseline is None  # no W=1 run at 2048 either
-    points = charts.scaling_points([r.as_dict() for r in rows])
+    points = charts.scaling_points(rows)
     ring = "ring · sequence-parallel · batch_size=1 · seq 1,024 (vs dense W=1)"
     assert points[ring] == [(1, 1.0), (2, pytest.approx(0.75))]
 

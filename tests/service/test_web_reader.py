@@ -191,7 +191,7 @@ def test_chart_conventions_on_rows() -> None:
             row = _row(10 * i + j, 0.01 * n / 512, kernel=kernel, world_size=w,
                        parallel=parallel, seq_len=n)  # fmt: skip
             row.label = f"{kernel} · W={w} · {parallel}"
-            rows.append(row.as_dict())
+            rows.append(row)
     styles = charts.Styles(rows)
     throughput = charts.throughput_figure(rows, styles)["data"]
     memory = charts.memory_figure(rows, styles)["data"]
