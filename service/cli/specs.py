@@ -1,16 +1,19 @@
 """Sweep specs as `ringlab submit` and `ringlab demo` read them: a YAML file (one spec per
-document) or a bundled example by name, a YAML mistake told as file:line:column with the line."""
+document) or a bundled example by name, a YAML mistake told as file:line:column with the line;
+and a stored spec as `ringlab show` prints it. PyYAML loads only when a command reads or writes
+a spec, off the CLI's start-up."""
 
 from __future__ import annotations
 
 import difflib
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
-
-import yaml
+from typing import TYPE_CHECKING, Any
 
 from service.cli.console import CliError
+
+if TYPE_CHECKING:
+    from yaml import MarkedYAMLError
 
 
 def bundled_examples() -> dict[str, Any]:
@@ -36,10 +39,15 @@ def _bundled(file: str) -> tuple[str, str]:
     )
 
 
-def _yaml_error(label: str, text: str, e: Exception) -> CliError:
+def _not_yaml(label: str, e: Exception) -> CliError:
+    """`file: not valid YAML: problem`, from a PyYAML error that marks no place."""
+    return CliError(f"{label}: not valid YAML: {str(e).splitlines()[0]}")
+
+
+def _yaml_error(label: str, text: str, e: MarkedYAMLError) -> CliError:
     """`file:line:column: problem` and the offending line, from a PyYAML error."""
-    if not isinstance(e, yaml.MarkedYAMLError) or e.problem_mark is None:
-        return CliError(f"{label}: not valid YAML: {str(e).splitlines()[0]}")
+    if e.problem_mark is None:
+        return _not_yaml(label, e)
     mark, context = e.problem_mark, e.context_mark
     message = f"{label}:{mark.line + 1}:{mark.column + 1}: not valid YAML: {e.problem}"
     if e.context and context is not None:
@@ -54,6 +62,8 @@ def _yaml_error(label: str, text: str, e: Exception) -> CliError:
 def load_specs(file: str) -> list[dict[str, Any]]:
     """The sweep specs of a YAML file (one per document), or of a bundled example by name
     (`cpu-quick` or `cpu-quick.yaml`)."""
+    import yaml  # PyYAML: ~25 ms, kept off start-up
+
     path = Path(file)
     if path.is_file():
         label, text = file, path.read_text()
@@ -61,8 +71,10 @@ def load_specs(file: str) -> list[dict[str, Any]]:
         label, text = _bundled(file)
     try:
         specs = [doc for doc in yaml.safe_load_all(text) if doc is not None]
-    except yaml.YAMLError as e:
+    except yaml.MarkedYAMLError as e:
         raise _yaml_error(label, text, e) from None
+    except yaml.YAMLError as e:
+        raise _not_yaml(label, e) from None
     if not specs:
         raise CliError(f"{label}: no sweep spec in it")
     for i, spec in enumerate(specs):
@@ -71,3 +83,10 @@ def load_specs(file: str) -> list[dict[str, Any]]:
                 f"{label}: document {i + 1} is not a mapping (name, kind, base, grid...)"
             )
     return specs
+
+
+def spec_yaml(spec: dict[str, Any]) -> str:
+    """A stored spec as YAML, its keys in their stored order."""
+    import yaml  # PyYAML: ~25 ms, kept off start-up
+
+    return yaml.safe_dump(spec, sort_keys=False).rstrip()

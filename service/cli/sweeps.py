@@ -7,10 +7,10 @@ import sys
 from typing import Annotated
 
 import typer
-import yaml
 from rich.table import Table
 
 from service.cli.console import CliError, client, err, friendly_errors, out
+from service.cli.specs import spec_yaml
 from service.cli.text import cut_apart, cut_end, state_counts
 from service.client import ClientError
 from service.units import plural
@@ -67,7 +67,7 @@ def show(sweep_id: Annotated[int, typer.Argument(help="Sweep id.")]) -> None:
     out.print(f"created {s['created_at'][:19].replace('T', ' ')} UTC")
     out.print(f"progress {s['finished']}/{s['total']}: {state_counts(s['counts'])}")
     out.print(f"dashboard: {url}")
-    out.print(yaml.safe_dump(s["spec"], sort_keys=False).rstrip(), markup=False)
+    out.print(spec_yaml(s["spec"]), markup=False)
 
 
 @friendly_errors
