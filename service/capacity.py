@@ -11,6 +11,7 @@ from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any
 
+from service.client import ClientError
 from workers.errors import Infeasible
 from workers.fit import check_feasible
 
@@ -106,8 +107,6 @@ def sweep_runs(
 def submit_warnings(c: Any, sweep_ids: list[int]) -> list[str]:
     """What `ringlab submit` warns of: the runs of these sweeps that the cluster can never
     hold (`cannot_fit`), or that the check could not be made when the cluster is unreachable."""
-    from service.client import ClientError
-
     try:
         cluster = c.request("GET", "/cluster").json()
     except ClientError as exc:
@@ -134,21 +133,3 @@ def watch_reasons(c: Any, sweep_ids: list[int]) -> list[str]:
             f"sweep {sweep_id}, {line}" for line in reasons(sorted(runs, key=lambda r: r["id"]))
         ]
     return lines
-
-
-def warn_at_submit(c: Any, sweep_ids: list[int]) -> None:
-    """Print `submit_warnings` on stderr (nothing when every run fits)."""
-    from service.cli_base import err
-
-    for line in submit_warnings(c, sweep_ids):
-        err.print(line, markup=False, highlight=False, soft_wrap=False)
-
-
-def print_watch_reasons(c: Any, sweeps: dict[int, dict[str, Any]], ended: list[int]) -> None:
-    """Print on stderr why each run that did not end ok ended so, for the ended sweeps whose
-    counts (as `ringlab watch` holds them) show any."""
-    from service.cli_base import err
-
-    bad = [i for i in ended if any(sweeps[i]["counts"].get(s) for s in NOT_OK)]
-    for line in watch_reasons(c, bad):
-        err.print(line, markup=False, highlight=False, soft_wrap=False)

@@ -10,7 +10,7 @@ from importlib.resources import files
 import pytest
 
 import attention
-from service.cli import load_specs
+from service.cli.specs import load_specs
 from service.spec import SpecError, SweepSpec, expand
 from workers.errors import Infeasible
 from workers.fit import check_feasible

@@ -16,7 +16,7 @@ from _workers_helpers import config
 
 import attention
 from attention import layouts
-from service.cli import load_specs
+from service.cli.specs import load_specs
 from workers import protocol
 from workers.references import _dense
 

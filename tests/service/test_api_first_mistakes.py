@@ -14,6 +14,7 @@ from sqlalchemy import func, select
 from typer.testing import CliRunner
 
 from service import cli
+from service.cli import console
 from service.db.models import Run, Sweep
 
 API = "/api/v1"
@@ -134,7 +135,7 @@ def test_cli_prints_the_missing_field_path(tmp_path: Path, monkeypatch: pytest.M
     with live_server(app) as base:
         monkeypatch.setenv("RINGLAB_URL", base)
         monkeypatch.delenv("RINGLAB_API_TOKEN", raising=False)
-        monkeypatch.setattr(cli.out, "width", 200)
+        monkeypatch.setattr(console.out, "width", 200)
         result = CliRunner().invoke(cli.app, ["submit", str(spec)], catch_exceptions=False)
     assert result.exit_code == 1, (result.stdout, result.stderr)
     (line,) = result.stderr.strip().splitlines()

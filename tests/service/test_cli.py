@@ -20,8 +20,7 @@ import pytest
 from _web_helpers import Seeded, live_server, make_web_app, seed_sweeps
 from typer.testing import CliRunner
 
-from service import cli
-from service.cli import app
+from service.cli import app, console
 from service.core.config import Settings
 from workers.results import ProbeResult
 
@@ -41,7 +40,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, See
 def base(service: tuple[str, Seeded], monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("RINGLAB_URL", service[0])
     monkeypatch.delenv("RINGLAB_API_TOKEN", raising=False)
-    monkeypatch.setattr(cli.out, "width", 200)  # the runner is no terminal: rich would use 80
+    monkeypatch.setattr(console.out, "width", 200)  # the runner is no terminal: rich would use 80
     return service[0]
 
 
@@ -191,7 +190,7 @@ def test_token_is_sent_from_the_environment(
 
 
 def test_bundled_example_by_name() -> None:
-    from service.cli import load_specs
+    from service.cli.specs import load_specs
 
     (spec,) = load_specs("cpu-quick.yaml")
     assert spec["name"] == "cpu-quick"
@@ -264,7 +263,7 @@ def test_watch_shows_a_running_searchs_probes_as_they_come(
     }  # fmt: skip
     with live_server(make_web_app(Settings(database_url=url))) as base:
         monkeypatch.setenv("RINGLAB_URL", base)
-        monkeypatch.setattr(cli.err, "width", 200)
+        monkeypatch.setattr(console.err, "width", 200)
         sweep_id = httpx.post(f"{base}/api/v1/sweeps", json=spec).json()["id"]
         engine = make_engine(url)
         sm = make_sessionmaker(engine)

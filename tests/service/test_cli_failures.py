@@ -18,8 +18,8 @@ from _api_helpers import cluster_once_connected
 from _web_helpers import live_server, make_web_app
 from typer.testing import CliRunner
 
-from service import capacity, cli
-from service.cli import app
+from service import capacity
+from service.cli import app, console
 from service.core.config import Settings
 from service.db.engine import make_engine, make_sessionmaker
 from service.db.migrate import upgrade
@@ -94,8 +94,8 @@ def test_watch_names_the_reason_of_failed_runs(
 ) -> None:
     base, ids = failed
     monkeypatch.setenv("RINGLAB_URL", base)
-    monkeypatch.setattr(cli.out, "width", 200)
-    monkeypatch.setattr(cli.err, "width", 400)
+    monkeypatch.setattr(console.out, "width", 200)
+    monkeypatch.setattr(console.err, "width", 400)
     result = runner.invoke(app, ["watch", str(ids["bench"])], catch_exceptions=False)
     assert result.exit_code == 1
     assert f"sweep {ids['bench']}, run {ids['bench_run']} failed: {INFEASIBLE}" in result.stderr
@@ -106,7 +106,7 @@ def test_a_search_whose_runs_were_infeasible_says_so(
 ) -> None:
     base, ids = failed
     monkeypatch.setenv("RINGLAB_URL", base)
-    monkeypatch.setattr(cli.out, "width", 400)
+    monkeypatch.setattr(console.out, "width", 400)
     result = runner.invoke(app, ["watch", str(ids["search"])], catch_exceptions=False)
     assert result.exit_code == 1
     assert "no length fit" not in result.stdout
@@ -142,7 +142,7 @@ def test_submit_warns_of_runs_the_cluster_cannot_hold(
     with live_server(make_web_app(settings)) as base:
         cluster_once_connected(lambda path: httpx.get(f"{base}{path}"))
         monkeypatch.setenv("RINGLAB_URL", base)
-        monkeypatch.setattr(cli.err, "width", 400)
+        monkeypatch.setattr(console.err, "width", 400)
         result = runner.invoke(app, ["submit", str(spec)], catch_exceptions=False)
     assert result.exit_code == 0, result.stderr
     lines = result.stderr.strip().splitlines()

@@ -368,7 +368,7 @@ def test_the_port_is_held_from_the_check_until_uvicorn_serves_on_it(tmp_path: Pa
     import uvicorn
 
     from service.app import create_app
-    from service.cli import check_port
+    from service.cli.ports import check_port
 
     port = free_port()
     sockets = check_port("127.0.0.1", port, "pick another")

@@ -13,8 +13,7 @@ import pytest
 from _web_helpers import live_server, make_web_app
 from typer.testing import CliRunner
 
-from service import cli
-from service.cli import app
+from service.cli import app, console
 from service.core.config import Settings
 
 runner = CliRunner()
@@ -31,7 +30,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def wide(served: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RINGLAB_URL", served)
     monkeypatch.delenv("RINGLAB_API_TOKEN", raising=False)
-    monkeypatch.setattr(cli.out, "width", 400)  # one printed line per line of text
+    monkeypatch.setattr(console.out, "width", 400)  # one printed line per line of text
 
 
 def test_every_kernel_with_its_params_defaults_and_masks(served: str) -> None:

@@ -19,6 +19,7 @@ from test_report_reading import CPU, finish_all
 from typer.testing import CliRunner
 
 from service import cli
+from service.cli import console
 from service.core.config import Settings
 from workers.noise import median_interval
 
@@ -42,7 +43,7 @@ def _pair(client: Any, iterations: int, spread: Any) -> tuple[int, int]:
 
 def _gate(base: str, monkeypatch: pytest.MonkeyPatch, a: int, b: int) -> Any:
     monkeypatch.setenv("RINGLAB_URL", base)
-    monkeypatch.setattr(cli.out, "width", 200)
+    monkeypatch.setattr(console.out, "width", 200)
     args = ["compare", str(a), str(b), "--fail-on-regression", "--threshold", "25%"]
     return CliRunner().invoke(cli.app, args, catch_exceptions=False)
 

@@ -19,6 +19,7 @@ from _web_helpers import live_server, make_web_app
 from typer.testing import CliRunner
 
 from service import cli
+from service.cli import console
 from service.core.config import Settings
 from service.db.engine import make_engine, make_sessionmaker
 from service.db.models import Artifact, Environment
@@ -74,7 +75,7 @@ def expected(service: tuple[str, int]) -> dict[str, Any]:
 def export_twice(service: tuple[str, int], monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
     base, sweep = service
     monkeypatch.setenv("RINGLAB_URL", base)
-    monkeypatch.setattr(cli.out, "width", 300)
+    monkeypatch.setattr(console.out, "width", 300)
     outputs = []
     for _ in range(2):
         result = CliRunner().invoke(cli.app, ["export", str(sweep), *args],

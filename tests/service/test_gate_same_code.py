@@ -18,6 +18,9 @@ from _web_helpers import live_server, make_web_app
 from typer.testing import CliRunner
 
 from service import cli
+from service.cli import console
+from service.cli.demo import DEMO_EXAMPLE
+from service.cli.specs import load_specs
 from service.core.config import Settings
 
 API = "/api/v1"
@@ -28,14 +31,14 @@ def _demo_cut_down(name: str) -> dict[str, Any]:
     """The demo's sweep (its base: 3 iterations, 1 warmup) cut down to two short lengths of
     its single-process kernel: after the first run starts the rank process (~10 s here),
     each run takes well under a second."""
-    (spec,) = cli.load_specs(cli.DEMO_EXAMPLE)
+    (spec,) = load_specs(DEMO_EXAMPLE)
     base = {**spec["base"], "num_heads": 2, "head_dim": 16, "batch_size": 1}
     return {"name": name, "base": {**base, "kernel": "dense"}, "grid": {"seq_len": [128, 256]}}
 
 
 def _gate(base: str, monkeypatch: pytest.MonkeyPatch, a: int, b: int) -> Any:
     monkeypatch.setenv("RINGLAB_URL", base)
-    monkeypatch.setattr(cli.out, "width", 200)
+    monkeypatch.setattr(console.out, "width", 200)
     args = ["compare", str(a), str(b), "--fail-on-regression", "--threshold", "25%"]
     return CliRunner().invoke(cli.app, args, catch_exceptions=False)
 

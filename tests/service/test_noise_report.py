@@ -17,7 +17,7 @@ from _api_helpers import mark_succeeded
 from sqlalchemy.orm import Session
 from test_report_tables import API, MiB, client_for, report, section, submit
 
-from service.cli import load_specs
+from service.cli.specs import load_specs
 from service.db.models import RankResult, Sweep
 from service.results.queries import rows_page
 
@@ -239,7 +239,7 @@ def test_two_identical_sweeps_compare_without_regression_a_2x_slower_one_with(
 
 def test_the_terminal_table_marks_speedups_as_the_report_does() -> None:
     """`ringlab results`: ⚠ beside a flagged speedup, ~ beside one within noise."""
-    from service.cli import _speedup_note
+    from service.cli.results import _speedup_note
 
     flag = {"code": "speedup_above_world_size", "field": "speedup", "text": "above W"}
     assert _speedup_note({"flags": [flag], "within_noise": []}) == " ⚠"
@@ -360,6 +360,7 @@ def test_ringlab_results_explains_its_tilde_under_the_table(
     from typer.testing import CliRunner
 
     from service import cli
+    from service.cli import console
     from service.core.config import Settings
 
     app = make_web_app(Settings(database_url=f"sqlite:///{tmp_path / 'tilde.db'}"))
@@ -369,7 +370,7 @@ def test_ringlab_results_explains_its_tilde_under_the_table(
     assert any("speedup" in r["within_noise"] for r in rows)
     with live_server(app) as base:
         monkeypatch.setenv("RINGLAB_URL", base)
-        monkeypatch.setattr(cli.out, "width", 80)
+        monkeypatch.setattr(console.out, "width", 80)
         shown = CliRunner().invoke(cli.app, ["results", str(sweep_id)], catch_exceptions=False)
     assert shown.exit_code == 0, shown.stdout
     lines = shown.stdout.splitlines()

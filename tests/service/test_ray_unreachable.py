@@ -22,6 +22,7 @@ import json, logging, sys, time
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 from service import cli
+from service.cli import sweeps
 from service import client as ringlab_client
 from service.app import create_app
 from service.core.config import Settings
@@ -54,7 +55,7 @@ with TestClient(create_app(settings, with_scheduler=True), base_url="http://loca
     }
     c = ringlab_client.Client("http://localhost")
     c.http = client  # (the command closes its client: last)
-    cli.client = lambda: c
+    sweeps.client = lambda: c
     done = CliRunner().invoke(cli.app, ["cluster"])
     print(json.dumps({**out, "cli": [done.exit_code, done.stdout, done.stderr]}))
 """

@@ -18,6 +18,7 @@ from _web_helpers import live_server, make_web_app
 from typer.testing import CliRunner
 
 from service import cli
+from service.cli import console
 from service.core.config import Settings
 
 API = "/api/v1"
@@ -45,7 +46,7 @@ def _run_sweeps(base: str, app: Any, names: list[str]) -> list[int]:
 
 def _gate(base: str, monkeypatch: pytest.MonkeyPatch, *args: str) -> Any:
     monkeypatch.setenv("RINGLAB_URL", base)
-    monkeypatch.setattr(cli.out, "width", 200)
+    monkeypatch.setattr(console.out, "width", 200)
     return CliRunner().invoke(cli.app, ["compare", *args], catch_exceptions=False)
 
 

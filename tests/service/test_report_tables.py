@@ -23,7 +23,7 @@ from _web_helpers import make_web_app
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from service.cli import load_specs
+from service.cli.specs import load_specs
 from service.core.config import Settings
 from service.db.models import Probe, RankResult
 from service.results.report import fmt_bytes, fmt_ms, fmt_num

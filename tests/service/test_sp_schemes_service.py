@@ -14,7 +14,7 @@ import pytest
 from _api_helpers import api_client
 from _gang_helpers import run_queue
 
-from service.cli import load_specs
+from service.cli.specs import load_specs
 from service.results.rows import ulysses_groups
 from service.results.schemes import all_to_all_bytes, predicted_s, sp_schemes_section
 

@@ -14,6 +14,7 @@ from _web_helpers import live_server, make_web_app
 from typer.testing import CliRunner
 
 from service import cli
+from service.cli import console
 from service.core.config import Settings
 
 API = "/api/v1"
@@ -65,7 +66,7 @@ def _submit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: dict[str, Any
     file.write_text(yaml.safe_dump(spec))
     with live_server(app) as base:
         monkeypatch.setenv("RINGLAB_URL", base)
-        monkeypatch.setattr(cli.err, "width", 200)
+        monkeypatch.setattr(console.err, "width", 200)
         return CliRunner().invoke(cli.app, ["submit", str(file)], catch_exceptions=False)
 
 

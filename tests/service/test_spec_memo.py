@@ -10,7 +10,7 @@ import pytest
 
 import attention
 from service import spec as spec_module
-from service.cli import bundled_examples, load_specs
+from service.cli.specs import bundled_examples, load_specs
 from service.spec import SpecError, SweepSpec, _Expander, expand
 
 

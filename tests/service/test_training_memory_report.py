@@ -15,7 +15,7 @@ from _results_helpers import timing
 from sqlalchemy.orm import Session
 from test_report_tables import API, client_for, section
 
-from service.cli import load_specs
+from service.cli.specs import load_specs
 from service.db.models import Environment, MemoryComponent, Probe, RankResult, Run, RunStatus
 from workers import model_memory
 from workers.config import RunConfig

@@ -15,7 +15,7 @@ import torch._dynamo
 from _workers_helpers import config
 
 from attention import compiled
-from service.cli import load_specs
+from service.cli.specs import load_specs
 from service.spec import SweepSpec, expand
 from workers import gate, protocol
 from workers.config import RunConfig

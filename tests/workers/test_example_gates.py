@@ -12,7 +12,7 @@ import pytest
 import torch
 from _dist_helpers import run_ranks
 
-from service.cli import load_specs
+from service.cli.specs import load_specs
 from service.spec import SweepSpec, expand
 from workers.config import RunConfig
 from workers.gate import CHECK_MIN_LEN, run_gate

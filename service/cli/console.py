@@ -1,6 +1,6 @@
-"""What every `ringlab` command shares: the typer app, the two consoles, the one-line error
-(CliError, friendly_errors) and the HTTP client. The commands live in service.cli and
-service.cli_results; both import this module, so neither imports the other's internals."""
+"""What every `ringlab` command shares: the two consoles, the one-line error (CliError,
+friendly_errors) and the HTTP client. Each command module imports this one, none imports
+another's internals, and service.cli.commands registers them all on the app."""
 
 from __future__ import annotations
 
@@ -15,16 +15,6 @@ from rich.markup import escape
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 
 from service.client import Client, ClientError
-
-app = typer.Typer(
-    name="ringlab",
-    help="Run and compare long-context attention experiments on a Ray cluster.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
-app.add_typer(db_app, name="db")
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)

@@ -1,6 +1,5 @@
 """`ringlab kernels [NAME]`: the kernel catalogue the service serves at /api/v1/kernels, in the
-terminal: each kernel's params with their defaults, and the masks it takes. Registered on
-service.cli's app when service.cli loads."""
+terminal: each kernel's params with their defaults, and the masks it takes."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from service.cli_base import CliError, app, client, friendly_errors, out
+from service.cli.console import CliError, client, friendly_errors, out
 
 
 def _default(prop: dict[str, Any]) -> str:
@@ -42,7 +41,6 @@ def kernel_lines(kernel: dict[str, Any]) -> list[str]:
     return lines
 
 
-@app.command()
 @friendly_errors
 def kernels(
     name: Annotated[str | None, typer.Argument(help="One kernel (default: every one).")] = None,
