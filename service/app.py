@@ -6,6 +6,7 @@ SIGTERM/SIGINT handling drains requests and then runs the lifespan shutdown (sch
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import socket
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
+import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -193,10 +195,6 @@ def create_app(
 
 def _log_config(access_log: str) -> dict[str, Any]:
     """uvicorn's logging, its access lines written to the file `access_log`."""
-    import copy
-
-    import uvicorn
-
     config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     config["handlers"]["access"] = {
         "formatter": "access",
@@ -221,8 +219,6 @@ def run_server(
     """Serve the API with uvicorn until SIGTERM/SIGINT, then shut down cleanly; on `sockets`
     when given (already bound and listening: the CLI takes the port before anything slow).
     With `access_log`, uvicorn's access lines go to that file instead of the terminal."""
-    import uvicorn
-
     settings = settings or Settings()
     if host is not None and host != settings.host:  # the allowed Host names follow the bind
         settings = settings.model_copy(update={"host": host})

@@ -18,6 +18,7 @@ cluster (workers.cluster.describe()), lost (why a probe failed).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -27,6 +28,8 @@ import threading
 import time
 from typing import Any, TextIO
 
+from service.core.config import Settings
+from service.db.engine import make_engine, make_sessionmaker
 from service.ray_status import reason
 
 DRIVER_FD_ENV = "RINGLAB_DRIVER_FD"
@@ -58,8 +61,6 @@ class Channel:
 def _die_with_parent() -> None:
     """SIGKILL this process when its parent dies (Linux), whatever state Ray left it in."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return  # not Linux: the end of stdin still stops it
@@ -75,7 +76,7 @@ def _watch_stdin(stop: threading.Event) -> None:
 
 def _probe_once(deadline_s: float) -> dict[str, Any]:
     """workers.cluster.describe() within deadline_s (TimeoutError otherwise)."""
-    from workers import cluster
+    from workers import cluster  # Ray: this process only (the API imports this module)
 
     result: list[Any] = []
 
@@ -109,9 +110,8 @@ def _probe_forever(channel: Channel, stop: threading.Event) -> None:
 
 
 def _schedule(config: dict[str, Any], settings: Any, owner: str, stop: threading.Event) -> None:
-    from service.db.engine import make_engine, make_sessionmaker
-    from service.scheduler import Scheduler
-    from workers.gang import GangPool
+    from service.scheduler import Scheduler  # torch and Ray: this process only, once connected
+    from workers.gang import GangPool  # Ray: this process only
 
     engine = make_engine(settings.database_url)
     pool = GangPool(warm_ttl_s=settings.warm_gang_ttl_s)
@@ -137,8 +137,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C: the supervisor stops us
     channel = Channel(os.fdopen(int(os.environ[DRIVER_FD_ENV]), "w", buffering=1))
     config = json.loads(sys.stdin.readline())
-    from service.core.config import Settings
-    from workers import cluster, local_ray  # Ray without torch: the connection comes first
+    from workers import cluster, local_ray  # Ray: this process only (the API imports this module)
 
     settings = Settings(**config["settings"])
     stop = threading.Event()
@@ -150,7 +149,7 @@ def main() -> int:
     # ray.init installed a SIGTERM handler that exits at once: ours stops cleanly instead.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from service.scheduler import default_owner
+    from service.scheduler import default_owner  # torch: after Ray's connection, not before
 
     owner = default_owner()
     channel.send("connected", owner=owner, local_ray=local_ray.recorded())
@@ -163,7 +162,7 @@ def main() -> int:
             stop.wait()
     finally:
         local_ray.stop_leftovers()
-        import ray
+        import ray  # this process only (the API imports this module)
 
         if ray.is_initialized():
             ray.shutdown()

@@ -75,9 +75,6 @@ class _Driver:
             pass_fds=(write_fd,),
             env={**os.environ, DRIVER_FD_ENV: str(write_fd)},
             text=True,
-            # a terminal's Ctrl-C reaches the service alone, which stops the driver and its
-            # local Ray in order (not Ray's daemons first, under a driver that then hangs)
-            start_new_session=True,
         )
         os.close(write_fd)
         assert self.proc.stdin is not None and self.proc.stderr is not None

@@ -27,11 +27,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service import leases
 from service.artifacts import ArtifactStore
+from service.core.config import get_settings
 from service.db.models import RunStatus
 from service.leases import Claim, Kind
 from service.results import write
 from service.results.write import Completion, completion_from_outcome
 from service.tenancy import Tenancy
+from workers import errors
 from workers.config import RunConfig
 from workers.results import ProbeResult, RunOutcome
 
@@ -192,8 +194,6 @@ class Scheduler:
         self.traces: dict[int, RunTrace] = {}
         self._trace_lock = threading.Lock()
         if artifacts is None:
-            from service.core.config import get_settings
-
             artifacts = ArtifactStore.from_settings(get_settings())
         self.artifacts = artifacts
 
@@ -379,8 +379,6 @@ class Scheduler:
             )
 
     def _execute(self, claim: Claim, started: threading.Event) -> None:
-        from workers import errors
-
         try:
             config = RunConfig.model_validate(claim.config)
         except ValueError as exc:
@@ -503,8 +501,6 @@ class Scheduler:
     def _poll_ended(self, claim: Claim, max_attempts: int, handle: RunHandle, wait: float) -> bool:
         """Poll the run for up to `wait` seconds; whether it ended (its end written, or a
         broken gang's run requeued or failed)."""
-        from workers import errors
-
         try:
             outcome = self._poll(claim, handle, wait)
         except (errors.RankFailed, errors.PlacementTimeout) as exc:
@@ -572,51 +568,3 @@ class Scheduler:
                 log.warning("run %d: %s; requeued", claim.run_id, msg)
             return
         self._finish(claim, _ended_early(RunStatus.failed, msg, handle))
-
-
-def _recover_until(sm: sessionmaker[Session], owner: str, done: threading.Event) -> None:
-    """recover_runs now and every RECOVER_S until `done` (a failed pass is logged)."""
-    while True:
-        try:
-            recover_runs(sm, owner, DEFAULT_HEARTBEAT_S)
-        except Exception:  # logged; the next pass runs
-            log.exception("recovery pass failed; next in %g s", RECOVER_S)
-        if done.wait(RECOVER_S):
-            return
-
-
-def run_forever_from_settings(settings: Any, stop_event: threading.Event) -> None:
-    """Migrate, connect Ray (settings.ray_address or a local one) with backoff until it answers
-    (each failure logged, and on /readyz through service.ray_status), and schedule until
-    stop_event."""
-    from service.db.engine import make_engine, make_sessionmaker
-    from service.db.migrate import upgrade
-    from service.ray_status import connect_with_backoff
-    from workers import cluster
-    from workers.gang import GangPool
-
-    upgrade(settings.database_url)
-    engine = make_engine(settings.database_url)
-    sm = make_sessionmaker(engine)
-    owner = default_owner()
-    # Recovery passes run while Ray connects (seconds, or long while it is unreachable): what
-    # a crashed predecessor held is queued again as soon as its heartbeat is late.
-    starting = threading.Event()
-    early = threading.Thread(target=_recover_until, args=(sm, owner, starting), daemon=True)
-    early.start()
-    try:
-        connected = connect_with_backoff(settings.ray_address, cluster.connect, stop_event)
-    finally:
-        starting.set()
-        early.join()
-    if not connected:  # stopped before Ray answered
-        engine.dispose()
-        return
-    pool = GangPool()
-    try:
-        Scheduler(
-            sm, pool=pool, owner=owner, max_concurrent=settings.max_concurrent_runs
-        ).run_forever(stop_event)
-    finally:
-        pool.close()
-        engine.dispose()

@@ -9,7 +9,10 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, Engine, text
+
+from service.db.engine import make_engine
 
 MIGRATION_LOCK_KEY = 0x72696E676C6162  # "ringlab": the Postgres advisory lock upgrades take
 
@@ -42,8 +45,6 @@ def _migrate(
     (an API replica and a scheduler, say) migrate one after the other, and the later ones
     find the schema at head instead of failing on tables that already exist.
     """
-    from service.db.engine import make_engine
-
     cfg = alembic_config(url)
     own = engine is None
     engine = make_engine(url) if engine is None else engine
@@ -92,10 +93,6 @@ def _check_foreign_keys(conn: Connection) -> None:
 
 def current(url: str) -> str | None:
     """The revision the database is at, or None for an empty database."""
-    from alembic.runtime.migration import MigrationContext
-
-    from service.db.engine import make_engine
-
     engine = make_engine(url)
     try:
         with engine.connect() as conn:

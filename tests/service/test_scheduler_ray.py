@@ -314,31 +314,6 @@ def test_scheduler_killed_mid_sweep_then_restarted_runs_each_run_once(
     engine.dispose()
 
 
-@pytest.mark.timeout(90)
-def test_run_forever_from_settings_migrates_runs_and_stops(
-    tmp_path: Path, ray_session: Any
-) -> None:
-    from service.core.config import Settings
-    from service.scheduler import run_forever_from_settings
-
-    before = live_placement_groups()
-    settings = Settings(database_url=f"sqlite:///{tmp_path / 'fresh.db'}", ray_address=None)
-    stop = threading.Event()
-    thread = run_in_thread(run_forever_from_settings, settings, stop)
-    engine = make_engine(settings.database_url)
-    try:
-        sm = make_sessionmaker(engine)
-        wait_for(lambda: thread.is_alive() and _migrated(engine), 30, "the database migrated")
-        (run_id,) = add_sweep(sm, [tiny_config()])
-        wait_for(lambda: run_row(sm, run_id).status == RunStatus.succeeded, 60, "run succeeded")
-    finally:
-        stop.set()
-        thread.join(timeout=30)
-        engine.dispose()
-    assert not thread.is_alive(), "the scheduler stopped"
-    assert live_placement_groups() <= before, "its pool was closed"
-
-
 def _migrated(engine: Engine) -> bool:
     """At the last revision, not merely past the first: a sweep inserted while later
     migrations still run would miss their columns."""
