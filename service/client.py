@@ -108,14 +108,22 @@ def _detail(response: httpx.Response) -> str:
     if isinstance(detail, list) and detail:
         if len(detail) == 1:
             return _one_error(detail[0])
-        counted = [e for e in detail if isinstance(e, dict) and e.get("type") == "too_many_errors"]
-        errors = [e for e in detail if e not in counted]
-        lines = [f"  {_one_error(e)}" for e in errors[:SHOWN_ERRORS]]
-        hidden = len(errors) - len(lines)
-        if hidden or counted:
-            lines.append(f"  ... {'and more' if counted else f'and {hidden} more'} not shown")
-        return "\n".join([f"{len(errors)}{'+' if counted else ''} problems:", *lines])
+        count, lines = problem_lines(detail)
+        return "\n".join([f"{count}:", *lines])
     return str(detail)
+
+
+def problem_lines(errors: list[Any]) -> tuple[str, list[str]]:
+    """('12 problems', a line each for up to SHOWN_ERRORS of a 422's errors, then one counting
+    the rest); '25+ problems' when the service stopped counting (a too_many_errors entry)."""
+    counted = [e for e in errors if isinstance(e, dict) and e.get("type") == "too_many_errors"]
+    errors = [e for e in errors if e not in counted]
+    lines = [f"  {_one_error(e)}" for e in errors[:SHOWN_ERRORS]]
+    hidden = len(errors) - len(lines)
+    if hidden or counted:
+        lines.append(f"  ... {'and more' if counted else f'and {hidden} more'} not shown")
+    noun = "problem" if len(errors) == 1 and not counted else "problems"
+    return f"{len(errors)}{'+' if counted else ''} {noun}", lines
 
 
 def retry_after_s(response: httpx.Response) -> float:

@@ -85,8 +85,19 @@ def load_specs(file: str) -> list[dict[str, Any]]:
     return specs
 
 
+def _set_only(value: Any) -> Any:
+    """`value` without the mapping entries that are null: the stored spec fills every field a
+    researcher left unset with null (each kernel's params whole), which is not what they wrote.
+    Nulls inside lists are values of an axis (a layout's default beside zigzag) and stay."""
+    if isinstance(value, dict):
+        return {k: _set_only(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_set_only(v) for v in value]
+    return value
+
+
 def spec_yaml(spec: dict[str, Any]) -> str:
-    """A stored spec as YAML, its keys in their stored order."""
+    """A stored spec as YAML, its keys in their stored order, unset (null) fields left out."""
     import yaml  # PyYAML: ~25 ms, kept off start-up
 
-    return yaml.safe_dump(spec, sort_keys=False).rstrip()
+    return yaml.safe_dump(_set_only(spec), sort_keys=False).rstrip()

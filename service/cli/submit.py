@@ -11,7 +11,7 @@ from service import capacity
 from service.cli.console import CliError, client, err, friendly_errors, out
 from service.cli.specs import load_specs
 from service.cli.watch import watch_sweeps
-from service.client import ClientError, problem_path
+from service.client import ClientError, problem_lines
 from service.units import plural
 
 
@@ -85,28 +85,36 @@ def warn_at_submit(c: Any, sweep_ids: list[int]) -> None:
 
 
 def _problem_lines(errors: list[dict[str, Any]]) -> str:
-    """A line per problem: '  documents[1].grid.seq_len[0]: msg'."""
-    return "\n".join(f"  {problem_path(e.get('loc', []))}: {e.get('msg')}" for e in errors)
+    """A line per problem, '  documents[1].grid.seq_len[0]: msg' (up to SHOWN_ERRORS)."""
+    return "\n".join(problem_lines(errors)[1])
 
 
 def _submit_all(
     c: Any, file: str, specs: list[dict[str, Any]], key: str | None, who: str | None
 ) -> list[dict[str, Any]]:
-    """One document as a single sweep; several in one request, stored all or none (a
-    CliError listing every document's problems, nothing stored)."""
-    if len(specs) == 1:
-        return [c.submit(specs[0], idempotency_key=key, submitter=who)]
+    """One document as a single sweep; several in one request, stored all or none. A refusal
+    is one CliError naming the file and listing its problems by their place (nothing stored)."""
     try:
+        if len(specs) == 1:
+            return [c.submit(specs[0], idempotency_key=key, submitter=who)]
         return list(c.submit_documents(specs, idempotency_key=key, submitter=who))
     except ClientError as e:
-        if e.status != 422 or not e.errors:
-            raise
-        n = len(e.errors)
+        if e.status != 422 or not e.errors or not all(_in_body(x) for x in e.errors):
+            raise  # not the file's problem (a header, the service): the service's own line
+        count, lines = problem_lines(e.errors)
+        where = f" in its {len(specs)} documents" if len(specs) > 1 else ""
+        if len(lines) == 1 and count == "1 problem":  # one problem: one line
+            raise CliError(f"{file}: nothing submitted: {lines[0].strip()}") from None
         raise CliError(
-            f"{file}: nothing submitted: {plural(n, 'problem')} in its "
-            f"{len(specs)} documents; fix them and submit again",
-            detail=_problem_lines(e.errors),
+            f"{file}: nothing submitted: {count}{where}; fix them and submit again",
+            detail="\n".join(lines),
         ) from None
+
+
+def _in_body(error: dict[str, Any]) -> bool:
+    """A 422 error about the submitted spec (its loc starts at the body), not a header."""
+    loc = error.get("loc") or []
+    return not loc or loc[0] == "body"
 
 
 def _dry_run(c: Any, file: str, specs: list[dict[str, Any]]) -> None:
@@ -115,9 +123,9 @@ def _dry_run(c: Any, file: str, specs: list[dict[str, Any]]) -> None:
     check = c.check(specs)
     for doc in check["documents"]:
         name = f" ({doc['name']})" if doc["name"] else ""
-        cells = "?" if doc["cells"] is None else f"{doc['cells']:,}"
+        cells = "? cells" if doc["cells"] is None else plural(doc["cells"], "cell")
         verdict = plural(len(doc["problems"]), "problem") if doc["problems"] else "ok"
-        out.print(f"document {doc['index'] + 1}{name}: {cells} cells, {verdict}", markup=False)
+        out.print(f"documents[{doc['index']}]{name}: {cells}, {verdict}", markup=False)
         if doc["problems"]:
             out.print(_problem_lines(doc["problems"]), markup=False)
     out.print(f"{file}: dry run, nothing stored", markup=False)

@@ -83,10 +83,10 @@ def test_dry_run_prints_each_documents_cells_and_problems(base: str, tmp_path: P
     done = ringlab(base, "submit", "--dry-run", str(bad))
     assert done.returncode == 1
     assert done.stdout.splitlines() == [
-        "document 1 (first): 2 cells, ok",
-        "document 2 (second): 2 cells, 1 problem",
+        "documents[0] (first): 2 cells, ok",
+        "documents[1] (second): 2 cells, 1 problem",
         "  documents[1].grid.seq_len[1]: Input should be a valid integer (cell seq_len='long')",
-        "document 3 (third): 1 cells, 1 problem",
+        "documents[2] (third): 1 cell, 1 problem",
         done.stdout.splitlines()[4],
         f"{bad}: dry run, nothing stored",
     ]
@@ -96,8 +96,8 @@ def test_dry_run_prints_each_documents_cells_and_problems(base: str, tmp_path: P
     done = ringlab(base, "submit", "--dry-run", str(good))
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[:2] == [
-        "document 1 (first): 2 cells, ok",
-        "document 2 (second): 3 cells, ok",
+        "documents[0] (first): 2 cells, ok",
+        "documents[1] (second): 3 cells, ok",
     ]
     assert sweep_names(base) == before
 

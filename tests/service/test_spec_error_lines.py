@@ -77,14 +77,18 @@ def test_ringlab_submit_lists_every_problem_with_its_hint(
                                                                  "warmpu": 1}})  # fmt: skip
     assert two.exit_code == 1
     assert two.stderr.splitlines() == [
-        "error: POST /api/v1/sweeps -> 422: 2 problems:",
+        f"error: {tmp_path / 'spec.yaml'}: nothing submitted: 2 problems; fix them and submit "
+        "again",
         "  base.num_head: unknown run config field 'num_head'; did you mean 'num_heads'?",
         "  base.warmpu: unknown run config field 'warmpu'; did you mean 'warmup'?",
     ], two.stderr
     many = {f"field_{i:02d}": 1 for i in range(12)}
     twelve = _submit(tmp_path, monkeypatch, {"name": "t", "base": {**BASE, **many}})
     lines = twelve.stderr.splitlines()
-    assert lines[0] == "error: POST /api/v1/sweeps -> 422: 12 problems:", twelve.stderr
+    assert lines[0] == (
+        f"error: {tmp_path / 'spec.yaml'}: nothing submitted: 12 problems; fix them and submit "
+        "again"
+    ), twelve.stderr
     assert lines[1:11] == [f"  base.field_{i:02d}: unknown run config field 'field_{i:02d}'"
                            for i in range(10)], twelve.stderr  # fmt: skip
     assert lines[11:] == ["  ... and 2 more not shown"], twelve.stderr
