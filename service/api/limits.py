@@ -13,6 +13,8 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.api.security import HttpMiddleware
+
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 """1 MiB: a sweep spec lists axes, not cells, so real specs are a few KiB."""
 
@@ -39,20 +41,17 @@ async def _send_json(send: Send, status: int, detail: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class BodySizeLimit:
+class BodySizeLimit(HttpMiddleware):
     """Answer 413 when Content-Length, or the bytes actually received, exceed `max_bytes`."""
 
     def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
     def _too_large(self) -> str:
         return f"request body larger than {self.max_bytes:,} bytes"
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None:

@@ -79,11 +79,8 @@ def _carries_credentials(scope: Scope) -> bool:
     return any(part.strip().startswith(SESSION_COOKIE + "=") for part in cookie.split(";"))
 
 
-class SecurityHeaders:
-    """Adds Content-Security-Policy (with a fresh script nonce per request, also put in
-    request.state.csp_nonce), X-Content-Type-Options: nosniff, X-Frame-Options: DENY and
-    X-Request-ID (request.state.request_id); Cache-Control: no-store when the request carried
-    credentials (static files excepted: code, the same for everyone)."""
+class HttpMiddleware:
+    """An ASGI middleware of HTTP requests (`http`); other scopes (lifespan) pass through."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -92,6 +89,20 @@ class SecurityHeaders:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.http(scope, receive, send)
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Handle one HTTP request (self.app is the rest of the stack)."""
+        raise NotImplementedError
+
+
+class SecurityHeaders(HttpMiddleware):
+    """Adds Content-Security-Policy (with a fresh script nonce per request, also put in
+    request.state.csp_nonce), X-Content-Type-Options: nosniff, X-Frame-Options: DENY and
+    X-Request-ID (request.state.request_id); Cache-Control: no-store when the request carried
+    credentials (static files excepted: code, the same for everyone)."""
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         nonce = secrets.token_urlsafe(16)
         request_id = _request_id(scope)
         state = scope.setdefault("state", {})
@@ -123,18 +134,12 @@ async def send_json(send: Send, status: int, body: dict[str, object]) -> None:
     await send({"type": "http.response.body", "body": raw})
 
 
-class ServerErrors:
+class ServerErrors(HttpMiddleware):
     """An exception no handler answered: a JSON 500 naming the request id (inside
     SecurityHeaders, so it has the security headers), and one log line naming the request
     with the traceback. Once the response has started (a stream) it can only be cut."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def tracking_send(message: Message) -> None:
@@ -181,18 +186,15 @@ def cross_site_problem(method: str, host: str, site: str | None, origin: str | N
     return f"cross-site request refused: Origin {origin[:200]} is not this server ({host[:200]})"
 
 
-class SiteGuard:
+class SiteGuard(HttpMiddleware):
     """400 for a Host header not in `allowed_hosts` (None: any host); 403 for a
     state-changing request a browser sent from another site (cross_site_problem)."""
 
     def __init__(self, app: ASGIApp, allowed_hosts: frozenset[str] | None) -> None:
-        self.app = app
+        super().__init__(app)
         self.allowed_hosts = allowed_hosts
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         host = _header(scope, b"host") or ""
         if self.allowed_hosts is not None and _host_name(host) not in self.allowed_hosts:
             detail = (
