@@ -61,9 +61,9 @@ from typing import Any, Protocol
 
 from service.db.models import (
     Environment,
-    MemoryComponent,
+    MemoryComponentRow,
     Probe,
-    RankResult,
+    RankResultRow,
     Run,
     RunStatus,
 )
@@ -563,10 +563,10 @@ class RunColumns(Protocol):
 
 def run_row(
     run: RunColumns,
-    ranks: Sequence[RankResult],
+    ranks: Sequence[RankResultRow],
     probes: Sequence[Probe],
     environment: Environment | None = None,
-    components: Sequence[MemoryComponent] = (),
+    components: Sequence[MemoryComponentRow] = (),
 ) -> RunRow:
     """The row of one run: its cell and every derived number (None where nothing was measured)."""
     cfg = run.config or {}
@@ -616,7 +616,7 @@ def run_row(
     return row
 
 
-def _model(row: RunRow, components: Sequence[MemoryComponent], tokens: int) -> None:
+def _model(row: RunRow, components: Sequence[MemoryComponentRow], tokens: int) -> None:
     """Fill a model cell's fields: its training setup, and the limiting rank's components."""
     model = row.config.get("model") or {}
     training = row.config.get("training") or {}
@@ -835,10 +835,10 @@ def _crossover(row: RunRow, stepped: Sequence[StoredRank]) -> None:
 
 def rows_of(
     runs: Iterable[Run],
-    ranks: dict[int, list[RankResult]],
+    ranks: dict[int, list[RankResultRow]],
     probes: dict[int, list[Probe]],
     environments: dict[int, Environment],
-    components: dict[int, list[MemoryComponent]] | None = None,
+    components: dict[int, list[MemoryComponentRow]] | None = None,
 ) -> list[RunRow]:
     """Rows for runs whose results were read in bulk (service.results.queries)."""
     components = components or {}

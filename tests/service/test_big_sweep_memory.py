@@ -14,7 +14,7 @@ from sqlalchemy import insert, select, update
 from test_report_tables import client_for
 
 from service.db.engine import make_engine, make_sessionmaker
-from service.db.models import Environment, RankResult, Run, RunStatus, Sweep, utcnow
+from service.db.models import Environment, RankResultRow, Run, RunStatus, Sweep, utcnow
 from service.results import queries
 
 pytestmark = pytest.mark.timeout(300)
@@ -50,7 +50,7 @@ def finished_sweep(database_url: str, runs: int) -> int:
              "backend": "torch"}
             for run_id, seq_len in ids
         ]  # fmt: skip
-        session.execute(insert(RankResult), results)
+        session.execute(insert(RankResultRow), results)
         session.commit()
     engine.dispose()
     return sweep_id
