@@ -38,7 +38,8 @@ from service.db.models import (
     ring_step_table,
 )
 from service.results import baselines
-from service.results.rows import RunRow, rows_of, run_row
+from service.results.rows import RunRow
+from service.results.rows_build import rows_of, run_row
 from service.spec import AnalysisSpec
 
 
@@ -280,9 +281,9 @@ def sweep_context(session: Session, sweep: Sweep) -> SweepContext:
 
 @dataclass(frozen=True, slots=True)
 class _RunColumns:
-    """A run's columns as run_row reads them (rows.RunColumns), without the ORM object: the
-    context pass reads every run of a sweep, and an ORM object per run costs it a third of
-    its time."""
+    """A run's columns as run_row reads them (rows_build.RunColumns), without the ORM object:
+    the context pass reads every run of a sweep, and an ORM object per run costs it a third
+    of its time."""
 
     id: int
     sweep_id: int

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 from service.cli.specs import load_specs
 from service.core.config import Settings
 from service.db.models import Probe, RankResultRow
-from service.results.report import fmt_bytes, fmt_ms, fmt_num
+from service.results.report_format import fmt_bytes, fmt_ms, fmt_num
 
 API = "/api/v1"
 MiB = 1 << 20
