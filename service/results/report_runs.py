@@ -198,7 +198,7 @@ def _comm_section(rows: Sequence[RunRow]) -> list[str]:
               "Link latency", "Link", "Steps cover", "Crossover tokens",
               "Crossover from"]  # fmt: skip
     return [
-        "## Where the time goes (ring kernels)",
+        "## Where the time goes (sequence-parallel kernels)",
         "",
         "Exposed comm = time every rank spent blocked on a transfer / its time in ring steps "
         "(compute + wait), over all timed iterations. Link bandwidth and latency = the ring "
