@@ -14,6 +14,8 @@ The path of a result, in order:
   report_environment, their formatting in report_format; schemes: its sequence-parallel
   schemes section; peaks: GPU peak FLOP/s.
 - charts and compare: the dashboard's figures and its compare page's logic.
+- service: what the API's results routes render (report.md, the CSVs, a comparison), each
+  reading its sweep once.
 - trackers: the same records sent to MLflow, Weights & Biases or TensorBoard.
 
 service/api and service/web keep routes and templates; they import from here, never the reverse.
