@@ -143,7 +143,9 @@ def _pivot_row_values(
 ) -> tuple[list[str], dict[tuple[str, str], list[Any]]]:
     """The fields a pivot row is named by (the rows field, then those beside it) and, per
     (section title, row name) of baselines.pivot, their raw values: the layout is the pivot's
-    own, so every row of the table finds its values."""
+    own, so every row of the table finds its values. It reads baselines' layout helpers
+    (_pivot_layout, _section_title, _row_text, _axis_value) until Pivot carries each row's
+    raw values itself."""
     measured = [r for r in rows if getattr(r, spec.value) is not None]
     fields, _, beside = baselines._pivot_layout(measured, spec)
     axes = [spec.rows, *beside]

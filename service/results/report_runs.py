@@ -174,7 +174,8 @@ def _spread(unit: TimeUnit, lo: float | None, hi: float | None) -> str:
 
 
 def _comm_section(rows: Sequence[RunRow]) -> list[str]:
-    """Where a ring run's time goes: the seeds blame 'communication overhead' unmeasured."""
+    """Where a sequence-parallel run's time goes (ring kernels, ulysses, allgather_kv): the
+    seeds blame 'communication overhead' unmeasured."""
     ring = [
         r for r in rows if r.exposed_comm_share is not None or r.link_probe_bytes_per_s is not None
     ]
