@@ -54,7 +54,7 @@ def parse() -> argparse.Namespace:
 def finish_every_run(url: str, sweep_id: int) -> None:
     """Every run of the sweep succeeded, with one rank's result and one environment."""
     from service.db.engine import make_engine, make_sessionmaker
-    from service.db.models import Environment, RankResult, Run, RunStatus, utcnow
+    from service.db.models import Environment, RankResultRow, Run, RunStatus, utcnow
 
     engine = make_engine(url)
     with make_sessionmaker(engine)() as session:
@@ -81,7 +81,7 @@ def finish_every_run(url: str, sweep_id: int) -> None:
                     "tokens_per_s": seq_len / median, "flops": 1e9, "flops_per_s": 1e9 / median,
                     "peak_memory_bytes": seq_len * 1024, "backend": "torch",
                 })  # fmt: skip
-            session.execute(insert(RankResult), rows)
+            session.execute(insert(RankResultRow), rows)
         session.commit()
     engine.dispose()
 

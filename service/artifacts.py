@@ -4,7 +4,7 @@ snapshots) and where the API reads them back.
 The root is a local directory (the default: `artifacts` beside the default SQLite database) or
 any fsspec URL (s3://bucket/prefix, gs://..., memory://), set by RINGLAB_ARTIFACT_ROOT; a
 cluster's schedulers and API must share it. A run's files live under {root}/runs/{run_id}/,
-and the artifact table (service.db.models.Artifact) records each one's name, size and location,
+and the artifact table (service.db.models.ArtifactRow) records each one's name, size and location,
 so listing reads the database only. Caps: RINGLAB_ARTIFACT_MAX_BYTES per artifact and
 RINGLAB_RUN_ARTIFACTS_MAX_BYTES per run; one over a cap is not written and its row says why.
 """

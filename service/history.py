@@ -19,7 +19,8 @@ from sqlalchemy.orm import Session, selectinload
 
 from service.db.models import Environment, Run
 from service.results.queries import results_for_runs
-from service.results.rows import config_key, rows_of
+from service.results.rows import config_key
+from service.results.rows_build import rows_of
 from workers.config import RunConfig
 
 HISTORY_LIMIT = 1000

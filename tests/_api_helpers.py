@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from service.app import create_app
 from service.core.config import Settings
-from service.db.models import Environment, Probe, ProbeOutcome, RankResult, Run, RunStatus
+from service.db.models import Environment, Probe, ProbeOutcome, RankResultRow, Run, RunStatus
 
 TOKEN = "s3cret-token"
 
@@ -134,7 +134,7 @@ def store_result(
     measured = max(fits) if fits else run.seq_len  # a search's ranks measured its answer
     for rank, median in enumerate(medians):
         session.add(
-            RankResult(
+            RankResultRow(
                 run_id=run_id,
                 rank=rank,
                 seq_len=measured,

@@ -1,5 +1,5 @@
 """The timing fields every planted rank result carries, computed one way: a workers RankResult
-and a database RankResult name them alike."""
+and a database RankResultRow name them alike."""
 
 from __future__ import annotations
 

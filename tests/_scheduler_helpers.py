@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.models import (
     DEFAULT_SUBMITTER,
-    RankResult,
+    RankResultRow,
     Run,
     RunStatus,
     Sweep,
@@ -122,7 +122,9 @@ def succeeded_run(sm: sessionmaker[Session], run_id: int) -> Iterator[tuple[Sess
 
 def rank_rows_per_run(sm: sessionmaker[Session]) -> Counter[int]:
     with sm() as session:
-        rows = session.execute(select(RankResult.run_id, func.count()).group_by(RankResult.run_id))
+        rows = session.execute(
+            select(RankResultRow.run_id, func.count()).group_by(RankResultRow.run_id)
+        )
         return Counter({run_id: n for run_id, n in rows})
 
 

@@ -26,7 +26,7 @@ from service.db.models import (
     Environment,
     Probe,
     ProbeOutcome,
-    RankResult,
+    RankResultRow,
     Run,
     RunStatus,
     Sweep,
@@ -106,7 +106,7 @@ def _ranks(run: Run, cfg: dict[str, Any], flops_total: float, rate: float, mem_f
         # 7 iterations: their range is the median's interval at 98.4% (a change can be told)
         times = [median * f for f in (0.97, 0.98, 0.99, 1.0, 1.02, 1.04, 1.05)]
         run.rank_results.append(
-            RankResult(
+            RankResultRow(
                 rank=rank,
                 seq_len=cfg["seq_len"],
                 times_s=times,

@@ -26,9 +26,7 @@ LONG_FUNCTIONS_ALLOWED: set[str] = set()
 
 MAX_FILE_LINES = 700
 LONG_FILES_ALLOWED = {
-    "service/results/report.py": 846,
     "service/spec.py": 839,
-    "service/results/rows.py": 858,
     "service/results/baselines.py": 723,
 }
 """path: its line count when listed, for the source files over MAX_FILE_LINES still to be split.

@@ -4,7 +4,7 @@ their download URLs (service.api.schemas' Headline and ArtifactOut)."""
 from __future__ import annotations
 
 from service.api.schemas import ArtifactOut, Headline
-from service.db.models import Artifact
+from service.db.models import ArtifactRow
 from service.results.rows import RunRow
 
 
@@ -13,7 +13,7 @@ def headline(row: RunRow) -> Headline:
     return Headline(**{k: getattr(row, k) for k in Headline.model_fields})
 
 
-def artifact_out(artifact: Artifact) -> ArtifactOut:
+def artifact_out(artifact: ArtifactRow) -> ArtifactOut:
     """An artifact row with its download URL (None when refused)."""
     url = None
     if artifact.location is not None:
@@ -21,5 +21,5 @@ def artifact_out(artifact: Artifact) -> ArtifactOut:
     return ArtifactOut.model_validate({**_columns(artifact), "url": url})
 
 
-def _columns(artifact: Artifact) -> dict[str, object]:
+def _columns(artifact: ArtifactRow) -> dict[str, object]:
     return {c: getattr(artifact, c) for c in ArtifactOut.model_fields if c != "url"}

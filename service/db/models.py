@@ -268,11 +268,11 @@ class Run(Base):
         # A whole config stored as the cell is still exact: it overrides every base key.
         self.cell_config = value
 
-    rank_results: Mapped[list[RankResult]] = relationship(
+    rank_results: Mapped[list[RankResultRow]] = relationship(
         back_populates="run",
         cascade="all, delete-orphan",
         passive_deletes=True,
-        order_by="RankResult.rank",
+        order_by="RankResultRow.rank",
     )
     probes: Mapped[list[Probe]] = relationship(
         back_populates="run",
@@ -304,7 +304,7 @@ rank_result_table = _run_rows(
 )
 
 
-class RankResult(Base):
+class RankResultRow(Base):
     """What one rank measured for one run: the stored fields of workers.results.RankResult
     (their columns generated from it), and the node it ran on."""
 
@@ -326,7 +326,7 @@ memory_component_table = _run_rows(
 )
 
 
-class MemoryComponent(Base):
+class MemoryComponentRow(Base):
     """One memory component of a model run on one rank (workers.results.MemoryComponent)."""
 
     __table__ = memory_component_table
@@ -374,7 +374,7 @@ class RingStep(Base):
     rank: Mapped[int]
 
 
-class Artifact(Base):
+class ArtifactRow(Base):
     """A file a run produced (a profiler trace, a memory snapshot), written by the scheduler
     under the artifact root (service.artifacts); `refused` says why its bytes were not kept."""
 
@@ -393,12 +393,14 @@ class Artifact(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-RUN_RESULT_TABLES: tuple[type[RankResult | Probe | MemoryComponent | RingStep | Artifact], ...] = (
-    RankResult,
+RUN_RESULT_TABLES: tuple[
+    type[RankResultRow | Probe | MemoryComponentRow | RingStep | ArtifactRow], ...
+] = (
+    RankResultRow,
     Probe,
-    MemoryComponent,
+    MemoryComponentRow,
     RingStep,
-    Artifact,
+    ArtifactRow,
 )
 """The tables of a run's results, each keyed by run_id: what a retry deletes, so that the new
 attempt's numbers stand alone."""

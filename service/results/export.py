@@ -122,14 +122,44 @@ def _csv_cell(value: Any) -> Any:
 
 
 def pivot_csv(rows: Sequence[RunRow], spec: PivotSpec) -> str:
-    """The pivot as CSV: a column per section field (what else varies), the row value, then one
-    column per column value (raw numbers)."""
+    """The pivot as CSV, for machines: a column per section field (what else varies), the rows
+    field and each field that varies with it by name (seq_len, world_size) holding raw values
+    (1024, not "1,024"), then one column per column value (raw numbers). The pivot page shows
+    the same table with display names (baselines.pivot)."""
     table = baselines.pivot(rows, spec)
+    axes, raw = _pivot_row_values(rows, spec)
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    fields = table.section_fields
-    writer.writerow([*fields, table.row_header, *table.columns])
+    writer.writerow([*table.section_fields, *axes, *table.columns])
     for section in table.sections:
         for name, values in section.rows:
-            writer.writerow([*section.values, name, *("" if v is None else v for v in values)])
+            cells = raw[(section.title, name)]
+            writer.writerow([*section.values, *cells, *("" if v is None else v for v in values)])
     return buf.getvalue()
+
+
+def _pivot_row_values(
+    rows: Sequence[RunRow], spec: PivotSpec
+) -> tuple[list[str], dict[tuple[str, str], list[Any]]]:
+    """The fields a pivot row is named by (the rows field, then those beside it) and, per
+    (section title, row name) of baselines.pivot, their raw values: the layout is the pivot's
+    own, so every row of the table finds its values. It reads baselines' layout helpers
+    (_pivot_layout, _section_title, _row_text, _axis_value) until Pivot carries each row's
+    raw values itself."""
+    measured = [r for r in rows if getattr(r, spec.value) is not None]
+    fields, _, beside = baselines._pivot_layout(measured, spec)
+    axes = [spec.rows, *beside]
+    raw: dict[tuple[str, str], list[Any]] = {}
+    for r in rows:
+        key = (baselines._section_title(r, fields), baselines._row_text(r, spec.rows, beside))
+        raw[key] = [_raw_cell(baselines._axis_value(r, f)) for f in axes]
+    return axes, raw
+
+
+def _raw_cell(value: Any) -> Any:
+    """A value as a CSV cell: numbers and words as they are, lists as canonical JSON."""
+    if value is None:
+        return ""
+    if isinstance(value, int | float | str | bool):
+        return value
+    return canonical_json(value)

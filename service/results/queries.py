@@ -25,11 +25,11 @@ from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session, joinedload, selectinload
 
 from service.db.models import (
-    Artifact,
+    ArtifactRow,
     Environment,
-    MemoryComponent,
+    MemoryComponentRow,
     Probe,
-    RankResult,
+    RankResultRow,
     RingStep,
     Run,
     RunStatus,
@@ -38,31 +38,34 @@ from service.db.models import (
     ring_step_table,
 )
 from service.results import baselines
-from service.results.rows import RunRow, rows_of, run_row
+from service.results.rows import RunRow
+from service.results.rows_build import rows_of, run_row
 from service.spec import AnalysisSpec
 
 
 def results_for_runs(
     session: Session, run_ids: Sequence[int]
-) -> tuple[dict[int, list[RankResult]], dict[int, list[Probe]], dict[int, list[MemoryComponent]]]:
+) -> tuple[
+    dict[int, list[RankResultRow]], dict[int, list[Probe]], dict[int, list[MemoryComponentRow]]
+]:
     """Rank results, probes and memory components of these runs, grouped by run id."""
-    ranks: dict[int, list[RankResult]] = defaultdict(list)
+    ranks: dict[int, list[RankResultRow]] = defaultdict(list)
     probes: dict[int, list[Probe]] = defaultdict(list)
-    components: dict[int, list[MemoryComponent]] = defaultdict(list)
+    components: dict[int, list[MemoryComponentRow]] = defaultdict(list)
     if not run_ids:
         return ranks, probes, components
     for rr in session.scalars(
-        select(RankResult)
-        .where(RankResult.run_id.in_(run_ids))
-        .order_by(RankResult.run_id, RankResult.rank)
+        select(RankResultRow)
+        .where(RankResultRow.run_id.in_(run_ids))
+        .order_by(RankResultRow.run_id, RankResultRow.rank)
     ):
         ranks[rr.run_id].append(rr)
     for p in session.scalars(select(Probe).where(Probe.run_id.in_(run_ids)).order_by(Probe.id)):
         probes[p.run_id].append(p)
     for c in session.scalars(
-        select(MemoryComponent)
-        .where(MemoryComponent.run_id.in_(run_ids))
-        .order_by(MemoryComponent.run_id, MemoryComponent.rank, MemoryComponent.id)
+        select(MemoryComponentRow)
+        .where(MemoryComponentRow.run_id.in_(run_ids))
+        .order_by(MemoryComponentRow.run_id, MemoryComponentRow.rank, MemoryComponentRow.id)
     ):
         components[c.run_id].append(c)
     return ranks, probes, components
@@ -94,19 +97,21 @@ def run_steps(session: Session, run_id: int) -> list[RingStep]:
     )
 
 
-def run_artifacts(session: Session, run_id: int) -> list[Artifact]:
+def run_artifacts(session: Session, run_id: int) -> list[ArtifactRow]:
     """A run's artifacts by rank and name."""
     return list(
         session.scalars(
-            select(Artifact).where(Artifact.run_id == run_id).order_by(Artifact.rank, Artifact.name)
+            select(ArtifactRow)
+            .where(ArtifactRow.run_id == run_id)
+            .order_by(ArtifactRow.rank, ArtifactRow.name)
         )
     )
 
 
-def run_artifact(session: Session, run_id: int, name: str) -> Artifact | None:
+def run_artifact(session: Session, run_id: int, name: str) -> ArtifactRow | None:
     """One artifact of a run by name."""
     return session.scalars(
-        select(Artifact).where(Artifact.run_id == run_id, Artifact.name == name)
+        select(ArtifactRow).where(ArtifactRow.run_id == run_id, ArtifactRow.name == name)
     ).one_or_none()
 
 
@@ -276,9 +281,9 @@ def sweep_context(session: Session, sweep: Sweep) -> SweepContext:
 
 @dataclass(frozen=True, slots=True)
 class _RunColumns:
-    """A run's columns as run_row reads them (rows.RunColumns), without the ORM object: the
-    context pass reads every run of a sweep, and an ORM object per run costs it a third of
-    its time."""
+    """A run's columns as run_row reads them (rows_build.RunColumns), without the ORM object:
+    the context pass reads every run of a sweep, and an ORM object per run costs it a third
+    of its time."""
 
     id: int
     sweep_id: int

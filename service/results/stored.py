@@ -39,7 +39,8 @@ class StoredRank(results.RankResult):
     @property
     def peak_below_inputs(self) -> bool:
         """Whether the rank's peak is below the inputs it held while the peak was metered: the
-        peak counts those inputs, so the meter missed memory (rows.peak_flags raises the flag)."""
+        peak counts those inputs, so the meter missed memory (rows_build.peak_flags raises the
+        flag)."""
         held = self.input_memory_bytes
         return held is not None and self.peak_memory_bytes < held
 

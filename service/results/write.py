@@ -22,11 +22,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.engine import rowcount
 from service.db.models import (
-    Artifact,
+    ArtifactRow,
     Environment,
-    MemoryComponent,
+    MemoryComponentRow,
     Probe,
-    RankResult,
+    RankResultRow,
     RingStep,
     Run,
     RunStatus,
@@ -156,10 +156,12 @@ def finish(sm: sessionmaker[Session], claim: Claim, completion: Completion) -> b
         names = [a["name"] for a in completion.artifacts]
         if names:
             session.execute(
-                delete(Artifact).where(Artifact.run_id == claim.run_id, Artifact.name.in_(names))
+                delete(ArtifactRow).where(
+                    ArtifactRow.run_id == claim.run_id, ArtifactRow.name.in_(names)
+                )
             )
         for artifact in completion.artifacts:
-            session.add(Artifact(run_id=claim.run_id, **artifact))
+            session.add(ArtifactRow(run_id=claim.run_id, **artifact))
         session.flush()
     return True
 
@@ -212,9 +214,9 @@ def _add_results(session: Session, run_id: int, completion: Completion) -> None:
     """The rows of every rank (its components and ring steps), and of every probe."""
     for rank in completion.ranks:
         node = completion.nodes.get(rank.rank)
-        session.add(RankResult(run_id=run_id, node=node, **stored(rank)))
+        session.add(RankResultRow(run_id=run_id, node=node, **stored(rank)))
         for component in rank.components:
-            session.add(MemoryComponent(run_id=run_id, rank=rank.rank, **stored(component)))
+            session.add(MemoryComponentRow(run_id=run_id, rank=rank.rank, **stored(component)))
     # The outcome holds every probe: it replaces those stored live while the search ran.
     session.execute(delete(Probe).where(Probe.run_id == run_id))
     for probe in completion.probes:

@@ -14,7 +14,7 @@ from fastapi.templating import Jinja2Templates
 
 from service import units
 from service.api import errors, ray_link
-from service.results.report import COMPONENT_TITLES
+from service.results.report_training import COMPONENT_TITLES
 
 HERE = Path(__file__).resolve().parent
 STATIC_FILES = {"app.js": "text/javascript", "style.css": "text/css"}

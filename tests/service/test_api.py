@@ -15,7 +15,7 @@ from sqlalchemy import func, select, update
 
 from service.app import create_app
 from service.core.config import Settings
-from service.db.models import ProbeOutcome, RankResult, Run, RunStatus, Sweep
+from service.db.models import ProbeOutcome, RankResultRow, Run, RunStatus, Sweep
 
 API = "/api/v1"
 
@@ -303,7 +303,7 @@ def test_cancel_retry_delete(database_url: str) -> None:
         client.post(f"{API}/sweeps/{sweep_id}/cancel")
         assert client.delete(f"{API}/sweeps/{sweep_id}").status_code == 204
         assert client.get(f"{API}/sweeps/{sweep_id}").status_code == 404
-        assert _count(client, Run) == 0 and _count(client, RankResult) == 0
+        assert _count(client, Run) == 0 and _count(client, RankResultRow) == 0
         assert client.delete(f"{API}/sweeps/{sweep_id}").status_code == 404
         assert client.post(f"{API}/sweeps/{sweep_id}/cancel").status_code == 404
 

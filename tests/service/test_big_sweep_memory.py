@@ -14,7 +14,7 @@ from sqlalchemy import insert, select, update
 from test_report_tables import client_for
 
 from service.db.engine import make_engine, make_sessionmaker
-from service.db.models import Environment, RankResult, Run, RunStatus, Sweep, utcnow
+from service.db.models import Environment, RankResultRow, Run, RunStatus, Sweep, utcnow
 from service.results import queries
 
 pytestmark = pytest.mark.timeout(300)
@@ -50,7 +50,7 @@ def finished_sweep(database_url: str, runs: int) -> int:
              "backend": "torch"}
             for run_id, seq_len in ids
         ]  # fmt: skip
-        session.execute(insert(RankResult), results)
+        session.execute(insert(RankResultRow), results)
         session.commit()
     engine.dispose()
     return sweep_id
@@ -72,16 +72,16 @@ def traced_peak(read: Callable[[], Any]) -> int:
 
 
 def test_results_csv_holds_a_page_whatever_the_sweep(database_url: str, monkeypatch: Any) -> None:
-    from service.api.routes import sweeps
+    from service.results import service as sweep_results
 
-    monkeypatch.setattr(sweeps, "EXPORT_PAGE", 50)
+    monkeypatch.setattr(sweep_results, "EXPORT_PAGE", 50)
     small, large = finished_sweep(database_url, SMALL), finished_sweep(database_url, LARGE)
     engine = make_engine(database_url)
     factory = make_sessionmaker(engine)
 
     def csv_of(sweep_id: int) -> Callable[[], int]:
         def read() -> int:  # as the response sends it: chunk by chunk, none kept
-            return sum(len(c) for c in sweeps._stream_csv(sweeps._result_pages(factory, sweep_id)))
+            return sum(len(c) for c in sweep_results.results_csv_chunks(factory, sweep_id))
 
         return read
 

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from test_cli_first_commands import REPO, RINGLAB, env, ringlab, service, set_status, start_watch  # noqa: F401
 
 from service.db.engine import make_engine
-from service.db.models import Probe, ProbeOutcome, RankResult, Run, RunStatus, utcnow
+from service.db.models import Probe, ProbeOutcome, RankResultRow, Run, RunStatus, utcnow
 
 COLUMNS = {"COLUMNS": "80"}
 
@@ -30,7 +30,7 @@ def finish_search(database_url: str, run_id: int, answer: int, took_s: float) ->
                 RunStatus.succeeded, end - timedelta(seconds=took_s), end
             )  # fmt: skip
             session.add(
-                RankResult(run_id=run_id, rank=0, seq_len=answer, times_s=[0.02], median_s=0.02,
+                RankResultRow(run_id=run_id, rank=0, seq_len=answer, times_s=[0.02], median_s=0.02,
                            p10_s=0.02, p90_s=0.02, tokens_per_s=answer / 0.02, flops=1e9,
                            flops_per_s=5e10, peak_memory_bytes=1 << 24, backend="sdpa-flash-cpu")
             )  # fmt: skip

@@ -162,7 +162,7 @@ def test_a_rank_reads_back_through_the_api_as_the_engine_measured_it() -> None:
         forward_s=0.008, backward_s=0.012, link_probe_bytes=65536, link_probe_bytes_per_s=1e9,
         link_latency_s=2e-5, emulated_oom=True,
     )  # fmt: skip
-    row = models.RankResult(run_id=7, node="10.0.0.2", **stored(measured))
+    row = models.RankResultRow(run_id=7, node="10.0.0.2", **stored(measured))
     got = schemas.RankResultOut.model_validate(row).model_dump()
     assert got == {**measured.model_dump(include=set(stored_fields(results.RankResult))),
                    "node": "10.0.0.2"}  # fmt: skip

@@ -22,7 +22,7 @@ from service import cli
 from service.cli import console
 from service.core.config import Settings
 from service.db.engine import make_engine, make_sessionmaker
-from service.db.models import Artifact, Environment
+from service.db.models import ArtifactRow, Environment
 
 pytestmark = pytest.mark.timeout(300)
 API = "/api/v1"
@@ -52,7 +52,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int
             trace = tmp_path_factory.mktemp("artifacts") / "trace-rank0.json"
             trace.write_bytes(TRACE)
             one = next(r["id"] for r in runs if r["world_size"] == 1)
-            session.add(Artifact(run_id=one, rank=0, name="trace-rank0.json",
+            session.add(ArtifactRow(run_id=one, rank=0, name="trace-rank0.json",
                                  kind="chrome_trace", size_bytes=len(TRACE),
                                  location=str(trace)))  # fmt: skip
             session.commit()

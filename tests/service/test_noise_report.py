@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from test_report_tables import API, MiB, client_for, report, section, submit
 
 from service.cli.specs import load_specs
-from service.db.models import RankResult, Sweep
+from service.db.models import RankResultRow, Sweep
 from service.results.queries import rows_page
 
 ITERATIONS = 12
@@ -45,7 +45,7 @@ def put_times(
             ordered = sorted(ts)
             median = statistics.median(ts)
             session.add(
-                RankResult(
+                RankResultRow(
                     run_id=run_id, rank=rank, seq_len=run.seq_len, times_s=ts, median_s=median,
                     p10_s=ordered[1], p90_s=ordered[-2], tokens_per_s=run.seq_len / median,
                     flops=1e9, flops_per_s=1e9 / median, peak_memory_bytes=peak,

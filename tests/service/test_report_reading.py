@@ -121,7 +121,14 @@ def test_a_pivot_of_axes_varying_together_puts_them_on_one_side(tmp_path: Path) 
         "| 2,048 · W=4 | 2.00 ms |",
         "| 4,096 · W=8 | 4.00 ms |",
     ], table
-    assert "1,024 · W=2" in pivot_csv, pivot_csv
+    # the CSV is for machines: field names and raw numbers, both axes named on the rows' side
+    assert [line.split(",")[:2] for line in pivot_csv.splitlines()] == [
+        ["seq_len", "world_size"],
+        ["1024", "2"],
+        ["2048", "4"],
+        ["4096", "8"],
+    ], pivot_csv
+    assert pivot_csv.splitlines()[0] == "seq_len,world_size,time", pivot_csv
 
 
 def test_a_pivot_of_two_one_kernel_params_is_no_diagonal() -> None:

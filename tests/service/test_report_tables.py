@@ -25,8 +25,8 @@ from sqlalchemy.orm import Session
 
 from service.cli.specs import load_specs
 from service.core.config import Settings
-from service.db.models import Probe, RankResult
-from service.results.report import fmt_bytes, fmt_ms, fmt_num
+from service.db.models import Probe, RankResultRow
+from service.results.report_format import fmt_bytes, fmt_ms, fmt_num
 
 API = "/api/v1"
 MiB = 1 << 20
@@ -91,7 +91,7 @@ def put(
         length = measured or run.seq_len
         for rank, (median, peak) in enumerate(zip(medians, peaks, strict=True)):
             session.add(
-                RankResult(
+                RankResultRow(
                     run_id=run_id,
                     rank=rank,
                     seq_len=length,
@@ -357,7 +357,7 @@ def test_seed_003_time_throughput_and_memory_per_gpu_at_two_ranks(database_url: 
             put(client, r["id"], medians=[t, 0.9 * t], peaks=[20 * MiB, 19 * MiB], inputs=MiB)
         sm = client.app.state.sessionmaker  # type: ignore[attr-defined]
         with sm() as session:
-            for rr in session.query(RankResult).all():
+            for rr in session.query(RankResultRow).all():
                 rr.max_abs_error, rr.check_seq_len = 3e-6, 128
             session.commit()
         md = report(client, two[0]["sweep_id"])

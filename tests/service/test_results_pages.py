@@ -67,9 +67,9 @@ def test_the_context_pass_reads_in_chunks(database_url: str, monkeypatch: Any) -
 
 def test_streamed_exports_cross_pages_unchanged(database_url: str, monkeypatch: Any) -> None:
     """results.json and results.csv streamed 2 runs a page equal the rows of the whole sweep."""
-    from service.api.routes import sweeps
+    from service.results import service as sweep_results
 
-    monkeypatch.setattr(sweeps, "EXPORT_PAGE", 2)
+    monkeypatch.setattr(sweep_results, "EXPORT_PAGE", 2)
     with client_for(database_url) as client:
         runs = _dp_sweep(client)
         sweep_id = runs[0]["sweep_id"]
@@ -143,3 +143,25 @@ def test_a_second_large_whole_sweep_read_waits_its_turn(
         finally:
             queries._large_reads.release()
         assert client.get(f"/api/v1/sweeps/{sweep_id}/report.md").status_code == 200
+
+
+def test_the_results_routes_answer_a_missing_sweep_404_and_a_bad_pivot_422(
+    database_url: str,
+) -> None:
+    """Each results route reads its sweep through the results service: a sweep that is not
+    there is a 404 naming it, a pivot override that makes no pivot a 422 at its query field,
+    and report.md counts the runs it reports."""
+    with client_for(database_url) as client:
+        runs = _dp_sweep(client)
+        sweep_id, missing = runs[0]["sweep_id"], 10**9
+        paths = ["report.md", "pivot.csv", "components.csv", "results.csv", "results.json",
+                 f"compare/{sweep_id}"]  # fmt: skip
+        for path in [*paths, f"../{sweep_id}/compare/{missing}"]:
+            got = client.get(f"/api/v1/sweeps/{missing}/{path}")
+            assert got.status_code == 404, path
+            assert got.json()["detail"] == f"sweep {missing} not found", path
+        bad = client.get(f"/api/v1/sweeps/{sweep_id}/pivot.csv", params={"rows": "no_such"})
+        assert bad.status_code == 422, bad.text
+        assert bad.json()["detail"][0]["loc"][:2] == ["query", "rows"], bad.text
+        md = client.get(f"/api/v1/sweeps/{sweep_id}/report.md").text
+        assert f"{len(runs)} runs: {len(runs)} succeeded" in md, md[:400]

@@ -85,7 +85,8 @@ def test_a_ring_sweep_stores_its_steps_and_profiles(tmp_path: Path, ray_session:
             assert row["crossover_tokens"] == pytest.approx(expected)
 
         report = client.get(f"{API}/sweeps/{sweep_id}/report.md").text
-        assert "| Exposed comm |" in report and "## Where the time goes (ring kernels)" in report
+        assert "| Exposed comm |" in report
+        assert "## Where the time goes (sequence-parallel kernels)" in report
         shown = f"{rows[0]['exposed_comm_share']:.0%}"
         assert any(
             line.startswith(f"| {rows[0]['label']} | 512 |") and shown in line

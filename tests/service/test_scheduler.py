@@ -36,7 +36,7 @@ from service.db.engine import make_sessionmaker
 from service.db.models import (
     Environment,
     Probe,
-    RankResult,
+    RankResultRow,
     Run,
     RunStatus,
     SweepKind,
@@ -433,7 +433,7 @@ def test_heartbeat_renews_the_lease(engine: Engine) -> None:
     worker.join()
     assert run_row(sm, run_id).status == RunStatus.succeeded
     with sm() as session:
-        assert session.scalar(select(func.count()).select_from(RankResult)) == 1
+        assert session.scalar(select(func.count()).select_from(RankResultRow)) == 1
 
 
 def test_bad_settings_are_rejected() -> None:

@@ -15,7 +15,7 @@ from _api_helpers import api_client
 from _gang_helpers import run_queue
 
 from service.cli.specs import load_specs
-from service.results.rows import ulysses_groups
+from service.results.rows_build import ulysses_groups
 from service.results.schemes import all_to_all_bytes, predicted_s, sp_schemes_section
 
 API = "/api/v1"

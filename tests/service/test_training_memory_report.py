@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from test_report_tables import API, client_for, section
 
 from service.cli.specs import load_specs
-from service.db.models import Environment, MemoryComponent, Probe, RankResult, Run, RunStatus
+from service.db.models import Environment, MemoryComponentRow, Probe, RankResultRow, Run, RunStatus
 from workers import model_memory
 from workers.config import RunConfig
 
@@ -56,7 +56,7 @@ def store(
         fwd, bwd, opt = 0.1, 0.25, 0.01
         step = fwd + bwd + opt
         session.add(
-            RankResult(
+            RankResultRow(
                 run_id=run_id,
                 rank=0,
                 seq_len=answer,
@@ -73,7 +73,7 @@ def store(
         )
         for name in model_memory.COMPONENTS:
             session.add(
-                MemoryComponent(
+                MemoryComponentRow(
                     run_id=run_id,
                     rank=0,
                     component=name,
@@ -269,7 +269,7 @@ def test_retry_drops_a_model_runs_components(database_url: str) -> None:
         answer = client.post(f"{API}/sweeps/{sweep_id}/retry", params={"include_oom": True})
         assert answer.status_code == 200, answer.text
         with sm() as session:
-            left = session.query(MemoryComponent).filter_by(run_id=run_id).count()
+            left = session.query(MemoryComponentRow).filter_by(run_id=run_id).count()
             run = session.get(Run, run_id)
             assert run is not None
             assert (left, run.status) == (0, RunStatus.queued)

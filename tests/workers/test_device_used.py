@@ -16,7 +16,7 @@ from _api_helpers import api_client
 
 from service import leases
 from service.results import write
-from service.results.report import DEVICE_USED
+from service.results.report_runs import DEVICE_USED
 from workers.config import RunConfig
 from workers.memory import DeviceUsed, PeakMeter, cuda_used_bytes, used_growth
 from workers.protocol import run_case

@@ -24,7 +24,7 @@ from _dist_helpers import run_ranks
 from fastapi.testclient import TestClient
 
 from service.artifacts import ArtifactStore
-from service.results.report import fmt_num
+from service.results.report_format import fmt_num
 from service.scheduler import Scheduler
 from workers import harness, link, protocol
 from workers.config import RunConfig
@@ -317,7 +317,7 @@ def test_the_timed_round_trips_fit_the_budget_within_bounds() -> None:
 
 def test_the_link_kind_follows_the_hosts_and_devices_the_ranks_ran_on() -> None:
     from service.db.models import Environment
-    from service.results.rows import link_kind
+    from service.results.rows_build import link_kind
 
     def env(hosts: list[str], gpus: list[dict[str, Any]]) -> Environment:
         return Environment(hosts=hosts, gpus=gpus, torch="2.x", python="3.x", hash="h")

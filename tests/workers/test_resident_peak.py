@@ -10,7 +10,7 @@ import io
 from _api_helpers import api_client, small_spec, store_result
 from sqlalchemy import select
 
-from service.db.models import RankResult
+from service.db.models import RankResultRow
 
 API = "/api/v1"
 
@@ -22,7 +22,7 @@ def test_the_resident_peak_is_shown_beside_the_allocator_peak(database_url: str)
         run_id = runs["data"][0]["id"]
         with client.app.state.sessionmaker() as s:
             store_result(s, run_id, medians=(0.004, 0.005), peak=3 << 20)
-            rows = s.scalars(select(RankResult).where(RankResult.run_id == run_id)).all()
+            rows = s.scalars(select(RankResultRow).where(RankResultRow.run_id == run_id)).all()
             for row, resident in zip(rows, (5 << 20, 7 << 20), strict=True):
                 row.resident_peak_bytes = resident
             s.commit()

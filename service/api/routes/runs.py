@@ -26,7 +26,7 @@ from service.api.outputs import artifact_out, headline
 from service.api.schemas import ArtifactOut, Message, RingStepOut, RunDetail, RunList, RunOut
 from service.db.models import Run, RunStatus
 from service.results import queries
-from service.results.rows import run_row
+from service.results.rows_build import run_row
 
 router = APIRouter(prefix="/runs", tags=["runs"], dependencies=[Depends(require_read)])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any, Literal
 
 from fastapi import (
@@ -19,7 +20,6 @@ from fastapi import (
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
-from sqlalchemy.orm import Session, sessionmaker
 from starlette.background import BackgroundTask
 
 from service.api import ray_link, store, submission
@@ -48,10 +48,9 @@ from service.api.schemas import (
 )
 from service.core.config import RunLimits
 from service.db.models import DEFAULT_SUBMITTER, SUBMITTER_PATTERN, RunStatus, Sweep
-from service.results import baselines, export, queries, report
-from service.results.compare import compare_out, same_spec
-from service.results.rows import RunRow
-from service.spec import PivotSpec, PivotValue, SpecError, SweepSpec, iter_cells, unstorable_values
+from service.results import export, queries
+from service.results import service as sweep_results
+from service.spec import PivotValue, SpecError, SweepSpec, iter_cells, unstorable_values
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
 read = [Depends(require_read)]
@@ -325,11 +324,13 @@ def delete_sweep(sweep_id: SweepId, session: SessionDep) -> Response:
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
-def _sweep_rows(session: SessionDep, sweep_id: int) -> tuple[Sweep, list[RunRow]]:
-    sweep = session.get(Sweep, sweep_id)
-    if sweep is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"sweep {sweep_id} not found")
-    return sweep, queries.sweep_rows(session, sweep)
+@contextmanager
+def _found() -> Iterator[None]:
+    """A sweep the results service did not find answers 404."""
+    try:
+        yield
+    except sweep_results.SweepNotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
 
 
 CSV_ROUTE: dict[str, Any] = {
@@ -350,47 +351,6 @@ def _attachment(name: str) -> dict[str, str]:
     return {"Content-Disposition": f'attachment; filename="{name}"'}
 
 
-EXPORT_PAGE = 1_000
-"""Runs per page of a streamed export: its memory stays one page whatever the sweep's size."""
-
-
-def _result_pages(factory: sessionmaker[Session], sweep_id: int) -> Iterator[list[dict[str, Any]]]:
-    """The sweep's result rows in id order, EXPORT_PAGE at a time, each page read in its own
-    short session (labels and baselines as for the whole sweep: queries.rows_page)."""
-    after = 0
-    while True:
-        with factory() as session:
-            sweep = session.get(Sweep, sweep_id)
-            if sweep is None:  # aborts the response: a cut-off export must not look whole
-                raise RuntimeError(f"sweep {sweep_id} was deleted during its export")
-            page = queries.rows_page(session, sweep, after=after, limit=EXPORT_PAGE)
-        if not page:
-            return
-        yield [export.result_row(r) for r in page]
-        after = page[-1].run_id
-
-
-def _stream_json(pages: Iterator[list[dict[str, Any]]]) -> Iterator[str]:
-    # One chunk per page: each chunk is a hop to the thread pool and a write.
-    yield "["
-    sep = ""
-    for page in pages:
-        yield sep + ",".join(export.ResultRow(**row).model_dump_json() for row in page)
-        sep = ","
-    yield "]"
-
-
-def _stream_csv(pages: Iterator[list[dict[str, Any]]]) -> Iterator[str]:
-    yield export.to_csv([])
-    for page in pages:
-        yield export.to_csv(page, header=False)
-
-
-def _exists_or_404(session: SessionDep, sweep_id: int) -> None:
-    if session.get(Sweep, sweep_id) is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"sweep {sweep_id} not found")
-
-
 @router.get(
     "/{sweep_id}/results.json",
     dependencies=read,
@@ -400,10 +360,11 @@ def _exists_or_404(session: SessionDep, sweep_id: int) -> None:
 def results_json(sweep_id: SweepId, session: SessionDep, request: Request) -> Response:
     """One row per run with its numbers and its ratios to its baseline (see report.md),
     streamed a page of runs at a time."""
-    _exists_or_404(session, sweep_id)
+    with _found():
+        sweep_results.sweep_exists(session, sweep_id)
     session.close()  # each page opens its own: no connection held idle for the whole stream
-    pages = _result_pages(request.app.state.sessionmaker, sweep_id)
-    return StreamingResponse(_stream_json(pages), media_type="application/json")
+    chunks = sweep_results.results_json_chunks(request.app.state.sessionmaker, sweep_id)
+    return StreamingResponse(chunks, media_type="application/json")
 
 
 @router.get(
@@ -412,11 +373,11 @@ def results_json(sweep_id: SweepId, session: SessionDep, request: Request) -> Re
 )
 def results_csv(sweep_id: SweepId, session: SessionDep, request: Request) -> Response:
     """The rows of results.json as CSV with a header line, streamed likewise."""
-    _exists_or_404(session, sweep_id)
+    with _found():
+        sweep_results.sweep_exists(session, sweep_id)
     session.close()
-    pages = _result_pages(request.app.state.sessionmaker, sweep_id)
     return StreamingResponse(
-        _stream_csv(pages),
+        sweep_results.results_csv_chunks(request.app.state.sessionmaker, sweep_id),
         media_type="text/csv",
         headers=_attachment(f"sweep-{sweep_id}.csv"),
     )
@@ -428,8 +389,8 @@ def results_csv(sweep_id: SweepId, session: SessionDep, request: Request) -> Res
 )
 def components_csv(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
     """Model runs' memory per component (limiting rank): predicted, measured, ratio."""
-    with queries.whole_sweep_read(session, sweep_id):
-        text = export.components_csv(_sweep_rows(session, sweep_id)[1])
+    with _found():
+        text = sweep_results.sweep_components_csv(session, sweep_id)
     return PlainTextResponse(
         text,
         media_type="text/csv",
@@ -449,19 +410,6 @@ def pivot_csv(
     value: Annotated[PivotValue | None, Query()] = None,
 ) -> PlainTextResponse:
     """One metric as a table: rows x columns (the sweep's baselines.pivot unless overridden)."""
-    with queries.whole_sweep_read(session, sweep_id):
-        return _pivot_csv(session, sweep_id, rows, columns, value)
-
-
-def _pivot_csv(
-    session: SessionDep,
-    sweep_id: int,
-    rows: str | None,
-    columns: list[str] | None,
-    value: PivotValue | None,
-) -> PlainTextResponse:
-    sweep, run_rows = _sweep_rows(session, sweep_id)
-    spec = baselines.pivot_spec(queries.analysis_of(sweep), run_rows) or PivotSpec()
     changes: dict[str, Any] = {}
     if rows is not None:
         changes["rows"] = rows
@@ -470,12 +418,13 @@ def _pivot_csv(
     if value is not None:
         changes["value"] = value
     try:
-        spec = PivotSpec.model_validate({**spec.model_dump(), **changes})
+        with _found():
+            text = sweep_results.sweep_pivot_csv(session, sweep_id, changes)
     except ValidationError as e:
         raise RequestValidationError(
             [{**err, "loc": ["query", *err["loc"]]} for err in e.errors()]
         ) from e
-    return PlainTextResponse(export.pivot_csv(run_rows, spec), media_type="text/csv")
+    return PlainTextResponse(text, media_type="text/csv")
 
 
 @router.get(
@@ -491,9 +440,8 @@ def compare(
     from both runs' noise, regressions only beyond both spreads, and whether the two specs
     are identical (names aside)."""
     background.add_task(queries.give_back_memory)  # once the answer is sent
-    with queries.whole_sweep_read(session, sweep_id, other_id):
-        (sa, a_rows), (sb, b_rows) = _sweep_rows(session, sweep_id), _sweep_rows(session, other_id)
-        return compare_out(sweep_id, other_id, a_rows, b_rows, same_spec(sa.spec, sb.spec))
+    with _found():
+        return sweep_results.sweep_comparison(session, sweep_id, other_id)
 
 
 @router.get(
@@ -510,16 +458,8 @@ def compare(
 def report_md(sweep_id: SweepId, session: SessionDep) -> PlainTextResponse:
     """A markdown report: errors, results with ratios, the pivot, maximum lengths, probes,
     environment."""
-    sweep_view = _sweep_or_404(session, sweep_id)
-    with queries.whole_sweep_read(session, sweep_id):
-        sweep, run_rows = _sweep_rows(session, sweep_id)
-        text = report.report_markdown(
-            sweep,
-            run_rows,
-            queries.sweep_environments(session, sweep_id),
-            sweep_view.counts,
-            baselines.pivot_spec(queries.analysis_of(sweep), run_rows),
-        )
+    with _found():
+        text = sweep_results.sweep_report(session, sweep_id)
     # once the answer is sent: the rows are gone, and their memory goes back
     return PlainTextResponse(
         text, media_type="text/markdown", background=BackgroundTask(queries.give_back_memory)

@@ -1,0 +1,138 @@
+"""What the results routes render, one function each: the sweep and its rows read once per
+answer (report.md, pivot.csv, components.csv, a comparison of two sweeps, the streamed
+results.json and results.csv), so a route only parses its request, calls one of these and
+returns what it gets.
+
+A whole-sweep answer is read inside queries.whole_sweep_read (WholeSweepBusy when another large
+one runs); a sweep that does not exist is SweepNotFound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.db.models import Run, RunStatus, Sweep
+from service.results import baselines, export, queries
+from service.results.compare import compare_out, same_spec
+from service.results.report import report_markdown
+from service.results.rows import RunRow
+from service.spec import PivotSpec
+
+
+class SweepNotFound(LookupError):
+    """No sweep with this id (the API answers 404)."""
+
+    def __init__(self, sweep_id: int) -> None:
+        super().__init__(f"sweep {sweep_id} not found")
+        self.sweep_id = sweep_id
+
+
+def _sweep(session: Session, sweep_id: int) -> Sweep:
+    sweep = session.get(Sweep, sweep_id)
+    if sweep is None:
+        raise SweepNotFound(sweep_id)
+    return sweep
+
+
+def _sweep_rows(session: Session, sweep_id: int) -> tuple[Sweep, list[RunRow]]:
+    """The sweep and every run of it as a row (inside whole_sweep_read)."""
+    sweep = _sweep(session, sweep_id)
+    return sweep, queries.sweep_rows(session, sweep)
+
+
+def _run_counts(session: Session, sweep_id: int) -> dict[str, int]:
+    """Runs per status, every status present (zeros included), in RunStatus's order."""
+    counts = {str(s): 0 for s in RunStatus}
+    found = session.execute(
+        select(Run.status, func.count()).where(Run.sweep_id == sweep_id).group_by(Run.status)
+    )
+    for status, n in found:
+        counts[str(RunStatus(status))] = n
+    return counts
+
+
+def sweep_report(session: Session, sweep_id: int) -> str:
+    """report.md: the sweep, its rows, environments and run counts, read once; its pivot is
+    the sweep's analysis block's (or the default for its rows)."""
+    with queries.whole_sweep_read(session, sweep_id):
+        sweep, rows = _sweep_rows(session, sweep_id)
+        return report_markdown(
+            sweep,
+            rows,
+            queries.sweep_environments(session, sweep_id),
+            _run_counts(session, sweep_id),
+            baselines.pivot_spec(queries.analysis_of(sweep), rows),
+        )
+
+
+def sweep_pivot_csv(session: Session, sweep_id: int, changes: dict[str, Any]) -> str:
+    """pivot.csv: the sweep's pivot (its analysis block's, else the default, else time by
+    length) with `changes` (rows, columns, value) applied; pydantic's ValidationError names a
+    change that makes no pivot."""
+    with queries.whole_sweep_read(session, sweep_id):
+        sweep, rows = _sweep_rows(session, sweep_id)
+        spec = baselines.pivot_spec(queries.analysis_of(sweep), rows) or PivotSpec()
+        spec = PivotSpec.model_validate({**spec.model_dump(), **changes})
+        return export.pivot_csv(rows, spec)
+
+
+def sweep_components_csv(session: Session, sweep_id: int) -> str:
+    """components.csv: every model run's memory components (its limiting rank)."""
+    with queries.whole_sweep_read(session, sweep_id):
+        return export.components_csv(_sweep_rows(session, sweep_id)[1])
+
+
+def sweep_comparison(session: Session, a_id: int, b_id: int) -> dict[str, Any]:
+    """Sweep A and sweep B cell by cell (compare.compare_out), and whether their specs are
+    the same but for their names."""
+    with queries.whole_sweep_read(session, a_id, b_id):
+        (a, a_rows), (b, b_rows) = _sweep_rows(session, a_id), _sweep_rows(session, b_id)
+        return compare_out(a_id, b_id, a_rows, b_rows, same_spec(a.spec, b.spec))
+
+
+EXPORT_PAGE = 1_000
+"""Runs per page of a streamed export: its memory stays one page whatever the sweep's size."""
+
+
+def result_pages(factory: sessionmaker[Session], sweep_id: int) -> Iterator[list[dict[str, Any]]]:
+    """The sweep's result rows in id order, EXPORT_PAGE at a time, each page read in its own
+    short session (labels and baselines as for the whole sweep: queries.rows_page)."""
+    after = 0
+    while True:
+        with factory() as session:
+            sweep = session.get(Sweep, sweep_id)
+            if sweep is None:  # aborts the response: a cut-off export must not look whole
+                raise RuntimeError(f"sweep {sweep_id} was deleted during its export")
+            page = queries.rows_page(session, sweep, after=after, limit=EXPORT_PAGE)
+        if not page:
+            return
+        yield [export.result_row(r) for r in page]
+        after = page[-1].run_id
+
+
+def results_json_chunks(factory: sessionmaker[Session], sweep_id: int) -> Iterator[str]:
+    """results.json streamed: one chunk per page (each chunk is a hop to the thread pool and
+    a write)."""
+    yield "["
+    sep = ""
+    for page in result_pages(factory, sweep_id):
+        yield sep + ",".join(export.ResultRow(**row).model_dump_json() for row in page)
+        sep = ","
+    yield "]"
+
+
+def results_csv_chunks(factory: sessionmaker[Session], sweep_id: int) -> Iterator[str]:
+    """results.csv streamed: its header line, then one chunk per page."""
+    yield export.to_csv([])
+    for page in result_pages(factory, sweep_id):
+        yield export.to_csv(page, header=False)
+
+
+def sweep_exists(session: Session, sweep_id: int) -> None:
+    """SweepNotFound unless the sweep exists (checked before a stream starts: a missing sweep
+    is a 404, not a broken stream)."""
+    _sweep(session, sweep_id)
