@@ -59,7 +59,7 @@ from attention.base import MergedKernel, attention_flops, check_qkv
 from attention.errors import ParamError
 from attention.hilbert import check_hilbert_length, check_ordering, in_order
 from attention.primitive import block_backward, block_forward, merge_, zero_grads
-from attention.registry import KernelSpec, register
+from attention.registry import Exact, KernelSpec, register
 from attention.segments import Rows, branch_pairs, branch_rows, window_parts
 
 CHUNK_TOKENS = 2048
@@ -380,5 +380,6 @@ register(
         factory=DilatedAttention,
         check=check_dilated,
         periods=lambda params: params.segment_lengths,
+        exact=Exact.DILATED,
     )
 )

@@ -8,6 +8,7 @@ and `UNAVAILABLE` holds every plugin that failed to load, with its error.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -46,6 +47,19 @@ Periods = Callable[[Any], tuple[int, ...]]
 """params -> the token periods of the kernel's structure (segments, windows, blocks)."""
 
 
+class Exact(enum.Enum):
+    """How the correctness gate computes a built-in kernel's exact output (KernelSpec.exact);
+    workers.references maps each kind to its float64 reference once."""
+
+    DENSE = "dense"
+    """Einsum softmax attention on every key (causal when asked), under the block-diagonal
+    document mask when the params set document_lengths."""
+    DILATED = "dilated"
+    """attention.masks.dilated_reference on the params' segment_lengths and dilation_rates."""
+    BLOCKS = "blocks"
+    """Einsum softmax attention on the tokens of the built module's block_mask."""
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One kernel: its parameter schema (a dataclass that validates itself) and how to build it.
@@ -78,6 +92,8 @@ class KernelSpec:
     and the flex adapters run compiled FlexAttention); it replaces `primitive`'s rule.
     `reference_of`: params -> (kernel, params) whose exact reference this kernel is checked
     against, when that depends on its params (ulysses: its inner kernel's); None: the twin's.
+    `exact`: how the gate computes a built-in single-process kernel's exact output (Exact;
+    None: a twin's, a plugin's keep_mask, or a layer's weights decide it, else no reference).
     """
 
     name: str
@@ -98,6 +114,7 @@ class KernelSpec:
     heads_check: Callable[[Any, int, int, int], None] | None = None
     """(params, num_heads, num_kv_heads, world_size) -> None, raising when the ranks cannot
     split the heads (ulysses, usp); `validate` calls it when given num_kv_heads."""
+    exact: Exact | None = None
 
 
 RING_PARAMS = ("layout", "group")
@@ -117,6 +134,22 @@ def register(spec: KernelSpec) -> KernelSpec:
         raise TypeError(f"kernel {spec.name!r}: params must be a dataclass, got {spec.params!r}")
     KERNELS[spec.name] = spec
     return spec
+
+
+def exact_dense() -> str:
+    """The built-in single-process kernel that computes exact dense attention on (batch, seq,
+    heads, head_dim) tensors: every sparse kernel's default baseline and the gate's yardstick."""
+    found = [
+        name
+        for name, spec in KERNELS.items()
+        if spec.plugin is None
+        and spec.exact is Exact.DENSE
+        and not spec.distributed
+        and spec.input_layout == "bshd"
+    ]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one exact dense kernel, found {found}")
+    return found[0]
 
 
 def unavailable(name: str) -> str | None:

@@ -22,7 +22,7 @@ from attention.block_sparse.params import (
     resolve_plan,
 )
 from attention.hilbert import in_order
-from attention.registry import KernelSpec, register
+from attention.registry import Exact, KernelSpec, register
 
 
 def cuda_head_dim_problem(
@@ -114,5 +114,6 @@ register(
         check=check_block_sparse,
         periods=block_sparse_periods,
         cuda_head_dim=cuda_head_dim_problem,
+        exact=Exact.BLOCKS,
     )
 )
