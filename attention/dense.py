@@ -135,5 +135,6 @@ register(
         factory=DenseAttention,
         check=check_dense,
         exact=Exact.DENSE,
+        dense_baseline=True,
     )
 )

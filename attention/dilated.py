@@ -381,5 +381,6 @@ register(
         check=check_dilated,
         periods=lambda params: params.segment_lengths,
         exact=Exact.DILATED,
+        device_plan=True,
     )
 )

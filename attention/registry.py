@@ -60,6 +60,18 @@ class Exact(enum.Enum):
     """Einsum softmax attention on the tokens of the built module's block_mask."""
 
 
+class CommOverlap(enum.Enum):
+    """How a sharded kernel's communication adds to its compute (KernelSpec.comm_overlap): the
+    time service.results.schemes predicts for it from compute C and transfers M."""
+
+    OVERLAPPED = "overlapped"
+    """The next K/V hop is posted before computing, so transfers hide behind compute: max(C, M)."""
+    BLOCKING = "blocking"
+    """All-to-alls or gathers the compute waits for: C + M."""
+    ALL_TO_ALL_THEN_RING = "all_to_all_then_ring"
+    """Blocking all-to-alls (A, from the shapes), then an overlapped ring: A + max(C, M - A)."""
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One kernel: its parameter schema (a dataclass that validates itself) and how to build it.
@@ -94,6 +106,14 @@ class KernelSpec:
     against, when that depends on its params (ulysses: its inner kernel's); None: the twin's.
     `exact`: how the gate computes a built-in single-process kernel's exact output (Exact;
     None: a twin's, a plugin's keep_mask, or a layer's weights decide it, else no reference).
+    `default_layout`: a sharded kernel's rule for its `layout` param, (layout, causal) -> the
+    layout that runs (None: the kernel is not sharded by layout).
+    `comm_overlap`: how a sharded kernel's communication adds to its compute (CommOverlap).
+    `dense_baseline`: the kernel computes dense attention, so its runs need no dense baseline
+    of their own (service.results.baselines).
+    `device_plan`: the kernel (or its params' `plan` field) picks a plan by the inputs' device
+    under plan "auto" (attention.plans.resolve_plan).
+    `inner`: the kernels this kernel may run on its heads (its params' `inner` names one).
     """
 
     name: str
@@ -115,6 +135,11 @@ class KernelSpec:
     """(params, num_heads, num_kv_heads, world_size) -> None, raising when the ranks cannot
     split the heads (ulysses, usp); `validate` calls it when given num_kv_heads."""
     exact: Exact | None = None
+    default_layout: Callable[[str | None, bool], str] | None = None
+    comm_overlap: CommOverlap | None = None
+    dense_baseline: bool = False
+    device_plan: bool = False
+    inner: tuple[str, ...] = ()
 
 
 RING_PARAMS = ("layout", "group")

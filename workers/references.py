@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import attention
+from attention import Exact
 from attention.hilbert import hilbert_permutation, inverse_permutation
 from attention.masks import (
     block_token_rows,
@@ -40,7 +41,6 @@ from attention.masks import (
     masked_attention,
 )
 from attention.multihead import MultiheadAttention
-from attention.registry import Exact
 from workers import kernels
 
 Reference = Callable[..., torch.Tensor]

@@ -115,5 +115,6 @@ register(
         periods=block_sparse_periods,
         cuda_head_dim=cuda_head_dim_problem,
         exact=Exact.BLOCKS,
+        device_plan=True,
     )
 )

@@ -43,7 +43,7 @@ from workers import resolved
 from workers.config import PRECISION_DTYPES
 from workers.noise import Interval, ratio_interval, scaled
 
-DENSE_KERNELS = frozenset({"dense", "ring", "multihead"})
+DENSE_KERNELS = frozenset(k for k, spec in attention.KERNELS.items() if spec.dense_baseline)
 
 IGNORED_FOR_MATCHING = frozenset(
     {
@@ -131,7 +131,7 @@ def _targets(row: RunRow, spec: AnalysisSpec) -> list[tuple[dict[str, Any], str]
         if row.world_size > 1:
             changes = {"world_size": 1}
         elif row.kernel not in DENSE_KERNELS:
-            changes = {"kernel": "dense", "params": {}}
+            changes = {"kernel": attention.exact_dense(), "params": {}}
         else:
             return []
     world = changes.get("world_size")
