@@ -19,9 +19,9 @@ from attention.block_sparse.params import (
     _cached_block_mask,
     block_sparse_periods,
     check_block_sparse,
-    resolve_plan,
 )
 from attention.hilbert import in_order
+from attention.plans import resolve_plan
 from attention.registry import Exact, KernelSpec, register
 
 

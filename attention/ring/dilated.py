@@ -35,11 +35,11 @@ from attention.dilated import (
     backward_rows,
     check_dilated,
     forward_rows,
-    resolve_plan,
 )
 from attention.hilbert import hilbert_permutation
 from attention.layouts import check_seq_len
 from attention.layouts import positions as layout_positions
+from attention.plans import resolve_plan
 from attention.primitive import (
     accumulator_dtype,
     block_backward,
