@@ -16,7 +16,7 @@ from attention.base import (
     check_qkv,
     qkv_bytes,
 )
-from attention.registry import Exact, KernelSpec, register
+from attention.registry import BenchParams, Exact, KernelSpec, register
 
 
 @dataclass(frozen=True)
@@ -136,5 +136,6 @@ register(
         check=check_dense,
         exact=Exact.DENSE,
         dense_baseline=True,
+        bench_params=BenchParams(cpu=({},), gpu={}),
     )
 )

@@ -60,7 +60,7 @@ from attention.errors import ParamError
 from attention.hilbert import check_hilbert_length, check_ordering, in_order
 from attention.plans import check_plan, resolve_plan
 from attention.primitive import block_backward, block_forward, merge_, zero_grads
-from attention.registry import Exact, KernelSpec, register
+from attention.registry import BenchParams, Exact, KernelSpec, register
 from attention.segments import Rows, branch_pairs, branch_rows, window_parts
 
 CHUNK_TOKENS = 2048
@@ -362,5 +362,12 @@ register(
         periods=lambda params: params.segment_lengths,
         exact=Exact.DILATED,
         device_plan=True,
+        bench_params=BenchParams(
+            cpu=({"segment_lengths": [2048, 4096, 8192], "dilation_rates": [1, 2, 4]},),
+            gpu={  # LongNet's segments up to 32K
+                "segment_lengths": [2048, 4096, 8192, 16384, 32768],
+                "dilation_rates": [1, 2, 4, 6, 12],
+            },
+        ),
     )
 )

@@ -73,6 +73,19 @@ class CommOverlap(enum.Enum):
 
 
 @dataclass(frozen=True)
+class BenchParams:
+    """What the benchmarks run of a built-in kernel by default (KernelSpec.bench_params).
+
+    `cpu`: bench.kernels' parameter sets at its CPU lengths (None: not in its default list).
+    `gpu`: bench.gpu's params at GPU lengths, scaled down at CPU lengths (bench.gpu.scaled);
+    a ring kernel's {} (it runs its twin's at W = 1). None: not in its default list.
+    """
+
+    cpu: tuple[dict[str, Any], ...] | None = None
+    gpu: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
 class KernelSpec:
     """One kernel: its parameter schema (a dataclass that validates itself) and how to build it.
 
@@ -114,6 +127,7 @@ class KernelSpec:
     `device_plan`: the kernel (or its params' `plan` field) picks a plan by the inputs' device
     under plan "auto" (attention.plans.resolve_plan).
     `inner`: the kernels this kernel may run on its heads (its params' `inner` names one).
+    `bench_params`: the params the benchmarks run by default (BenchParams; None: none).
     """
 
     name: str
@@ -140,6 +154,7 @@ class KernelSpec:
     dense_baseline: bool = False
     device_plan: bool = False
     inner: tuple[str, ...] = ()
+    bench_params: BenchParams | None = None
 
 
 RING_PARAMS = ("layout", "group")
@@ -159,6 +174,45 @@ def register(spec: KernelSpec) -> KernelSpec:
         raise TypeError(f"kernel {spec.name!r}: params must be a dataclass, got {spec.params!r}")
     KERNELS[spec.name] = spec
     return spec
+
+
+def _benchmarked(gpu: bool) -> list[str]:
+    """The built-in kernels with default bench params (BenchParams.gpu when `gpu`, else .cpu),
+    single-process ones first, each group in Exact's order (dense, dilated, block-sparse; a
+    ring kernel by its twin's)."""
+    order = list(Exact)
+
+    def rank(name: str) -> tuple[bool, int]:
+        spec = KERNELS[name]
+        exact = KERNELS[spec.twin].exact if spec.twin is not None else spec.exact
+        return spec.distributed, len(order) if exact is None else order.index(exact)
+
+    names = [
+        name
+        for name, spec in KERNELS.items()
+        if spec.plugin is None
+        and spec.bench_params is not None
+        and (spec.bench_params.gpu if gpu else spec.bench_params.cpu) is not None
+    ]
+    return sorted(names, key=rank)
+
+
+def bench_cpu_grid() -> dict[str, list[dict[str, Any]]]:
+    """bench.kernels' default grid: each benchmarked kernel's parameter sets (a copy)."""
+    return {
+        name: [dict(p) for p in spec.bench_params.cpu]
+        for name in _benchmarked(gpu=False)
+        if (spec := KERNELS[name]).bench_params is not None and spec.bench_params.cpu is not None
+    }
+
+
+def bench_gpu_grid() -> dict[str, dict[str, Any]]:
+    """bench.gpu's default kernels and their params at GPU lengths (a copy; a ring kernel's {})."""
+    return {
+        name: dict(spec.bench_params.gpu)
+        for name in _benchmarked(gpu=True)
+        if (spec := KERNELS[name]).bench_params is not None and spec.bench_params.gpu is not None
+    }
 
 
 def exact_dense() -> str:

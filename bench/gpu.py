@@ -51,7 +51,7 @@ import torch.distributed as dist
 import attention
 from attention.block_sparse import BlockSparseParams
 from attention.masks import block_token_mask, dilated_reference, masked_attention
-from attention.registry import twin_of
+from attention.registry import bench_gpu_grid, twin_of
 from bench import gpu_search
 from bench.kernels import (
     fraction_of_baseline,
@@ -70,18 +70,15 @@ CHECK_ATOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
 """Max abs error against the float64 reference, as the workers' correctness check allows
 (workers.protocol.CHECK_ATOL and references.REFERENCE_DTYPE; not imported: this script must run
 without pydantic)."""
+_GRID = bench_gpu_grid()
 KERNELS: dict[str, dict[str, Any]] = {
-    "dilated": {
-        "segment_lengths": [2048, 4096, 8192, 16384, 32768],
-        "dilation_rates": [1, 2, 4, 6, 12],
-    },
-    "block_sparse": {"block_size": 128, "pattern": "local_window", "sparsity_ratio": 0.25},
+    name: params for name, params in _GRID.items() if not attention.KERNELS[name].distributed
 }
-"""The sparse kernels' params at GPU lengths (LongNet's segments up to 32K; FlexAttention's
-block size); at CPU lengths segments and blocks scale down (`scaled`). Ring kernels take their
-twin's."""
-SINGLE = ("dense", "dilated", "block_sparse")
-RING = ("ring", "ring_dilated", "ring_block_sparse")
+"""The single-process kernels' params at GPU lengths (their KernelSpec's bench_params.gpu:
+LongNet's segments up to 32K; FlexAttention's block size); at CPU lengths segments and blocks
+scale down (`scaled`). Ring kernels take their twin's."""
+SINGLE = tuple(KERNELS)
+RING = tuple(name for name in _GRID if name not in KERNELS)
 """The kernels checked and timed: single-process, and the ring kernels at W = 1."""
 GPU = {"seq": [16384, 32768, 65536, 131072], "check_seq": [1024, 32768], "heads": 16, "dim": 128,
        "reference_rows": 1024}  # fmt: skip

@@ -43,17 +43,11 @@ import torch
 
 import attention
 from attention.masks import block_token_mask, dilated_reference, masked_attention
+from attention.registry import bench_cpu_grid
 from workers.memory import PeakMeter
 
-DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
-    "dense": {},
-    "dilated": {"segment_lengths": [2048, 4096, 8192], "dilation_rates": [1, 2, 4]},
-    "block_sparse": [  # FlexAttention's and most papers' 64 and 128 up to 1024 (issue 16);
-        # the CPU flash op tiles 256 query rows from 768 queries, 32 below 192
-        {"block_size": bs, "pattern": "local_window", "sparsity_ratio": 0.25}
-        for bs in (64, 128, 256, 1024)
-    ],
-}
+DEFAULT_PARAMS: dict[str, list[dict[str, Any]]] = bench_cpu_grid()
+"""Each benchmarked kernel's parameter sets (its KernelSpec's bench_params.cpu)."""
 GATE_SEQ = 256
 GATE_TOL = 1e-4
 

@@ -48,7 +48,7 @@ from attention.primitive import (
     merge_,
     zero_grads,
 )
-from attention.registry import CommOverlap, KernelSpec, register
+from attention.registry import BenchParams, CommOverlap, KernelSpec, register
 from attention.ring.comm import (
     Tag,
     exchange,
@@ -412,5 +412,6 @@ register(
         default_layout=contiguous_layout,
         comm_overlap=CommOverlap.OVERLAPPED,
         device_plan=True,
+        bench_params=BenchParams(gpu={}),
     )
 )
