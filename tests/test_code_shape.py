@@ -29,7 +29,6 @@ LONG_FILES_ALLOWED = {
     "service/results/report.py": 846,
     "service/spec.py": 839,
     "service/results/rows.py": 858,
-    "service/results/baselines.py": 723,
 }
 """path: its line count when listed, for the source files over MAX_FILE_LINES still to be split.
 A listed file may shrink (lower its count here; drop it once under the limit), never grow."""
