@@ -51,6 +51,7 @@ from attention.ring.steps import clock
 from attention.segments import global_heads
 
 NAME = "ulysses"
+"""Its registered name: its params read the kernels it may wrap from its KernelSpec (`inner`)."""
 
 
 @dataclass(frozen=True)
