@@ -176,6 +176,17 @@ def register(spec: KernelSpec) -> KernelSpec:
     return spec
 
 
+def exact_of(name: str) -> Exact | None:
+    """The kind of exact output of kernel `name`: its own `exact`, else its twin's (None:
+    neither declares one, or no such kernel)."""
+    spec = KERNELS.get(name)
+    if spec is None:
+        return None
+    if spec.exact is None and spec.twin is not None:
+        return exact_of(spec.twin)
+    return spec.exact
+
+
 def _benchmarked(gpu: bool) -> list[str]:
     """The built-in kernels with default bench params (BenchParams.gpu when `gpu`, else .cpu),
     single-process ones first, each group in Exact's order (dense, dilated, block-sparse; a
@@ -183,9 +194,8 @@ def _benchmarked(gpu: bool) -> list[str]:
     order = list(Exact)
 
     def rank(name: str) -> tuple[bool, int]:
-        spec = KERNELS[name]
-        exact = KERNELS[spec.twin].exact if spec.twin is not None else spec.exact
-        return spec.distributed, len(order) if exact is None else order.index(exact)
+        exact = exact_of(name)
+        return KERNELS[name].distributed, len(order) if exact is None else order.index(exact)
 
     names = [
         name

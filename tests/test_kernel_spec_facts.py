@@ -11,7 +11,14 @@ import pytest
 import torch
 
 import attention
-from attention.registry import BenchParams, CommOverlap, Exact, bench_cpu_grid, bench_gpu_grid
+from attention.registry import (
+    BenchParams,
+    CommOverlap,
+    Exact,
+    bench_cpu_grid,
+    bench_gpu_grid,
+    exact_of,
+)
 from service.results import baselines, schemes
 from workers import references, resolved
 
@@ -111,3 +118,10 @@ def test_every_built_in_single_process_kernel_has_a_reference() -> None:
         if spec.distributed or spec.input_layout == "bse":
             continue
         assert isinstance(spec.exact, Exact), name
+
+
+def test_a_ring_kernel_has_its_twins_kind_of_exact_output() -> None:
+    kinds = {name: exact_of(name) for name in ("ring", "ring_dilated", "ring_block_sparse")}
+    assert kinds == {"ring": Exact.DENSE, "ring_dilated": Exact.DILATED,
+                     "ring_block_sparse": Exact.BLOCKS}  # fmt: skip
+    assert exact_of("multihead") is None and exact_of("_no_such_kernel") is None
