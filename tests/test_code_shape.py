@@ -483,13 +483,14 @@ def test_the_import_counter_counts_imports_inside_functions_only(tmp_path: Path)
 NAMED_KERNELS_UNDER = ("service", "workers")
 MAX_KERNEL_NAME_LITERALS = 2
 KERNEL_NAME_LITERALS_ALLOWED = {
-    "service/results/rows.py:usp": "ulysses_groups: the Ulysses groups of a usp run's ranks, "
-    "read from its ulysses_degree param (a fact of usp's params, not of a kernel family)",
-    "service/results/rows.py:ring": "the compute/transfer crossover, whose closed form holds "
+    "ulysses_groups:usp": "the Ulysses groups of a usp run's ranks, read from its "
+    "ulysses_degree param (a fact of usp's params, not of a kernel family)",
+    "_crossover:ring": "the compute/transfer crossover, whose closed form holds "
     "for the dense ring only (quadratic FLOPs, linear bytes per step)",
 }
-"""path:name of the built-in kernel names that service/ and workers/ may spell as string
-literals, with the reason; everything else about a kernel is read from its KernelSpec."""
+"""function:name of the built-in kernel names that service/ and workers/ may spell as string
+literals (in that function, wherever its module), with the reason; everything else about a
+kernel is read from its KernelSpec."""
 
 
 def _builtin_kernel_names(root: Path) -> set[str]:
@@ -531,9 +532,20 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return found
 
 
-def _kernel_name_literals(root: Path, names: set[str]) -> list[str]:
-    """path:name of each string literal (not a docstring) equal to a kernel name in the
-    non-test modules of NAMED_KERNELS_UNDER."""
+def _enclosing_functions(tree: ast.AST) -> dict[int, str]:
+    """id() of each node inside a function -> the innermost function's name ("" at module
+    level: absent)."""
+    inside: dict[int, str] = {}
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    for function in functions:  # outer before inner (ast.walk is breadth-first): inner wins
+        for node in ast.walk(function):
+            inside[id(node)] = function.name
+    return inside
+
+
+def _kernel_name_literals(root: Path, names: set[str]) -> list[tuple[str, str]]:
+    """(path, function:name) of each string literal (not a docstring) equal to a kernel name
+    in the non-test modules of NAMED_KERNELS_UNDER (function "" at module level)."""
     found = []
     for package in NAMED_KERNELS_UNDER:
         for path in sorted((root / package).rglob("*.py")):
@@ -541,8 +553,9 @@ def _kernel_name_literals(root: Path, names: set[str]) -> list[str]:
                 continue
             tree = ast.parse(path.read_text())
             docs = _docstrings(tree)
+            inside = _enclosing_functions(tree)
             found += [
-                f"{path.relative_to(root).as_posix()}:{node.value}"
+                (path.relative_to(root).as_posix(), f"{inside.get(id(node), '')}:{node.value}")
                 for node in ast.walk(tree)
                 if isinstance(node, ast.Constant)
                 and isinstance(node.value, str)
@@ -557,7 +570,7 @@ def test_service_and_workers_read_kernel_facts_from_the_registry() -> None:
     assert {"dense", "ring", "ulysses", "usp", "dilated", "block_sparse"} <= names
     found = _kernel_name_literals(ROOT, names)
     assert len(KERNEL_NAME_LITERALS_ALLOWED) <= MAX_KERNEL_NAME_LITERALS
-    unlisted = [f for f in found if f not in KERNEL_NAME_LITERALS_ALLOWED]
+    unlisted = [f"{path}: {at}" for path, at in found if at not in KERNEL_NAME_LITERALS_ALLOWED]
     assert unlisted == [], (
         "kernel names spelled in service/ or workers/: read the fact from the kernel's "
         f"KernelSpec (attention.registry) instead: {unlisted}"
@@ -580,4 +593,7 @@ def test_the_kernel_name_counter_skips_docstrings_and_tests(tmp_path: Path) -> N
     (tmp_path / "workers").mkdir()
     names = _builtin_kernel_names(tmp_path)
     assert names == {"plain", "wrapper"}
-    assert _kernel_name_literals(tmp_path, names) == ["service/m.py:plain", "service/m.py:wrapper"]
+    assert _kernel_name_literals(tmp_path, names) == [
+        ("service/m.py", ":plain"),
+        ("service/m.py", "f:wrapper"),
+    ]

@@ -55,6 +55,7 @@ from service.results.pivot import (
     pivot_layout,
     pivot_spec,
     row_text,
+    section_title,
 )
 from service.results.rows import Flag, RunRow
 from service.spec import NESTED, AnalysisSpec, nested_axis
@@ -72,7 +73,9 @@ IGNORED_FOR_MATCHING = frozenset(
 )  # fmt: skip
 """Fields that do not change what a run computes: a baseline matches whatever their values."""
 
-_axis_value, _pivot_layout, _row_text = axis_value, pivot_layout, row_text
+_axis_value, _pivot_layout, _row_text, _section_title = (
+    axis_value, pivot_layout, row_text, section_title,
+)  # fmt: skip
 """The pivot's helpers under the names pivot.csv's export reads through this module."""
 __all__ = [
     "DENSE_KERNELS", "IGNORED_FOR_MATCHING", "PIVOT_VALUES", "Pivot", "PivotSection",

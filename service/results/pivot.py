@@ -142,7 +142,7 @@ def _section_value(row: RunRow, name: str) -> str:
     return value_text(value)
 
 
-def _section_title(row: RunRow, fields: Sequence[str]) -> str:
+def section_title(row: RunRow, fields: Sequence[str]) -> str:
     parts = []
     for f in fields:
         if f == "parallel" and row.world_size == 1:
@@ -216,7 +216,7 @@ def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
     sec_keys: dict[str, tuple[Any, ...]] = {}
     sec_values: dict[str, list[str]] = {}
     for r in rows:
-        title = _section_title(r, fields)
+        title = section_title(r, fields)
         sec_keys[title] = tuple(_sort_key(axis_value(r, f)) for f in fields)
         sec_values[title] = [_section_value(r, f) for f in fields]
         ctext = _column_text(r, columns) if columns else PIVOT_VALUES[spec.value]
