@@ -4,8 +4,9 @@ Imports only torch and the standard library. `build(name, **params)` makes a ker
 installed packages add kernels through the entry points `ringlab.kernels` (attention.plugins,
 docs/plugins.md; `Kernel`, `KernelSpec`, `attention_flops` are what a plugin builds on),
 `KERNELS` lists them with their parameter schemas, `validate(...)` checks a shape fits one,
-`shape_params(...)` sets a layer kernel's embed_dim / num_heads from a run's shape; the kernel
-family's facts (a ring kernel's twin, `check_parallel`) live in the registry.
+`shape_params(...)` sets a layer kernel's embed_dim / num_heads from a run's shape; every fact
+about a kernel (its twin, reference, layout rule, communication overlap, bench grid) is a field
+of its KernelSpec, the one declaration the service, workers and bench read (docs/kernels.md).
 """
 
 # importing a kernel module registers it
@@ -16,10 +17,14 @@ from attention.registry import (
     KERNELS,
     RING_PARAMS,
     UNAVAILABLE,
+    BenchParams,
+    CommOverlap,
+    Exact,
     KernelSpec,
     build,
     check_cuda_head_dim,
     check_parallel,
+    exact_dense,
     make_params,
     shape_params,
     structural_periods,
@@ -32,6 +37,9 @@ __all__ = [
     "KERNELS",
     "RING_PARAMS",
     "UNAVAILABLE",
+    "BenchParams",
+    "CommOverlap",
+    "Exact",
     "ExactKernel",
     "Kernel",
     "KernelSpec",
@@ -41,6 +49,7 @@ __all__ = [
     "causal_pairs",
     "check_cuda_head_dim",
     "check_parallel",
+    "exact_dense",
     "make_params",
     "shape_params",
     "structural_periods",

@@ -16,7 +16,7 @@ from attention.base import (
     check_qkv,
     qkv_bytes,
 )
-from attention.registry import KernelSpec, register
+from attention.registry import BenchParams, Exact, KernelSpec, register
 
 
 @dataclass(frozen=True)
@@ -134,5 +134,8 @@ register(
         params=DenseParams,
         factory=DenseAttention,
         check=check_dense,
+        exact=Exact.DENSE,
+        dense_baseline=True,
+        bench_params=BenchParams(cpu=({},), gpu={}),
     )
 )

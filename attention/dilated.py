@@ -58,8 +58,9 @@ from attention.autograd import merged_attention
 from attention.base import MergedKernel, attention_flops, check_qkv
 from attention.errors import ParamError
 from attention.hilbert import check_hilbert_length, check_ordering, in_order
+from attention.plans import check_plan, resolve_plan
 from attention.primitive import block_backward, block_forward, merge_, zero_grads
-from attention.registry import KernelSpec, register
+from attention.registry import BenchParams, Exact, KernelSpec, register
 from attention.segments import Rows, branch_pairs, branch_rows, window_parts
 
 CHUNK_TOKENS = 2048
@@ -123,27 +124,6 @@ class DilatedParams:
         merged."""
         pairs = zip(self.segment_lengths, self.dilation_rates, strict=True)
         return sorted(pairs, key=lambda p: p[1])
-
-
-PLANS = ("auto", "cpu", "cuda")
-"""A kernel's `plan`: how its work is cut into fused calls. "cpu": bounded calls whose buffers
-stay small (the CPU op's scratch, cache-sized parts); "cuda": the fewest calls (segments folded
-into the batch, `attention.dilated_plan`), since a GPU is host-bound on many small calls;
-"auto": the plan of the inputs' device type (a meta tensor: the type it stands for)."""
-
-
-def check_plan(plan: str) -> None:
-    """Raise ParamError('params.plan') unless `plan` is one of PLANS."""
-    if plan not in PLANS:
-        raise ParamError("params.plan", f"expected one of {', '.join(PLANS)}, got {plan!r}")
-
-
-def resolve_plan(plan: str, device: torch.device) -> str:
-    """The plan that runs: `plan` itself, or under "auto" "cuda" for a CUDA device (or a meta
-    device standing for one, primitive.meta_stands_for) and "cpu" for any other."""
-    if plan != "auto":
-        return plan
-    return "cuda" if primitive.device_type_of(device) == "cuda" else "cpu"
 
 
 def check_dilated(
@@ -380,5 +360,14 @@ register(
         factory=DilatedAttention,
         check=check_dilated,
         periods=lambda params: params.segment_lengths,
+        exact=Exact.DILATED,
+        device_plan=True,
+        bench_params=BenchParams(
+            cpu=({"segment_lengths": [2048, 4096, 8192], "dilation_rates": [1, 2, 4]},),
+            gpu={  # LongNet's segments up to 32K
+                "segment_lengths": [2048, 4096, 8192, 16384, 32768],
+                "dilation_rates": [1, 2, 4, 6, 12],
+            },
+        ),
     )
 )

@@ -231,5 +231,6 @@ register(
         factory=MultiheadAttention,
         check=check_multihead,
         input_layout=MultiheadAttention.input_layout,
+        dense_baseline=True,
     )
 )

@@ -8,6 +8,7 @@ and `UNAVAILABLE` holds every plugin that failed to load, with its error.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -46,6 +47,44 @@ Periods = Callable[[Any], tuple[int, ...]]
 """params -> the token periods of the kernel's structure (segments, windows, blocks)."""
 
 
+class Exact(enum.Enum):
+    """How the correctness gate computes a built-in kernel's exact output (KernelSpec.exact);
+    workers.references maps each kind to its float64 reference once."""
+
+    DENSE = "dense"
+    """Einsum softmax attention on every key (causal when asked), under the block-diagonal
+    document mask when the params set document_lengths."""
+    DILATED = "dilated"
+    """attention.masks.dilated_reference on the params' segment_lengths and dilation_rates."""
+    BLOCKS = "blocks"
+    """Einsum softmax attention on the tokens of the built module's block_mask."""
+
+
+class CommOverlap(enum.Enum):
+    """How a sharded kernel's communication adds to its compute (KernelSpec.comm_overlap): the
+    time service.results.schemes predicts for it from compute C and transfers M."""
+
+    OVERLAPPED = "overlapped"
+    """The next K/V hop is posted before computing, so transfers hide behind compute: max(C, M)."""
+    BLOCKING = "blocking"
+    """All-to-alls or gathers the compute waits for: C + M."""
+    ALL_TO_ALL_THEN_RING = "all_to_all_then_ring"
+    """Blocking all-to-alls (A, from the shapes), then an overlapped ring: A + max(C, M - A)."""
+
+
+@dataclass(frozen=True)
+class BenchParams:
+    """What the benchmarks run of a built-in kernel by default (KernelSpec.bench_params).
+
+    `cpu`: bench.kernels' parameter sets at its CPU lengths (None: not in its default list).
+    `gpu`: bench.gpu's params at GPU lengths, scaled down at CPU lengths (bench.gpu.scaled);
+    a ring kernel's {} (it runs its twin's at W = 1). None: not in its default list.
+    """
+
+    cpu: tuple[dict[str, Any], ...] | None = None
+    gpu: dict[str, Any] | None = None
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One kernel: its parameter schema (a dataclass that validates itself) and how to build it.
@@ -78,6 +117,17 @@ class KernelSpec:
     and the flex adapters run compiled FlexAttention); it replaces `primitive`'s rule.
     `reference_of`: params -> (kernel, params) whose exact reference this kernel is checked
     against, when that depends on its params (ulysses: its inner kernel's); None: the twin's.
+    `exact`: how the gate computes a built-in single-process kernel's exact output (Exact;
+    None: a twin's, a plugin's keep_mask, or a layer's weights decide it, else no reference).
+    `default_layout`: a sharded kernel's rule for its `layout` param, (layout, causal) -> the
+    layout that runs (None: the kernel is not sharded by layout).
+    `comm_overlap`: how a sharded kernel's communication adds to its compute (CommOverlap).
+    `dense_baseline`: the kernel computes dense attention, so its runs need no dense baseline
+    of their own (service.results.baselines).
+    `device_plan`: the kernel (or its params' `plan` field) picks a plan by the inputs' device
+    under plan "auto" (attention.plans.resolve_plan).
+    `inner`: the kernels this kernel may run on its heads (its params' `inner` names one).
+    `bench_params`: the params the benchmarks run by default (BenchParams; None: none).
     """
 
     name: str
@@ -98,6 +148,13 @@ class KernelSpec:
     heads_check: Callable[[Any, int, int, int], None] | None = None
     """(params, num_heads, num_kv_heads, world_size) -> None, raising when the ranks cannot
     split the heads (ulysses, usp); `validate` calls it when given num_kv_heads."""
+    exact: Exact | None = None
+    default_layout: Callable[[str | None, bool], str] | None = None
+    comm_overlap: CommOverlap | None = None
+    dense_baseline: bool = False
+    device_plan: bool = False
+    inner: tuple[str, ...] = ()
+    bench_params: BenchParams | None = None
 
 
 RING_PARAMS = ("layout", "group")
@@ -117,6 +174,71 @@ def register(spec: KernelSpec) -> KernelSpec:
         raise TypeError(f"kernel {spec.name!r}: params must be a dataclass, got {spec.params!r}")
     KERNELS[spec.name] = spec
     return spec
+
+
+def exact_of(name: str) -> Exact | None:
+    """The kind of exact output of kernel `name`: its own `exact`, else its twin's (None:
+    neither declares one, or no such kernel)."""
+    spec = KERNELS.get(name)
+    if spec is None:
+        return None
+    if spec.exact is None and spec.twin is not None:
+        return exact_of(spec.twin)
+    return spec.exact
+
+
+def _benchmarked(gpu: bool) -> list[str]:
+    """The built-in kernels with default bench params (BenchParams.gpu when `gpu`, else .cpu),
+    single-process ones first, each group in Exact's order (dense, dilated, block-sparse; a
+    ring kernel by its twin's)."""
+    order = list(Exact)
+
+    def rank(name: str) -> tuple[bool, int]:
+        exact = exact_of(name)
+        return KERNELS[name].distributed, len(order) if exact is None else order.index(exact)
+
+    names = [
+        name
+        for name, spec in KERNELS.items()
+        if spec.plugin is None
+        and spec.bench_params is not None
+        and (spec.bench_params.gpu if gpu else spec.bench_params.cpu) is not None
+    ]
+    return sorted(names, key=rank)
+
+
+def bench_cpu_grid() -> dict[str, list[dict[str, Any]]]:
+    """bench.kernels' default grid: each benchmarked kernel's parameter sets (a copy)."""
+    return {
+        name: [dict(p) for p in spec.bench_params.cpu]
+        for name in _benchmarked(gpu=False)
+        if (spec := KERNELS[name]).bench_params is not None and spec.bench_params.cpu is not None
+    }
+
+
+def bench_gpu_grid() -> dict[str, dict[str, Any]]:
+    """bench.gpu's default kernels and their params at GPU lengths (a copy; a ring kernel's {})."""
+    return {
+        name: dict(spec.bench_params.gpu)
+        for name in _benchmarked(gpu=True)
+        if (spec := KERNELS[name]).bench_params is not None and spec.bench_params.gpu is not None
+    }
+
+
+def exact_dense() -> str:
+    """The built-in single-process kernel that computes exact dense attention on (batch, seq,
+    heads, head_dim) tensors: every sparse kernel's default baseline and the gate's yardstick."""
+    found = [
+        name
+        for name, spec in KERNELS.items()
+        if spec.plugin is None
+        and spec.exact is Exact.DENSE
+        and not spec.distributed
+        and spec.input_layout == "bshd"
+    ]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one exact dense kernel, found {found}")
+    return found[0]
 
 
 def unavailable(name: str) -> str | None:

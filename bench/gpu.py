@@ -49,9 +49,8 @@ import torch
 import torch.distributed as dist
 
 import attention
-from attention.block_sparse import BlockSparseParams
 from attention.masks import block_token_mask, dilated_reference, masked_attention
-from attention.registry import twin_of
+from attention.registry import Exact, bench_gpu_grid, exact_of, twin_of
 from bench import gpu_search
 from bench.kernels import (
     fraction_of_baseline,
@@ -70,18 +69,15 @@ CHECK_ATOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
 """Max abs error against the float64 reference, as the workers' correctness check allows
 (workers.protocol.CHECK_ATOL and references.REFERENCE_DTYPE; not imported: this script must run
 without pydantic)."""
+_GRID = bench_gpu_grid()
 KERNELS: dict[str, dict[str, Any]] = {
-    "dilated": {
-        "segment_lengths": [2048, 4096, 8192, 16384, 32768],
-        "dilation_rates": [1, 2, 4, 6, 12],
-    },
-    "block_sparse": {"block_size": 128, "pattern": "local_window", "sparsity_ratio": 0.25},
+    name: params for name, params in _GRID.items() if not attention.KERNELS[name].distributed
 }
-"""The sparse kernels' params at GPU lengths (LongNet's segments up to 32K; FlexAttention's
-block size); at CPU lengths segments and blocks scale down (`scaled`). Ring kernels take their
-twin's."""
-SINGLE = ("dense", "dilated", "block_sparse")
-RING = ("ring", "ring_dilated", "ring_block_sparse")
+"""The single-process kernels' params at GPU lengths (their KernelSpec's bench_params.gpu:
+LongNet's segments up to 32K; FlexAttention's block size); at CPU lengths segments and blocks
+scale down (`scaled`). Ring kernels take their twin's."""
+SINGLE = tuple(KERNELS)
+RING = tuple(name for name in _GRID if name not in KERNELS)
 """The kernels checked and timed: single-process, and the ring kernels at W = 1."""
 GPU = {"seq": [16384, 32768, 65536, 131072], "check_seq": [1024, 32768], "heads": 16, "dim": 128,
        "reference_rows": 1024}  # fmt: skip
@@ -138,15 +134,16 @@ def scaled(kernel: str, seq: int) -> dict[str, Any]:
     size at most seq / 8, and for ring_block_sparse a divisor of seq / 2 (its zigzag halves
     hold whole blocks)."""
     ring = twin_of(kernel) is not None
+    exact = exact_of(kernel)
     kernel = twin_of(kernel) or kernel
     params = dict(KERNELS.get(kernel, {}))
-    if kernel == "dilated":
+    if exact is Exact.DILATED:
         factor = max(1, 32768 // max(seq, 1)) if seq < 1024 else 1
         params["segment_lengths"] = [
             max(r, min(seq, w // factor))
             for w, r in zip(params["segment_lengths"], params["dilation_rates"], strict=True)
         ]
-    if kernel == "block_sparse":
+    if exact is Exact.BLOCKS:
         params["block_size"] = max(1, min(params["block_size"], seq // 8))
         if ring:  # a zigzag half-shard at W = 1 must hold whole blocks
             while (seq // 2) % params["block_size"]:
@@ -171,9 +168,6 @@ def one_rank_group(device: torch.device) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-_BLOCK_SPARSE_FIELDS = tuple(f.name for f in dataclasses.fields(BlockSparseParams))
-
-
 def peak_tflops(device: torch.device) -> float | None:
     """The GPU's dense peak from PEAK_TFLOPS, None on CPU or an unlisted GPU."""
     if device.type != "cuda":
@@ -188,16 +182,18 @@ def reference(
     """Output of the kernel's definition (a ring kernel's: its twin's; attention.masks) in the
     inputs' dtype (float64 from `check`), with a graph; `rows` (c0, c1): q holds only the query
     rows c0 .. c1 - 1 of the sequence of k and v."""
+    exact = exact_of(kernel)
     kernel = twin_of(kernel) or kernel
     seq = k.shape[1]
     c0, c1 = rows or (0, seq)
-    if kernel == "dilated":
+    if exact is Exact.DILATED:
         p = module.params
         ws, rs = p.segment_lengths, p.dilation_rates
         return dilated_reference(q, k, v, ws, rs, causal=causal, rows=(c0, c1))
-    if kernel == "block_sparse":
+    if exact is Exact.BLOCKS:
         p = module.params  # ring_block_sparse's params extend its twin's
-        twin = attention.build("block_sparse", **{f: getattr(p, f) for f in _BLOCK_SPARSE_FIELDS})
+        fields = (f.name for f in dataclasses.fields(attention.KERNELS[kernel].params) if f.init)
+        twin = attention.build(kernel, **{f: getattr(p, f) for f in fields})
         bs = p.block_size
         blocks = twin.block_mask(seq)[c0 // bs : -(-c1 // bs)]
         keep = block_token_mask(blocks, bs)[c0 % bs :][: c1 - c0, :seq].to(q.device)
@@ -395,7 +391,7 @@ def searches(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
         )  # fmt: skip
         rows.append({"search": "whole device", **found.row()})
     budget, start = cfg["small"]
-    for kernel in ("dense", "dilated", "block_sparse"):
+    for kernel in SINGLE:
         found = gpu_search.max_length(
             kernel, scaled(kernel, sized), shape, device, budget,
             start=start, granularity=gran, cap=start << 8,

@@ -43,17 +43,11 @@ import torch
 
 import attention
 from attention.masks import block_token_mask, dilated_reference, masked_attention
+from attention.registry import Exact, bench_cpu_grid, exact_of
 from workers.memory import PeakMeter
 
-DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
-    "dense": {},
-    "dilated": {"segment_lengths": [2048, 4096, 8192], "dilation_rates": [1, 2, 4]},
-    "block_sparse": [  # FlexAttention's and most papers' 64 and 128 up to 1024 (issue 16);
-        # the CPU flash op tiles 256 query rows from 768 queries, 32 below 192
-        {"block_size": bs, "pattern": "local_window", "sparsity_ratio": 0.25}
-        for bs in (64, 128, 256, 1024)
-    ],
-}
+DEFAULT_PARAMS: dict[str, list[dict[str, Any]]] = bench_cpu_grid()
+"""Each benchmarked kernel's parameter sets (its KernelSpec's bench_params.cpu)."""
 GATE_SEQ = 256
 GATE_TOL = 1e-4
 
@@ -155,38 +149,42 @@ def stats(times: list[float]) -> dict[str, float]:
 
 
 def fit_params(kernel: str, params: dict[str, Any], seq: int) -> dict[str, Any]:
-    """dilated: a segment longer than the sequence is cut to the sequence (the JSON line shows
-    the segment lengths that ran); other kernels run their params unchanged."""
-    if kernel != "dilated":
+    """dilated (Exact.DILATED): a segment longer than the sequence is cut to the sequence (the
+    JSON line shows the segment lengths that ran); other kernels run their params unchanged."""
+    if exact_of(kernel) is not Exact.DILATED:
         return params
     return {**params, "segment_lengths": [min(w, seq) for w in params["segment_lengths"]]}
 
 
 def gate_params(kernel: str, params: dict[str, Any], seq: int) -> dict[str, Any]:
-    """The kernel's params scaled down so that they fit GATE_SEQ tokens (same code paths)."""
-    if kernel == "dilated":
+    """The kernel's params scaled down so that they fit GATE_SEQ tokens (same code paths):
+    segments (Exact.DILATED) or blocks (Exact.BLOCKS)."""
+    exact = exact_of(kernel)
+    if exact is Exact.DILATED:
         factor = max(1, max(params["segment_lengths"]) // GATE_SEQ)
         ws = [
             max(r, w // factor)
             for w, r in zip(params["segment_lengths"], params["dilation_rates"], strict=True)
         ]
         return {**params, "segment_lengths": ws}
-    if kernel == "block_sparse":
+    if exact is Exact.BLOCKS:
         return {**params, "block_size": max(1, params["block_size"] * GATE_SEQ // seq)}
     return params
 
 
 def gate(kernel: str, params: dict[str, Any], seq: int, causal: bool) -> float:
-    """Max |kernel - fp64 reference| on (1, GATE_SEQ, 4, 16) CPU fp32 inputs; raises if > tol."""
+    """Max |kernel - fp64 reference| on (1, GATE_SEQ, 4, 16) CPU fp32 inputs; raises if > tol.
+    The reference is the one its KernelSpec's `exact` names (none: dense attention)."""
     small = gate_params(kernel, params, seq)
     module = attention.build(kernel, **small)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, GATE_SEQ, 4, 16, generator=g, dtype=torch.float64) for _ in range(3))
     out = module(q.float(), k.float(), v.float(), causal=causal).double()
-    if kernel == "dilated":
+    exact = exact_of(kernel)
+    if exact is Exact.DILATED:
         p = module.params
         ref = dilated_reference(q, k, v, p.segment_lengths, p.dilation_rates, causal=causal)
-    elif kernel == "block_sparse":
+    elif exact is Exact.BLOCKS:
         keep = block_token_mask(
             module.block_mask(GATE_SEQ), small["block_size"], causal=causal, seq_len=GATE_SEQ
         )

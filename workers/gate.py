@@ -331,7 +331,8 @@ def dense_error(
     their output and dq and every row's dk and dv are those of the whole sequence, so a sampled
     check at a run's full length costs O(rows x seq_len), as its reference does.
     """
-    dense = config.model_copy(update={"kernel": "dense", "params": {}})
+    name = attention.exact_dense()
+    dense = config.model_copy(update={"kernel": name, "params": {}})
     length, train = config.seq_len, config.mode == "train"
     names = ["q", "k", "v", "dout"] if train else ["q", "k", "v"]
     every = torch.arange(length)
@@ -339,7 +340,7 @@ def dense_error(
     full = {n: make_input(n, dense, length, every, part, device) for n in names}
     at = (every if rows is None else rows).to(device)
     got = _sdpa_rows(full, at, config.causal, rows is None, train)
-    want = _reference_side(dense, references.reference_for("dense", {}), full, at)
+    want = _reference_side(dense, references.reference_for(name, {}), full, at)
     error = torch.stack([_diff(got[n], want[n]) for n in got]).max().to(device)
     if config.world_size > 1:  # async + wait_all: in the gate's ring abort scope
         wait_all([dist.all_reduce(error, op=dist.ReduceOp.MAX, async_op=True)])

@@ -2,7 +2,8 @@
 
 Plain einsum softmax attention for dense; for sparse kernels the same, restricted to the
 kernel's explicit token masks (attention.masks, as in the attention tests); a ring kernel is
-checked against the reference of its single-process twin.
+checked against the reference of its single-process twin. Which of these a built-in kernel
+gets is its KernelSpec's `exact` (attention.registry.Exact), mapped once here (EXACT).
 
 Every reference takes the query rows it computes: `reference(q, k, v, causal, rows)` with q
 holding the query rows at the positions `rows` (a 1-D int64 tensor; None: every row) and k, v
@@ -30,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import attention
+from attention import Exact
 from attention.hilbert import hilbert_permutation, inverse_permutation
 from attention.masks import (
     block_token_rows,
@@ -121,7 +123,13 @@ def _documents(lengths: tuple[int, ...]) -> Reference:
     return _masked(lambda seq_len, causal, rows: document_rows(lengths, rows, causal))
 
 
-def _dilated(params: Any) -> Reference:
+def _dense_of(kernel: str, params: Any) -> Reference:
+    """Exact dense attention, under the document mask when the params pack documents."""
+    lengths = getattr(params, "document_lengths", None)
+    return _dense if lengths is None else _documents(lengths)
+
+
+def _dilated(kernel: str, params: Any) -> Reference:
     def dilated(c: _Call) -> torch.Tensor:
         ws, rs = params.segment_lengths, params.dilation_rates
         return dilated_reference(c.q, c.k, c.v, ws, rs, causal=c.causal, rows=c.rows.cpu())
@@ -129,8 +137,9 @@ def _dilated(params: Any) -> Reference:
     return _ordered(params, _reference(dilated))
 
 
-def _block_sparse(params: Any) -> Reference:
-    module = attention.build("block_sparse", **_as_dict(params))
+def _blocks(kernel: str, params: Any) -> Reference:
+    """Attention on the tokens of the built module's block mask (in its token ordering)."""
+    module = attention.build(kernel, **_as_dict(params))
 
     def keep_of(seq_len: int, causal: bool, rows: torch.Tensor) -> torch.Tensor:
         return block_token_rows(
@@ -138,6 +147,20 @@ def _block_sparse(params: Any) -> Reference:
         )
 
     return _ordered(params, _masked(keep_of))
+
+
+EXACT: dict[Exact, Callable[[str, Any], Reference]] = {
+    Exact.DENSE: _dense_of,
+    Exact.DILATED: _dilated,
+    Exact.BLOCKS: _blocks,
+}
+"""Each kind of exact output (KernelSpec.exact) -> (kernel, parsed params) -> its reference."""
+
+
+def _exact(kernel: str) -> Exact | None:
+    """The kernel's declared kind of exact output (None: unknown kernel or none declared)."""
+    spec = attention.KERNELS.get(kernel)
+    return None if spec is None else spec.exact
 
 
 def _plugin(spec: attention.KernelSpec, params: Any) -> Reference:
@@ -190,11 +213,11 @@ def describe(kernel: str, params: dict[str, Any]) -> str:
     twin = attention.twin_of(kernel)
     if twin is not None:
         return f"the reference of its single-process twin {twin!r}"
-    if kernel == "dense":
+    if _exact(kernel) is Exact.DENSE:
         return "einsum softmax attention"
     if kernels.is_layer(kernel):
         inner = attention.make_params(kernel, params).kernel
-        if inner == "dense":
+        if _exact(inner) is Exact.DENSE:
             return "torch.nn.MultiheadAttention with the layer's weights"
         return f"the layer's projections around {describe(inner, {})}"
     return f"dense attention on the explicit masks of {kernel!r}"
@@ -269,7 +292,8 @@ def layer_reference(layer: nn.Module) -> Reference:
     if not isinstance(layer, MultiheadAttention):
         raise TypeError(f"layer_reference: expected a multihead layer, got {type(layer).__name__}")
     plain = not (layer.params.kernel_params or {}).get("document_lengths")
-    if layer.params.kernel == "dense" and layer.num_kv_heads == layer.num_heads and plain:
+    dense = _exact(layer.params.kernel) is Exact.DENSE
+    if dense and layer.num_kv_heads == layer.num_heads and plain:
         return _mha_reference(layer)
     return _projected_reference(layer)
 
@@ -306,13 +330,11 @@ def reference_for(kernel: str, params: dict[str, Any]) -> Reference:
             f"correctness_check: {kernel!r} is checked with the built layer's weights: "
             "use references.layer_reference(module)"
         )
-    if kernel == "dense":
-        return _dense if parsed.document_lengths is None else _documents(parsed.document_lengths)
-    if kernel == "dilated":
-        return _dilated(parsed)
-    if kernel == "block_sparse":
-        return _block_sparse(parsed)
+    exact = _exact(kernel)
+    if exact is not None:
+        return EXACT[exact](kernel, parsed)
+    supported = ", ".join(sorted(k for k, s in attention.KERNELS.items() if s.exact is not None))
     raise ValueError(
-        f"correctness_check: no exact reference for kernel {kernel!r} (supported: dense, "
-        f"dilated, block_sparse and their ring variants)"
+        f"correctness_check: no exact reference for kernel {kernel!r} (supported: "
+        f"{supported} and their ring variants)"
     )

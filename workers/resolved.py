@@ -3,12 +3,14 @@ that a stored config holds the values that ran, not the nulls and "auto" that st
 
 Resolved here, from the config alone (no device needed):
 
-- `layout` of a sharded kernel: None is zigzag when causal, contiguous otherwise
-  (attention.ring.sharded.default_layout); ring_dilated's None is contiguous either way;
-- `plan` "auto" of the kernels that choose a plan by the inputs' device (dilated, block_sparse,
-  ring_dilated, and ulysses' inner kernel): the run's device when it names one (cpu or cuda);
-  with device auto it stays "auto" (the device decides on the rank);
-- ulysses' inner kernel params: each None field the inner kernel takes becomes its default.
+- `layout` of a sharded kernel: None becomes what its KernelSpec's `default_layout` makes of it
+  (zigzag when causal, contiguous otherwise; ring_dilated's contiguous either way);
+- `plan` "auto" of the kernels that choose a plan by the inputs' device (KernelSpec
+  `device_plan`: dilated, block_sparse, ring_dilated, and a wrapper's inner kernel): the run's
+  device when it names one (cpu or cuda); with device auto it stays "auto" (the device decides
+  on the rank);
+- a wrapper's (KernelSpec `inner`: ulysses) inner kernel params: each None field the inner
+  kernel takes becomes its default.
 
 A value given explicitly is never changed: resolution only replaces what would have been
 resolved to the same value at build time, so the run computes exactly what it did before.
@@ -20,20 +22,33 @@ import dataclasses
 from typing import Any
 
 import attention
-from attention.ring.sharded import default_layout
+from attention.registry import KernelSpec
 from workers.config import RunConfig
 
-LAYOUT_DEFAULTS = {
-    "ring": default_layout,
-    "ring_block_sparse": default_layout,
-    "allgather_kv": default_layout,
-    "usp": default_layout,
-    "ring_dilated": lambda layout, causal: layout or "contiguous",
-}
-"""The sharded kernels and how each resolves a None layout (its own module's rule)."""
-PLAN_KERNELS = ("dilated", "block_sparse", "ring_dilated")
-"""Kernels whose plan "auto" is chosen by the inputs' device (attention.dilated.resolve_plan,
-attention.block_sparse.resolve_plan); the flex adapters and ring_block_sparse take none."""
+
+def _spec(kernel: str | None) -> KernelSpec | None:
+    """The kernel's KernelSpec, None for a name not registered here (a stored row's plugin)."""
+    return None if kernel is None else attention.KERNELS.get(kernel)
+
+
+def _default_layout(kernel: str, causal: bool) -> str | None:
+    """What a None layout of `kernel` resolves to (None: the kernel takes no layout)."""
+    spec = _spec(kernel)
+    if spec is None or spec.default_layout is None:
+        return None
+    return spec.default_layout(None, causal)
+
+
+def _device_plan(kernel: str | None) -> bool:
+    """Whether the kernel's plan "auto" is chosen by the inputs' device."""
+    spec = _spec(kernel)
+    return spec is not None and spec.device_plan
+
+
+def _wraps(kernel: str) -> bool:
+    """Whether the kernel runs an inner kernel named by its params' `inner` (ulysses)."""
+    spec = _spec(kernel)
+    return spec is not None and bool(spec.inner)
 
 
 def _json(value: Any) -> Any:
@@ -56,13 +71,14 @@ def resolved_params(
     """`params` (normalized: every field present) with the build-time defaults resolved (see
     the module docstring); the same dict when nothing changes."""
     updates: dict[str, Any] = {}
-    if kernel in LAYOUT_DEFAULTS and params.get("layout") is None:
-        updates["layout"] = LAYOUT_DEFAULTS[kernel](None, causal)
-    planned = kernel in PLAN_KERNELS
-    if kernel == "ulysses":
+    layout = _default_layout(kernel, causal)
+    if layout is not None and params.get("layout") is None:
+        updates["layout"] = layout
+    planned = _device_plan(kernel)
+    if _wraps(kernel):
         defaults = _inner_defaults(params["inner"])
         updates |= {n: d for n, d in defaults.items() if params.get(n) is None and d is not None}
-        planned = params["inner"] in PLAN_KERNELS
+        planned = _device_plan(params["inner"])
     if planned and {**params, **updates}.get("plan") == "auto" and device in ("cpu", "cuda"):
         updates["plan"] = device
     return {**params, **updates} if updates else params
@@ -81,12 +97,14 @@ def as_given(kernel: str, params: dict[str, Any], *, causal: bool, device: str) 
     would have filled in (and without None), so a cell stored before resolution (layout null,
     plan auto) and one stored after (zigzag, cpu) are the same cell."""
     given = {k: v for k, v in params.items() if v is not None}
-    if kernel in LAYOUT_DEFAULTS and given.get("layout") == LAYOUT_DEFAULTS[kernel](None, causal):
+    layout = _default_layout(kernel, causal)
+    if layout is not None and given.get("layout") == layout:
         given.pop("layout")
-    inner = given.get("inner") if kernel == "ulysses" else None
+    inner = given.get("inner") if _wraps(kernel) else None
     if inner in attention.KERNELS:
         defaults = _inner_defaults(inner)
         given = {k: v for k, v in given.items() if k not in defaults or v != defaults[k]}
-    if (kernel in PLAN_KERNELS or inner in PLAN_KERNELS) and given.get("plan") in ("auto", device):
+    planned = _device_plan(kernel) or _device_plan(inner)
+    if planned and given.get("plan") in ("auto", device):
         given.pop("plan")
     return given

@@ -20,7 +20,8 @@ so no padding exists to be attended. k and v may have fewer heads than q (groupe
 Inputs narrower than fp32 (bf16, fp16) are finished in accumulator windows of query blocks
 (primitive.windowed_result), so only one window's rows are held in fp32.
 
-Two execution plans compute the same kept pairs (`plan`; "auto": by the inputs' device type):
+Two execution plans compute the same kept pairs (`plan`; "auto": by the inputs' device type,
+attention.plans, a meta tensor by the type it stands for):
 "cpu", many small calls sized for the CPU flash op (superblocks, stairs, rel views; below), and
 "cuda", one FlexAttention call each way under a BlockMask built once per (pattern, length,
 causal, device) and cached (attention.block_sparse.cuda), since a CUDA call costs its kernel
@@ -40,12 +41,11 @@ from attention.block_sparse.kernel import BlockSparseAttention, cuda_head_dim_pr
 from attention.block_sparse.params import (
     DEFAULT_SIZE,
     PATTERNS,
-    PLANS,
     BlockSparseParams,
     block_sparse_periods,
     check_block_sparse,
-    resolve_plan,
 )
+from attention.plans import PLANS, resolve_plan
 
 __all__ = [
     "DEFAULT_SIZE",

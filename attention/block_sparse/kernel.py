@@ -19,10 +19,10 @@ from attention.block_sparse.params import (
     _cached_block_mask,
     block_sparse_periods,
     check_block_sparse,
-    resolve_plan,
 )
 from attention.hilbert import in_order
-from attention.registry import KernelSpec, register
+from attention.plans import resolve_plan
+from attention.registry import BenchParams, Exact, KernelSpec, register
 
 
 def cuda_head_dim_problem(
@@ -114,5 +114,16 @@ register(
         check=check_block_sparse,
         periods=block_sparse_periods,
         cuda_head_dim=cuda_head_dim_problem,
+        exact=Exact.BLOCKS,
+        device_plan=True,
+        bench_params=BenchParams(
+            # FlexAttention's and most papers' 64 and 128 up to 1024; the CPU flash op tiles 256
+            # query rows from 768 queries, 32 below 192
+            cpu=tuple(
+                {"block_size": bs, "pattern": "local_window", "sparsity_ratio": 0.25}
+                for bs in (64, 128, 256, 1024)
+            ),
+            gpu={"block_size": 128, "pattern": "local_window", "sparsity_ratio": 0.25},
+        ),
     )
 )

@@ -12,9 +12,9 @@ import torch
 
 from attention.errors import ParamError
 from attention.hilbert import check_hilbert_length, check_ordering
+from attention.plans import check_plan
 
 PATTERNS = ("local_window", "dilated", "global_local", "random")
-PLANS = ("auto", "cpu", "cuda")
 _PATTERN_FIELDS = {
     "local_window": ("window",),
     "dilated": ("window", "dilation"),
@@ -89,15 +89,7 @@ class BlockSparseParams:
         elif getattr(self, size) is None:  # neither given: the default size (frozen: set here)
             object.__setattr__(self, size, DEFAULT_SIZE)
         check_ordering(self.ordering)
-        if self.plan not in PLANS:
-            raise ParamError("params.plan", f"must be one of {', '.join(PLANS)}, got {self.plan!r}")
-
-
-def resolve_plan(plan: str, device: torch.device) -> str:
-    """The plan that runs: `plan`, or for "auto" "cuda" on a CUDA device and "cpu" elsewhere."""
-    if plan != "auto":
-        return plan
-    return "cuda" if device.type == "cuda" else "cpu"
+        check_plan(self.plan)
 
 
 def _pattern_mask(params: BlockSparseParams, n: int, size: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from attention.errors import ParamError
 from attention.layouts import check_seq_len
 from attention.layouts import positions as layout_positions
 from attention.primitive import empty_result
-from attention.registry import KernelSpec, register
+from attention.registry import CommOverlap, KernelSpec, register
 from attention.ring.collectives import all_gather, reduce_scatter
 from attention.ring.comm import rank_and_world
 from attention.ring.engine import (
@@ -237,5 +237,7 @@ register(
         distributed=True,
         twin="dense",
         check=check_allgather,
+        default_layout=default_layout,
+        comm_overlap=CommOverlap.BLOCKING,
     )
 )

@@ -28,7 +28,7 @@ from attention.hilbert import hilbert_permutation
 from attention.layouts import check_seq_len
 from attention.layouts import positions as layout_positions
 from attention.primitive import accumulator_dtype, empty_result
-from attention.registry import KernelSpec, register
+from attention.registry import BenchParams, CommOverlap, KernelSpec, register
 from attention.ring.comm import (
     RingComm,
     Tag,
@@ -329,5 +329,8 @@ register(
         distributed=True,
         twin="block_sparse",
         check=check_ring_block_sparse,
+        default_layout=default_layout,
+        comm_overlap=CommOverlap.OVERLAPPED,
+        bench_params=BenchParams(gpu={}),
     )
 )

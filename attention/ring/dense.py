@@ -16,7 +16,7 @@ import torch
 from attention import documents, primitive
 from attention.errors import ParamError
 from attention.layouts import check_seq_len
-from attention.registry import KernelSpec, register
+from attention.registry import BenchParams, CommOverlap, KernelSpec, register
 from attention.ring.engine import Block, ring_attention
 from attention.ring.sharded import ShardedKernel, check_placement, default_layout
 
@@ -165,5 +165,9 @@ register(
         distributed=True,
         twin="dense",
         check=check_ring,
+        default_layout=default_layout,
+        comm_overlap=CommOverlap.OVERLAPPED,
+        dense_baseline=True,
+        bench_params=BenchParams(gpu={}),
     )
 )

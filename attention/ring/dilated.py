@@ -35,11 +35,11 @@ from attention.dilated import (
     backward_rows,
     check_dilated,
     forward_rows,
-    resolve_plan,
 )
 from attention.hilbert import hilbert_permutation
 from attention.layouts import check_seq_len
 from attention.layouts import positions as layout_positions
+from attention.plans import resolve_plan
 from attention.primitive import (
     accumulator_dtype,
     block_backward,
@@ -48,7 +48,7 @@ from attention.primitive import (
     merge_,
     zero_grads,
 )
-from attention.registry import KernelSpec, register
+from attention.registry import BenchParams, CommOverlap, KernelSpec, register
 from attention.ring.comm import (
     Tag,
     exchange,
@@ -389,6 +389,12 @@ class RingDilatedAttention(ShardedKernel):
         return pairs
 
 
+def contiguous_layout(layout: str | None, causal: bool) -> str:
+    """ring_dilated's layout: the one given, else contiguous (causal or not: its segments are
+    local to contiguous shards)."""
+    return layout or "contiguous"
+
+
 register(
     KernelSpec(
         name="ring_dilated",
@@ -403,5 +409,9 @@ register(
         distributed=True,
         twin="dilated",
         check=check_ring_dilated,
+        default_layout=contiguous_layout,
+        comm_overlap=CommOverlap.OVERLAPPED,
+        device_plan=True,
+        bench_params=BenchParams(gpu={}),
     )
 )

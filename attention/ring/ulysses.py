@@ -36,6 +36,7 @@ from attention.base import KernelMemory, qkv_bytes
 from attention.errors import ParamError
 from attention.registry import (
     KERNELS,
+    CommOverlap,
     KernelSpec,
     build,
     cuda_head_dim_problem,
@@ -49,8 +50,8 @@ from attention.ring.sharded import ShardedKernel, check_group
 from attention.ring.steps import clock
 from attention.segments import global_heads
 
-INNER = ("dense", "dilated", "block_sparse")
-"""The single-process kernels Ulysses runs on its heads."""
+NAME = "ulysses"
+"""Its registered name: its params read the kernels it may wrap from its KernelSpec (`inner`)."""
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,10 @@ class UlyssesParams:
     seed: Any = None
 
     def __post_init__(self) -> None:
-        if self.inner not in INNER:
+        kernels = KERNELS[NAME].inner
+        if self.inner not in kernels:
             raise ParamError(
-                "params.inner", f"must be one of {', '.join(INNER)}, got {self.inner!r}"
+                "params.inner", f"must be one of {', '.join(kernels)}, got {self.inner!r}"
             )
         check_group(self.group)
         parsed = make_params(self.inner, self.inner_params())
@@ -286,7 +288,7 @@ def inner_head_dim_problem(params: UlyssesParams, dtype: torch.dtype, head_dim: 
 
 register(
     KernelSpec(
-        name="ulysses",
+        name=NAME,
         cuda_head_dim=inner_head_dim_problem,
         description=(
             "DeepSpeed-Ulysses: an all-to-all gives each rank the whole sequence for H / W "
@@ -298,10 +300,12 @@ register(
         distributed=True,
         twin="dense",
         check=check_ulysses,
+        comm_overlap=CommOverlap.BLOCKING,
+        inner=("dense", "dilated", "block_sparse"),
         periods=lambda p: structural_periods(p.inner, p.inner_params()),
         heads_check=lambda p, heads, kv, world: check_heads(heads, kv, world, "world_size"),
         reference_of=lambda params: (
-            (p := make_params("ulysses", params)).inner,
+            (p := make_params(NAME, params)).inner,
             p.inner_params(),
         ),
     )

@@ -31,7 +31,7 @@ from attention import primitive
 from attention.base import KernelMemory, qkv_bytes
 from attention.errors import ParamError
 from attention.layouts import check_seq_len
-from attention.registry import KernelSpec, register
+from attention.registry import CommOverlap, KernelSpec, register
 from attention.ring.allgather import check_sp_layout
 from attention.ring.collectives import heads_of, tokens_of
 from attention.ring.comm import rank_and_world
@@ -209,6 +209,8 @@ register(
         distributed=True,
         twin="dense",
         check=check_usp,
+        default_layout=default_layout,
+        comm_overlap=CommOverlap.ALL_TO_ALL_THEN_RING,
         heads_check=lambda p, heads, kv, world: check_heads(
             heads, kv, p.ulysses_degree, "params.ulysses_degree"
         ),

@@ -16,6 +16,8 @@ from typing import Any, get_type_hints
 from pydantic import BaseModel, Field, create_model
 
 from service.results import baselines
+from service.results.labels import axis_value
+from service.results.pivot import pivot_layout, row_text, section_title
 from service.results.rows import RunRow
 from service.results.stored import StoredComponent
 from service.spec import PivotSpec, canonical_json
@@ -143,16 +145,14 @@ def _pivot_row_values(
 ) -> tuple[list[str], dict[tuple[str, str], list[Any]]]:
     """The fields a pivot row is named by (the rows field, then those beside it) and, per
     (section title, row name) of baselines.pivot, their raw values: the layout is the pivot's
-    own, so every row of the table finds its values. It reads baselines' layout helpers
-    (_pivot_layout, _section_title, _row_text, _axis_value) until Pivot carries each row's
-    raw values itself."""
+    own, so every row of the table finds its values."""
     measured = [r for r in rows if getattr(r, spec.value) is not None]
-    fields, _, beside = baselines._pivot_layout(measured, spec)
+    fields, _, beside = pivot_layout(measured, spec)
     axes = [spec.rows, *beside]
     raw: dict[tuple[str, str], list[Any]] = {}
     for r in rows:
-        key = (baselines._section_title(r, fields), baselines._row_text(r, spec.rows, beside))
-        raw[key] = [_raw_cell(baselines._axis_value(r, f)) for f in axes]
+        key = (section_title(r, fields), row_text(r, spec.rows, beside))
+        raw[key] = [_raw_cell(axis_value(r, f)) for f in axes]
     return axes, raw
 
 

@@ -12,10 +12,11 @@ The prediction (`predicted_s`) uses the run's own measurements only: its compute
 rank's FLOPs per iteration over the rank's compute rate in its steps
 (step_flops_per_s_per_rank), its communication time M the bytes a rank moved per iteration
 (comm_bytes_per_rank) over the probed link's bandwidth (link_probe_bytes_per_s), and each
-scheme's overlap decides how they add up: the ring posts the next K/V hop before computing, so
-its transfers hide behind compute (max(C, M)); ulysses' all-to-alls and allgather_kv's gather
-and reduce-scatter block (C + M); usp's all-to-alls block and its ring overlaps (A + max(C,
-M - A), A its all-to-all bytes, known from the shapes, over the link).
+scheme's overlap (its KernelSpec's `comm_overlap`) decides how they add up: the ring posts
+the next K/V hop before computing, so its transfers hide behind compute (max(C, M)); ulysses'
+all-to-alls and allgather_kv's gather and reduce-scatter block (C + M); usp's all-to-alls
+block and its ring overlaps (A + max(C, M - A), A its all-to-all bytes, known from the shapes,
+over the link).
 """
 
 from __future__ import annotations
@@ -24,18 +25,35 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attention
+from attention import CommOverlap
 from service.units import EMPTY, KIB, MIB, nbytes, percent
 
-SCHEMES = ("ring", "ulysses", "allgather_kv", "usp", "torch_cp")
-"""The sequence-parallel schemes the section compares."""
+PLUGIN_SCHEMES = ("torch_cp",)
+"""Plugin kernels the section compares too: named here, since a plugin may not load where the
+report is built (torch_cp needs CUDA) while its rows are still there."""
+
+
+def _exact_schemes() -> tuple[str, ...]:
+    """The built-in sequence-parallel schemes of exact attention: the kernels that declare a
+    communication overlap and whose single-process twin is the exact dense kernel."""
+    dense = attention.exact_dense()
+    return tuple(
+        name
+        for name, spec in attention.KERNELS.items()
+        if spec.plugin is None and spec.comm_overlap is not None and spec.twin == dense
+    )
+
+
+SCHEMES = (*_exact_schemes(), *PLUGIN_SCHEMES)
+"""The sequence-parallel schemes the section compares (ring, ulysses, allgather_kv, usp,
+torch_cp)."""
 SHAPE = ("world_size", "num_heads", "num_kv_heads", "head_dim", "dtype", "causal", "mode")
 """What must match for two rows to be compared."""
 
 
 PART_WAYS = 0.25
 """A prediction more than this far from the measured time (either way) is listed."""
-OVERLAPPED = ("ring", "ring_dilated", "ring_block_sparse")
-BLOCKING = ("ulysses", "allgather_kv")
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -67,12 +85,13 @@ def predicted_s(row: Mapping[str, Any]) -> float | None:
         return None
     compute = row["flops_per_s_per_rank"] * row["median_s"] / row["step_flops_per_s_per_rank"]
     comm = row["comm_bytes_per_rank"] / row["link_probe_bytes_per_s"]
-    kernel = row["kernel"]
-    if kernel in OVERLAPPED:
+    spec = attention.KERNELS.get(row["kernel"])
+    overlap = None if spec is None else spec.comm_overlap
+    if overlap is CommOverlap.OVERLAPPED:
         return max(compute, comm)
-    if kernel in BLOCKING:
+    if overlap is CommOverlap.BLOCKING:
         return compute + comm
-    if kernel == "usp":
+    if overlap is CommOverlap.ALL_TO_ALL_THEN_RING:
         a2a = all_to_all_bytes(row) / row["link_probe_bytes_per_s"]
         return a2a + max(compute, comm - a2a)
     return None

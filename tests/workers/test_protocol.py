@@ -10,7 +10,7 @@ from _workers_helpers import config
 
 import attention
 from attention.dense import DenseAttention
-from attention.registry import KernelSpec
+from attention.registry import Exact, KernelSpec
 from workers import gate, inputs, kernels, protocol, references
 
 FP32 = 4
@@ -94,12 +94,14 @@ class _Skewed(DenseAttention):
 
 @pytest.fixture
 def skewed(monkeypatch: pytest.MonkeyPatch) -> str:
-    """`dense` replaced by a wrong kernel (the reference is an independent einsum)."""
+    """`dense` replaced by a wrong kernel that declares dense's exact output (the reference
+    is an independent einsum)."""
     spec = KernelSpec(
         name="skewed",
         description="test",
         params=attention.KERNELS["dense"].params,
         factory=_Skewed,
+        exact=Exact.DENSE,
     )
     monkeypatch.setitem(attention.KERNELS, "dense", spec)
     return "dense"
