@@ -65,6 +65,19 @@ def _inner_defaults(inner: str) -> dict[str, Any]:
     return {f.name: _json(getattr(parsed, f.name)) for f in fields if f.init}
 
 
+def _declared_defaults(kernel: str) -> dict[str, Any]:
+    """The defaults a kernel's params dataclass declares (ulysses' inner dense, dilated's
+    ordering natural): a value equal to one was not asked for; {} for an unknown kernel."""
+    spec = _spec(kernel)
+    if spec is None:
+        return {}
+    out = {}
+    for f in dataclasses.fields(spec.params):
+        if f.init and f.default is not dataclasses.MISSING and f.default is not None:
+            out[f.name] = _json(f.default)
+    return out
+
+
 def resolved_params(
     kernel: str, params: dict[str, Any], *, causal: bool, device: str
 ) -> dict[str, Any]:
@@ -93,10 +106,12 @@ def resolve(config: RunConfig) -> RunConfig:
 
 
 def as_given(kernel: str, params: dict[str, Any], *, causal: bool, device: str) -> dict[str, Any]:
-    """The inverse of `resolved_params` for matching: `params` without the values resolution
-    would have filled in (and without None), so a cell stored before resolution (layout null,
-    plan auto) and one stored after (zigzag, cpu) are the same cell."""
-    given = {k: v for k, v in params.items() if v is not None}
+    """The inverse of `resolved_params` for matching and labels: `params` without the values
+    resolution would have filled in, without None and without a value equal to the default its
+    kernel declares, so a cell stored before resolution (layout null, plan auto) and one stored
+    after (zigzag, cpu) are the same cell, and ulysses' `inner: dense` is as if unset."""
+    own = _declared_defaults(kernel)
+    given = {k: v for k, v in params.items() if v is not None and (k not in own or v != own[k])}
     layout = _default_layout(kernel, causal)
     if layout is not None and given.get("layout") == layout:
         given.pop("layout")

@@ -89,3 +89,25 @@ def test_a_cell_stored_before_resolution_is_the_same_cell() -> None:
     assert resolved.as_given("dilated", {"plan": "cuda"}, causal=False, device="cpu") == {
         "plan": "cuda"
     }
+
+
+def test_a_default_asked_for_is_not_named_in_the_label(base: str) -> None:
+    """ring (zigzag) beside ulysses (its inner kernel left to the default, dense) in one sweep:
+    the labels name nothing but the kernels (zigzag is a causal ring's default, inner=dense
+    ulysses'), and a default written out (`inner: dense`) is the same cell as one left unset."""
+    spec = {
+        "name": "schemes",
+        "base": {**RING, "causal": True},
+        "zip": {"kernel": ["ring", "ulysses"], "params": [{"layout": "zigzag"}, {}]},
+    }
+    sweep = httpx.post(f"{base}/api/v1/sweeps", json=spec).json()["id"]
+    rows = httpx.get(f"{base}/api/v1/sweeps/{sweep}/results.json").json()
+    assert [r["label"] for r in rows] == ["ring", "ulysses"], rows
+    twice = {**spec, "zip": {"kernel": ["ulysses", "ulysses"], "params": [{}, {"inner": "dense"}]}}
+    refused = httpx.post(f"{base}/api/v1/sweeps", json=twice)
+    assert refused.status_code == 422 and "duplicate cell" in refused.text
+    assert resolved.as_given("ulysses", {"inner": "dense"}, causal=True, device="cpu") == {}
+    assert resolved.as_given("dilated", {"ordering": "natural"}, causal=False, device="cpu") == {}
+    assert resolved.as_given("dilated", {"ordering": "hilbert"}, causal=False, device="cpu") == {
+        "ordering": "hilbert"
+    }
