@@ -58,6 +58,7 @@ from attention.autograd import merged_attention
 from attention.base import MergedKernel, attention_flops, check_qkv
 from attention.errors import ParamError
 from attention.hilbert import check_hilbert_length, check_ordering, in_order
+from attention.masks import dilated_branch_mask
 from attention.plans import check_plan, resolve_plan
 from attention.primitive import block_backward, block_forward, merge_, zero_grads
 from attention.registry import BenchParams, Exact, KernelSpec, register
@@ -325,8 +326,6 @@ class DilatedAttention(MergedKernel):
 
     def token_masks(self, seq_len: int, num_heads: int, *, causal: bool = False) -> torch.Tensor:
         """Keep-masks (branches, H, S, S) on the (permuted, under hilbert) positions."""
-        from attention.masks import dilated_branch_mask
-
         branches = zip(self.params.segment_lengths, self.params.dilation_rates, strict=True)
         masks = [dilated_branch_mask(seq_len, num_heads, w, r, causal=causal) for w, r in branches]
         return torch.stack(masks)

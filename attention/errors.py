@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 class ParamError(ValueError):
     """A value of the run config refused at `path` (("params", "block_size"), ("seq_len",)),
@@ -21,8 +23,6 @@ class ParamError(ValueError):
 def is_allocation_failure(exc: BaseException) -> bool:
     """A CUDA OOM or a CPU allocation failure: the one rule for "this error is an oom" (the
     ring's abort flag and the worker's case status both read it)."""
-    import torch
-
     if isinstance(exc, torch.OutOfMemoryError | MemoryError):
         return True
     return isinstance(exc, RuntimeError) and (

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from attention import primitive
 from attention.errors import ParamError
 
 
@@ -267,8 +268,6 @@ def cuda_head_dim_problem(
     can): its own rule (KernelSpec.cuda_head_dim), else attention.primitive's when it computes
     through the primitive, else none. A kernel that wraps another (ulysses, multihead) asks
     this of its inner kernel."""
-    from attention import primitive
-
     spec = _spec(name)
     if spec.cuda_head_dim is not None:
         return spec.cuda_head_dim(make_params(name, params), dtype, head_dim)

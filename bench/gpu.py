@@ -47,8 +47,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 import attention
+from attention import primitive
 from attention.masks import block_token_mask, dilated_reference, masked_attention
 from attention.registry import Exact, bench_gpu_grid, exact_of, twin_of
 from bench import gpu_search
@@ -209,8 +211,6 @@ def chunked_reference(kernel: str, module: Any, q, k, v, causal: bool, rows: int
     """`reference` by chunks of `rows` queries, each under torch.utils.checkpoint: the graph
     keeps one chunk's masks and scores at a time (recomputed in the backward), where the whole
     reference keeps about 4 x seq^2 float64s per dilated branch (32 GB a branch at 32K)."""
-    from torch.utils.checkpoint import checkpoint
-
     seq = q.shape[1]
     parts = [
         checkpoint(
@@ -281,8 +281,6 @@ def primitive_check(dtype: str, device: torch.device, causal: int) -> dict[str, 
     (out, lse) merged, then each block's fused backward fed the FINAL merged (out, lse) (on a
     GPU: the aten flash or efficient backward op, whose lse and out conventions only a GPU can
     check), against autograd of the float64 masked reference."""
-    from attention import primitive
-
     sh = PRIMITIVE_SHAPE
     sq, sk, split, diag = sh["sq"], sh["sk"], sh["split"], sh["diagonal"] if causal else 0
     dim = 64 if device.type == "cuda" else 16

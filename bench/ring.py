@@ -33,6 +33,7 @@ import os
 import socket
 import statistics
 import time
+import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -42,7 +43,7 @@ import torch.multiprocessing as mp
 
 import attention
 from attention import layouts
-from attention.ring.steps import clock
+from attention.ring.steps import StepClock, clock
 from workers.memory import PeakMeter
 
 TWINS = {
@@ -268,7 +269,6 @@ def steps_line(kernel: str, seq: int, world: int, mode: str, ranks: list[dict]) 
 def clock_cost_s(visits: int = 20_000) -> float:
     """Seconds the step clock adds to one step visit with one timed wait and one transfer
     (CPU clock; measured here, in this process, against the same loop with the clock off)."""
-    from attention.ring.steps import StepClock
 
     def loop(c: StepClock) -> float:
         t0 = time.perf_counter()
@@ -350,8 +350,6 @@ def _rank_main(rank: int, world: int, port: int, args: dict, job: dict, out: Any
             res = measure_case(args, job["kernel"], job["params"], job["layout"], job["causal"])
         out.put(("ok", res))
     except BaseException as exc:  # the parent prints it and stops
-        import traceback
-
         out.put(("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():

@@ -20,6 +20,8 @@ from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from service.spec import RUN_FIELDS, SweepSpec
+
 log = logging.getLogger(__name__)
 
 MAX_ERRORS = 20
@@ -75,8 +77,6 @@ _VALID = re.compile(r"valid: (.*?)(?: \(cell .*\))?$")
 def _names_where(loc: Sequence[Any]) -> list[str]:
     """The field names valid where an unknown field `loc` sits in a sweep spec (the request
     body, or one document of a list): the spec's own at its top, a run config's in `base`."""
-    from service.spec import RUN_FIELDS, SweepSpec
-
     parts = list(loc)
     parts = parts[1:] if parts[:1] == ["body"] else parts
     if parts[:1] == ["documents"] and len(parts) > 1 and isinstance(parts[1], int):

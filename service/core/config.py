@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -158,8 +159,6 @@ WILDCARD_BINDS = ("", "0.0.0.0", "::")
 def _machine_names() -> set[str]:
     """This machine's host name, its fully qualified name and the addresses they resolve to:
     what a client reaching a server bound to every address may call it."""
-    import socket
-
     names = {socket.gethostname(), socket.getfqdn()}
     for name in list(names):
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from pydantic import TypeAdapter
 
+import attention
 from service.api.deps import require_read
 from service.api.schemas import KernelOut
 
@@ -14,8 +15,6 @@ router = APIRouter(prefix="/kernels", tags=["kernels"], dependencies=[Depends(re
 def catalogue() -> list[KernelOut]:
     """Every registered kernel with its params dataclass as JSON schema (a plugin's with its
     package and version), and every plugin that failed to load, with its error; by name."""
-    import attention
-
     found = [
         KernelOut(
             name=spec.name,
