@@ -27,7 +27,6 @@ LONG_FUNCTIONS_ALLOWED: set[str] = set()
 MAX_FILE_LINES = 700
 LONG_FILES_ALLOWED = {
     "service/results/report.py": 846,
-    "service/spec.py": 839,
     "service/results/rows.py": 858,
     "service/results/baselines.py": 723,
 }
@@ -45,6 +44,13 @@ SERVICE_LAYERS = {
     "service.spec": 1,
     "service.spec_cells": 1,
     "service.spec_docs": 1,
+    "service.spec_expand": 1,
+    "service.spec_fields": 1,
+    "service.spec_limits": 1,
+    "service.spec_models": 1,
+    "service.spec_params": 1,
+    "service.spec_structure": 1,
+    "service.spec_values": 1,
     "service.results": 2,
     "service.leases": 2,
     "service.tenancy": 2,
