@@ -4,9 +4,11 @@ where the user wrote the value."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -42,6 +44,83 @@ def cell_key(config: RunConfig) -> str:
     return cell_key_of(config.model_dump(mode="json"))
 
 
+SHOWN_VALUES = 5
+"""How many of the values a grouped error breaks it lists (the count says how many cells)."""
+_HOLE = "\x00"
+"""Where a grouped error's message held the value of its cell (no message holds NUL: a spec
+with one is refused before expanding)."""
+
+
+@dataclasses.dataclass
+class _Group:
+    """The cells one cause breaks: the error (updated in place), the axis whose values it
+    lists, its message with the value's place marked, the values (repr) and the cells."""
+
+    error: dict[str, Any]
+    axis: str
+    template: str
+    values: list[str]
+    cells: int = 1
+
+
+class _ByCause:
+    """Errors located at one axis's value whose message names the value of another axis of
+    the cell ('1024 must divide by world_size 3' at seq_len 1024): when the other value breaks
+    cells of several values of the first axis, one error at the cause (world_size 3) lists them
+    and counts the cells ('seq_len must divide by world_size 3 in 3 cells (seq_len=1024, 2048,
+    4096)'), not one error per value. `locate` gives where an axis's value of the current cell
+    was written."""
+
+    def __init__(self, locate: Callable[[str], Loc]) -> None:
+        self.locate = locate
+        self.groups: dict[tuple[Loc, str, str], _Group] = {}
+
+    def add(
+        self, loc: Loc, msg: str, axes: dict[str, Any], kind: str, errors: list[dict[str, Any]]
+    ) -> bool:
+        """Count the error into its cause's group (appending it to `errors` when new); False
+        when the error names no other axis's value (the caller records it as it is)."""
+        if len(loc) != 3 or loc[1] not in axes:
+            return False
+        axis = str(loc[1])
+        cause = next((b for b, v in axes.items() if b != axis and _names(msg, b, v)), None)
+        if cause is None:
+            return False
+        shown = re.escape(str(axes[axis]))
+        template, n = re.subn(rf"(?<![\w.]){shown}(?![\w.])", _HOLE, msg, count=1)
+        if not n:
+            return False
+        key = (self.locate(cause), template, kind)
+        group = self.groups.get(key)
+        if group is None:
+            where = ", ".join(f"{k}={v!r}" for k, v in axes.items())
+            error = err(loc, f"{msg} (cell {where})", kind)
+            errors.append(error)
+            self.groups[key] = _Group(error, axis, template, [repr(axes[axis])])
+            return True
+        group.cells += 1
+        if repr(axes[axis]) not in group.values:
+            group.values.append(repr(axes[axis]))
+        if len(group.values) > 1:  # the cause, not one value of this axis, breaks them
+            listed = ", ".join(group.values[:SHOWN_VALUES])
+            more = (
+                f", ... {len(group.values) - SHOWN_VALUES} more"
+                if len(group.values) > SHOWN_VALUES
+                else ""
+            )
+            reason = template.replace(_HOLE, axis)
+            group.error["loc"] = list(key[0])
+            group.error["msg"] = f"{reason} in {group.cells} cells ({axis}={listed}{more})"
+        return True
+
+
+def _names(msg: str, axis: str, value: Any) -> bool:
+    """Whether `msg` names this value of the axis ('world_size 3', not 'world_size 32')."""
+    return (
+        re.search(rf"(?<![\w.]){re.escape(axis)} {re.escape(str(value))}(?![\w.])", msg) is not None
+    )
+
+
 class _Expander:
     """Builds and validates cells, mapping every error back to where the user wrote the value."""
 
@@ -55,6 +134,8 @@ class _Expander:
         self.errors: list[dict[str, Any]] = []
         self.params_cache: dict[tuple[int, ...], ParamsCheck] = {}
         self.reported: set[tuple[Loc, str]] = set()
+        self.idx: tuple[int, ...] = ()  # the cell being validated
+        self.by_cause = _ByCause(lambda axis: self.locate(self.position(self.idx), (axis,)))
         # _check_structure refuses a max_seq_len sweep without its search block
         self.search = (
             spec.search.model_dump()
@@ -127,7 +208,10 @@ class _Expander:
         return ("base",)
 
     def add(self, loc: Loc, msg: str, axes: dict[str, Any], kind: str = "value_error") -> None:
-        """Record an error once per (place, reason), naming the first cell that hit it."""
+        """Record an error once per (place, reason), naming the first cell that hit it; one
+        that another axis's value causes in many cells, once for that value (_ByCause)."""
+        if self.by_cause.add(loc, msg, axes, kind, self.errors):
+            return
         if (loc, msg) in self.reported:
             return
         self.reported.add((loc, msg))
@@ -273,6 +357,7 @@ class _Expander:
             cell = memo.cell(idx) if memo is not None and not self.errors else None
             if cell is None:
                 raw, axes = self.build(idx)
+                self.idx = idx
                 cell = self.validate(raw, idx, axes)
                 if cell is None:
                     continue
