@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -122,8 +123,14 @@ class CellMemo:
         self.checks = checks
         self.values: list[dict[int, Any]] = [{} for _ in axes]
         self.params: dict[tuple[int, ...], Any] = {}
-        self.passed: list[dict[tuple[int, ...], set[tuple[int, ...]]]] = [{} for _ in checks]
-        self.varying = self.passed
+        self.passed: list[dict[tuple[int, ...], set[Any]]] = [{} for _ in checks]
+        """Per check: the axes it read -> their indices (as _picker gives them) in cells that
+        passed it."""
+        self.pickers: dict[tuple[int, ...], Callable[[tuple[int, ...]], Any]] = {}
+        self.varying: list[list[tuple[Callable[[tuple[int, ...]], Any], set[Any]]]] = [
+            [] for _ in checks
+        ]  # before the first cell is learnt, no check has passed
+        """Per check some axis decides: (picker, passed indices) for each set of axes read."""
         self.template: dict[str, Any] | None = None
         self.pieces: list[dict[Any, str]] = [{} for _ in axes]
         self.params_pieces: dict[tuple[int, ...], str] = {}
@@ -152,13 +159,20 @@ class CellMemo:
 
     def _passes(self, idx: tuple[int, ...]) -> bool:
         """Whether every check passed before on a cell with the same indices where it read."""
-        for passed in self.varying:
-            for where, keys in passed.items():
-                if tuple([idx[a] for a in where]) in keys:
+        for alternatives in self.varying:
+            for pick, keys in alternatives:
+                if pick(idx) in keys:
                     break
             else:
                 return False
         return True
+
+    def _picker(self, where: tuple[int, ...]) -> Callable[[tuple[int, ...]], Any]:
+        """A cell's indices on the axes `where` (one index alone, not in a tuple)."""
+        pick = self.pickers.get(where)
+        if pick is None:
+            pick = self.pickers[where] = operator.itemgetter(*where) if where else _no_axes
+        return pick
 
     def _layout(self, template: dict[str, Any]) -> None:
         """The key's constant JSON between the fields that axes vary, encoded once."""
@@ -234,7 +248,7 @@ class CellMemo:
             self.on = False  # a cell is not its base with its axis values: memo nothing
             return
         for check, passed in zip(self.checks, self.passed, strict=True):
-            if any(tuple([idx[a] for a in where]) in keys for where, keys in passed.items()):
+            if any(self._picker(where)(idx) in keys for where, keys in passed.items()):
                 continue  # known to pass with this cell's values there
             reads = _Reads(cell.config)
             check(reads)
@@ -242,9 +256,18 @@ class CellMemo:
                 self.on = False
                 return
             where = self._axes_read(reads.names)
-            passed.setdefault(where, set()).add(tuple([idx[a] for a in where]))
+            passed.setdefault(where, set()).add(self._picker(where)(idx))
         # a check that read no field an axis sets passed for every cell
-        self.varying = [p for p in self.passed if () not in p]
+        self.varying = [
+            [(self.pickers[where], keys) for where, keys in p.items()]
+            for p in self.passed
+            if () not in p
+        ]
+
+
+def _no_axes(idx: tuple[int, ...]) -> tuple[()]:
+    """The indices of a check that read no field an axis sets: the same for every cell."""
+    return ()
 
 
 def all_plain(names: Iterable[str]) -> bool:
