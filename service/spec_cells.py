@@ -135,6 +135,7 @@ class CellMemo:
         self.pieces: list[dict[Any, str]] = [{} for _ in axes]
         self.params_pieces: dict[tuple[int, ...], str] = {}
         self.segments: list[str] = []
+        self.states: dict[str, Any] = {}  # the first varying field's JSON -> sha256 so far
         self.slots: list[int] = []  # per varying field in key order: its axis, -1 for params
         self.fields: tuple[str, ...] = ()  # the fields axes vary
         self.on = True
@@ -192,26 +193,42 @@ class CellMemo:
         self.segments.append(text)
         self.fields = tuple(varying)
 
+    def _piece(self, slot: int, idx: tuple[int, ...], config: dict[str, Any]) -> str:
+        """The canonical JSON of the value that fills the key's `slot`-th varying field."""
+        a = self.slots[slot]
+        if a < 0:
+            combo = tuple([idx[p] for p in self.params_at])
+            piece = self.params_pieces.get(combo)
+            if piece is None:
+                piece = self.params_pieces[combo] = canonical_json(config["params"])
+            return piece
+        piece = self.pieces[a].get(idx[a])
+        if piece is None:
+            field = self.sets[a]
+            assert field is not None  # a slot's axis sets its field
+            piece = self.pieces[a][idx[a]] = canonical_json(config[field])
+        return piece
+
     def _key(self, idx: tuple[int, ...], config: dict[str, Any]) -> str:
-        """cell_key_of(config), from the constant parts and each axis value's JSON."""
-        parts = ["{"]
-        for segment, a in zip(self.segments, self.slots, strict=False):
-            parts.append(segment)
-            if a < 0:
-                combo = tuple([idx[p] for p in self.params_at])
-                piece = self.params_pieces.get(combo)
-                if piece is None:
-                    piece = self.params_pieces[combo] = canonical_json(config["params"])
-            else:
-                piece = self.pieces[a].get(idx[a])
-                if piece is None:
-                    field = self.sets[a]
-                    assert field is not None  # a slot's axis sets its field
-                    piece = self.pieces[a][idx[a]] = canonical_json(config[field])
-            parts.append(piece)
-        parts.append(self.segments[-1])
+        """cell_key_of(config), from the constant parts and each axis value's JSON: the
+        hash of everything up to the second varying field is computed once per value of
+        the first (a copy of it hashes the rest)."""
+        segments = self.segments
+        if not self.slots:
+            return hashlib.sha256(f"{{{segments[0]}}}".encode()).hexdigest()
+        first = self._piece(0, idx, config)
+        state = self.states.get(first)
+        if state is None:
+            opening = f"{{{segments[0]}{first}{segments[1]}".encode()
+            state = self.states[first] = hashlib.sha256(opening)
+        parts = []
+        for slot in range(1, len(self.slots)):
+            parts.append(self._piece(slot, idx, config))
+            parts.append(segments[slot + 1])
         parts.append("}")
-        return hashlib.sha256("".join(parts).encode()).hexdigest()
+        digest = state.copy()
+        digest.update("".join(parts).encode())
+        return digest.hexdigest()
 
     def cell(self, idx: tuple[int, ...]) -> Cell | None:
         """The cell at `idx` when the memo holds every part of it, else None."""
