@@ -217,10 +217,16 @@ def _insert_runs(
     driver = session.connection().connection.driver_connection
     assert driver is not None  # for mypy: a live psycopg connection
     columns = ", ".join(RUN_COLUMNS)
+    invalid: SpecError | None = None
     with driver.cursor() as cursor, cursor.copy(f"COPY run ({columns}) FROM STDIN") as copy:
-        for text, lines in _copy_lines(sweep_id, cells, base, now):
-            copy.write(text)
-            stored += lines
+        try:
+            for text, lines in _copy_lines(sweep_id, cells, base, now):
+                copy.write(text)
+                stored += lines
+        except SpecError as e:  # the COPY ends cleanly: the transaction stays usable
+            invalid = e  # (create_sweeps checks the next documents in it, then rolls back)
+    if invalid is not None:
+        raise invalid
     return stored
 
 

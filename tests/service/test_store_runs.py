@@ -12,6 +12,7 @@ import hashlib
 import json
 from typing import Any
 
+from _api_helpers import api_client
 from sqlalchemy import Engine, Text, cast, select
 
 from service.api import store
@@ -73,3 +74,24 @@ def test_stored_runs_are_the_pinned_ones(engine: Engine) -> None:
         assert created and stored == cells
     assert INSERT_CHUNK < 2_880  # several chunks, several COPY writes
     assert _stored(engine) == DIGEST
+
+
+def test_a_document_invalid_mid_copy_leaves_the_next_ones_checked(database_url: str) -> None:
+    """The first document fails after thousands of runs were sent; the second, under an
+    Idempotency-Key (looked up in the same transaction), is still checked: one 422 with the
+    first document's problem, nothing stored."""
+    base = {"kernel": "dense", "num_heads": 2, "head_dim": 16, "device": "cpu"}
+    lengths = [64 * (i + 1) for i in range(INSERT_CHUNK + 10)] + [-64]
+    docs = [
+        {"name": "long", "base": base, "grid": {"seq_len": lengths}},
+        {"name": "short", "base": base, "grid": {"seq_len": [64, 128]}},
+    ]
+    with api_client(database_url) as client:
+        r = client.post(
+            "/api/v1/sweeps", json={"documents": docs}, headers={"Idempotency-Key": "mid-copy"}
+        )
+        assert r.status_code == 422, r.text[:500]
+        locs = [e["loc"] for e in r.json()["detail"]]
+        assert locs == [["body", "documents", 0, "grid", "seq_len", INSERT_CHUNK + 10]]
+        assert client.get("/api/v1/sweeps").json()["count"] == 0
+        assert client.get("/api/v1/runs").json()["count"] == 0
