@@ -354,7 +354,7 @@ class _Expander:
         for idx in self.indices():
             if len(self.errors) >= MAX_ERRORS:
                 break
-            cell = memo.cell(idx) if memo is not None and not self.errors else None
+            cell = memo.cell(idx) if memo is not None else None  # valid by construction
             if cell is None:
                 raw, axes = self.build(idx)
                 self.idx = idx
