@@ -59,7 +59,7 @@ class _Group:
     error: dict[str, Any]
     axis: str
     template: str
-    values: list[str]
+    values: dict[str, None]  # in the order met
     cells: int = 1
 
 
@@ -96,13 +96,12 @@ class _ByCause:
             where = ", ".join(f"{k}={v!r}" for k, v in axes.items())
             error = err(loc, f"{msg} (cell {where})", kind)
             errors.append(error)
-            self.groups[key] = _Group(error, axis, template, [repr(axes[axis])])
+            self.groups[key] = _Group(error, axis, template, {repr(axes[axis]): None})
             return True
         group.cells += 1
-        if repr(axes[axis]) not in group.values:
-            group.values.append(repr(axes[axis]))
+        group.values.setdefault(repr(axes[axis]))
         if len(group.values) > 1:  # the cause, not one value of this axis, breaks them
-            listed = ", ".join(group.values[:SHOWN_VALUES])
+            listed = ", ".join(itertools.islice(group.values, SHOWN_VALUES))
             more = (
                 f", ... {len(group.values) - SHOWN_VALUES} more"
                 if len(group.values) > SHOWN_VALUES
