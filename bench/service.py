@@ -271,9 +271,11 @@ def _bench_posts(http: httpx.Client, posts: int) -> None:
 def _bench_post_sizes(http: httpx.Client, posts: int, sizes: list[int]) -> None:
     """For each size, `posts` POSTs of a sweep of that many cells (after one untimed of 1,000
     cells, which warms the connection pool and the imports), a line each: the POST at the
-    client, and validation + expansion alone in this process."""
+    client (its median also as a multiple of the first size's, which a loaded machine slows
+    alike), and validation + expansion alone in this process."""
     http.post(f"{API}/sweeps", json=spec_cells(1_000, -1)).raise_for_status()
-    for cells in sizes:
+    first = 0.0  # the first size's median: the others are read against it
+    for i, cells in enumerate(sizes):
         post_s = []
         for n in range(posts):
             t0 = time.perf_counter()
@@ -284,10 +286,13 @@ def _bench_post_sizes(http: httpx.Client, posts: int, sizes: list[int]) -> None:
         t0 = time.perf_counter()
         assert sum(1 for _ in iter_cells(SweepSpec.model_validate(spec_cells(cells, 0)))) == cells
         expand_s = time.perf_counter() - t0
+        median = statistics.median(post_s)
+        first = first if i else median
+        ratio = f" ({median / first:.1f}x the {sizes[0]:,}-cell median)" if i else ""
         print(
-            f"POST /sweeps, {cells:,} cells: {posts} requests; median "
-            f"{statistics.median(post_s):.3f} s, min {min(post_s):.3f} s, max "
-            f"{max(post_s):.3f} s; validation + expansion alone {expand_s:.3f} s"
+            f"POST /sweeps, {cells:,} cells: {posts} requests; median {median:.3f} s{ratio}, "
+            f"min {min(post_s):.3f} s, max {max(post_s):.3f} s; validation + expansion alone "
+            f"{expand_s:.3f} s"
         )
 
 

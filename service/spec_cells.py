@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -122,12 +123,19 @@ class CellMemo:
         self.checks = checks
         self.values: list[dict[int, Any]] = [{} for _ in axes]
         self.params: dict[tuple[int, ...], Any] = {}
-        self.passed: list[dict[tuple[int, ...], set[tuple[int, ...]]]] = [{} for _ in checks]
-        self.varying = self.passed
+        self.passed: list[dict[tuple[int, ...], set[Any]]] = [{} for _ in checks]
+        """Per check: the axes it read -> their indices (as _picker gives them) in cells that
+        passed it."""
+        self.pickers: dict[tuple[int, ...], Callable[[tuple[int, ...]], Any]] = {}
+        self.varying: list[list[tuple[Callable[[tuple[int, ...]], Any], set[Any]]]] = [
+            [] for _ in checks
+        ]  # before the first cell is learnt, no check has passed
+        """Per check some axis decides: (picker, passed indices) for each set of axes read."""
         self.template: dict[str, Any] | None = None
         self.pieces: list[dict[Any, str]] = [{} for _ in axes]
         self.params_pieces: dict[tuple[int, ...], str] = {}
         self.segments: list[str] = []
+        self.states: dict[str, Any] = {}  # the first varying field's JSON -> sha256 so far
         self.slots: list[int] = []  # per varying field in key order: its axis, -1 for params
         self.fields: tuple[str, ...] = ()  # the fields axes vary
         self.on = True
@@ -152,13 +160,20 @@ class CellMemo:
 
     def _passes(self, idx: tuple[int, ...]) -> bool:
         """Whether every check passed before on a cell with the same indices where it read."""
-        for passed in self.varying:
-            for where, keys in passed.items():
-                if tuple([idx[a] for a in where]) in keys:
+        for alternatives in self.varying:
+            for pick, keys in alternatives:
+                if pick(idx) in keys:
                     break
             else:
                 return False
         return True
+
+    def _picker(self, where: tuple[int, ...]) -> Callable[[tuple[int, ...]], Any]:
+        """A cell's indices on the axes `where` (one index alone, not in a tuple)."""
+        pick = self.pickers.get(where)
+        if pick is None:
+            pick = self.pickers[where] = operator.itemgetter(*where) if where else _no_axes
+        return pick
 
     def _layout(self, template: dict[str, Any]) -> None:
         """The key's constant JSON between the fields that axes vary, encoded once."""
@@ -178,26 +193,42 @@ class CellMemo:
         self.segments.append(text)
         self.fields = tuple(varying)
 
+    def _piece(self, slot: int, idx: tuple[int, ...], config: dict[str, Any]) -> str:
+        """The canonical JSON of the value that fills the key's `slot`-th varying field."""
+        a = self.slots[slot]
+        if a < 0:
+            combo = tuple([idx[p] for p in self.params_at])
+            piece = self.params_pieces.get(combo)
+            if piece is None:
+                piece = self.params_pieces[combo] = canonical_json(config["params"])
+            return piece
+        piece = self.pieces[a].get(idx[a])
+        if piece is None:
+            field = self.sets[a]
+            assert field is not None  # a slot's axis sets its field
+            piece = self.pieces[a][idx[a]] = canonical_json(config[field])
+        return piece
+
     def _key(self, idx: tuple[int, ...], config: dict[str, Any]) -> str:
-        """cell_key_of(config), from the constant parts and each axis value's JSON."""
-        parts = ["{"]
-        for segment, a in zip(self.segments, self.slots, strict=False):
-            parts.append(segment)
-            if a < 0:
-                combo = tuple([idx[p] for p in self.params_at])
-                piece = self.params_pieces.get(combo)
-                if piece is None:
-                    piece = self.params_pieces[combo] = canonical_json(config["params"])
-            else:
-                piece = self.pieces[a].get(idx[a])
-                if piece is None:
-                    field = self.sets[a]
-                    assert field is not None  # a slot's axis sets its field
-                    piece = self.pieces[a][idx[a]] = canonical_json(config[field])
-            parts.append(piece)
-        parts.append(self.segments[-1])
+        """cell_key_of(config), from the constant parts and each axis value's JSON: the
+        hash of everything up to the second varying field is computed once per value of
+        the first (a copy of it hashes the rest)."""
+        segments = self.segments
+        if not self.slots:
+            return hashlib.sha256(f"{{{segments[0]}}}".encode()).hexdigest()
+        first = self._piece(0, idx, config)
+        state = self.states.get(first)
+        if state is None:
+            opening = f"{{{segments[0]}{first}{segments[1]}".encode()
+            state = self.states[first] = hashlib.sha256(opening)
+        parts = []
+        for slot in range(1, len(self.slots)):
+            parts.append(self._piece(slot, idx, config))
+            parts.append(segments[slot + 1])
         parts.append("}")
-        return hashlib.sha256("".join(parts).encode()).hexdigest()
+        digest = state.copy()
+        digest.update("".join(parts).encode())
+        return digest.hexdigest()
 
     def cell(self, idx: tuple[int, ...]) -> Cell | None:
         """The cell at `idx` when the memo holds every part of it, else None."""
@@ -234,7 +265,7 @@ class CellMemo:
             self.on = False  # a cell is not its base with its axis values: memo nothing
             return
         for check, passed in zip(self.checks, self.passed, strict=True):
-            if any(tuple([idx[a] for a in where]) in keys for where, keys in passed.items()):
+            if any(self._picker(where)(idx) in keys for where, keys in passed.items()):
                 continue  # known to pass with this cell's values there
             reads = _Reads(cell.config)
             check(reads)
@@ -242,9 +273,18 @@ class CellMemo:
                 self.on = False
                 return
             where = self._axes_read(reads.names)
-            passed.setdefault(where, set()).add(tuple([idx[a] for a in where]))
+            passed.setdefault(where, set()).add(self._picker(where)(idx))
         # a check that read no field an axis sets passed for every cell
-        self.varying = [p for p in self.passed if () not in p]
+        self.varying = [
+            [(self.pickers[where], keys) for where, keys in p.items()]
+            for p in self.passed
+            if () not in p
+        ]
+
+
+def _no_axes(idx: tuple[int, ...]) -> tuple[()]:
+    """The indices of a check that read no field an axis sets: the same for every cell."""
+    return ()
 
 
 def all_plain(names: Iterable[str]) -> bool:

@@ -25,9 +25,7 @@ LONG_FUNCTIONS_ALLOWED: set[str] = set()
 """path::function of the functions allowed over MAX_FUNCTION_LINES: none since issue 38."""
 
 MAX_FILE_LINES = 700
-LONG_FILES_ALLOWED = {
-    "service/spec.py": 839,
-}
+LONG_FILES_ALLOWED: dict[str, int] = {}
 """path: its line count when listed, for the source files over MAX_FILE_LINES still to be split.
 A listed file may shrink (lower its count here; drop it once under the limit), never grow."""
 SOURCE_SUFFIXES = (".py", ".html", ".js", ".css", ".sh", ".mako")
@@ -42,6 +40,13 @@ SERVICE_LAYERS = {
     "service.spec": 1,
     "service.spec_cells": 1,
     "service.spec_docs": 1,
+    "service.spec_expand": 1,
+    "service.spec_fields": 1,
+    "service.spec_limits": 1,
+    "service.spec_models": 1,
+    "service.spec_params": 1,
+    "service.spec_structure": 1,
+    "service.spec_values": 1,
     "service.results": 2,
     "service.leases": 2,
     "service.tenancy": 2,
@@ -397,7 +402,7 @@ def test_template_lines_stay_readable() -> None:
 
 FUNCTION_IMPORT_PACKAGES = ("attention", "workers", "service", "bench")
 """The packages whose non-test modules are counted (the database layer is service/db)."""
-MAX_FUNCTION_IMPORTS = 64
+MAX_FUNCTION_IMPORTS = 54
 """The import statements inside functions over FUNCTION_IMPORT_PACKAGES: a ceiling that only
 comes down (the aim is 60). One stays only for a reason: an optional package, a heavy import
 kept off a start-up path, or rank-process only."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -87,8 +88,8 @@ def load_sweep_out(session: Session, sweep_id: int) -> SweepOut | None:
 
 
 INSERT_CHUNK = 2_000
-"""Runs inserted per statement: a 100,000-cell sweep never holds its expansion in memory, and
-other requests get the interpreter between chunks."""
+"""Runs sent per write (COPY on Postgres, an executemany elsewhere): a 100,000-cell sweep never
+holds its expansion in memory, and other requests get the interpreter between chunks."""
 
 
 def _delta(cell: Cell, base: dict[str, Any]) -> dict[str, Any]:
@@ -121,65 +122,125 @@ RUN_COLUMNS = (
     "attempts",
     "created_at",
 )
-"""The columns _run_row fills, by their names in the table."""
+"""The columns a stored run fills, by their names in the table (_run_row, _copy_lines)."""
 
 _COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
 """COPY's text format: a backslash, tab, newline or carriage return inside a value escaped."""
 
 
-def _copy_text(rows: list[dict[str, Any]]) -> str:
-    """The rows as COPY's text format (RUN_COLUMNS, tab-separated, a line each): written in
-    one piece, not value by value (psycopg's write_row costs more than the line)."""
-    lines = []
-    for row in rows:
-        values = [
-            json.dumps(row[c]) if c == "config" else "t" if row[c] is True
-            else "f" if row[c] is False else str(row[c])
-            for c in RUN_COLUMNS
-        ]  # fmt: skip
-        lines.append("\t".join([v.translate(_COPY_ESCAPES) for v in values]))
-    lines.append("")
-    return "\n".join(lines)
+def _copy_value(value: Any) -> str:
+    """One value in COPY's text format: booleans t/f, numbers as Python writes them, text
+    escaped."""
+    if value is True or value is False:
+        return "t" if value else "f"
+    if isinstance(value, int | float):
+        return str(value)
+    return str(value).translate(_COPY_ESCAPES)
 
 
-def _insert_runs(session: Session, rows: list[dict[str, Any]]) -> None:
-    """Insert rows of the run table in the session's transaction: on Postgres by COPY
-    (about twice as fast as an executemany of 100,000 rows), elsewhere by a Core executemany
-    on the table (no ORM bookkeeping per row)."""
+class _CopyLines:
+    """Formats runs as COPY's text format (RUN_COLUMNS, tab-separated), each distinct piece
+    once: what every run shares (sweep, status, attempts, time), each distinct tuple of the
+    run's columns, and, for a cell the memo built over the sweep's base (Cell.built_over),
+    each varying field's value as the stored delta shows it (the same JSON bytes that
+    json.dumps(_delta(cell, base)) writes)."""
+
+    def __init__(self, sweep_id: int, base: dict[str, Any], now: datetime) -> None:
+        self.base = base
+        self.head = f"{_copy_value(sweep_id)}\t"
+        self.tail = "\t" + "\t".join(_copy_value(v) for v in (RunStatus.queued, 0, now)) + "\n"
+        # RunConfig's types are strict (kernel a str, seq_len an int, causal a bool...), so
+        # equal tuples of these columns are equal values of the same types.
+        self.columns: dict[tuple[Any, ...], str] = {}
+        self.pieces: dict[tuple[str, int], tuple[Any, str]] = {}
+        """(field, id(value)) -> (value, '"field": value' escaped, or "" when it equals the
+        base's); the value is kept, so its id is never another object's."""
+
+    def _piece(self, field: str, value: Any) -> str:
+        got = self.pieces.get((field, id(value)))
+        if got is not None and got[0] is value:
+            return got[1]
+        delta = cell_delta(self.base, {field: value})
+        piece = json.dumps(delta)[1:-1].translate(_COPY_ESCAPES) if delta else ""
+        self.pieces[(field, id(value))] = (value, piece)
+        return piece
+
+    def _delta(self, cell: Cell) -> str:
+        """The run's stored config (Run.cell_config), escaped."""
+        config = cell.config_json
+        if cell.built_over is not self.base:
+            return json.dumps(_delta(cell, self.base)).translate(_COPY_ESCAPES)
+        pieces = [self._piece(k, config[k]) for k in cell.varies]
+        return "{" + ", ".join([p for p in pieces if p]) + "}"
+
+    def line(self, cell: Cell) -> str:
+        config = cell.config_json
+        values = tuple([config[name] for name in RUN_CONFIG_COLUMNS])
+        columns = self.columns.get(values)
+        if columns is None:
+            columns = self.columns[values] = "\t".join([_copy_value(v) for v in values])
+        return f"{self.head}{cell.cell_key}\t{self._delta(cell)}\t{columns}{self.tail}"
+
+
+def _copy_lines(
+    sweep_id: int, cells: Iterable[Cell], base: dict[str, Any], now: datetime
+) -> Iterator[tuple[str, int]]:
+    """The runs of `cells` in COPY's text format (_CopyLines), INSERT_CHUNK lines a piece,
+    each with its number of lines: written in one piece, not value by value (psycopg's
+    write_row costs more than the line)."""
+    line = _CopyLines(sweep_id, base, now).line
+    lines: list[str] = []
+    for cell in cells:
+        lines.append(line(cell))
+        if len(lines) == INSERT_CHUNK:
+            yield "".join(lines), len(lines)
+            lines = []
+    if lines:
+        yield "".join(lines), len(lines)
+
+
+def _insert_runs(
+    session: Session, sweep_id: int, cells: Iterable[Cell], base: dict[str, Any], now: datetime
+) -> int:
+    """Insert a run per cell in the session's transaction, INSERT_CHUNK at a time as cells
+    come; how many. On Postgres one COPY for the whole sweep (about twice as fast as an
+    executemany), its chunks streamed as they are formatted, so the database indexes one
+    chunk while the next is expanded; elsewhere a Core executemany a chunk (no ORM
+    bookkeeping per row)."""
+    stored = 0
     if session.get_bind().dialect.name != "postgresql":
-        session.execute(insert(Run.__table__), rows)  # type: ignore[arg-type]
-        return
+        rows = (_run_row(sweep_id, cell, base, now) for cell in cells)
+        while chunk := list(itertools.islice(rows, INSERT_CHUNK)):
+            session.execute(insert(Run.__table__), chunk)  # type: ignore[arg-type]
+            stored += len(chunk)
+        return stored
     driver = session.connection().connection.driver_connection
     assert driver is not None  # for mypy: a live psycopg connection
     columns = ", ".join(RUN_COLUMNS)
+    invalid: SpecError | None = None
     with driver.cursor() as cursor, cursor.copy(f"COPY run ({columns}) FROM STDIN") as copy:
-        copy.write(_copy_text(rows))
+        try:
+            for text, lines in _copy_lines(sweep_id, cells, base, now):
+                copy.write(text)
+                stored += lines
+        except SpecError as e:  # the COPY ends cleanly: the transaction stays usable
+            invalid = e  # (create_sweeps checks the next documents in it, then rolls back)
+    if invalid is not None:
+        raise invalid
+    return stored
 
 
 def _add_runs(session: Session, sweep: Sweep, cells: Iterable[Cell], now: datetime) -> int:
     """Add `sweep` (flushed at the first cell, whose config becomes its base_config) and a run
-    per cell, inserted INSERT_CHUNK at a time as cells come; how many runs. Commits nothing."""
-    stored = 0
-    chunk: list[dict[str, Any]] = []
-    base: dict[str, Any] | None = None  # the ORM's attributes read once, not once a cell
-    sweep_id = 0
-    for cell in cells:
-        if base is None:
-            sweep.base_config = base = cell.config_json
-            session.add(sweep)
-            session.flush()
-            sweep_id = sweep.id
-        chunk.append(_run_row(sweep_id, cell, base, now))
-        if len(chunk) == INSERT_CHUNK:
-            _insert_runs(session, chunk)
-            stored += len(chunk)
-            chunk = []
-    if chunk:
-        _insert_runs(session, chunk)
-        stored += len(chunk)
-    if sweep.base_config is None:  # no cells at all
-        session.add(sweep)
-    return stored
+    per cell, inserted as cells come; how many runs. Commits nothing."""
+    remaining = iter(cells)
+    first = next(remaining, None)  # a lazy expansion's structural SpecError comes here
+    session.add(sweep)
+    if first is None:  # no cells at all
+        return 0
+    sweep.base_config = base = first.config_json  # read once, not through the ORM a cell
+    session.flush()
+    return _insert_runs(session, sweep.id, itertools.chain([first], remaining), base, now)
 
 
 def _new_sweep(spec: SweepSpec, spec_json: dict[str, Any], key: str | None, submitter: str,

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 import attention
-from service import spec as spec_module
+from service import spec_expand
 from service.cli.specs import bundled_examples, load_specs
-from service.spec import SpecError, SweepSpec, _Expander, expand
+from service.spec import SpecError, SweepSpec, expand
+from service.spec_expand import _Expander
 
 
 def _full(spec: SweepSpec, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
@@ -85,8 +86,8 @@ def test_each_distinct_part_is_validated_once_not_each_cell(
 
         return wrapper
 
-    normalize = counted("params", spec_module.normalize_params)
-    monkeypatch.setattr(spec_module, "normalize_params", normalize)
+    normalize = counted("params", spec_expand.normalize_params)
+    monkeypatch.setattr(spec_expand, "normalize_params", normalize)
     monkeypatch.setattr(_Expander, "validate", counted("cells", _Expander.validate))
     monkeypatch.setattr(attention, "validate", counted("kernel", attention.validate))
     cells = expand(spec)
