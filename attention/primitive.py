@@ -294,6 +294,7 @@ def block_forward(
     scale: float,
     causal: bool = False,
     diagonal: int = 0,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, H, D) against k, v (B, Sk, H_kv, D): out (B,Sq,H,D), lse (B,H,Sq)
     in `accumulator_dtype`, except an out that one fused call produced: that one stays in the
@@ -302,13 +303,19 @@ def block_forward(
     into their accumulators and never rely on its dtype. `causal`: query i sees key
     j <= i + diagonal. No autograd graph.
 
-    One fused call per `causal_pieces` piece; pieces of the same rows are merged.
+    One fused call per `causal_pieces` piece; pieces of the same rows are merged. `keep`: a
+    bool (Sq, Sk) tile predicate (a mask's partial tile, attention.ring.mask_plan), computed
+    in plain math in the accumulator dtype (no fused op takes an arbitrary mask with its lse).
     """
     global last_backend
     _check_shapes(q, k, v)
     sq = q.shape[1]
     backend = backend_for(q.device, q.dtype)
     last_backend = backend
+    if keep is not None:
+        _check_keep(keep, sq, k.shape[1], causal)
+        with torch.no_grad():
+            return _math_forward(q, k, v, scale, False, keep)
     pieces = causal_pieces(sq, k.shape[1], causal, diagonal)
     with torch.no_grad():
         if pieces and pieces[0][:2] == (0, sq):  # every piece has all the rows: no buffer
@@ -380,15 +387,30 @@ def _cuda_forward_args(
     raise ValueError(f"backend: {backend!r} has no fused CUDA forward")
 
 
+def _check_keep(keep: torch.Tensor, sq: int, sk: int, causal: bool) -> None:
+    """A tile predicate must be bool (sq, sk) and stand alone (no causal flag beside it)."""
+    if keep.dtype != torch.bool or tuple(keep.shape) != (sq, sk):
+        raise ValueError(f"keep: expected bool ({sq}, {sk}), got {keep.dtype} {tuple(keep.shape)}")
+    if causal:
+        raise ValueError("keep: a tile predicate replaces causal; give one of them")
+
+
 def _math_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-math forward in the accumulator dtype (causal: top-left), chunked over query rows
-    to bound the score matrix; GQA by repeating each kv head for its query heads."""
+    """Plain-math forward in the accumulator dtype (causal: top-left; `keep`: an explicit
+    (Sq, Sk) predicate), chunked over query rows to bound the score matrix; GQA by repeating
+    each kv head for its query heads."""
     b, sq, h, _ = q.shape
     sk = k.shape[1]
     acc = accumulator_dtype(q.dtype)
-    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril() if causal else None
+    if causal:
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
     qf, kf, vf = (t.to(acc).transpose(1, 2) for t in (q, k, v))
     kf, vf = (_repeat_kv(t, h) for t in (kf, vf))
     out = torch.empty(b, h, sq, q.shape[3], dtype=acc, device=q.device)
@@ -456,9 +478,11 @@ def block_backward(
     scale: float,
     causal: bool = False,
     diagonal: int = 0,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of one block pair in the accumulator dtype (dk, dv with k's
-    heads), recomputing P = exp(S*scale - lse); `causal`, `diagonal` as in `block_forward`.
+    heads), recomputing P = exp(S*scale - lse); `causal`, `diagonal`, `keep` as in
+    `block_forward`.
 
     `out` and `lse` are the FINAL (merged) results for these query rows, so summing the blocks'
     gradients gives the exact gradient of the merged attention (FlashAttention-2 backward).
@@ -469,6 +493,11 @@ def block_backward(
     # Rows without any key: lse -inf -> +inf makes P = exp(S - inf) = 0 instead of NaN (and
     # is flash-attn's own convention for such rows).
     lse = lse.to(accumulator_dtype(q.dtype)).masked_fill(torch.isneginf(lse), math.inf)
+    if keep is not None:
+        _check_keep(keep, sq, sk, causal)
+        with torch.no_grad():
+            grads = _math_backward(dout, q, k, v, out, lse, scale, False, keep)
+        return grads
     pieces = causal_pieces(sq, sk, causal, diagonal)
     with torch.no_grad():
         if len(pieces) == 1 and pieces[0][:4] == (0, sq, 0, sk):
@@ -560,13 +589,15 @@ def _math_backward(
     lse: torch.Tensor,
     scale: float,
     causal: bool,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain-math FlashAttention-2 backward in the accumulator dtype (causal: top-left),
-    chunked over query rows."""
+    """Plain-math FlashAttention-2 backward in the accumulator dtype (causal: top-left;
+    `keep`: an explicit (Sq, Sk) predicate), chunked over query rows."""
     b, sq, h, _ = q.shape
     sk, h_kv = k.shape[1], k.shape[2]
     acc = accumulator_dtype(q.dtype)
-    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril() if causal else None
+    if causal:
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
     qf, kf, vf, dof, of = (t.to(acc).transpose(1, 2) for t in (q, k, v, dout, out))
     kf, vf = (_repeat_kv(t, h) for t in (kf, vf))
     dq = torch.empty_like(qf)

@@ -98,6 +98,11 @@ class KernelSpec:
     heads_check: Callable[[Any, int, int, int], None] | None = None
     """(params, num_heads, num_kv_heads, world_size) -> None, raising when the ranks cannot
     split the heads (ulysses, usp); `validate` calls it when given num_kv_heads."""
+    masks: frozenset[str] = frozenset({"full", "causal"})
+    """The mask kinds (attention.mask.KINDS) the kernel runs exactly: full and causal (its
+    `causal` call flag) unless its params take a `mask`."""
+    balances: frozenset[str] = frozenset()
+    """The balances (attention.layouts.BALANCES) its params take; empty: it takes none."""
 
 
 RING_PARAMS = ("layout", "group")

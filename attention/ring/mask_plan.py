@@ -1,0 +1,118 @@
+"""A ring plan for any mask on any token order: the (query, key) tiles of each step that keep a
+pair, each cut into primitive calls.
+
+A shard holds the tokens `order` puts at its positions (attention.layouts.order: a balance, or a
+layout's positions). Both sides of a step are cut into runs of consecutive tokens; on a (query
+run, key run) tile every query keeps one contiguous key range [lo, hi) (Mask.bounds), and lo and
+hi never decrease from one query to the next, so the tile's rows fall into bands: rows that keep
+nothing (skipped), rows keeping the same key range (a rectangle), rows whose range grows by one
+key a row (a rectangle plus the primitive's causal square), and the rest, computed under the
+mask's exact predicate (a masked Block). No (S, S) tensor is built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention.mask import Mask
+from attention.ring.engine import Block
+
+MIN_BAND_ROWS = 8
+"""Shortest band of rows cut out as a rectangle or causal square; shorter stretches join the
+neighbouring masked rows (one masked call beats many one-row fused calls)."""
+
+Run = tuple[int, int, int]
+"""(local start, local end, global token at the start): positions [start, end) hold consecutive
+tokens."""
+
+
+def runs(tokens: torch.Tensor) -> list[Run]:
+    """The maximal runs of consecutive tokens in `tokens` (a shard's global indices)."""
+    if tokens.numel() == 0:
+        return []
+    cuts = ((tokens[1:] != tokens[:-1] + 1).nonzero().flatten() + 1).tolist()
+    starts, ends = [0, *cuts], [*cuts, tokens.numel()]
+    return [(a, b, int(tokens[a])) for a, b in zip(starts, ends, strict=True)]
+
+
+def _band(lo: list[int], hi: list[int], i: int) -> tuple[int, bool]:
+    """The longest band of rows from i: (end, causal): rows keeping lo[i].. hi[i] (a
+    rectangle) or lo[i] .. hi[i] + (row - i) (a causal band), whichever is longer."""
+    m = len(lo)
+    rect = i + 1
+    while rect < m and lo[rect] == lo[i] and hi[rect] == hi[i]:
+        rect += 1
+    diag = i + 1
+    while diag < m and lo[diag] == lo[i] and hi[diag] == hi[i] + (diag - i):
+        diag += 1
+    return (diag, True) if diag > rect else (rect, False)
+
+
+def _fused(a: int, b: int, lo: int, hi: int, causal: bool) -> list[Block]:
+    """Rows [a, b) keeping keys [lo, hi) (causal: hi grows by one a row) as primitive calls."""
+    if not causal:
+        return [Block(a, b, lo, hi)]
+    edge = hi - 1  # every row keeps [lo, edge); the causal square starts at key `edge`
+    blocks = [Block(a, b, lo, edge)] if edge > lo else []
+    return [*blocks, Block(a, b, edge, edge + (b - a), causal=True)]
+
+
+def tile_blocks(mask: Mask, seq_len: int, q_run: Run, k_run: Run) -> list[Block]:
+    """The Blocks of one tile (local query rows of q_run, held keys of k_run) that keep a
+    pair: rectangles, causal squares and masked blocks, exactly the mask's pairs."""
+    a, b, qg = q_run
+    c, d, kg = k_run
+    lo_g, hi_g = mask.bounds(torch.arange(qg, qg + b - a), seq_len)
+    lo_t = (lo_g - kg + c).clamp(c, d)
+    hi_t = torch.maximum((hi_g - kg + c).clamp(c, d), lo_t)
+    lo, hi = lo_t.tolist(), hi_t.tolist()
+    blocks: list[Block] = []
+    masked: int | None = None  # first row of the pending masked stretch
+
+    def flush(end: int) -> None:
+        nonlocal masked
+        if masked is not None:
+            k0, k1 = min(lo[masked:end]), max(hi[masked:end])
+            blocks.append(Block(a + masked, a + end, k0, k1, mask=mask, q_off=qg - a, k_off=kg - c))
+            masked = None
+
+    i = 0
+    while i < len(lo):
+        if hi[i] <= lo[i]:
+            flush(i)
+            i += 1
+            continue
+        end, causal = _band(lo, hi, i)
+        if end - i >= MIN_BAND_ROWS or (masked is None and end == len(lo)):
+            flush(i)
+            blocks += _fused(a + i, a + end, lo[i], hi[i], causal)
+            i = end
+        else:
+            masked = i if masked is None else masked
+            i += 1
+    flush(len(lo))
+    return blocks
+
+
+def mask_plan(
+    mask: Mask, order: torch.Tensor, rank: int, world: int, runs_of: list[list[Run]] | None = None
+) -> list[list[Block]]:
+    """Blocks per step of rank `rank` when the shards hold `order` (step t holds the K/V of
+    rank (rank - t) mod W): every tile of my queries and the held keys that keeps a pair; a
+    step that keeps none computes nothing (its K/V still travel on). `runs_of`: every rank's
+    runs, when the caller has them."""
+    seq_len = order.numel()
+    n = seq_len // world
+    shards = runs_of or [runs(order[r * n : (r + 1) * n]) for r in range(world)]
+    plan = []
+    for t in range(world):
+        src = (rank - t) % world
+        plan.append(
+            [
+                blk
+                for q_run in shards[rank]
+                for k_run in shards[src]
+                for blk in tile_blocks(mask, seq_len, q_run, k_run)
+            ]
+        )
+    return plan

@@ -1,0 +1,129 @@
+"""Masks on the single-process side: `dense` under every mask kind equals the fp64 reference from
+the explicit mask (forward and gradients, GQA, several accumulator windows); the mask plan keeps
+exactly the mask's pairs on every rank and leaves a step without kept pairs empty; a mask or
+balance a kernel does not take is refused, naming it and the kernel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _mask_cases import LENGTHS, MASKS, S, inputs, mask_id, reference
+
+import attention
+from attention import KERNELS, layouts
+from attention.errors import ParamError
+from attention.mask import KINDS, from_legacy, parse
+from attention.ring.dense import RingParams, token_order
+from attention.ring.mask_plan import mask_plan
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=mask_id)
+def test_dense_is_exact_under_every_mask(mask: dict[str, Any], accumulator_windows) -> None:
+    accumulator_windows(3)  # several row windows: the plan's rows re-based per window
+    ref = reference(mask, seed=7)
+    q, k, v, dout = inputs(7)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = attention.build("dense", mask=mask)(q, k, v, causal=parse(mask).causal)
+    out.backward(dout)
+    got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    for name, want in ref.items():
+        torch.testing.assert_close(got[name], want, atol=1e-10, rtol=1e-9, msg=name)
+
+
+def test_dense_flops_count_the_masks_pairs() -> None:
+    mask = MASKS[2]
+    module = attention.build("dense", mask=mask)
+    assert module.flops(1, S, 1, 8) == attention.attention_flops(parse(mask).pairs(S), 8)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("balance", [None, *layouts.BALANCES])
+@pytest.mark.parametrize("mask", MASKS, ids=mask_id)
+def test_mask_plan_keeps_exactly_the_masks_pairs(
+    mask: dict[str, Any], balance: str | None, world: int
+) -> None:
+    if balance == "per_document" and mask["kind"] != "documents":
+        pytest.skip("per_document balances documents")
+    parsed = parse(mask)
+    order = token_order(RingParams(mask=mask, balance=balance), S, world, parsed.causal)
+    shard = layouts.shard_pairs(parsed, order, world)
+    n = S // world
+    for rank in range(world):
+        plan = mask_plan(parsed, order, rank, world)
+        for t, blocks in enumerate(plan):
+            src = (rank - t) % world
+            assert sum(b.pairs() for b in blocks) == int(shard[rank, src])
+            assert (not blocks) == (shard[rank, src] == 0)  # nothing kept: nothing computed
+            covered = torch.zeros(n, n, dtype=torch.int64)
+            for b in blocks:
+                keep = b.keep()
+                if keep is None:
+                    keep = torch.ones(b.q1 - b.q0, b.k1 - b.k0, dtype=torch.bool)
+                    keep = keep.tril() if b.causal else keep
+                covered[b.q0 : b.q1, b.k0 : b.k1] += keep.long()
+            mine, held = order[rank * n : (rank + 1) * n], order[src * n : (src + 1) * n]
+            want = parsed.keep(mine[:, None], held[None, :]).long()
+            assert torch.equal(covered, want), f"rank {rank} step {t}"
+
+
+def test_a_causal_mask_plans_fused_blocks_only() -> None:
+    """Causal on zigzag shards: rectangles and causal squares, no masked block."""
+    order = token_order(RingParams(mask={"kind": "causal"}, balance="ptrr"), S, 4, True)
+    plans = [mask_plan(parse({"kind": "causal"}), order, r, 4) for r in range(4)]
+    assert all(b.mask is None for plan in plans for step in plan for b in step)
+
+
+def test_kernels_declare_what_they_take() -> None:
+    assert KERNELS["dense"].masks == KERNELS["ring"].masks == frozenset(KINDS)
+    assert KERNELS["ring"].balances == frozenset(layouts.BALANCES)
+    assert KERNELS["dense"].balances == frozenset()
+    assert KERNELS["ring_dilated"].masks == frozenset({"full", "causal"})
+
+
+@pytest.mark.parametrize(
+    ("kernel", "params", "path", "words"),
+    [
+        ("dense", {"balance": "ptrr"}, "params.balance", "kernel 'dense'"),
+        ("ring_dilated", {"mask": {"kind": "causal"}}, "params.mask", "kernel 'ring_dilated'"),
+        ("ring", {"balance": "zigzag"}, "balance", "kernel 'ring' takes the balances"),
+        ("ring", {"balance": "ptrr", "layout": "zigzag"}, "params.layout", "leave layout unset"),
+        ("ring", {"mask": {"kind": "nope"}}, "mask.kind", "must be one of"),
+        (
+            "dense",
+            {"mask": {"kind": "causal"}, "document_lengths": [4]},
+            "params.document_lengths",
+            "not both",
+        ),
+    ],
+)
+def test_masks_and_balances_a_kernel_does_not_take_are_refused(
+    kernel: str, params: dict[str, Any], path: str, words: str
+) -> None:
+    with pytest.raises(ParamError) as caught:
+        attention.build(kernel, **params)
+    assert ".".join(caught.value.path) == path and words in str(caught.value)
+
+
+def test_a_call_contradicting_its_mask_is_refused() -> None:
+    q = torch.randn(1, 16, 2, 8)
+    with pytest.raises(ParamError, match="causal=False"):
+        attention.build("dense", mask={"kind": "causal"})(q, q, q, causal=False)
+
+
+def test_striped_shards_refuse_a_general_mask() -> None:
+    params = RingParams(mask=MASKS[2], layout="striped")
+    with pytest.raises(ParamError, match="striped"):
+        token_order(params, S, 2, True)
+
+
+def test_the_legacy_spelling_means_the_same_mask() -> None:
+    """causal + document_lengths and the mask from_legacy gives compute the same attention."""
+    q, k, v, _ = inputs(3)
+    old = attention.build("dense", document_lengths=LENGTHS)(q, k, v, causal=True)
+    mask = from_legacy(True, LENGTHS)
+    new = attention.build("dense", mask=mask)(q, k, v, causal=True)
+    torch.testing.assert_close(new, old, atol=1e-10, rtol=1e-9)
