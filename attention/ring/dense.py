@@ -17,11 +17,8 @@ from torch import Tensor
 from attention import documents, layouts, primitive
 from attention.errors import ParamError
 from attention.layouts import check_seq_len
-from attention.mask import Mask, from_legacy
-from attention.mask import parse as parse_mask
 from attention.mask.takes import (
     ALL_MASKS,
-    LEGACY_MASKS,
     check_causal,
     check_no_lengths,
     kernel_balance,
@@ -29,7 +26,8 @@ from attention.mask.takes import (
 )
 from attention.registry import KernelSpec, register
 from attention.ring.engine import Block, ring_attention
-from attention.ring.mask_plan import mask_plan
+from attention.ring.mask_plan import mask_in_force, mask_plan, uses_mask_plan
+from attention.ring.mask_plan import token_order as mask_token_order
 from attention.ring.sharded import ShardedKernel, check_placement, default_layout
 
 RING_BALANCES = frozenset(layouts.BALANCES)
@@ -74,7 +72,8 @@ def check_ring(
     Without an explicit layout that is zigzag when causal, contiguous when not, and the zigzag
     rule (seq_len % (2 x world_size)) when `causal` is not known (None).
     """
-    check_seq_len(seq_len, checked_layout(params.layout, causal), world_size)
+    placement = "contiguous" if params.balance is not None else params.layout  # order checks
+    check_seq_len(seq_len, checked_layout(placement, causal), world_size)
     if params.mask is not None:
         params.mask.check(seq_len)
     if masked(params):
@@ -119,33 +118,16 @@ def document_plan(
 
 
 def masked(params: RingParams) -> bool:
-    """The ring runs the general mask plan (attention.ring.mask_plan): a balance, or a mask
-    other than full and causal (those run the layouts' own plans, dense_plan)."""
-    mask = params.mask
-    return params.balance is not None or (mask is not None and mask.kind not in LEGACY_MASKS)
-
-
-def mask_in_force(params: RingParams, causal: bool | None) -> Mask:
-    """The mask the ring computes: params.mask, else the older spelling's (from_legacy)."""
-    if params.mask is not None:
-        return params.mask
-    return parse_mask(from_legacy(bool(causal), params.document_lengths))
+    """The ring runs the general mask plan (uses_mask_plan)."""
+    return uses_mask_plan(params.mask, params.balance)
 
 
 def token_order(params: RingParams, seq_len: int, world: int, causal: bool | None) -> Tensor:
-    """The global token at each position of the concatenated shards: the balance's order, else
-    the layout's positions (striped, one token a run, is refused for the mask plan)."""
-    mask = mask_in_force(params, causal)
-    if params.balance is not None:
-        return layouts.order(params.balance, seq_len, world, mask)
+    """The global token at each position of the concatenated shards (mask_plan.token_order)
+    for the mask in force: params.mask, else the older spelling's."""
+    mask = mask_in_force(params.mask, causal, params.document_lengths)
     layout = checked_layout(params.layout, causal)
-    if layout == "striped":
-        raise ParamError(
-            "params.layout",
-            f"striped shards hold no two consecutive tokens; the {mask.kind} mask runs on "
-            "contiguous or zigzag shards, or with a balance",
-        )
-    return torch.cat([layouts.positions(seq_len, layout, r, world) for r in range(world)])
+    return mask_token_order(mask, params.balance, layout, seq_len, world)
 
 
 def plan_for(
@@ -155,7 +137,8 @@ def plan_for(
     attention's (dense_plan)."""
     if masked(params):
         order = token_order(params, n * world, world, causal)
-        return mask_plan(mask_in_force(params, causal), order, rank, world)
+        mask = mask_in_force(params.mask, causal, params.document_lengths)
+        return mask_plan(mask, order, rank, world)
     if params.document_lengths is not None:
         return document_plan(params.document_lengths, causal, rank, world, n)
     return dense_plan(layout, causal, rank, world, n)
@@ -199,7 +182,8 @@ class RingAttention(ShardedKernel):
             check_causal(self.params.mask, causal)
         group, rank, world = self.join(q, k, v, causal)
         layout = default_layout(self.layout, causal)
-        check_seq_len(q.shape[1] * world, layout, world)
+        if self.params.balance is None:
+            check_seq_len(q.shape[1] * world, layout, world)
         self.backend = primitive.backend_for(q.device, q.dtype)
         if self.params.document_lengths is not None or self.params.mask is not None:
             check_ring(self.params, seq_len=q.shape[1] * world, world_size=world, causal=causal)

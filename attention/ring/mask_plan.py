@@ -12,9 +12,14 @@ mask's exact predicate (a masked Block). No (S, S) tensor is built.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from attention.mask import Mask
+from attention import layouts
+from attention.errors import ParamError
+from attention.mask import Mask, from_legacy, parse
+from attention.mask.takes import LEGACY_MASKS
 from attention.ring.engine import Block
 
 MIN_BAND_ROWS = 8
@@ -116,3 +121,46 @@ def mask_plan(
             ]
         )
     return plan
+
+
+def gather_plan(mask: Mask, order: torch.Tensor, rank: int, world: int) -> list[Block]:
+    """Blocks of rank `rank`'s queries against every rank's keys gathered rank-major (the
+    gathered rows hold `order` itself): the tiles that keep a pair, as in mask_plan."""
+    n = order.numel() // world
+    keys = runs(order)
+    return [
+        blk
+        for q_run in runs(order[rank * n : (rank + 1) * n])
+        for k_run in keys
+        for blk in tile_blocks(mask, order.numel(), q_run, k_run)
+    ]
+
+
+def uses_mask_plan(mask: Mask | None, balance: str | None) -> bool:
+    """A sharded kernel runs the mask plan for a balance, or a mask other than full and causal
+    (those run the layouts' own plans)."""
+    return balance is not None or (mask is not None and mask.kind not in LEGACY_MASKS)
+
+
+def mask_in_force(mask: Mask | None, causal: bool | None, document_lengths: Any = None) -> Mask:
+    """The mask a kernel computes: its `mask`, else the older spelling's (from_legacy)."""
+    if mask is not None:
+        return mask
+    return parse(from_legacy(bool(causal), document_lengths))
+
+
+def token_order(
+    mask: Mask, balance: str | None, layout: str, seq_len: int, world: int
+) -> torch.Tensor:
+    """The global token at each position of the concatenated shards: the balance's order
+    (layouts.order), else the positions of `layout` (the layout in force; striped, one token a
+    run, is refused for the mask plan)."""
+    if balance is not None:
+        return layouts.order(balance, seq_len, world, mask)
+    if layout == "striped":
+        raise ParamError(
+            "params.layout",
+            f"striped shards hold no two consecutive tokens; the {mask.kind} mask runs on "
+            "contiguous or zigzag shards, or with a balance",
+        )
+    return torch.cat([layouts.positions(seq_len, layout, r, world) for r in range(world)])

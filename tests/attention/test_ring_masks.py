@@ -1,5 +1,5 @@
-"""`ring` under every mask kind and balance in real gloo processes, at W in {1, 2, 4}, with
-grouped-query attention: each rank holds the tokens its order puts at its positions
+"""`ring` and `allgather_kv` under every mask kind and balance in real gloo processes, at W in
+{1, 2, 4}, with grouped-query attention: each rank holds the tokens its order puts at its positions
 (`local_positions`), and its outputs and q/k/v gradients equal the fp64 reference computed from
 the mask's explicit predicate over the whole sequence. One process group per W runs every case;
 K/V pieces of 64 rows cut the mask plan's blocks as a long shard does."""
@@ -19,6 +19,7 @@ from attention.ring import engine
 
 pytestmark = pytest.mark.timeout(300)
 
+KERNELS = ("ring", "allgather_kv")
 BALANCES = [None, "none", "head_tail", "per_document", "ptrr"]
 CASES = [
     (mask, balance)
@@ -28,10 +29,12 @@ CASES = [
 ]
 
 
-def ring_case(rank: int, world: int, mask: dict[str, Any], balance: str | None, seed: int) -> dict:
-    """This rank's out and q/k/v gradients, and the global tokens it held."""
+def ring_case(
+    kernel: str, rank: int, world: int, mask: dict[str, Any], balance: str | None, seed: int
+) -> dict:
+    """This rank's out and q/k/v gradients through `kernel`, and the global tokens it held."""
     causal = parse(mask).causal
-    module = attention.build("ring", mask=mask, balance=balance)
+    module = attention.build(kernel, mask=mask, balance=balance)
     held = module.local_positions(S, rank, world, causal=causal)
     q, k, v, dout = (t[:, held].clone() for t in inputs(seed))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -42,22 +45,27 @@ def ring_case(rank: int, world: int, mask: dict[str, Any], balance: str | None, 
 
 def rank_all_cases(rank: int, world: int) -> list[dict]:
     engine.PIECE_TOKENS = 64
-    return [ring_case(rank, world, m, b, seed=i) for i, (m, b) in enumerate(CASES)]
+    return [
+        ring_case(kernel, rank, world, m, b, seed=i)
+        for kernel in KERNELS
+        for i, (m, b) in enumerate(CASES)
+    ]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_ring_is_exact_under_every_mask_and_balance(world: int) -> None:
-    per_rank = run_ranks(rank_all_cases, world, deadline_s=240.0)
-    for i, (mask, balance) in enumerate(CASES):
+def test_sharded_kernels_are_exact_under_every_mask_and_balance(world: int) -> None:
+    per_rank = run_ranks(rank_all_cases, world, deadline_s=280.0)
+    for j, (kernel, i) in enumerate((kernel, i) for kernel in KERNELS for i in range(len(CASES))):
+        mask, balance = CASES[i]
         ref = reference(mask, seed=i)
-        held = torch.cat([r[i]["held"] for r in per_rank])
+        held = torch.cat([r[j]["held"] for r in per_rank])
         assert sorted(held.tolist()) == list(range(S))  # every token on exactly one rank
         for name in ("out", "dq", "dk", "dv"):
-            got = torch.cat([r[i][name] for r in per_rank], dim=1)
+            got = torch.cat([r[j][name] for r in per_rank], dim=1)
             torch.testing.assert_close(
                 got,
                 ref[name][:, held],
                 atol=1e-10,
                 rtol=1e-9,
-                msg=lambda m, n=name, c=(mask_id(mask), balance): f"{n} {c}: {m}",
+                msg=lambda m, n=name, c=(kernel, mask_id(mask), balance): f"{n} {c}: {m}",
             )
