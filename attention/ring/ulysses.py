@@ -34,6 +34,8 @@ import torch
 
 from attention.base import KernelMemory, qkv_bytes
 from attention.errors import ParamError
+from attention.mask import parse as parse_mask
+from attention.mask.takes import ALL_MASKS, check_causal, kernel_balance, kernel_mask
 from attention.registry import (
     KERNELS,
     KernelSpec,
@@ -74,6 +76,8 @@ class UlyssesParams:
     num_global: Any = None
     num_random: Any = None
     seed: Any = None
+    mask: Any = None
+    balance: Any = None
 
     def __post_init__(self) -> None:
         if self.inner not in INNER:
@@ -81,6 +85,8 @@ class UlyssesParams:
                 "params.inner", f"must be one of {', '.join(INNER)}, got {self.inner!r}"
             )
         check_group(self.group)
+        check_inner_mask(self.inner, self.mask)
+        kernel_balance(self.balance, "ulysses", frozenset())  # every rank does the same work
         parsed = make_params(self.inner, self.inner_params())
         for name in self.inner_params():  # normalized by the inner kernel (lists -> tuples)
             object.__setattr__(self, name, getattr(parsed, name))
@@ -88,10 +94,12 @@ class UlyssesParams:
     def inner_params(self) -> dict[str, Any]:
         """The inner kernel's params (the fields set); a field it does not take raises."""
         own = inner_fields(self.inner)
+        # a full or causal mask reaches an inner kernel without a `mask` as its causal flag
+        mine = ("inner", "group", "balance", *(() if "mask" in own else ("mask",)))
         given = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name not in ("inner", "group") and getattr(self, f.name) is not None
+            if f.name not in mine and getattr(self, f.name) is not None
         }
         for name in given:
             if name not in own:
@@ -101,6 +109,18 @@ class UlyssesParams:
                     f"{', '.join(sorted(own)) or 'none'})",
                 )
         return given
+
+
+def check_inner_mask(inner: str, mask: Any) -> None:
+    """ParamError (`mask`) unless the inner kernel takes the mask's kind (KernelSpec.masks)."""
+    parsed = kernel_mask(mask, "ulysses", ALL_MASKS)
+    takes = KERNELS[inner].masks
+    if parsed is not None and parsed.kind not in takes:
+        raise ParamError(
+            "mask",
+            f"kernel 'ulysses' runs inner kernel {inner!r}, which takes the masks "
+            f"{', '.join(sorted(takes))}, not {parsed.kind}",
+        )
 
 
 def inner_fields(inner: str) -> set[str]:
@@ -224,6 +244,8 @@ class UlyssesAttention(ShardedKernel):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
+        if self.params.mask is not None:
+            check_causal(parse_mask(self.params.mask), causal)
         group, rank, world = self.join(
             q, k, v, causal, lambda world: check_heads(q.shape[2], k.shape[2], world, "world_size")
         )
@@ -298,6 +320,7 @@ register(
         distributed=True,
         twin="dense",
         check=check_ulysses,
+        masks=ALL_MASKS,
         periods=lambda p: structural_periods(p.inner, p.inner_params()),
         heads_check=lambda p, heads, kv, world: check_heads(heads, kv, world, "world_size"),
         reference_of=lambda params: (

@@ -92,6 +92,14 @@ def test_kernels_declare_what_they_take() -> None:
         ("ring", {"balance": "zigzag"}, "balance", "kernel 'ring' takes the balances"),
         ("ring", {"balance": "ptrr", "layout": "zigzag"}, "params.layout", "leave layout unset"),
         ("ring", {"mask": {"kind": "nope"}}, "mask.kind", "must be one of"),
+        ("ulysses", {"balance": "ptrr"}, "balance", "kernel 'ulysses' takes no balance"),
+        (
+            "ulysses",
+            {"inner": "dilated", "mask": MASKS[5]},
+            "mask",
+            "inner kernel 'dilated', which takes the masks causal, full, not documents",
+        ),
+        ("allgather_kv", {"balance": "none", "layout": "zigzag"}, "params.layout", "unset"),
         (
             "dense",
             {"mask": {"kind": "causal"}, "document_lengths": [4]},
@@ -127,3 +135,11 @@ def test_the_legacy_spelling_means_the_same_mask() -> None:
     mask = from_legacy(True, LENGTHS)
     new = attention.build("dense", mask=mask)(q, k, v, causal=True)
     torch.testing.assert_close(new, old, atol=1e-10, rtol=1e-9)
+
+
+def test_ulysses_passes_a_full_or_causal_mask_to_any_inner_kernel_as_its_flag() -> None:
+    module = attention.build("ulysses", inner="dilated", mask={"kind": "causal"})
+    assert module.params.inner_params() == {}  # dilated has no `mask`: causal=True says it
+    assert attention.build("ulysses", mask=MASKS[2]).params.inner_params()["mask"] == parse(
+        MASKS[2]
+    )

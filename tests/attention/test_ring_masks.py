@@ -1,8 +1,9 @@
-"""`ring` and `allgather_kv` under every mask kind and balance in real gloo processes, at W in
-{1, 2, 4}, with grouped-query attention: each rank holds the tokens its order puts at its positions
-(`local_positions`), and its outputs and q/k/v gradients equal the fp64 reference computed from
-the mask's explicit predicate over the whole sequence. One process group per W runs every case;
-K/V pieces of 64 rows cut the mask plan's blocks as a long shard does."""
+"""`ring` and `allgather_kv` under every mask kind and balance, and `ulysses` under every mask
+kind, in real gloo processes at W in {1, 2, 4}, with grouped-query attention: each rank holds the
+tokens its order puts at its positions (`local_positions`), and its outputs and q/k/v gradients
+equal the fp64 reference computed from the mask's explicit predicate over the whole sequence.
+One process group per W runs every case; K/V pieces of 64 rows cut the mask plan's blocks as a
+long shard does."""
 
 from __future__ import annotations
 
@@ -19,14 +20,14 @@ from attention.ring import engine
 
 pytestmark = pytest.mark.timeout(300)
 
-KERNELS = ("ring", "allgather_kv")
 BALANCES = [None, "none", "head_tail", "per_document", "ptrr"]
 CASES = [
-    (mask, balance)
+    (kernel, mask, balance)
+    for kernel in ("ring", "allgather_kv")
     for mask in MASKS
     for balance in BALANCES
     if balance != "per_document" or mask["kind"] == "documents"
-]
+] + [("ulysses", mask, None) for mask in MASKS]  # ulysses takes no balance: it needs none
 
 
 def ring_case(
@@ -45,23 +46,18 @@ def ring_case(
 
 def rank_all_cases(rank: int, world: int) -> list[dict]:
     engine.PIECE_TOKENS = 64
-    return [
-        ring_case(kernel, rank, world, m, b, seed=i)
-        for kernel in KERNELS
-        for i, (m, b) in enumerate(CASES)
-    ]
+    return [ring_case(k, rank, world, m, b, seed=i) for i, (k, m, b) in enumerate(CASES)]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_sharded_kernels_are_exact_under_every_mask_and_balance(world: int) -> None:
     per_rank = run_ranks(rank_all_cases, world, deadline_s=280.0)
-    for j, (kernel, i) in enumerate((kernel, i) for kernel in KERNELS for i in range(len(CASES))):
-        mask, balance = CASES[i]
+    for i, (kernel, mask, balance) in enumerate(CASES):
         ref = reference(mask, seed=i)
-        held = torch.cat([r[j]["held"] for r in per_rank])
+        held = torch.cat([r[i]["held"] for r in per_rank])
         assert sorted(held.tolist()) == list(range(S))  # every token on exactly one rank
         for name in ("out", "dq", "dk", "dv"):
-            got = torch.cat([r[j][name] for r in per_rank], dim=1)
+            got = torch.cat([r[i][name] for r in per_rank], dim=1)
             torch.testing.assert_close(
                 got,
                 ref[name][:, held],
