@@ -5,6 +5,7 @@ balance a kernel does not take is refused, naming it and the kernel."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ import attention
 from attention import KERNELS, layouts
 from attention.errors import ParamError
 from attention.mask import KINDS, from_legacy, parse
+from attention.mask.table import with_table
 from attention.ring.dense import RingParams, token_order
 from attention.ring.mask_plan import mask_plan
 
@@ -143,3 +145,9 @@ def test_ulysses_passes_a_full_or_causal_mask_to_any_inner_kernel_as_its_flag() 
     assert attention.build("ulysses", mask=MASKS[2]).params.inner_params()["mask"] == parse(
         MASKS[2]
     )
+
+
+def test_the_docs_kernel_table_is_the_declarations() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "masks.md").read_text()
+    assert with_table(doc) == doc, "run attention.mask.table.with_table on docs/masks.md"
+    assert "| `ring` | yes | yes | yes | yes | yes | head_tail, none, per_document, ptrr |" in doc
