@@ -1,9 +1,9 @@
-"""`ring` and `allgather_kv` under every mask kind and balance, and `ulysses` under every mask
-kind, in real gloo processes at W in {1, 2, 4}, with grouped-query attention: each rank holds the
-tokens its order puts at its positions (`local_positions`), and its outputs and q/k/v gradients
-equal the fp64 reference computed from the mask's explicit predicate over the whole sequence.
-One process group per W runs every case; K/V pieces of 64 rows cut the mask plan's blocks as a
-long shard does."""
+"""`ring`, `allgather_kv` and `usp` (U = 2) under every mask kind and balance, and `ulysses`
+under every mask kind, in real gloo processes at W in {1, 2, 4}, with grouped-query attention:
+each rank holds the tokens its order puts at its positions (`local_positions`), and its outputs
+and q/k/v gradients equal the fp64 reference computed from the mask's explicit predicate over
+the whole sequence. One process group per W runs every case; K/V pieces of 64 rows cut the mask
+plan's blocks as a long shard does."""
 
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ CASES = [
     for balance in BALANCES
     if balance != "per_document" or mask["kind"] == "documents"
 ] + [("ulysses", mask, None) for mask in MASKS]  # ulysses takes no balance: it needs none
+CASES += [
+    ("usp", mask, balance)
+    for mask in MASKS
+    for balance in (None, "head_tail", "per_document", "ptrr")
+    if balance != "per_document" or mask["kind"] == "documents"
+]
 
 
 def ring_case(
@@ -35,7 +41,8 @@ def ring_case(
 ) -> dict:
     """This rank's out and q/k/v gradients through `kernel`, and the global tokens it held."""
     causal = parse(mask).causal
-    module = attention.build(kernel, mask=mask, balance=balance)
+    extra = {"ulysses_degree": min(2, world)} if kernel == "usp" else {}  # U = 2, a ring of W / 2
+    module = attention.build(kernel, mask=mask, balance=balance, **extra)
     held = module.local_positions(S, rank, world, causal=causal)
     q, k, v, dout = (t[:, held].clone() for t in inputs(seed))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
