@@ -17,7 +17,14 @@ from attention.base import (
     check_qkv,
     qkv_bytes,
 )
-from attention.mask.takes import ALL_MASKS, check_causal, check_no_lengths, kernel_mask
+from attention.mask import parse as parse_mask
+from attention.mask.takes import (
+    ALL_MASKS,
+    check_causal,
+    check_fits,
+    check_no_lengths,
+    kernel_mask,
+)
 from attention.registry import KernelSpec, register
 from attention.ring.engine import ring_attention
 from attention.ring.mask_plan import mask_plan
@@ -48,8 +55,7 @@ def check_dense(
 ) -> None:
     """Packed documents must fill the sequence; a mask must fit it."""
     documents.check_total(params.document_lengths, seq_len)
-    if params.mask is not None:
-        params.mask.check(seq_len)
+    check_fits(params.mask, seq_len)
 
 
 class DenseAttention(Kernel):
@@ -83,9 +89,9 @@ class DenseAttention(Kernel):
     ) -> torch.Tensor:
         """Under params.mask: only the tiles that keep a pair, partial tiles under the mask's
         exact predicate (attention.ring.mask_plan), through the primitive on one rank."""
-        mask, seq_len = self.params.mask, q.shape[1]
-        check_causal(mask, causal)
-        mask.check(seq_len)
+        seq_len = q.shape[1]
+        check_causal(self.params.mask, causal)
+        mask = parse_mask(self.params.mask, seq_len)
         self.backend = primitive.backend_for(q.device, q.dtype)
         plan = mask_plan(mask, torch.arange(seq_len), 0, 1)
         q, k, v = (t.contiguous() for t in (q, k, v))
@@ -101,7 +107,7 @@ class DenseAttention(Kernel):
         backward: bool = False,
     ) -> int:
         if self.params.mask is not None:
-            pairs = self.params.mask.pairs(seq_len)
+            pairs = parse_mask(self.params.mask).pairs(seq_len)
         else:
             pairs = documents.pairs(self.params.document_lengths or (seq_len,), causal)
         return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 from attention.errors import ParamError
-from attention.mask.base import Mask
 from attention.mask.parse import KINDS, parse
 
 LEGACY_MASKS = frozenset({"full", "causal"})
@@ -15,8 +14,9 @@ LEGACY_MASKS = frozenset({"full", "causal"})
 ALL_MASKS = frozenset(KINDS)
 
 
-def kernel_mask(value: Any, kernel: str, kinds: frozenset[str]) -> Mask | None:
-    """`value` (a run's mask dict, a Mask or None) as a Mask of a kind `kernel` takes."""
+def kernel_mask(value: Any, kernel: str, kinds: frozenset[str]) -> dict[str, Any] | None:
+    """`value` (a run's mask dict, a Mask or None) as the dict of a mask of a kind `kernel`
+    takes (parse(value).to_dict(): the form a run stores, so params stay plain data)."""
     if value is None:
         return None
     mask = parse(value)
@@ -25,7 +25,7 @@ def kernel_mask(value: Any, kernel: str, kinds: frozenset[str]) -> Mask | None:
             "mask",
             f"kernel {kernel!r} takes the masks {', '.join(sorted(kinds))}, not {mask.kind}",
         )
-    return mask
+    return mask.to_dict()
 
 
 def kernel_balance(value: Any, kernel: str, balances: frozenset[str]) -> str | None:
@@ -42,9 +42,12 @@ def kernel_balance(value: Any, kernel: str, balances: frozenset[str]) -> str | N
     return str(value)
 
 
-def check_causal(mask: Mask, causal: bool) -> None:
-    """A call's `causal` must say what its mask says (the mask decides; a contradiction is an
-    error, not a silent choice)."""
+def check_causal(value: Any, causal: bool) -> None:
+    """A call's `causal` must say what its mask (a dict or a Mask; None: no mask) says (the
+    mask decides; a contradiction is an error, not a silent choice)."""
+    if value is None:
+        return
+    mask = parse(value)
     if causal != mask.causal:
         raise ParamError(
             "causal",
@@ -53,7 +56,13 @@ def check_causal(mask: Mask, causal: bool) -> None:
         )
 
 
-def check_no_lengths(mask: Mask | None, document_lengths: Any) -> None:
+def check_fits(value: Any, seq_len: int) -> None:
+    """ParamError unless the mask (a dict or a Mask; None: no mask) fits seq_len tokens."""
+    if value is not None:
+        parse(value, seq_len)
+
+
+def check_no_lengths(mask: Any, document_lengths: Any) -> None:
     """`mask` and the older `document_lengths` are two spellings: give one."""
     if mask is not None and document_lengths is not None:
         raise ParamError(

@@ -26,7 +26,13 @@ from attention.base import KernelMemory, merged_memory, qkv_bytes
 from attention.errors import ParamError
 from attention.layouts import check_seq_len
 from attention.layouts import positions as layout_positions
-from attention.mask.takes import ALL_MASKS, check_causal, kernel_balance, kernel_mask
+from attention.mask.takes import (
+    ALL_MASKS,
+    check_causal,
+    check_fits,
+    kernel_balance,
+    kernel_mask,
+)
 from attention.primitive import empty_result
 from attention.registry import KernelSpec, register
 from attention.ring.collectives import all_gather, reduce_scatter
@@ -225,8 +231,7 @@ class AllGatherKV(ShardedKernel):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
-        if self.params.mask is not None:
-            check_causal(self.params.mask, causal)
+        check_causal(self.params.mask, causal)
         group, rank, world = self.join(q, k, v, causal)
         check_allgather(self.params, seq_len=q.shape[1] * world, world_size=world, causal=causal)
         self.backend = primitive.backend_for(q.device, q.dtype)
@@ -264,8 +269,7 @@ def check_allgather(
     check_seq_len(
         seq_len, default_layout(placement, True if causal is None else causal), world_size
     )
-    if params.mask is not None:
-        params.mask.check(seq_len)
+    check_fits(params.mask, seq_len)
     params.order(seq_len, world_size, causal)  # a balance's own rules
 
 

@@ -20,6 +20,7 @@ from attention.layouts import check_seq_len
 from attention.mask.takes import (
     ALL_MASKS,
     check_causal,
+    check_fits,
     check_no_lengths,
     kernel_balance,
     kernel_mask,
@@ -74,8 +75,7 @@ def check_ring(
     """
     placement = "contiguous" if params.balance is not None else params.layout  # order checks
     check_seq_len(seq_len, checked_layout(placement, causal), world_size)
-    if params.mask is not None:
-        params.mask.check(seq_len)
+    check_fits(params.mask, seq_len)
     if masked(params):
         token_order(params, seq_len, world_size, causal)  # its own rules (balance, layout)
     if params.document_lengths is not None:
@@ -178,8 +178,7 @@ class RingAttention(ShardedKernel):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
-        if self.params.mask is not None:
-            check_causal(self.params.mask, causal)
+        check_causal(self.params.mask, causal)
         group, rank, world = self.join(q, k, v, causal)
         layout = default_layout(self.layout, causal)
         if self.params.balance is None:

@@ -136,16 +136,17 @@ def gather_plan(mask: Mask, order: torch.Tensor, rank: int, world: int) -> list[
     ]
 
 
-def uses_mask_plan(mask: Mask | None, balance: str | None) -> bool:
-    """A sharded kernel runs the mask plan for a balance, or a mask other than full and causal
-    (those run the layouts' own plans)."""
-    return balance is not None or (mask is not None and mask.kind not in LEGACY_MASKS)
+def uses_mask_plan(mask: Any, balance: str | None) -> bool:
+    """A sharded kernel runs the mask plan for a balance, or a mask (a dict or a Mask) other
+    than full and causal (those run the layouts' own plans)."""
+    return balance is not None or (mask is not None and parse(mask).kind not in LEGACY_MASKS)
 
 
-def mask_in_force(mask: Mask | None, causal: bool | None, document_lengths: Any = None) -> Mask:
-    """The mask a kernel computes: its `mask`, else the older spelling's (from_legacy)."""
+def mask_in_force(mask: Any, causal: bool | None, document_lengths: Any = None) -> Mask:
+    """The mask a kernel computes: its `mask` (a dict or a Mask), else the older spelling's
+    (from_legacy)."""
     if mask is not None:
-        return mask
+        return parse(mask)
     return parse(from_legacy(bool(causal), document_lengths))
 
 

@@ -34,7 +34,6 @@ import torch
 
 from attention.base import KernelMemory, qkv_bytes
 from attention.errors import ParamError
-from attention.mask import parse as parse_mask
 from attention.mask.takes import ALL_MASKS, check_causal, kernel_balance, kernel_mask
 from attention.registry import (
     KERNELS,
@@ -85,7 +84,7 @@ class UlyssesParams:
                 "params.inner", f"must be one of {', '.join(INNER)}, got {self.inner!r}"
             )
         check_group(self.group)
-        check_inner_mask(self.inner, self.mask)
+        object.__setattr__(self, "mask", check_inner_mask(self.inner, self.mask))
         kernel_balance(self.balance, "ulysses", frozenset())  # every rank does the same work
         parsed = make_params(self.inner, self.inner_params())
         for name in self.inner_params():  # normalized by the inner kernel (lists -> tuples)
@@ -111,16 +110,18 @@ class UlyssesParams:
         return given
 
 
-def check_inner_mask(inner: str, mask: Any) -> None:
-    """ParamError (`mask`) unless the inner kernel takes the mask's kind (KernelSpec.masks)."""
-    parsed = kernel_mask(mask, "ulysses", ALL_MASKS)
+def check_inner_mask(inner: str, mask: Any) -> dict[str, Any] | None:
+    """The mask's dict (kernel_mask); ParamError (`mask`) unless the inner kernel takes its
+    kind (KernelSpec.masks)."""
+    given = kernel_mask(mask, "ulysses", ALL_MASKS)
     takes = KERNELS[inner].masks
-    if parsed is not None and parsed.kind not in takes:
+    if given is not None and given["kind"] not in takes:
         raise ParamError(
             "mask",
             f"kernel 'ulysses' runs inner kernel {inner!r}, which takes the masks "
-            f"{', '.join(sorted(takes))}, not {parsed.kind}",
+            f"{', '.join(sorted(takes))}, not {given['kind']}",
         )
+    return given
 
 
 def inner_fields(inner: str) -> set[str]:
@@ -244,8 +245,7 @@ class UlyssesAttention(ShardedKernel):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
-        if self.params.mask is not None:
-            check_causal(parse_mask(self.params.mask), causal)
+        check_causal(self.params.mask, causal)
         group, rank, world = self.join(
             q, k, v, causal, lambda world: check_heads(q.shape[2], k.shape[2], world, "world_size")
         )

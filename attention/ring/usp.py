@@ -31,7 +31,13 @@ from attention import layouts, primitive
 from attention.base import KernelMemory, qkv_bytes
 from attention.errors import ParamError
 from attention.layouts import check_seq_len
-from attention.mask.takes import ALL_MASKS, check_causal, kernel_balance, kernel_mask
+from attention.mask.takes import (
+    ALL_MASKS,
+    check_causal,
+    check_fits,
+    kernel_balance,
+    kernel_mask,
+)
 from attention.registry import KernelSpec, register
 from attention.ring.allgather import check_sp_layout
 from attention.ring.collectives import heads_of, tokens_of
@@ -149,8 +155,7 @@ class UspAttention(ShardedKernel):
             check_degree(self.params, world)
             check_heads(q.shape[2], k.shape[2], u, "params.ulysses_degree")
 
-        if self.params.mask is not None:
-            check_causal(self.params.mask, causal)
+        check_causal(self.params.mask, causal)
         group, rank, world = self.join(q, k, v, causal, check)
         layout = default_layout(self.params.layout, causal)
         check_order(self.params, q.shape[1] * world, world, causal)
@@ -237,8 +242,7 @@ def check_order(params: UspParams, seq_len: int, world_size: int, causal: bool |
     check_seq_len(
         seq_len, default_layout(placement, True if causal is None else causal), world_size
     )
-    if params.mask is not None:
-        params.mask.check(seq_len)
+    check_fits(params.mask, seq_len)
     params.ring_order(seq_len, world_size, causal)  # a balance's or the ring layout's rules
 
 

@@ -5,6 +5,8 @@ balance a kernel does not take is refused, naming it and the kernel."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from _mask_cases import LENGTHS, MASKS, S, inputs, mask_id, reference
 import attention
 from attention import KERNELS, layouts
 from attention.errors import ParamError
-from attention.mask import KINDS, from_legacy, parse
+from attention.mask import KINDS, expand, from_legacy, parse
 from attention.mask.table import with_table
 from attention.ring.dense import RingParams, token_order
 from attention.ring.mask_plan import mask_plan
@@ -142,9 +144,18 @@ def test_the_legacy_spelling_means_the_same_mask() -> None:
 def test_ulysses_passes_a_full_or_causal_mask_to_any_inner_kernel_as_its_flag() -> None:
     module = attention.build("ulysses", inner="dilated", mask={"kind": "causal"})
     assert module.params.inner_params() == {}  # dilated has no `mask`: causal=True says it
-    assert attention.build("ulysses", mask=MASKS[2]).params.inner_params()["mask"] == parse(
-        MASKS[2]
-    )
+    assert attention.build("ulysses", mask=MASKS[2]).params.inner_params()["mask"] == MASKS[2]
+
+
+@pytest.mark.parametrize("kernel", ["dense", "ring", "allgather_kv", "ulysses", "usp"])
+def test_params_hold_the_mask_as_the_dict_a_run_stores(kernel: str) -> None:
+    """Params stay plain data (stored as JSON): the mask as parse(mask).to_dict()."""
+    sampled = {"distribution": "uniform", "mean": 64, "max_fraction": 0.5, "seed": 1}
+    stored = expand({"kind": "documents", "causal": True, "sampled": sampled}, S)
+    params = attention.make_params(kernel, {"mask": stored})
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    assert fields["mask"] == stored
+    json.dumps({k: v for k, v in fields.items() if k != "group"})
 
 
 def test_the_docs_kernel_table_is_the_declarations() -> None:
