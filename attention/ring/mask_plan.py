@@ -62,40 +62,85 @@ def _fused(a: int, b: int, lo: int, hi: int, causal: bool) -> list[Block]:
     return [*blocks, Block(a, b, edge, edge + (b - a), causal=True)]
 
 
-def tile_blocks(mask: Mask, seq_len: int, q_run: Run, k_run: Run) -> list[Block]:
-    """The Blocks of one tile (local query rows of q_run, held keys of k_run) that keep a
-    pair: rectangles, causal squares and masked blocks, exactly the mask's pairs."""
+MASK_ROWS = 64
+"""Rows of one masked block: a stretch of masked rows is cut into chunks this tall, each a
+rectangle of the keys all its rows keep (fused) between two masked edges, so a sliding window's
+masked work is its two edges, not the window."""
+
+Bounds = tuple[list[int], list[int], int, int]
+"""A query run's global kept ranges: lo, hi per row, min(lo) and max(hi)."""
+
+
+def run_bounds(mask: Mask, seq_len: int, q_run: Run) -> Bounds:
+    """The kept key range of every query of a run (Mask.bounds), computed once per run."""
     a, b, qg = q_run
-    c, d, kg = k_run
     lo_g, hi_g = mask.bounds(torch.arange(qg, qg + b - a), seq_len)
-    lo_t = (lo_g - kg + c).clamp(c, d)
-    hi_t = torch.maximum((hi_g - kg + c).clamp(c, d), lo_t)
-    lo, hi = lo_t.tolist(), hi_t.tolist()
+    lo, hi = lo_g.tolist(), hi_g.tolist()
+    return lo, hi, min(lo), max(hi)
+
+
+def _masked(
+    mask: Mask, rows: tuple[int, int], lo: list[int], hi: list[int], offs: tuple[int, int, int]
+) -> list[Block]:
+    """A stretch of rows [r0, r1) of a tile (lo, hi: their kept keys, held-block-local) in
+    chunks of MASK_ROWS: per chunk the keys every row keeps as one fused rectangle, the edges
+    under the mask's predicate. `offs`: (the tile's first local row, Block.q_off, .k_off)."""
+    blocks: list[Block] = []
+    a, q_off, k_off = offs
+    for r0 in range(rows[0], rows[1], MASK_ROWS):
+        r1 = min(rows[1], r0 + MASK_ROWS)
+        lo_min, lo_max = min(lo[r0:r1]), max(lo[r0:r1])
+        hi_min, hi_max = min(hi[r0:r1]), max(hi[r0:r1])
+        q0, q1 = a + r0, a + r1
+        edges = [(lo_min, lo_max), (hi_min, hi_max)] if lo_max < hi_min else [(lo_min, hi_max)]
+        if lo_max < hi_min and all(hi[r] == hi[r0] + (r - r0) for r in range(r0, r1)):
+            blocks += _fused(q0, q1, lo_max, hi[r0], True)  # a causal right edge: fused too
+            edges = edges[:1]
+        elif lo_max < hi_min:
+            blocks.append(Block(q0, q1, lo_max, hi_min))
+        blocks += [
+            Block(q0, q1, k0, k1, mask=mask, q_off=q_off, k_off=k_off)
+            for k0, k1 in edges
+            if k0 < k1
+        ]
+    return blocks
+
+
+def tile_blocks(mask: Mask, bounds: Bounds, q_run: Run, k_run: Run) -> list[Block]:
+    """The Blocks of one tile (local query rows of q_run, held keys of k_run) that keep a
+    pair: rectangles, causal squares and masked blocks, exactly the mask's pairs. `bounds`:
+    the run's kept ranges (run_bounds)."""
+    a, _, qg = q_run
+    c, d, kg = k_run
+    lo_g, hi_g, lo_min, hi_max = bounds
+    if hi_max <= kg or lo_min >= kg + (d - c):  # no query of the run keeps a key of the tile
+        return []
+    shift = c - kg
+    lo = [min(max(x + shift, c), d) for x in lo_g]
+    hi = [max(min(max(x + shift, c), d), y) for x, y in zip(hi_g, lo, strict=True)]
     blocks: list[Block] = []
     masked: int | None = None  # first row of the pending masked stretch
-
-    def flush(end: int) -> None:
-        nonlocal masked
-        if masked is not None:
-            k0, k1 = min(lo[masked:end]), max(hi[masked:end])
-            blocks.append(Block(a + masked, a + end, k0, k1, mask=mask, q_off=qg - a, k_off=kg - c))
-            masked = None
-
+    offs = (a, qg - a, kg - c)  # local row a + r holds token qg + r, local key c + j token kg + j
     i = 0
     while i < len(lo):
         if hi[i] <= lo[i]:
-            flush(i)
+            if masked is not None:
+                blocks += _masked(mask, (masked, i), lo, hi, offs)
+            masked = None
             i += 1
             continue
         end, causal = _band(lo, hi, i)
         if end - i >= MIN_BAND_ROWS or (masked is None and end == len(lo)):
-            flush(i)
+            if masked is not None:
+                blocks += _masked(mask, (masked, i), lo, hi, offs)
+            masked = None
             blocks += _fused(a + i, a + end, lo[i], hi[i], causal)
             i = end
         else:
             masked = i if masked is None else masked
             i += 1
-    flush(len(lo))
+    if masked is not None:
+        blocks += _masked(mask, (masked, len(lo)), lo, hi, offs)
     return blocks
 
 
@@ -109,15 +154,16 @@ def mask_plan(
     seq_len = order.numel()
     n = seq_len // world
     shards = runs_of or [runs(order[r * n : (r + 1) * n]) for r in range(world)]
+    mine = [(q_run, run_bounds(mask, seq_len, q_run)) for q_run in shards[rank]]
     plan = []
     for t in range(world):
         src = (rank - t) % world
         plan.append(
             [
                 blk
-                for q_run in shards[rank]
+                for q_run, bounds in mine
                 for k_run in shards[src]
-                for blk in tile_blocks(mask, seq_len, q_run, k_run)
+                for blk in tile_blocks(mask, bounds, q_run, k_run)
             ]
         )
     return plan
@@ -131,8 +177,9 @@ def gather_plan(mask: Mask, order: torch.Tensor, rank: int, world: int) -> list[
     return [
         blk
         for q_run in runs(order[rank * n : (rank + 1) * n])
+        for bounds in [run_bounds(mask, order.numel(), q_run)]
         for k_run in keys
-        for blk in tile_blocks(mask, order.numel(), q_run, k_run)
+        for blk in tile_blocks(mask, bounds, q_run, k_run)
     ]
 
 

@@ -24,8 +24,14 @@ from attention.ring.mask_plan import mask_plan
 
 pytestmark = pytest.mark.timeout(120)
 
+WIDE = [
+    {"kind": "sliding_window", "causal": True, "window": 150},
+    {"kind": "documents", "causal": False, "lengths": LENGTHS, "window": 90},
+]
+"""Windows wider than a masked chunk (MASK_ROWS): chunks with a fused middle between edges."""
 
-@pytest.mark.parametrize("mask", MASKS, ids=mask_id)
+
+@pytest.mark.parametrize("mask", MASKS + WIDE, ids=mask_id)
 def test_dense_is_exact_under_every_mask(mask: dict[str, Any], accumulator_windows) -> None:
     accumulator_windows(3)  # several row windows: the plan's rows re-based per window
     ref = reference(mask, seed=7)
@@ -46,7 +52,7 @@ def test_dense_flops_count_the_masks_pairs() -> None:
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("balance", [None, *layouts.BALANCES])
-@pytest.mark.parametrize("mask", MASKS, ids=mask_id)
+@pytest.mark.parametrize("mask", MASKS + WIDE, ids=mask_id)
 def test_mask_plan_keeps_exactly_the_masks_pairs(
     mask: dict[str, Any], balance: str | None, world: int
 ) -> None:
@@ -162,3 +168,14 @@ def test_the_docs_kernel_table_is_the_declarations() -> None:
     doc = (Path(__file__).parents[2] / "docs" / "masks.md").read_text()
     assert with_table(doc) == doc, "run attention.mask.table.with_table on docs/masks.md"
     assert "| `ring` | yes | yes | yes | yes | yes | head_tail, none, per_document, ptrr |" in doc
+
+
+def test_a_wide_window_computes_only_its_edges_under_the_predicate() -> None:
+    """Masked blocks hold the window's two edges, not the window: their pairs are a small
+    share of the plan's."""
+    mask = parse(WIDE[0])
+    blocks = mask_plan(mask, torch.arange(S), 0, 1)[0]
+    masked = [b for b in blocks if b.mask is not None]
+    computed = sum((b.q1 - b.q0) * (b.k1 - b.k0) for b in masked)
+    assert masked and any(b.mask is None and not b.causal for b in blocks)
+    assert computed < 0.5 * mask.pairs(S)
