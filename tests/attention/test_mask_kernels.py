@@ -179,3 +179,13 @@ def test_a_wide_window_computes_only_its_edges_under_the_predicate() -> None:
     computed = sum((b.q1 - b.q0) * (b.k1 - b.k0) for b in masked)
     assert masked and any(b.mask is None and not b.causal for b in blocks)
     assert computed < 0.5 * mask.pairs(S)
+
+
+@pytest.mark.parametrize("kernel", ["ring", "allgather_kv", "usp"])
+@pytest.mark.parametrize("balance", [None, "ptrr"])
+def test_sharded_kernels_count_exactly_the_masks_pairs(kernel: str, balance: str | None) -> None:
+    """rank_pairs (their FLOPs) summed over the ranks: every kept pair once, per head."""
+    world, heads, mask = 4, 4, MASKS[7]
+    module = attention.build(kernel, mask=mask, balance=balance)
+    per_rank = [module.rank_pairs(S // world, heads, True, r, world) for r in range(world)]
+    assert sum(per_rank) == heads * parse(mask).pairs(S)
