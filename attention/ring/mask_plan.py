@@ -62,10 +62,12 @@ def _fused(a: int, b: int, lo: int, hi: int, causal: bool) -> list[Block]:
     return [*blocks, Block(a, b, edge, edge + (b - a), causal=True)]
 
 
-MASK_ROWS = 64
+MASK_ROWS = 256
 """Rows of one masked block: a stretch of masked rows is cut into chunks this tall, each a
 rectangle of the keys all its rows keep (fused) between two masked edges, so a sliding window's
-masked work is its two edges, not the window."""
+masked work is its edges, not the window. Taller chunks mean fewer calls and more masked area:
+on one CPU thread, 8K tokens, 4 heads of 64, a causal window of 512 ran in 0.60 s at 64 rows,
+0.28 s at 128, 0.19 s at 256 (2048: 0.57, 0.46, 0.42 s)."""
 
 Bounds = tuple[list[int], list[int], int, int]
 """A query run's global kept ranges: lo, hi per row, min(lo) and max(hi)."""
