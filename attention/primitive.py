@@ -294,7 +294,6 @@ def block_forward(
     scale: float,
     causal: bool = False,
     diagonal: int = 0,
-    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, H, D) against k, v (B, Sk, H_kv, D): out (B,Sq,H,D), lse (B,H,Sq)
     in `accumulator_dtype`, except an out that one fused call produced: that one stays in the
@@ -303,19 +302,14 @@ def block_forward(
     into their accumulators and never rely on its dtype. `causal`: query i sees key
     j <= i + diagonal. No autograd graph.
 
-    One fused call per `causal_pieces` piece; pieces of the same rows are merged. `keep`: a
-    bool (Sq, Sk) tile predicate (a mask's partial tile, attention.ring.mask_plan), computed
-    in plain math in the accumulator dtype (no fused op takes an arbitrary mask with its lse).
+    One fused call per `causal_pieces` piece; pieces of the same rows are merged. A tile
+    under an arbitrary predicate: attention.masked_block.
     """
     global last_backend
     _check_shapes(q, k, v)
     sq = q.shape[1]
     backend = backend_for(q.device, q.dtype)
     last_backend = backend
-    if keep is not None:
-        _check_keep(keep, sq, k.shape[1], causal)
-        with torch.no_grad():
-            return _math_forward(q, k, v, scale, False, keep)
     pieces = causal_pieces(sq, k.shape[1], causal, diagonal)
     with torch.no_grad():
         if pieces and pieces[0][:2] == (0, sq):  # every piece has all the rows: no buffer
@@ -385,14 +379,6 @@ def _cuda_forward_args(
         op = torch.ops.aten._scaled_dot_product_efficient_attention.default
         return op, (qt, kt, vt, None, True, 0.0, causal), {"scale": scale}
     raise ValueError(f"backend: {backend!r} has no fused CUDA forward")
-
-
-def _check_keep(keep: torch.Tensor, sq: int, sk: int, causal: bool) -> None:
-    """A tile predicate must be bool (sq, sk) and stand alone (no causal flag beside it)."""
-    if keep.dtype != torch.bool or tuple(keep.shape) != (sq, sk):
-        raise ValueError(f"keep: expected bool ({sq}, {sk}), got {keep.dtype} {tuple(keep.shape)}")
-    if causal:
-        raise ValueError("keep: a tile predicate replaces causal; give one of them")
 
 
 def _math_forward(
@@ -478,11 +464,9 @@ def block_backward(
     scale: float,
     causal: bool = False,
     diagonal: int = 0,
-    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of one block pair in the accumulator dtype (dk, dv with k's
-    heads), recomputing P = exp(S*scale - lse); `causal`, `diagonal`, `keep` as in
-    `block_forward`.
+    heads), recomputing P = exp(S*scale - lse); `causal`, `diagonal` as in `block_forward`.
 
     `out` and `lse` are the FINAL (merged) results for these query rows, so summing the blocks'
     gradients gives the exact gradient of the merged attention (FlashAttention-2 backward).
@@ -493,11 +477,6 @@ def block_backward(
     # Rows without any key: lse -inf -> +inf makes P = exp(S - inf) = 0 instead of NaN (and
     # is flash-attn's own convention for such rows).
     lse = lse.to(accumulator_dtype(q.dtype)).masked_fill(torch.isneginf(lse), math.inf)
-    if keep is not None:
-        _check_keep(keep, sq, sk, causal)
-        with torch.no_grad():
-            grads = _math_backward(dout, q, k, v, out, lse, scale, False, keep)
-        return grads
     pieces = causal_pieces(sq, sk, causal, diagonal)
     with torch.no_grad():
         if len(pieces) == 1 and pieces[0][:4] == (0, sq, 0, sk):

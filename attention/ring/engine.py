@@ -25,6 +25,7 @@ from torch import Tensor
 from attention import primitive
 from attention.autograd import merged_attention
 from attention.mask import Mask
+from attention.masked_block import masked_backward, masked_forward
 from attention.primitive import (
     block_backward,
     block_forward,
@@ -117,14 +118,15 @@ def step_forward(
         keep = blk.keep(q.device)
         for a0, a1, c0, c1 in pieces:
             hs = slice(a0, a1)
-            o_b, l_b = block_forward(
+            tile = (
                 q[:, blk.q0 : blk.q1, hs],
                 kt[:, blk.k0 : blk.k1, c0:c1],
                 vt[:, blk.k0 : blk.k1, c0:c1],
-                scale=scale,
-                causal=blk.causal,
-                keep=keep,
             )
+            if keep is None:
+                o_b, l_b = block_forward(*tile, scale=scale, causal=blk.causal)
+            else:
+                o_b, l_b = masked_forward(*tile, scale=scale, keep=keep)
             o, s_ = out[:, blk.q0 : blk.q1, hs], lse[:, hs, blk.q0 : blk.q1]
             if fresh and blk.q0 == 0 and blk.q1 == n:
                 o.copy_(o_b)
@@ -148,17 +150,13 @@ def block_grads(
     returns its (dk, dv) for the held keys."""
     dout, q, out, lse = saved
     kt, vt = kv
-    dq_b, dk_b, dv_b = block_backward(
-        dout[:, blk.q0 : blk.q1],
-        q[:, blk.q0 : blk.q1],
-        kt[:, blk.k0 : blk.k1],
-        vt[:, blk.k0 : blk.k1],
-        out[:, blk.q0 : blk.q1],
-        lse[:, :, blk.q0 : blk.q1],
-        scale=scale,
-        causal=blk.causal,
-        keep=blk.keep(q.device),
-    )
+    rows, keys = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
+    tile = (dout[:, rows], q[:, rows], kt[:, keys], vt[:, keys], out[:, rows], lse[:, :, rows])
+    keep = blk.keep(q.device)
+    if keep is None:
+        dq_b, dk_b, dv_b = block_backward(*tile, scale=scale, causal=blk.causal)
+    else:
+        dq_b, dk_b, dv_b = masked_backward(*tile, scale=scale, keep=keep)
     dq[:, blk.q0 : blk.q1] += dq_b
     return dk_b, dv_b
 
