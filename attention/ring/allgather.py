@@ -26,6 +26,7 @@ from attention.base import KernelMemory, merged_memory, qkv_bytes
 from attention.errors import ParamError
 from attention.layouts import check_seq_len
 from attention.layouts import positions as layout_positions
+from attention.mask import parse as parse_mask
 from attention.mask.takes import (
     ALL_MASKS,
     check_causal,
@@ -204,8 +205,8 @@ class AllGatherKV(ShardedKernel):
         and V (2 S rows in the input dtype; a reshaped copy of them when batch > 1) in the
         forward and again in the backward, where the shard's fp32 dq, the fp32 dK/dV of all S
         rows and one block's dk, dv (fp32, as many rows as the largest block of any rank spans:
-        S when not causal, gather_plan's when `causal`) are held too before the reduce-scatter
-        (dk, dv come after the gathered K/V are freed)."""
+        S when not causal, its plan's when `causal` or masked) are held too before the
+        reduce-scatter (dk, dv come after the gathered K/V are freed)."""
         world = self.world_size or rank_and_world(self.params.group)[1]
         total = world * seq_len
         p = piece_size(seq_len, torch.device("cpu"))
@@ -214,11 +215,14 @@ class AllGatherKV(ShardedKernel):
         )
         gathered = 2 * qkv_bytes(batch, total, num_heads, head_dim, dtype_bytes)
         gathered *= 2 if batch > 1 else 1
-        layout = default_layout(self.params.layout, self.causal)
+        causal = self.causal if self.params.mask is None else parse_mask(self.params.mask).causal
         keys = max(
-            blk.k1 - blk.k0
-            for rank in range(world)
-            for blk in gather_plan(layout, self.causal, rank, world, seq_len)
+            (
+                blk.k1 - blk.k0
+                for rank in range(world)
+                for blk in self.params.blocks(causal, rank, world, seq_len)
+            ),
+            default=0,
         )
         grads = 2 * qkv_bytes(batch, total + keys, num_heads, head_dim, 4)
         return KernelMemory(

@@ -196,3 +196,16 @@ def test_sharded_kernels_count_exactly_the_masks_pairs(kernel: str, balance: str
     module = attention.build(kernel, mask=mask, balance=balance)
     per_rank = [module.rank_pairs(S // world, heads, True, r, world) for r in range(world)]
     assert sum(per_rank) == heads * parse(mask).pairs(S)
+
+
+@pytest.mark.parametrize("mask", [MASKS[3], MASKS[7]], ids=mask_id)
+def test_dense_under_a_mask_in_bf16_stays_near_the_reference(mask: dict[str, Any]) -> None:
+    """bf16 runs the masked tiles' fused op in bf16 (its additive mask too): bf16 accuracy."""
+    ref = reference(mask, seed=5)
+    q, k, v, dout = (t.bfloat16() for t in inputs(5))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = attention.build("dense", mask=mask)(q, k, v, causal=parse(mask).causal)
+    out.backward(dout)
+    got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    for name, want in ref.items():
+        torch.testing.assert_close(got[name].double(), want, atol=5e-2, rtol=5e-2, msg=name)
