@@ -80,11 +80,11 @@ def check_ring(
         token_order(params, seq_len, world_size, causal)  # its own rules (balance, layout)
     if params.document_lengths is not None:
         documents.check_total(params.document_lengths, seq_len)
-        if checked_layout(params.layout, causal) != "contiguous":
+        if not masked(params) and checked_layout(params.layout, causal) != "contiguous":
             raise ParamError(
                 "params.layout",
                 "packed documents (document_lengths) run on contiguous shards; set layout: "
-                "contiguous",
+                "contiguous, or a balance",
             )
 
 

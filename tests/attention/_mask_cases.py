@@ -30,7 +30,8 @@ MASKS: list[dict[str, Any]] = [
 def mask_id(mask: dict[str, Any]) -> str:
     """A short readable name of a mask case."""
     extra = "-".join(f"{k}{v}" for k, v in mask.items() if k in ("causal", "window", "prefix"))
-    return f"{mask['kind']}-{extra}" if extra else mask["kind"]
+    kind = mask.get("kind", "legacy")
+    return f"{kind}-{extra}" if extra else kind
 
 
 def inputs(seed: int) -> tuple[torch.Tensor, ...]:

@@ -209,3 +209,13 @@ def test_dense_under_a_mask_in_bf16_stays_near_the_reference(mask: dict[str, Any
     got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     for name, want in ref.items():
         torch.testing.assert_close(got[name].double(), want, atol=5e-2, rtol=5e-2, msg=name)
+
+
+def test_a_balance_without_a_mask_weighs_the_older_spelling() -> None:
+    """balance with causal + document_lengths: the order of the mask from_legacy gives."""
+    legacy = RingParams(balance="per_document", document_lengths=tuple(LENGTHS))
+    mask = from_legacy(True, LENGTHS)
+    want = layouts.order("per_document", S, 4, mask)
+    assert torch.equal(token_order(legacy, S, 4, True), want)
+    plain = RingParams(balance="head_tail")
+    assert torch.equal(token_order(plain, S, 4, True), layouts.order("head_tail", S, 4, mask))

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 from _dist_helpers import run_ranks
-from _mask_cases import MASKS, S, inputs, mask_id, reference
+from _mask_cases import LENGTHS, MASKS, S, inputs, mask_id, reference
 
 import attention
-from attention.mask import parse
+from attention.mask import from_legacy, parse
 from attention.ring import engine, mask_plan
 
 pytestmark = pytest.mark.timeout(300)
@@ -28,6 +28,7 @@ CASES = [
     for balance in BALANCES
     if balance != "per_document" or mask["kind"] == "documents"
 ] + [("ulysses", mask, None) for mask in MASKS]  # ulysses takes no balance: it needs none
+CASES += [("ring", {"legacy": True}, "per_document")]  # causal + document_lengths, balanced
 CASES += [
     ("usp", mask, balance)
     for mask in MASKS
@@ -40,9 +41,13 @@ def ring_case(
     kernel: str, rank: int, world: int, mask: dict[str, Any], balance: str | None, seed: int
 ) -> dict:
     """This rank's out and q/k/v gradients through `kernel`, and the global tokens it held."""
-    causal = parse(mask).causal
-    extra = {"ulysses_degree": min(2, world)} if kernel == "usp" else {}  # U = 2, a ring of W / 2
-    module = attention.build(kernel, mask=mask, balance=balance, **extra)
+    extra: dict[str, Any] = {"ulysses_degree": min(2, world)} if kernel == "usp" else {}
+    if "legacy" in mask:  # the older spelling: causal + document_lengths
+        causal, extra["document_lengths"] = True, LENGTHS
+        module = attention.build(kernel, balance=balance, **extra)
+    else:
+        causal = parse(mask).causal
+        module = attention.build(kernel, mask=mask, balance=balance, **extra)
     held = module.local_positions(S, rank, world, causal=causal)
     q, k, v, dout = (t[:, held].clone() for t in inputs(seed))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -61,7 +66,7 @@ def rank_all_cases(rank: int, world: int) -> list[dict]:
 def test_sharded_kernels_are_exact_under_every_mask_and_balance(world: int) -> None:
     per_rank = run_ranks(rank_all_cases, world, deadline_s=280.0)
     for i, (kernel, mask, balance) in enumerate(CASES):
-        ref = reference(mask, seed=i)
+        ref = reference(from_legacy(True, LENGTHS) if "legacy" in mask else mask, seed=i)
         held = torch.cat([r[i]["held"] for r in per_rank])
         assert sorted(held.tolist()) == list(range(S))  # every token on exactly one rank
         for name in ("out", "dq", "dk", "dv"):
