@@ -6,8 +6,9 @@ layout's positions). Both sides of a step are cut into runs of consecutive token
 run, key run) tile every query keeps one contiguous key range [lo, hi) (Mask.bounds), and lo and
 hi never decrease from one query to the next, so the tile's rows fall into bands: rows that keep
 nothing (skipped), rows keeping the same key range (a rectangle), rows whose range grows by one
-key a row (a rectangle plus the primitive's causal square), and the rest, computed under the
-mask's exact predicate (a masked Block). No (S, S) tensor is built.
+key a row (a rectangle plus the primitive's causal square), and the rest, cut into chunks of
+MASK_ROWS rows: per chunk the keys all its rows keep (fused), and the edges under the mask's
+exact predicate (masked Blocks, attention.masked_block). No (S, S) tensor is built.
 """
 
 from __future__ import annotations
@@ -146,16 +147,13 @@ def tile_blocks(mask: Mask, bounds: Bounds, q_run: Run, k_run: Run) -> list[Bloc
     return blocks
 
 
-def mask_plan(
-    mask: Mask, order: torch.Tensor, rank: int, world: int, runs_of: list[list[Run]] | None = None
-) -> list[list[Block]]:
+def mask_plan(mask: Mask, order: torch.Tensor, rank: int, world: int) -> list[list[Block]]:
     """Blocks per step of rank `rank` when the shards hold `order` (step t holds the K/V of
     rank (rank - t) mod W): every tile of my queries and the held keys that keeps a pair; a
-    step that keeps none computes nothing (its K/V still travel on). `runs_of`: every rank's
-    runs, when the caller has them."""
+    step that keeps none computes nothing (its K/V still travel on)."""
     seq_len = order.numel()
     n = seq_len // world
-    shards = runs_of or [runs(order[r * n : (r + 1) * n]) for r in range(world)]
+    shards = [runs(order[r * n : (r + 1) * n]) for r in range(world)]
     mine = [(q_run, run_bounds(mask, seq_len, q_run)) for q_run in shards[rank]]
     plan = []
     for t in range(world):
