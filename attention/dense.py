@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from attention import documents
+from attention import documents, primitive
 from attention.base import (
     Kernel,
     KernelMemory,
@@ -16,18 +17,32 @@ from attention.base import (
     check_qkv,
     qkv_bytes,
 )
+from attention.mask import parse as parse_mask
+from attention.mask.takes import (
+    ALL_MASKS,
+    check_causal,
+    check_fits,
+    check_no_lengths,
+    kernel_mask,
+)
 from attention.registry import BenchParams, Exact, KernelSpec, register
+from attention.ring.engine import ring_attention
+from attention.ring.mask_plan import mask_plan
 
 
 @dataclass(frozen=True)
 class DenseParams:
     """document_lengths: documents packed into the sequence (attention.documents); None: the
-    sequence is one document."""
+    sequence is one document. mask: a run's mask (attention.mask.parse), any kind; None: full,
+    or causal when called so (the older spelling, with document_lengths)."""
 
     document_lengths: tuple[int, ...] | None = None
+    mask: Any = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "document_lengths", documents.normalize(self.document_lengths))
+        object.__setattr__(self, "mask", kernel_mask(self.mask, "dense", ALL_MASKS))
+        check_no_lengths(self.mask, self.document_lengths)
 
 
 def check_dense(
@@ -38,8 +53,9 @@ def check_dense(
     num_heads: int = 1,
     causal: bool | None = None,
 ) -> None:
-    """Packed documents must fill the sequence."""
+    """Packed documents must fill the sequence; a mask must fit it."""
     documents.check_total(params.document_lengths, seq_len)
+    check_fits(params.mask, seq_len)
 
 
 class DenseAttention(Kernel):
@@ -54,6 +70,8 @@ class DenseAttention(Kernel):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
         check_qkv(q, k, v)
+        if self.params.mask is not None:
+            return self._masked(q, k, v, causal)
         lengths = self.params.document_lengths
         if lengths is None:
             out, ran = _sdpa(q, k, v, causal)
@@ -66,6 +84,19 @@ class DenseAttention(Kernel):
         self.backend = _backend_name([ran for _, ran in pieces], q.device)
         return torch.cat([out for out, _ in pieces], dim=1)
 
+    def _masked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    ) -> torch.Tensor:
+        """Under params.mask: only the tiles that keep a pair, partial tiles under the mask's
+        exact predicate (attention.ring.mask_plan), through the primitive on one rank."""
+        seq_len = q.shape[1]
+        check_causal(self.params.mask, causal)
+        mask = parse_mask(self.params.mask, seq_len)
+        self.backend = primitive.backend_for(q.device, q.dtype)
+        plan = mask_plan(mask, torch.arange(seq_len), 0, 1)
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        return ring_attention(q, k, v, plan, None, q.shape[-1] ** -0.5)
+
     def flops(
         self,
         batch: int,
@@ -75,7 +106,10 @@ class DenseAttention(Kernel):
         causal: bool = False,
         backward: bool = False,
     ) -> int:
-        pairs = documents.pairs(self.params.document_lengths or (seq_len,), causal)
+        if self.params.mask is not None:
+            pairs = parse_mask(self.params.mask).pairs(seq_len)
+        else:
+            pairs = documents.pairs(self.params.document_lengths or (seq_len,), causal)
         return attention_flops(batch * num_heads * pairs, head_dim, backward=backward)
 
     def memory_model(
@@ -137,5 +171,6 @@ register(
         exact=Exact.DENSE,
         dense_baseline=True,
         bench_params=BenchParams(cpu=({},), gpu={}),
+        masks=ALL_MASKS,
     )
 )

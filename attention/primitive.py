@@ -302,7 +302,8 @@ def block_forward(
     into their accumulators and never rely on its dtype. `causal`: query i sees key
     j <= i + diagonal. No autograd graph.
 
-    One fused call per `causal_pieces` piece; pieces of the same rows are merged.
+    One fused call per `causal_pieces` piece; pieces of the same rows are merged. A tile
+    under an arbitrary predicate: attention.masked_block.
     """
     global last_backend
     _check_shapes(q, k, v)
@@ -381,14 +382,21 @@ def _cuda_forward_args(
 
 
 def _math_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-math forward in the accumulator dtype (causal: top-left), chunked over query rows
-    to bound the score matrix; GQA by repeating each kv head for its query heads."""
+    """Plain-math forward in the accumulator dtype (causal: top-left; `keep`: an explicit
+    (Sq, Sk) predicate), chunked over query rows to bound the score matrix; GQA by repeating
+    each kv head for its query heads."""
     b, sq, h, _ = q.shape
     sk = k.shape[1]
     acc = accumulator_dtype(q.dtype)
-    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril() if causal else None
+    if causal:
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
     qf, kf, vf = (t.to(acc).transpose(1, 2) for t in (q, k, v))
     kf, vf = (_repeat_kv(t, h) for t in (kf, vf))
     out = torch.empty(b, h, sq, q.shape[3], dtype=acc, device=q.device)
@@ -560,13 +568,15 @@ def _math_backward(
     lse: torch.Tensor,
     scale: float,
     causal: bool,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain-math FlashAttention-2 backward in the accumulator dtype (causal: top-left),
-    chunked over query rows."""
+    """Plain-math FlashAttention-2 backward in the accumulator dtype (causal: top-left;
+    `keep`: an explicit (Sq, Sk) predicate), chunked over query rows."""
     b, sq, h, _ = q.shape
     sk, h_kv = k.shape[1], k.shape[2]
     acc = accumulator_dtype(q.dtype)
-    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril() if causal else None
+    if causal:
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
     qf, kf, vf, dof, of = (t.to(acc).transpose(1, 2) for t in (q, k, v, dout, out))
     kf, vf = (_repeat_kv(t, h) for t in (kf, vf))
     dq = torch.empty_like(qf)

@@ -156,6 +156,11 @@ class KernelSpec:
     device_plan: bool = False
     inner: tuple[str, ...] = ()
     bench_params: BenchParams | None = None
+    masks: frozenset[str] = frozenset({"full", "causal"})
+    """The mask kinds (attention.mask.KINDS) the kernel runs exactly: full and causal (its
+    `causal` call flag) unless its params take a `mask`."""
+    balances: frozenset[str] = frozenset()
+    """The balances (attention.layouts.BALANCES) its params take; empty: it takes none."""
 
 
 RING_PARAMS = ("layout", "group")

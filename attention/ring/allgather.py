@@ -20,12 +20,20 @@ from typing import Any
 
 import torch
 
-from attention import primitive
+from attention import layouts, primitive
 from attention.autograd import bound_merged_attention
 from attention.base import KernelMemory, merged_memory, qkv_bytes
 from attention.errors import ParamError
 from attention.layouts import check_seq_len
 from attention.layouts import positions as layout_positions
+from attention.mask import parse as parse_mask
+from attention.mask.takes import (
+    ALL_MASKS,
+    check_causal,
+    check_fits,
+    kernel_balance,
+    kernel_mask,
+)
 from attention.primitive import empty_result
 from attention.registry import CommOverlap, KernelSpec, register
 from attention.ring.collectives import all_gather, reduce_scatter
@@ -39,6 +47,8 @@ from attention.ring.engine import (
     step_backward,
     step_forward,
 )
+from attention.ring.mask_plan import gather_plan as gather_mask_plan
+from attention.ring.mask_plan import mask_in_force, token_order, uses_mask_plan
 from attention.ring.sharded import ShardedKernel, check_group, default_layout
 from attention.ring.steps import clock
 
@@ -51,17 +61,44 @@ def check_sp_layout(layout: str | None) -> None:
         raise ParamError("params.layout", f"must be one of {', '.join(LAYOUTS)}, got {layout!r}")
 
 
+ALLGATHER_BALANCES = frozenset(layouts.BALANCES)
+
+
 @dataclass(frozen=True)
 class AllGatherParams:
     """layout: contiguous | zigzag (None: zigzag when causal, else contiguous); group: the
-    process group (None: the world)."""
+    process group (None: the world); mask: a run's mask (attention.mask.parse), any kind;
+    balance: the shards' token order (layouts.BALANCES, instead of a layout)."""
 
     layout: str | None = None
     group: Any = dataclasses.field(default=None, compare=False)
+    mask: Any = None
+    balance: str | None = None
 
     def __post_init__(self) -> None:
         check_sp_layout(self.layout)
         check_group(self.group)
+        object.__setattr__(self, "mask", kernel_mask(self.mask, "allgather_kv", ALL_MASKS))
+        balance = kernel_balance(self.balance, "allgather_kv", ALLGATHER_BALANCES)
+        object.__setattr__(self, "balance", balance)
+        if balance is not None and self.layout is not None:
+            raise ParamError(
+                "params.layout", "a balance sets the shards' order; leave layout unset"
+            )
+
+    def order(self, seq_len: int, world: int, causal: bool | None) -> torch.Tensor | None:
+        """The shards' token order when the mask plan runs (uses_mask_plan), else None."""
+        if not uses_mask_plan(self.mask, self.balance):
+            return None
+        layout = default_layout(self.layout, True if causal is None else causal)
+        return token_order(mask_in_force(self.mask, causal), self.balance, layout, seq_len, world)
+
+    def blocks(self, causal: bool, rank: int, world: int, n: int) -> list[Block]:
+        """This rank's blocks against the gathered keys: the mask plan's or gather_plan's."""
+        order = self.order(n * world, world, causal)
+        if order is None:
+            return gather_plan(default_layout(self.layout, causal), causal, rank, world, n)
+        return gather_mask_plan(mask_in_force(self.mask, causal), order, rank, world)
 
 
 def runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -168,8 +205,8 @@ class AllGatherKV(ShardedKernel):
         and V (2 S rows in the input dtype; a reshaped copy of them when batch > 1) in the
         forward and again in the backward, where the shard's fp32 dq, the fp32 dK/dV of all S
         rows and one block's dk, dv (fp32, as many rows as the largest block of any rank spans:
-        S when not causal, gather_plan's when `causal`) are held too before the reduce-scatter
-        (dk, dv come after the gathered K/V are freed)."""
+        S when not causal, its plan's when `causal` or masked) are held too before the
+        reduce-scatter (dk, dv come after the gathered K/V are freed)."""
         world = self.world_size or rank_and_world(self.params.group)[1]
         total = world * seq_len
         p = piece_size(seq_len, torch.device("cpu"))
@@ -178,11 +215,14 @@ class AllGatherKV(ShardedKernel):
         )
         gathered = 2 * qkv_bytes(batch, total, num_heads, head_dim, dtype_bytes)
         gathered *= 2 if batch > 1 else 1
-        layout = default_layout(self.params.layout, self.causal)
+        causal = self.causal if self.params.mask is None else parse_mask(self.params.mask).causal
         keys = max(
-            blk.k1 - blk.k0
-            for rank in range(world)
-            for blk in gather_plan(layout, self.causal, rank, world, seq_len)
+            (
+                blk.k1 - blk.k0
+                for rank in range(world)
+                for blk in self.params.blocks(causal, rank, world, seq_len)
+            ),
+            default=0,
         )
         grads = 2 * qkv_bytes(batch, total + keys, num_heads, head_dim, 4)
         return KernelMemory(
@@ -195,18 +235,28 @@ class AllGatherKV(ShardedKernel):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
+        check_causal(self.params.mask, causal)
         group, rank, world = self.join(q, k, v, causal)
-        layout = default_layout(self.params.layout, causal)
-        check_seq_len(q.shape[1] * world, layout, world)
+        check_allgather(self.params, seq_len=q.shape[1] * world, world_size=world, causal=causal)
         self.backend = primitive.backend_for(q.device, q.dtype)
-        blocks = gather_plan(layout, causal, rank, world, q.shape[1])
+        blocks = self.params.blocks(causal, rank, world, q.shape[1])
         scale = q.shape[-1] ** -0.5
         return bound_merged_attention(q, k, v, _forward, _backward, blocks, group, scale)
 
     def rank_pairs(self, seq_len: int, num_heads: int, causal: bool, rank: int, world: int) -> int:
-        """The pairs of this rank's queries against the keys they see (gather_plan)."""
-        layout = default_layout(self.params.layout, causal)
-        return num_heads * sum(b.pairs() for b in gather_plan(layout, causal, rank, world, seq_len))
+        """The pairs of this rank's queries against the keys they keep (its blocks)."""
+        return num_heads * sum(b.pairs() for b in self.params.blocks(causal, rank, world, seq_len))
+
+    def local_positions(
+        self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
+    ) -> torch.Tensor:
+        """Global positions of the tokens rank `rank` holds: the mask plan's order, else the
+        layout's."""
+        order = self.params.order(seq_len, world_size, causal)
+        if order is None:
+            return super().local_positions(seq_len, rank, world_size, causal=causal)
+        n = seq_len // world_size
+        return order[rank * n : (rank + 1) * n]
 
 
 def check_allgather(
@@ -219,8 +269,12 @@ def check_allgather(
 ) -> None:
     """seq_len splits over the ranks in the layout in force (zigzag's rule when causal is not
     known and no layout is set)."""
-    layout = default_layout(params.layout, True if causal is None else causal)
-    check_seq_len(seq_len, layout, world_size)
+    placement = "contiguous" if params.balance is not None else params.layout  # order checks
+    check_seq_len(
+        seq_len, default_layout(placement, True if causal is None else causal), world_size
+    )
+    check_fits(params.mask, seq_len)
+    params.order(seq_len, world_size, causal)  # a balance's own rules
 
 
 register(
@@ -239,5 +293,7 @@ register(
         check=check_allgather,
         default_layout=default_layout,
         comm_overlap=CommOverlap.BLOCKING,
+        masks=ALL_MASKS,
+        balances=ALLGATHER_BALANCES,
     )
 )

@@ -12,28 +12,52 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from attention import documents, primitive
+from attention import documents, layouts, primitive
 from attention.errors import ParamError
 from attention.layouts import check_seq_len
+from attention.mask.takes import (
+    ALL_MASKS,
+    check_causal,
+    check_fits,
+    check_no_lengths,
+    kernel_balance,
+    kernel_mask,
+)
 from attention.registry import BenchParams, CommOverlap, KernelSpec, register
 from attention.ring.engine import Block, ring_attention
+from attention.ring.mask_plan import mask_in_force, mask_plan, uses_mask_plan
+from attention.ring.mask_plan import token_order as mask_token_order
 from attention.ring.sharded import ShardedKernel, check_placement, default_layout
+
+RING_BALANCES = frozenset(layouts.BALANCES)
 
 
 @dataclass(frozen=True)
 class RingParams:
     """layout: contiguous | zigzag | striped (None: zigzag when causal, else contiguous);
     group: the process group (None: the default world group); document_lengths: documents
-    packed into the sequence (attention.documents; contiguous layout only)."""
+    packed into the sequence (attention.documents; contiguous layout only); mask: a run's mask
+    (attention.mask.parse), any kind; balance: the shards' token order (layouts.BALANCES,
+    instead of a layout), weighed by the mask in force."""
 
     layout: str | None = None
     group: Any = dataclasses.field(default=None, compare=False)
     document_lengths: tuple[int, ...] | None = None
+    mask: Any = None
+    balance: str | None = None
 
     def __post_init__(self) -> None:
         check_placement(self.layout, self.group)
         object.__setattr__(self, "document_lengths", documents.normalize(self.document_lengths))
+        object.__setattr__(self, "mask", kernel_mask(self.mask, "ring", ALL_MASKS))
+        object.__setattr__(self, "balance", kernel_balance(self.balance, "ring", RING_BALANCES))
+        check_no_lengths(self.mask, self.document_lengths)
+        if self.balance is not None and self.layout is not None:
+            raise ParamError(
+                "params.layout", "a balance sets the shards' order; leave layout unset"
+            )
 
 
 def check_ring(
@@ -49,14 +73,18 @@ def check_ring(
     Without an explicit layout that is zigzag when causal, contiguous when not, and the zigzag
     rule (seq_len % (2 x world_size)) when `causal` is not known (None).
     """
-    check_seq_len(seq_len, checked_layout(params.layout, causal), world_size)
+    placement = "contiguous" if params.balance is not None else params.layout  # order checks
+    check_seq_len(seq_len, checked_layout(placement, causal), world_size)
+    check_fits(params.mask, seq_len)
+    if masked(params):
+        token_order(params, seq_len, world_size, causal)  # its own rules (balance, layout)
     if params.document_lengths is not None:
         documents.check_total(params.document_lengths, seq_len)
-        if checked_layout(params.layout, causal) != "contiguous":
+        if not masked(params) and checked_layout(params.layout, causal) != "contiguous":
             raise ParamError(
                 "params.layout",
                 "packed documents (document_lengths) run on contiguous shards; set layout: "
-                "contiguous",
+                "contiguous, or a balance",
             )
 
 
@@ -89,10 +117,28 @@ def document_plan(
     return plan
 
 
+def masked(params: RingParams) -> bool:
+    """The ring runs the general mask plan (uses_mask_plan)."""
+    return uses_mask_plan(params.mask, params.balance)
+
+
+def token_order(params: RingParams, seq_len: int, world: int, causal: bool | None) -> Tensor:
+    """The global token at each position of the concatenated shards (mask_plan.token_order)
+    for the mask in force: params.mask, else the older spelling's."""
+    mask = mask_in_force(params.mask, causal, params.document_lengths)
+    layout = checked_layout(params.layout, causal)
+    return mask_token_order(mask, params.balance, layout, seq_len, world)
+
+
 def plan_for(
     params: RingParams, layout: str, causal: bool, rank: int, world: int, n: int
 ) -> list[list[Block]]:
-    """The ring's plan: packed documents' (document_plan) or exact attention's (dense_plan)."""
+    """The ring's plan: a mask's (mask_plan), packed documents' (document_plan) or exact
+    attention's (dense_plan)."""
+    if masked(params):
+        order = token_order(params, n * world, world, causal)
+        mask = mask_in_force(params.mask, causal, params.document_lengths)
+        return mask_plan(mask, order, rank, world)
     if params.document_lengths is not None:
         return document_plan(params.document_lengths, causal, rank, world, n)
     return dense_plan(layout, causal, rank, world, n)
@@ -132,17 +178,30 @@ class RingAttention(ShardedKernel):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
+        check_causal(self.params.mask, causal)
         group, rank, world = self.join(q, k, v, causal)
         layout = default_layout(self.layout, causal)
-        check_seq_len(q.shape[1] * world, layout, world)
+        if self.params.balance is None:
+            check_seq_len(q.shape[1] * world, layout, world)
         self.backend = primitive.backend_for(q.device, q.dtype)
-        if self.params.document_lengths is not None:
+        if self.params.document_lengths is not None or self.params.mask is not None:
             check_ring(self.params, seq_len=q.shape[1] * world, world_size=world, causal=causal)
         plan = plan_for(self.params, layout, causal, rank, world, q.shape[1])
         q, k, v = (t.contiguous() for t in (q, k, v))
         group = group if world > 1 else None
-        fold = causal and layout == "zigzag"  # balanced work per K/V piece (cut_pieces)
+        # balanced work per K/V piece (cut_pieces); the mask plan's pieces are contiguous
+        fold = causal and layout == "zigzag" and not masked(self.params)
         return ring_attention(q, k, v, plan, group, q.shape[-1] ** -0.5, fold)
+
+    def local_positions(
+        self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
+    ) -> Tensor:
+        """Global positions of the tokens rank `rank` holds: the mask plan's order, else the
+        layout's."""
+        if not masked(self.params):
+            return super().local_positions(seq_len, rank, world_size, causal=causal)
+        n = seq_len // world_size
+        return token_order(self.params, seq_len, world_size, causal)[rank * n : (rank + 1) * n]
 
     def rank_pairs(self, seq_len: int, num_heads: int, causal: bool, rank: int, world: int) -> int:
         """The pairs of this rank's ring plan (only the blocks it computes)."""
@@ -169,5 +228,7 @@ register(
         comm_overlap=CommOverlap.OVERLAPPED,
         dense_baseline=True,
         bench_params=BenchParams(gpu={}),
+        masks=ALL_MASKS,
+        balances=RING_BALANCES,
     )
 )

@@ -24,6 +24,8 @@ from torch import Tensor
 
 from attention import primitive
 from attention.autograd import merged_attention
+from attention.mask import Mask
+from attention.masked_block import masked_backward, masked_forward
 from attention.primitive import (
     block_backward,
     block_forward,
@@ -53,16 +55,34 @@ MIN_PIECE_TOKENS = 64
 @dataclass(frozen=True)
 class Block:
     """Queries [q0, q1) of this rank against keys [k0, k1) of the held block; `causal` is the
-    primitive's top-left causal mask on that rectangle."""
+    primitive's top-left causal mask on that rectangle.
+
+    `mask` (a partial tile of a mask, attention.ring.mask_plan): the block computes under the
+    mask's exact predicate, row i and key j being the global tokens i + q_off and j + k_off
+    (a block lies inside one run of consecutive tokens on each side, so the map is a shift)."""
 
     q0: int
     q1: int
     k0: int
     k1: int
     causal: bool = False
+    mask: Mask | None = None
+    q_off: int = 0
+    k_off: int = 0
+
+    def keep(self, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """The (rows, keys) predicate of a masked block (None: no mask)."""
+        if self.mask is None:
+            return None
+        rows = torch.arange(self.q0 + self.q_off, self.q1 + self.q_off, device=device)
+        keys = torch.arange(self.k0 + self.k_off, self.k1 + self.k_off, device=device)
+        return self.mask.keep(rows[:, None], keys[None, :])
 
     def pairs(self) -> int:
         """Query-key pairs this block computes (for FLOP accounting)."""
+        keep = self.keep()
+        if keep is not None:
+            return int(keep.sum())
         sq, sk = self.q1 - self.q0, self.k1 - self.k0
         if self.causal:
             full = max(0, sq - sk)  # rows below the square see every key
@@ -95,15 +115,18 @@ def step_forward(
         p for h0 in range(0, heads, g) for p in kv_head_pieces(h0, h0 + g, heads, kt.shape[2])
     ]
     for blk in blocks:
+        keep = blk.keep(q.device)
         for a0, a1, c0, c1 in pieces:
             hs = slice(a0, a1)
-            o_b, l_b = block_forward(
+            tile = (
                 q[:, blk.q0 : blk.q1, hs],
                 kt[:, blk.k0 : blk.k1, c0:c1],
                 vt[:, blk.k0 : blk.k1, c0:c1],
-                scale=scale,
-                causal=blk.causal,
             )
+            if keep is None:
+                o_b, l_b = block_forward(*tile, scale=scale, causal=blk.causal)
+            else:
+                o_b, l_b = masked_forward(*tile, scale=scale, keep=keep)
             o, s_ = out[:, blk.q0 : blk.q1, hs], lse[:, hs, blk.q0 : blk.q1]
             if fresh and blk.q0 == 0 and blk.q1 == n:
                 o.copy_(o_b)
@@ -127,16 +150,13 @@ def block_grads(
     returns its (dk, dv) for the held keys."""
     dout, q, out, lse = saved
     kt, vt = kv
-    dq_b, dk_b, dv_b = block_backward(
-        dout[:, blk.q0 : blk.q1],
-        q[:, blk.q0 : blk.q1],
-        kt[:, blk.k0 : blk.k1],
-        vt[:, blk.k0 : blk.k1],
-        out[:, blk.q0 : blk.q1],
-        lse[:, :, blk.q0 : blk.q1],
-        scale=scale,
-        causal=blk.causal,
-    )
+    rows, keys = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
+    tile = (dout[:, rows], q[:, rows], kt[:, keys], vt[:, keys], out[:, rows], lse[:, :, rows])
+    keep = blk.keep(q.device)
+    if keep is None:
+        dq_b, dk_b, dv_b = block_backward(*tile, scale=scale, causal=blk.causal)
+    else:
+        dq_b, dk_b, dv_b = masked_backward(*tile, scale=scale, keep=keep)
     dq[:, blk.q0 : blk.q1] += dq_b
     return dk_b, dv_b
 
@@ -170,7 +190,7 @@ def restrict(blk: Block, r0: int, r1: int, c0: int, c1: int) -> list[Block]:
     if a >= b or c >= d:
         return []
     if not blk.causal:
-        return [Block(a, b, c - c0, d - c0)]
+        return [dataclasses.replace(blk, q0=a, q1=b, k0=c - c0, k1=d - c0, k_off=blk.k_off + c0)]
     parts = []
     e = min(d, blk.k0 + (a - blk.q0) + 1)  # keys up to here are seen by every row from a
     if c < e:
@@ -187,7 +207,7 @@ def window_blocks(blocks: Sequence[Block], c0: int, c1: int) -> list[Block]:
     accumulators, primitive.windowed_result), keys unchanged; causal blocks split as in
     `restrict`, so every part is again a primitive call."""
     return [
-        dataclasses.replace(part, q0=part.q0 - c0, q1=part.q1 - c0)
+        dataclasses.replace(part, q0=part.q0 - c0, q1=part.q1 - c0, q_off=part.q_off + c0)
         for blk in blocks
         for part in restrict(blk, c0, c1, 0, blk.k1)
     ]
@@ -296,7 +316,7 @@ def piece_blocks(plan_t: Sequence[Block], piece: Piece, p: int, n: int) -> list[
     parts, off = [], 0
     for a, b in piece:
         parts += [
-            dataclasses.replace(part, k0=part.k0 + off, k1=part.k1 + off)
+            dataclasses.replace(part, k0=part.k0 + off, k1=part.k1 + off, k_off=part.k_off - off)
             for blk in plan_t
             for r0 in range(0, n, p)
             for part in restrict(blk, r0, r0 + p, a, b)

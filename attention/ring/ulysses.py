@@ -34,6 +34,7 @@ import torch
 
 from attention.base import KernelMemory, qkv_bytes
 from attention.errors import ParamError
+from attention.mask.takes import ALL_MASKS, check_causal, kernel_balance, kernel_mask
 from attention.registry import (
     KERNELS,
     CommOverlap,
@@ -75,6 +76,8 @@ class UlyssesParams:
     num_global: Any = None
     num_random: Any = None
     seed: Any = None
+    mask: Any = None
+    balance: Any = None
 
     def __post_init__(self) -> None:
         kernels = KERNELS[NAME].inner
@@ -83,6 +86,8 @@ class UlyssesParams:
                 "params.inner", f"must be one of {', '.join(kernels)}, got {self.inner!r}"
             )
         check_group(self.group)
+        object.__setattr__(self, "mask", check_inner_mask(self.inner, self.mask))
+        kernel_balance(self.balance, "ulysses", frozenset())  # every rank does the same work
         parsed = make_params(self.inner, self.inner_params())
         for name in self.inner_params():  # normalized by the inner kernel (lists -> tuples)
             object.__setattr__(self, name, getattr(parsed, name))
@@ -90,10 +95,12 @@ class UlyssesParams:
     def inner_params(self) -> dict[str, Any]:
         """The inner kernel's params (the fields set); a field it does not take raises."""
         own = inner_fields(self.inner)
+        # a full or causal mask reaches an inner kernel without a `mask` as its causal flag
+        mine = ("inner", "group", "balance", *(() if "mask" in own else ("mask",)))
         given = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name not in ("inner", "group") and getattr(self, f.name) is not None
+            if f.name not in mine and getattr(self, f.name) is not None
         }
         for name in given:
             if name not in own:
@@ -103,6 +110,20 @@ class UlyssesParams:
                     f"{', '.join(sorted(own)) or 'none'})",
                 )
         return given
+
+
+def check_inner_mask(inner: str, mask: Any) -> dict[str, Any] | None:
+    """The mask's dict (kernel_mask); ParamError (`mask`) unless the inner kernel takes its
+    kind (KernelSpec.masks)."""
+    given = kernel_mask(mask, "ulysses", ALL_MASKS)
+    takes = KERNELS[inner].masks
+    if given is not None and given["kind"] not in takes:
+        raise ParamError(
+            "mask",
+            f"kernel 'ulysses' runs inner kernel {inner!r}, which takes the masks "
+            f"{', '.join(sorted(takes))}, not {given['kind']}",
+        )
+    return given
 
 
 def inner_fields(inner: str) -> set[str]:
@@ -226,6 +247,7 @@ class UlyssesAttention(ShardedKernel):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
+        check_causal(self.params.mask, causal)
         group, rank, world = self.join(
             q, k, v, causal, lambda world: check_heads(q.shape[2], k.shape[2], world, "world_size")
         )
@@ -302,6 +324,7 @@ register(
         check=check_ulysses,
         comm_overlap=CommOverlap.BLOCKING,
         inner=("dense", "dilated", "block_sparse"),
+        masks=ALL_MASKS,
         periods=lambda p: structural_periods(p.inner, p.inner_params()),
         heads_check=lambda p, heads, kv, world: check_heads(heads, kv, world, "world_size"),
         reference_of=lambda params: (

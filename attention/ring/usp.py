@@ -27,19 +27,29 @@ from typing import Any
 
 import torch
 
-from attention import primitive
+from attention import layouts, primitive
 from attention.base import KernelMemory, qkv_bytes
 from attention.errors import ParamError
 from attention.layouts import check_seq_len
+from attention.mask.takes import (
+    ALL_MASKS,
+    check_causal,
+    check_fits,
+    kernel_balance,
+    kernel_mask,
+)
 from attention.registry import CommOverlap, KernelSpec, register
 from attention.ring.allgather import check_sp_layout
 from attention.ring.collectives import heads_of, tokens_of
 from attention.ring.comm import rank_and_world
 from attention.ring.dense import dense_plan
-from attention.ring.engine import PIECE_BYTES, piece_size, ring_attention
+from attention.ring.engine import PIECE_BYTES, Block, piece_size, ring_attention
+from attention.ring.mask_plan import mask_in_force, mask_plan, token_order, uses_mask_plan
 from attention.ring.sharded import ShardedKernel, check_group, default_layout
 from attention.ring.steps import clock
 from attention.ring.ulysses import check_heads, replicate_kv
+
+USP_BALANCES = frozenset(layouts.BALANCES)
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,8 @@ class UspParams:
     ulysses_degree: int = 2
     layout: str | None = None
     group: Any = dataclasses.field(default=None, compare=False)
+    mask: Any = None
+    balance: str | None = None
 
     def __post_init__(self) -> None:
         u = self.ulysses_degree
@@ -57,6 +69,25 @@ class UspParams:
             raise ParamError("params.ulysses_degree", f"must be an integer >= 1, got {u!r}")
         check_sp_layout(self.layout)
         check_group(self.group)
+        object.__setattr__(self, "mask", kernel_mask(self.mask, "usp", ALL_MASKS))
+        object.__setattr__(self, "balance", kernel_balance(self.balance, "usp", USP_BALANCES))
+        if self.balance is not None and self.layout is not None:
+            raise ParamError(
+                "params.layout", "a balance sets the shards' order; leave layout unset"
+            )
+
+    def ring_order(self, seq_len: int, world: int, causal: bool | None) -> torch.Tensor | None:
+        """The tokens of the ring's concatenated shards when the mask plan runs (None: the
+        layouts' own plan). A balance's order at W ranks is also its order at R = W / U ring
+        members (group g's all-to-all gathers its members' consecutive shards); without one,
+        the ring holds the layout in force at R ranks."""
+        if not uses_mask_plan(self.mask, self.balance):
+            return None
+        mask = mask_in_force(self.mask, causal)
+        if self.balance is not None:
+            return layouts.order(self.balance, seq_len, world, mask)
+        layout = default_layout(self.layout, True if causal is None else causal)
+        return token_order(mask, None, layout, seq_len, world // self.ulysses_degree)
 
 
 def check_degree(params: UspParams, world_size: int) -> None:
@@ -124,9 +155,10 @@ class UspAttention(ShardedKernel):
             check_degree(self.params, world)
             check_heads(q.shape[2], k.shape[2], u, "params.ulysses_degree")
 
+        check_causal(self.params.mask, causal)
         group, rank, world = self.join(q, k, v, causal, check)
         layout = default_layout(self.params.layout, causal)
-        check_seq_len(q.shape[1] * world, layout, world)
+        check_order(self.params, q.shape[1] * world, world, causal)
         return group, rank, world, u, layout
 
     def forward(
@@ -139,13 +171,14 @@ class UspAttention(ShardedKernel):
         k, v = replicate_kv(k, u), replicate_kv(v, u)
         with clock.step("forward", 0):
             qh, kh, vh = (heads_of(t, members, rank, group, ring + 1) for t in (q, k, v))
-        order = group_order(layout, u, q.shape[1])
+        ring_order = self.params.ring_order(q.shape[1] * world, world, causal)
+        balanced = self.params.balance is not None  # members' shards already in ring order
+        order = None if balanced else group_order(layout, u, q.shape[1])
         if order is not None:
             qh, kh, vh = (t[:, order] for t in (qh, kh, vh))
-        m = qh.shape[1]
-        plan = dense_plan(layout, causal, g, ring, m)
+        plan = self._plan(causal, g, ring, qh.shape[1], ring_order)
         ring_members = tuple(j * u + rank % u for j in range(ring))
-        fold = causal and layout == "zigzag"
+        fold = causal and layout == "zigzag" and ring_order is None
         out = ring_attention(
             qh, kh, vh, plan, group if ring > 1 else None, q.shape[-1] ** -0.5, fold, ring_members
         )
@@ -154,11 +187,33 @@ class UspAttention(ShardedKernel):
         with clock.step("forward", ring):
             return tokens_of(out, members, rank, group, 0)
 
+    def _plan(
+        self, causal: bool, g: int, ring: int, m: int, ring_order: torch.Tensor | None
+    ) -> list[list[Block]]:
+        """Ring member g's plan over m tokens a member: the mask plan on `ring_order`, else
+        the layout's dense_plan."""
+        if ring_order is None:
+            return dense_plan(default_layout(self.params.layout, causal), causal, g, ring, m)
+        return mask_plan(mask_in_force(self.params.mask, causal), ring_order, g, ring)
+
+    def local_positions(
+        self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
+    ) -> torch.Tensor:
+        """Global positions of the tokens rank `rank` holds: a balance's order, else the
+        layout's."""
+        if self.params.balance is None:
+            return super().local_positions(seq_len, rank, world_size, causal=causal)
+        n = seq_len // world_size
+        mask = mask_in_force(self.params.mask, causal)
+        return layouts.order(self.params.balance, seq_len, world_size, mask)[
+            rank * n : (rank + 1) * n
+        ]
+
     def rank_pairs(self, seq_len: int, num_heads: int, causal: bool, rank: int, world: int) -> int:
         """Its ring plan's pairs over its group's U x seq_len tokens for H / U heads."""
         u = self.params.ulysses_degree
-        layout = default_layout(self.params.layout, causal)
-        plan = dense_plan(layout, causal, rank // u, world // u, seq_len * u)
+        ring_order = self.params.ring_order(seq_len * world, world, causal)
+        plan = self._plan(causal, rank // u, world // u, seq_len * u, ring_order)
         return num_heads * sum(b.pairs() for step in plan for b in step) // u
 
 
@@ -180,6 +235,17 @@ def ring_piece_bytes(
     return fwd, bwd
 
 
+def check_order(params: UspParams, seq_len: int, world_size: int, causal: bool | None) -> None:
+    """seq_len splits over the ranks in the layout in force (with a balance: its own rules),
+    and fits the mask."""
+    placement = "contiguous" if params.balance is not None else params.layout  # order checks
+    check_seq_len(
+        seq_len, default_layout(placement, True if causal is None else causal), world_size
+    )
+    check_fits(params.mask, seq_len)
+    params.ring_order(seq_len, world_size, causal)  # a balance's or the ring layout's rules
+
+
 def check_usp(
     params: UspParams,
     *,
@@ -191,9 +257,7 @@ def check_usp(
     """U | W, U | num_heads, and seq_len splits over W ranks in the layout in force."""
     check_degree(params, world_size)
     check_heads(num_heads, num_heads, params.ulysses_degree, "params.ulysses_degree")
-    check_seq_len(
-        seq_len, default_layout(params.layout, True if causal is None else causal), world_size
-    )
+    check_order(params, seq_len, world_size, causal)
 
 
 register(
@@ -211,6 +275,8 @@ register(
         check=check_usp,
         default_layout=default_layout,
         comm_overlap=CommOverlap.ALL_TO_ALL_THEN_RING,
+        masks=ALL_MASKS,
+        balances=USP_BALANCES,
         heads_check=lambda p, heads, kv, world: check_heads(
             heads, kv, p.ulysses_degree, "params.ulysses_degree"
         ),
