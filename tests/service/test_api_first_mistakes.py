@@ -139,7 +139,7 @@ def test_cli_prints_the_missing_field_path(tmp_path: Path, monkeypatch: pytest.M
         result = CliRunner().invoke(cli.app, ["submit", str(spec)], catch_exceptions=False)
     assert result.exit_code == 1, (result.stdout, result.stderr)
     (line,) = result.stderr.strip().splitlines()
-    assert line.endswith("422: base.seq_len: Field required"), line
+    assert line.endswith("nothing submitted: base.seq_len: Field required"), line
 
 
 # -- defect 7: /sweeps in the browser --------------------------------------------------------------

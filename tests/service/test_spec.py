@@ -88,7 +88,9 @@ def test_cell_key_is_sha256_of_the_normalized_config() -> None:
     assert a.cell_key == b.cell_key  # num_heads=8 is the default: the same normalized config
     assert a.cell_key != c.cell_key
     assert len(a.cell_key) == 64
-    normalized = RunConfig(kernel="dense", seq_len=64, params={"document_lengths": None})
+    normalized = RunConfig(
+        kernel="dense", seq_len=64, params={"document_lengths": None, "mask": None}
+    )
     assert a.cell_key == cell_key(normalized)
     assert a.config_json == a.config.model_dump(mode="json")
 
