@@ -10,6 +10,7 @@ one runs); a sweep that does not exist is SweepNotFound.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import func, select
@@ -17,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.models import Run, RunStatus, Sweep
 from service.results import baselines, export, queries
-from service.results.compare import compare_out, same_spec
+from service.results.compare import Side, compare_head, iter_pairs, pair_out, same_spec
 from service.results.report import report_markdown
 from service.results.rows import RunRow
 from service.spec import PivotSpec
@@ -86,12 +87,47 @@ def sweep_components_csv(session: Session, sweep_id: int) -> str:
         return export.components_csv(_sweep_rows(session, sweep_id)[1])
 
 
-def sweep_comparison(session: Session, a_id: int, b_id: int) -> dict[str, Any]:
-    """Sweep A and sweep B cell by cell (compare.compare_out), and whether their specs are
-    the same but for their names."""
+SIDES_PAGE = 1_000
+"""Runs whose rows a comparison builds at once before it keeps only their sides."""
+
+
+def sweep_sides(session: Session, sweep: Sweep) -> list[Side]:
+    """Every run of the sweep as a comparison's Side, in id order: rows built SIDES_PAGE at
+    a time (labels as for the whole sweep: queries.rows_page), each page dropped once its
+    sides are taken."""
+    sides: list[Side] = []
+    after = 0
+    while True:
+        page = queries.rows_page(session, sweep, after=after, limit=SIDES_PAGE)
+        if not page:
+            return sides
+        sides += [Side.of(r) for r in page]
+        after = page[-1].run_id
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Sweep A and sweep B cell by cell: the counts and whether their specs are the same
+    (head, compare.compare_head), and both sweeps' sides, from which the pairs come one at a
+    time."""
+
+    head: dict[str, Any]
+    a: list[Side]
+    b: list[Side]
+
+    def pairs(self) -> Iterator[dict[str, Any]]:
+        """The pairs in A's order (compare.iter_pairs), each as the API gives it (pair_out)."""
+        return (pair_out(p) for p in iter_pairs(self.a, self.b))
+
+
+def sweep_comparison(session: Session, a_id: int, b_id: int) -> Comparison:
+    """Sweep A and sweep B cell by cell (compare.compare_head and iter_pairs): their sides
+    read, in memory a few hundred bytes a run, the pairs never all at once."""
     with queries.whole_sweep_read(session, a_id, b_id):
-        (a, a_rows), (b, b_rows) = _sweep_rows(session, a_id), _sweep_rows(session, b_id)
-        return compare_out(a_id, b_id, a_rows, b_rows, same_spec(a.spec, b.spec))
+        a, b = _sweep(session, a_id), _sweep(session, b_id)
+        a_sides, b_sides = sweep_sides(session, a), sweep_sides(session, b)
+        head = compare_head(a_id, b_id, a_sides, b_sides, same_spec(a.spec, b.spec))
+        return Comparison(head, a_sides, b_sides)
 
 
 EXPORT_PAGE = 1_000
