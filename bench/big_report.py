@@ -36,6 +36,12 @@ def _load(name: str) -> Any:
     return module
 
 
+REPO = Path(__file__).resolve().parent.parent
+# The server runs from / (bench_service.serve_subprocess): without this, it would import
+# whichever checkout the environment installed, not the tree this file is in.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p
+)
 bench_service = _load("service.py")
 big_sweep = _load("big_sweep.py")
 API = "/api/v1"

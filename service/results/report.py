@@ -27,7 +27,7 @@ from service.results.report_runs import (
 )
 from service.results.report_training import model_sections
 from service.results.rows import RunRow
-from service.results.schemes import sp_schemes_section
+from service.results.schemes import SCHEMES, sp_schemes_section
 from service.spec import PivotSpec, canonical_json
 from service.units import levels, natural_key
 from workers.noise import CONFIDENCE
@@ -62,7 +62,7 @@ def report_markdown(
         lines += results_section(bench, unit)
         lines += phase_section(bench, unit)
     lines += baseline_section(ordered, unit)
-    lines += sp_schemes_section([result_row(r) for r in ordered])
+    lines += sp_schemes_section([result_row(r) for r in ordered if _scheme_run(r)])
     models = [r for r in ordered if r.workload == "model"]
     if models:
         lines += model_sections(models, unit)
@@ -76,6 +76,12 @@ def report_markdown(
     lines += compile_notes(ordered) + plan_notes(ordered)
     lines += flag_footnotes(rows)
     return "\n".join(lines)
+
+
+def _scheme_run(row: RunRow) -> bool:
+    """Whether sp_schemes_section reads the row: a succeeded scheme on several ranks (the
+    others are left out before their result rows, ~3.5 KB each, are made)."""
+    return row.kernel in SCHEMES and row.world_size > 1 and row.status == "succeeded"
 
 
 DEFINITIONS = (
