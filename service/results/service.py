@@ -9,9 +9,9 @@ one runs); a sweep that does not exist is SweepNotFound.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.db.models import Run, RunStatus, Sweep
 from service.results import baselines, export, queries
 from service.results.compare import Side, compare_head, iter_pairs, pair_out, same_spec
-from service.results.report import report_markdown
+from service.results.report import report_markdown, report_row
 from service.results.rows import RunRow
 from service.spec import PivotSpec
 
@@ -57,10 +57,12 @@ def _run_counts(session: Session, sweep_id: int) -> dict[str, int]:
 
 
 def sweep_report(session: Session, sweep_id: int) -> str:
-    """report.md: the sweep, its rows, environments and run counts, read once; its pivot is
-    the sweep's analysis block's (or the default for its rows)."""
+    """report.md: the sweep, its rows (each as report.report_row keeps it), environments and
+    run counts, read once; its pivot is the sweep's analysis block's (or the default for its
+    rows)."""
     with queries.whole_sweep_read(session, sweep_id):
-        sweep, rows = _sweep_rows(session, sweep_id)
+        sweep = _sweep(session, sweep_id)
+        rows = _paged(session, sweep, report_row)
         return report_markdown(
             sweep,
             rows,
@@ -87,22 +89,29 @@ def sweep_components_csv(session: Session, sweep_id: int) -> str:
         return export.components_csv(_sweep_rows(session, sweep_id)[1])
 
 
-SIDES_PAGE = 1_000
-"""Runs whose rows a comparison builds at once before it keeps only their sides."""
+READ_PAGE = 1_000
+"""Runs whose full rows a report or a comparison builds at once before it keeps only what it
+reads of them (report.report_row, compare.Side)."""
+_Kept = TypeVar("_Kept")
+
+
+def _paged(session: Session, sweep: Sweep, keep: Callable[[RunRow], _Kept]) -> list[_Kept]:
+    """keep(row) of every run of the sweep, in id order: rows built READ_PAGE at a time
+    (labels, baselines and ratios as for the whole sweep: queries.rows_page), each page
+    dropped once what is kept of it is taken."""
+    kept: list[_Kept] = []
+    after = 0
+    while True:
+        page = queries.rows_page(session, sweep, after=after, limit=READ_PAGE)
+        if not page:
+            return kept
+        kept += [keep(r) for r in page]
+        after = page[-1].run_id
 
 
 def sweep_sides(session: Session, sweep: Sweep) -> list[Side]:
-    """Every run of the sweep as a comparison's Side, in id order: rows built SIDES_PAGE at
-    a time (labels as for the whole sweep: queries.rows_page), each page dropped once its
-    sides are taken."""
-    sides: list[Side] = []
-    after = 0
-    while True:
-        page = queries.rows_page(session, sweep, after=after, limit=SIDES_PAGE)
-        if not page:
-            return sides
-        sides += [Side.of(r) for r in page]
-        after = page[-1].run_id
+    """Every run of the sweep as a comparison's Side, in id order."""
+    return _paged(session, sweep, Side.of)
 
 
 @dataclass(frozen=True)
