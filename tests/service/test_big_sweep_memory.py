@@ -188,3 +188,30 @@ def test_report_md_holds_its_rows_and_no_result_row_each(
         queries._contexts.clear()
     per_run = (peaks[1] - peaks[0]) / (LARGE - SMALL)
     assert per_run < 5_000, f"report.md holds {per_run:.0f} B per run ({peaks})"
+
+
+def test_a_large_sweep_s_context_is_found_once_it_is_stored(
+    database_url: str, monkeypatch: Any
+) -> None:
+    """POST /sweeps finds a large sweep's context (what varies, its baselines) once it has
+    answered, so the sweep's first page reads a page of runs, not every run's config; a small
+    sweep's is found at its first read, as before."""
+    from service.results import service as sweep_results
+
+    monkeypatch.setattr(sweep_results, "WARM_CONTEXT_RUNS", 10)
+    queries._contexts.clear()
+    try:
+        small, large = finished_sweep(database_url, 10), finished_sweep(database_url, 12)
+        found = {sweep_id for _, sweep_id, _ in queries._contexts}
+        assert found == {large}, found
+        (stored,) = queries._contexts.values()
+        engine = make_engine(database_url)
+        with make_sessionmaker(engine)() as session:
+            sweep = session.get(Sweep, large)
+            assert sweep is not None
+            context = queries.sweep_context(session, sweep)
+            assert context is stored and "batch_size" in context.vary_fields  # found at the POST
+        engine.dispose()
+    finally:
+        queries._contexts.clear()
+    assert small not in found

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import (
     APIRouter,
+    BackgroundTasks,
     Depends,
     Header,
     HTTPException,
@@ -131,6 +132,7 @@ def create_sweep(
     session: SessionDep,
     settings: SettingsDep,
     response: Response,
+    background: BackgroundTasks,
     idempotency_key: Annotated[
         str | None,
         Header(
@@ -166,13 +168,20 @@ def create_sweep(
     if dry_run:
         response.status_code = status.HTTP_200_OK
         return submission.check(body.root, settings.run_limits())
+    out: SweepOut | SweepBatch
     if isinstance(body.root, SweepDocuments):
-        return _create_many(
+        out = _create_many(
             body.root, request, session, settings, response, idempotency_key, x_ringlab_submitter
         )
-    return _create_one(
-        body.root, request, session, settings, response, idempotency_key, x_ringlab_submitter
-    )
+    else:
+        out = _create_one(
+            body.root, request, session, settings, response, idempotency_key, x_ringlab_submitter
+        )
+    factory = request.app.state.sessionmaker
+    for made in out.sweeps if isinstance(out, SweepBatch) else [out]:
+        if made.total > sweep_results.WARM_CONTEXT_RUNS:  # once answered (see warm_context)
+            background.add_task(sweep_results.warm_context, factory, made.id)
+    return out
 
 
 def _create_one(
