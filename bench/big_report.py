@@ -9,7 +9,7 @@ after resetting it through /proc/PID/clear_refs) and its resident memory 2 s aft
 against before it.
 
     RINGLAB_TEST_POSTGRES_URL=postgresql://postgres@127.0.0.1:5432/test \\
-        .venv/bin/python bench/big_report.py [--cells 100000]
+        .venv/bin/python bench/big_report.py [--cells 100000] [--only report --only compare]
 """
 
 from __future__ import annotations
@@ -36,14 +36,45 @@ def _load(name: str) -> Any:
     return module
 
 
+REPO = Path(__file__).resolve().parent.parent
+# The server runs from / (bench_service.serve_subprocess): without this, it would import
+# whichever checkout the environment installed, not the tree this file is in.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p
+)
 bench_service = _load("service.py")
 big_sweep = _load("big_sweep.py")
 API = "/api/v1"
 
 
+READS = ("page", "dashboard", "json", "csv", "report", "compare", "compare-page")
+"""The reads measured, by name (--only), in the order they run."""
+
+
+def paths(sweep: int) -> dict[str, str]:
+    """Each read's path for the sweep, by its name in READS."""
+    return {
+        "page": f"/sweeps/{sweep}",
+        "dashboard": f"/sweeps/{sweep}/dashboard.json",
+        "json": f"{API}/sweeps/{sweep}/results.json",
+        "csv": f"{API}/sweeps/{sweep}/results.csv",
+        "report": f"{API}/sweeps/{sweep}/report.md",
+        "compare": f"{API}/sweeps/{sweep}/compare/{sweep}",
+        "compare-page": f"/compare?a={sweep}&b={sweep}",
+    }
+
+
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", type=int, default=100_000, help="runs of the sweep (x100)")
+    ap.add_argument(
+        "--only",
+        action="append",
+        choices=READS,
+        help="measure only this read (repeatable; default: every one, in this order: "
+        + ", ".join(READS)
+        + ")",
+    )
     ap.add_argument(
         "--database-url",
         default=os.environ.get("RINGLAB_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1/test"),
@@ -118,16 +149,10 @@ def main() -> None:
         sweep = http.post(f"{API}/sweeps", json=big_sweep.big_spec(0, args.cells)).json()["id"]
         finish_every_run(url, sweep)
         print(f"seeded in {time.perf_counter() - t0:.0f} s", flush=True)
-        for path in (
-            f"/sweeps/{sweep}",
-            f"/sweeps/{sweep}/dashboard.json",
-            f"{API}/sweeps/{sweep}/results.json",
-            f"{API}/sweeps/{sweep}/results.csv",
-            f"{API}/sweeps/{sweep}/report.md",
-            f"{API}/sweeps/{sweep}/compare/{sweep}",
-            f"/compare?a={sweep}&b={sweep}",
-        ):
-            measure(http, pid, path)
+        chosen = paths(sweep)
+        for name in READS:
+            if args.only is None or name in args.only:
+                measure(http, pid, chosen[name])
 
 
 if __name__ == "__main__":

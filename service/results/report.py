@@ -27,7 +27,8 @@ from service.results.report_runs import (
 )
 from service.results.report_training import model_sections
 from service.results.rows import RunRow
-from service.results.schemes import sp_schemes_section
+from service.results.schemes import SCHEMES, sp_schemes_section
+from service.results.stored import StoredRank
 from service.spec import PivotSpec, canonical_json
 from service.units import levels, natural_key
 from workers.noise import CONFIDENCE
@@ -62,7 +63,7 @@ def report_markdown(
         lines += results_section(bench, unit)
         lines += phase_section(bench, unit)
     lines += baseline_section(ordered, unit)
-    lines += sp_schemes_section([result_row(r) for r in ordered])
+    lines += sp_schemes_section([result_row(r) for r in ordered if _scheme_run(r)])
     models = [r for r in ordered if r.workload == "model"]
     if models:
         lines += model_sections(models, unit)
@@ -76,6 +77,30 @@ def report_markdown(
     lines += compile_notes(ordered) + plan_notes(ordered)
     lines += flag_footnotes(rows)
     return "\n".join(lines)
+
+
+def report_row(row: RunRow) -> RunRow:
+    """The row as report.md keeps it while it writes a large sweep: its ranks (~2.5 KB a run)
+    dropped unless one holds what the report reads of a rank (report_runs: a peak below its
+    inputs, the device's used bytes; report_environment.compile_notes: compilations). Every
+    other figure of a rank is already the row's own (rank_peak_bytes, the slowest's times)."""
+    if not any(_read_of_rank(rank) for rank in row.ranks):
+        row.ranks = []
+    return row
+
+
+def _read_of_rank(rank: StoredRank) -> bool:
+    return (
+        rank.peak_below_inputs
+        or rank.device_used_bytes is not None
+        or bool(rank.compilations and rank.compile_s is not None)
+    )
+
+
+def _scheme_run(row: RunRow) -> bool:
+    """Whether sp_schemes_section reads the row: a succeeded scheme on several ranks (the
+    others are left out before their result rows, ~3.5 KB each, are made)."""
+    return row.kernel in SCHEMES and row.world_size > 1 and row.status == "succeeded"
 
 
 DEFINITIONS = (

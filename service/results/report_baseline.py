@@ -42,14 +42,14 @@ def _timed_against_baseline(
     """(run, its baseline) of timed runs: both times with their intervals, both peaks, the
     speedup, memory ratio and scaling efficiency."""
     unit = unit or time_unit(x.median_s for pair in pairs for x in pair)
-    body = [
+    body = (
         [r.label, f"{r.length:,}", r.baseline or "-", time_cell(b, unit), time_cell(r, unit),
          ratio_cell(r, "speedup", fmt_x),
          fmt_bytes(b.peak_memory_bytes) + marks(b, "peak_memory_bytes"),
          fmt_bytes(r.peak_memory_bytes) + marks(r, "peak_memory_bytes"),
          fmt_x(r.memory_ratio), ratio_cell(r, "efficiency", fmt_pct)]
         for r, b in pairs
-    ]  # fmt: skip
+    )  # fmt: skip
     header = ["Run", "Seq len", "Baseline", f"Baseline time (interval, {unit.name})",
               f"Time (interval, {unit.name})", "Speedup", "Baseline peak", "Peak",
               "Memory ratio", "Scaling efficiency"]  # fmt: skip
@@ -59,12 +59,12 @@ def _timed_against_baseline(
 def _max_len_against_baseline(pairs: Sequence[tuple[RunRow, RunRow]]) -> list[str]:
     """(run, its baseline) of searches: both maximum lengths and tokens/s at them, the gain,
     speedup and scaling efficiency."""
-    body = [
+    body = (
         [r.label, r.baseline or "-", fmt_num(b.max_seq_len), fmt_num(r.max_seq_len),
          fmt_x(r.max_len_gain), fmt_num(b.tokens_per_s), fmt_num(r.tokens_per_s),
          ratio_cell(r, "speedup", fmt_x), ratio_cell(r, "efficiency", fmt_pct)]
         for r, b in pairs
-    ]  # fmt: skip
+    )  # fmt: skip
     header = ["Run", "Baseline", "Baseline max tokens", "Max tokens", "Max-length gain",
               "Baseline tokens/s at max", "Tokens/s at max", "Speedup",
               "Scaling efficiency"]  # fmt: skip
@@ -94,11 +94,11 @@ def pivot_section(
         ]
     header = [grid.row_header[0].upper() + grid.row_header[1:], *grid.columns]
     for section in grid.sections:
-        body = [
+        body = (
             [name, *(show(v) + _flag_marks(section.flags.get((i, j), [])) for j, v in
                      enumerate(values))]
             for i, (name, values) in enumerate(section.rows)
-        ]  # fmt: skip
+        )  # fmt: skip
         lines += [f"### {section.title}", ""] if section.title else []
         lines += [*table(header, body), ""]
     return lines

@@ -5,7 +5,7 @@ and the pages that show the same figures.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from service.results.rows import RunRow
@@ -83,12 +83,13 @@ FORMATS: dict[str, Callable[[Any], str]] = {
 """How the report and the dashboard show each pivot metric."""
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    cells = [[str(c).replace("|", "\\|") for c in row] for row in rows]
+def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """A markdown table's lines; `rows` is read one row at a time (a generator of a 100,000-run
+    sweep's rows holds one row's cells at once, not every row's)."""
     return [
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" for _ in header) + "|",
-        *("| " + " | ".join(row) + " |" for row in cells),
+        *("| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows),
     ]
 
 

@@ -99,23 +99,22 @@ def results_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> lis
     ratios = _ratio_columns(rows)
     comm = any(r.exposed_comm_share is not None for r in rows)
     unit = unit or report_unit(rows)
-    body = []
-    for r in rows:
-        body.append(
-            [
-                r.label,
-                f"{r.length:,}",
-                str(r.world_size),
-                unit(r.median_s),
-                f"{unit(r.p10_s)} - {unit(r.p90_s)}" if r.p10_s is not None else "-",
-                fmt_num(r.tokens_per_s),
-                fmt_num(r.tflops_per_s, 4),
-                *([fmt_pct(r.exposed_comm_share)] if comm else []),
-                fmt_bytes(r.input_memory_bytes),
-                *([fmt_bytes(_device_used(r))] if used else []),
-                *_tail_cells(r, len(peaks), joined, ratios),
-            ]
-        )
+    body = (
+        [
+            r.label,
+            f"{r.length:,}",
+            str(r.world_size),
+            unit(r.median_s),
+            f"{unit(r.p10_s)} - {unit(r.p90_s)}" if r.p10_s is not None else "-",
+            fmt_num(r.tokens_per_s),
+            fmt_num(r.tflops_per_s, 4),
+            *([fmt_pct(r.exposed_comm_share)] if comm else []),
+            fmt_bytes(r.input_memory_bytes),
+            *([fmt_bytes(_device_used(r))] if used else []),
+            *_tail_cells(r, len(peaks), joined, ratios),
+        ]
+        for r in rows
+    )
     header = [
         "Run",
         "Seq len",
@@ -142,7 +141,7 @@ def phase_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> list[
     if not phased:
         return []
     unit = unit or time_unit(t for r in phased for t in (r.forward_s, r.backward_s, r.median_s))
-    body = [
+    body = (
         [
             r.label, f"{r.length:,}", str(r.world_size),
             unit(r.forward_s), _spread(unit, r.forward_p10_s, r.forward_p90_s),
@@ -151,7 +150,7 @@ def phase_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> list[
             fmt_num(r.backward_tflops_per_s, 4), fmt_num(r.tflops_per_s, 4),
         ]
         for r in phased
-    ]  # fmt: skip
+    )  # fmt: skip
     header = ["Run", "Seq len", "World", "Forward", "p10 - p90", "Backward", "p10 - p90",
               "Forward+backward", "Forward TFLOP/s", "Backward TFLOP/s",
               "Total TFLOP/s"]  # fmt: skip
@@ -179,7 +178,7 @@ def _comm_section(rows: Sequence[RunRow]) -> list[str]:
     ring = [
         r for r in rows if r.exposed_comm_share is not None or r.link_probe_bytes_per_s is not None
     ]
-    body = [
+    body = (
         [
             r.label,
             f"{r.length:,}",
@@ -194,7 +193,7 @@ def _comm_section(rows: Sequence[RunRow]) -> list[str]:
             r.crossover_basis or "-",
         ]
         for r in ring
-    ]
+    )
     header = ["Run", "Seq len", "World", "Tokens per rank", "Exposed comm", "Link bandwidth",
               "Link latency", "Link", "Steps cover", "Crossover tokens",
               "Crossover from"]  # fmt: skip
@@ -222,18 +221,17 @@ def max_len_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> lis
     joined = peaks == ["Peak memory per rank"]
     ratios = _ratio_columns(rows)
     unit = unit or report_unit(rows)
-    body = []
-    for r in rows:
-        body.append(
-            [
-                r.label,
-                str(r.world_size),
-                fmt_num(r.max_seq_len) if r.max_seq_len else "none fit",
-                unit(r.median_s),
-                fmt_num(r.tokens_per_s),
-                *_tail_cells(r, len(peaks), joined, ratios),
-            ]
-        )
+    body = (
+        [
+            r.label,
+            str(r.world_size),
+            fmt_num(r.max_seq_len) if r.max_seq_len else "none fit",
+            unit(r.median_s),
+            fmt_num(r.tokens_per_s),
+            *_tail_cells(r, len(peaks), joined, ratios),
+        ]
+        for r in rows
+    )
     header = [
         "Run",
         "World",

@@ -9,16 +9,17 @@ one runs); a sweep that does not exist is SweepNotFound.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.models import Run, RunStatus, Sweep
 from service.results import baselines, export, queries
-from service.results.compare import compare_out, same_spec
-from service.results.report import report_markdown
+from service.results.compare import Side, compare_head, iter_pairs, pair_out, same_spec
+from service.results.report import report_markdown, report_row
 from service.results.rows import RunRow
 from service.spec import PivotSpec
 
@@ -56,10 +57,12 @@ def _run_counts(session: Session, sweep_id: int) -> dict[str, int]:
 
 
 def sweep_report(session: Session, sweep_id: int) -> str:
-    """report.md: the sweep, its rows, environments and run counts, read once; its pivot is
-    the sweep's analysis block's (or the default for its rows)."""
+    """report.md: the sweep, its rows (each as report.report_row keeps it), environments and
+    run counts, read once; its pivot is the sweep's analysis block's (or the default for its
+    rows)."""
     with queries.whole_sweep_read(session, sweep_id):
-        sweep, rows = _sweep_rows(session, sweep_id)
+        sweep = _sweep(session, sweep_id)
+        rows = _paged(session, sweep, report_row)
         return report_markdown(
             sweep,
             rows,
@@ -86,12 +89,54 @@ def sweep_components_csv(session: Session, sweep_id: int) -> str:
         return export.components_csv(_sweep_rows(session, sweep_id)[1])
 
 
-def sweep_comparison(session: Session, a_id: int, b_id: int) -> dict[str, Any]:
-    """Sweep A and sweep B cell by cell (compare.compare_out), and whether their specs are
-    the same but for their names."""
+READ_PAGE = 1_000
+"""Runs whose full rows a report or a comparison builds at once before it keeps only what it
+reads of them (report.report_row, compare.Side)."""
+_Kept = TypeVar("_Kept")
+
+
+def _paged(session: Session, sweep: Sweep, keep: Callable[[RunRow], _Kept]) -> list[_Kept]:
+    """keep(row) of every run of the sweep, in id order: rows built READ_PAGE at a time
+    (labels, baselines and ratios as for the whole sweep: queries.rows_page), each page
+    dropped once what is kept of it is taken."""
+    kept: list[_Kept] = []
+    after = 0
+    while True:
+        page = queries.rows_page(session, sweep, after=after, limit=READ_PAGE)
+        if not page:
+            return kept
+        kept += [keep(r) for r in page]
+        after = page[-1].run_id
+
+
+def sweep_sides(session: Session, sweep: Sweep) -> list[Side]:
+    """Every run of the sweep as a comparison's Side, in id order."""
+    return _paged(session, sweep, Side.of)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Sweep A and sweep B cell by cell: the counts and whether their specs are the same
+    (head, compare.compare_head), and both sweeps' sides, from which the pairs come one at a
+    time."""
+
+    head: dict[str, Any]
+    a: list[Side]
+    b: list[Side]
+
+    def pairs(self) -> Iterator[dict[str, Any]]:
+        """The pairs in A's order (compare.iter_pairs), each as the API gives it (pair_out)."""
+        return (pair_out(p) for p in iter_pairs(self.a, self.b))
+
+
+def sweep_comparison(session: Session, a_id: int, b_id: int) -> Comparison:
+    """Sweep A and sweep B cell by cell (compare.compare_head and iter_pairs): their sides
+    read, in memory a few hundred bytes a run, the pairs never all at once."""
     with queries.whole_sweep_read(session, a_id, b_id):
-        (a, a_rows), (b, b_rows) = _sweep_rows(session, a_id), _sweep_rows(session, b_id)
-        return compare_out(a_id, b_id, a_rows, b_rows, same_spec(a.spec, b.spec))
+        a, b = _sweep(session, a_id), _sweep(session, b_id)
+        a_sides, b_sides = sweep_sides(session, a), sweep_sides(session, b)
+        head = compare_head(a_id, b_id, a_sides, b_sides, same_spec(a.spec, b.spec))
+        return Comparison(head, a_sides, b_sides)
 
 
 EXPORT_PAGE = 1_000
@@ -130,6 +175,21 @@ def results_csv_chunks(factory: sessionmaker[Session], sweep_id: int) -> Iterato
     yield export.to_csv([])
     for page in result_pages(factory, sweep_id):
         yield export.to_csv(page, header=False)
+
+
+WARM_CONTEXT_RUNS = 2_000
+"""Sweeps over this many runs have their context found as soon as they are stored."""
+
+
+def warm_context(factory: sessionmaker[Session], sweep_id: int) -> None:
+    """Find the sweep's context (queries.sweep_context: what varies, each run's baselines)
+    now, in its own session: it depends on configs alone, fixed once stored, so a large
+    sweep's first page (its labels and baselines) then reads a page of runs, not a pass over
+    all of them (~6 s for 100,000). A process that starts later finds it at its first read."""
+    with factory() as session:
+        sweep = session.get(Sweep, sweep_id)
+        if sweep is not None:  # deleted in the meantime: nothing to find
+            queries.sweep_context(session, sweep)
 
 
 def sweep_exists(session: Session, sweep_id: int) -> None:

@@ -4,6 +4,7 @@ shared header needs. The pages (router) and the login page both render through p
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,28 @@ def page(request: Request, name: str, status_code: int = 200, **context: Any) ->
     context.setdefault("static_version", _static_version())
     context.setdefault("queue_problem", ray_link.queue_problem(request))  # the header says it
     return templates.TemplateResponse(request, name, context, status_code=status_code)
+
+
+PAGE_CHUNK_CHARS = 1 << 16
+"""Characters of a streamed page sent at once: the template yields every fragment apart
+(dozens a table row), and each chunk a StreamingResponse sends is a hop to the thread pool."""
+
+
+def page_chunks(request: Request, name: str, **context: Any) -> Iterator[str]:
+    """The template `name` rendered as page() renders it, PAGE_CHUNK_CHARS at a time (a
+    StreamingResponse's body): a page of 100,000 rows is never one string in memory."""
+    context.setdefault("static_version", _static_version())
+    context.setdefault("queue_problem", ray_link.queue_problem(request))
+    pieces: list[str] = []
+    size = 0
+    for piece in templates.get_template(name).generate({**context, "request": request}):
+        pieces.append(piece)
+        size += len(piece)
+        if size >= PAGE_CHUNK_CHARS:
+            yield "".join(pieces)
+            pieces, size = [], 0
+    if pieces:
+        yield "".join(pieces)
 
 
 def _wants_page(request: Request) -> bool:

@@ -6,13 +6,21 @@ plotly.js comes from the plotly Python package's own data, so nothing is fetched
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import plotly
-from fastapi import APIRouter, BackgroundTasks, Depends, HTTPException, Query, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
+from starlette.background import BackgroundTask
 
 from service import units
 from service.api import store
@@ -29,10 +37,10 @@ from service.api.pages import query_error
 from service.api.schemas import SweepOut
 from service.db.models import TERMINAL_STATUSES, Sweep
 from service.results import charts, compare, export, queries
-from service.results.rows import RunRow
+from service.results import service as sweep_results
 from service.results.stored import StoredStep
 from service.web import login
-from service.web.render import HERE, STATIC_FILES
+from service.web.render import HERE, STATIC_FILES, page_chunks
 from service.web.render import page as _page
 
 PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
@@ -43,12 +51,12 @@ public = APIRouter(include_in_schema=False)
 """Static files (code, no data) and the login page: reachable before logging in."""
 
 
-def _friendly(page: Callable[..., HTMLResponse]) -> Callable[..., HTMLResponse]:
+def _friendly(page: Callable[..., Response]) -> Callable[..., Response]:
     """A page whose 404 (no such sweep or run) is an HTML page saying so, with a link back to
     the sweeps, not the API's JSON."""
 
     @functools.wraps(page)
-    def wrapper(request: Request, *args: Any, **kwargs: Any) -> HTMLResponse:
+    def wrapper(request: Request, *args: Any, **kwargs: Any) -> Response:
         try:
             return page(request, *args, **kwargs)
         except HTTPException as e:
@@ -93,13 +101,6 @@ def _summary_or_404(session: SessionDep, sweep_id: int) -> dict[str, Any]:
     if out is None:
         raise HTTPException(404, f"no sweep {sweep_id}")
     return _summary(out)
-
-
-def _sweep_rows(session: SessionDep, sweep_id: int) -> list[RunRow]:
-    sweep = session.get(Sweep, sweep_id)
-    if sweep is None:
-        raise HTTPException(404, f"no sweep {sweep_id}")
-    return queries.sweep_rows(session, sweep)
 
 
 @router.get("/", response_class=HTMLResponse)
@@ -260,49 +261,62 @@ def run_page(request: Request, session: SessionDep, run_id: RunId) -> HTMLRespon
     )
 
 
+class _Pairs:
+    """A comparison's pairs (compare.iter_pairs) as the compare page reads them: counted
+    once, then made afresh for each pass over them, so none is kept between passes."""
+
+    def __init__(self, comparison: sweep_results.Comparison) -> None:
+        self.a, self.b = comparison.a, comparison.b
+        self.count = sum(1 for _ in compare.iter_pairs(self.a, self.b))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return compare.iter_pairs(self.a, self.b)
+
+
+FIGURE_KEYS = ("label", "tps_ratio", "tps_lo", "tps_hi", "time_change")
+"""What the comparison's chart reads of a pair (charts.compare_figure)."""
+
+
 @router.get("/compare", response_class=HTMLResponse)
 @_friendly
 def compare_page(
     request: Request,
     session: SessionDep,
-    background: BackgroundTasks,
     a: Annotated[int | None, Query(ge=1, le=MAX_ID, description="Sweep A (the baseline).")] = None,
     b: Annotated[
         int | None, Query(ge=1, le=MAX_ID, description="Sweep B (compared with A).")
     ] = None,
-) -> HTMLResponse:
-    """Two sweeps side by side: B/A for every cell with the same config; regressions marked."""
+) -> Response:
+    """Two sweeps side by side: B/A for every cell with the same config; regressions marked.
+    Both sweeps are held as their sides (compare.Side), and the page is sent as it renders."""
     sweeps = store.list_sweeps(session, skip=0, limit=500, kind=None, name=None).data
     context: dict[str, Any] = {"sweeps": [_summary(s) for s in sweeps], "a": a, "b": b}
     context["pairs"] = None
-    if a is not None and b is not None:
-        background.add_task(queries.give_back_memory)  # once the page is sent
-        sa, sb = _summary_or_404(session, a), _summary_or_404(session, b)
-        # The page holds both sweeps' rows until it is rendered: all of it is one whole read.
-        with queries.whole_sweep_read(session, a, b):
-            a_rows, b_rows = _sweep_rows(session, a), _sweep_rows(session, b)
-            pairs = compare.compare_rows(a_rows, b_rows)
-            only_a, only_b = compare.unmatched(a_rows, b_rows)
-            specs = [session.get(Sweep, i) for i in (a, b)]
-            context.update(
-                same_spec=compare.same_spec(*(None if x is None else x.spec for x in specs)),
-                only_a=only_a,
-                only_b=only_b,
-                sa=sa,
-                sb=sb,
-                pairs=pairs,
-                figure=charts.compare_figure(pairs),
-                tolerance=compare.MEMORY_TOLERANCE,
-                levels=units.levels(r.median_ci_level for r in [*a_rows, *b_rows]
-                                    if r.median_s is not None) or "nothing (no time measured)",
-                confidence=compare.CONFIDENCE,
-                too_few=compare.TOO_FEW,
-            )  # fmt: skip
-            rendered = _page(request, "compare.html", **context)
-        # the body alone: a TemplateResponse keeps its context (both sweeps' rows) until sent,
-        # past the trim that runs once the page is sent
-        return HTMLResponse(rendered.body)
-    return _page(request, "compare.html", **context)
+    if a is None or b is None:
+        return _page(request, "compare.html", **context)
+    sa, sb = _summary_or_404(session, a), _summary_or_404(session, b)
+    found = sweep_results.sweep_comparison(session, a, b)
+    pairs = _Pairs(found)
+    shown = [{k: p[k] for k in FIGURE_KEYS} for p in pairs]
+    figure = charts.compare_figure(shown)
+    del shown
+    context.update(
+        same_spec=found.head["same_spec"], only_a=found.head["only_a"],
+        only_b=found.head["only_b"], regressions=found.head["regressions"],
+        within_noise=found.head["within_noise"], too_few_count=found.head["too_few"],
+        sa=sa, sb=sb, pairs=pairs, figure=figure, tolerance=compare.MEMORY_TOLERANCE,
+        levels=units.levels(r.median_ci_level for r in [*found.a, *found.b]
+                            if r.median_s is not None) or "nothing (no time measured)",
+        confidence=compare.CONFIDENCE, too_few=compare.TOO_FEW,
+    )  # fmt: skip
+    return StreamingResponse(
+        page_chunks(request, "compare.html", **context),
+        media_type="text/html",
+        background=BackgroundTask(queries.give_back_memory),  # once the page is sent
+    )
 
 
 def _history_figure(entries: list[dict[str, Any]]) -> dict[str, Any]:

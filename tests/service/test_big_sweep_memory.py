@@ -121,3 +121,97 @@ def test_a_whole_sweep_read_holds_rows_not_orm_objects(database_url: str, monkey
         engine.dispose()
     per_run = (peaks[1] - peaks[0]) / (LARGE - SMALL)
     assert per_run < 10_000, f"a whole-sweep read holds {per_run:.0f} B per run ({peaks})"
+
+
+def test_a_comparison_holds_its_sides_not_its_rows(database_url: str, monkeypatch: Any) -> None:
+    """GET /compare's answer, read and sent as the route does: each run held as its Side (a
+    few hundred bytes; here both sides of a sweep compared with itself), rows built
+    READ_PAGE at a time, the pairs made one at a time as the JSON streams, so a run costs
+    well under its ~5 KB row (it cost ~15 KB)."""
+    from service.api.routes import sweeps
+    from service.api.routes.sweeps import compare_json_chunks
+    from service.results import service as sweep_results
+
+    monkeypatch.setattr(sweep_results, "READ_PAGE", 50)
+    monkeypatch.setattr(sweeps, "COMPARE_CHUNK_PAIRS", 50)
+    small, large = finished_sweep(database_url, SMALL), finished_sweep(database_url, LARGE)
+    engine = make_engine(database_url)
+
+    def compared(sweep_id: int, runs: int) -> Callable[[], int]:
+        def read() -> int:  # as the response sends it: chunk by chunk, none kept
+            with make_sessionmaker(engine)() as session:
+                found = sweep_results.sweep_comparison(session, sweep_id, sweep_id)
+            assert found.head["only_a"] == found.head["only_b"] == 0
+            assert len(found.a) == len(found.b) == runs
+            return sum(len(chunk) for chunk in compare_json_chunks(found))
+
+        return read
+
+    try:
+        compared(small, SMALL)()  # imports, caches and the sweeps' contexts warmed
+        compared(large, LARGE)()
+        peaks = [traced_peak(compared(small, SMALL)), traced_peak(compared(large, LARGE))]
+    finally:
+        engine.dispose()
+        queries._contexts.clear()
+    per_run = (peaks[1] - peaks[0]) / (LARGE - SMALL)
+    assert per_run < 2_500, f"a comparison holds {per_run:.0f} B per run ({peaks})"
+
+
+def test_report_md_holds_its_rows_and_no_result_row_each(
+    database_url: str, monkeypatch: Any
+) -> None:
+    """report.md keeps every row (its pivot and tables are made over all of them), but no
+    result row beside each (only for the runs its schemes section reads), its stored models
+    share their sets of given fields, and it keeps ranks only where it reads them
+    (report.report_row), and its tables are written a row at a time: ~3.8 KB a run (it was
+    ~11 KB)."""
+    from service.results import service as sweep_results
+
+    monkeypatch.setattr(sweep_results, "READ_PAGE", 50)
+    small, large = finished_sweep(database_url, SMALL), finished_sweep(database_url, LARGE)
+    engine = make_engine(database_url)
+
+    def report(sweep_id: int) -> Callable[[], int]:
+        def read() -> int:
+            with make_sessionmaker(engine)() as session:
+                return len(sweep_results.sweep_report(session, sweep_id))
+
+        return read
+
+    try:
+        report(small)()  # imports, caches and the sweeps' contexts warmed
+        report(large)()
+        peaks = [traced_peak(report(small)), traced_peak(report(large))]
+    finally:
+        engine.dispose()
+        queries._contexts.clear()
+    per_run = (peaks[1] - peaks[0]) / (LARGE - SMALL)
+    assert per_run < 5_000, f"report.md holds {per_run:.0f} B per run ({peaks})"
+
+
+def test_a_large_sweep_s_context_is_found_once_it_is_stored(
+    database_url: str, monkeypatch: Any
+) -> None:
+    """POST /sweeps finds a large sweep's context (what varies, its baselines) once it has
+    answered, so the sweep's first page reads a page of runs, not every run's config; a small
+    sweep's is found at its first read, as before."""
+    from service.results import service as sweep_results
+
+    monkeypatch.setattr(sweep_results, "WARM_CONTEXT_RUNS", 10)
+    queries._contexts.clear()
+    try:
+        small, large = finished_sweep(database_url, 10), finished_sweep(database_url, 12)
+        found = {sweep_id for _, sweep_id, _ in queries._contexts}
+        assert found == {large}, found
+        (stored,) = queries._contexts.values()
+        engine = make_engine(database_url)
+        with make_sessionmaker(engine)() as session:
+            sweep = session.get(Sweep, large)
+            assert sweep is not None
+            context = queries.sweep_context(session, sweep)
+            assert context is stored and "batch_size" in context.vary_fields  # found at the POST
+        engine.dispose()
+    finally:
+        queries._contexts.clear()
+    assert small not in found

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any, Literal
@@ -37,6 +38,7 @@ from service.api.deps import (
 from service.api.events import EVENT_SCHEMA, sweep_events
 from service.api.schemas import (
     CompareOut,
+    ComparePair,
     Message,
     SweepAction,
     SweepBatch,
@@ -130,6 +132,7 @@ def create_sweep(
     session: SessionDep,
     settings: SettingsDep,
     response: Response,
+    background: BackgroundTasks,
     idempotency_key: Annotated[
         str | None,
         Header(
@@ -165,13 +168,20 @@ def create_sweep(
     if dry_run:
         response.status_code = status.HTTP_200_OK
         return submission.check(body.root, settings.run_limits())
+    out: SweepOut | SweepBatch
     if isinstance(body.root, SweepDocuments):
-        return _create_many(
+        out = _create_many(
             body.root, request, session, settings, response, idempotency_key, x_ringlab_submitter
         )
-    return _create_one(
-        body.root, request, session, settings, response, idempotency_key, x_ringlab_submitter
-    )
+    else:
+        out = _create_one(
+            body.root, request, session, settings, response, idempotency_key, x_ringlab_submitter
+        )
+    factory = request.app.state.sessionmaker
+    for made in out.sweeps if isinstance(out, SweepBatch) else [out]:
+        if made.total > sweep_results.WARM_CONTEXT_RUNS:  # once answered (see warm_context)
+            background.add_task(sweep_results.warm_context, factory, made.id)
+    return out
 
 
 def _create_one(
@@ -433,15 +443,46 @@ def pivot_csv(
     response_model=CompareOut,
     responses={**NOT_FOUND, **AUTH},
 )
-def compare(
-    sweep_id: SweepId, other_id: SweepId, session: SessionDep, background: BackgroundTasks
-) -> dict[str, Any]:
+def compare(sweep_id: SweepId, other_id: SweepId, session: SessionDep) -> StreamingResponse:
     """This sweep (A) and another (B) cell by cell, as the /compare page: B/A with intervals
     from both runs' noise, regressions only beyond both spreads, and whether the two specs
-    are identical (names aside)."""
-    background.add_task(queries.give_back_memory)  # once the answer is sent
+    are identical (names aside). Streamed: its pairs are never all in memory at once."""
     with _found():
-        return sweep_results.sweep_comparison(session, sweep_id, other_id)
+        comparison = sweep_results.sweep_comparison(session, sweep_id, other_id)
+    return StreamingResponse(
+        compare_json_chunks(comparison),
+        media_type="application/json",
+        # once the answer is sent: the sides are gone, and their memory goes back
+        background=BackgroundTask(queries.give_back_memory),
+    )
+
+
+def _json(value: Any) -> str:
+    """JSON as FastAPI's JSONResponse writes it (the bytes a CompareOut answer had whole)."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+COMPARE_CHUNK_PAIRS = 1_000
+"""Pairs per chunk of a streamed comparison."""
+
+
+def compare_json_chunks(comparison: sweep_results.Comparison) -> Iterator[str]:
+    """The comparison's CompareOut JSON in chunks: its head (every field but pairs), then the
+    pairs COMPARE_CHUNK_PAIRS at a time, each validated as ComparePair."""
+    whole = CompareOut.model_validate({**comparison.head, "pairs": []})
+    head = _json(whole.model_dump(mode="json"))
+    tail = '"pairs":[]}'
+    if not head.endswith(tail):  # pairs must stay CompareOut's last field
+        raise RuntimeError(f"CompareOut's JSON does not end with its pairs: {head[-40:]!r}")
+    yield head[: -len(tail)] + '"pairs":['
+    chunk: list[str] = []
+    sep = ""
+    for pair in comparison.pairs():
+        chunk.append(_json(ComparePair.model_validate(pair).model_dump(mode="json")))
+        if len(chunk) == COMPARE_CHUNK_PAIRS:
+            yield sep + ",".join(chunk)
+            chunk, sep = [], ","
+    yield (sep + ",".join(chunk) if chunk else "") + "]}"
 
 
 @router.get(
