@@ -34,7 +34,7 @@ def check_seq_len(seq_len: int, layout: str, world_size: int) -> None:
     parts = 2 * world_size if layout == "zigzag" else world_size
     if seq_len % parts:
         what = f"2 x world_size = {parts}" if layout == "zigzag" else f"world_size {world_size}"
-        raise ParamError("seq_len", f"{seq_len} must divide by {what} for layout {layout!r}")
+        raise ParamError("seq_len", f"{seq_len} must be divisible by {what} for layout {layout!r}")
 
 
 def positions(seq_len: int, layout: str, rank: int, world_size: int) -> torch.Tensor:
@@ -170,7 +170,7 @@ def _ptrr(mask: Mask, seq_len: int, world_size: int, block_size: int) -> torch.T
     if seq_len % (block_size * world_size):
         raise ParamError(
             "seq_len",
-            f"{seq_len} must divide by block_size x world_size = {block_size * world_size} "
+            f"{seq_len} must be divisible by block_size x world_size = {block_size * world_size} "
             "for balance ptrr",
         )
     work = mask.row_pairs(seq_len).view(-1, block_size).sum(1)

@@ -55,7 +55,7 @@ class MultiheadParams:
         ):
             raise ParamError(
                 "params.embed_dim",
-                f"{self.embed_dim} must divide by params.num_heads {self.num_heads}",
+                f"{self.embed_dim} must be divisible by params.num_heads {self.num_heads}",
             )
         if (
             self.num_heads is not None

@@ -441,7 +441,7 @@ def validate(
     if seq_len < 1:
         raise ParamError("seq_len", f"must be >= 1, got {seq_len}")
     if seq_len % world_size:
-        raise ParamError("seq_len", f"{seq_len} must divide by world_size {world_size}")
+        raise ParamError("seq_len", f"{seq_len} must be divisible by world_size {world_size}")
     if spec.check is not None:
         spec.check(
             parsed, seq_len=seq_len, world_size=world_size, num_heads=num_heads, causal=causal

@@ -65,9 +65,9 @@ class _Group:
 
 class _ByCause:
     """Errors located at one axis's value whose message names the value of another axis of
-    the cell ('1024 must divide by world_size 3' at seq_len 1024): when the other value breaks
+    the cell ('1024 must be divisible by world_size 3' at seq_len 1024): when the other value breaks
     cells of several values of the first axis, one error at the cause (world_size 3) lists them
-    and counts the cells ('seq_len must divide by world_size 3 in 3 cells (seq_len=1024, 2048,
+    and counts the cells ('seq_len must be divisible by world_size 3 in 3 cells (seq_len=1024, 2048,
     4096)'), not one error per value. `locate` gives where an axis's value of the current cell
     was written."""
 

@@ -72,7 +72,7 @@ class ModelConfig(BaseModel):
     def _shape(self) -> ModelConfig:
         if self.d_model % self.n_heads:
             raise ParamError(
-                "d_model", f"{self.d_model} must divide by n_heads {self.n_heads} (head_dim)"
+                "d_model", f"{self.d_model} must be divisible by n_heads {self.n_heads} (head_dim)"
             )
         if self.head_dim % 2:
             raise ParamError(
@@ -433,8 +433,8 @@ class RunConfig(BaseModel):
                 attention.check_parallel(self.kernel, "data", self.world_size)
             if self.batch_size % self.world_size:
                 raise ValueError(
-                    f"parallel=data splits the batch: batch_size ({self.batch_size}) must divide "
-                    f"by world_size ({self.world_size})"
+                    f"parallel=data splits the batch: batch_size ({self.batch_size}) must be "
+                    f"divisible by world_size ({self.world_size})"
                 )
             shard_world = 1
         else:

@@ -6,7 +6,7 @@ rank knows the whole mask, so a (query rank, key rank) pair the mask drops entir
 computed nor sent, and inside a step only the kept block pairs are computed. The backward
 re-fetches the needed K/V the same way and returns each partial dK/dV straight to its owner.
 Layouts: contiguous and zigzag hold whole blocks; striped gives every rank 1/W of every block
-(block_size must divide by W), so local block a is global block a on every rank and the same
+(block_size must be divisible by W), so local block a is global block a on every rank and the same
 block mask applies to local blocks of block_size / W rows, with a causal diagonal that is
 strict (key row < query row) when the held keys come from a later rank.
 """
@@ -73,7 +73,7 @@ def _check_shards(params: RingBlockSparseParams, seq_len: int, world: int, layou
         if params.block_size % world:
             raise ParamError(
                 "params.block_size",
-                f"{params.block_size} must divide by world_size {world} "
+                f"{params.block_size} must be divisible by world_size {world} "
                 "for layout 'striped' (every rank holds 1/world_size of every block)",
             )
         return
@@ -83,7 +83,7 @@ def _check_shards(params: RingBlockSparseParams, seq_len: int, world: int, layou
         raise ParamError(
             "seq_len",
             f"each {what} of {piece} tokens (seq_len {seq_len}, world_size {world}, "
-            f"layout {layout!r}) must divide by params.block_size {params.block_size}",
+            f"layout {layout!r}) must be divisible by params.block_size {params.block_size}",
         )
 
 

@@ -136,12 +136,13 @@ def check_heads(num_heads: int, num_kv_heads: int, degree: int, field: str) -> N
     degree | num_kv_heads or (replication) num_kv_heads | degree. `field` names the degree."""
     if num_heads % degree:
         raise ParamError(
-            "num_heads", f"{num_heads} must divide by {field} {degree} (each rank gets H / {field})"
+            "num_heads",
+            f"{num_heads} must be divisible by {field} {degree} (each rank gets H / {field})",
         )
     if num_kv_heads % degree and degree % num_kv_heads:
         raise ParamError(
             "num_kv_heads",
-            f"{num_kv_heads} must divide by {field} {degree}, or divide it (K/V heads fewer "
+            f"{num_kv_heads} must be divisible by {field} {degree}, or divide it (K/V heads fewer "
             f"than {field} are replicated to {degree} head groups)",
         )
 
@@ -296,7 +297,7 @@ def check_ulysses(
     """W | num_heads, W | seq_len, and the inner kernel's own rules on the whole sequence."""
     check_heads(num_heads, num_heads, world_size, "world_size")
     if seq_len % world_size:
-        raise ParamError("seq_len", f"{seq_len} must divide by world_size {world_size}")
+        raise ParamError("seq_len", f"{seq_len} must be divisible by world_size {world_size}")
     spec = KERNELS[params.inner]
     if spec.check is not None:
         inner = make_params(params.inner, params.inner_params())

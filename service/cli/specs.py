@@ -79,9 +79,7 @@ def load_specs(file: str) -> list[dict[str, Any]]:
         raise CliError(f"{label}: no sweep spec in it")
     for i, spec in enumerate(specs):
         if not isinstance(spec, dict):
-            raise CliError(
-                f"{label}: document {i + 1} is not a mapping (name, kind, base, grid...)"
-            )
+            raise CliError(f"{label}: documents[{i}] is not a mapping (name, kind, base, grid...)")
     return specs
 
 

@@ -234,14 +234,14 @@ def watch_names(names: dict[int, str], room: int) -> dict[int, str]:
 
 def search_answers(c: Any, sweep_id: int) -> list[str]:
     """A max_seq_len sweep's answers, a line per run: "sweep 2 run 5 dense: max 31,744
-    tokens, 46 s" (the search's wall-clock time), or why there is none."""
+    tokens (the search took 46 s)", or why there is none."""
     rows = c.results(sweep_id)
     runs = c.request("GET", "/runs", params={"sweep_id": sweep_id, "limit": 500}).json()["data"]
     spans = {}
     for r in runs:
         if r.get("started_at") and r.get("finished_at"):
             start, end = (datetime.fromisoformat(r[k]) for k in ("started_at", "finished_at"))
-            spans[r["id"]] = f", {duration((end - start).total_seconds())}"
+            spans[r["id"]] = f" (the search took {duration((end - start).total_seconds())})"
     lines = []
     for row in rows:
         head = f"sweep {sweep_id} run {row['run_id']} {row['label']}: "

@@ -107,7 +107,7 @@ def test_flops_add_projections_to_the_inner_kernel() -> None:
 @pytest.mark.parametrize(
     ("params", "match"),
     [
-        ({"embed_dim": 10, "num_heads": 3}, r"^params\.embed_dim: 10 must divide by"),
+        ({"embed_dim": 10, "num_heads": 3}, r"^params\.embed_dim: 10 must be divisible by"),
         ({"num_heads": 0}, r"^params\.num_heads: expected a positive integer"),
         ({"kernel": "nope"}, r"^params\.kernel: unknown or unsupported kernel 'nope'; valid: .*"),
         ({"kernel": "multihead"}, r"^params\.kernel: unknown or unsupported kernel 'multihead'"),

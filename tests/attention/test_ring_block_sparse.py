@@ -93,7 +93,9 @@ def test_validate_names_the_shard_rules():
         attention.validate("ring_block_sparse", params, seq_len=60, world_size=2)
     striped = {**params, "layout": "striped"}
     attention.validate("ring_block_sparse", striped, seq_len=64, world_size=8)
-    with pytest.raises(ValueError, match=r"params.block_size: 8 must divide by world_size 3 .*"):
+    with pytest.raises(
+        ValueError, match=r"params.block_size: 8 must be divisible by world_size 3 .*"
+    ):
         attention.validate("ring_block_sparse", striped, seq_len=48, world_size=3)
     with pytest.raises(ValueError, match=r"params.window: conflicts with params.sparsity_ratio"):
         attention.build("ring_block_sparse", sparsity_ratio=0.5, **params)

@@ -121,7 +121,7 @@ def rank_errors(rank: int, world: int) -> list[str]:
 
 def test_invalid_calls_raise_clear_errors():
     (messages,) = run_ranks(rank_errors, 1)
-    assert messages[0] == "seq_len: 5 must divide by 2 x world_size = 2 for layout 'zigzag'"
+    assert messages[0] == "seq_len: 5 must be divisible by 2 x world_size = 2 for layout 'zigzag'"
     assert messages[1].startswith("q, k, v: shapes must match")
 
 
@@ -137,11 +137,11 @@ def test_params_and_validate():
         attention.build("ring", layout="spiral")
     with pytest.raises(ValueError, match=r"params.group: expected a torch.distributed"):
         attention.build("ring", group="world")
-    with pytest.raises(ValueError, match=r"seq_len: 12 must divide by 2 x world_size = 8"):
+    with pytest.raises(ValueError, match=r"seq_len: 12 must be divisible by 2 x world_size = 8"):
         attention.validate("ring", {"layout": "zigzag"}, seq_len=12, world_size=4)
-    with pytest.raises(ValueError, match=r"seq_len: 12 must divide by 2 x world_size = 8"):
+    with pytest.raises(ValueError, match=r"seq_len: 12 must be divisible by 2 x world_size = 8"):
         attention.validate("ring", {}, seq_len=12, world_size=4)  # causal unknown: zigzag rule
-    with pytest.raises(ValueError, match=r"seq_len: 12 must divide by 2 x world_size = 8"):
+    with pytest.raises(ValueError, match=r"seq_len: 12 must be divisible by 2 x world_size = 8"):
         attention.validate("ring", {}, seq_len=12, world_size=4, causal=True)
     attention.validate("ring", {}, seq_len=12, world_size=4, causal=False)  # contiguous default
     attention.validate("ring", {"layout": "contiguous"}, seq_len=12, world_size=4)

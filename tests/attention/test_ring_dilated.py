@@ -109,11 +109,11 @@ def test_validate_accepts_any_segments_and_names_the_layout_rules():
     attention.validate("ring_dilated", params, seq_len=64, world_size=16)  # 8 spans 2 ranks
     paper = {"segment_lengths": [2048, 4096, 8192, 16384, 32768], "dilation_rates": PAPER[1]}
     attention.validate("ring_dilated", paper, seq_len=3 * 4096, world_size=2)
-    with pytest.raises(ValueError, match=r"seq_len: 98 must divide by world_size 4"):
+    with pytest.raises(ValueError, match=r"seq_len: 98 must be divisible by world_size 4"):
         attention.validate("ring_dilated", params, seq_len=98, world_size=4)
     zigzag = {**params, "layout": "zigzag"}
     attention.validate("ring_dilated", zigzag, seq_len=64, world_size=4)
-    with pytest.raises(ValueError, match=r"seq_len: 96 must divide by 2 x world_size = 64"):
+    with pytest.raises(ValueError, match=r"seq_len: 96 must be divisible by 2 x world_size = 64"):
         attention.validate("ring_dilated", {**zigzag}, seq_len=96, world_size=32)
     with pytest.raises(ValueError, match=r"params.layout: must be one of"):
         attention.build("ring_dilated", layout="diagonal")

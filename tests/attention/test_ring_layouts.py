@@ -30,9 +30,9 @@ def test_positions_by_definition():
 
 def test_errors_name_the_numbers():
     x = torch.zeros(1, 12, 1)
-    with pytest.raises(ValueError, match=r"seq_len: 12 must divide by 2 x world_size = 8"):
+    with pytest.raises(ValueError, match=r"seq_len: 12 must be divisible by 2 x world_size = 8"):
         layouts.shard(x, "zigzag", 0, 4)
-    with pytest.raises(ValueError, match=r"seq_len: 12 must divide by world_size 5"):
+    with pytest.raises(ValueError, match=r"seq_len: 12 must be divisible by world_size 5"):
         layouts.shard(x, "contiguous", 0, 5)
     with pytest.raises(ValueError, match=r"params.layout: must be one of"):
         layouts.shard(x, "diagonal", 0, 2)

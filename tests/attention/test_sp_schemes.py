@@ -125,9 +125,9 @@ def test_invalid_params_are_one_clear_error_naming_the_field():
         ),
         (
             lambda: attention.validate("ulysses", {}, seq_len=32, world_size=4, num_heads=6),
-            r"num_heads: 6 must divide by world_size 4",
+            r"num_heads: 6 must be divisible by world_size 4",
         ),
-        (lambda: check_heads(8, 3, 2, "world_size"), r"num_kv_heads: 3 must divide by"),
+        (lambda: check_heads(8, 3, 2, "world_size"), r"num_kv_heads: 3 must be divisible by"),
         (
             lambda: attention.validate("usp", {"ulysses_degree": 3}, seq_len=48, world_size=4),
             r"params.ulysses_degree: 3 must divide world_size 4",
@@ -139,7 +139,7 @@ def test_invalid_params_are_one_clear_error_naming_the_field():
         ),
         (
             lambda: attention.validate("allgather_kv", {}, seq_len=12, world_size=4),
-            r"seq_len: 12 must divide by 2 x world_size = 8",
+            r"seq_len: 12 must be divisible by 2 x world_size = 8",
         ),
     ]
     for call, message in bad:

@@ -70,7 +70,7 @@ def test_watch_at_80_columns_names_each_sweep_and_prints_each_answer(
     # each search's answer when its sweep ends, with how long it took
     first = runs[ids[0]][0]["id"]
     assert f"sweep {ids[0]} ended: succeeded 1\nsweep {ids[0]} run {first} dense: " in stdout
-    assert f"run {first} dense: max 31,744 tokens, 46 s\n" in stdout, stdout
+    assert f"run {first} dense: max 31,744 tokens (the search took 46 s)\n" in stdout, stdout
     answers = [ln for ln in stdout.splitlines() if ": max " in ln]
     assert len(answers) == sum(len(r) for r in runs.values()), stdout
 

@@ -175,7 +175,7 @@ def test_ring_default_layout_rule_follows_causal() -> None:
     errs = errors_of({"name": "r", "base": base, "grid": {"causal": [False, True]}})
     assert errs[0]["loc"] == ["base", "seq_len"]  # the field the rule names
     assert (
-        "12 must divide by 2 x world_size = 8 for layout 'zigzag' (cell causal=True)"
+        "12 must be divisible by 2 x world_size = 8 for layout 'zigzag' (cell causal=True)"
         in errs[0]["msg"]
     )
 
@@ -197,7 +197,7 @@ def test_data_parallel_rules_come_from_run_config() -> None:
         }
     )
     assert errs[0]["loc"] == ["grid", "world_size", 1]  # the varying value that breaks it
-    assert "batch_size (3) must divide by world_size (2)" in errs[0]["msg"]
+    assert "batch_size (3) must be divisible by world_size (2)" in errs[0]["msg"]
 
 
 def test_structure_errors() -> None:

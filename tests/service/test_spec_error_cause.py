@@ -25,7 +25,9 @@ def test_world_size_3_is_one_error_naming_the_lengths_it_breaks() -> None:
     assert errors == [
         {
             "loc": ["grid", "world_size", 2],
-            "msg": "seq_len must divide by world_size 3 in 3 cells (seq_len=1024, 2048, 4096)",
+            "msg": (
+                "seq_len must be divisible by world_size 3 in 3 cells (seq_len=1024, 2048, 4096)"
+            ),
             "type": "value_error",
         }
     ]
@@ -37,7 +39,7 @@ def test_the_count_is_of_cells_and_a_long_list_is_cut() -> None:
     errors = _errors({"seq_len": lengths, "world_size": [1, 3], "batch_size": [1, 2]})
     assert [e["loc"] for e in errors] == [["grid", "world_size", 1]]
     assert errors[0]["msg"] == (
-        "seq_len must divide by world_size 3 in 12 cells "
+        "seq_len must be divisible by world_size 3 in 12 cells "
         "(seq_len=1024, 2048, 4096, 5120, 7168, ... 1 more)"
     )
 
@@ -49,7 +51,7 @@ def test_one_broken_length_stays_at_the_length() -> None:
     assert errors == [
         {
             "loc": ["grid", "seq_len", 0],
-            "msg": "1024 must divide by world_size 3 (cell seq_len=1024, world_size=3)",
+            "msg": "1024 must be divisible by world_size 3 (cell seq_len=1024, world_size=3)",
             "type": "value_error",
         }
     ]
@@ -62,8 +64,8 @@ def test_world_size_32_is_not_world_size_3() -> None:
         ("grid", "world_size", 1),
     ]
     assert [e["msg"].split(" in ")[0] for e in errors] == [
-        "seq_len must divide by world_size 3",
-        "seq_len must divide by world_size 32",
+        "seq_len must be divisible by world_size 3",
+        "seq_len must be divisible by world_size 32",
     ]
 
 
@@ -74,4 +76,6 @@ def test_the_api_answers_one_422_line_at_the_value(tmp_path: Path) -> None:
     assert r.status_code == 422
     (error,) = r.json()["detail"]
     assert error["loc"] == ["body", "grid", "world_size", 0]
-    assert error["msg"] == "seq_len must divide by world_size 3 in 2 cells (seq_len=1024, 2048)"
+    assert (
+        error["msg"] == "seq_len must be divisible by world_size 3 in 2 cells (seq_len=1024, 2048)"
+    )

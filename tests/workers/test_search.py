@@ -189,13 +189,13 @@ def test_first_length_that_does_not_fit_is_an_oom() -> None:
 
 
 def _register_multiple_of(monkeypatch: pytest.MonkeyPatch, quantum: int) -> str:
-    """dense with a divisibility rule: seq_len must divide by `quantum`."""
+    """dense with a divisibility rule: seq_len must be divisible by `quantum`."""
 
     def check(
         params: Any, *, seq_len: int, world_size: int = 1, num_heads: int = 1, causal: Any = None
     ) -> None:
         if seq_len % quantum:
-            raise ValueError(f"seq_len: {seq_len} must divide by {quantum}")
+            raise ValueError(f"seq_len: {seq_len} must be divisible by {quantum}")
 
     name = f"by{quantum}"
     base = attention.KERNELS["dense"]
