@@ -135,6 +135,18 @@ def percent(fraction: float | None, digits: int = 0, empty: str = DASH) -> str:
     return empty if fraction is None else f"{fraction:.{digits}%}"
 
 
+def bound(ratio: float, digits: int = 2, *, as_percent: bool = False) -> str:
+    """An interval's bound at `digits` decimals, with as many more as it takes to keep a bound
+    that is not 1 from reading 1 (0.99957 -> '0.9996', not '1.00': that interval does not hold
+    1.0, and a reader must not see it as within noise); `as_percent`: '99.96%', not '100%'."""
+    scale, suffix = (100.0, "%") if as_percent else (1.0, "")
+    shown = f"{ratio * scale:.{digits}f}"
+    while ratio != 1.0 and float(shown) == scale and digits < 8:
+        digits += 1
+        shown = f"{ratio * scale:.{digits}f}"
+    return shown + suffix
+
+
 RATE_UNITS = (
     ("tflops_per_s", ""),  # already in TFLOP/s
     ("flops_per_s", "FLOP/s"),

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from service.results.rows import RunRow
-from service.units import MS, TimeUnit, time_unit
+from service.units import MS, TimeUnit, bound, time_unit
 from service.units import nbytes as fmt_bytes  # binary units, '-' for none
 
 
@@ -30,9 +30,9 @@ def fmt_pct(x: float | None) -> str:
 
 
 SPANS: dict[str, Callable[[float, float], str]] = {
-    "speedup": lambda lo, hi: f"{lo:.2f}-{hi:.2f}",
-    "efficiency": lambda lo, hi: f"{lo:.0%}-{hi:.0%}",
-    "checkpoint_time_ratio": lambda lo, hi: f"{lo:.2f}-{hi:.2f}",
+    "speedup": lambda lo, hi: f"{bound(lo)}-{bound(hi)}",
+    "efficiency": lambda lo, hi: f"{bound(lo, 0, as_percent=True)}-{bound(hi, 0, as_percent=True)}",
+    "checkpoint_time_ratio": lambda lo, hi: f"{bound(lo)}-{bound(hi)}",
 }
 """The ratios that carry an interval (service.results.baselines), and how it is written."""
 

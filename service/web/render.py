@@ -47,6 +47,7 @@ templates.env.filters["figure"] = units.figure
 templates.env.filters["nbytes"] = _fmt_bytes
 templates.env.filters["secs"] = units.secs
 templates.env.filters["percent"] = units.percent
+templates.env.filters["bound"] = units.bound
 templates.env.filters["micros"] = units.micros
 templates.env.filters["kilo"] = units.kilo
 templates.env.filters["level"] = units.level

@@ -58,3 +58,12 @@ def test_rates_times_and_the_rest_of_a_page() -> None:
     assert units.figure(12345, "max_seq_len") == "12,345"
     assert units.figure(0.123456, "efficiency") == "0.1235"
     assert units.figure(True, "searched") == "True"
+
+
+def test_an_interval_bound_that_is_not_1_never_reads_1() -> None:
+    """0.76-0.99957 does not hold 1.0 (not within noise): written at two decimals it read
+    '0.76-1.00', which a reader takes for an interval reaching 1."""
+    assert units.bound(0.99957) == "0.9996" and units.bound(1.0004) == "1.0004"
+    assert units.bound(1.0) == "1.00" and units.bound(0.7612) == "0.76"
+    assert units.bound(0.99957, 0, as_percent=True) == "99.96%"
+    assert units.bound(0.5, 0, as_percent=True) == "50%"
