@@ -15,6 +15,7 @@ from typing import Any
 
 from service.db.models import Environment, Sweep
 from service.results.export import result_row
+from service.results.labels import value_text
 from service.results.plans import plan_notes
 from service.results.report_baseline import baseline_section, pivot_section
 from service.results.report_environment import compile_notes, environment_section
@@ -45,6 +46,26 @@ def _fixed(rows: Sequence[RunRow], fields: Sequence[str]) -> dict[str, Any]:
         if len(values) == 1 and rows:
             out[f] = rows[0].config.get(f)
     return out
+
+
+def _kernels_as_run(rows: Sequence[RunRow]) -> list[str]:
+    """'**Kernels as run**: ring: layout=zigzag · ulysses: inner=dense': each kernel's params
+    that every one of its runs shares, as stored (resolved defaults included), so what ran is
+    written even where the labels name only what varies; nothing when no kernel has any."""
+    shared: dict[str, dict[str, str]] = {}
+    for r in rows:
+        params = {k: value_text(v) for k, v in r.params.items() if v is not None}
+        if r.kernel not in shared:
+            shared[r.kernel] = params
+        else:
+            seen = shared[r.kernel]
+            shared[r.kernel] = {k: v for k, v in seen.items() if params.get(k) == v}
+    parts = [
+        f"{kernel}: " + " · ".join(f"{k}={v}" for k, v in sorted(params.items()))
+        for kernel, params in sorted(shared.items())
+        if params
+    ]
+    return ["**Kernels as run**: " + "; ".join(parts), ""] if parts else []
 
 
 def report_markdown(
@@ -165,6 +186,7 @@ def _preamble(sweep: Sweep, rows: Sequence[RunRow], counts: dict[str, int]) -> l
         shared = _fixed(rows, names)
         if shared:
             lines += [f"**{title}**: " + " · ".join(f"{k}={v}" for k, v in shared.items()), ""]
+    lines += _kernels_as_run(rows)
     lines += [DEFINITIONS, "", *interval_line(rows)]
     flagged = [r for r in rows if r.flags]
     if flagged:

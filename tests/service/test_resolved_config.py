@@ -103,6 +103,9 @@ def test_a_default_asked_for_is_not_named_in_the_label(base: str) -> None:
     sweep = httpx.post(f"{base}/api/v1/sweeps", json=spec).json()["id"]
     rows = httpx.get(f"{base}/api/v1/sweeps/{sweep}/results.json").json()
     assert [r["label"] for r in rows] == ["ring", "ulysses"], rows
+    report = httpx.get(f"{base}/api/v1/sweeps/{sweep}/report.md").text
+    (line,) = [x for x in report.splitlines() if x.startswith("**Kernels as run**")]
+    assert "ring: layout=zigzag" in line and "ulysses: inner=dense" in line, line
     twice = {**spec, "zip": {"kernel": ["ulysses", "ulysses"], "params": [{}, {"inner": "dense"}]}}
     refused = httpx.post(f"{base}/api/v1/sweeps", json=twice)
     assert refused.status_code == 422 and "duplicate cell" in refused.text
