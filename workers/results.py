@@ -222,14 +222,17 @@ class RankResult(BaseModel):
     )
     steps: list[StepTime] = Field(
         default_factory=list,
-        description="Ring kernels: every step of every timed iteration (rows of ring_step).",
+        description="Sequence-parallel kernels (ring steps, ulysses' all-to-alls and inner kernel, "
+        "allgather_kv's gathers): every step of every timed iteration (rows of ring_step).",
         json_schema_extra=ENGINE_ONLY,
     )
-    step_compute_s: float | None = Field(None, description="Ring kernels: see step_totals.")
+    step_compute_s: float | None = Field(
+        None, description="Sequence-parallel kernels: see step_totals."
+    )
     step_wait_s: float | None = None
     step_received_bytes: int | None = None
     transfer_window_bytes_per_s: float | None = Field(
-        None, description="Ring kernels: the best of its steps' (see step_totals)."
+        None, description="Sequence-parallel kernels: the best of its steps' (see step_totals)."
     )
     compile_s: float | None = Field(
         None,

@@ -216,11 +216,15 @@ class RunRow:
     )
     exposed_comm_share: float | None = field(
         default=None,
-        metadata=_doc("Ring kernels: time blocked on transfers / time in steps, all ranks."),
+        metadata=_doc(
+            "Sequence-parallel kernels: time blocked on transfers / time in steps, all ranks."
+        ),
     )
     step_coverage: float | None = field(
         default=None,
-        metadata=_doc("Ring kernels: the smallest share of a rank's time its steps account for."),
+        metadata=_doc(
+            "Sequence-parallel kernels: the smallest share of a rank's time its steps account for."
+        ),
     )
     comm_bytes_per_rank: float | None = field(
         default=None,
