@@ -300,6 +300,14 @@ class KernelOut(BaseModel):
     error: str | None = Field(None, description="Why an unavailable plugin did not load.")
     package: str | None = Field(None, description="Plugins: the package that provides it.")
     version: str | None = Field(None, description="Plugins: that package's version.")
+    masks: list[str] = Field(
+        default_factory=list,
+        description="The mask kinds it runs exactly (a run's params.mask; causal and full by "
+        "its `causal` flag); empty when unavailable.",
+    )
+    balances: list[str] = Field(
+        default_factory=list, description="The balances its params.balance takes (none: empty)."
+    )
 
 
 class HealthOut(BaseModel):

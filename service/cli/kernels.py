@@ -1,5 +1,6 @@
 """`ringlab kernels [NAME]`: the kernel catalogue the service serves at /api/v1/kernels, in the
-terminal: each kernel's params with their defaults, and the masks it takes."""
+terminal: each kernel's params with their defaults, the masks and balances it takes, and for
+one kernel what its params mean."""
 
 from __future__ import annotations
 
@@ -17,13 +18,6 @@ def _default(prop: dict[str, Any]) -> str:
     return json.dumps(prop["default"]) if "default" in prop else "required"
 
 
-def masks(kernel: dict[str, Any]) -> list[str]:
-    """The masks a kernel takes beside its own pattern: causal (every kernel: `causal: true`)
-    and documents when its params have document_lengths."""
-    props = (kernel["params_schema"] or {}).get("properties", {})
-    return ["causal", *(["documents (document_lengths)"] if "document_lengths" in props else [])]
-
-
 def kernel_lines(kernel: dict[str, Any]) -> list[str]:
     """One kernel (as /api/v1/kernels lists it): its name and kind, its description, its masks
     and each param = default; an unavailable one, why."""
@@ -34,11 +28,28 @@ def kernel_lines(kernel: dict[str, Any]) -> list[str]:
     package = kernel.get("package")
     plugin = f", plugin {package} {kernel.get('version')}" if package else ""
     lines = [f"{name}  ({kind}{plugin})", f"  {description}"]
-    lines.append(f"  masks: {', '.join(masks(kernel))}")
+    lines.append(f"  masks: {', '.join(kernel['masks'])}")
+    if kernel["balances"]:
+        lines.append(f"  balances: {', '.join(kernel['balances'])}")
     props = (kernel["params_schema"] or {}).get("properties", {})
     params = ", ".join(f"{name} = {_default(p)}" for name, p in props.items()) or "none"
     lines.append(f"  params: {params}")
     return lines
+
+
+def param_notes(kernel: dict[str, Any]) -> list[str]:
+    """What the params mean, as the kernel's params class says (its docstring: allowed values
+    and what null stands for), indented under the kernel; none when it says nothing."""
+    about = ((kernel.get("params_schema") or {}).get("description") or "").split()
+    if not about:
+        return []
+    lines, line = [], "  about the params:"
+    for word in about:
+        if len(line) + 1 + len(word) > 78:
+            lines.append(line)
+            line = "   "
+        line += " " + word
+    return [*lines, line]
 
 
 @friendly_errors
@@ -59,5 +70,6 @@ def kernels(
     for i, kernel in enumerate(found):
         if i:
             out.print()
-        for line in kernel_lines(kernel):
+        notes = param_notes(kernel) if name is not None else []
+        for line in [*kernel_lines(kernel), *notes]:
             out.print(line, markup=False, highlight=False, soft_wrap=False)

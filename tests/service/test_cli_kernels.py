@@ -13,6 +13,7 @@ import pytest
 from _web_helpers import live_server, make_web_app
 from typer.testing import CliRunner
 
+import attention
 from service.cli import app, console
 from service.core.config import Settings
 
@@ -51,8 +52,14 @@ def test_every_kernel_with_its_params_defaults_and_masks(served: str) -> None:
         "  params: segment_lengths = [2048, 4096, 8192], dilation_rates = [1, 2, 4]"
         in (blocks["dilated"])
     )
-    assert "  masks: causal, documents (document_lengths)\n" in blocks["dense"]
-    assert "  masks: causal\n" in blocks["dilated"]
+    every = "full, causal, sliding_window, documents, prefix_lm"
+    assert f"  masks: {every}\n" in blocks["dense"] and "balances" not in blocks["dense"]
+    assert "  masks: full, causal\n" in blocks["dilated"]
+    assert f"  masks: {every}\n  balances: none, head_tail, per_document, ptrr\n" in blocks["ring"]
+    for kernel in listed:  # the lines say what the catalogue says, from the KernelSpecs
+        if kernel["available"]:
+            spec = attention.KERNELS[kernel["name"]]
+            assert set(kernel["masks"]) == spec.masks and set(kernel["balances"]) == spec.balances
     assert blocks["ring"].startswith("ring  (sequence-parallel)\n")
 
 
@@ -61,6 +68,9 @@ def test_one_kernel_by_name_and_a_wrong_name() -> None:
     assert one.exit_code == 0, one.stderr
     assert one.stdout.splitlines()[0] == "usp  (sequence-parallel)"
     assert "  params: ulysses_degree = 2, layout = null, group = null" in one.stdout
+    # one kernel: what its params mean, from its params class (allowed values, what null means)
+    about = " ".join(one.stdout.split("about the params:", 1)[1].split())
+    assert "ulysses_degree" in about and "layout" in about, one.stdout
     wrong = runner.invoke(app, ["kernels", "rng"], catch_exceptions=False)
     assert wrong.exit_code == 1
     assert wrong.stderr.strip() == "error: no kernel 'rng'; did you mean 'ring'?"

@@ -6,6 +6,8 @@ from fastapi import APIRouter, Depends
 from pydantic import TypeAdapter
 
 import attention
+from attention.layouts import BALANCES
+from attention.mask import KINDS
 from service.api.deps import require_read
 from service.api.schemas import KernelOut
 
@@ -23,6 +25,8 @@ def catalogue() -> list[KernelOut]:
             params_schema=TypeAdapter(spec.params).json_schema(),
             package=spec.plugin.package if spec.plugin else None,
             version=spec.plugin.version if spec.plugin else None,
+            masks=[k for k in KINDS if k in spec.masks],
+            balances=[b for b in BALANCES if b in spec.balances],
         )
         for spec in attention.KERNELS.values()
     ]
