@@ -16,6 +16,33 @@ from service.client import ClientError
 from service.units import plural
 
 
+def _fit(
+    headers: list[str], rows: list[list[str]], width: int
+) -> tuple[list[str], list[list[str]]]:
+    """The table in `width` columns, each sweep on one line: the name gives way to 24
+    characters, then the kind column goes (`show` has it), then the counts give way to 12 and
+    the name to 8; a cut name keeps what tells it apart (cut_apart). So a name stays readable
+    and a failure stays in sight as long as the terminal allows."""
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    whole = widths[1]
+    if sum(widths) + 2 * len(headers) > width:  # box=None pads each column by 2
+        widths[1] = max(min(24, whole), width - 2 * len(headers) - sum(widths) + whole)
+    if sum(widths) + 2 * len(headers) > width:
+        del headers[2], widths[2]
+        rows = [[*r[:2], *r[3:]] for r in rows]
+        room = width - 2 * len(headers) - sum(widths) + widths[1]
+        widths[1] = max(widths[1], min(whole, room))  # the name takes back what it can
+    counts = len(headers) - 1
+    for column, least in ((counts, 12), (1, 8)):
+        over = sum(widths) + 2 * len(headers) - width
+        if over > 0:
+            widths[column] = max(min(least, widths[column]), widths[column] - over)
+    names = cut_apart([r[1] for r in rows], widths[1])
+    for r, name in zip(rows, names, strict=True):
+        r[1], r[counts] = name, cut_end(r[counts], widths[counts])
+    return headers, rows
+
+
 @friendly_errors
 def list_sweeps(
     limit: Annotated[int, typer.Option(help="How many, newest first.")] = 20,
@@ -23,8 +50,6 @@ def list_sweeps(
     """List sweeps, newest first, with progress and runs by state."""
     with client() as c:
         page = c.sweeps(limit=limit)
-    # A row stays on one line at 80 columns: id, kind, creation minute, progress and the
-    # counts never wrap; a long name is cut at its end ("…") first.
     rows = [
         [
             str(s["id"]),
@@ -37,14 +62,7 @@ def list_sweeps(
         for s in page["data"]
     ]
     headers = ["id", "name", "kind", "created UTC", "done", "runs by state"]
-    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
-    spare = out.width - 2 * len(headers) - sum(widths)  # box=None pads each column by 2
-    if spare < 0:  # the name gives way first (to 8 characters), then the counts
-        widths[1] = max(8, widths[1] + spare)
-        widths[5] = max(12, out.width - 2 * len(headers) - sum(widths[:5]))
-        names = cut_apart([r[1] for r in rows], widths[1])
-        for r, name in zip(rows, names, strict=True):
-            r[1], r[5] = name, cut_end(r[5], widths[5])
+    headers, rows = _fit(headers, rows, out.width)
     table = Table(box=None)
     for header in headers:
         right = header in ("id", "done")

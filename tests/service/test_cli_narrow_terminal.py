@@ -102,9 +102,11 @@ def test_ls_at_80_columns_keeps_each_sweep_on_one_line(
     assert all(len(ln) <= 80 for ln in lines), done.stdout
     # names cut alike at their end ("cpu max…") keep what tells them apart: their tails
     cells = [next(ln for ln in lines if ln.lstrip().startswith(f"{i} ")).lstrip()
-             .removeprefix(f"{i} ").split("  benchmark")[0].strip() for i in alike_ids]  # fmt: skip
+             .removeprefix(f"{i} ").strip().split("  ")[0] for i in alike_ids]  # fmt: skip
     assert len(set(cells)) == 3 and all("…" in c for c in cells), done.stdout
-    assert [c[-5:] for c in cells] == ["dense", "parse", "lated"], done.stdout
+    # and stay readable: the whole word that tells them apart, not its last letters
+    assert [c.split()[-1] for c in cells] == ["dense", "block_sparse", "dilated"], done.stdout
+    assert "kind" not in lines[0]  # the column `show` has went first, so names stay readable
     # the counted nouns: one run, one sweep's delete prompt
     cancelled = ringlab("cancel", str(sweep_id), env=env)
     assert cancelled.stdout.strip() == f"sweep {sweep_id}: 2 runs cancelled", cancelled.stdout
