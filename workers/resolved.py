@@ -4,7 +4,8 @@ that a stored config holds the values that ran, not the nulls and "auto" that st
 Resolved here, from the config alone (no device needed):
 
 - `layout` of a sharded kernel: None becomes what its KernelSpec's `default_layout` makes of it
-  (zigzag when causal, contiguous otherwise; ring_dilated's contiguous either way);
+  (zigzag when causal, contiguous otherwise; ring_dilated's contiguous either way), unless its
+  `balance` sets the shards' order (the kernel then refuses a layout);
 - `plan` "auto" of the kernels that choose a plan by the inputs' device (KernelSpec
   `device_plan`: dilated, block_sparse, ring_dilated, and a wrapper's inner kernel): the run's
   device when it names one (cpu or cuda); with device auto it stays "auto" (the device decides
@@ -146,8 +147,8 @@ def resolved_params(
     the module docstring); the same dict when nothing changes."""
     updates: dict[str, Any] = {}
     layout = _default_layout(kernel, causal)
-    if layout is not None and params.get("layout") is None:
-        updates["layout"] = layout
+    if layout is not None and params.get("layout") is None and params.get("balance") is None:
+        updates["layout"] = layout  # a balance sets the order itself: its layout stays unset
     planned = _device_plan(kernel)
     if _wraps(kernel):
         defaults = _inner_defaults(params["inner"])

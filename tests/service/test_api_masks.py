@@ -13,6 +13,7 @@ from _api_helpers import api_client
 from attention.errors import ParamError
 from attention.mask import expand
 from workers import resolved
+from workers.config import RunConfig
 
 API = "/api/v1"
 SAMPLED = {
@@ -59,6 +60,8 @@ def test_a_sampled_mask_is_stored_as_its_lengths_at_each_cells_length(database_u
         runs = client.get(f"{API}/runs").json()["data"]
     assert len(runs) == 4
     for run in runs:
+        RunConfig.model_validate(run["config"])  # as the worker reads it back
+        assert run["config"]["params"]["layout"] is None  # the balance sets the order
         mask = run["config"]["params"]["mask"]
         assert mask == expand(DOCS, run["seq_len"]), run["kernel"]
         assert sum(mask["lengths"]) == run["seq_len"]
