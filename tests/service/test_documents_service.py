@@ -1,7 +1,7 @@
 """The CPU study of packed documents (examples/cpu-documents.yaml, cut down) through the service
 on a real local Ray gang of 2 ranks: each cell's sampled mask stored as its lengths, every cell
-gated against the mask's fp64 reference, and a balanced run compared with the same kernel
-without a balance."""
+gated against the mask's fp64 reference, each rank's kept pairs stored (their imbalance read
+back), and a balanced run compared with the same kernel without a balance."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from _api_helpers import api_client
 from _gang_helpers import run_queue
 
-from attention.mask import expand
+from attention import layouts
+from attention.mask import expand, parse
 from service.cli.specs import load_specs
 
 API = "/api/v1"
@@ -46,10 +48,17 @@ def test_the_documents_study_runs_through_the_service(tmp_path: Path, ray_sessio
         run_queue(client.app.state.sessionmaker)
         rows = client.get(f"{API}/sweeps/{sweep_id}/results.json").json()
         runs = client.get(f"{API}/runs").json()["data"]
+        ranks = {
+            run["id"]: client.get(f"{API}/runs/{run['id']}").json()["rank_results"] for run in runs
+        }
     assert [r["status"] for r in rows] == ["succeeded"] * 3, [r["error"] for r in rows]
     want = expand(study["base"]["params"]["mask"], seq_len)
+    pairs = study["base"]["num_heads"] * parse(want, seq_len).pairs(seq_len)
     for run in runs:
         assert run["config"]["params"]["mask"] == want  # the lengths that ran
+        kept = torch.tensor([r["kept_pairs"] for r in ranks[run["id"]]])
+        assert int(kept.sum()) == pairs  # each rank's share of the mask's pairs, stored
+        assert layouts.imbalance(kept) >= 1.0  # the imbalance, from stored data
     by_cell = {}
     for row in rows:
         assert row["max_abs_error"] is not None and 0 < row["max_abs_error"] < 1e-4, row

@@ -12,6 +12,7 @@ from _dist_helpers import run_ranks
 from _workers_helpers import config
 
 import attention
+from attention import layouts
 from attention.mask import expand, parse
 from attention.masks import masked_attention
 from workers import gate, protocol, references
@@ -93,3 +94,38 @@ def test_a_ring_under_a_documents_mask_and_a_balance_passes_the_gate(balance: st
         assert found["status"] == "ok", found["message"]
         assert 0 < found["error"] <= CHECK_ATOL["float32"]
         assert found["wrong"] > 100 * CHECK_ATOL["float32"]
+
+
+def rank_kept_pairs(rank: int, world: int, kernel: str, balance: str | None) -> int | None:
+    """The kept_pairs this rank's RankResult stores for `kernel` under DOCS with `balance`."""
+    params = {"mask": DOCS, "balance": balance}
+    cfg = config(
+        kernel=kernel,
+        params=params,
+        seq_len=S,
+        world_size=world,
+        causal=True,
+        correctness_check=False,
+    )
+    case = protocol.run_case(cfg, rank)
+    assert case.status == "ok", case.error
+    return case.result.kept_pairs
+
+
+@pytest.mark.parametrize(
+    ("kernel", "balance"), [("ring", "none"), ("ring", "per_document"), ("allgather_kv", "ptrr")]
+)
+def test_each_rank_stores_the_pairs_its_order_gives_it(kernel: str, balance: str) -> None:
+    """kept_pairs of each rank: the kept pairs of the queries the balance's order puts on it
+    (attention.layouts.rank_pairs, from the mask's row counts), times the heads."""
+    heads = config().num_heads
+    got = run_ranks(rank_kept_pairs, 2, kernel, balance)
+    order = layouts.order(balance, S, 2, parse(DOCS, S))
+    want = (heads * layouts.rank_pairs(DOCS, order, 2)).tolist()
+    assert got == want
+    assert sum(got) == heads * parse(DOCS, S).pairs(S)
+    assert layouts.imbalance(torch.tensor(got)) >= 1.0
+
+
+def test_a_kernel_without_pairs_per_rank_stores_none() -> None:
+    assert protocol.run_case(config(params={"mask": DOCS}, causal=True)).result.kept_pairs is None
