@@ -287,14 +287,12 @@ class _Expander:
     def expanded_params(self, kernel: Any, params: Any, seq_len: Any) -> ParamsCheck:
         """normalize_params of `params` with a sampled or file mask written out as its lengths
         at `seq_len` (workers.resolved.expanded_masks), so the stored config says what ran."""
-        if self.search is not None and resolved.holds_unexpanded_mask(params):
-            return None, [
-                (
-                    ("params", "mask"),
-                    "a search runs many lengths; give the mask's "
-                    "documents as lengths at one seq_len, or sweep seq_len instead",
-                )
-            ]
+        if self.search is not None and resolved.fixes_length(params):
+            reason = (
+                "packed documents fix the sequence length, which a max_seq_len search varies; "
+                "search without a documents mask"
+            )
+            return None, [(("params", "mask"), reason)]
         try:
             params = resolved.expanded_masks(params, seq_len)
         except ParamError as e:

@@ -112,6 +112,16 @@ def holds_unexpanded_mask(value: Any) -> bool:
     return False
 
 
+def fixes_length(params: Any) -> bool:
+    """Whether params hold a documents mask (params.mask, or a layer's kernel_params.mask):
+    its lengths sum to one seq_len, so no other length can run it."""
+    if not isinstance(params, dict):
+        return False
+    inner = params.get("kernel_params")
+    masks = [params.get("mask"), inner.get("mask") if isinstance(inner, dict) else None]
+    return any(isinstance(m, dict) and m.get("kind") == "documents" for m in masks)
+
+
 def expanded_masks(params: Any, seq_len: Any) -> Any:
     """`params` with each mask that `needs_length` (params.mask, and a layer's
     params.kernel_params.mask) written out at `seq_len` (attention.mask.expand); the same

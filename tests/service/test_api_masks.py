@@ -20,6 +20,7 @@ SAMPLED = {
     "distribution": "lognormal", "mean": 128, "max_fraction": 0.25, "seed": 0, "multiple_of": 4
 }  # fmt: skip
 DOCS = {"kind": "documents", "causal": True, "sampled": SAMPLED}
+HALVES = {"kind": "documents", "causal": True, "lengths": [512, 512]}
 
 
 def _sweep(kernel: str, params: dict[str, Any], grid: dict[str, Any] | None = None) -> dict:
@@ -128,12 +129,19 @@ def test_a_mask_or_balance_the_kernel_does_not_take_is_a_422_storing_nothing(
         assert _stored(client) == (0, 0)
 
 
-def test_a_search_refuses_a_mask_drawn_at_one_length(database_url: str) -> None:
-    spec = _sweep("ring", {"mask": DOCS})
+@pytest.mark.parametrize("mask", [DOCS, HALVES])
+def test_a_search_refuses_documents_that_fix_the_length(
+    database_url: str, mask: dict[str, Any]
+) -> None:
+    spec = _sweep("ring", {"mask": mask})
     spec.pop("grid")
     spec["kind"], spec["search"] = "max_seq_len", {"start": 1024, "max": 4096}
     with api_client(database_url) as client:
         r = client.post(f"{API}/sweeps", json=spec)
         assert r.status_code == 422, r.text
-        assert ["body", "base", "params", "mask"] in [p["loc"] for p in r.json()["detail"]]
+        [problem] = r.json()["detail"]
+        assert problem["loc"] == ["body", "base", "params", "mask"]
+        assert "fix the sequence length" in problem["msg"]
         assert _stored(client) == (0, 0)
+        spec["base"]["params"] = {"mask": {"kind": "causal"}}  # any length: searched
+        assert client.post(f"{API}/sweeps", json=spec).status_code == 201
