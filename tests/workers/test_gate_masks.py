@@ -129,3 +129,23 @@ def test_each_rank_stores_the_pairs_its_order_gives_it(kernel: str, balance: str
 
 def test_a_kernel_without_pairs_per_rank_stores_none() -> None:
     assert protocol.run_case(config(params={"mask": DOCS}, causal=True)).result.kept_pairs is None
+
+
+def test_a_half_precision_tolerance_is_dense_sdpas_own_error_under_the_same_mask(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In bfloat16 the tolerance derives from dense SDPA's error under the run's mask (not
+    full causal attention's), a chunk of rows at a time: the chunks give the same error."""
+    cfg = config(
+        params={"mask": DOCS}, causal=True, mode="train", seq_len=S, dtype="bfloat16",
+        num_heads=4, head_dim=32,
+    )  # fmt: skip
+    result = gate.run_gate(cfg, 0, CPU, "correctness")
+    assert result.passed("bfloat16"), result.summary()
+    masked = result.full_dense_error
+    unmasked = gate.dense_error(cfg.model_copy(update={"params": {}}), 0, CPU, None)
+    assert masked is not None and masked != unmasked
+    monkeypatch.setattr(gate, "CHUNK_BYTES", 8 * 4 * S * 7)  # 7 rows a chunk
+    assert gate.dense_error(cfg, 0, CPU, None) == pytest.approx(masked, rel=1e-6)
+    rows = gate.sample_rows(cfg, S)
+    assert 0 < gate.dense_error(cfg, 0, CPU, rows) <= masked
