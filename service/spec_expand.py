@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from attention.errors import ParamError
 from service.core.config import RunLimits
 from service.spec_cells import Cell, CellMemo, all_plain, cell_key_of, model_checks
 from service.spec_fields import (
@@ -37,6 +38,19 @@ MAX_SEQ_LEN = 2**63 - 1
 """seq_len is a 64-bit column."""
 
 Position = dict[str, tuple[str, int]]
+
+
+def in_params(
+    typed: tuple[tuple[str, ...], str] | None, raw: dict[str, Any]
+) -> tuple[tuple[str, ...], str] | None:
+    """A kernel's own field error (mask.lengths, balance: raised by checks that see the run's
+    length) placed under params, where the user wrote it; any other unchanged."""
+    if typed is None or typed[0][0] in RUN_FIELDS:
+        return typed
+    params = raw.get("params")
+    if isinstance(params, dict) and typed[0][0] in params:
+        return ("params", *typed[0]), typed[1]
+    return typed
 
 
 def cell_key(config: RunConfig) -> str:
@@ -131,7 +145,7 @@ class _Expander:
         self.axes += [(a, "zip", v) for a, v in spec.zip.items()]
         self.zip_len = len(next(iter(spec.zip.values()))) if spec.zip else 1
         self.errors: list[dict[str, Any]] = []
-        self.params_cache: dict[tuple[int, ...], ParamsCheck] = {}
+        self.params_cache: dict[tuple[Any, ...], ParamsCheck] = {}
         self.reported: set[tuple[Loc, str]] = set()
         self.idx: tuple[int, ...] = ()  # the cell being validated
         self.by_cause = _ByCause(lambda axis: self.locate(self.position(self.idx), (axis,)))
@@ -257,15 +271,33 @@ class _Expander:
             for (name, _, _), i in zip(self.axes, idx, strict=True)
             if name in ("kernel", "params") or name.startswith("params.")
         )
-        if key not in self.params_cache:
-            self.params_cache[key] = normalize_params(kernel, params)
-        normalized, problems = self.params_cache[key]
+        cached: tuple[Any, ...] = key
+        if resolved.holds_unexpanded_mask(params):  # its lengths depend on the seq_len
+            cached = (*key, repr(raw.get("seq_len")))
+        if cached not in self.params_cache:
+            self.params_cache[cached] = self.expanded_params(kernel, params, raw.get("seq_len"))
+        normalized, problems = self.params_cache[cached]
         for path, msg in problems:
             self.add(self.locate(self.position(idx), path), msg, axes)
         if normalized is None:
             return False
         raw["params"] = normalized
         return True
+
+    def expanded_params(self, kernel: Any, params: Any, seq_len: Any) -> ParamsCheck:
+        """normalize_params of `params` with a sampled or file mask written out as its lengths
+        at `seq_len` (workers.resolved.expanded_masks), so the stored config says what ran."""
+        if self.search is not None and resolved.fixes_length(params):
+            reason = (
+                "packed documents fix the sequence length, which a max_seq_len search varies; "
+                "search without a documents mask"
+            )
+            return None, [(("params", "mask"), reason)]
+        try:
+            params = resolved.expanded_masks(params, seq_len)
+        except ParamError as e:
+            return None, [(e.path, e.reason)]
+        return normalize_params(kernel, params)
 
     def validate(
         self, raw: dict[str, Any], idx: tuple[int, ...], axes: dict[str, Any]
@@ -287,7 +319,7 @@ class _Expander:
             for d in e.errors():
                 msg = d["msg"].removeprefix("Value error, ")
                 loc = tuple(d["loc"])
-                typed = field_error(d)
+                typed = in_params(field_error(d), raw)
                 if loc and loc[-1] in NESTED:  # a sub-model's own field (model.d_model)
                     head, sep, reason = msg.partition(": ")
                     if typed is not None:
@@ -332,6 +364,8 @@ class _Expander:
         base = self.spec.base
         if not all_plain(names) or {"workload", "model", "training"} & base.keys():
             return None
+        if resolved.holds_unexpanded_mask([base.get("params"), [v for _, _, v in self.axes]]):
+            return None  # the params follow the seq_len: every cell is validated in full
         limits = self.limits
         checks = [
             *model_checks(),

@@ -71,7 +71,9 @@ def normalize_params(kernel: Any, params: Any) -> ParamsCheck:
         for d in e.errors():
             msg = d["msg"].removeprefix("Value error, ")
             split = (field_error(d) or split_message(msg)) if not d["loc"] else None
-            if split is not None:
+            if split is not None and split[0][0] in names:  # the kernel's own field: mask
+                problems.append((("params", *split[0]), split[1]))
+            elif split is not None:
                 problems.append(split)
             else:
                 problems.append((("params", *d["loc"]), msg))

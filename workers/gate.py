@@ -19,21 +19,25 @@ gradients' magnitude: on a tiny decoder's attention (4 heads of 32, causal, trai
 tokens) dense SDPA in bfloat16 is off its float64 reference by 8.2e-02 (dq) and dilated by
 7.2e-02, so the fixed 6e-02 this gate had refused a kernel more accurate than dense itself,
 while in forward mode (dense off by 7.8e-03) it passed a kernel missing a key (off by 4.5e-02).
-So each check there also measures dense SDPA's error on the same inputs, length and rows in the
-run's dtype against the same float64 reference (`dense_error`), and allows HALF_FACTOR times it
-(never less than the dtype's eps: the rounding of a value of 1).
+So each check there also measures dense SDPA's error on the same inputs, length, rows (and
+mask: a run's params.mask, as an explicit attn_mask) in the run's dtype against the same float64
+reference (`dense_error`), and allows HALF_FACTOR times it (never less than the dtype's eps:
+the rounding of a value of 1).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import attention
+from attention.mask import Mask
+from attention.mask import parse as parse_mask
 from attention.ring.comm import wait_all
 from workers import kernels, references
 from workers.config import RunConfig
@@ -331,20 +335,62 @@ def dense_error(
     their output and dq and every row's dk and dv are those of the whole sequence, so a sampled
     check at a run's full length costs O(rows x seq_len), as its reference does.
     """
-    name = attention.exact_dense()
-    dense = config.model_copy(update={"kernel": name, "params": {}})
+    name, mask = attention.exact_dense(), _run_mask(config)
+    params = {} if mask is None else {"mask": mask}
+    dense = config.model_copy(update={"kernel": name, "params": params})
     length, train = config.seq_len, config.mode == "train"
     names = ["q", "k", "v", "dout"] if train else ["q", "k", "v"]
     every = torch.arange(length)
     part = batch_rows(config, rank)
     full = {n: make_input(n, dense, length, every, part, device) for n in names}
     at = (every if rows is None else rows).to(device)
-    got = _sdpa_rows(full, at, config.causal, rows is None, train)
-    want = _reference_side(dense, references.reference_for(name, {}), full, at)
+    if mask is None:
+        got = _sdpa_rows(full, at, config.causal, rows is None, train)
+    else:
+        got = _masked_sdpa_rows(full, at, parse_mask(mask, length), train)
+    want = _reference_side(dense, references.reference_for(name, params), full, at)
     error = torch.stack([_diff(got[n], want[n]) for n in got]).max().to(device)
     if config.world_size > 1:  # async + wait_all: in the gate's ring abort scope
         wait_all([dist.all_reduce(error, op=dist.ReduceOp.MAX, async_op=True)])
     return float(error)
+
+
+def _run_mask(config: RunConfig) -> dict[str, Any] | None:
+    """The mask the run's kernel computes under (its params' `mask`: dense, the sharded
+    kernels, ulysses), under which dense SDPA's own error is measured too; None: no mask."""
+    mask = config.params.get("mask")
+    return mask if isinstance(mask, dict) else None
+
+
+def _masked_sdpa_rows(
+    full: dict[str, torch.Tensor], at: torch.Tensor, mask: Mask, train: bool
+) -> dict[str, torch.Tensor]:
+    """_sdpa_rows under a mask: SDPA in the inputs' dtype with the mask's rows as its boolean
+    attn_mask, a chunk of query rows at a time (the chunk's scores bounded as the reference's,
+    never an (S, S) mask); dk and dv summed over the chunks in float32 and rounded once to the
+    inputs' dtype, as one SDPA call over every row accumulates them."""
+    k, v = (full[n].detach().requires_grad_(train) for n in ("k", "v"))
+    batch, seq_len, heads = full["q"].shape[:3]
+    chunk = max(1, CHUNK_BYTES // (8 * batch * heads * seq_len))
+    outs, dqs = [], []
+    dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+    for part in at.split(chunk):
+        q = full["q"][:, part].detach().requires_grad_(train)
+        groups = heads // k.shape[2]
+        kh, vh = (t.repeat_interleave(groups, dim=2).transpose(1, 2) for t in (k, v))
+        keep = mask.rows(part, seq_len)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, attn_mask=keep)
+        out = out.transpose(1, 2)
+        if train:
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), full["dout"][:, part])
+            dqs.append(dq)
+            for total, grad in zip(dkv, (dk, dv), strict=True):
+                total += grad
+        outs.append(out.detach())
+    got = {"out": torch.cat(outs, dim=1)}
+    if train:
+        got.update(q=torch.cat(dqs, dim=1), k=dkv[0].to(k.dtype), v=dkv[1].to(v.dtype))
+    return got
 
 
 def _sdpa_rows(

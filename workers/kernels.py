@@ -7,6 +7,8 @@ from typing import Any
 import torch
 
 import attention
+from attention.ring.comm import rank_and_world
+from attention.ring.sharded import ShardedKernel
 from workers.config import RunConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -104,6 +106,17 @@ def flops(
     """
     args = (batch, seq_len, config.num_heads, config.head_dim, config.causal)
     return float(module.flops(*args, backward=train))
+
+
+def kept_pairs(module: torch.nn.Module, config: RunConfig, seq_len: int) -> int | None:
+    """Query-key pairs this rank computes for a local shard of `seq_len` tokens, summed over
+    the heads, one sequence (the sharded kernel's own rank_pairs, as its FLOPs count them);
+    None for a kernel that does not count pairs per rank (not sharded, or no rank_pairs: ulysses
+    runs the whole sequence on every rank for its heads)."""
+    if not isinstance(module, ShardedKernel) or type(module).rank_pairs is ShardedKernel.rank_pairs:
+        return None
+    rank, world = rank_and_world(module.params.group)
+    return int(module.rank_pairs(seq_len, config.num_heads, config.causal, rank, world))
 
 
 def backend_of(module: torch.nn.Module) -> str:

@@ -498,14 +498,21 @@ def _measure(
         meter.stop()  # a failed case's profiler session ends here (CPU)
         inputs.clear()
         release()
-    flops = kernels.flops(module, config, config.local_batch, positions.numel(), train)
-    forward = kernels.flops(module, config, config.local_batch, positions.numel(), False)
-    measures = _Measures(
-        loop, after_inputs, meter.resident_peak(), backend, plan, flops, forward, device_used
-    )
+    work = (*_work(module, config, positions.numel(), train), device_used)
+    measures = _Measures(loop, after_inputs, meter.resident_peak(), backend, plan, *work)
     result = _rank_result(config, rank, tokens, measures, link)
     measured = measured_case(case, result, device, (loop.first_at, loop.last_at))
     return measured.model_copy(update={"artifacts": artifacts})
+
+
+def _work(
+    module: torch.nn.Module, config: RunConfig, local_len: int, train: bool
+) -> tuple[float, float, int | None]:
+    """This rank's work per iteration on its `local_len` tokens: its FLOPs (in train mode
+    forward and backward), the forward's FLOPs, and its kept query-key pairs."""
+    flops = kernels.flops(module, config, config.local_batch, local_len, train)
+    forward = kernels.flops(module, config, config.local_batch, local_len, False)
+    return flops, forward, kernels.kept_pairs(module, config, local_len)
 
 
 @dataclass(frozen=True)
@@ -519,6 +526,7 @@ class _Measures:
     plan: str | None
     flops: float
     forward_flops: float
+    kept_pairs: int | None
     device_used: int | None
 
 
@@ -538,6 +546,7 @@ def _rank_result(
         memory_budget_bytes=config.memory_budget_bytes,
         backend=m.backend,
         plan=m.plan,
+        kept_pairs=m.kept_pairs,
         steps=m.loop.steps,
         **step_totals(m.loop.steps),
         **link_fields(link),

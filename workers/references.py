@@ -1,6 +1,7 @@
 """The exact reference each kernel is checked against by the correctness gate.
 
-Plain einsum softmax attention for dense; for sparse kernels the same, restricted to the
+Plain einsum softmax attention for dense (under the exact predicate of the params' `mask`,
+attention.mask.parse(mask).keep, when they hold one); for sparse kernels the same, restricted to the
 kernel's explicit token masks (attention.masks, as in the attention tests); a ring kernel is
 checked against the reference of its single-process twin. Which of these a built-in kernel
 gets is its KernelSpec's `exact` (attention.registry.Exact), mapped once here (EXACT).
@@ -33,6 +34,8 @@ from torch.nn import functional as F
 import attention
 from attention import Exact
 from attention.hilbert import hilbert_permutation, inverse_permutation
+from attention.mask import parse as parse_mask
+from attention.mask.takes import check_causal
 from attention.masks import (
     block_token_rows,
     causal_rows,
@@ -123,8 +126,24 @@ def _documents(lengths: tuple[int, ...]) -> Reference:
     return _masked(lambda seq_len, causal, rows: document_rows(lengths, rows, causal))
 
 
+def _mask(spec: dict[str, Any]) -> Reference:
+    """Attention under a run's mask (attention.mask.parse): its exact token predicate `keep`
+    on the rows computed. The call's `causal` must be the mask's (as the kernel requires): a
+    contradiction is an error here too, never a reference of the other mask."""
+
+    def keep_of(seq_len: int, causal: bool, rows: torch.Tensor) -> torch.Tensor:
+        check_causal(spec, causal)
+        return parse_mask(spec, seq_len).rows(rows, seq_len)
+
+    return _masked(keep_of)
+
+
 def _dense_of(kernel: str, params: Any) -> Reference:
-    """Exact dense attention, under the document mask when the params pack documents."""
+    """Exact dense attention: under the params' `mask` when they hold one, under the document
+    mask when they pack documents (the older spelling), else full or causal as called."""
+    mask = getattr(params, "mask", None)
+    if mask is not None:
+        return _mask(mask)
     lengths = getattr(params, "document_lengths", None)
     return _dense if lengths is None else _documents(lengths)
 
@@ -214,6 +233,9 @@ def describe(kernel: str, params: dict[str, Any]) -> str:
     if twin is not None:
         return f"the reference of its single-process twin {twin!r}"
     if _exact(kernel) is Exact.DENSE:
+        mask = params.get("mask")
+        if mask is not None:
+            return f"einsum softmax attention under the mask {parse_mask(mask).kind}"
         return "einsum softmax attention"
     if kernels.is_layer(kernel):
         inner = attention.make_params(kernel, params).kernel
@@ -291,7 +313,8 @@ def layer_reference(layer: nn.Module) -> Reference:
     """
     if not isinstance(layer, MultiheadAttention):
         raise TypeError(f"layer_reference: expected a multihead layer, got {type(layer).__name__}")
-    plain = not (layer.params.kernel_params or {}).get("document_lengths")
+    inner = layer.params.kernel_params or {}
+    plain = not inner.get("document_lengths") and inner.get("mask") is None
     dense = _exact(layer.params.kernel) is Exact.DENSE
     if dense and layer.num_kv_heads == layer.num_heads and plain:
         return _mha_reference(layer)

@@ -153,6 +153,15 @@ class RankResult(BaseModel):
         "one of them): under `plan: auto` with device auto the stored config keeps auto, and "
         "this says what ran. None for the other kernels, and for ranks stored before.",
     )
+    kept_pairs: int | None = Field(
+        None,
+        ge=0,
+        description="Query-key pairs this rank's attention computes per iteration, summed over "
+        "the heads, for one sequence (kernel.rank_pairs: only the tiles its plan keeps under the "
+        "run's mask and balance); max over mean of the ranks is the work's imbalance. None for "
+        "kernels that do not count their pairs per rank (single-process kernels, ulysses: each "
+        "rank the whole sequence for its heads), and for ranks stored before.",
+    )
     max_abs_error: float | None = Field(
         None,
         description="The correctness gate's full check: max abs error of every row against "

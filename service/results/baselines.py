@@ -30,6 +30,7 @@ Without an interval (one iteration) a ratio above its limit is flagged all the s
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -137,7 +138,8 @@ def _targets(row: RunRow, spec: AnalysisSpec) -> list[tuple[dict[str, Any], str]
         if row.world_size > 1:
             changes = {"world_size": 1}
         elif row.kernel not in DENSE_KERNELS:
-            changes = {"kernel": attention.exact_dense(), "params": {}}
+            dense = attention.exact_dense()
+            changes = {"kernel": dense, "params": _mask_only(dense, row.params)}
         else:
             return []
     world = changes.get("world_size")
@@ -172,9 +174,39 @@ def _targets(row: RunRow, spec: AnalysisSpec) -> list[tuple[dict[str, Any], str]
         kernel = str(target.get("kernel"))
         twin = attention.twin_of(kernel) if kernel in attention.KERNELS else None
         if twin is not None and target.get("world_size") == 1:
-            params = attention.twin_params(target["params"])
-            out.append(({**target, "kernel": twin, "params": params}, f"{twin} {tname}"))
+            params = taken_params(twin, attention.twin_params(target["params"]))
+            if params is not None:
+                out.append(({**target, "kernel": twin, "params": params}, f"{twin} {tname}"))
     return out
+
+
+ORDER_PARAMS = frozenset({"balance"})
+"""Params that only order a sharded kernel's work over its ranks (attention.layouts.order): the
+same attention without them is the same result, so a kernel that does not take them (a ring's
+dense twin) is the same work."""
+
+
+def taken_params(kernel: str, params: dict[str, Any]) -> dict[str, Any] | None:
+    """`params` as `kernel` takes them: ORDER_PARAMS it does not take dropped (a ring with a
+    balance has its dense twin as baseline, `mask` kept: dense takes it); None when a param it
+    does not take changes what is computed (no such run can be the same work)."""
+    spec = attention.KERNELS.get(kernel)
+    if spec is None:
+        return params
+    fields = {f.name for f in dataclasses.fields(spec.params) if f.init}
+    dropped = {k for k, v in params.items() if k not in fields and v is not None}
+    if dropped - ORDER_PARAMS:
+        return None
+    return {k: v for k, v in params.items() if k in fields}
+
+
+def _mask_only(kernel: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The params of a dense baseline for a run of another kernel: the run's `mask` when it has
+    one and `kernel` takes it (the same mask's dense attention), else none."""
+    mask = params.get("mask")
+    if mask is None or (taken_params(kernel, {"mask": mask}) or {}).get("mask") is None:
+        return {}
+    return {"mask": mask}
 
 
 def _ratio(a: float | int | None, b: float | int | None) -> float | None:
@@ -305,8 +337,10 @@ def same_work(row: RunRow, base: RunRow) -> bool:
         return params == base_params
     if row.kernel not in attention.KERNELS or attention.twin_of(row.kernel) != base.kernel:
         return False
-    twin = {k: v for k, v in attention.twin_params(row.params).items() if v is not None}
-    return twin == base_params
+    as_twin = taken_params(base.kernel, attention.twin_params(row.params))
+    if as_twin is None:
+        return False
+    return {k: v for k, v in as_twin.items() if v is not None} == base_params
 
 
 def limit_flags(row: RunRow, base: RunRow) -> list[Flag]:

@@ -1,0 +1,70 @@
+"""The CPU study of packed documents (examples/cpu-documents.yaml, cut down) through the service
+on a real local Ray gang of 2 ranks: each cell's sampled mask stored as its lengths, every cell
+gated against the mask's fp64 reference, each rank's kept pairs stored (their imbalance read
+back), and a balanced run compared with the same kernel without a balance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _api_helpers import api_client
+from _gang_helpers import run_queue
+
+from attention import layouts
+from attention.mask import expand, parse
+from service.cli.specs import load_specs
+
+API = "/api/v1"
+CELLS = [("ring", "none"), ("ring", "per_document"), ("allgather_kv", "ptrr")]
+
+
+def _cut_down_study() -> dict[str, Any]:
+    """cpu-documents.yaml at its shortest length, three cells, heads and head_dim cut, one
+    iteration."""
+    (study,) = load_specs("cpu-documents.yaml")
+    study["base"] |= {"num_heads": 2, "head_dim": 8, "iterations": 1, "timeout_s": 300}
+    study["grid"] = {"seq_len": [min(study["grid"]["seq_len"])]}
+    shipped = list(zip(study["zip"]["kernel"], study["zip"]["params.balance"], strict=True))
+    assert all(cell in shipped for cell in CELLS)
+    study["zip"] = {
+        "kernel": [k for k, _ in CELLS],
+        "params.balance": [b for _, b in CELLS],
+    }
+    return study
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(400)
+def test_the_documents_study_runs_through_the_service(tmp_path: Path, ray_session: Any) -> None:
+    study = _cut_down_study()
+    seq_len = study["grid"]["seq_len"][0]
+    with api_client(f"sqlite:///{tmp_path / 'docs.db'}") as client:
+        created = client.post(f"{API}/sweeps", json=study)
+        assert created.status_code == 201, created.text
+        sweep_id = created.json()["id"]
+        run_queue(client.app.state.sessionmaker)
+        rows = client.get(f"{API}/sweeps/{sweep_id}/results.json").json()
+        runs = client.get(f"{API}/runs").json()["data"]
+        ranks = {
+            run["id"]: client.get(f"{API}/runs/{run['id']}").json()["rank_results"] for run in runs
+        }
+    assert [r["status"] for r in rows] == ["succeeded"] * 3, [r["error"] for r in rows]
+    want = expand(study["base"]["params"]["mask"], seq_len)
+    pairs = study["base"]["num_heads"] * parse(want, seq_len).pairs(seq_len)
+    for run in runs:
+        assert run["config"]["params"]["mask"] == want  # the lengths that ran
+        kept = torch.tensor([r["kept_pairs"] for r in ranks[run["id"]]])
+        assert int(kept.sum()) == pairs  # each rank's share of the mask's pairs, stored
+        assert layouts.imbalance(kept) >= 1.0  # the imbalance, from stored data
+    by_cell = {}
+    for row in rows:
+        assert row["max_abs_error"] is not None and 0 < row["max_abs_error"] < 1e-4, row
+        balance = next(r for r in runs if r["id"] == row["run_id"])["config"]["params"]["balance"]
+        by_cell[(row["kernel"], balance)] = row
+    assert sorted(by_cell) == sorted(CELLS)
+    plain, balanced = by_cell[("ring", "none")], by_cell[("ring", "per_document")]
+    assert balanced["baseline_run_id"] == plain["run_id"]
+    assert balanced["speedup"] == pytest.approx(balanced["tokens_per_s"] / plain["tokens_per_s"])
