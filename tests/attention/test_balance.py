@@ -187,7 +187,7 @@ def test_bad_balance_input_names_the_field() -> None:
         (("none", 30, 4, causal), "seq_len", "world_size 4"),
         (("head_tail", 36, 4, causal), "seq_len", "2 x world_size = 8"),
         (("none", 32, 0, causal), "world_size", ">= 1"),
-        (("per_document", 32, 4, docs), "mask.lengths", "divide by 2 x world_size = 8"),
+        (("per_document", 32, 4, docs), "mask.lengths", "be divisible by 2 x world_size = 8"),
         (("ptrr", 48, 2, causal), "seq_len", "block_size x world_size = 32"),
         (("none", 32, 2, {"kind": "prefix_lm", "prefix": 33}), "mask.prefix", "longer"),
         (("none", 32, 2, {**docs, "lengths": [8, 8]}), "mask.lengths", "sum to 16"),
