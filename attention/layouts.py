@@ -138,8 +138,8 @@ def _per_document(mask: Mask, world_size: int) -> torch.Tensor:
     if odd:
         raise ParamError(
             "mask.lengths",
-            f"balance per_document needs every document to be divisible by 2 x world_size = {parts}; "
-            f"{len(odd)} do not (first: {odd[0]})",
+            f"balance per_document needs every document to be divisible by 2 x world_size = "
+            f"{parts}; {len(odd)} do not (first: {odd[0]})",
         )
     starts = torch.tensor([0, *mask.lengths[:-1]]).cumsum(0).tolist()
     pieces = []

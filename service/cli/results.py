@@ -81,12 +81,9 @@ def results(
     shown = [(k, t) for k, t in RESULT_COLUMNS if any(row.get(k) is not None for row in rows)]
     unit = time_unit(row.get("median_s") for row in rows)
     table = Table(box=None, pad_edge=False, collapse_padding=True)
-    # the label wraps between its words, never inside one ("sequence-parallel" whole)
-    word = max((len(w) for row in rows for w in str(row.get("label") or "").split()), default=0)
     for key, title in shown:
         wraps = key == "label"
-        least = max(16, min(word, 32)) if wraps else None
-        table.add_column(title, no_wrap=not wraps, overflow="fold", min_width=least)
+        table.add_column(title, no_wrap=not wraps, overflow="fold", min_width=16 if wraps else None)
     for row in rows:
         if row.get("baseline") and len(row["baseline"]) > BASELINE_TEXT:  # several changes
             row["baseline"] = f"run {row['baseline_run_id']}"  # `ringlab report` names them

@@ -293,14 +293,3 @@ def test_watch_shows_a_running_searchs_probes_as_they_come(
     assert "probe 1, 4,096 tokens fit" in result.stderr, result.stderr
     assert "probe 2, 8,192 tokens oom" in result.stderr, result.stderr
     assert result.stderr.index("probe 1") < result.stderr.index("probe 2")
-
-
-def test_results_at_80_columns_wrap_labels_between_words(
-    base: str, service: tuple[str, Seeded], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A label wraps at its spaces, never inside a word ('sequence-paralle' / 'l')."""
-    monkeypatch.setattr(console.out, "width", 80)
-    table = ringlab("results", str(service[1].benchmark)).stdout
-    assert "parallel" in table
-    for line in table.splitlines():
-        assert not line.rstrip().endswith(("sequence-paralle", "data-paralle")), table

@@ -106,7 +106,7 @@ def test_each_distinct_part_is_validated_once_not_each_cell(
     [
         ("seq_len", 2**40, ["grid", "seq_len", 7], "must be <= "),
         ("batch_size", 10**6, ["grid", "batch_size", 7], "RINGLAB_MAX_BATCH_SIZE"),
-        ("batch_size", 3, ["grid", "batch_size", 7], "must divide"),
+        ("batch_size", 3, ["grid", "batch_size", 7], "must be divisible"),
         ("env", {"NCCL_X": "a\nb"}, ["grid", "env", 7], "no NUL, CR or LF"),
         ("params", {"layout": "spiral"}, ["grid", "params", 7, "layout"], "layout"),
         ("timeout_s", float("inf"), ["grid", "timeout_s", 7], ""),
