@@ -84,8 +84,17 @@ def parse() -> argparse.Namespace:
 
 def finish_every_run(url: str, sweep_id: int) -> None:
     """Every run of the sweep succeeded, with one rank's result and one environment."""
-    from service.db.engine import make_engine, make_sessionmaker
-    from service.db.models import Environment, RankResultRow, Run, RunStatus, utcnow
+    from service.db.engine import (
+        make_engine,
+        make_sessionmaker,
+    )  # after sys.path is set to this tree
+    from service.db.models import (
+        Environment,
+        RankResultRow,
+        Run,
+        RunStatus,
+        utcnow,
+    )  # after sys.path is set to this tree
 
     engine = make_engine(url)
     with make_sessionmaker(engine)() as session:

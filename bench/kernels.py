@@ -431,9 +431,9 @@ def max_lengths(cases: list[tuple[str, dict[str, Any]]], args: argparse.Namespac
     """Each case's maximum forward length under --budget-mib on CPU: the workers' own search
     (workers.search.run_search) over the workers' protocol (workers.protocol.run_case), as a
     max_seq_len sweep would run it, one JSON line per case and a table."""
-    from workers.config import RunConfig
-    from workers.protocol import run_case as protocol_case
-    from workers.search import run_search
+    from workers.config import RunConfig  # only the max-length search uses it
+    from workers.protocol import run_case as protocol_case  # only the max-length search uses it
+    from workers.search import run_search  # only the max-length search uses it
 
     budget = int(args.budget_mib * 2**20)
     lines = [f"max forward length, CPU budget {args.budget_mib:g} MiB, h={args.search_heads} "

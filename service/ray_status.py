@@ -120,7 +120,7 @@ def connect_with_backoff(
         try:
             connect(address)
         except Exception as exc:  # any failure to connect: logged, reported, retried
-            import ray
+            import ray  # ray: ~1 s, only in the process that talks to Ray
 
             if ray.is_initialized():  # a half-made connection must not look connected
                 ray.shutdown()

@@ -4,12 +4,15 @@ the same way for a sweep's cells and for a baseline that names another kernel.""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+import attention
+from attention.registry import unavailable
 from service.spec_cells import canonical_json
 from service.spec_fields import field_error, split_message
 
@@ -20,8 +23,6 @@ def _params_adapter(params_type: type) -> TypeAdapter[Any]:
 
 
 def _kernels() -> dict[str, Any]:
-    import attention
-
     return attention.KERNELS
 
 
@@ -30,8 +31,6 @@ ParamsCheck = tuple[dict[str, Any] | None, list[tuple[tuple[str | int, ...], str
 
 def _unknown_kernel(kernel: Any, kernels: Iterable[str]) -> str:
     """'unknown kernel 'ring_dilatd'; did you mean 'ring_dilated'? valid: ...'."""
-    import difflib
-
     names = sorted(kernels)
     close = difflib.get_close_matches(str(kernel), names, n=1) if isinstance(kernel, str) else []
     hint = f"did you mean {close[0]!r}? " if close else ""
@@ -44,8 +43,6 @@ def normalize_params(kernel: Any, params: Any) -> ParamsCheck:
     Returns (normalized params, []) or (None, [(field path, reason), ...]) where the path starts
     with 'kernel' or 'params'.
     """
-    from attention.registry import unavailable
-
     kernels = _kernels()
     if isinstance(kernel, str) and (why := unavailable(kernel)) is not None:
         return None, [(("kernel",), why)]

@@ -10,6 +10,7 @@ from typing import Any
 from service.core.config import RunLimits
 from service.spec_fields import NESTED, RUN_FIELDS, SpecError, err, nested_axis
 from service.spec_models import SweepSpec
+from workers.config import ModelConfig, TrainingConfig
 
 
 def cell_count(spec: SweepSpec) -> int:
@@ -25,8 +26,6 @@ def _check_axis(where: str, axis: str) -> dict[str, Any] | None:
         if not name.isidentifier():
             return err((where, axis), f"{name!r} is not a field name of {head}")
         if head != "params":
-            from workers.config import ModelConfig, TrainingConfig
-
             fields = (ModelConfig if head == "model" else TrainingConfig).model_fields
             if name not in fields:
                 valid = ", ".join(sorted(fields))

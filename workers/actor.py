@@ -92,7 +92,7 @@ class RankActor:
         self, rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float
     ) -> None:
         """Join the process group as `rank` (nccl on CUDA, gloo on CPU) with a short timeout."""
-        import torch
+        import torch  # rank process only: the driver side of the actor needs no torch
         import torch.distributed as dist  # torch.distributed: the rank's process only
 
         timeout = timedelta(seconds=timeout_s)

@@ -452,7 +452,7 @@ def pending_demand() -> set[str]:
     """The resources (CPU, GPU, ...) that Ray's pending work of anyone asks for: tasks and
     actors waiting for a node, and placement groups waiting for bundles, read from the GCS's
     autoscaler state (no dashboard needed)."""
-    from ray.autoscaler.v2.sdk import get_cluster_resource_state
+    from ray.autoscaler.v2.sdk import get_cluster_resource_state  # Ray's autoscaler SDK
 
     state = get_cluster_resource_state(ray._private.worker.global_worker.gcs_client)
     wanted: set[str] = set()

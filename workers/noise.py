@@ -29,7 +29,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
+    import torch  # rank process only (the service reads intervals)
 
 CONFIDENCE = 0.95
 """The coverage of a median's interval."""
@@ -187,10 +187,10 @@ class Iterations:
         wants_more, capped = auto_vote(times, time.perf_counter() - self.started, self.cap_s)
         if self.world > 1:
             # torch only for the ranks' vote: the read model imports this module for its intervals
-            import torch
-            import torch.distributed as dist
+            import torch  # rank process only (the service reads intervals)
+            import torch.distributed as dist  # rank process only (the service reads intervals)
 
-            from attention.ring.comm import wait_all
+            from attention.ring.comm import wait_all  # rank process only
 
             votes = torch.tensor([int(wants_more), int(capped)], device=self.device)
             # async + wait_all: inside a ring abort scope a peer's abort ends the wait

@@ -36,7 +36,7 @@ class FlashAttnParams:
 
 def _fa3() -> Any:
     try:
-        from flash_attn_interface import flash_attn_func
+        from flash_attn_interface import flash_attn_func  # optional package (FlashAttention 3)
     except ImportError as exc:
         raise ParamError(
             "params.version",

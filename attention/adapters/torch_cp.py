@@ -46,7 +46,9 @@ def cpu_refusal() -> str | None:
     """torch's reason its context parallelism cannot run SDPA on CPU (the message its DTensor
     dispatch raises for an op without a sharding strategy), None if it could."""
     # Imported here: DTensor costs half a second, and only this check and a CUDA run need it.
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import (
+        DTensor,
+    )  # experimental torch API, loaded when the adapter runs
 
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     prop = DTensor._op_dispatcher.sharding_propagator
@@ -88,7 +90,10 @@ class _Dispatched(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mesh, causal):  # type: ignore[no-untyped-def]
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import (
+            DTensor,
+            Shard,
+        )  # experimental torch API, loaded when the adapter runs
 
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         with torch.enable_grad(), _dispatcher():
@@ -109,12 +114,16 @@ class _dispatcher:
     """torch's context-parallel SDPA dispatch, on while open."""
 
     def __enter__(self) -> None:
-        from torch.distributed.tensor.experimental import _attention
+        from torch.distributed.tensor.experimental import (
+            _attention,
+        )  # experimental torch API, loaded when the adapter runs
 
         _attention._enable_context_parallel_dispatcher()
 
     def __exit__(self, *exc: Any) -> None:
-        from torch.distributed.tensor.experimental import _attention
+        from torch.distributed.tensor.experimental import (
+            _attention,
+        )  # experimental torch API, loaded when the adapter runs
 
         _attention._disable_context_parallel_dispatcher()
 
@@ -138,8 +147,12 @@ class TorchCP(RingAdapter):
     ) -> torch.Tensor:
         if q.device.type != "cuda":
             raise ValueError(f"device: torch_cp runs on CUDA only; on CPU: {cpu_refusal()}")
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor.experimental import _attention
+        from torch.distributed.device_mesh import (
+            DeviceMesh,
+        )  # experimental torch API, loaded when the adapter runs
+        from torch.distributed.tensor.experimental import (
+            _attention,
+        )  # experimental torch API, loaded when the adapter runs
 
         if self._mesh is None:
             self._mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda")

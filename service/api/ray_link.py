@@ -20,7 +20,7 @@ NO_DRIVER = (
 def problem(state: Any) -> str | None:
     """None when Ray is connected and has an alive node; else why not, in one line.
     `state`: the app's state (its `ray_supervisor`)."""
-    from service.ray_status import RAY
+    from service.ray_status import RAY  # Ray's status module loads ray: kept off the API's start-up
 
     supervisor = getattr(state, "ray_supervisor", None)
     if supervisor is None:
@@ -45,7 +45,7 @@ def queue_problem(request: HTTPConnection) -> str | None:
     """Why queued runs cannot start now, as far as this process knows: its embedded scheduler
     stopped, or cannot reach Ray (service.ray_status). None otherwise: connected, still
     starting, or no embedded scheduler (a `ringlab scheduler` elsewhere reports in its log)."""
-    from service.ray_status import RAY
+    from service.ray_status import RAY  # Ray's status module loads ray: kept off the API's start-up
 
     state = request.app.state
     thread = getattr(state, "scheduler_thread", None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from service.db.models import (
     Environment,
@@ -21,6 +21,8 @@ from service.db.models import (
 from service.results.peaks import dense_peak_flops
 from service.results.rows import Flag, RunRow, local_tokens, memory_floor
 from service.results.stored import StoredComponent, StoredProbe, StoredRank
+from workers import model_memory
+from workers.config import RunConfig
 from workers.noise import median_interval
 
 
@@ -219,11 +221,6 @@ def predicted_peaks(config: dict[str, Any], lengths: Sequence[int]) -> list[tupl
     """(length, predicted step peak) of a model cell at each length (its searched probes):
     the same pure function the run stored its prediction from; empty when the cell's kernel
     has no memory model."""
-    from pydantic import ValidationError
-
-    from workers import model_memory
-    from workers.config import RunConfig
-
     try:
         cell = RunConfig.model_validate(config)
         return [(n, model_memory.predict(cell, n).step_peak) for n in sorted(set(lengths))]

@@ -22,7 +22,7 @@ from fastapi.responses import (
 )
 from starlette.background import BackgroundTask
 
-from service import units
+from service import history, units
 from service.api import store
 from service.api.deps import (
     MAX_ID,
@@ -34,6 +34,7 @@ from service.api.deps import (
 )
 from service.api.outputs import artifact_out
 from service.api.pages import query_error
+from service.api.routes.cells import cell_config
 from service.api.schemas import SweepOut
 from service.db.models import TERMINAL_STATUSES, Sweep
 from service.results import charts, compare, export, queries
@@ -347,9 +348,6 @@ def cell_history_page(
     cell: Annotated[str | None, Query(max_length=20_000, description="A config.")] = None,
 ) -> HTMLResponse:
     """One cell across every sweep that ran it: time, peak memory and code version."""
-    from service import history
-    from service.api.routes.cells import cell_config
-
     found = history.cell_history(session, cell_config(session, run, cell))
     return _page(request, "cell_history.html", history=found, run=run,
                  figure=_history_figure(found["entries"]))  # fmt: skip

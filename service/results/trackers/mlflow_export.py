@@ -45,7 +45,7 @@ def _existing(client: Any, experiment_id: str, sweep: SweepRecord) -> dict[str, 
 
 def _metrics(client: Any, run_id: str, record: RunRecord, latest: dict[str, float]) -> list[Any]:
     """The Metric entries not already there with the same value at the same step."""
-    from mlflow.entities import Metric
+    from mlflow.entities import Metric  # optional package (mlflow)
 
     now = int(time.time() * 1000)
     out = [Metric(k, v, now, 0) for k, v in record.metrics.items() if latest.get(k) != v]
@@ -60,7 +60,7 @@ def _metrics(client: Any, run_id: str, record: RunRecord, latest: dict[str, floa
 
 
 def _write_run(client: Any, experiment_id: str, record: RunRecord, old: Any, report: Path) -> None:
-    from mlflow.entities import Param, RunTag
+    from mlflow.entities import Param, RunTag  # optional package (mlflow)
 
     if old is None:
         run_id = client.create_run(
@@ -83,7 +83,7 @@ def _write_run(client: Any, experiment_id: str, record: RunRecord, old: Any, rep
 
 def export(sweep: SweepRecord, uri: str, workdir: Path) -> str:
     """Write the sweep to the MLflow tracking store at `uri`; a one-line summary."""
-    from mlflow import MlflowClient
+    from mlflow import MlflowClient  # optional package (mlflow)
 
     client = MlflowClient(tracking_uri=tracking_uri(uri))
     name = f"ringlab sweep {sweep.sweep_id}: {sweep.name}"

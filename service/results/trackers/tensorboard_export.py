@@ -32,7 +32,7 @@ def _table(values: dict[str, str]) -> str:
 
 def export(sweep: SweepRecord, logdir: str) -> str:
     """Write the sweep's event files under `logdir`; a one-line summary."""
-    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard import SummaryWriter  # optional package (tensorboard)
 
     root = Path(logdir).resolve() / f"ringlab-sweep-{sweep.sweep_id}"
     with SummaryWriter(str(_fresh(root / "report"))) as writer:

@@ -67,7 +67,7 @@ def _write_run(wandb: Any, sweep: SweepRecord, record: RunRecord, directory: Pat
 
 def export(sweep: SweepRecord, uri: str, workdir: Path) -> str:
     """Write the sweep's runs to W&B (offline under `uri` without a key); a one-line summary."""
-    import wandb
+    import wandb  # optional package (wandb)
 
     directory = Path(uri).resolve()
     directory.mkdir(parents=True, exist_ok=True)
