@@ -18,7 +18,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from service.results.rows import RunRow
+from service.results.rows import RunRow, median_interval
 from service.spec import canonical_json
 from workers.noise import CONFIDENCE, Interval, inverse, ratio_interval
 
@@ -100,9 +100,7 @@ class Side:
     @property
     def time_interval(self) -> Interval | None:
         """As RunRow.time_interval."""
-        if self.median_lo_s is None or self.median_hi_s is None or self.median_ci_level is None:
-            return None
-        return Interval(self.median_lo_s, self.median_hi_s, self.median_ci_level)
+        return median_interval(self.median_lo_s, self.median_hi_s, self.median_ci_level)
 
     @property
     def tokens_per_s_interval(self) -> Interval | None:

@@ -87,6 +87,14 @@ def config_key(config: dict[str, Any]) -> str:
     return json.dumps(kept, sort_keys=True, separators=(",", ":"))
 
 
+def median_interval(lo: float | None, hi: float | None, level: float | None) -> Interval | None:
+    """A median time's interval from its stored bounds and level (None without one: one
+    iteration, or nothing measured)."""
+    if lo is None or hi is None or level is None:
+        return None
+    return Interval(lo, hi, level)
+
+
 def local_tokens(parallel: str, world_size: int, batch_size: int, seq_len: int) -> int:
     """Tokens one rank holds: its share of the batch (data) or of the sequence (sequence)."""
     w = max(world_size, 1)
@@ -440,9 +448,7 @@ class RunRow:
     @property
     def time_interval(self) -> Interval | None:
         """The median time's interval (None without one: 1 iteration, or nothing measured)."""
-        if self.median_lo_s is None or self.median_hi_s is None or self.median_ci_level is None:
-            return None
-        return Interval(self.median_lo_s, self.median_hi_s, self.median_ci_level)
+        return median_interval(self.median_lo_s, self.median_hi_s, self.median_ci_level)
 
     @property
     def tokens_per_s_interval(self) -> Interval | None:
