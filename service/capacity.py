@@ -1,6 +1,6 @@
 """What the CLI tells about runs the cluster cannot hold, and why runs ended as they did.
 
-`cannot_fit` warns at submit, with workers.fit.check_feasible (the check the scheduler refuses
+`cannot_fit` warns at submit (`dry_run_warnings` at a dry run), with workers.fit.check_feasible (the check the scheduler refuses
 a run by) on the cluster /api/v1/cluster describes; `reasons` gives one line per run that did
 not end ok (`ringlab results`, `ringlab watch`).
 """
@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from service.client import ClientError
+from service.units import plural
 from workers.errors import Infeasible
 from workers.fit import check_feasible
 
@@ -32,6 +33,18 @@ def _run_ids(ids: list[int]) -> str:
     return f"run{'s' if len(ids) > 1 else ''} {shown}{more}"
 
 
+def _need(cluster: dict[str, Any], device: str, world_size: int, placement: str) -> str | None:
+    """What a run placed so needs that this cluster can never give (Infeasible.needed), or
+    None when it fits: workers.fit.check_feasible, the scheduler's own check."""
+    try:
+        check_feasible(
+            SimpleNamespace(device=device, world_size=world_size, placement=placement), cluster
+        )
+    except Infeasible as exc:
+        return exc.needed
+    return None
+
+
 def cannot_fit(cluster: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     """Warning lines for the runs (as /api/v1/runs lists them) this cluster can never hold:
     the cluster's capacity, then what each group of them needs and their ids; [] when all
@@ -39,15 +52,10 @@ def cannot_fit(cluster: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]
     needs: dict[str, list[int]] = defaultdict(list)
     for run in runs:
         cfg = run["config"]
-        placed = SimpleNamespace(
-            device=cfg.get("device", "auto"),
-            world_size=int(cfg.get("world_size", run.get("world_size", 1))),
-            placement=cfg.get("placement", "pack"),
-        )
-        try:
-            check_feasible(placed, cluster)
-        except Infeasible as exc:
-            needs[exc.needed].append(int(run["id"]))
+        world = int(cfg.get("world_size", run.get("world_size", 1)))
+        need = _need(cluster, cfg.get("device", "auto"), world, cfg.get("placement", "pack"))
+        if need is not None:
+            needs[need].append(int(run["id"]))
     if not needs:
         return []
     count = sum(len(ids) for ids in needs.values())
@@ -120,6 +128,32 @@ def submit_warnings(c: Any, sweep_ids: list[int]) -> list[str]:
         found = cannot_fit(cluster, runs)
         if found:
             lines += [f"sweep {sweep_id}: {found[0]}", *found[1:]]
+    return lines
+
+
+def dry_run_warnings(c: Any, documents: list[dict[str, Any]]) -> list[str]:
+    """What `ringlab submit --dry-run` warns of: per document of the check, the cells the
+    cluster could never hold (counted from its `placed`), as a real submit warns of runs."""
+    if not any(doc["placed"] for doc in documents):
+        return []
+    try:
+        cluster = c.request("GET", "/cluster").json()
+    except ClientError as exc:
+        return [f"warning: the cluster's capacity was not checked: {exc}"]
+    lines = []
+    for doc in documents:
+        needs: dict[str, int] = defaultdict(int)
+        for placed in doc["placed"]:
+            need = _need(cluster, placed["device"], placed["world_size"], placed["placement"])
+            if need is not None:
+                needs[need] += placed["cells"]
+        if needs:
+            lines.append(
+                f"documents[{doc['index']}]: warning: {sum(needs.values())} of {doc['cells']} "
+                f"cells cannot fit this cluster ({capacity_text(cluster)}); submitted, they "
+                "would fail as infeasible:"
+            )
+            lines += [f"  {plural(n, 'cell')}: the run needs {need}" for need, n in needs.items()]
     return lines
 
 

@@ -124,6 +124,15 @@ class SweepBatch(BaseModel):
     sweeps: list[SweepOut]
 
 
+class CellsPlaced(BaseModel):
+    """How many of a document's cells need one placement: what the cluster must hold."""
+
+    device: str
+    world_size: int
+    placement: str
+    cells: int
+
+
 class DocumentCheck(BaseModel):
     """One document of a dry run: its cells and what is wrong with it."""
 
@@ -132,6 +141,11 @@ class DocumentCheck(BaseModel):
     cells: int | None = Field(description="Cells (runs) it expands into; null if unreadable.")
     problems: list[dict[str, Any]] = Field(
         description="Errors as a 422 lists them (loc, msg, type); empty when it is valid."
+    )
+    placed: list[CellsPlaced] = Field(
+        default_factory=list,
+        description="Its cells counted by (device, world_size, placement), so a dry run can "
+        "warn of runs the cluster could never hold; empty when it has problems.",
     )
 
 

@@ -3,13 +3,14 @@ the dry run (?dry_run=true) that checks and counts every document, storing nothi
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 from pydantic import ValidationError
 
 from service.api.errors import did_you_mean, safe_error
-from service.api.schemas import DocumentCheck, SweepCheck, SweepDocuments
+from service.api.schemas import CellsPlaced, DocumentCheck, SweepCheck, SweepDocuments
 from service.core.config import RunLimits
 from service.spec import Cell, SpecError, SweepSpec, cell_count, iter_cells, unstorable_values
 
@@ -55,21 +56,27 @@ def _check_one(raw: Any, spec: SweepSpec | None, where: Loc, limits: RunLimits) 
     elif bad := unstorable_values(spec.model_dump(exclude_unset=True)):
         problems = _under(where, bad)
     name = raw.get("name") if isinstance(raw, dict) else None
+    placed: Counter[tuple[str, int, str]] = Counter()
     if spec is None or problems:
         cells = cell_count(spec) if spec is not None else None
     else:
-        cells = 0
         try:
-            for _ in iter_cells(spec, limits):
-                cells += 1
+            for cell in iter_cells(spec, limits):
+                cfg = cell.config_json
+                placed[(cfg["device"], cfg["world_size"], cfg["placement"])] += 1
+            cells = placed.total()
         except SpecError as e:
-            cells, problems = cell_count(spec), _under(where, e.errors)
+            cells, problems, placed = cell_count(spec), _under(where, e.errors), Counter()
     index = int(where[1]) if where else 0
     return DocumentCheck(
         index=index,
         name=name if isinstance(name, str) else None,
         cells=cells,
         problems=[safe_error(did_you_mean(p)) for p in problems],
+        placed=[
+            CellsPlaced(device=d, world_size=w, placement=p, cells=n)
+            for (d, w, p), n in placed.items()
+        ],
     )
 
 

@@ -129,5 +129,7 @@ def _dry_run(c: Any, file: str, specs: list[dict[str, Any]]) -> None:
         if doc["problems"]:
             out.print(_problem_lines(doc["problems"]), markup=False)
     out.print(f"{file}: dry run, nothing stored", markup=False)
+    for line in capacity.dry_run_warnings(c, check["documents"]):
+        err.print(line, markup=False, highlight=False, soft_wrap=False)
     if not check["valid"]:
         raise typer.Exit(1)

@@ -79,6 +79,18 @@ def test_dry_run_counts_and_checks_every_document_and_stores_nothing(database_ur
         one = client.post(f"{API}/sweeps", params={"dry_run": "true"}, json=small_spec()).json()
         assert one == {
             "valid": True,
-            "documents": [{"index": 0, "name": "small", "cells": 4, "problems": []}],
+            "documents": [
+                {
+                    "index": 0,
+                    "name": "small",
+                    "cells": 4,
+                    "problems": [],
+                    "placed": [  # what the CLI checks against the cluster (test_cli_failures)
+                        {"device": "auto", "world_size": w, "placement": "pack", "cells": 2}
+                        for w in (1, 2)
+                    ],
+                }
+            ],
         }
+        assert bad["placed"] == []  # a document with problems is not counted
         assert _stored(client) == (0, 0)
