@@ -14,18 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from service.results.report_format import table, time_cell
 from service.results.rows import RunRow
+from service.results.work_share import documents_mask, timed
 from service.units import TimeUnit
 
 TITLE = "Packed documents: balance and schemes"
-
-
-def documents_mask(row: RunRow) -> bool:
-    """Whether the run's attention is under a documents mask (`params.mask.kind: documents`,
-    or the older spelling `params.document_lengths`)."""
-    mask = row.params.get("mask")
-    if isinstance(mask, dict) and mask.get("kind") == "documents":
-        return True
-    return row.params.get("document_lengths") is not None
 
 
 def fmt_imbalance(x: float | None) -> str:
@@ -74,15 +66,7 @@ def _group_key(row: RunRow) -> tuple[int, int, str]:
 def documents_section(rows: Sequence[RunRow], unit: TimeUnit) -> list[str]:
     """The section's lines (none unless a run over several ranks ran under a documents mask):
     a table per length, world size and mode, in the rows' order within each."""
-    shown = [
-        r
-        for r in rows
-        if documents_mask(r)
-        and r.world_size > 1
-        and r.status == "succeeded"
-        and not r.searched
-        and r.median_s is not None
-    ]
+    shown = [r for r in rows if documents_mask(r) and r.world_size > 1 and timed(r)]
     if not shown:
         return []
     groups: dict[tuple[int, int, str], list[RunRow]] = {}

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from attention.base import BACKWARD_FLOP_FACTOR, attention_flops
+from service.results.rows import RunRow
 from workers.results import RankResult
 
 Phase = Literal["forward", "backward"]
@@ -105,3 +106,18 @@ def ideal_fraction(
     if not time_s or not single_time_s or world_size < 1:
         return None
     return single_time_s / world_size / time_s
+
+
+def documents_mask(row: RunRow) -> bool:
+    """Whether the run's attention is under a documents mask (`params.mask.kind: documents`,
+    or the older spelling `params.document_lengths`): the runs report.md's "Packed documents"
+    section and the sweep page's chart of it show."""
+    mask = row.params.get("mask")
+    if isinstance(mask, dict) and mask.get("kind") == "documents":
+        return True
+    return row.params.get("document_lengths") is not None
+
+
+def timed(row: RunRow) -> bool:
+    """A succeeded run with a time (not a max_seq_len search)."""
+    return row.status == "succeeded" and not row.searched and row.median_s is not None
