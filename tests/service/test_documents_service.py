@@ -2,8 +2,8 @@
 on a real local Ray gang of 2 ranks: each cell's sampled mask stored as its lengths, every cell
 gated against the mask's fp64 reference, each rank's kept pairs stored (their imbalance read
 back), a balanced run compared with the same kernel without a balance, and report.md's "Packed
-documents: balance and schemes" section recomputed from the ranks' raw fields (with dense at
-W=1 beside the study's cells, the single-process run % of ideal reads)."""
+documents: balance and schemes" section recomputed from the ranks' raw fields (no W=1 run in
+the study: % of ideal says none; tests/service/test_work_share.py reads it against one)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,6 @@ from service.cli.specs import load_specs
 
 API = "/api/v1"
 CELLS = [("ring", "none"), ("ring", "per_document"), ("allgather_kv", "ptrr")]
-SINGLE = "dense"
-"""Not a cell of the study: one process on the same mask, what % of ideal divides by W."""
 
 
 def _cut_down_study() -> dict[str, Any]:
@@ -35,9 +33,8 @@ def _cut_down_study() -> dict[str, Any]:
     shipped = list(zip(study["zip"]["kernel"], study["zip"]["params.balance"], strict=True))
     assert all(cell in shipped for cell in CELLS)
     study["zip"] = {
-        "kernel": [k for k, _ in CELLS] + [SINGLE],
-        "params": [{"balance": b} for _, b in CELLS] + [{}],
-        "world_size": [2] * len(CELLS) + [1],
+        "kernel": [k for k, _ in CELLS],
+        "params.balance": [b for _, b in CELLS],
     }
     return study
 
@@ -58,12 +55,9 @@ def test_the_documents_study_runs_through_the_service(tmp_path: Path, ray_sessio
         ranks = {
             run["id"]: client.get(f"{API}/runs/{run['id']}").json()["rank_results"] for run in runs
         }
-    assert [r["status"] for r in rows] == ["succeeded"] * 4, [r["error"] for r in rows]
+    assert [r["status"] for r in rows] == ["succeeded"] * 3, [r["error"] for r in rows]
     want = expand(study["base"]["params"]["mask"], seq_len)
     pairs = study["base"]["num_heads"] * parse(want, seq_len).pairs(seq_len)
-    (single,) = [r for r in runs if r["config"]["kernel"] == SINGLE]
-    assert single["config"]["params"]["mask"] == want
-    runs = [r for r in runs if r is not single]
     for run in runs:
         assert run["config"]["params"]["mask"] == want  # the lengths that ran
         kept = torch.tensor([r["kept_pairs"] for r in ranks[run["id"]]])
@@ -72,32 +66,29 @@ def test_the_documents_study_runs_through_the_service(tmp_path: Path, ray_sessio
     by_cell = {}
     for row in rows:
         assert row["max_abs_error"] is not None and 0 < row["max_abs_error"] < 1e-4, row
-        if row["run_id"] == single["id"]:
-            continue
         balance = next(r for r in runs if r["id"] == row["run_id"])["config"]["params"]["balance"]
         by_cell[(row["kernel"], balance)] = row
     assert sorted(by_cell) == sorted(CELLS)
     plain, balanced = by_cell[("ring", "none")], by_cell[("ring", "per_document")]
     assert balanced["baseline_run_id"] == plain["run_id"]
     assert balanced["speedup"] == pytest.approx(balanced["tokens_per_s"] / plain["tokens_per_s"])
-    _section_recomputed(report, runs, ranks, single, rows)
+    _section_recomputed(report, seq_len, runs, ranks, rows)
 
 
 def _section_recomputed(
     report: str,
+    seq_len: int,
     runs: list[dict[str, Any]],
     ranks: dict[int, list[dict[str, Any]]],
-    single: dict[str, Any],
     rows: list[dict[str, Any]],
 ) -> None:
-    """The section's one table (the length, W=2): each cell's time, imbalances and % of ideal
-    as recomputed from its ranks' raw fields (dense's median over W=2 against the cell's), the
-    fastest the cell with the smallest slowest-rank median; results.json agrees."""
+    """The section's one table (the length, W=2): each cell's imbalances as recomputed from its
+    ranks' raw fields, no % of ideal without a W=1 run, the fastest the cell with the smallest
+    slowest-rank median; results.json agrees."""
     ((key, table),) = section_tables(report).items()
-    assert key == (single["config"]["seq_len"], 2)
+    assert key == (seq_len, 2)
     shown = {(line["scheme"], line["balance"]): line for line in table}
     assert sorted(shown) == sorted(CELLS)
-    one = max(r["median_s"] for r in ranks[single["id"]])
     by_id = {r["run_id"]: r for r in rows}
     times = {}
     for run in runs:
@@ -106,10 +97,10 @@ def _section_recomputed(
         line = shown[cell]
         assert line["kept-pairs imbalance"] == f"{want['kept_pairs_imbalance']:.3f}", line
         assert line["measured imbalance"] == f"{want['compute_imbalance']:.3f}", line
-        assert line["% of ideal"] == f"{one / 2 / want['median_s']:.1%}", line
+        assert line["% of ideal"] == "-", line
         for field in ("kept_pairs_imbalance", "compute_imbalance", "kept_forward_tflops_per_s"):
             assert by_id[run["id"]][field] == pytest.approx(want[field]), field
-        assert by_id[run["id"]]["ideal_run_id"] == single["id"]
+        assert by_id[run["id"]]["ideal_fraction"] is None
         times[cell] = want["median_s"]
     fastest = [cell for cell, line in shown.items() if line["fastest"] == "**fastest**"]
     assert fastest == [min(times, key=times.__getitem__)], (fastest, times)
