@@ -98,9 +98,13 @@ def section_tables(report: str) -> dict[tuple[int, int], list[dict[str, str]]]:
     tables: dict[tuple[int, int], list[dict[str, str]]] = {}
     for heading, body in re.findall(r"\*\*([\d,]+ tokens · W=\d+)\*\*\n\n((?:\|.*\n)+)", part):
         length, world = re.fullmatch(r"([\d,]+) tokens · W=(\d+)", heading).groups()  # type: ignore[union-attr]
-        lines = [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()]
+        lines = [
+            [c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()
+        ]
         header, rows = lines[0], lines[2:]
-        tables[(int(length.replace(",", "")), int(world))] = [dict(zip(header, r, strict=True)) for r in rows]
+        tables[(int(length.replace(",", "")), int(world))] = [
+            dict(zip(header, r, strict=True)) for r in rows
+        ]
     return tables
 
 

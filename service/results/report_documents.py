@@ -12,6 +12,7 @@ is one more entry.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
 from service.results.report_format import table, time_cell
 from service.results.rows import RunRow
 from service.results.work_share import documents_mask, timed

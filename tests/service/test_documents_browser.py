@@ -1,7 +1,9 @@
 """The sweep page's chart of packed documents in a real headless chromium: each scheme and
 balance's bar per length, its height the slowest rank's median recomputed from the ranks' raw
 times, its hover saying the kept-pairs and measured imbalance and % of ideal recomputed from the
-ranks (the W=1 run's time over W); the legend and category labels as drawn."""
+ranks (the W=1 run's time over W), the fastest of each length outlined; the legend and category
+labels as drawn, and the page read as test_web_reader reads every page (axis titles with units,
+no tick labels overlapping)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from _api_helpers import api_client
 from _documents_helpers import API, CELLS, SPEC, recomputed, store_documents_sweep
 from _web_helpers import live_server, make_web_app
 from test_web_browser import CHROMIUM, Page, browser  # noqa: F401 (the browser fixture)
+from test_web_reader import READ, WIDTH, _problems
 
 from service.core.config import Settings
 
@@ -25,7 +28,8 @@ pytestmark = [
 DRAWN = """() => {
   const c = document.getElementById('chart-documents');
   return {
-    bars: c.data.map((t) => ({name: t.name, x: t.x, y: t.y, run: t.customdata})),
+    bars: c.data.map((t) => ({name: t.name, x: t.x, y: t.y, run: t.customdata,
+                              outline: t.marker.line.width})),
     legend: [...c.querySelectorAll('.legendtext')].map((e) => e.textContent),
     categories: [...c.querySelectorAll('g.xtick text')].map((e) => e.textContent),
     title: c.layout.yaxis.title.text,
@@ -65,10 +69,13 @@ def test_the_documents_chart_reads_as_the_ranks_measured(browser: Any, tmp_path:
     single = {r["config"]["seq_len"]: r for r in runs.values() if r["config"]["world_size"] == 1}
     with live_server(make_web_app(Settings(database_url=database))) as base:
         page = Page(browser, base)
+        page.page.set_viewport_size({"width": WIDTH, "height": 1000})
         try:
             pg = page.open(f"/sweeps/{sweep_id}")
-            chart = pg.locator("#chart-documents")
-            chart.locator("svg.main-svg").first.wait_for(state="attached", timeout=15_000)
+            for chart in pg.locator("div.chart").all():
+                chart.locator("svg.main-svg").first.wait_for(state="attached", timeout=15_000)
+            pg.wait_for_timeout(300)  # plotly's last relayout
+            assert _problems("documents", pg.evaluate(READ)) == []
             drawn = pg.evaluate(DRAWN)
             lengths = SPEC["grid"]["seq_len"]
             names = [f"{n:,} tokens · W=2" for n in lengths]
@@ -80,6 +87,10 @@ def test_the_documents_chart_reads_as_the_ranks_measured(browser: Any, tmp_path:
             assert sorted(drawn["categories"]) == schemes, drawn["categories"]
             assert drawn["title"] == "time per iteration (ms)"
             for curve, bars in enumerate(drawn["bars"]):
+                slowest = {run_id: max(r["median_s"] for r in runs[run_id]["rank_results"])
+                           for run_id in bars["run"]}  # fmt: skip
+                fastest = min(slowest, key=slowest.__getitem__)
+                assert [w > 0 for w in bars["outline"]] == [r == fastest for r in bars["run"]]
                 for point, (x, y, run_id) in enumerate(
                     zip(bars["x"], bars["y"], bars["run"], strict=True)
                 ):
@@ -97,6 +108,7 @@ def test_the_documents_chart_reads_as_the_ranks_measured(browser: Any, tmp_path:
                         f"{one / config['world_size'] / want['median_s']:.1%} of ideal"
                     )
                     assert expect in label, (label, expect)
+                    assert ("fastest" in label) == (run_id == fastest), label
             page.check()
         finally:
             page.close()

@@ -57,8 +57,11 @@ def test_the_section_is_recomputed_from_the_ranks(tmp_path: Path) -> None:
     }
     rows = {r["run_id"]: r for r in got["rows"]}
     for (length, world), table in tables.items():
-        runs = [r for r in got["runs"].values()
-                if r["config"]["seq_len"] == length and r["config"]["world_size"] == world]  # fmt: skip
+        runs = [
+            r
+            for r in got["runs"].values()
+            if (r["config"]["seq_len"], r["config"]["world_size"]) == (length, world)
+        ]
         assert len(table) == len(runs) == len([c for c in CELLS if c[2] == 2])
         shown = {(line["scheme"], line["balance"]): line for line in table}
         one = max(r["median_s"] for r in single[length]["rank_results"])
@@ -67,7 +70,9 @@ def test_the_section_is_recomputed_from_the_ranks(tmp_path: Path) -> None:
             config, ranks = run["config"], run["rank_results"]
             want = recomputed(ranks, config)
             line = shown[(config["kernel"], _balance(config))]
-            assert float(line["time"].split(" ms")[0]) == pytest.approx(want["median_s"] * 1e3, abs=0.006)
+            assert float(line["time"].split(" ms")[0]) == pytest.approx(
+                want["median_s"] * 1e3, abs=0.006
+            )
             for column, field in (("kept-pairs imbalance", "kept_pairs_imbalance"),
                                   ("measured imbalance", "compute_imbalance")):  # fmt: skip
                 value = want[field]
@@ -98,7 +103,7 @@ def test_the_run_page_says_the_same(tmp_path: Path) -> None:
         assert f'<span id="compute-imbalance">{want["compute_imbalance"]:.3f}</span>' in page
         kept = want["kept_pairs_imbalance"]
         assert f'<span id="kept-imbalance">{"—" if kept is None else f"{kept:.3f}"}</span>' in page
-        assert " of ideal (<a href=\"/runs/" in page
+        assert ' of ideal (<a href="/runs/' in page
         for rank in ranks:
             if rank["kept_pairs"] is not None:
                 assert f'<td class="kept-pairs">{rank["kept_pairs"]:,}</td>' in page

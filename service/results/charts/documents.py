@@ -17,6 +17,8 @@ from service.results.work_share import documents_mask, timed
 from service.units import natural_key
 
 TITLE = "Packed documents: balance and schemes"
+FASTEST_OUTLINE = 2.5
+"""The outline's width (px) of the fastest bar of each length and world size."""
 
 
 def scheme_text(row: Row) -> str:
@@ -36,15 +38,15 @@ def bar_text(row: Row) -> str:
 
 def documents_figure(rows: Sequence[Row]) -> dict[str, Any]:
     """Time per iteration (ms, the slowest rank's median) of every scheme and balance, one bar
-    group per scheme, one bar per length and world size; {} when no run over several ranks ran
-    under a documents mask (the page draws no panel)."""
+    group per scheme, one bar per length and world size (the fastest of each outlined); {}
+    when no run over several ranks ran under a documents mask (the page draws no panel)."""
     shown = [r for r in rows if documents_mask(r) and r.world_size > 1 and timed(r)]
     if not shown:
         return {}
     fig = go.Figure(
         layout=chart_layout(
             TITLE,
-            "scheme · balance",
+            "scheme (· its balance)",
             "time per iteration (ms)",
             barmode="group",
             yaxis={"title": {"text": "time per iteration (ms)"}, "rangemode": "tozero"},
@@ -57,14 +59,21 @@ def documents_figure(rows: Sequence[Row]) -> dict[str, Any]:
     modes = {mode for _, _, mode in bars}
     for i, ((length, world, mode), group) in enumerate(sorted(bars.items())):
         group = sorted(group, key=lambda r: order.index(scheme_text(r)))
+        fastest = min(group, key=lambda r: (r.median_s or 0.0, r.run_id)).run_id
         name = f"{length:,} tokens · W={world}" + (f" · {mode}" if len(modes) > 1 else "")
         fig.add_trace(
             go.Bar(
                 x=[scheme_text(r) for r in group],
                 y=[(r.median_s or 0.0) * 1e3 for r in group],
                 name=name,
-                marker={"color": PALETTE[i % len(PALETTE)]},
-                text=[bar_text(r) for r in group],
+                marker={
+                    "color": PALETTE[i % len(PALETTE)],
+                    "line": {  # the fastest of its length outlined, as the report marks it
+                        "color": "#000000",
+                        "width": [FASTEST_OUTLINE if r.run_id == fastest else 0 for r in group],
+                    },
+                },
+                text=[bar_text(r) + (" · fastest" if r.run_id == fastest else "") for r in group],
                 textposition="none",
                 customdata=[r.run_id for r in group],
                 hovertemplate="%{x}: %{y:.3f} ms<br>%{text}<br>run %{customdata}<extra>"
