@@ -78,16 +78,22 @@ def _rank(config: RunConfig, rank: int) -> RankResult:
     )
 
 
-def store_documents_sweep(client: Any, spec: dict[str, Any] | None = None) -> int:
-    """Submit the sweep (SPEC by default), then finish each run through the write path."""
+def store_documents_sweep(
+    client: Any, spec: dict[str, Any] | None = None, failing: str | None = None
+) -> int:
+    """Submit the sweep (SPEC by default), then finish each run through the write path (the
+    runs of kernel `failing` failed)."""
     created = client.post(f"{API}/sweeps", json=spec or SPEC)
     assert created.status_code == 201, created.text
     sweep_id = int(created.json()["id"])
     sm = client.app.state.sessionmaker
     while (claim := leases.claim_next(sm, "documents", 60.0)) is not None:
         config = RunConfig.model_validate(claim.config)
-        ranks = [_rank(config, r) for r in range(config.world_size)]
-        outcome = RunOutcome(status="succeeded", ranks=ranks, environment=ENVIRONMENT)
+        if config.kernel == failing:
+            outcome = RunOutcome(status="failed", error="rank 0: RuntimeError: gloo timed out")
+        else:
+            ranks = [_rank(config, r) for r in range(config.world_size)]
+            outcome = RunOutcome(status="succeeded", ranks=ranks, environment=ENVIRONMENT)
         assert write.finish(sm, claim, completion_from_outcome(outcome))
     return sweep_id
 

@@ -310,7 +310,7 @@ def fill(rows: Sequence[RunRow], by_id: dict[int, RunRow], refs: dict[int, Refs]
                 r.efficiency = gain / (r.world_size / base.world_size)
             _speedup_noise(r, base)
             r.flags += limit_flags(r, base)
-        if ref.single_process is not None:
+        if ref.single_process is not None and not r.searched:  # a search times its own answer
             one = by_id[ref.single_process]
             r.ideal_run_id = one.run_id
             r.ideal_fraction = ideal_fraction(r.median_s, r.world_size, one.median_s)

@@ -24,7 +24,8 @@ results.json and report.md's "Packed documents: balance and schemes" share one d
   single-process partner: the same cell at world size 1 (same mask, length, dtype, shape and
   mode; a ring kernel's single-process twin when the sweep has no W=1 run of the kernel
   itself), found by the baselines' own pairing (service.results.baselines.Refs.single_process).
-  None without such a run: never a guessed number.
+  None without such a run, or without its time (it failed): never a guessed number; none for
+  a max_seq_len search (each side is timed at its own answer).
 """
 
 from __future__ import annotations

@@ -28,9 +28,11 @@ from service.results import work_share
 from workers.results import RankResult
 
 
-def _read(tmp_path: Path, spec: dict[str, Any] | None = None) -> dict[str, Any]:
+def _read(
+    tmp_path: Path, spec: dict[str, Any] | None = None, failing: str | None = None
+) -> dict[str, Any]:
     with api_client(f"sqlite:///{tmp_path / 'docs.db'}") as client:
-        sweep_id = store_documents_sweep(client, spec)
+        sweep_id = store_documents_sweep(client, spec, failing)
         runs = client.get(f"{API}/runs", params={"sweep_id": sweep_id}).json()["data"]
         return {
             "report": client.get(f"{API}/sweeps/{sweep_id}/report.md").text,
@@ -116,6 +118,25 @@ def test_without_a_single_process_run_there_is_no_ideal(tmp_path: Path) -> None:
         assert {line["% of ideal"] for line in table} == {"-"}
     assert {r["ideal_fraction"] for r in got["rows"]} == {None}
     assert all("% of ideal: none (no W=1 run of this cell)" in p for p in got["pages"].values())
+
+
+def test_a_failed_single_process_run_gives_no_ideal(tmp_path: Path) -> None:
+    got = _read(tmp_path, failing="dense")
+    failed = {
+        r["config"]["seq_len"]: r["id"]
+        for r in got["runs"].values()
+        if r["config"]["world_size"] == 1 and r["status"] == "failed"
+    }
+    assert sorted(failed) == SPEC["grid"]["seq_len"]
+    for table in section_tables(got["report"]).values():
+        assert {line["% of ideal"] for line in table} == {"-"}
+    for row in got["rows"]:
+        assert row["ideal_fraction"] is None
+        if row["world_size"] == 2:  # its partner named, with no time to divide
+            one = failed[row["seq_len"]]
+            assert row["ideal_run_id"] == one
+            page = got["pages"][row["run_id"]]
+            assert f"run {one}</a>, this cell at W=1, has no time)" in page
 
 
 def test_a_sweep_without_documents_has_no_such_section(tmp_path: Path) -> None:
