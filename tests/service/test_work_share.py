@@ -3,7 +3,8 @@ and schemes" section and results.json's fields, every number recomputed from the
 fields (the API's rank_results), % of ideal from the W=1 run's own median; the run page says the
 same; a sweep without a documents mask has no such section.
 
-The sweep is stored through the API and the scheduler's write path (tests/_documents_helpers.py).
+The sweep is stored through the API and the scheduler's write path (tests/_documents_helpers.py),
+on SQLite and Postgres where the pairing is read.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from workers.results import RankResult
 
 
 def _read(
-    tmp_path: Path, spec: dict[str, Any] | None = None, failing: str | None = None
+    url: str, spec: dict[str, Any] | None = None, failing: str | None = None
 ) -> dict[str, Any]:
-    with api_client(f"sqlite:///{tmp_path / 'docs.db'}") as client:
+    with api_client(url) as client:
         sweep_id = store_documents_sweep(client, spec, failing)
         runs = client.get(f"{API}/runs", params={"sweep_id": sweep_id}).json()["data"]
         return {
@@ -47,8 +48,8 @@ def _balance(config: dict[str, Any]) -> str:
     return "-" if balance is None else str(balance)
 
 
-def test_the_section_is_recomputed_from_the_ranks(tmp_path: Path) -> None:
-    got = _read(tmp_path)
+def test_the_section_is_recomputed_from_the_ranks(database_url: str) -> None:
+    got = _read(database_url)
     tables = section_tables(got["report"])
     lengths = SPEC["grid"]["seq_len"]
     assert sorted(tables) == [(n, 2) for n in lengths], list(tables)
@@ -95,7 +96,7 @@ def test_the_section_is_recomputed_from_the_ranks(tmp_path: Path) -> None:
 
 
 def test_the_run_page_says_the_same(tmp_path: Path) -> None:
-    got = _read(tmp_path)
+    got = _read(f"sqlite:///{tmp_path / 'docs.db'}")
     for run_id, run in got["runs"].items():
         page, ranks = got["pages"][run_id], run["rank_results"]
         if run["config"]["world_size"] == 1:
@@ -113,15 +114,15 @@ def test_the_run_page_says_the_same(tmp_path: Path) -> None:
 
 def test_without_a_single_process_run_there_is_no_ideal(tmp_path: Path) -> None:
     spec = {**SPEC, "zip": {k: v[:-1] for k, v in SPEC["zip"].items()}}  # no dense W=1
-    got = _read(tmp_path, spec)
+    got = _read(f"sqlite:///{tmp_path / 'docs.db'}", spec)
     for table in section_tables(got["report"]).values():
         assert {line["% of ideal"] for line in table} == {"-"}
     assert {r["ideal_fraction"] for r in got["rows"]} == {None}
     assert all("% of ideal: none (no W=1 run of this cell)" in p for p in got["pages"].values())
 
 
-def test_a_failed_single_process_run_gives_no_ideal(tmp_path: Path) -> None:
-    got = _read(tmp_path, failing="dense")
+def test_a_failed_single_process_run_gives_no_ideal(database_url: str) -> None:
+    got = _read(database_url, failing="dense")
     failed = {
         r["config"]["seq_len"]: r["id"]
         for r in got["runs"].values()
