@@ -109,6 +109,12 @@ def test_the_documents_chart_reads_as_the_ranks_measured(browser: Any, tmp_path:
                     )
                     assert expect in label, (label, expect)
                     assert ("fastest" in label) == (run_id == fastest), label
+            ring = min(i for i, r in runs.items() if r["config"]["kernel"] == "ring")
+            pg = page.open(f"/runs/{ring}")  # its kept-pairs column and share line fit too
+            for chart in pg.locator("div.chart").all():
+                chart.locator("svg.main-svg").first.wait_for(state="attached", timeout=15_000)
+            assert pg.locator("#work-share").is_visible()
+            assert _problems("documents run", pg.evaluate(READ)) == []
             page.check()
         finally:
             page.close()
