@@ -20,6 +20,10 @@ efficiency_lo/hi (timed runs), checkpoint_time_ratio_lo/hi. A ratio whose interv
 named in the row's `within_noise`. Peak memory and maximum length are one measurement each (no
 repeats, no spread): their ratios have no interval.
 
+Whatever the baseline, a run over W > 1 ranks is also paired with its single-process partner
+(the default W=1 baseline's pairing, Refs.single_process): one process' time over W is the
+ideal its `ideal_fraction` reads (service.results.work_share).
+
 A ratio above its physical limit is flagged (views.Flag), never shown plainly: against the same
 work on fewer ranks (same_work), a speedup above the world-size ratio (W / baseline W) beyond
 its interval
@@ -55,6 +59,7 @@ from service.results.pivot import (
     pivot_spec,
 )
 from service.results.rows import Flag, RunRow
+from service.results.work_share import ideal_fraction
 from service.spec import NESTED, AnalysisSpec, nested_axis
 from workers.config import PRECISION_DTYPES
 from workers.noise import Interval, ratio_interval, scaled
@@ -221,6 +226,23 @@ class Refs:
     """(run id, name) of its baseline."""
     without_checkpointing: int | None = None
     """A model run with checkpointing: the same cell without it."""
+    single_process: int | None = None
+    """A run over W > 1 ranks: the same cell at world size 1 (the kernel's single-process twin
+    when the sweep has no W=1 run of the kernel itself), whatever the sweep's baseline: the
+    one process whose time over W is the ideal (service.results.work_share.ideal_fraction)."""
+
+
+SINGLE_PROCESS = AnalysisSpec(baseline={"world_size": 1})
+"""What finds a run's single-process partner: the default baseline of a W > 1 cell, under
+strong scaling (the same global work)."""
+
+
+def _single_process_targets(row: RunRow) -> list[bytes]:
+    """Digests of the configs that would be the run's single-process partner, best first
+    (the same work only: a data-parallel cell's weak fallback is one rank's share)."""
+    if row.world_size <= 1:
+        return []
+    return [_digest(t) for t, name in _targets(row, SINGLE_PROCESS) if not name.endswith("(weak)")]
 
 
 class ReferenceFinder:
@@ -231,7 +253,7 @@ class ReferenceFinder:
     def __init__(self, spec: AnalysisSpec | None) -> None:
         self.spec = spec or AnalysisSpec()
         self.first: dict[bytes, int] = {}  # match key -> the lowest run id with it
-        self.wanted: list[tuple[int, list[tuple[bytes, str]], bytes | None]] = []
+        self.wanted: list[tuple[int, list[tuple[bytes, str]], bytes | None, list[bytes]]] = []
 
     def add(self, row: RunRow) -> None:
         """One row (rows come in id order)."""
@@ -242,17 +264,19 @@ class ReferenceFinder:
         if row.workload == "model" and checkpointing not in (None, "none"):
             changes = {"training.checkpointing": "none", "training.checkpoint_every": None}
             plain = _digest(_with(row.config, changes))
-        if targets or plain is not None:
-            self.wanted.append((row.run_id, targets, plain))
+        single = _single_process_targets(row)
+        if targets or plain is not None or single:
+            self.wanted.append((row.run_id, targets, plain, single))
 
     def refs(self) -> dict[int, Refs]:
         """Run id -> Refs for every run that has a reference."""
         out = {}
-        for run_id, targets, plain in self.wanted:
+        for run_id, targets, plain, single in self.wanted:
             found = [(self.first[k], name) for k, name in targets if k in self.first]
             without = self.first.get(plain) if plain is not None else None
-            if found or without is not None:
-                out[run_id] = Refs(found[0] if found else None, without)
+            one = next((self.first[k] for k in single if k in self.first), None)
+            if found or without is not None or one is not None:
+                out[run_id] = Refs(found[0] if found else None, without, one)
         return out
 
 
@@ -286,6 +310,10 @@ def fill(rows: Sequence[RunRow], by_id: dict[int, RunRow], refs: dict[int, Refs]
                 r.efficiency = gain / (r.world_size / base.world_size)
             _speedup_noise(r, base)
             r.flags += limit_flags(r, base)
+        if ref.single_process is not None and not r.searched:  # a search times its own answer
+            one = by_id[ref.single_process]
+            r.ideal_run_id = one.run_id
+            r.ideal_fraction = ideal_fraction(r.median_s, r.world_size, one.median_s)
         if ref.without_checkpointing is not None:  # the step-time cost of checkpointing
             without = by_id[ref.without_checkpointing]
             if not r.searched and r.median_s and without.median_s:

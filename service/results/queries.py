@@ -360,6 +360,7 @@ def rows_page(
         if ref is not None:
             wanted |= {ref.baseline[0]} if ref.baseline else set()
             wanted |= {ref.without_checkpointing} if ref.without_checkpointing else set()
+            wanted |= {ref.single_process} if ref.single_process else set()
     others = list(session.scalars(select(Run).where(Run.id.in_(wanted - ids))))
     every = runs + others
     ranks, probes, components = results_for_runs(session, [run.id for run in every])

@@ -18,6 +18,7 @@ from service.results.export import result_row
 from service.results.labels import value_text
 from service.results.plans import plan_notes
 from service.results.report_baseline import baseline_section, pivot_section
+from service.results.report_documents import documents_section
 from service.results.report_environment import compile_notes, environment_section
 from service.results.report_format import report_unit
 from service.results.report_runs import (
@@ -85,6 +86,7 @@ def report_markdown(
         lines += phase_section(bench, unit)
     lines += baseline_section(ordered, unit)
     lines += sp_schemes_section([result_row(r) for r in ordered if _scheme_run(r)])
+    lines += documents_section(ordered, unit)
     models = [r for r in ordered if r.workload == "model"]
     if models:
         lines += model_sections(models, unit)

@@ -41,6 +41,10 @@ neighbour and back, alone, nothing else running); each rank stores its link's fi
 A step's transfer window (posting to completion, stored per step and each rank's best) is not a
 link figure: it includes waiting for the peer to post its side.
 
+Each rank's share of the work (service.results.work_share, which says how each is computed):
+the kept-pairs imbalance, the measured compute imbalance, TFLOP/s from the kept pairs (forward
+and backward apart) and, for W > 1, % of ideal against the same cell's single-process run.
+
 A model cell (`workload: model`) adds, from its limiting rank (the largest measured step peak):
 its memory components predicted and measured (StoredComponent, ratio = measured / predicted);
 fixed memory = parameters + gradients + optimizer states (measured); memory per token = (step
@@ -407,6 +411,42 @@ class RunRow:
     )
     optimizer_s: float | None = field(
         default=None, metadata=_doc("Model cells: median optimizer seconds.")
+    )
+    kept_pairs_imbalance: float | None = field(
+        default=None,
+        metadata=_doc(
+            "Max / mean over the ranks of kept_pairs (the query-key pairs each rank computes "
+            "under the run's mask and balance); None where a rank does not count them "
+            "(service.results.work_share)."
+        ),
+    )
+    compute_imbalance: float | None = field(
+        default=None,
+        metadata=_doc(
+            "Max / mean over the ranks of their measured compute seconds (the step clock's "
+            "step_compute_s); None for kernels without a step clock."
+        ),
+    )
+    kept_forward_tflops_per_s: float | None = field(
+        default=None,
+        metadata=_doc(
+            "4 x head_dim x kept pairs summed over the ranks x batch rows / the slowest rank's "
+            "forward seconds / 1e12."
+        ),
+    )
+    kept_backward_tflops_per_s: float | None = field(
+        default=None,
+        metadata=_doc("2.5 x those forward FLOPs / the slowest rank's backward seconds / 1e12."),
+    )
+    ideal_run_id: int | None = field(
+        default=None,
+        metadata=_doc("W > 1: the same cell's single-process run that ideal_fraction reads."),
+    )
+    ideal_fraction: float | None = field(
+        default=None,
+        metadata=_doc(
+            "% of ideal: (that run's median_s / world_size) / median_s; None without one."
+        ),
     )
     checkpoint_time_ratio: float | None = field(
         default=None, metadata=_doc("Step time / the same cell's without checkpointing.")

@@ -21,6 +21,12 @@ from service.db.models import (
 from service.results.peaks import dense_peak_flops
 from service.results.rows import Flag, RunRow, local_tokens, memory_floor
 from service.results.stored import StoredComponent, StoredProbe, StoredRank
+from service.results.work_share import (
+    compute_imbalance,
+    kept_pairs_imbalance,
+    kept_tflops_per_s,
+    local_batch,
+)
 from workers import model_memory
 from workers.config import RunConfig
 from workers.noise import median_interval
@@ -270,6 +276,17 @@ def _measured(row: RunRow) -> None:
     row.sampled_check_rows = first.sampled_check_rows
     _phases(row, slow)
     _steps(row)
+    _work_share(row)
+
+
+def _work_share(row: RunRow) -> None:
+    """Each rank's share of the work (service.results.work_share): the kept pairs' and the
+    measured compute's imbalance, and TFLOP/s from the kept pairs."""
+    row.kept_pairs_imbalance = kept_pairs_imbalance(row.ranks)
+    row.compute_imbalance = compute_imbalance(row.ranks)
+    rows = local_batch(row.parallel, row.world_size, row.batch_size)
+    forward, backward = kept_tflops_per_s(row.ranks, row.head_dim, rows, row.mode)
+    row.kept_forward_tflops_per_s, row.kept_backward_tflops_per_s = forward, backward
 
 
 def _phases(row: RunRow, slow: StoredRank) -> None:

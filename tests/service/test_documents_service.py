@@ -1,7 +1,9 @@
 """The CPU study of packed documents (examples/cpu-documents.yaml, cut down) through the service
 on a real local Ray gang of 2 ranks: each cell's sampled mask stored as its lengths, every cell
 gated against the mask's fp64 reference, each rank's kept pairs stored (their imbalance read
-back), and a balanced run compared with the same kernel without a balance."""
+back), a balanced run compared with the same kernel without a balance, and report.md's "Packed
+documents: balance and schemes" section recomputed from the ranks' raw fields (no W=1 run in
+the study: % of ideal says none; tests/service/test_work_share.py reads it against one)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from _api_helpers import api_client
+from _documents_helpers import recomputed, section_tables
 from _gang_helpers import run_queue
 
 from attention import layouts
@@ -47,6 +50,7 @@ def test_the_documents_study_runs_through_the_service(tmp_path: Path, ray_sessio
         sweep_id = created.json()["id"]
         run_queue(client.app.state.sessionmaker)
         rows = client.get(f"{API}/sweeps/{sweep_id}/results.json").json()
+        report = client.get(f"{API}/sweeps/{sweep_id}/report.md").text
         runs = client.get(f"{API}/runs").json()["data"]
         ranks = {
             run["id"]: client.get(f"{API}/runs/{run['id']}").json()["rank_results"] for run in runs
@@ -68,3 +72,35 @@ def test_the_documents_study_runs_through_the_service(tmp_path: Path, ray_sessio
     plain, balanced = by_cell[("ring", "none")], by_cell[("ring", "per_document")]
     assert balanced["baseline_run_id"] == plain["run_id"]
     assert balanced["speedup"] == pytest.approx(balanced["tokens_per_s"] / plain["tokens_per_s"])
+    _section_recomputed(report, seq_len, runs, ranks, rows)
+
+
+def _section_recomputed(
+    report: str,
+    seq_len: int,
+    runs: list[dict[str, Any]],
+    ranks: dict[int, list[dict[str, Any]]],
+    rows: list[dict[str, Any]],
+) -> None:
+    """The section's one table (the length, W=2): each cell's imbalances as recomputed from its
+    ranks' raw fields, no % of ideal without a W=1 run, the fastest the cell with the smallest
+    slowest-rank median; results.json agrees."""
+    ((key, table),) = section_tables(report).items()
+    assert key == (seq_len, 2)
+    shown = {(line["scheme"], line["balance"]): line for line in table}
+    assert sorted(shown) == sorted(CELLS)
+    by_id = {r["run_id"]: r for r in rows}
+    times = {}
+    for run in runs:
+        cell = (run["config"]["kernel"], run["config"]["params"]["balance"])
+        want = recomputed(ranks[run["id"]], run["config"])
+        line = shown[cell]
+        assert line["kept-pairs imbalance"] == f"{want['kept_pairs_imbalance']:.3f}", line
+        assert line["measured imbalance"] == f"{want['compute_imbalance']:.3f}", line
+        assert line["% of ideal"] == "-", line
+        for field in ("kept_pairs_imbalance", "compute_imbalance", "kept_forward_tflops_per_s"):
+            assert by_id[run["id"]][field] == pytest.approx(want[field]), field
+        assert by_id[run["id"]]["ideal_fraction"] is None
+        times[cell] = want["median_s"]
+    fastest = [cell for cell, line in shown.items() if line["fastest"] == "**fastest**"]
+    assert fastest == [min(times, key=times.__getitem__)], (fastest, times)

@@ -1,6 +1,7 @@
 """Chart builders: the read model's rows (service.results.rows.RunRow) in, Plotly figure JSON out,
 by audience: the sweep page's performance charts (performance), where a ring's time goes (ring),
-training memory (training), one run (run), two sweeps compared (comparison); what they share
+training memory (training), packed documents' schemes and balances (documents),
+one run (run), two sweeps compared (comparison); what they share
 (common) and the sweep page's set (sweep).
 
 Pure functions, so they are unit-tested on rows without a server. An empty chart says why it is
@@ -21,6 +22,7 @@ from service.results.charts.common import (
     wrapped,
 )
 from service.results.charts.comparison import CHANGE_COLOURS, compare_figure
+from service.results.charts.documents import documents_figure
 from service.results.charts.performance import (
     PROBE_STYLE,
     SCALING_MIN_WORLD_SIZES,
@@ -57,6 +59,7 @@ __all__ = [
     "compare_figure",
     "components_figure",
     "crossover_range",
+    "documents_figure",
     "exposed_comm_figure",
     "floor_lines",
     "length_axis",

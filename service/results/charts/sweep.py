@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from service.results.charts.common import Row, Styles
+from service.results.charts.documents import documents_figure
 from service.results.charts.performance import (
     SCALING_MIN_WORLD_SIZES,
     max_len_figure,
@@ -54,6 +55,7 @@ def sweep_figures(rows: Sequence[Row]) -> dict[str, dict[str, Any]]:
     schemes = sp_schemes_figure(rows, styles)
     if _points(schemes) != _points(figures["chart-throughput"]):  # else the same chart twice
         figures["chart-sp-schemes"] = schemes
+    figures["chart-documents"] = documents_figure(rows)  # {} without a documents mask
     models = [r for r in rows if r.workload == "model"]
     if models:
         figures["chart-components"] = components_figure(models)
