@@ -19,7 +19,9 @@ Per configuration it prints the medians and ranges (min-max) over the timed iter
   thread's CPU seconds over the same steps (time.thread_time);
 - time per kept pair: the ranks' summed compute seconds (thread CPU time) over the mask's kept
   pairs x heads, and the iteration (the slowest rank's forward+backward) over the same pairs,
-  each also as a ratio to plain causal, taken round by round (median of the rounds' ratios).
+  each also as a ratio to plain causal, taken round by round (median of the rounds' ratios);
+- the pairs the ring's plans compute over the kept pairs (1.0: a skipped pair is never
+  computed) and the plans' block count (how finely the work is cut).
 
 The targets are judged on thread CPU time: with more ranks than cores a rank is preempted
 inside its steps, and the wall clock charges that to whichever rank the scheduler picked, while
@@ -44,6 +46,7 @@ import torch.multiprocessing as mp
 import attention
 from attention import layouts
 from attention.mask import expand, parse
+from attention.ring.dense import plan_for
 from attention.ring.steps import clock
 
 GATE_TOL = 1e-4
@@ -83,6 +86,17 @@ def pairs_per_rank(params: dict, seq: int, world: int) -> list[int]:
     """Kept (query, key) pairs of each rank's queries (exact, one head)."""
     order = token_order(attention.build("ring", **params), seq, world)
     return layouts.rank_pairs(params["mask"], order, world).tolist()
+
+
+def plan_figures(params: dict, seq: int, world: int) -> tuple[int, int]:
+    """(pairs, blocks) of every rank's ring plan (one head): the pairs its blocks compute, to
+    set beside the mask's kept pairs (equal: skipped pairs are never computed), and how many
+    blocks they come in (before the engine cuts them into K/V pieces)."""
+    module = attention.build("ring", **params)
+    n = seq // world
+    plans = [plan_for(module.params, "zigzag", True, r, world, n) for r in range(world)]
+    blocks = [blk for plan in plans for step in plan for blk in step]
+    return sum(blk.pairs() for blk in blocks), len(blocks)
 
 
 # ---- one rank's work ---------------------------------------------------------------------------
@@ -210,7 +224,12 @@ def run_ranks(a: dict) -> list[dict[str, list[dict]]]:
 # ---- report ------------------------------------------------------------------------------------
 
 
-def summarize(ranks: list[dict[str, list[dict]]], pairs: dict[str, list[int]], heads: int) -> dict:
+def summarize(
+    ranks: list[dict[str, list[dict]]],
+    pairs: dict[str, list[int]],
+    plans: dict[str, tuple[int, int]],
+    heads: int,
+) -> dict:
     """Name -> the printed numbers (see the module docstring), from every rank's rows."""
     out: dict[str, dict] = {}
     for name, per_rank in pairs.items():
@@ -220,6 +239,8 @@ def summarize(ranks: list[dict[str, list[dict]]], pairs: dict[str, list[int]], h
         wall = [max(x["wall_s"] for x in it) for it in its]
         out[name] = {
             "pairs_per_rank": per_rank,
+            "plan_over_kept": plans[name][0] / sum(per_rank),
+            "blocks": plans[name][1],
             "pairs_imbalance": layouts.imbalance(torch.tensor(per_rank)),
             "compute_imbalance": [
                 layouts.imbalance(torch.tensor([x["compute_s"] for x in it])) for it in its
@@ -259,7 +280,7 @@ def report(summary: dict, seeds: list[int]) -> list[str]:
     lines = [
         f"{'configuration':>22}  {'pairs imb':>9}  {'measured imb: thread CPU':>24}  "
         f"{'wall':>19}  {'ns/pair: thread CPU':>24}  {'vs causal':>6}  {'iteration ns/pair':>24}"
-        f"  {'vs causal':>6}"
+        f"  {'vs causal':>6}  {'plan/kept':>9}  {'blocks':>6}"
     ]
     for name, s in summary.items():
         thread_ratio = statistics.median(round_ratios(s, base, "thread_ns_per_pair"))
@@ -268,7 +289,8 @@ def report(summary: dict, seeds: list[int]) -> list[str]:
         lines.append(
             f"{name:>22}  {s['pairs_imbalance']:9.4f}  {_m(s['thread_imbalance'], '.3f'):>24}  "
             f"{_m(s['compute_imbalance'], '.3f'):>19}  {_m(s['thread_ns_per_pair'], '.3f'):>24}  "
-            f"{thread_ratio:6.3f}  {_m(s['wall_ns_per_pair'], '.3f'):>24}  {wall_ratio:6.3f}"
+            f"{thread_ratio:6.3f}  {_m(s['wall_ns_per_pair'], '.3f'):>24}  {wall_ratio:6.3f}  "
+            f"{s['plan_over_kept']:9.4f}  {s['blocks']:6d}"
         )
     for seed in seeds:
         names = [n for n in summary if n.startswith(f"seed {seed} ")]
@@ -323,9 +345,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"os.cpu_count()={os.cpu_count()}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
     pairs = {n: pairs_per_rank(p, args.seq, args.world) for n, p in a["configs"].items()}
+    plans = {n: plan_figures(p, args.seq, args.world) for n, p in a["configs"].items()}
     t0 = time.perf_counter()
     ranks = run_ranks(a)
-    summary = summarize(ranks, pairs, args.heads)
+    summary = summarize(ranks, pairs, plans, args.heads)
     for line in report(summary, seeds):
         print(line)
     load = os.getloadavg()
@@ -333,7 +356,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"took {time.perf_counter() - t0:.0f} s; load average after {load[0]:.2f} {load[1]:.2f} "
         f"{load[2]:.2f}; medians over rounds x timed iterations, (min-max); imbalance: max / "
         f"mean over ranks; ns/pair: per kept (query, key) pair and head, the ranks' summed "
-        f"compute (thread CPU) or the slowest rank's iteration (wall)"
+        f"compute (thread CPU) or the slowest rank's iteration (wall); plan/kept: the pairs the "
+        f"ring's plan computes over the mask's kept pairs (1: none computed and discarded); "
+        f"blocks: the plans' blocks over all ranks and steps (before K/V pieces)"
     )
     return {"ranks": ranks, "pairs": pairs, "summary": summary}
 

@@ -47,6 +47,7 @@ def test_printed_numbers_are_the_measured_ones(capsys: pytest.CaptureFixture[str
     expected["causal"] = explicit_pairs({"kind": "causal"}, None)
     assert sorted(rows) == sorted(expected) == sorted(got["pairs"])
     assert sum(expected["causal"]) == SEQ * (SEQ + 1) // 2
+    configs = documents.configurations(SEQ, WORLD, MEAN, [0])
     for name, per_rank in expected.items():
         assert got["pairs"][name] == per_rank
         pairs_imb = max(per_rank) / (sum(per_rank) / WORLD)
@@ -66,6 +67,9 @@ def test_printed_numbers_are_the_measured_ones(capsys: pytest.CaptureFixture[str
         total = sum(per_rank) * HEADS
         ns = [sum(x["compute_thread_s"] for x in it) / total * 1e9 for it in its]
         iteration = [max(x["wall_s"] for x in it) / total * 1e9 for it in its]
+        # the ring's plans compute exactly the kept pairs: a skipped pair is never computed
+        blocks = documents.plan_figures(configs[name], SEQ, WORLD)[1]
+        assert rows[name][-2:] == ["1.0000", str(blocks)]
         line = " ".join(rows[name])
         for xs in (thread, wall, ns, iteration):
             assert _median(xs) in line
