@@ -1,6 +1,6 @@
-"""What a rank runs on: host, GPUs, driver, CUDA, torch, NCCL, ray, python, the git state and
-the kernel plugins installed. `device_facts` needs torch alone (bench.gpu records it on GPU
-machines without the service's packages)."""
+"""What a rank runs on: host, GPUs, driver, CUDA, torch, NCCL, ray, python, the git state, the
+kernel plugins installed and the node's matmul rate (workers.matmul_probe). `device_facts`
+needs torch alone (bench.gpu records it on GPU machines without the service's packages)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from urllib.parse import unquote, urlparse
 import torch
 
 from attention import plugins
+from workers.matmul_probe import node_rate
 from workers.results import EnvironmentInfo
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -129,8 +130,9 @@ def cpu_model() -> str | None:
     return platform.processor() or None
 
 
-def collect(device: torch.device) -> EnvironmentInfo:
-    """This process' environment; GPU fields are filled when it runs on CUDA."""
+def collect(device: torch.device, dtype: torch.dtype) -> EnvironmentInfo:
+    """This process' environment; GPU fields are filled when it runs on CUDA; the matmul rate
+    is the node's for `device` in `dtype` (the run's), probed once per node."""
     try:
         import ray  # optional: bench scripts collect the environment where Ray is absent
 
@@ -139,6 +141,7 @@ def collect(device: torch.device) -> EnvironmentInfo:
         ray_version = None
     sha, dirty = git_state()
     versions = plugins.versions()
+    matmul = node_rate(device, dtype)
     return EnvironmentInfo(
         **device_facts(device),
         ray=ray_version,
@@ -146,4 +149,8 @@ def collect(device: torch.device) -> EnvironmentInfo:
         git_dirty=dirty,
         plugins=versions,
         plugin_code=plugin_code(list(versions)),
+        matmul_dtype=matmul.dtype,
+        matmul_size=matmul.size,
+        matmul_s=matmul.seconds,
+        matmul_flops_per_s=matmul.flops_per_s,
     )

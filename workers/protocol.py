@@ -340,7 +340,8 @@ def run_case(config: RunConfig, rank: int = 0, kind: str = "benchmark") -> CaseO
         attention.check_cuda_head_dim(
             config.kernel, DTYPES[config.dtype], config.head_dim, kernels.kernel_params(config)
         )
-    case = {"rank": rank, "seq_len": config.seq_len, "environment": collect(device)}
+    environment = collect(device, DTYPES[config.dtype])
+    case = {"rank": rank, "seq_len": config.seq_len, "environment": environment}
     gate: GateResult | None = None
     before = compiled.stats()
     try:

@@ -332,6 +332,21 @@ class EnvironmentInfo(BaseModel):
     cpu_cores: int | None = Field(
         None, ge=1, description="Logical CPUs of the host (os.cpu_count()), not the rank's."
     )
+    matmul_dtype: str | None = Field(
+        None, description="The dtype of the node's matmul probe: the run's (workers.matmul_probe)."
+    )
+    matmul_size: int | None = Field(
+        None, ge=1, description="Side n of the probe's square (n, n) @ (n, n) product."
+    )
+    matmul_s: float | None = Field(
+        None, gt=0, description="The probe's best seconds for one product, on the rank's device."
+    )
+    matmul_flops_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="The node's measured matmul rate, 2 n^3 / matmul_s: what a kernel's FLOP/s "
+        "is a fraction of (measured once per node, at the rank's CPU threads on CPU).",
+    )
 
     def hash(self) -> str:
         """sha256 of the canonical JSON: the key environment rows are deduplicated by."""

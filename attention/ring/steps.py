@@ -31,6 +31,13 @@ Timing uses time.perf_counter on CPU. On CUDA it records CUDA events on the curr
 (a wait on an NCCL transfer blocks the stream, not the host), read when the iteration is
 collected, after the caller synchronized. Off (the default) a step costs two attribute
 reads; on, a few perf_counter calls per step: bench/ring.py measures the difference.
+
+`start(device, thread_time=True)` (CPU only) also reads the calling thread's CPU time
+(time.thread_time) at the same marks, and each row gains `compute_thread_s`: the step's CPU
+time minus its waits'. On an oversubscribed machine a preempted step's wall time grows and its
+CPU time does not, so that figure says the work a rank did, not how the scheduler treated it
+(bench/documents.py prints both). It counts this thread only: with one intra-op thread the
+compute runs on it; gloo's transfers run on threads of their own.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ class _Step:
 
     spans: list[tuple[Any, Any]] = field(default_factory=list)  # (start, end) of each visit
     waits: list[tuple[Any, Any]] = field(default_factory=list)
+    thread_spans: list[tuple[float, float]] = field(default_factory=list)  # thread CPU time
+    thread_waits: list[tuple[float, float]] = field(default_factory=list)
     transfers: list[tuple[int, Any, Any]] = field(default_factory=list)  # (bytes, posted, done)
     sent_bytes: int = 0
     received_bytes: int = 0
@@ -63,19 +72,25 @@ class StepClock:
     def __init__(self) -> None:
         self.enabled = False
         self._cuda = False
+        self._thread = False
         self._steps: dict[tuple[str, int], _Step] = {}
         self._open: _Step | None = None
 
-    def start(self, device: torch.device) -> None:
-        """Record from now on, with the clock of `device`, into a fresh iteration."""
+    def start(self, device: torch.device, thread_time: bool = False) -> None:
+        """Record from now on, with the clock of `device`, into a fresh iteration;
+        `thread_time`: also the thread's CPU time of each step (CPU only)."""
+        if thread_time and device.type != "cpu":
+            raise ValueError(f"thread_time: CPU time of a step needs a cpu device, got {device}")
         self.enabled = True
         self._cuda = device.type == "cuda"
+        self._thread = thread_time
         self._steps = {}
         self._open = None
 
     def stop(self) -> None:
         """Stop recording and drop whatever was not collected."""
         self.enabled = False
+        self._thread = False
         self._steps = {}
         self._open = None
 
@@ -102,10 +117,13 @@ class StepClock:
         entry = self._steps.setdefault((phase, index), _Step())
         outer, self._open = self._open, entry
         start = self._mark()
+        cpu = time.thread_time() if self._thread else 0.0
         try:
             yield
         finally:
             entry.spans.append((start, self._mark()))
+            if self._thread:
+                entry.thread_spans.append((cpu, time.thread_time()))
             self._open = outer
 
     @contextlib.contextmanager
@@ -116,10 +134,13 @@ class StepClock:
             yield
             return
         start = self._mark()
+        cpu = time.thread_time() if self._thread else 0.0
         try:
             yield
         finally:
             entry.waits.append((start, self._mark()))
+            if self._thread:
+                entry.thread_waits.append((cpu, time.thread_time()))
 
     def sent(self, nbytes: int) -> None:
         """Bytes a transfer posted inside the open step sends (RingComm.start, exchange)."""
@@ -137,27 +158,30 @@ class StepClock:
         """The iteration's steps as rows (phase, step, compute_s, wait_s, sent_bytes,
         received_bytes, transfer_window_bytes_per_s: the best bytes / window of the transfers
         completed in the step, None without any), in phase and step order, and a fresh
-        iteration begins. On CUDA the caller has synchronized the device."""
+        iteration begins; with thread_time, also compute_thread_s. On CUDA the caller has
+        synchronized the device."""
         rows = []
         for (phase, index), entry in sorted(
             self._steps.items(), key=lambda kv: (PHASES.index(kv[0][0]), kv[0][1])
         ):
             total = sum(self._seconds(a, b) for a, b in entry.spans)
             wait = sum(self._seconds(a, b) for a, b in entry.waits)
-            rows.append(
-                {
-                    "phase": phase,
-                    "step": index,
-                    "compute_s": max(0.0, total - wait),
-                    "wait_s": wait,
-                    "sent_bytes": entry.sent_bytes,
-                    "received_bytes": entry.received_bytes,
-                    "transfer_window_bytes_per_s": max(
-                        (n / t for n, a, b in entry.transfers if (t := self._seconds(a, b)) > 0),
-                        default=None,
-                    ),
-                }
-            )
+            row: dict[str, Any] = {
+                "phase": phase,
+                "step": index,
+                "compute_s": max(0.0, total - wait),
+                "wait_s": wait,
+                "sent_bytes": entry.sent_bytes,
+                "received_bytes": entry.received_bytes,
+                "transfer_window_bytes_per_s": max(
+                    (n / t for n, a, b in entry.transfers if (t := self._seconds(a, b)) > 0),
+                    default=None,
+                ),
+            }
+            if self._thread:
+                cpu = sum(b - a for a, b in entry.thread_spans)
+                row["compute_thread_s"] = max(0.0, cpu - sum(b - a for a, b in entry.thread_waits))
+            rows.append(row)
         self._steps = {}
         return rows
 

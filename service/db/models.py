@@ -20,6 +20,7 @@ from sqlalchemy import (
     Column,
     DateTime,
     Enum,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -194,6 +195,14 @@ class Environment(Base):
     """The host CPU's model name (workers.environment.cpu_model)."""
     cpu_cores: Mapped[int | None] = mapped_column(Integer)
     """Logical CPUs of the host."""
+    matmul_dtype: Mapped[str | None] = mapped_column(String(32))
+    """The dtype of the node's matmul probe (workers.matmul_probe)."""
+    matmul_size: Mapped[int | None] = mapped_column(Integer)
+    """Side n of the probe's square product."""
+    matmul_s: Mapped[float | None] = mapped_column(Float)
+    """The probe's best seconds for one product."""
+    matmul_flops_per_s: Mapped[float | None] = mapped_column(Float)
+    """The node's measured matmul rate, 2 n^3 / matmul_s."""
     plugin_code: Mapped[dict[str, Any] | None]
     """package -> {git_sha, git_dirty, path} of each plugin installed editable from a checkout."""
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

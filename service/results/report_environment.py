@@ -11,6 +11,7 @@ from typing import Any
 from service.db.models import Environment
 from service.results.report_format import fmt_bytes, table
 from service.results.rows import RunRow
+from service.units import rate
 
 
 def _gpu(g: Any) -> str:
@@ -43,6 +44,15 @@ def _cpu(model: str | None, cores: int | None) -> str:
     return f"{model or 'unknown CPU'}" + (f" ({cores} logical CPUs)" if cores else "")
 
 
+def _matmul(e: Environment) -> str:
+    """The node's measured matmul rate, its dtype and the product's side: '21.5 GFLOP/s
+    (float32, n=1,024)'; '-' for environments stored before the probe."""
+    if e.matmul_flops_per_s is None:
+        return "-"
+    shown = rate(e.matmul_flops_per_s, "matmul_flops_per_s")
+    return f"{shown} ({e.matmul_dtype}, n={e.matmul_size:,})"
+
+
 def environment_section(environments: Sequence[Environment]) -> list[str]:
     if not environments:
         return []
@@ -59,13 +69,14 @@ def environment_section(environments: Sequence[Environment]) -> list[str]:
             e.python,
             _cpu(e.cpu_model, e.cpu_cores),
             str(e.cpu_threads or "-"),
+            _matmul(e),
             (e.git_sha or "-") + (" (dirty)" if e.git_dirty else ""),
             _plugin_code(e.plugin_code),
         ]
         for e in environments
     ]
     header = ["Env", "Hosts", "GPUs", "Driver", "torch", "CUDA", "NCCL", "Ray", "Python"]
-    header += ["CPU", "CPU threads", "git", "plugin code"]
+    header += ["CPU", "CPU threads", "matmul", "git", "plugin code"]
     return ["## Environment", "", *table(header, rows), ""]
 
 

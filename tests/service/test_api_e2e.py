@@ -93,6 +93,14 @@ def test_tiny_cpu_sweep_runs_and_reports(tmp_path: Path, ray_session: Any) -> No
             cores,
         )
         assert all(r[header.index("CPU")] == f"{model} ({cores} logical CPUs)" for r in rows)
+        # the node's matmul rate, probed once per node in the run's dtype: 2 n^3 / seconds
+        env = detail["environment"]
+        assert env["matmul_dtype"] == "float32" and env["matmul_s"] > 0
+        assert env["matmul_flops_per_s"] == pytest.approx(
+            2 * env["matmul_size"] ** 3 / env["matmul_s"]
+        )
+        shown = f"{env['matmul_flops_per_s'] / 1e9:.3g} GFLOP/s (float32, n={env['matmul_size']:,})"
+        assert any(r[header.index("matmul")] == shown for r in rows), cells
         page = client.get(f"/runs/{two_ranks['run_id']}").text
         assert f"{model} · {cores} logical CPUs" in page
         assert "| ring · " in md and "| dense · " in md

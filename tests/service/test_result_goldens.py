@@ -84,6 +84,10 @@ ENVIRONMENT = EnvironmentInfo(
     cpu_threads=1,
     cpu_model="Golden CPU @ 2.0GHz",
     cpu_cores=2,
+    matmul_dtype="float32",
+    matmul_size=1024,
+    matmul_s=0.0625,
+    matmul_flops_per_s=2 * 1024**3 / 0.0625,
 )
 
 
