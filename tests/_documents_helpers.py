@@ -47,7 +47,13 @@ SPEC: dict[str, Any] = {
 SHARES = {("ring", "none"): (0.3, 0.7), ("ring", "ptrr"): (0.5, 0.5),
           ("allgather_kv", "none"): (0.25, 0.75)}  # fmt: skip
 """Each scheme's share of the mask's pairs per rank (ulysses and dense count none)."""
-ENVIRONMENT = EnvironmentInfo(hosts=["node-a"], torch="2.13.0+cpu", python="3.11.7", cpu_threads=1)
+MATMUL = {"matmul_dtype": "float32", "matmul_size": 1024, "matmul_s": 0.05}
+MATMUL_RATE = 2 * 1024**3 / 0.05
+"""The node's GEMM probe as workers.matmul_probe stores it, and its rate (2 n^3 / seconds)."""
+ENVIRONMENT = EnvironmentInfo(
+    hosts=["node-a"], torch="2.13.0+cpu", python="3.11.7", cpu_threads=1,
+    **MATMUL, matmul_flops_per_s=MATMUL_RATE,
+)  # fmt: skip
 
 
 def _rank(config: RunConfig, rank: int) -> RankResult:
@@ -132,6 +138,11 @@ def recomputed(ranks: list[dict[str, Any]], config: dict[str, Any]) -> dict[str,
         "compute_imbalance": None if None in compute else imbalance(compute),
         "kept_forward_tflops_per_s": None,
         "kept_backward_tflops_per_s": None,
+        # each rank's FLOP/s (the kernel's own FLOPs over the slowest median) / the probe's rate
+        "matmul_fraction": sum(r["flops"] for r in ranks)
+        / max(r["median_s"] for r in ranks)
+        / config["world_size"]
+        / MATMUL_RATE,
     }
     if None not in kept:
         forward = 4 * config["head_dim"] * sum(kept) * config.get("batch_size", 1)

@@ -46,6 +46,7 @@ COLUMNS: tuple[tuple[str, Cell], ...] = (
     ("kept-pairs imbalance", lambda r, unit, best: fmt_imbalance(r.kept_pairs_imbalance)),
     ("measured imbalance", lambda r, unit, best: fmt_imbalance(r.compute_imbalance)),
     ("% of ideal", lambda r, unit, best: fmt_ideal(r.ideal_fraction)),
+    ("% of matmul", lambda r, unit, best: fmt_ideal(r.matmul_fraction)),
     ("fastest", lambda r, unit, best: "**fastest**" if best else ""),
 )
 """The section's table, left to right."""
@@ -56,7 +57,8 @@ INTRO = (
     "query-key pairs each computes under the mask and balance: 1.000 is an even share), its "
     "measured imbalance (max / mean over the ranks of the step clock's compute seconds; - for "
     "a kernel without a step clock), % of ideal ((the same cell's single-process time / W) / "
-    "time; - where the sweep has no W=1 run of the cell) and the fastest by median time."
+    "time; - where the sweep has no W=1 run of the cell), % of matmul (each rank's FLOP/s over the "
+    "node's measured matmul rate, the environment's GEMM probe) and the fastest by median time."
 )
 
 

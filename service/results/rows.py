@@ -201,6 +201,13 @@ class RunRow:
     peak_fraction: float | None = field(
         default=None, metadata=_doc("Per-rank FLOP/s / the GPU's dense peak.")
     )
+    matmul_fraction: float | None = field(
+        default=None,
+        metadata=_doc(
+            "Per-rank FLOP/s / the node's measured matmul rate (its environment's GEMM probe, "
+            "on CPU as on GPU); None where the probe was not stored."
+        ),
+    )
     peak_memory_bytes: int | None = field(
         default=None, metadata=_doc("Largest per-rank peak memory.")
     )

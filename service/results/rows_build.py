@@ -168,6 +168,7 @@ def run_row(
     if row.ranks:
         _link(row, environment)
         _measured(row)
+        row.matmul_fraction = matmul_fraction(row, environment)
         row.ulysses_groups = ulysses_groups(row)
     tokens = local_tokens(row.parallel, row.world_size, row.batch_size, row.length)
     if cfg.get("workload") != "model":  # the kernel's floor is no floor of a training step
@@ -277,6 +278,15 @@ def _measured(row: RunRow) -> None:
     _phases(row, slow)
     _steps(row)
     _work_share(row)
+
+
+def matmul_fraction(row: RunRow, environment: Environment | None) -> float | None:
+    """The run's per-rank FLOP/s over the node's measured matmul rate (workers.matmul_probe):
+    how much of what this device does for a plain product the attention reached."""
+    rate = environment.matmul_flops_per_s if environment is not None else None
+    if not rate or row.flops_per_s_per_rank is None:
+        return None
+    return row.flops_per_s_per_rank / rate
 
 
 def _work_share(row: RunRow) -> None:

@@ -85,6 +85,8 @@ def test_the_section_is_recomputed_from_the_ranks(database_url: str) -> None:
             assert line["% of ideal"] == f"{ideal:.1%}", line
             assert rows[run["id"]]["ideal_fraction"] == pytest.approx(ideal)
             assert rows[run["id"]]["ideal_run_id"] == single[length]["id"]
+            assert line["% of matmul"] == f"{want['matmul_fraction']:.1%}", line
+            assert rows[run["id"]]["matmul_fraction"] == pytest.approx(want["matmul_fraction"])
             for field in ("kept_forward_tflops_per_s", "kept_backward_tflops_per_s"):
                 assert rows[run["id"]][field] == pytest.approx(want[field]), field
             times[(config["kernel"], _balance(config))] = want["median_s"]
@@ -107,6 +109,8 @@ def test_the_run_page_says_the_same(tmp_path: Path) -> None:
         kept = want["kept_pairs_imbalance"]
         assert f'<span id="kept-imbalance">{"—" if kept is None else f"{kept:.3f}"}</span>' in page
         assert ' of ideal (<a href="/runs/' in page
+        matmul = f'<span id="matmul-fraction">{want["matmul_fraction"]:.1%} of the node'
+        assert matmul in page
         for rank in ranks:
             if rank["kept_pairs"] is not None:
                 assert f'<td class="kept-pairs">{rank["kept_pairs"]:,}</td>' in page
