@@ -122,8 +122,9 @@ class AllGatherParams:
 
     def needed(self, causal: bool, rank: int, world: int, n: int) -> NeededPlan | None:
         """`gather: needed`'s exchange of this rank (None under `gather: all`)."""
-        if self.gather != "needed":
-            return None
+        return self._exchange(causal, rank, world, n) if self.gather == "needed" else None
+
+    def _exchange(self, causal: bool, rank: int, world: int, n: int) -> NeededPlan:
         order = self.tokens(n * world, world, causal)
         return needed_plan(mask_in_force(self.mask, causal), order, rank, world)
 
@@ -133,10 +134,10 @@ class AllGatherParams:
         """This rank's blocks against the gathered keys: the mask plan's or gather_plan's;
         under `gather: needed` against the rows `needed` gathers (self.needed's when None)."""
         if self.gather == "needed":
-            needed = needed or self.needed(causal, rank, world, n)
-            order = self.tokens(n * world, world, causal)
+            needed = needed or self._exchange(causal, rank, world, n)
+            tokens = self.tokens(n * world, world, causal)
             mask = mask_in_force(self.mask, causal)
-            return gather_mask_plan(mask, order, rank, world, needed.tokens)  # type: ignore[union-attr]
+            return gather_mask_plan(mask, tokens, rank, world, needed.tokens)
         order = self.order(n * world, world, causal)
         if order is None:
             return gather_plan(default_layout(self.layout, causal), causal, rank, world, n)
@@ -203,7 +204,9 @@ def _gathered(x: torch.Tensor, group: Any) -> torch.Tensor:
     return parts.transpose(0, 1).reshape(x.shape[0], -1, *x.shape[2:])
 
 
-def _kv(k, v, needed, group):  # type: ignore[no-untyped-def]
+def _kv(
+    k: torch.Tensor, v: torch.Tensor, needed: NeededPlan | None, group: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The gathered K and V: every shard's (needed None), or the rows `needed` names."""
     if needed is None:
         return _gathered(k, group), _gathered(v, group)
@@ -310,6 +313,15 @@ class AllGatherKV(ShardedKernel):
     def rank_pairs(self, seq_len: int, num_heads: int, causal: bool, rank: int, world: int) -> int:
         """The pairs of this rank's queries against the keys they keep (its blocks)."""
         return num_heads * sum(b.pairs() for b in self.params.blocks(causal, rank, world, seq_len))
+
+    def kv_comm_bytes(
+        self, seq_len: int, kv_heads: int, head_bytes: int, causal: bool, rank: int, world: int
+    ) -> tuple[int, int] | None:
+        """gather all: every other shard, its rows no query here keeps wasted; gather needed:
+        only the rows kept, none wasted (needed.traffic)."""
+        rows = self.params.kv_traffic(causal, rank, world, seq_len)
+        row = 2 * kv_heads * head_bytes  # a token's K and V rows
+        return rows.received * row, rows.wasted * row
 
     def local_positions(
         self, seq_len: int, rank: int, world_size: int, *, causal: bool = False

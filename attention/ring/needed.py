@@ -124,9 +124,7 @@ def gather_needed(
         for d, rows in enumerate(plan.send)
         if rows.numel()
     }
-    recvs = {
-        s: k.new_empty((2, bsz, m, heads, dim)) for s, m in enumerate(plan.recv) if m
-    }
+    recvs = {s: k.new_empty((2, bsz, m, heads, dim)) for s, m in enumerate(plan.recv) if m}
     if sends or recvs:
         exchange(group, sends, recvs, Tag.GATHER_NEEDED)
     parts = [
