@@ -35,7 +35,9 @@ GATHERS = ("all", "needed")
 a pair with (needed)."""
 
 
-def shard_tokens(mask: Mask, balance: str | None, layout: str, seq_len: int, world: int) -> Any:
+def shard_tokens(
+    mask: Mask, balance: str | None, layout: str, seq_len: int, world: int
+) -> torch.Tensor:
     """The global token at each position of the concatenated shards: the balance's order
     (layouts.order), else `layout`'s positions (striped included: only counted here)."""
     if balance is not None:
