@@ -119,6 +119,26 @@ def kept_pairs(module: torch.nn.Module, config: RunConfig, seq_len: int) -> int 
     return int(module.rank_pairs(seq_len, config.num_heads, config.causal, rank, world))
 
 
+def comm_bytes(
+    module: torch.nn.Module, config: RunConfig, seq_len: int, train: bool
+) -> tuple[int | None, int | None]:
+    """(comm_bytes, wasted_comm_bytes): the K/V bytes this rank receives per iteration for a
+    local shard of `seq_len` tokens, its whole local batch (in train mode the backward
+    receives them again), and of those the bytes of rows none of its queries keeps a pair
+    with (the kernel's own kv_comm_bytes from its mask and token order); (None, None) for a
+    kernel that does not count them."""
+    if not isinstance(module, ShardedKernel):
+        return None, None
+    rank, world = rank_and_world(module.params.group)
+    head_bytes = config.head_dim * torch.empty((), dtype=DTYPES[config.dtype]).element_size()
+    args = (seq_len, config.kv_heads, head_bytes, config.causal, rank, world)
+    counted = module.kv_comm_bytes(*args)
+    if counted is None:
+        return None, None
+    times = config.local_batch * (2 if train else 1)
+    return counted[0] * times, counted[1] * times
+
+
 def backend_of(module: torch.nn.Module) -> str:
     """Name of the backend the kernel last ran on (e.g. sdpa-flash-cpu)."""
     backend = getattr(module, "backend", None)

@@ -508,12 +508,14 @@ def _measure(
 
 def _work(
     module: torch.nn.Module, config: RunConfig, local_len: int, train: bool
-) -> tuple[float, float, int | None]:
+) -> tuple[float, float, int | None, tuple[int | None, int | None]]:
     """This rank's work per iteration on its `local_len` tokens: its FLOPs (in train mode
-    forward and backward), the forward's FLOPs, and its kept query-key pairs."""
+    forward and backward), the forward's FLOPs, its kept query-key pairs, and the K/V bytes it
+    receives and wastes (kernels.comm_bytes)."""
     flops = kernels.flops(module, config, config.local_batch, local_len, train)
     forward = kernels.flops(module, config, config.local_batch, local_len, False)
-    return flops, forward, kernels.kept_pairs(module, config, local_len)
+    comm = kernels.comm_bytes(module, config, local_len, train)
+    return flops, forward, kernels.kept_pairs(module, config, local_len), comm
 
 
 @dataclass(frozen=True)
@@ -528,6 +530,7 @@ class _Measures:
     flops: float
     forward_flops: float
     kept_pairs: int | None
+    comm: tuple[int | None, int | None]
     device_used: int | None
 
 
@@ -548,6 +551,8 @@ def _rank_result(
         backend=m.backend,
         plan=m.plan,
         kept_pairs=m.kept_pairs,
+        comm_bytes=m.comm[0],
+        wasted_comm_bytes=m.comm[1],
         steps=m.loop.steps,
         **step_totals(m.loop.steps),
         **link_fields(link),

@@ -74,6 +74,12 @@ class StepTime(BaseModel):
         "window includes waiting for the peer to post its side: not the link's bandwidth "
         "(RankResult.link_probe_bytes_per_s is).",
     )
+    skipped: bool = Field(
+        False,
+        description="ring, usp's ring: the step computed nothing, the K/V it held keeping no "
+        "pair with this rank's queries under the run's mask (they still travelled on). "
+        "False for the other kernels' steps; null for steps stored before it was recorded.",
+    )
 
 
 def step_totals(steps: list[StepTime]) -> dict[str, Any]:
@@ -161,6 +167,23 @@ class RankResult(BaseModel):
         "run's mask and balance); max over mean of the ranks is the work's imbalance. None for "
         "kernels that do not count their pairs per rank (single-process kernels, ulysses: each "
         "rank the whole sequence for its heads), and for ranks stored before.",
+    )
+    comm_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="K/V bytes this rank received per iteration for attention, its whole "
+        "local batch (train mode: forward and backward each receive them): ring and allgather_kv "
+        "gather all the other shards whole, gather needed only the K/V rows its queries keep a "
+        "pair with, usp the K/V its ring moves (not the Ulysses all-to-all). Exact, from the "
+        "mask and the token order (attention.ring.needed); None for kernels that do not count "
+        "it (single-process kernels, ulysses, ring_block_sparse, ring_dilated) and for ranks "
+        "stored before.",
+    )
+    wasted_comm_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="Of comm_bytes, those of K/V rows (one token's, all its key/value heads) "
+        "none of this rank's queries keeps a pair with; 0 under gather needed.",
     )
     max_abs_error: float | None = Field(
         None,

@@ -8,6 +8,10 @@ reduce-scatters dK and dV home. Its K/V memory per rank grows with the whole len
 H_kv x D elements gathered, and in the backward the same again in fp32 for dK/dV before the
 reduce-scatter (workers.model_memory says so).
 
+`gather: needed` moves only the K/V rows a rank's queries keep a pair with (one variable
+exchange, attention.ring.needed) instead of every shard, and sends their dK/dV home the same
+way; `gather: all` (the default) is the all-gather above.
+
 Step clock: forward step 0 is the gather and the compute; backward step 0 the gather, the
 compute and the reduce-scatter (all blocking: the collectives' time is their wait).
 """
@@ -49,6 +53,15 @@ from attention.ring.engine import (
 )
 from attention.ring.mask_plan import gather_plan as gather_mask_plan
 from attention.ring.mask_plan import mask_in_force, token_order, uses_mask_plan
+from attention.ring.needed import (
+    GATHERS,
+    KVTraffic,
+    NeededPlan,
+    gather_needed,
+    needed_plan,
+    return_grads,
+    traffic,
+)
 from attention.ring.sharded import ShardedKernel, check_group, default_layout
 from attention.ring.steps import clock
 
@@ -68,14 +81,20 @@ ALLGATHER_BALANCES = frozenset(layouts.BALANCES)
 class AllGatherParams:
     """layout: contiguous | zigzag (None: zigzag when causal, else contiguous); group: the
     process group (None: the world); mask: a run's mask (attention.mask.parse), any kind;
-    balance: the shards' token order (layouts.BALANCES, instead of a layout)."""
+    balance: the shards' token order (layouts.BALANCES, instead of a layout); gather: all
+    (every shard's K/V) | needed (only the K/V rows this rank's queries keep a pair with)."""
 
     layout: str | None = None
     group: Any = dataclasses.field(default=None, compare=False)
     mask: Any = None
     balance: str | None = None
+    gather: str = "all"
 
     def __post_init__(self) -> None:
+        if self.gather not in GATHERS:
+            raise ParamError(
+                "params.gather", f"must be one of {', '.join(GATHERS)}, got {self.gather!r}"
+            )
         check_sp_layout(self.layout)
         check_group(self.group)
         object.__setattr__(self, "mask", kernel_mask(self.mask, "allgather_kv", ALL_MASKS))
@@ -93,12 +112,41 @@ class AllGatherParams:
         layout = default_layout(self.layout, True if causal is None else causal)
         return token_order(mask_in_force(self.mask, causal), self.balance, layout, seq_len, world)
 
-    def blocks(self, causal: bool, rank: int, world: int, n: int) -> list[Block]:
-        """This rank's blocks against the gathered keys: the mask plan's or gather_plan's."""
+    def tokens(self, seq_len: int, world: int, causal: bool) -> torch.Tensor:
+        """The shards' token order in every case: the mask plan's, else the layout's."""
+        order = self.order(seq_len, world, causal)
+        if order is not None:
+            return order
+        layout = default_layout(self.layout, causal)
+        return token_order(mask_in_force(self.mask, causal), None, layout, seq_len, world)
+
+    def needed(self, causal: bool, rank: int, world: int, n: int) -> NeededPlan | None:
+        """`gather: needed`'s exchange of this rank (None under `gather: all`)."""
+        return self._exchange(causal, rank, world, n) if self.gather == "needed" else None
+
+    def _exchange(self, causal: bool, rank: int, world: int, n: int) -> NeededPlan:
+        order = self.tokens(n * world, world, causal)
+        return needed_plan(mask_in_force(self.mask, causal), order, rank, world)
+
+    def blocks(
+        self, causal: bool, rank: int, world: int, n: int, needed: NeededPlan | None = None
+    ) -> list[Block]:
+        """This rank's blocks against the gathered keys: the mask plan's or gather_plan's;
+        under `gather: needed` against the rows `needed` gathers (self.needed's when None)."""
+        if self.gather == "needed":
+            needed = needed or self._exchange(causal, rank, world, n)
+            tokens = self.tokens(n * world, world, causal)
+            mask = mask_in_force(self.mask, causal)
+            return gather_mask_plan(mask, tokens, rank, world, needed.tokens)
         order = self.order(n * world, world, causal)
         if order is None:
             return gather_plan(default_layout(self.layout, causal), causal, rank, world, n)
         return gather_mask_plan(mask_in_force(self.mask, causal), order, rank, world)
+
+    def kv_traffic(self, causal: bool, rank: int, world: int, n: int) -> KVTraffic:
+        """The K/V rows this rank receives in one pass under its gather (needed.traffic)."""
+        order = self.tokens(n * world, world, causal)
+        return traffic(mask_in_force(self.mask, causal), order, rank, world, self.gather)
 
 
 def runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -156,9 +204,18 @@ def _gathered(x: torch.Tensor, group: Any) -> torch.Tensor:
     return parts.transpose(0, 1).reshape(x.shape[0], -1, *x.shape[2:])
 
 
-def _forward(q, k, v, blocks, group, scale):  # type: ignore[no-untyped-def]
+def _kv(
+    k: torch.Tensor, v: torch.Tensor, needed: NeededPlan | None, group: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gathered K and V: every shard's (needed None), or the rows `needed` names."""
+    if needed is None:
+        return _gathered(k, group), _gathered(v, group)
+    return gather_needed(k, v, needed, group)
+
+
+def _forward(q, k, v, blocks, group, scale, needed):  # type: ignore[no-untyped-def]
     with clock.step("forward", 0):
-        kt, vt = _gathered(k, group), _gathered(v, group)
+        kt, vt = _kv(k, v, needed, group)
         p = piece_size(q.shape[1], q.device)
         parts = _chunked(blocks, q.shape[1], kt.shape[1], p)
         out, lse = empty_result(q)
@@ -166,17 +223,20 @@ def _forward(q, k, v, blocks, group, scale):  # type: ignore[no-untyped-def]
     return out, lse
 
 
-def _backward(dout, q, k, v, out, lse, blocks, group, scale):  # type: ignore[no-untyped-def]
+def _backward(dout, q, k, v, out, lse, blocks, group, scale, needed):  # type: ignore[no-untyped-def]
     with clock.step("backward", 0):
-        kt, vt = _gathered(k, group), _gathered(v, group)
+        kt, vt = _kv(k, v, needed, group)
         bsz, n = q.shape[:2]
-        world = kt.shape[1] // n
         p = piece_size(n, q.device, _row_bytes(k))
         dq = torch.zeros(q.shape, dtype=primitive.accumulator_dtype(q.dtype), device=q.device)
         dkv = torch.zeros((2, *kt.shape), dtype=dq.dtype, device=q.device)
         chunked = _chunked(blocks, n, kt.shape[1], p)
         step_backward((dout, q, out, lse), (kt, vt), chunked, dq, dkv, scale)
         del kt, vt
+        if needed is not None:
+            dk, dv = return_grads(dkv, needed, n, group)
+            return dq, dk, dv
+        world = dkv.shape[2] // n
         dk, dv = (
             reduce_scatter(g.view(bsz, world, n, *k.shape[2:]).transpose(0, 1), group)
             for g in (dkv[0], dkv[1])
@@ -209,13 +269,18 @@ class AllGatherKV(ShardedKernel):
         reduce-scatter (dk, dv come after the gathered K/V are freed)."""
         world = self.world_size or rank_and_world(self.params.group)[1]
         total = world * seq_len
+        causal = self.causal if self.params.mask is None else parse_mask(self.params.mask).causal
+        if self.params.gather == "needed":  # the most rows any rank gathers
+            total = max(
+                seq_len + self.params.kv_traffic(causal, r, world, seq_len).received
+                for r in range(world)
+            )
         p = piece_size(seq_len, torch.device("cpu"))
         base = merged_memory(
             batch, seq_len, num_heads, head_dim, dtype_bytes, natural=True, chunk_tokens=p
         )
         gathered = 2 * qkv_bytes(batch, total, num_heads, head_dim, dtype_bytes)
         gathered *= 2 if batch > 1 else 1
-        causal = self.causal if self.params.mask is None else parse_mask(self.params.mask).causal
         keys = max(
             (
                 blk.k1 - blk.k0
@@ -239,13 +304,24 @@ class AllGatherKV(ShardedKernel):
         group, rank, world = self.join(q, k, v, causal)
         check_allgather(self.params, seq_len=q.shape[1] * world, world_size=world, causal=causal)
         self.backend = primitive.backend_for(q.device, q.dtype)
-        blocks = self.params.blocks(causal, rank, world, q.shape[1])
+        needed = self.params.needed(causal, rank, world, q.shape[1])
+        blocks = self.params.blocks(causal, rank, world, q.shape[1], needed)
         scale = q.shape[-1] ** -0.5
-        return bound_merged_attention(q, k, v, _forward, _backward, blocks, group, scale)
+        args = (blocks, group, scale, needed)
+        return bound_merged_attention(q, k, v, _forward, _backward, *args)
 
     def rank_pairs(self, seq_len: int, num_heads: int, causal: bool, rank: int, world: int) -> int:
         """The pairs of this rank's queries against the keys they keep (its blocks)."""
         return num_heads * sum(b.pairs() for b in self.params.blocks(causal, rank, world, seq_len))
+
+    def kv_comm_bytes(
+        self, seq_len: int, kv_heads: int, head_bytes: int, causal: bool, rank: int, world: int
+    ) -> tuple[int, int] | None:
+        """gather all: every other shard, its rows no query here keeps wasted; gather needed:
+        only the rows kept, none wasted (needed.traffic)."""
+        rows = self.params.kv_traffic(causal, rank, world, seq_len)
+        row = 2 * kv_heads * head_bytes  # a token's K and V rows
+        return rows.received * row, rows.wasted * row
 
     def local_positions(
         self, seq_len: int, rank: int, world_size: int, *, causal: bool = False

@@ -39,6 +39,8 @@ class Tag(enum.IntEnum):
     SEGMENT_REDUCE = 31  # ring_dilated: a shared segment's dK/dV rows sent home
     LINK_PROBE = 40  # workers.link: the ping-pong that measures a ring link before a run
     ULYSSES = 50  # ulysses, usp: the all-to-all between tokens and heads (collectives)
+    GATHER_NEEDED = 60  # allgather_kv, gather needed: the K/V rows a rank's queries keep
+    GATHER_NEEDED_GRADS = 61  # allgather_kv, gather needed: their dK/dV rows sent home
 
 
 def resolve_group(group: Any) -> Any:

@@ -29,6 +29,7 @@ from attention.registry import BenchParams, CommOverlap, KernelSpec, register
 from attention.ring.engine import Block, ring_attention
 from attention.ring.mask_plan import mask_in_force, mask_plan, uses_mask_plan
 from attention.ring.mask_plan import token_order as mask_token_order
+from attention.ring.needed import shard_tokens, traffic
 from attention.ring.sharded import ShardedKernel, check_placement, default_layout
 
 RING_BALANCES = frozenset(layouts.BALANCES)
@@ -209,6 +210,18 @@ class RingAttention(ShardedKernel):
             self.params, default_layout(self.layout, causal), causal, rank, world, seq_len
         )
         return num_heads * sum(blk.pairs() for step in plan for blk in step)
+
+    def kv_comm_bytes(
+        self, seq_len: int, kv_heads: int, head_bytes: int, causal: bool, rank: int, world: int
+    ) -> tuple[int, int] | None:
+        """Every other shard whole (the ring forwards each), its rows this rank's queries do
+        not keep wasted (needed.traffic under gather all)."""
+        mask = mask_in_force(self.params.mask, causal, self.params.document_lengths)
+        layout = default_layout(self.layout, causal)
+        order = shard_tokens(mask, self.params.balance, layout, seq_len * world, world)
+        rows = traffic(mask, order, rank, world, "all")
+        row = 2 * kv_heads * head_bytes  # a token's K and V rows
+        return rows.received * row, rows.wasted * row
 
 
 register(

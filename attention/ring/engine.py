@@ -372,6 +372,7 @@ def ring_forward(
             with clock.step("forward", t):
                 if t < world - 1:
                     _send_kv(comm, kt, vt, bufs[t % 2])
+                clock.computes(bool(plan[t]))  # an empty step: its K/V keep no pair here
                 blocks = piece_blocks(plan[t], piece, p, n)
                 step_forward(q, kt, vt, blocks, out, lse, scale, False, g)
                 if t < world - 1:
@@ -402,6 +403,7 @@ def _alone_forward(
             step_forward(q[:, c0:c1], kt, vt, mine, out, lse, scale, False, g)
 
     with clock.step("forward", 0):
+        clock.computes(bool(blocks))
         return primitive.windowed_result(q, fill, primitive.windows(n, q.dtype))
 
 
@@ -513,6 +515,7 @@ def ring_backward(
             with clock.step("backward", t):
                 if kv_comm is not None and t < world - 1:
                     _send_kv(kv_comm, kt, vt, bufs[t % 2])
+                clock.computes(bool(plan[t]))
                 blocks = piece_blocks(plan[t], piece, p, n)
                 _step_grads((dout, q, out, lse), (kt, vt), blocks, dq, scale, accs, t)
                 accs.start()

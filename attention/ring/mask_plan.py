@@ -169,16 +169,19 @@ def mask_plan(mask: Mask, order: torch.Tensor, rank: int, world: int) -> list[li
     return plan
 
 
-def gather_plan(mask: Mask, order: torch.Tensor, rank: int, world: int) -> list[Block]:
-    """Blocks of rank `rank`'s queries against every rank's keys gathered rank-major (the
-    gathered rows hold `order` itself): the tiles that keep a pair, as in mask_plan."""
+def gather_plan(
+    mask: Mask, order: torch.Tensor, rank: int, world: int, keys: torch.Tensor | None = None
+) -> list[Block]:
+    """Blocks of rank `rank`'s queries against the gathered keys: every rank's rank-major (the
+    gathered rows hold `order` itself), or the rows `keys` (their global tokens: gather
+    needed's): the tiles that keep a pair, as in mask_plan."""
     n = order.numel() // world
-    keys = runs(order)
+    key_runs = runs(order if keys is None else keys)
     return [
         blk
         for q_run in runs(order[rank * n : (rank + 1) * n])
         for bounds in [run_bounds(mask, order.numel(), q_run)]
-        for k_run in keys
+        for k_run in key_runs
         for blk in tile_blocks(mask, bounds, q_run, k_run)
     ]
 

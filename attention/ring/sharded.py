@@ -92,3 +92,12 @@ class ShardedKernel(Kernel):
         """Query-key pairs rank `rank` of `world` computes on a local shard of `seq_len`
         tokens, summed over `num_heads` heads (one batch row)."""
         raise NotImplementedError
+
+    def kv_comm_bytes(
+        self, seq_len: int, kv_heads: int, head_bytes: int, causal: bool, rank: int, world: int
+    ) -> tuple[int, int] | None:
+        """(received, wasted): bytes of K/V rank `rank` receives in one forward pass on a local
+        shard of `seq_len` tokens (one batch row; `kv_heads` key/value heads of `head_bytes`
+        bytes a token each), and of those the bytes of the rows none of its queries keeps a
+        pair with (attention.ring.needed). None: the kernel does not count them."""
+        return None

@@ -24,6 +24,11 @@ What a step is, per kernel:
   i-th segment shared with other ranks, whose gather (and in the backward, dK/dV return) is
   blocking: LongNet's algorithm has nothing to overlap it with.
 
+A step whose held K/V keep no pair with this rank's queries (an empty plan step: `ring`, and
+`usp`'s ring, call `computes(False)`) computes nothing and says so: its row is `skipped`
+(its K/V still travel on, its waits still count). Kernels that never call `computes` report
+no step skipped.
+
 Steps with the same (phase, index) add up: on CPU a shard's K/V travel the ring a piece at a
 time (engine.cut_pieces), and every piece's step t is the hop of rank - t's K/V.
 
@@ -64,6 +69,7 @@ class _Step:
     transfers: list[tuple[int, Any, Any]] = field(default_factory=list)  # (bytes, posted, done)
     sent_bytes: int = 0
     received_bytes: int = 0
+    computed: bool | None = None  # None: not said (computes never called); else any visit did
 
 
 class StepClock:
@@ -142,6 +148,12 @@ class StepClock:
             if self._thread:
                 entry.thread_waits.append((cpu, time.thread_time()))
 
+    def computes(self, anything: bool) -> None:
+        """Whether the open step's visit computes anything (False: its plan step is empty);
+        the step is skipped when no visit computed."""
+        if self.enabled and self._open is not None:
+            self._open.computed = bool(self._open.computed) or anything
+
     def sent(self, nbytes: int) -> None:
         """Bytes a transfer posted inside the open step sends (RingComm.start, exchange)."""
         if self.enabled and self._open is not None:
@@ -157,7 +169,8 @@ class StepClock:
     def collect(self) -> list[dict[str, Any]]:
         """The iteration's steps as rows (phase, step, compute_s, wait_s, sent_bytes,
         received_bytes, transfer_window_bytes_per_s: the best bytes / window of the transfers
-        completed in the step, None without any), in phase and step order, and a fresh
+        completed in the step, None without any; skipped: the step computed nothing, its held
+        K/V keeping no pair with this rank's queries), in phase and step order, and a fresh
         iteration begins; with thread_time, also compute_thread_s. On CUDA the caller has
         synchronized the device."""
         rows = []
@@ -177,6 +190,7 @@ class StepClock:
                     (n / t for n, a, b in entry.transfers if (t := self._seconds(a, b)) > 0),
                     default=None,
                 ),
+                "skipped": entry.computed is False,
             }
             if self._thread:
                 cpu = sum(b - a for a, b in entry.thread_spans)

@@ -45,6 +45,7 @@ from attention.ring.comm import rank_and_world
 from attention.ring.dense import dense_plan
 from attention.ring.engine import PIECE_BYTES, Block, piece_size, ring_attention
 from attention.ring.mask_plan import mask_in_force, mask_plan, token_order, uses_mask_plan
+from attention.ring.needed import traffic
 from attention.ring.sharded import ShardedKernel, check_group, default_layout
 from attention.ring.steps import clock
 from attention.ring.ulysses import check_heads, replicate_kv
@@ -215,6 +216,23 @@ class UspAttention(ShardedKernel):
         ring_order = self.params.ring_order(seq_len * world, world, causal)
         plan = self._plan(causal, rank // u, world // u, seq_len * u, ring_order)
         return num_heads * sum(b.pairs() for step in plan for b in step) // u
+
+    def kv_comm_bytes(
+        self, seq_len: int, kv_heads: int, head_bytes: int, causal: bool, rank: int, world: int
+    ) -> tuple[int, int] | None:
+        """The ring's K/V only (the Ulysses all-to-all of k and v is not counted): ring member
+        g = rank // U receives the other R - 1 groups' U x seq_len tokens of its H_kv / U
+        key/value heads (at least one: replicate_kv), the rows its group's queries do not keep
+        wasted."""
+        u, ring = self.params.ulysses_degree, world // self.params.ulysses_degree
+        mask = mask_in_force(self.params.mask, causal)
+        order = self.params.ring_order(seq_len * world, world, causal)
+        if order is None:
+            layout = default_layout(self.params.layout, causal)
+            order = token_order(mask, None, layout, seq_len * world, ring)
+        rows = traffic(mask, order, rank // u, ring, "all")
+        row = 2 * (max(kv_heads, u) // u) * head_bytes  # a token's K and V rows of its heads
+        return rows.received * row, rows.wasted * row
 
 
 def ring_piece_bytes(

@@ -240,6 +240,7 @@ else:
         "RingStepOut",
         results.StepTime,
         "One step of a ring kernel on one rank in one timed iteration.",
+        nullable={"skipped"},  # steps stored before 0024
         rank=(int, ...),
     )
 

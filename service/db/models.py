@@ -369,7 +369,11 @@ class Probe(Base):
 ring_step_table = _run_rows(
     "ring_step",
     Column("rank", Integer, nullable=False),
-    *columns_of(results.StepTime, {"iteration": Integer(), "phase": String(16), "step": Integer()}),
+    *columns_of(
+        results.StepTime,
+        {"iteration": Integer(), "phase": String(16), "step": Integer()},
+        nullable={"skipped"},  # steps stored before 0024
+    ),
 )
 
 

@@ -1,9 +1,10 @@
 """The CPU study of packed documents (examples/cpu-documents.yaml, cut down) through the service
 on a real local Ray gang of 2 ranks: each cell's sampled mask stored as its lengths, every cell
 gated against the mask's fp64 reference, each rank's kept pairs stored (their imbalance read
-back), a balanced run compared with the same kernel without a balance, and report.md's "Packed
-documents: balance and schemes" section recomputed from the ranks' raw fields (no W=1 run in
-the study: % of ideal says none; tests/service/test_work_share.py reads it against one)."""
+back) and the K/V bytes it received and wasted (recounted from the dense mask), a balanced run
+compared with the same kernel without a balance, and report.md's "Packed documents: balance and
+schemes" section recomputed from the ranks' raw fields (no W=1 run in the study: % of ideal
+says none; tests/service/test_work_share.py reads it against one)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from _api_helpers import api_client
 from _documents_helpers import recomputed, section_tables
 from _gang_helpers import run_queue
 
+import attention
 from attention import layouts
 from attention.mask import expand, parse
 from service.cli.specs import load_specs
@@ -37,6 +39,25 @@ def _cut_down_study() -> dict[str, Any]:
         "params.balance": [b for _, b in CELLS],
     }
     return study
+
+
+def _kv_bytes(
+    kernel: str, params: dict[str, Any], mask: dict[str, Any], base: dict[str, Any]
+) -> list[tuple[int, int]]:
+    """Each rank's (comm_bytes, wasted_comm_bytes) recounted from the dense mask: the other
+    rank's whole shard received forward and backward (train), the rows none of its queries
+    keeps wasted; a row is one token's K and V over every head, float32."""
+    seq_len = sum(mask["lengths"])
+    module = attention.build(kernel, mask=mask, balance=params["balance"])
+    held = [module.local_positions(seq_len, r, 2, causal=True) for r in range(2)]
+    keep = parse(mask, seq_len).dense(seq_len)
+    row = 2 * base["num_heads"] * base["head_dim"] * 4
+    out = []
+    for rank in range(2):
+        other = held[1 - rank]
+        kept = int(keep[held[rank]].any(0)[other].sum())
+        out.append((2 * other.numel() * row, 2 * (other.numel() - kept) * row))
+    return out
 
 
 @pytest.mark.ray
@@ -63,6 +84,8 @@ def test_the_documents_study_runs_through_the_service(tmp_path: Path, ray_sessio
         kept = torch.tensor([r["kept_pairs"] for r in ranks[run["id"]]])
         assert int(kept.sum()) == pairs  # each rank's share of the mask's pairs, stored
         assert layouts.imbalance(kept) >= 1.0  # the imbalance, from stored data
+        comm = [(r["comm_bytes"], r["wasted_comm_bytes"]) for r in ranks[run["id"]]]
+        assert comm == _kv_bytes(run["kernel"], run["config"]["params"], want, study["base"])
     by_cell = {}
     for row in rows:
         assert row["max_abs_error"] is not None and 0 < row["max_abs_error"] < 1e-4, row
