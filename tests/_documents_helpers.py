@@ -77,6 +77,9 @@ def _rank(config: RunConfig, rank: int) -> RankResult:
         peak_memory_bytes=4096 * n,
         backend="sdpa",
         kept_pairs=None if share is None else round(pairs * share[rank]),
+        # the K/V a rank receives, a share of it wasted as its scheme's shares say
+        comm_bytes=None if share is None else 4096 * n,
+        wasted_comm_bytes=None if share is None else round(4096 * n * (1 - share[rank])),
         forward_s=t / 3,
         backward_s=2 * t / 3,
         steps=steps if config.world_size > 1 else [],
@@ -134,6 +137,9 @@ def recomputed(ranks: list[dict[str, Any]], config: dict[str, Any]) -> dict[str,
     compute = [r["step_compute_s"] for r in ranks]
     out: dict[str, float | None] = {
         "median_s": max(r["median_s"] for r in ranks),
+        "wasted_comm_share": None
+        if None in [r["comm_bytes"] for r in ranks]
+        else sum(r["wasted_comm_bytes"] for r in ranks) / sum(r["comm_bytes"] for r in ranks),
         "kept_pairs_imbalance": None if None in kept else imbalance(kept),
         "compute_imbalance": None if None in compute else imbalance(compute),
         "kept_forward_tflops_per_s": None,

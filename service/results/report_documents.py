@@ -45,6 +45,7 @@ COLUMNS: tuple[tuple[str, Cell], ...] = (
     ("time", lambda r, unit, best: time_cell(r, unit)),
     ("kept-pairs imbalance", lambda r, unit, best: fmt_imbalance(r.kept_pairs_imbalance)),
     ("measured imbalance", lambda r, unit, best: fmt_imbalance(r.compute_imbalance)),
+    ("wasted comm", lambda r, unit, best: fmt_ideal(r.wasted_comm_share)),
     ("% of ideal", lambda r, unit, best: fmt_ideal(r.ideal_fraction)),
     ("% of matmul", lambda r, unit, best: fmt_ideal(r.matmul_fraction)),
     ("fastest", lambda r, unit, best: "**fastest**" if best else ""),
@@ -56,9 +57,11 @@ INTRO = (
     "(the slowest rank's median), its kept-pairs imbalance (max / mean over the ranks of the "
     "query-key pairs each computes under the mask and balance: 1.000 is an even share), its "
     "measured imbalance (max / mean over the ranks of the step clock's compute seconds; - for "
-    "a kernel without a step clock), % of ideal ((the same cell's single-process time / W) / "
-    "time; - where the sweep has no W=1 run of the cell), % of matmul (each rank's FLOP/s over the "
-    "node's measured matmul rate, the environment's GEMM probe) and the fastest by median time."
+    "a kernel without a step clock), wasted comm (the share of the K/V bytes the ranks "
+    "received that kept no pair; - for a kernel that does not count them), % of ideal ((the "
+    "same cell's single-process time / W) / time; - where the sweep has no W=1 run of the "
+    "cell), % of matmul (each rank's FLOP/s over the node's measured matmul rate, the "
+    "environment's GEMM probe) and the fastest by median time."
 )
 
 

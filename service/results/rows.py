@@ -419,6 +419,13 @@ class RunRow:
     optimizer_s: float | None = field(
         default=None, metadata=_doc("Model cells: median optimizer seconds.")
     )
+    wasted_comm_share: float | None = field(
+        default=None,
+        metadata=_doc(
+            "The ranks' wasted_comm_bytes / their comm_bytes (K/V received that kept no pair); "
+            "None for kernels that do not count them."
+        ),
+    )
     kept_pairs_imbalance: float | None = field(
         default=None,
         metadata=_doc(

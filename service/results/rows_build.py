@@ -26,6 +26,7 @@ from service.results.work_share import (
     kept_pairs_imbalance,
     kept_tflops_per_s,
     local_batch,
+    wasted_comm_share,
 )
 from workers import model_memory
 from workers.config import RunConfig
@@ -294,6 +295,7 @@ def _work_share(row: RunRow) -> None:
     measured compute's imbalance, and TFLOP/s from the kept pairs."""
     row.kept_pairs_imbalance = kept_pairs_imbalance(row.ranks)
     row.compute_imbalance = compute_imbalance(row.ranks)
+    row.wasted_comm_share = wasted_comm_share(row.ranks)
     rows = local_batch(row.parallel, row.world_size, row.batch_size)
     forward, backward = kept_tflops_per_s(row.ranks, row.head_dim, rows, row.mode)
     row.kept_forward_tflops_per_s, row.kept_backward_tflops_per_s = forward, backward

@@ -60,6 +60,18 @@ def compute_imbalance(ranks: Sequence[RankResult]) -> float | None:
     return imbalance([r.step_compute_s for r in ranks])
 
 
+def wasted_comm_share(ranks: Sequence[RankResult]) -> float | None:
+    """The share of the K/V bytes the ranks received that carried no kept pair: their
+    wasted_comm_bytes over their comm_bytes, summed over the ranks; None for a kernel that
+    does not count them (every rank must) or that received nothing."""
+    comm = [r.comm_bytes for r in ranks]
+    wasted = [r.wasted_comm_bytes for r in ranks]
+    if not ranks or None in comm or None in wasted:
+        return None
+    total = sum(c for c in comm if c is not None)
+    return sum(w for w in wasted if w is not None) / total if total else None
+
+
 def local_batch(parallel: str, world_size: int, batch_size: int) -> int:
     """Batch rows one rank holds (workers.config.RunConfig.local_batch)."""
     return batch_size // world_size if parallel == "data" else batch_size

@@ -85,6 +85,9 @@ def test_the_section_is_recomputed_from_the_ranks(database_url: str) -> None:
             assert line["% of ideal"] == f"{ideal:.1%}", line
             assert rows[run["id"]]["ideal_fraction"] == pytest.approx(ideal)
             assert rows[run["id"]]["ideal_run_id"] == single[length]["id"]
+            waste = want["wasted_comm_share"]
+            assert line["wasted comm"] == ("-" if waste is None else f"{waste:.1%}"), line
+            assert rows[run["id"]]["wasted_comm_share"] == pytest.approx(waste)
             assert line["% of matmul"] == f"{want['matmul_fraction']:.1%}", line
             assert rows[run["id"]]["matmul_fraction"] == pytest.approx(want["matmul_fraction"])
             for field in ("kept_forward_tflops_per_s", "kept_backward_tflops_per_s"):
