@@ -35,7 +35,7 @@ DOCS = [(name, i) for name in EXAMPLES for i in range(len(load_specs(name)))]
 def test_every_seed_experiment_has_a_gpu_sweep_and_a_cpu_twin() -> None:
     expected = {*GPU_EXPERIMENTS, *(f"cpu-{n}" for n in GPU_EXPERIMENTS), "cpu-quick.yaml"}
     expected |= {"sp-schemes-8gpu.yaml", "cpu-sp-schemes.yaml"}  # not a seed's experiment
-    expected |= {"cpu-documents.yaml"}  # the masks of real training, by balance
+    expected |= {"documents-8gpu.yaml", "cpu-documents.yaml"}  # masks of real training
     assert set(EXAMPLES) == expected
 
 
