@@ -185,10 +185,11 @@ def _targets(row: RunRow, spec: AnalysisSpec) -> list[tuple[dict[str, Any], str]
     return out
 
 
-ORDER_PARAMS = frozenset({"balance"})
-"""Params that only order a sharded kernel's work over its ranks (attention.layouts.order): the
-same attention without them is the same result, so a kernel that does not take them (a ring's
-dense twin) is the same work."""
+ORDER_PARAMS = frozenset({"balance", "gather"})
+"""Params that only order a sharded kernel's work over its ranks (`balance`,
+attention.layouts.order) or route its K/V between them (allgather_kv's `gather`): the same
+attention without them is the same result, so a kernel that does not take them (a sharded
+kernel's dense twin) is the same work."""
 
 
 def taken_params(kernel: str, params: dict[str, Any]) -> dict[str, Any] | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from service.results.labels import given_params, value_text
 from service.results.report_format import table, time_cell
 from service.results.rows import RunRow
 from service.results.work_share import documents_mask, timed
@@ -31,6 +32,18 @@ def fmt_ideal(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
+SHOWN_APART = frozenset({"mask", "balance", "document_lengths"})
+"""Params the section shows in columns of their own (or in its heading), not in the scheme."""
+
+
+def _scheme(row: RunRow) -> str:
+    """The kernel, with the params given beside its mask and balance: 'allgather_kv ·
+    gather=needed' (declared defaults left out, as labels leave them)."""
+    given = given_params(row.config)
+    parts = [f"{k}={value_text(v)}" for k, v in sorted(given.items()) if k not in SHOWN_APART]
+    return " · ".join([row.kernel, *parts])
+
+
 def _balance(row: RunRow) -> str:
     balance = row.params.get("balance")
     return "-" if balance is None else str(balance)
@@ -40,7 +53,7 @@ Cell = Callable[[RunRow, TimeUnit, bool], str]
 """How a row fills a column's cell: (row, the report's time unit, whether it is the fastest)."""
 
 COLUMNS: tuple[tuple[str, Cell], ...] = (
-    ("scheme", lambda r, unit, best: r.kernel),
+    ("scheme", lambda r, unit, best: _scheme(r)),
     ("balance", lambda r, unit, best: _balance(r)),
     ("time", lambda r, unit, best: time_cell(r, unit)),
     ("kept-pairs imbalance", lambda r, unit, best: fmt_imbalance(r.kept_pairs_imbalance)),
