@@ -60,10 +60,35 @@ def value_text(value: Any) -> str:
     return str(value)
 
 
+def mask_text(mask: dict[str, Any]) -> str:
+    """A stored mask as a label shows it: its kind and what sets it, sampled or file lengths by
+    where they come from (the lengths written out follow from it and the seq_len), e.g.
+    'documents(causal, lognormal mean 256 seed 0)', 'sliding_window(causal, window 4096)'."""
+    given = resolved.mask_as_given(mask)
+    parts = ["causal"] if given.get("causal") else []
+    parts += [f"{k} {given[k]}" for k in ("window", "prefix") if k in given]
+    if isinstance(sampled := given.get("sampled"), dict):
+        parts.append(" ".join(f"{k} {v}" if k != "distribution" else str(v)
+                              for k, v in sampled.items()))  # fmt: skip
+    elif "lengths_file" in given:
+        parts.append(f"file {given['lengths_file']}")
+    elif "lengths" in given:
+        parts.append(value_text(given["lengths"]))
+    kind = str(given.get("kind"))
+    return f"{kind}({', '.join(parts)})" if parts else kind
+
+
+def param_text(name: str, value: Any) -> str:
+    """A param's value as labels compare and show it (a mask by mask_text)."""
+    return mask_text(value) if name == "mask" and isinstance(value, dict) else value_text(value)
+
+
 def field_text(name: str, value: Any) -> str | None:
     """One label part; None for a value that is unset (the kernel's own choice)."""
     if value is None:
         return None
+    if name == "mask":
+        return f"mask={param_text(name, value)}"
     if name == "world_size":
         return f"W={value}"
     if name == "parallel":
@@ -107,8 +132,8 @@ class Varying:
         self.rows += 1
         given = given_params(row.config)  # what was asked for: a resolved default counts as unset
         for k, v in row.params.items():
-            self.params.setdefault(k, set()).add(value_text(given.get(k)))
-            self.ran.setdefault(k, set()).add(value_text(v))
+            self.params.setdefault(k, set()).add(param_text(k, given.get(k)))
+            self.ran.setdefault(k, set()).add(param_text(k, v))
             self.with_param[k] = self.with_param.get(k, 0) + 1
         for f, seen in self.fields.items():
             seen.add(value_text(axis_value(row, f)))

@@ -144,6 +144,19 @@ def test_a_gather_is_named_in_the_scheme_and_still_paired_with_one_process(tmp_p
         assert {r["ideal_run_id"] for r in runs} == {single[length]}
 
 
+def test_a_sampled_mask_is_one_series_across_lengths(tmp_path: Path) -> None:
+    """Its lengths written out differ per seq_len, but they follow from the one sampled spec:
+    no label names them, and each scheme is one series across the lengths."""
+    got = _read(f"sqlite:///{tmp_path / 'docs.db'}")
+    assert not [r["label"] for r in got["rows"] if "lengths" in r["label"] or "[" in r["label"]]
+    labels: dict[tuple[str, str, int], set[str]] = {}
+    for r in got["rows"]:
+        balance = got["runs"][r["run_id"]]["config"]["params"].get("balance")
+        labels.setdefault((r["kernel"], str(balance), r["world_size"]), set()).add(r["label"])
+    assert all(len(names) == 1 for names in labels.values()), labels
+    assert len(labels) == len(CELLS)
+
+
 def test_a_failed_single_process_run_gives_no_ideal(database_url: str) -> None:
     got = _read(database_url, failing="dense")
     failed = {
