@@ -36,7 +36,7 @@ SHOWN_APART = frozenset({"mask", "balance", "document_lengths"})
 """Params the section shows in columns of their own (or in its heading), not in the scheme."""
 
 
-def _scheme(row: RunRow) -> str:
+def scheme(row: RunRow) -> str:
     """The kernel, with the params given beside its mask and balance: 'allgather_kv ·
     gather=needed' (declared defaults left out, as labels leave them)."""
     given = given_params(row.config)
@@ -53,7 +53,7 @@ Cell = Callable[[RunRow, TimeUnit, bool], str]
 """How a row fills a column's cell: (row, the report's time unit, whether it is the fastest)."""
 
 COLUMNS: tuple[tuple[str, Cell], ...] = (
-    ("scheme", lambda r, unit, best: _scheme(r)),
+    ("scheme", lambda r, unit, best: scheme(r)),
     ("balance", lambda r, unit, best: _balance(r)),
     ("time", lambda r, unit, best: time_cell(r, unit)),
     ("kept-pairs imbalance", lambda r, unit, best: fmt_imbalance(r.kept_pairs_imbalance)),

@@ -100,11 +100,12 @@ def test_the_documents_chart_reads_as_the_ranks_measured(browser: Any, tmp_path:
                     assert x == _text(config)
                     assert y == pytest.approx(want["median_s"] * 1e3, rel=1e-9), x
                     one = max(r["median_s"] for r in single[config["seq_len"]]["rank_results"])
-                    kept = want["kept_pairs_imbalance"]
+                    kept, waste = want["kept_pairs_imbalance"], want["wasted_comm_share"]
                     label = _hover(pg, curve, point, run_id)
                     expect = (
                         f"kept {'-' if kept is None else f'{kept:.3f}'} · measured "
-                        f"{want['compute_imbalance']:.3f} · "
+                        f"{want['compute_imbalance']:.3f} · wasted comm "
+                        f"{'-' if waste is None else f'{waste:.1%}'} · "
                         f"{one / config['world_size'] / want['median_s']:.1%} of ideal"
                     )
                     assert expect in label, (label, expect)

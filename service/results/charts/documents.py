@@ -12,7 +12,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from service.results.charts.common import PALETTE, Row, chart_layout, to_json
-from service.results.report_documents import fmt_ideal, fmt_imbalance
+from service.results.report_documents import fmt_ideal, fmt_imbalance, scheme
 from service.results.work_share import documents_mask, timed
 from service.units import natural_key
 
@@ -22,17 +22,18 @@ FASTEST_OUTLINE = 2.5
 
 
 def scheme_text(row: Row) -> str:
-    """A bar's category: the scheme and its balance ("ring · ptrr"; the scheme alone when it
-    takes none)."""
+    """A bar's category: the scheme as the section names it and its balance ("ring · ptrr",
+    "allgather_kv · gather=needed · ptrr"; the scheme alone when it takes none)."""
     balance = row.params.get("balance")
-    return row.kernel if balance is None else f"{row.kernel} · {balance}"
+    return scheme(row) if balance is None else f"{scheme(row)} · {balance}"
 
 
 def bar_text(row: Row) -> str:
     """What a bar says of its run: its imbalances (kept pairs, measured) and % of ideal."""
     return (
         f"kept {fmt_imbalance(row.kept_pairs_imbalance)} · measured "
-        f"{fmt_imbalance(row.compute_imbalance)} · {fmt_ideal(row.ideal_fraction)} of ideal"
+        f"{fmt_imbalance(row.compute_imbalance)} · wasted comm {fmt_ideal(row.wasted_comm_share)} · "
+        f"{fmt_ideal(row.ideal_fraction)} of ideal"
     )
 
 
