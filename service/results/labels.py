@@ -155,6 +155,18 @@ class Varying:
         return vary_params, vary_fields
 
 
+SCHEME_APART = frozenset({"mask", "document_lengths"})
+"""Params a scheme's name leaves out: the mask is what the schemes run, not one of them."""
+
+
+def scheme_text(row: RunRow, apart: frozenset[str] = SCHEME_APART) -> str:
+    """The kernel with the params given beside those `apart`, declared defaults left out as
+    labels leave them: 'ring · balance=ptrr', 'allgather_kv · balance=none · gather=needed'."""
+    given = given_params(row.config)
+    parts = [f"{k}={param_text(k, v)}" for k, v in sorted(given.items()) if k not in apart]
+    return " · ".join([row.kernel, *parts])
+
+
 def varying(rows: Sequence[RunRow]) -> tuple[list[str], list[str]]:
     """(params, config fields) whose value differs between the rows (see Varying)."""
     found = Varying()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from service.results.labels import given_params, value_text
+from service.results.labels import SCHEME_APART, scheme_text
 from service.results.report_format import table, time_cell
 from service.results.rows import RunRow
 from service.results.work_share import documents_mask, timed
@@ -32,16 +32,10 @@ def fmt_ideal(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
-SHOWN_APART = frozenset({"mask", "balance", "document_lengths"})
-"""Params the section shows in columns of their own (or in its heading), not in the scheme."""
-
-
 def scheme(row: RunRow) -> str:
-    """The kernel, with the params given beside its mask and balance: 'allgather_kv ·
-    gather=needed' (declared defaults left out, as labels leave them)."""
-    given = given_params(row.config)
-    parts = [f"{k}={value_text(v)}" for k, v in sorted(given.items()) if k not in SHOWN_APART]
-    return " · ".join([row.kernel, *parts])
+    """The scheme as the section names it: labels.scheme_text without the balance (a column of
+    its own), e.g. 'allgather_kv · gather=needed'."""
+    return scheme_text(row, SCHEME_APART | {"balance"})
 
 
 def _balance(row: RunRow) -> str:

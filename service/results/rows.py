@@ -471,6 +471,14 @@ class RunRow:
     checkpoint_time_ratio_hi: float | None = field(
         default=None, metadata=_doc("Its interval's high end.")
     )
+    scheme: str = field(
+        default="",
+        metadata=_doc(
+            "The kernel and the params given beside its mask, declared defaults left out "
+            "('allgather_kv · balance=ptrr · gather=needed'): what the schemes sections and "
+            "charts name a run by."
+        ),
+    )
     components: list[StoredComponent] = field(
         default_factory=list, metadata=_doc("Model cells: the limiting rank's memory components.")
     )

@@ -18,6 +18,7 @@ from service.db.models import (
     Run,
     RunStatus,
 )
+from service.results.labels import scheme_text
 from service.results.peaks import dense_peak_flops
 from service.results.rows import Flag, RunRow, local_tokens, memory_floor
 from service.results.stored import StoredComponent, StoredProbe, StoredRank
@@ -166,6 +167,7 @@ def run_row(
     )
     fits = [p.seq_len for p in row.probes if p.outcome == "fit"]
     row.max_seq_len = max(fits) if fits else None
+    row.scheme = scheme_text(row)
     if row.ranks:
         _link(row, environment)
         _measured(row)

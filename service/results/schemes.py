@@ -120,9 +120,9 @@ def _ms(s: float | None) -> str:
 
 
 def _cells(row: Mapping[str, Any], longest: dict[tuple[Any, ...], int]) -> list[str]:
-    max_len = longest.get((*_key(row), row["kernel"]))
+    max_len = longest.get((*_key(row), row["scheme"]))
     return [
-        row["kernel"],
+        row["scheme"],
         _ms(row["median_s"]),
         _ms(predicted_s(row)),
         f"{row['tokens_per_s']:,.0f}" if row.get("tokens_per_s") else "-",
@@ -146,7 +146,7 @@ def part_ways(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         if abs(ratio - 1) > PART_WAYS:
             length = r.get("measured_seq_len") or r["seq_len"]
             out.append(
-                f"- {r['kernel']} at {length:,} tokens, W={r['world_size']}, {r['mode']}: "
+                f"- {r['scheme']} at {length:,} tokens, W={r['world_size']}, {r['mode']}: "
                 f"measured {_ms(r['median_s'])}, predicted {_ms(guess)} (x{ratio:.2f})"
             )
     if not predicted:
@@ -175,7 +175,7 @@ def sp_schemes_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     ]
     timed = [r for r in ours if r.get("max_seq_len") is None and r.get("median_s")]
     longest = {
-        (*_key(r), r["kernel"]): r["max_seq_len"] for r in ours if r.get("max_seq_len") is not None
+        (*_key(r), r["scheme"]): r["max_seq_len"] for r in ours if r.get("max_seq_len") is not None
     }
     if len({r["kernel"] for r in timed}) < 2:
         return []
@@ -189,7 +189,7 @@ def sp_schemes_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     body, in_order = [], []
     keys = sorted(groups, key=lambda k: (*(str(x) for x in k[:-1]), k[-1]))
     for key in keys:
-        group = sorted(groups[key], key=lambda r: (r["median_s"], r["kernel"]))
+        group = sorted(groups[key], key=lambda r: (r["median_s"], r["scheme"]))
         in_order += group
         best = group[0]["median_s"]
         for r in group:

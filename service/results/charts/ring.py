@@ -105,7 +105,7 @@ def sp_schemes_figure(rows: Sequence[Row], styles: Styles | None = None) -> dict
     lines: dict[str, list[Row]] = defaultdict(list)
     for r in ok:
         extra = f" ({r.mode}, W={r.world_size})" if len(several) > 1 else ""
-        lines[r.kernel + extra].append(r)
+        lines[r.scheme + extra].append(r)
     for name in sorted(lines, key=natural_key):
         group = sorted(lines[name], key=lambda r: r.length)
         fig.add_trace(throughput_line(name, group, styles, hover_name=True))
