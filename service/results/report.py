@@ -6,6 +6,10 @@ formatting through report_format.
 
 No number is computed here: every value is a field of the row; this module only picks and
 formats them, so the report, the CSV and the dashboard cannot disagree.
+
+A sweep's report is written from two reads of its runs (write_report): the first finds what is
+said of all of them (report_plan.ReportPlan), the second writes the tables a line at a time, so
+a 100,000-run sweep's report never holds its rows.
 """
 
 from __future__ import annotations
@@ -227,10 +231,11 @@ def _compiled(r: RunRow) -> bool:
 
 
 def report_row(row: RunRow) -> RunRow:
-    """The row as report.md keeps it while it writes a large sweep: its ranks (~2.5 KB a run)
-    dropped unless one holds what the report reads of a rank (report_runs: a peak below its
-    inputs, the device's used bytes; report_environment.compile_notes: compilations). Every
-    other figure of a rank is already the row's own (rank_peak_bytes, the slowest's times)."""
+    """The row as report.md keeps it where a section is made over whole rows (model cells,
+    searches, schemes, the environment's notes): its ranks (~2.5 KB a run) dropped unless one
+    holds what the report reads of a rank (report_runs: a peak below its inputs, the device's
+    used bytes; report_environment.compile_notes: compilations). Every other figure of a rank
+    is already the row's own (rank_peak_bytes, the slowest's times)."""
     if not any(_read_of_rank(rank) for rank in row.ranks):
         row.ranks = []
     return row

@@ -115,7 +115,7 @@ def sweep_components_csv(session: Session, sweep_id: int) -> str:
 
 READ_PAGE = 1_000
 """Runs whose full rows a report or a comparison builds at once before it keeps only what it
-reads of them (report.report_row, compare.Side)."""
+reads of them (each pass of report.write_report, compare.Side)."""
 _Kept = TypeVar("_Kept")
 
 
