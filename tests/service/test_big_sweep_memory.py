@@ -191,6 +191,49 @@ def test_report_md_holds_a_few_hundred_bytes_a_run(database_url: str, monkeypatc
     assert per_run < 1_000, f"report.md holds {per_run:.0f} B per run ({peaks})"
 
 
+@pytest.mark.parametrize("pivot", [None, {"rows": "seq_len", "columns": ["parallel"],
+                                           "value": "speedup"}])  # fmt: skip
+def test_report_md_read_twice_is_the_report_of_its_rows_read_at_once(
+    database_url: str, monkeypatch: Any, pivot: dict[str, Any] | None
+) -> None:
+    """report.md as the API writes it (two reads a page at a time, the pivot over PivotRows) is
+    the report of the sweep's rows read at once (queries.sweep_rows: their baselines, ratios
+    and labels found over the whole sweep), character for character: baselines in other pages,
+    flagged results and their footnotes, the default pivot and one of speedups."""
+    from test_noise_report import store_dp_sweep
+
+    from service.results import baselines
+    from service.results import service as sweep_results
+    from service.results.report import report_markdown
+
+    monkeypatch.setattr(sweep_results, "READ_PAGE", 7)
+    with client_for(database_url) as client:
+        sweep_id = store_dp_sweep(
+            client, seed=3, analysis=None if pivot is None else {"pivot": pivot}
+        )
+        served = client.get(f"/api/v1/sweeps/{sweep_id}/report.md")
+    assert served.status_code == 200, served.text
+    engine = make_engine(database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            sweep = session.get(Sweep, sweep_id)
+            assert sweep is not None
+            rows = queries.sweep_rows(session, sweep)
+            at_once = report_markdown(
+                sweep,
+                rows,
+                queries.sweep_environments(session, sweep_id),
+                sweep_results._run_counts(session, sweep_id),
+                baselines.pivot_spec(queries.analysis_of(sweep), rows),
+            )
+    finally:
+        engine.dispose()
+        queries._contexts.clear()
+    assert "## Against the baseline" in at_once and "[^speedup_above_world_size]:" in at_once
+    assert ("## Speedup by seq len" in at_once) == (pivot is not None)
+    assert served.text == at_once
+
+
 def test_a_large_sweep_s_context_is_found_once_it_is_stored(
     database_url: str, monkeypatch: Any
 ) -> None:
