@@ -79,11 +79,16 @@ class ReportPlan:
         """Count the run into every total, in id order."""
         if self.runs == 0:
             self.first_config = {f: r.config.get(f) for f in self.config_texts}
+            for name, seen in self.config_texts.items():
+                seen.add(canonical_json(self.first_config[name]))
         self.runs += 1
         if r.error:
             self.errors.append(_error_line(r))
         for name, seen in self.config_texts.items():
-            seen.add(canonical_json(r.config.get(name)))
+            if len(seen) < 2:  # past two texts a field is not fixed, whatever comes after
+                value = r.config.get(name)
+                if not _same_scalar(value, self.first_config[name]):
+                    seen.add(canonical_json(value))
         self._add_kernel(r)
         if r.median_s is not None:
             self._add_timed(r)
@@ -160,6 +165,12 @@ class ReportPlan:
         """The run ids in the report's row order: by label with its numbers read as numbers
         ("2,048" before "4,096"), then length, then run id."""
         return [run_id for _, _, run_id in sorted(self._order)]
+
+
+def _same_scalar(value: Any, first: Any) -> bool:
+    """Whether `value` is `first` as JSON without writing either: a str, int, bool or None of
+    the same type and equal (a float or a container is compared by its canonical JSON)."""
+    return type(value) is type(first) and isinstance(value, str | int | None) and value == first
 
 
 def _error_line(r: RunRow) -> str:
