@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from service.results.rows import RunRow
+from service.results.rows import Flag, RunRow
 from service.spec import nested_axis
 from workers import resolved
 
@@ -34,7 +35,43 @@ def given_params(config: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def axis_value(row: RunRow, name: str) -> Any:
+@dataclass(frozen=True, slots=True)
+class PivotRow:
+    """What a label and a pivot read of a run (axis_value, Varying, service.results.pivot), with
+    one metric: a few hundred bytes where its RunRow holds ~3 KB, for a report that pivots
+    every run of a 100,000-run sweep at once. Its config holds the fields an axis can name
+    (AXIS_CONFIG_FIELDS and the pivot's own), each as the run's config has it."""
+
+    label: str
+    length: int
+    seq_len: int
+    kernel: str
+    world_size: int
+    searched: bool
+    model: str | None
+    config: dict[str, Any]
+    params: dict[str, Any]
+    flags: tuple[Flag, ...]
+    metric_name: str
+    """The one metric it carries (a field of RunRow, service.results.pivot.PIVOT_VALUES)."""
+    metric: Any
+
+    def flags_on(self, field: str) -> list[Flag]:
+        """The flags that mark `field`, as RunRow.flags_on."""
+        return [f for f in self.flags if f.field == field]
+
+    def value_of(self, name: str) -> Any:
+        """Its metric `name` (ValueError for another: it carries one)."""
+        if name != self.metric_name:
+            raise ValueError(f"this pivot row carries {self.metric_name}, not {name}")
+        return self.metric
+
+
+AxisRow = RunRow | PivotRow
+"""A run as a label or a pivot reads it: its whole row, or what of it a pivot reads."""
+
+
+def axis_value(row: AxisRow, name: str) -> Any:
     """A row's value of a label or pivot axis: label, seq_len (the length it ran), kernel,
     model, a nested field (`training.<name>`, ...) or a config field."""
     if name == "label":
@@ -116,6 +153,11 @@ TRAINING_FIELDS = ("optimizer", "precision", "checkpointing", "checkpoint_every"
 LABEL_AXES = ("model", *LABEL_FIELDS, *(f"training.{t}" for t in TRAINING_FIELDS))
 """Everything but params a label may show, in its order."""
 
+AXIS_CONFIG_FIELDS = frozenset({"kernel", "params", "causal", "device", "model", "training",
+                                *LABEL_FIELDS})  # fmt: skip
+"""The config fields a label or pivot reads whatever the pivot names: given_params' (kernel,
+params, causal, device), the nested axes' objects and LABEL_FIELDS (PivotRow)."""
+
 
 class Varying:
     """What differs between rows, from one pass over them: the distinct texts of every param
@@ -128,7 +170,7 @@ class Varying:
         self.with_param: dict[str, int] = {}
         self.fields: dict[str, set[str]] = {f: set() for f in LABEL_AXES}
 
-    def add(self, row: RunRow) -> None:
+    def add(self, row: AxisRow) -> None:
         self.rows += 1
         given = given_params(row.config)  # what was asked for: a resolved default counts as unset
         for k, v in row.params.items():
@@ -167,7 +209,7 @@ def scheme_text(row: RunRow, apart: frozenset[str] = SCHEME_APART) -> str:
     return " · ".join([row.kernel, *parts])
 
 
-def varying(rows: Sequence[RunRow]) -> tuple[list[str], list[str]]:
+def varying(rows: Sequence[AxisRow]) -> tuple[list[str], list[str]]:
     """(params, config fields) whose value differs between the rows (see Varying)."""
     found = Varying()
     for r in rows:

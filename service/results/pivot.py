@@ -8,8 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.results.labels import axis_value, field_text, value_text, varying
-from service.results.rows import RunRow
+from service.results.labels import AxisRow, PivotRow, axis_value, field_text, value_text, varying
 from service.spec import AnalysisSpec, PivotSpec
 from service.units import natural_key
 
@@ -65,6 +64,11 @@ class Pivot:
         ]
 
 
+def _metric(row: AxisRow, name: str) -> Any:
+    """The row's metric `name` (a PivotRow carries one)."""
+    return row.value_of(name) if isinstance(row, PivotRow) else getattr(row, name)
+
+
 def _sort_key(value: Any) -> tuple[int, Any]:
     """Numbers first, in numeric order; then text with its numbers read as numbers ("W=4"
     before "W=16"), a list of numbers element by element ([1,2] before [1,2,4])."""
@@ -75,7 +79,7 @@ def _sort_key(value: Any) -> tuple[int, Any]:
     return (1, natural_key(value_text(value)))
 
 
-def default_pivot(rows: Sequence[RunRow]) -> PivotSpec | None:
+def default_pivot(rows: Sequence[AxisRow]) -> PivotSpec | None:
     """Time per length (rows) x world size and parallel mode (columns), where those vary; the
     kernel joins the columns when kernels run at different (world size, parallel) pairs (dense
     at W=1 and W=2 data-parallel, ring at W=2: see pivot), so a row is never half empty.
@@ -87,14 +91,14 @@ def default_pivot(rows: Sequence[RunRow]) -> PivotSpec | None:
     return PivotSpec(rows="seq_len", columns=columns or ["label"], value="median_s")
 
 
-def pivot_spec(spec: AnalysisSpec | None, rows: Sequence[RunRow]) -> PivotSpec | None:
+def pivot_spec(spec: AnalysisSpec | None, rows: Sequence[AxisRow]) -> PivotSpec | None:
     """The sweep's own pivot, else the default one (None when nothing is worth pivoting)."""
     if spec is not None and spec.pivot is not None:
         return spec.pivot
     return default_pivot(rows)
 
 
-def _column_text(row: RunRow, columns: Sequence[str]) -> str:
+def _column_text(row: AxisRow, columns: Sequence[str]) -> str:
     """A run's column in a pivot: "dense · W=2 · data-parallel"; one rank has no parallel mode
     ("W=1", also where the world size is not a column)."""
     parts = []
@@ -122,7 +126,7 @@ def _axis_title(name: str) -> str:
     )
 
 
-def _section_fields(rows: Sequence[RunRow], used: set[str]) -> list[str]:
+def _section_fields(rows: Sequence[AxisRow], used: set[str]) -> list[str]:
     """What varies besides the pivot's rows and columns: the kernel, params, other fields."""
     if "label" in used:
         return []
@@ -135,14 +139,14 @@ def _section_fields(rows: Sequence[RunRow], used: set[str]) -> list[str]:
     return out
 
 
-def _section_value(row: RunRow, name: str) -> str:
+def _section_value(row: AxisRow, name: str) -> str:
     value = axis_value(row, name)
     if value is None or (name == "parallel" and row.world_size == 1):
         return ""
     return value_text(value)
 
 
-def section_title(row: RunRow, fields: Sequence[str]) -> str:
+def section_title(row: AxisRow, fields: Sequence[str]) -> str:
     parts = []
     for f in fields:
         if f == "parallel" and row.world_size == 1:
@@ -155,7 +159,7 @@ def section_title(row: RunRow, fields: Sequence[str]) -> str:
     return " · ".join(parts)
 
 
-def _splits_columns(rows: Sequence[RunRow], name: str, columns: Sequence[str]) -> bool:
+def _splits_columns(rows: Sequence[AxisRow], name: str, columns: Sequence[str]) -> bool:
     """Whether the runs of each value of `name` fill different columns (dense at W=1 and W=2
     data-parallel, ring at W=2 sequence-parallel): then `name` belongs in the columns, or
     every section would be half empty."""
@@ -165,7 +169,7 @@ def _splits_columns(rows: Sequence[RunRow], name: str, columns: Sequence[str]) -
     return len({frozenset(v) for v in filled.values()}) > 1
 
 
-def _together(rows: Sequence[RunRow], a: str, b: str) -> bool:
+def _together(rows: Sequence[AxisRow], a: str, b: str) -> bool:
     """Whether fields a and b vary together over the rows: each takes two values or more, and
     one fixes the other (a zip of them; a param and the kernel it belongs to) or a table of a
     against b would fill half its cells or fewer (two params of one kernel each: each run sets
@@ -178,7 +182,7 @@ def _together(rows: Sequence[RunRow], a: str, b: str) -> bool:
     return fixed or 2 * len(pairs) <= len(firsts) * len(seconds)
 
 
-def row_text(row: RunRow, name: str, beside: Sequence[str]) -> str:
+def row_text(row: AxisRow, name: str, beside: Sequence[str]) -> str:
     """A pivot row's name: the rows field's value, then each field that varies with it
     ("1,024 · W=2"); an unset value is left out ("-" when all are)."""
     value = axis_value(row, name)
@@ -187,7 +191,7 @@ def row_text(row: RunRow, name: str, beside: Sequence[str]) -> str:
     return " · ".join(parts) or "-"
 
 
-def pivot_layout(measured: Sequence[RunRow], spec: PivotSpec) -> tuple[list[str], ...]:
+def pivot_layout(measured: Sequence[AxisRow], spec: PivotSpec) -> tuple[list[str], ...]:
     """(section fields, columns, fields beside the rows): what else varies but fills
     different columns per value joins the columns; a column field that varies together with
     the rows field moves beside it, on the rows' side."""
@@ -201,13 +205,13 @@ def pivot_layout(measured: Sequence[RunRow], spec: PivotSpec) -> tuple[list[str]
     return fields, [c for c in columns if c not in beside], beside
 
 
-def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
+def pivot(rows: Sequence[AxisRow], spec: PivotSpec) -> Pivot:
     """The metric spec.value for every (row value, column values) pair of the rows, one
     section per combination of what else varies (so two runs never share one cell); what else
     varies but fills different columns per value (the kernel of a dense-vs-ring
     sweep) joins the columns instead, and a column field varying together with the rows field
     joins the rows (pivot_layout): never a mostly empty diagonal."""
-    measured = [r for r in rows if getattr(r, spec.value) is not None]
+    measured = [r for r in rows if _metric(r, spec.value) is not None]
     fields, columns, beside = pivot_layout(measured, spec)
     cells: dict[tuple[str, Any], dict[str, Any]] = {}
     row_keys: dict[tuple[str, Any], tuple[Any, ...]] = {}
@@ -223,7 +227,7 @@ def pivot(rows: Sequence[RunRow], spec: PivotSpec) -> Pivot:
         col_keys[ctext] = tuple(_sort_key(axis_value(r, c)) for c in columns)
         key = (title, row_text(r, spec.rows, beside))
         row_keys[key] = tuple(_sort_key(axis_value(r, f)) for f in (spec.rows, *beside))
-        cells.setdefault(key, {})[ctext] = getattr(r, spec.value)
+        cells.setdefault(key, {})[ctext] = _metric(r, spec.value)
         codes = [f.code for f in r.flags_on(spec.value)]
         if codes:
             flagged.setdefault(key, {})[ctext] = codes

@@ -5,8 +5,10 @@ pivot of one metric by what varies (service.results.baselines computes every rat
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from service.results import baselines
+from service.results.labels import AxisRow
 from service.results.report_format import (
     FORMATS,
     SPANS,
@@ -17,6 +19,8 @@ from service.results.report_format import (
     marks,
     ratio_cell,
     table,
+    table_head,
+    table_line,
     time_cell,
 )
 from service.results.rows import RunRow
@@ -24,55 +28,70 @@ from service.spec import PivotSpec
 from service.units import TimeUnit, time_unit
 
 
-def baseline_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> list[str]:
-    """Each run beside its baseline: the seeds' 'single GPU | multi-GPU | speedup' and
-    'dilation impact' tables, with both measurements shown so every ratio can be checked."""
-    by_id = {r.run_id: r for r in rows}
-    pairs = [(r, by_id[r.baseline_run_id]) for r in rows if r.baseline_run_id in by_id]
-    bench = [(r, b) for r, b in pairs if not r.searched]
-    searched = [(r, b) for r, b in pairs if r.searched]
-    return (_timed_against_baseline(bench, unit) if bench else []) + (
-        _max_len_against_baseline(searched) if searched else []
-    )
+@dataclass(frozen=True, slots=True)
+class BaselineCells:
+    """What the comparisons show of a run as another's baseline, written once the report's
+    time unit is known: a run's baseline may come before it, after it, or in another page of
+    the sweep, so its cells are kept rather than its row."""
+
+    time: str
+    """Its time with interval and iterations (time_cell)."""
+    peak: str
+    """Its peak memory, marked."""
+    max_tokens: str
+    tokens_per_s: str
+
+    @classmethod
+    def of(cls, b: RunRow, unit: TimeUnit) -> BaselineCells:
+        return cls(
+            time_cell(b, unit),
+            fmt_bytes(b.peak_memory_bytes) + marks(b, "peak_memory_bytes"),
+            fmt_num(b.max_seq_len),
+            fmt_num(b.tokens_per_s),
+        )
 
 
-def _timed_against_baseline(
-    pairs: Sequence[tuple[RunRow, RunRow]], unit: TimeUnit | None = None
-) -> list[str]:
-    """(run, its baseline) of timed runs: both times with their intervals, both peaks, the
-    speedup, memory ratio and scaling efficiency."""
-    unit = unit or time_unit(x.median_s for pair in pairs for x in pair)
-    body = (
-        [r.label, f"{r.length:,}", r.baseline or "-", time_cell(b, unit), time_cell(r, unit),
-         ratio_cell(r, "speedup", fmt_x),
-         fmt_bytes(b.peak_memory_bytes) + marks(b, "peak_memory_bytes"),
-         fmt_bytes(r.peak_memory_bytes) + marks(r, "peak_memory_bytes"),
-         fmt_x(r.memory_ratio), ratio_cell(r, "efficiency", fmt_pct)]
-        for r, b in pairs
-    )  # fmt: skip
+def timed_head(unit: TimeUnit) -> list[str]:
+    """Each timed run beside its baseline: the seeds' 'single GPU | multi-GPU | speedup' and
+    'dilation impact' tables, with both measurements shown so every ratio can be checked;
+    the lines are timed_line's (a run whose baseline is in the sweep), then a blank line."""
     header = ["Run", "Seq len", "Baseline", f"Baseline time (interval, {unit.name})",
               f"Time (interval, {unit.name})", "Speedup", "Baseline peak", "Peak",
               "Memory ratio", "Scaling efficiency"]  # fmt: skip
-    return ["## Against the baseline", "", *table(header, body), ""]
+    return ["## Against the baseline", "", *table_head(header)]
 
 
-def _max_len_against_baseline(pairs: Sequence[tuple[RunRow, RunRow]]) -> list[str]:
-    """(run, its baseline) of searches: both maximum lengths and tokens/s at them, the gain,
-    speedup and scaling efficiency."""
-    body = (
-        [r.label, r.baseline or "-", fmt_num(b.max_seq_len), fmt_num(r.max_seq_len),
-         fmt_x(r.max_len_gain), fmt_num(b.tokens_per_s), fmt_num(r.tokens_per_s),
-         ratio_cell(r, "speedup", fmt_x), ratio_cell(r, "efficiency", fmt_pct)]
-        for r, b in pairs
+def timed_line(r: RunRow, b: BaselineCells, unit: TimeUnit) -> str:
+    """(run, its baseline) of a timed run: both times with their intervals, both peaks, the
+    speedup, memory ratio and scaling efficiency."""
+    return table_line(
+        [r.label, f"{r.length:,}", r.baseline or "-", b.time, time_cell(r, unit),
+         ratio_cell(r, "speedup", fmt_x), b.peak,
+         fmt_bytes(r.peak_memory_bytes) + marks(r, "peak_memory_bytes"),
+         fmt_x(r.memory_ratio), ratio_cell(r, "efficiency", fmt_pct)]
     )  # fmt: skip
+
+
+def max_len_head() -> list[str]:
+    """Each search beside its baseline's; the lines are max_len_line's, then a blank line."""
     header = ["Run", "Baseline", "Baseline max tokens", "Max tokens", "Max-length gain",
               "Baseline tokens/s at max", "Tokens/s at max", "Speedup",
               "Scaling efficiency"]  # fmt: skip
-    return ["## Maximum length against the baseline", "", *table(header, body), ""]
+    return ["## Maximum length against the baseline", "", *table_head(header)]
+
+
+def max_len_line(r: RunRow, b: BaselineCells) -> str:
+    """(run, its baseline) of a search: both maximum lengths and tokens/s at them, the gain,
+    speedup and scaling efficiency."""
+    return table_line(
+        [r.label, r.baseline or "-", b.max_tokens, fmt_num(r.max_seq_len),
+         fmt_x(r.max_len_gain), b.tokens_per_s, fmt_num(r.tokens_per_s),
+         ratio_cell(r, "speedup", fmt_x), ratio_cell(r, "efficiency", fmt_pct)]
+    )  # fmt: skip
 
 
 def pivot_section(
-    rows: Sequence[RunRow], spec: PivotSpec, unit: TimeUnit | None = None
+    rows: Sequence[AxisRow], spec: PivotSpec, unit: TimeUnit | None = None
 ) -> list[str]:
     """The pivot: a table per section (what else varies, in its heading), the same columns in
     each, so a column is one kind of run all the way down; times in one unit for all of them."""

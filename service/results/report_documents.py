@@ -76,10 +76,15 @@ def _group_key(row: RunRow) -> tuple[int, int, str]:
     return row.length, row.world_size, row.mode
 
 
+def in_documents_section(row: RunRow) -> bool:
+    """Whether the section shows the run: timed over several ranks under a documents mask."""
+    return documents_mask(row) and row.world_size > 1 and timed(row)
+
+
 def documents_section(rows: Sequence[RunRow], unit: TimeUnit) -> list[str]:
     """The section's lines (none unless a run over several ranks ran under a documents mask):
     a table per length, world size and mode, in the rows' order within each."""
-    shown = [r for r in rows if documents_mask(r) and r.world_size > 1 and timed(r)]
+    shown = [r for r in rows if in_documents_section(r)]
     if not shown:
         return []
     groups: dict[tuple[int, int, str], list[RunRow]] = {}

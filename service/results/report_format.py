@@ -86,11 +86,17 @@ FORMATS: dict[str, Callable[[Any], str]] = {
 def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
     """A markdown table's lines; `rows` is read one row at a time (a generator of a 100,000-run
     sweep's rows holds one row's cells at once, not every row's)."""
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join("---" for _ in header) + "|",
-        *("| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows),
-    ]
+    return [*table_head(header), *(table_line(row) for row in rows)]
+
+
+def table_head(header: Sequence[str]) -> list[str]:
+    """A markdown table's header and rule: its body follows a line at a time (table_line)."""
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+
+
+def table_line(cells: Sequence[str]) -> str:
+    """One line of a markdown table's body, a '|' in a cell escaped."""
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
 def fmt_rate(bytes_per_s: float | None) -> str:

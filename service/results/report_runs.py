@@ -5,6 +5,7 @@ apart, where a sequence-parallel run's time goes, maximum lengths and every sear
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from service.results.report_format import (
     FORMATS,
@@ -17,14 +18,16 @@ from service.results.report_format import (
     ratio_cell,
     report_unit,
     table,
+    table_head,
+    table_line,
 )
 from service.results.rows import RunRow, local_tokens
 from service.units import TimeUnit, time_unit
 
 
-def _rank_peaks(rows: Sequence[RunRow]) -> list[str]:
-    """Per-rank peak column headers: one column per rank up to 4 ranks, else one joined column."""
-    most = max((len(r.rank_peak_bytes) for r in rows), default=0)
+def _peak_headers(most: int) -> list[str]:
+    """Per-rank peak column headers for runs of up to `most` ranks: one column per rank up to
+    4 ranks, else one joined column."""
     if most <= 1:
         return ["Peak memory"]
     if most <= 4:
@@ -66,15 +69,13 @@ def _tail_cells(
     ]
 
 
-def _ratio_columns(rows: Sequence[RunRow]) -> list[tuple[str, str]]:
-    """(header, field) of the ratio columns any of these rows has a value for."""
-    wanted = [
-        ("Speedup", "speedup"),
-        ("Memory ratio", "memory_ratio"),
-        ("Max-length gain", "max_len_gain"),
-        ("Scaling efficiency", "efficiency"),
-    ]
-    return [(h, f) for h, f in wanted if any(getattr(r, f) is not None for r in rows)]
+RATIO_COLUMNS = (
+    ("Speedup", "speedup"),
+    ("Memory ratio", "memory_ratio"),
+    ("Max-length gain", "max_len_gain"),
+    ("Scaling efficiency", "efficiency"),
+)
+"""(header, field) of the ratio columns a table shows where any of its runs has a value."""
 
 
 DEVICE_USED = (
@@ -92,29 +93,51 @@ def _device_used(r: RunRow) -> int | None:
     return max(used) if used else None
 
 
-def results_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> list[str]:
-    used = any(_device_used(r) is not None for r in rows)
-    peaks = _rank_peaks(rows)
-    joined = peaks == ["Peak memory per rank"]
-    ratios = _ratio_columns(rows)
-    comm = any(r.exposed_comm_share is not None for r in rows)
-    unit = unit or report_unit(rows)
-    body = (
-        [
-            r.label,
-            f"{r.length:,}",
-            str(r.world_size),
-            unit(r.median_s),
-            f"{unit(r.p10_s)} - {unit(r.p90_s)}" if r.p10_s is not None else "-",
-            fmt_num(r.tokens_per_s),
-            fmt_num(r.tflops_per_s, 4),
-            *([fmt_pct(r.exposed_comm_share)] if comm else []),
-            fmt_bytes(r.input_memory_bytes),
-            *([fmt_bytes(_device_used(r))] if used else []),
-            *_tail_cells(r, len(peaks), joined, ratios),
-        ]
-        for r in rows
-    )
+@dataclass
+class ResultsLayout:
+    """The columns of a table of runs (results per run, maximum lengths): which optional
+    columns any of its runs fills, found by add() over every run before a line is written, so
+    a 100,000-run table is written a line at a time from a second read of its runs."""
+
+    used: bool = False
+    """Any run has a device's used bytes (CUDA): the Device used column."""
+    most_ranks: int = 0
+    ratio_fields: set[str] = field(default_factory=set)
+    comm: bool = False
+    """Any run has an exposed-communication share: its column, and the time's breakdown."""
+    linked: bool = False
+    """Any run probed its ring link: the time's breakdown."""
+
+    def add(self, r: RunRow) -> None:
+        self.used = self.used or _device_used(r) is not None
+        self.most_ranks = max(self.most_ranks, len(r.rank_peak_bytes))
+        self.ratio_fields.update(f for _, f in RATIO_COLUMNS if getattr(r, f) is not None)
+        self.comm = self.comm or r.exposed_comm_share is not None
+        self.linked = self.linked or r.link_probe_bytes_per_s is not None
+
+    @classmethod
+    def of(cls, rows: Sequence[RunRow]) -> ResultsLayout:
+        layout = cls()
+        for r in rows:
+            layout.add(r)
+        return layout
+
+    @property
+    def peaks(self) -> list[str]:
+        return _peak_headers(self.most_ranks)
+
+    @property
+    def joined(self) -> bool:
+        """The ranks' peaks in one column (over 4 ranks)."""
+        return self.most_ranks > 4
+
+    @property
+    def ratios(self) -> list[tuple[str, str]]:
+        return [(h, f) for h, f in RATIO_COLUMNS if f in self.ratio_fields]
+
+
+def results_head(layout: ResultsLayout) -> list[str]:
+    """The results table's heading and header: its lines follow (results_line)."""
     header = [
         "Run",
         "Seq len",
@@ -123,37 +146,56 @@ def results_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> lis
         "p10 - p90",
         "Tokens/s",
         "TFLOP/s",
-        *(["Exposed comm"] if comm else []),
+        *(["Exposed comm"] if layout.comm else []),
         "Memory after inputs",
-        *(["Device used (CUDA)"] if used else []),
-        *_tail_header(peaks, ratios),
+        *(["Device used (CUDA)"] if layout.used else []),
+        *_tail_header(layout.peaks, layout.ratios),
     ]
-    lines = ["## Results per run and sequence length", "", *table(header, body), ""]
-    lines += [DEVICE_USED, ""] if used else []
-    linked = any(r.link_probe_bytes_per_s is not None for r in rows)
-    return lines + (_comm_section(rows) if comm or linked else [])
+    return ["## Results per run and sequence length", "", *table_head(header)]
 
 
-def phase_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> list[str]:
-    """Kernel cells in train mode: forward and backward apart, as FlashAttention's and
-    attention-gym's benchmarks report them (each phase's time and TFLOP/s, then the whole)."""
-    phased = [r for r in rows if r.forward_tflops_per_s is not None]
-    if not phased:
-        return []
-    unit = unit or time_unit(t for r in phased for t in (r.forward_s, r.backward_s, r.median_s))
-    body = (
+def results_line(r: RunRow, layout: ResultsLayout, unit: TimeUnit) -> str:
+    """One run's line of the results table, in its layout's columns."""
+    return table_line(
         [
-            r.label, f"{r.length:,}", str(r.world_size),
-            unit(r.forward_s), _spread(unit, r.forward_p10_s, r.forward_p90_s),
-            unit(r.backward_s), _spread(unit, r.backward_p10_s, r.backward_p90_s),
-            unit(r.median_s), fmt_num(r.forward_tflops_per_s, 4),
-            fmt_num(r.backward_tflops_per_s, 4), fmt_num(r.tflops_per_s, 4),
+            r.label,
+            f"{r.length:,}",
+            str(r.world_size),
+            unit(r.median_s),
+            f"{unit(r.p10_s)} - {unit(r.p90_s)}" if r.p10_s is not None else "-",
+            fmt_num(r.tokens_per_s),
+            fmt_num(r.tflops_per_s, 4),
+            *([fmt_pct(r.exposed_comm_share)] if layout.comm else []),
+            fmt_bytes(r.input_memory_bytes),
+            *([fmt_bytes(_device_used(r))] if layout.used else []),
+            *_tail_cells(r, len(layout.peaks), layout.joined, layout.ratios),
         ]
-        for r in phased
-    )  # fmt: skip
-    header = ["Run", "Seq len", "World", "Forward", "p10 - p90", "Backward", "p10 - p90",
-              "Forward+backward", "Forward TFLOP/s", "Backward TFLOP/s",
-              "Total TFLOP/s"]  # fmt: skip
+    )
+
+
+def results_foot(layout: ResultsLayout, comm_lines: Sequence[str]) -> list[str]:
+    """What follows the results table's lines: the memory figures' meaning (CUDA), then where
+    a sequence-parallel run's time goes (comm_head, then comm_lines) when any run says."""
+    lines = ["", *([DEVICE_USED, ""] if layout.used else [])]
+    if layout.comm or layout.linked:
+        lines += [*comm_head(), *comm_lines, ""]
+    return lines
+
+
+def phased(r: RunRow) -> bool:
+    """Whether the run is in the forward and backward table (kernel cells in train mode)."""
+    return r.forward_tflops_per_s is not None
+
+
+PHASE_HEADER = ["Run", "Seq len", "World", "Forward", "p10 - p90", "Backward", "p10 - p90",
+                "Forward+backward", "Forward TFLOP/s", "Backward TFLOP/s",
+                "Total TFLOP/s"]  # fmt: skip
+
+
+def phase_head() -> list[str]:
+    """Kernel cells in train mode: forward and backward apart, as FlashAttention's and
+    attention-gym's benchmarks report them (each phase's time and TFLOP/s, then the whole);
+    the table's lines (phase_line) follow, then a blank line."""
     return [
         "## Forward and backward (train mode)",
         "",
@@ -162,9 +204,20 @@ def phase_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> list[
         "TFLOP/s = the kernel's own FLOPs summed over ranks / the phase's time: the forward's "
         "from kernel.flops(backward=False), the backward's = forward+backward's minus them.",
         "",
-        *table(header, body),
-        "",
+        *table_head(PHASE_HEADER),
     ]
+
+
+def phase_line(r: RunRow, unit: TimeUnit) -> str:
+    return table_line(
+        [
+            r.label, f"{r.length:,}", str(r.world_size),
+            unit(r.forward_s), _spread(unit, r.forward_p10_s, r.forward_p90_s),
+            unit(r.backward_s), _spread(unit, r.backward_p10_s, r.backward_p90_s),
+            unit(r.median_s), fmt_num(r.forward_tflops_per_s, 4),
+            fmt_num(r.backward_tflops_per_s, 4), fmt_num(r.tflops_per_s, 4),
+        ]
+    )  # fmt: skip
 
 
 def _spread(unit: TimeUnit, lo: float | None, hi: float | None) -> str:
@@ -172,13 +225,15 @@ def _spread(unit: TimeUnit, lo: float | None, hi: float | None) -> str:
     return "-" if lo is None or hi is None else f"{unit(lo)} - {unit(hi)}"
 
 
-def _comm_section(rows: Sequence[RunRow]) -> list[str]:
-    """Where a sequence-parallel run's time goes (ring kernels, ulysses, allgather_kv): the
-    seeds blame 'communication overhead' unmeasured."""
-    ring = [
-        r for r in rows if r.exposed_comm_share is not None or r.link_probe_bytes_per_s is not None
-    ]
-    body = (
+def in_comm_table(r: RunRow) -> bool:
+    """Whether the run is in the time's breakdown: a sequence-parallel run with a measured
+    exposed-communication share or ring link."""
+    return r.exposed_comm_share is not None or r.link_probe_bytes_per_s is not None
+
+
+def comm_line(r: RunRow) -> str:
+    """One run's line of the time's breakdown (comm_head)."""
+    return table_line(
         [
             r.label,
             f"{r.length:,}",
@@ -192,8 +247,12 @@ def _comm_section(rows: Sequence[RunRow]) -> list[str]:
             fmt_num(r.crossover_tokens),
             r.crossover_basis or "-",
         ]
-        for r in ring
     )
+
+
+def comm_head() -> list[str]:
+    """Where a sequence-parallel run's time goes (ring kernels, ulysses, allgather_kv): the
+    seeds blame 'communication overhead' unmeasured. Its lines are comm_line's."""
     header = ["Run", "Seq len", "World", "Tokens per rank", "Exposed comm", "Link bandwidth",
               "Link latency", "Link", "Steps cover", "Crossover tokens",
               "Crossover from"]  # fmt: skip
@@ -211,15 +270,13 @@ def _comm_section(rows: Sequence[RunRow]) -> list[str]:
         "which a step's compute would take as long as its transfer (F/B): F the rate the "
         "steps computed at, B the link bandwidth.",
         "",
-        *table(header, body),
-        "",
+        *table_head(header),
     ]
 
 
 def max_len_section(rows: Sequence[RunRow], unit: TimeUnit | None = None) -> list[str]:
-    peaks = _rank_peaks(rows)
-    joined = peaks == ["Peak memory per rank"]
-    ratios = _ratio_columns(rows)
+    layout = ResultsLayout.of(rows)
+    peaks, joined, ratios = layout.peaks, layout.joined, layout.ratios
     unit = unit or report_unit(rows)
     body = (
         [

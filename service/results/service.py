@@ -9,7 +9,7 @@ one runs); a sweep that does not exist is SweepNotFound.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.db.models import Run, RunStatus, Sweep
 from service.results import baselines, export, queries
 from service.results.compare import Side, compare_head, iter_pairs, pair_out, same_spec
-from service.results.report import report_markdown, report_row
+from service.results.report import PivotChoice, report_row, write_report
 from service.results.rows import RunRow
 from service.spec import PivotSpec
 
@@ -57,19 +57,43 @@ def _run_counts(session: Session, sweep_id: int) -> dict[str, int]:
 
 
 def sweep_report(session: Session, sweep_id: int) -> str:
-    """report.md: the sweep, its rows (each as report.report_row keeps it), environments and
-    run counts, read once; its pivot is the sweep's analysis block's (or the default for its
-    rows)."""
+    """report.md: the sweep, its runs read twice a page at a time (report.write_report: the
+    totals and the tables' columns, then the tables a line at a time), its environments and
+    run counts; its pivot is the sweep's analysis block's (or the default for its rows)."""
     with queries.whole_sweep_read(session, sweep_id):
         sweep = _sweep(session, sweep_id)
-        rows = _paged(session, sweep, report_row)
-        return report_markdown(
+        analysis = queries.analysis_of(sweep)
+        return write_report(
             sweep,
-            rows,
+            _SweepRuns(session, sweep),
             queries.sweep_environments(session, sweep_id),
             _run_counts(session, sweep_id),
-            baselines.pivot_spec(queries.analysis_of(sweep), rows),
+            PivotChoice(analysis.pivot if analysis is not None else None, default=True),
+            keep=report_row,
         )
+
+
+class _SweepRuns:
+    """A sweep's runs as report.md reads them (report.ReportRuns): rows built READ_PAGE at a
+    time (labels, baselines and ratios as for the whole sweep: queries.rows_page), each page
+    dropped once read."""
+
+    def __init__(self, session: Session, sweep: Sweep) -> None:
+        self.session, self.sweep = session, sweep
+
+    def first(self) -> Iterator[RunRow]:
+        after = 0
+        while page := queries.rows_page(self.session, self.sweep, after=after, limit=READ_PAGE):
+            yield from page
+            after = page[-1].run_id
+
+    def in_order(self, ids: Sequence[int]) -> Iterator[RunRow]:
+        for start in range(0, len(ids), READ_PAGE):
+            chosen = ids[start : start + READ_PAGE]
+            found = {
+                r.run_id: r for r in queries.rows_page(self.session, self.sweep, run_ids=chosen)
+            }
+            yield from (found.pop(i) for i in chosen if i in found)
 
 
 def sweep_pivot_csv(session: Session, sweep_id: int, changes: dict[str, Any]) -> str:
@@ -91,7 +115,7 @@ def sweep_components_csv(session: Session, sweep_id: int) -> str:
 
 READ_PAGE = 1_000
 """Runs whose full rows a report or a comparison builds at once before it keeps only what it
-reads of them (report.report_row, compare.Side)."""
+reads of them (each pass of report.write_report, compare.Side)."""
 _Kept = TypeVar("_Kept")
 
 

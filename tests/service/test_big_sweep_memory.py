@@ -158,36 +158,80 @@ def test_a_comparison_holds_its_sides_not_its_rows(database_url: str, monkeypatc
     assert per_run < 2_500, f"a comparison holds {per_run:.0f} B per run ({peaks})"
 
 
-def test_report_md_holds_its_rows_and_no_result_row_each(
-    database_url: str, monkeypatch: Any
-) -> None:
-    """report.md keeps every row (its pivot and tables are made over all of them), but no
-    result row beside each (only for the runs its schemes section reads), its stored models
-    share their sets of given fields, and it keeps ranks only where it reads them
-    (report.report_row), and its tables are written a row at a time: ~3.8 KB a run (it was
-    ~11 KB)."""
+def test_report_md_holds_a_few_hundred_bytes_a_run(database_url: str, monkeypatch: Any) -> None:
+    """report.md reads the sweep twice a page at a time (report.write_report): its first pass
+    keeps what the report states of all runs (their order, each as the pivot reads it, the
+    time unit's medians), its second writes the tables a line at a time; it keeps no run's
+    row, so a run costs its pivot row, its order and its lines of the answer, ~0.5 KB (it
+    held every row: ~3.8 KB a run, ~11 KB before that)."""
     from service.results import service as sweep_results
 
     monkeypatch.setattr(sweep_results, "READ_PAGE", 50)
     small, large = finished_sweep(database_url, SMALL), finished_sweep(database_url, LARGE)
     engine = make_engine(database_url)
 
-    def report(sweep_id: int) -> Callable[[], int]:
-        def read() -> int:
+    def report(sweep_id: int, runs: int) -> Callable[[], str]:
+        def read() -> str:
             with make_sessionmaker(engine)() as session:
-                return len(sweep_results.sweep_report(session, sweep_id))
+                return sweep_results.sweep_report(session, sweep_id)
 
         return read
 
     try:
-        report(small)()  # imports, caches and the sweeps' contexts warmed
-        report(large)()
-        peaks = [traced_peak(report(small)), traced_peak(report(large))]
+        report(small, SMALL)()  # imports, caches and the sweeps' contexts warmed
+        text = report(large, LARGE)()
+        peaks = [traced_peak(report(small, SMALL)), traced_peak(report(large, LARGE))]
     finally:
         engine.dispose()
         queries._contexts.clear()
+    assert f"· {LARGE} runs: {LARGE} succeeded" in text
+    lines = [line for line in text.splitlines() if line.startswith("| dense · batch_size=2 | ")]
+    assert len(lines) == LARGE // 2  # every run in the results table, read in its second pass
     per_run = (peaks[1] - peaks[0]) / (LARGE - SMALL)
-    assert per_run < 5_000, f"report.md holds {per_run:.0f} B per run ({peaks})"
+    assert per_run < 1_000, f"report.md holds {per_run:.0f} B per run ({peaks})"
+
+
+@pytest.mark.parametrize("pivot", [None, {"rows": "seq_len", "columns": ["parallel"],
+                                           "value": "speedup"}])  # fmt: skip
+def test_report_md_read_twice_is_the_report_of_its_rows_read_at_once(
+    database_url: str, monkeypatch: Any, pivot: dict[str, Any] | None
+) -> None:
+    """report.md as the API writes it (two reads a page at a time, the pivot over PivotRows) is
+    the report of the sweep's rows read at once (queries.sweep_rows: their baselines, ratios
+    and labels found over the whole sweep), character for character: baselines in other pages,
+    flagged results and their footnotes, the default pivot and one of speedups."""
+    from test_noise_report import store_dp_sweep
+
+    from service.results import baselines
+    from service.results import service as sweep_results
+    from service.results.report import report_markdown
+
+    monkeypatch.setattr(sweep_results, "READ_PAGE", 7)
+    with client_for(database_url) as client:
+        sweep_id = store_dp_sweep(
+            client, seed=3, analysis=None if pivot is None else {"pivot": pivot}
+        )
+        served = client.get(f"/api/v1/sweeps/{sweep_id}/report.md")
+    assert served.status_code == 200, served.text
+    engine = make_engine(database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            sweep = session.get(Sweep, sweep_id)
+            assert sweep is not None
+            rows = queries.sweep_rows(session, sweep)
+            at_once = report_markdown(
+                sweep,
+                rows,
+                queries.sweep_environments(session, sweep_id),
+                sweep_results._run_counts(session, sweep_id),
+                baselines.pivot_spec(queries.analysis_of(sweep), rows),
+            )
+    finally:
+        engine.dispose()
+        queries._contexts.clear()
+    assert "## Against the baseline" in at_once and "[^speedup_above_world_size]:" in at_once
+    assert ("## Speedup by seq len" in at_once) == (pivot is not None)
+    assert served.text == at_once
 
 
 def test_a_large_sweep_s_context_is_found_once_it_is_stored(
