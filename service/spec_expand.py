@@ -175,10 +175,13 @@ class _Expander:
 
         A run config field the spec leaves out (missing, or refused at its default) is named
         where it would be written: ('base', field, ...). The params.mask of a cell whose mask
-        was written at run level is named there (mask, mask.lengths).
+        was written at run level is named there (mask, mask.lengths), and so is a causal that
+        only the mask set.
         """
         if self.run_mask and tuple(path[:2]) == ("params", "mask"):
             path = (RUN_MASK, *path[2:])
+        elif self.run_mask and tuple(path) == ("causal",) and "causal" not in pos:
+            path = path if "causal" in self.spec.base else (RUN_MASK,)
         head = str(path[0])
         if head in NESTED and len(path) > 1:
             axis = f"{head}.{path[1]}"

@@ -12,7 +12,7 @@ import pytest
 from _api_helpers import api_client
 
 from service.cli.specs import load_specs
-from service.spec import SweepSpec, expand
+from service.spec import SpecError, SweepSpec, expand
 
 API = "/api/v1"
 SHAPE = {"num_heads": 2, "head_dim": 16, "warmup": 1, "iterations": 2}
@@ -199,3 +199,19 @@ def test_a_search_refuses_a_run_level_documents_mask_at_mask(database_url: str) 
         assert client.post(f"{API}/sweeps", json=spec).status_code == 201
         [run] = client.get(f"{API}/runs").json()["data"]
     assert run["config"]["causal"] is True and run["config"]["params"]["mask"] == WINDOW
+
+
+def test_a_causal_only_the_mask_set_is_refused_at_mask() -> None:
+    """A model cell trains causally: a full run-level mask is refused where it was written."""
+    model = {"d_model": 64, "n_layers": 1, "n_heads": 2, "vocab_size": 128}
+    base = {"workload": "model", "kernel": "dense", "model": model, "training": {}}
+    body = {"name": "m", "base": {**base, "mask": {"kind": "full"}}, "grid": {"seq_len": [64]}}
+    with pytest.raises(SpecError) as refused:
+        expand(SweepSpec.model_validate(body))
+    [error] = refused.value.errors
+    assert error["loc"] == ["base", "mask"]
+    assert "a model cell's causal is True" in error["msg"]
+    body["base"]["mask"] = {"kind": "causal"}
+    [cell] = expand(SweepSpec.model_validate(body))
+    [alone] = expand(SweepSpec.model_validate({**body, "base": base}))
+    assert cell.cell_key == alone.cell_key
