@@ -104,8 +104,9 @@ class CellMemo:
     """Builds the cells whose every part was checked before (see the module docstring).
 
     `axes`: (name, values) of every axis, in the expander's order: an axis that is a run
-    config field sets that field; `kernel`, `params` and `params.<name>` decide the cell's
-    params together. `checks`: the checks of a whole config that every cell must pass.
+    config field sets that field; `kernel`, `params`, `params.<name>` and a run-level `mask`
+    decide the cell's params together (with a `mask` axis, its causal too). `checks`: the
+    checks of a whole config that every cell must pass.
 
     What a check read is keyed by the cell's axis indices that decide those fields (fields
     no axis sets are the same in every cell): a cell passes a check when an earlier cell
@@ -114,15 +115,18 @@ class CellMemo:
     def __init__(self, axes: list[tuple[str, list[Any]]], checks: list[Check]) -> None:
         self.names = [name for name, _ in axes]
         self.raw = [values for _, values in axes]
+        # a run-level mask sets params and causal (service.spec_mask): with a mask axis,
+        # causal is decided with the params, by the same axes
+        self.with_causal = "mask" in self.names
+        deciding = {"kernel", "params", "mask"} | ({"causal"} if self.with_causal else set())
         self.sets = [
-            n if "." not in n and n != "params" else None for n in self.names
+            n if "." not in n and n not in deciding - {"kernel"} else None for n in self.names
         ]  # the field each axis sets, None for params' parts
-        self.params_at = tuple(
-            a for a, n in enumerate(self.names) if n in ("kernel", "params") or "." in n
-        )
+        self.params_at = tuple(a for a, n in enumerate(self.names) if n in deciding or "." in n)
         self.checks = checks
         self.values: list[dict[int, Any]] = [{} for _ in axes]
         self.params: dict[tuple[int, ...], Any] = {}
+        self.causal: dict[tuple[int, ...], bool] = {}  # with_causal: by the params' axes
         self.passed: list[dict[tuple[int, ...], set[Any]]] = [{} for _ in checks]
         """Per check: the axes it read -> their indices (as _picker gives them) in cells that
         passed it."""
@@ -152,10 +156,13 @@ class CellMemo:
                     return None
                 config[field] = known[i]
         if self.params_at:
-            params = self.params.get(tuple([idx[a] for a in self.params_at]))
+            combo = tuple([idx[a] for a in self.params_at])
+            params = self.params.get(combo)
             if params is None:
                 return None
             config["params"] = params
+            if self.with_causal:
+                config["causal"] = self.causal[combo]
         return config
 
     def _passes(self, idx: tuple[int, ...]) -> bool:
@@ -180,6 +187,8 @@ class CellMemo:
         varying = {f: a for a, f in enumerate(self.sets) if f is not None}
         if self.params_at:
             varying["params"] = -1
+        if self.with_causal:
+            varying["causal"] = -2
         text, first = "", True
         for field in sorted(template):
             comma = "" if first else ","
@@ -196,6 +205,8 @@ class CellMemo:
     def _piece(self, slot: int, idx: tuple[int, ...], config: dict[str, Any]) -> str:
         """The canonical JSON of the value that fills the key's `slot`-th varying field."""
         a = self.slots[slot]
+        if a == -2:
+            return "true" if config["causal"] else "false"
         if a < 0:
             combo = tuple([idx[p] for p in self.params_at])
             piece = self.params_pieces.get(combo)
@@ -243,7 +254,7 @@ class CellMemo:
     def _axes_read(self, names: set[str]) -> tuple[int, ...]:
         """The axes that decide the fields a check read."""
         where = {a for a, f in enumerate(self.sets) if f is not None and f in names}
-        if "params" in names:
+        if "params" in names or (self.with_causal and "causal" in names):
             where.update(self.params_at)
         return tuple(sorted(where))
 
@@ -259,7 +270,10 @@ class CellMemo:
             if field is not None:
                 self.values[a].setdefault(idx[a], given[field])
         if self.params_at:
-            self.params.setdefault(tuple([idx[a] for a in self.params_at]), given["params"])
+            combo = tuple([idx[a] for a in self.params_at])
+            self.params.setdefault(combo, given["params"])
+            if self.with_causal:
+                self.causal.setdefault(combo, given["causal"])
         shared = self._json(idx)
         if shared is None or shared != given or self._key(idx, shared) != cell.cell_key:
             self.on = False  # a cell is not its base with its axis values: memo nothing

@@ -28,6 +28,7 @@ from service.spec_fields import (
     split_message,
 )
 from service.spec_limits import limit_checks, limit_problems
+from service.spec_mask import RUN_MASK, apply_run_mask
 from service.spec_models import SweepSpec
 from service.spec_params import ParamsCheck, normalize_params
 from service.spec_structure import check_structure
@@ -148,6 +149,7 @@ class _Expander:
         self.params_cache: dict[tuple[Any, ...], ParamsCheck] = {}
         self.reported: set[tuple[Loc, str]] = set()
         self.idx: tuple[int, ...] = ()  # the cell being validated
+        self.run_mask = False  # whether its params.mask was written as a run-level mask
         self.by_cause = _ByCause(lambda axis: self.locate(self.position(self.idx), (axis,)))
         # _check_structure refuses a max_seq_len sweep without its search block
         self.search = (
@@ -172,8 +174,14 @@ class _Expander:
         """Where the user wrote the value at `path` (('seq_len',), ('params', 'block_size')).
 
         A run config field the spec leaves out (missing, or refused at its default) is named
-        where it would be written: ('base', field, ...).
+        where it would be written: ('base', field, ...). The params.mask of a cell whose mask
+        was written at run level is named there (mask, mask.lengths), and so is a causal that
+        only the mask set.
         """
+        if self.run_mask and tuple(path[:2]) == ("params", "mask"):
+            path = (RUN_MASK, *path[2:])
+        elif self.run_mask and tuple(path) == ("causal",) and "causal" not in pos:
+            path = path if "causal" in self.spec.base else (RUN_MASK,)
         head = str(path[0])
         if head in NESTED and len(path) > 1:
             axis = f"{head}.{path[1]}"
@@ -261,7 +269,12 @@ class _Expander:
         return raw, axes
 
     def check_params(self, raw: dict[str, Any], idx: tuple[int, ...], axes: dict[str, Any]) -> bool:
-        """Validate kernel and params (cached per distinct pair); normalize raw['params']."""
+        """Validate kernel and params (cached per distinct pair); normalize raw['params'],
+        after a run-level mask is moved into them and causal (service.spec_mask)."""
+        self.run_mask = RUN_MASK in raw
+        for path, msg in apply_run_mask(raw):
+            self.add(self.locate(self.position(idx), path), msg, axes)
+            return False
         kernel, params = raw.get("kernel"), raw["params"]
         if kernel is None:
             return True  # RunConfig reports the missing field
@@ -269,7 +282,7 @@ class _Expander:
         key = tuple(
             i
             for (name, _, _), i in zip(self.axes, idx, strict=True)
-            if name in ("kernel", "params") or name.startswith("params.")
+            if name in ("kernel", "params", RUN_MASK) or name.startswith("params.")
         )
         cached: tuple[Any, ...] = key
         if resolved.holds_unexpanded_mask(params):  # its lengths depend on the seq_len
@@ -364,7 +377,8 @@ class _Expander:
         base = self.spec.base
         if not all_plain(names) or {"workload", "model", "training"} & base.keys():
             return None
-        if resolved.holds_unexpanded_mask([base.get("params"), [v for _, _, v in self.axes]]):
+        given = [base.get("params"), base.get(RUN_MASK), [v for _, _, v in self.axes]]
+        if resolved.holds_unexpanded_mask(given):
             return None  # the params follow the seq_len: every cell is validated in full
         limits = self.limits
         checks = [

@@ -14,6 +14,9 @@ from workers.config import RunConfig
 MAX_ERRORS = 20
 """Expansion stops after this many distinct errors (the rest are usually the same mistake)."""
 RUN_FIELDS = frozenset(RunConfig.model_fields) - {"search"}
+SPEC_FIELDS = RUN_FIELDS | {"mask"}
+"""What a spec may give a run: its config fields and a run-level `mask`, which expansion
+stores as causal and params.mask (service.spec_mask)."""
 
 Loc = tuple[str | int, ...]
 

@@ -113,14 +113,16 @@ class SweepSpec(BaseModel):
         "correctness: every cell runs with correctness_check=true.",
     )
     base: dict[str, Any] = Field(
-        default_factory=dict, description="A partial run config shared by every cell."
+        default_factory=dict,
+        description="A partial run config shared by every cell; may hold a run-level `mask` "
+        "(stored as `causal` and `params.mask`: see A run's mask).",
     )
     grid: dict[str, list[Any]] = Field(
         default_factory=dict,
         description="Axis -> values; the cells are their cartesian product. Axes are run config "
-        "fields, `params.<name>`, `model.<name>`, `training.<name>`, or `params` / `model` / "
-        "`training` with whole objects as values (merged over the base's; a `params` axis zipped "
-        "with `kernel` gives each kernel its own params).",
+        "fields, a run-level `mask`, `params.<name>`, `model.<name>`, `training.<name>`, or "
+        "`params` / `model` / `training` with whole objects as values (merged over the base's; a "
+        "`params` axis zipped with `kernel` gives each kernel its own params).",
     )
     zip: dict[str, list[Any]] = Field(
         default_factory=dict,

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from service.core.config import RunLimits
-from service.spec_fields import NESTED, RUN_FIELDS, SpecError, err, nested_axis
+from service.spec_fields import NESTED, SPEC_FIELDS, SpecError, err, nested_axis
 from service.spec_models import SweepSpec
 from workers.config import ModelConfig, TrainingConfig
 
@@ -33,8 +33,8 @@ def _check_axis(where: str, axis: str) -> dict[str, Any] | None:
         return None
     if axis == "search":
         return err((where, axis), "search is not an axis; use the sweep's search block")
-    if axis not in RUN_FIELDS:
-        valid = ", ".join(sorted(RUN_FIELDS - set(NESTED)))
+    if axis not in SPEC_FIELDS:
+        valid = ", ".join(sorted(SPEC_FIELDS - set(NESTED)))
         return err(
             (where, axis),
             f"unknown axis {axis!r}; valid: {valid}, or params.<name>, model.<name>, "
@@ -49,7 +49,7 @@ def _base_errors(base: dict[str, Any]) -> list[dict[str, Any]]:
     for key in base:
         if key == "search":
             errors.append(err(("base", key), "put the search block at the top level of the sweep"))
-        elif key not in RUN_FIELDS:
+        elif key not in SPEC_FIELDS:
             errors.append(
                 err(("base", key), f"unknown run config field {key!r}", "extra_forbidden")
             )

@@ -43,6 +43,7 @@ SERVICE_LAYERS = {
     "service.spec_expand": 1,
     "service.spec_fields": 1,
     "service.spec_limits": 1,
+    "service.spec_mask": 1,
     "service.spec_models": 1,
     "service.spec_params": 1,
     "service.spec_structure": 1,

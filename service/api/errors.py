@@ -20,7 +20,7 @@ from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from service.spec import RUN_FIELDS, SweepSpec
+from service.spec import SPEC_FIELDS, SweepSpec
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def _names_where(loc: Sequence[Any]) -> list[str]:
     path = [p for p in parts if isinstance(p, str)][:-1]
     if not path:
         return sorted(SweepSpec.model_fields)
-    return sorted(RUN_FIELDS) if path == ["base"] else []
+    return sorted(SPEC_FIELDS) if path == ["base"] else []
 
 
 def did_you_mean(err: dict[str, Any]) -> dict[str, Any]:
