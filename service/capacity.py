@@ -1,8 +1,8 @@
 """What the CLI tells about runs the cluster cannot hold, and why runs ended as they did.
 
-`cannot_fit` warns at submit (`dry_run_warnings` at a dry run), with workers.fit.check_feasible (the check the scheduler refuses
-a run by) on the cluster /api/v1/cluster describes; `reasons` gives one line per run that did
-not end ok (`ringlab results`, `ringlab watch`).
+`cannot_fit` warns at submit (`dry_run_warnings` at a dry run), with workers.fit.check_feasible
+(the check the scheduler refuses a run by) on the cluster /api/v1/cluster describes; `reasons`
+gives one line per run that did not end ok (`ringlab results`, `ringlab watch`).
 """
 
 from __future__ import annotations

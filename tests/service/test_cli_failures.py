@@ -1,7 +1,8 @@
 """Failures told where the user looks: `ringlab results` has a status column and each run not
 ok with its one-line reason (at 80 columns too), `ringlab watch` names the reasons, a search
-whose runs were infeasible says so, and `ringlab submit` warns of runs the cluster cannot hold (its dry run too).
-Read as printed, against a live service (no scheduler: the runs' ends are written here)."""
+whose runs were infeasible says so, and `ringlab submit` warns of runs the cluster cannot hold
+(its dry run too). Read as printed, against a live service (no scheduler: the runs' ends are
+written here)."""
 
 from __future__ import annotations
 
@@ -149,7 +150,9 @@ def test_submit_warns_of_runs_the_cluster_cannot_hold(
     assert dry.stdout.splitlines()[0] == "documents[0] (wide): 2 cells, ok"
     warned = dry.stderr.strip().splitlines()
     assert warned[0].startswith("documents[0]: warning: 1 of 2 cells cannot fit this cluster (")
-    assert warned[0].endswith(" CPU, 0 GPU on 1 node(s)); submitted, they would fail as infeasible:")
+    assert warned[0].endswith(
+        " CPU, 0 GPU on 1 node(s)); submitted, they would fail as infeasible:"
+    )
     assert warned[1:] == [
         "  1 cell: the run needs 64 CPU (world_size=64, one CPU per rank, device=cpu)"
     ]

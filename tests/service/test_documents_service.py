@@ -33,7 +33,9 @@ def _cut_down_study() -> dict[str, Any]:
     study["base"] |= {"num_heads": 2, "head_dim": 8, "iterations": 1, "timeout_s": 300}
     study["grid"] = {"seq_len": [min(study["grid"]["seq_len"])]}
     zipped = zip(study["zip"]["kernel"], study["zip"]["params"], strict=True)
-    shipped = [(kernel, params.get("balance")) for kernel, params in zipped if "gather" not in params]
+    shipped = [
+        (kernel, params.get("balance")) for kernel, params in zipped if "gather" not in params
+    ]
     assert all(cell in shipped for cell in CELLS)
     assert ("dense", None) in shipped  # the single-process run of % of ideal (not run here)
     study["zip"] = {

@@ -166,7 +166,8 @@ def test_the_schemes_section_ranks_each_length_and_shows_each_searched_maximum()
     shape |= {"dtype": "float32", "causal": True, "mode": "train", "status": "succeeded"}
 
     def row(kernel: str, median_s: float | None, max_seq_len: int | None = None) -> dict:
-        return {**shape, "kernel": kernel, "scheme": kernel, "seq_len": 2048, "measured_seq_len": 2048,
+        return {**shape, "kernel": kernel, "scheme": kernel, "seq_len": 2048,
+                "measured_seq_len": 2048,
                 "median_s": median_s, "tokens_per_s": None if median_s is None else 2048 / median_s,
                 "rank_peak_bytes": [3 << 20, 5 << 20], "exposed_comm_share": 0.25,
                 "max_seq_len": max_seq_len}  # fmt: skip
@@ -195,7 +196,8 @@ def test_the_predicted_times_and_where_they_part_ways() -> None:
 
     def row(kernel: str, median_s: float, **more: Any) -> dict[str, Any]:
         flops_rate = 1e9 / median_s  # every row computes 1 GFLOP per rank
-        return {**shape, "kernel": kernel, "scheme": kernel, "median_s": median_s, "tokens_per_s": 1.0,
+        return {**shape, "kernel": kernel, "scheme": kernel, "median_s": median_s,
+                "tokens_per_s": 1.0,
                 "flops_per_s_per_rank": flops_rate, **more}  # fmt: skip
 
     ring, ulysses = row("ring", 0.11), row("ulysses", 0.3)

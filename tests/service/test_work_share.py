@@ -129,8 +129,11 @@ def test_without_a_single_process_run_there_is_no_ideal(tmp_path: Path) -> None:
 
 
 def test_a_gather_is_named_in_the_scheme_and_still_paired_with_one_process(tmp_path: Path) -> None:
-    gathers = [("allgather_kv", {"balance": "none"}, 2),
-               ("allgather_kv", {"balance": "none", "gather": "needed"}, 2), ("dense", {}, 1)]  # fmt: skip
+    gathers = [
+        ("allgather_kv", {"balance": "none"}, 2),
+        ("allgather_kv", {"balance": "none", "gather": "needed"}, 2),
+        ("dense", {}, 1),
+    ]
     zipped = {"kernel": [k for k, _, _ in gathers], "params": [p for _, p, _ in gathers],
               "world_size": [w for _, _, w in gathers]}  # fmt: skip
     got = _read(f"sqlite:///{tmp_path / 'docs.db'}", {**SPEC, "zip": zipped})
@@ -138,7 +141,10 @@ def test_a_gather_is_named_in_the_scheme_and_still_paired_with_one_process(tmp_p
               if r["config"]["world_size"] == 1}  # fmt: skip
     for (length, _), table in section_tables(got["report"]).items():
         # gather: all is allgather_kv's declared default, so only `needed` is named
-        assert [line["scheme"] for line in table] == ["allgather_kv", "allgather_kv · gather=needed"]
+        assert [line["scheme"] for line in table] == [
+            "allgather_kv",
+            "allgather_kv · gather=needed",
+        ]
         assert "-" not in {line["% of ideal"] for line in table}  # a gather moves K/V only
         runs = [r for r in got["rows"] if r["seq_len"] == length and r["world_size"] == 2]
         assert {r["ideal_run_id"] for r in runs} == {single[length]}

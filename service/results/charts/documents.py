@@ -32,8 +32,8 @@ def bar_text(row: Row) -> str:
     """What a bar says of its run: its imbalances (kept pairs, measured) and % of ideal."""
     return (
         f"kept {fmt_imbalance(row.kept_pairs_imbalance)} · measured "
-        f"{fmt_imbalance(row.compute_imbalance)} · wasted comm {fmt_ideal(row.wasted_comm_share)} · "
-        f"{fmt_ideal(row.ideal_fraction)} of ideal"
+        f"{fmt_imbalance(row.compute_imbalance)} · wasted comm "
+        f"{fmt_ideal(row.wasted_comm_share)} · {fmt_ideal(row.ideal_fraction)} of ideal"
     )
 
 
