@@ -11,13 +11,15 @@ range. Exact counts from the mask's ranges: no attention is computed, no timing 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from attention import layouts
 from attention.mask import expand
 
 
-def imbalances(seq: int, world: int, mean: int, seed: int) -> dict[str, float]:
-    """Balance -> kept-pairs imbalance for one sampled document mask."""
+def documents_mask(seq: int, world: int, mean: int, seed: int) -> dict[str, Any]:
+    """The study's mask: causal documents of lognormal lengths of `mean`, none over a quarter of
+    the sequence, lengths written out (bench.gather and bench.documents sample the same)."""
     sampled = {
         "distribution": "lognormal",
         "mean": mean,
@@ -25,7 +27,19 @@ def imbalances(seq: int, world: int, mean: int, seed: int) -> dict[str, float]:
         "seed": seed,
         "multiple_of": 2 * world,
     }  # per_document halves each document on every rank
-    mask = expand({"kind": "documents", "causal": True, "sampled": sampled}, seq)
+    return expand({"kind": "documents", "causal": True, "sampled": sampled}, seq)
+
+
+def study_arguments(parser: argparse.ArgumentParser) -> None:
+    """The study's sizes as every documents bench takes them: 16K tokens, W=4, mean 2K."""
+    parser.add_argument("--seq", type=int, default=16384, help="tokens in the sequence")
+    parser.add_argument("--world", type=int, default=4, help="ranks")
+    parser.add_argument("--mean", type=int, default=2048, help="documents' mean length")
+
+
+def imbalances(seq: int, world: int, mean: int, seed: int) -> dict[str, float]:
+    """Balance -> kept-pairs imbalance for one sampled document mask."""
+    mask = documents_mask(seq, world, mean, seed)
     out = {}
     for balance in layouts.BALANCES:
         order = layouts.order(balance, seq, world, mask)
@@ -35,9 +49,7 @@ def imbalances(seq: int, world: int, mean: int, seed: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=16384, help="tokens in the sequence")
-    parser.add_argument("--world", type=int, default=4, help="ranks")
-    parser.add_argument("--mean", type=int, default=2048, help="documents' mean length")
+    study_arguments(parser)
     parser.add_argument("--seeds", type=int, default=5, help="masks sampled (seeds 0..n-1)")
     args = parser.parse_args(argv)
     print(

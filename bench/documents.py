@@ -45,25 +45,14 @@ import torch.multiprocessing as mp
 
 import attention
 from attention import layouts
-from attention.mask import expand, parse
+from attention.mask import parse
 from attention.ring.dense import plan_for
 from attention.ring.steps import clock
+from bench.balance import documents_mask, study_arguments
 
 GATE_TOL = 1e-4
 CAUSAL = "causal"
 """The configuration without documents (plain causal mask, the ring's default layout)."""
-
-
-def documents_mask(seq: int, world: int, mean: int, seed: int) -> dict[str, Any]:
-    """Causal documents sampled as bench.balance samples them, lengths written out."""
-    sampled = {
-        "distribution": "lognormal",
-        "mean": mean,
-        "max_fraction": 0.25,
-        "seed": seed,
-        "multiple_of": 2 * world,
-    }  # per_document halves each document on every rank
-    return expand({"kind": "documents", "causal": True, "sampled": sampled}, seq)
 
 
 def configurations(seq: int, world: int, mean: int, seeds: list[int]) -> dict[str, dict]:
@@ -310,9 +299,7 @@ def report(summary: dict, seeds: list[int]) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq", type=int, default=16384, help="tokens in the sequence")
-    ap.add_argument("--world", type=int, default=4, help="ranks")
-    ap.add_argument("--mean", type=int, default=2048, help="documents' mean length")
+    study_arguments(ap)
     ap.add_argument("--seeds", default="0", help="comma list of the masks' sampling seeds")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=64, help="head_dim")

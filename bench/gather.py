@@ -18,8 +18,9 @@ import argparse
 from dataclasses import dataclass
 
 from attention import layouts
-from attention.mask import expand, parse
+from attention.mask import parse
 from attention.ring.needed import traffic
+from bench.balance import documents_mask, study_arguments
 from service.units import nbytes
 
 KV_HEADS = 8
@@ -45,14 +46,7 @@ class Moved:
 
 def moved(seq: int, world: int, mean: int, seed: int) -> dict[str, Moved]:
     """Balance -> the bytes each rank moves for one sampled document mask."""
-    sampled = {
-        "distribution": "lognormal",
-        "mean": mean,
-        "max_fraction": 0.25,
-        "seed": seed,
-        "multiple_of": 2 * world,
-    }  # per_document halves each document on every rank
-    mask = parse(expand({"kind": "documents", "causal": True, "sampled": sampled}, seq), seq)
+    mask = parse(documents_mask(seq, world, mean, seed), seq)
     out = {}
     for balance in layouts.BALANCES:
         order = layouts.order(balance, seq, world, mask)
@@ -74,9 +68,7 @@ def _mean(rows: list[Moved], field: str) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=16384, help="tokens in the sequence")
-    parser.add_argument("--world", type=int, default=4, help="ranks")
-    parser.add_argument("--mean", type=int, default=2048, help="documents' mean length")
+    study_arguments(parser)
     parser.add_argument("--seeds", type=int, default=5, help="masks sampled (seeds 0..n-1)")
     args = parser.parse_args(argv)
     print(

@@ -2,7 +2,7 @@
 per node and kept for the node's lifetime, so that a kernel's FLOP/s reads as a fraction of what
 this device does on a plain matmul (on CPU as on GPU).
 
-The size doubles from 256 until the best of PROBE_REPEATS products takes PROBE_TARGET_S (or
+The size doubles from MIN_SIZE until the best of PROBE_REPEATS products takes PROBE_TARGET_S (or
 reaches the device's MAX_SIZE); the rate is that best: 2 n^3 / seconds. The
 probe takes a fraction of a second. It is cached in a file per (boot, host, device, dtype, CPU
 threads) under the system's temporary directory: ranks of later runs on the same node read
@@ -28,7 +28,10 @@ import torch
 PROBE_TARGET_S = 0.02
 """Seconds one product should reach before the size stops doubling."""
 PROBE_REPEATS = 3
-MIN_SIZE = 256
+MIN_SIZE = {"cpu": 1024, "cuda": 2048}
+"""Smallest side probed per device type: a smaller product times its call, not the rate, and
+one slowed by a busy node would stop the doubling there and be kept for the node's lifetime
+(a 256-wide fp32 product once read 0.4 GFLOP/s on a loaded 2-core node)."""
 MAX_SIZE = {"cpu": 2048, "cuda": 8192}
 """Largest side probed per device type: a few hundred ms at most on one CPU thread in fp32."""
 CACHE_DIR = Path(tempfile.gettempdir()) / "ringlab-matmul"
@@ -75,7 +78,7 @@ def measure(device: torch.device, dtype: torch.dtype) -> MatmulRate:
     PROBE_TARGET_S (the best: one preempted product does not stop the doubling early)."""
     if device.type not in MAX_SIZE:
         raise ValueError(f"device: the matmul probe runs on cpu or cuda, got {device}")
-    size = MIN_SIZE
+    size = MIN_SIZE[device.type]
     seconds = _best_seconds(device, dtype, size, PROBE_REPEATS)
     while size < MAX_SIZE[device.type] and seconds < PROBE_TARGET_S:
         size *= 2
@@ -101,8 +104,10 @@ def boot_id() -> str:
 def node_rate(device: torch.device, dtype: torch.dtype, cache_dir: Path = CACHE_DIR) -> MatmulRate:
     """The node's rate for (device, dtype): the cached probe of this boot, else a new one,
     stored. Ranks asking at once wait on one lock; one measures, the others read it."""
-    key = json.dumps(
-        [boot_id(), socket.gethostname(), _device_key(device), str(dtype)], separators=(",", ":")
+    how = [MIN_SIZE.get(device.type), MAX_SIZE.get(device.type), PROBE_TARGET_S, PROBE_REPEATS]
+    key = json.dumps(  # how it probes too: a probe of other rules is not this one's
+        [boot_id(), socket.gethostname(), _device_key(device), str(dtype), how],
+        separators=(",", ":"),
     )
     name = hashlib.sha256(key.encode()).hexdigest()[:24]
     cache_dir.mkdir(parents=True, exist_ok=True)

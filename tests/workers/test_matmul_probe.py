@@ -16,7 +16,7 @@ from workers.environment import collect
 def test_the_rate_is_two_n_cubed_over_the_best_seconds() -> None:
     got = matmul_probe.measure(torch.device("cpu"), torch.float32)
     assert got.dtype == "float32"
-    assert got.size in (256, 512, 1024, 2048)
+    assert got.size in (1024, 2048)  # from MIN_SIZE: a smaller product times its call
     assert 0 < got.seconds < 1  # well under a second, even on a busy machine
     assert got.flops_per_s == pytest.approx(2 * got.size**3 / got.seconds)
     # the size doubled until the best product reached the target, or stopped at the cap
