@@ -37,6 +37,15 @@ def study_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mean", type=int, default=2048, help="documents' mean length")
 
 
+def study_setup(args: argparse.Namespace) -> str:
+    """The study's setup as every documents bench prints it first."""
+    return (
+        f"setup: causal documents, lognormal lengths of mean {args.mean:,} tokens, each at most "
+        f"{args.seq // 4:,} (a quarter), {args.seq:,} tokens on {args.world} ranks; ptrr blocks "
+        "of 128"
+    )
+
+
 def imbalances(seq: int, world: int, mean: int, seed: int) -> dict[str, float]:
     """Balance -> kept-pairs imbalance for one sampled document mask."""
     mask = documents_mask(seq, world, mean, seed)
@@ -52,11 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     study_arguments(parser)
     parser.add_argument("--seeds", type=int, default=5, help="masks sampled (seeds 0..n-1)")
     args = parser.parse_args(argv)
-    print(
-        f"setup: causal documents, lognormal lengths of mean {args.mean:,} tokens, each at most "
-        f"{args.seq // 4:,} (a quarter), {args.seq:,} tokens on {args.world} ranks; ptrr "
-        f"blocks of 128; kept pairs per rank, max / mean"
-    )
+    print(f"{study_setup(args)}; kept pairs per rank, max / mean")
     rows = [imbalances(args.seq, args.world, args.mean, s) for s in range(args.seeds)]
     for balance in layouts.BALANCES:
         seen = [r[balance] for r in rows]

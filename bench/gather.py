@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from attention import layouts
 from attention.mask import parse
 from attention.ring.needed import traffic
-from bench.balance import documents_mask, study_arguments
+from bench.balance import documents_mask, study_arguments, study_setup
 from service.units import nbytes
 
 KV_HEADS = 8
@@ -72,10 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=5, help="masks sampled (seeds 0..n-1)")
     args = parser.parse_args(argv)
     print(
-        f"setup: causal documents, lognormal lengths of mean {args.mean:,} tokens, each at most "
-        f"{args.seq // 4:,} (a quarter), {args.seq:,} tokens on {args.world} ranks; ptrr blocks "
-        f"of 128; K/V of a token {ROW_BYTES:,} bytes ({KV_HEADS} kv heads x {HEAD_DIM} bf16); "
-        f"bytes one rank receives per forward pass, mean over ranks and seeds"
+        f"{study_setup(args)}; K/V of a token {ROW_BYTES:,} bytes ({KV_HEADS} kv heads x "
+        f"{HEAD_DIM} bf16); bytes one rank receives per forward pass, mean over ranks and seeds"
     )
     rows = [moved(args.seq, args.world, args.mean, s) for s in range(args.seeds)]
     for balance in layouts.BALANCES:

@@ -54,3 +54,21 @@ def reference(mask: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vr)
     out.backward(dout)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def assert_shards_match(
+    per_rank: list[list[dict[str, Any]]], i: int, ref: dict[str, torch.Tensor], case: tuple
+) -> None:
+    """Case `i`'s shards put back together equal the fp64 reference `ref`, forward and
+    gradients (within 1e-10), every token on exactly one rank."""
+    held = torch.cat([r[i]["held"] for r in per_rank])
+    assert sorted(held.tolist()) == list(range(S))  # every token on exactly one rank
+    for name in ("out", "dq", "dk", "dv"):
+        got = torch.cat([r[i][name] for r in per_rank], dim=1)
+        torch.testing.assert_close(
+            got,
+            ref[name][:, held],
+            atol=1e-10,
+            rtol=1e-9,
+            msg=lambda m, n=name: f"{n} {case}: {m}",
+        )

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from _dist_helpers import run_ranks
-from _mask_cases import KV_HEADS, MASKS, SHAPE, S, inputs, mask_id, reference
+from _mask_cases import KV_HEADS, MASKS, SHAPE, S, assert_shards_match, inputs, mask_id, reference
 
 import attention
 from attention.errors import ParamError
@@ -67,17 +67,7 @@ def test_gather_needed_is_exact_under_every_mask_and_balance(world: int) -> None
     for i, (mask, balance) in enumerate(CASES):
         ref = reference(mask, seed=i)
         held_each = [r[i]["held"] for r in per_rank]
-        held = torch.cat(held_each)
-        assert sorted(held.tolist()) == list(range(S))
-        for name in ("out", "dq", "dk", "dv"):
-            got = torch.cat([r[i][name] for r in per_rank], dim=1)
-            torch.testing.assert_close(
-                got,
-                ref[name][:, held],
-                atol=1e-10,
-                rtol=1e-9,
-                msg=lambda m, n=name, c=(mask_id(mask), balance): f"{n} {c}: {m}",
-            )
+        assert_shards_match(per_rank, i, ref, (mask_id(mask), balance))
         for rank in range(world):
             assert per_rank[rank][i]["received"] == needed_bytes(mask, held_each, rank), (
                 mask_id(mask), balance, rank)  # fmt: skip

@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 from _dist_helpers import run_ranks
-from _mask_cases import LENGTHS, MASKS, S, inputs, mask_id, reference
+from _mask_cases import LENGTHS, MASKS, S, assert_shards_match, inputs, mask_id, reference
 
 import attention
 from attention.mask import from_legacy, parse
@@ -67,14 +66,4 @@ def test_sharded_kernels_are_exact_under_every_mask_and_balance(world: int) -> N
     per_rank = run_ranks(rank_all_cases, world, deadline_s=280.0)
     for i, (kernel, mask, balance) in enumerate(CASES):
         ref = reference(from_legacy(True, LENGTHS) if "legacy" in mask else mask, seed=i)
-        held = torch.cat([r[i]["held"] for r in per_rank])
-        assert sorted(held.tolist()) == list(range(S))  # every token on exactly one rank
-        for name in ("out", "dq", "dk", "dv"):
-            got = torch.cat([r[i][name] for r in per_rank], dim=1)
-            torch.testing.assert_close(
-                got,
-                ref[name][:, held],
-                atol=1e-10,
-                rtol=1e-9,
-                msg=lambda m, n=name, c=(kernel, mask_id(mask), balance): f"{n} {c}: {m}",
-            )
+        assert_shards_match(per_rank, i, ref, (kernel, mask_id(mask), balance))
