@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from flash_attn import flash_attn_func as fa2_func
 
-from attention.adapters import require_cuda_half
+from attention.adapters import adapter_specs, require_cuda_half
 from attention.base import ExactKernel
 from attention.errors import ParamError
 from attention.registry import KernelSpec
@@ -62,11 +62,9 @@ class FlashAttn(ExactKernel):
 
 
 def kernel_specs() -> list[KernelSpec]:
-    return [
-        KernelSpec(
-            name="flash_attn",
-            description="Dao-AILab FlashAttention 2 or 3 (CUDA, fp16/bf16).",
-            params=FlashAttnParams,
-            factory=FlashAttn,
-        )
-    ]
+    return adapter_specs(
+        "flash_attn",
+        "Dao-AILab FlashAttention 2 or 3 (CUDA, fp16/bf16).",
+        FlashAttnParams,
+        FlashAttn,
+    )

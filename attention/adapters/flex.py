@@ -42,6 +42,7 @@ except ImportError:
     AuxRequest = None
 
 from attention import compiled, dilated_blocks
+from attention.adapters import adapter_specs
 from attention.base import Kernel
 from attention.block_sparse import (
     BlockSparseAttention,
@@ -332,30 +333,26 @@ def flex_head_dim_problem(params: Any, dtype: torch.dtype, head_dim: int) -> str
 
 
 def block_sparse_specs() -> list[KernelSpec]:
-    return [
-        KernelSpec(
-            name="flex_block_sparse",
-            description="block_sparse's pattern through torch FlexAttention (compiled).",
-            params=FlexBlockSparseParams,
-            factory=FlexBlockSparse,
-            keep_mask=block_sparse_keep,
-            keep_rows=block_sparse_keep_rows,
-            check=check_flex_block_sparse,
-            periods=lambda params: block_sparse_periods(params.ours()),
-            cuda_head_dim=flex_head_dim_problem,
-        )
-    ]
+    return adapter_specs(
+        "flex_block_sparse",
+        "block_sparse's pattern through torch FlexAttention (compiled).",
+        FlexBlockSparseParams,
+        FlexBlockSparse,
+        keep_mask=block_sparse_keep,
+        keep_rows=block_sparse_keep_rows,
+        check=check_flex_block_sparse,
+        periods=lambda params: block_sparse_periods(params.ours()),
+        cuda_head_dim=flex_head_dim_problem,
+    )
 
 
 def dilated_specs() -> list[KernelSpec]:
-    return [
-        KernelSpec(
-            name="flex_dilated",
-            description="LongNet dilated attention through torch FlexAttention, one call per "
-            "branch merged by log-sum-exp.",
-            params=FlexDilatedParams,
-            factory=FlexDilated,
-            twin="dilated",
-            cuda_head_dim=flex_head_dim_problem,
-        )
-    ]
+    return adapter_specs(
+        "flex_dilated",
+        "LongNet dilated attention through torch FlexAttention, one call per branch merged by "
+        "log-sum-exp.",
+        FlexDilatedParams,
+        FlexDilated,
+        twin="dilated",
+        cuda_head_dim=flex_head_dim_problem,
+    )

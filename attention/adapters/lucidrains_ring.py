@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from ring_attention_pytorch import ring_flash_attn
 
-from attention.adapters import RingAdapter
+from attention.adapters import RingAdapter, adapter_specs
 from attention.errors import ParamError
 from attention.registry import KernelSpec
 
@@ -63,13 +63,10 @@ class LucidrainsRing(RingAdapter):
 
 
 def kernel_specs() -> list[KernelSpec]:
-    return [
-        KernelSpec(
-            name="lucidrains_ring",
-            description="lucidrains' ring-attention-pytorch ring (pure torch, gloo on CPU); "
-            "its 0.5.20 backward returns wrong dK/dV, which the correctness gate catches.",
-            params=LucidrainsRingParams,
-            factory=LucidrainsRing,
-            distributed=True,
-        )
-    ]
+    return adapter_specs(
+        "lucidrains_ring",
+        "lucidrains' ring-attention-pytorch ring (pure torch, gloo on CPU); its 0.5.20 backward "
+        "returns wrong dK/dV, which the correctness gate catches.",
+        LucidrainsRingParams,
+        LucidrainsRing,
+    )

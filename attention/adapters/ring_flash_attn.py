@@ -26,9 +26,14 @@ from ring_flash_attn import (
 )
 
 from attention import documents
-from attention.adapters import RingAdapter, require_cuda_half
+from attention.adapters import (
+    RingAdapter,
+    adapter_specs,
+    check_choice,
+    require_cuda_half,
+    split_check,
+)
 from attention.errors import ParamError
-from attention.layouts import check_seq_len
 from attention.masks import document_rows
 from attention.registry import KernelSpec
 
@@ -45,10 +50,7 @@ class RingFlashAttnParams:
     document_lengths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.variant not in LAYOUTS:
-            raise ParamError(
-                "params.variant", f"expected one of {', '.join(LAYOUTS)}, got {self.variant!r}"
-            )
+        check_choice("params.variant", self.variant, LAYOUTS)
         object.__setattr__(self, "document_lengths", documents.normalize(self.document_lengths))
         if self.document_lengths is not None and self.variant != "llama3":
             raise ParamError(
@@ -56,16 +58,12 @@ class RingFlashAttnParams:
             )
 
 
-def check(
-    params: RingFlashAttnParams,
-    *,
-    seq_len: int,
-    world_size: int = 1,
-    num_heads: int = 1,
-    causal: bool | None = None,
-) -> None:
-    documents.check_total(params.document_lengths, seq_len)
-    check_seq_len(seq_len, LAYOUTS[params.variant], world_size)
+def layout(params: RingFlashAttnParams, causal: bool | None) -> str:
+    """The variant's layout: zigzag's shards, or contiguous ones (ring, llama3)."""
+    return LAYOUTS[params.variant]
+
+
+check = split_check(layout, lambda params: params.document_lengths)
 
 
 def keep_mask(
@@ -121,16 +119,13 @@ class RingFlashAttn(RingAdapter):
 
 
 def kernel_specs() -> list[KernelSpec]:
-    return [
-        KernelSpec(
-            name="ring_flash_attn",
-            description="zhuzilin's ring-flash-attention: zigzag, plain ring or llama3 "
-            "(variable-length documents) (CUDA, NCCL).",
-            params=RingFlashAttnParams,
-            factory=RingFlashAttn,
-            distributed=True,
-            check=check,
-            keep_mask=keep_mask,
-            keep_rows=keep_rows,
-        )
-    ]
+    return adapter_specs(
+        "ring_flash_attn",
+        "zhuzilin's ring-flash-attention: zigzag, plain ring or llama3 (variable-length "
+        "documents) (CUDA, NCCL).",
+        RingFlashAttnParams,
+        RingFlashAttn,
+        check=check,
+        keep_mask=keep_mask,
+        keep_rows=keep_rows,
+    )

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from attention.adapters import adapter_specs, check_choice, sdpa_bshd
 from attention.base import ExactKernel
 from attention.errors import ParamError
 from attention.registry import KernelSpec
@@ -36,10 +36,7 @@ class SdpaParams:
     backend: str = "math"
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ParamError(
-                "params.backend", f"expected one of {', '.join(BACKENDS)}, got {self.backend!r}"
-            )
+        check_choice("params.backend", self.backend, BACKENDS)
 
 
 class SdpaAttention(ExactKernel):
@@ -51,13 +48,7 @@ class SdpaAttention(ExactKernel):
         name = self.params.backend
         try:
             with sdpa_kernel([BACKENDS[name]]):
-                out = F.scaled_dot_product_attention(
-                    q.transpose(1, 2),
-                    k.transpose(1, 2),
-                    v.transpose(1, 2),
-                    is_causal=causal,
-                    enable_gqa=k.shape[2] != q.shape[2],
-                )
+                out = sdpa_bshd(q, k, v, is_causal=causal)
         except RuntimeError as exc:  # torch's words for "this backend cannot run it"
             if not any(words in str(exc) for words in NO_BACKEND):
                 raise
@@ -67,16 +58,14 @@ class SdpaAttention(ExactKernel):
                 f"shape (torch {torch.__version__}); pick another backend",
             ) from exc
         self.backend = f"sdpa-{name}-{q.device.type}"
-        return out.transpose(1, 2)
+        return out
 
 
 def kernel_specs() -> list[KernelSpec]:
-    return [
-        KernelSpec(
-            name="sdpa",
-            description="torch scaled_dot_product_attention with one backend named "
-            "(flash, efficient, cudnn or math); an unsupported one is an error, not a fallback.",
-            params=SdpaParams,
-            factory=SdpaAttention,
-        )
-    ]
+    return adapter_specs(
+        "sdpa",
+        "torch scaled_dot_product_attention with one backend named (flash, efficient, cudnn or "
+        "math); an unsupported one is an error, not a fallback.",
+        SdpaParams,
+        SdpaAttention,
+    )

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from attention.adapters import RingAdapter
+from attention.adapters import RingAdapter, adapter_specs, split_check
 from attention.errors import ParamError
-from attention.layouts import check_seq_len, positions
+from attention.layouts import positions
 from attention.registry import KernelSpec
 
 ROTATE_METHODS = ("allgather", "alltoall")
@@ -72,16 +72,12 @@ class TorchCPParams:
             )
 
 
-def check(
-    params: TorchCPParams,
-    *,
-    seq_len: int,
-    world_size: int = 1,
-    num_heads: int = 1,
-    causal: bool | None = None,
-) -> None:
-    """Causal (or unknown): zigzag's rule (torch's head-tail shards); else contiguous's."""
-    check_seq_len(seq_len, "contiguous" if causal is False else "zigzag", world_size)
+def layout(params: TorchCPParams, causal: bool | None) -> str:
+    """Causal (or not known yet): torch's head-tail shards, the zigzag layout; else contiguous."""
+    return "contiguous" if causal is False else "zigzag"
+
+
+check = split_check(layout)
 
 
 class _Dispatched(torch.autograd.Function):
@@ -140,7 +136,7 @@ class TorchCP(RingAdapter):
         self, seq_len: int, rank: int, world_size: int, *, causal: bool = False
     ) -> torch.Tensor:
         """Causal: torch's head-tail (zigzag) shards; else contiguous ones."""
-        return positions(seq_len, "zigzag" if causal else "contiguous", rank, world_size)
+        return positions(seq_len, layout(self.params, causal), rank, world_size)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
@@ -168,17 +164,12 @@ def kernel_specs() -> list[KernelSpec]:
             f"torch_cp is CUDA-only: torch {torch.__version__}'s context_parallel cannot run "
             f"SDPA on CPU: {CPU_REFUSAL}"
         )
-    return [
-        KernelSpec(
-            name="torch_cp",
-            description=(
-                "torch's own context parallelism (context_parallel over SDPA), K/V rotated by "
-                "all-gather or all-to-all; causal shards head-tail (zigzag)."
-            ),
-            params=TorchCPParams,
-            factory=TorchCP,
-            distributed=True,
-            twin="dense",
-            check=check,
-        )
-    ]
+    return adapter_specs(
+        "torch_cp",
+        "torch's own context parallelism (context_parallel over SDPA), K/V rotated by all-gather "
+        "or all-to-all; causal shards head-tail (zigzag).",
+        TorchCPParams,
+        TorchCP,
+        twin="dense",
+        check=check,
+    )

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.nn import functional as F
 
 from attention import Kernel, KernelSpec, ParamError, attention_flops
+from attention.adapters import sdpa_bshd
 
 
 @dataclass(frozen=True)
@@ -60,14 +60,7 @@ class SlidingWindowAttention(Kernel):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
     ) -> torch.Tensor:
         mask = keep_mask(self.params, q.shape[1], causal, q.device)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            enable_gqa=k.shape[2] != q.shape[2],
-        )
-        return out.transpose(1, 2)
+        return sdpa_bshd(q, k, v, attn_mask=mask)
 
     def flops(
         self,
