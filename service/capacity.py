@@ -112,13 +112,22 @@ def sweep_runs(
         params["cursor"] = page["next"]
 
 
+def _cluster_or_warning(c: Any) -> dict[str, Any] | str:
+    """GET /cluster's answer, or the warning line that says the capacity could not be checked
+    (the cluster unreachable): what submit's and dry run's warnings start from."""
+    try:
+        cluster: dict[str, Any] = c.request("GET", "/cluster").json()
+    except ClientError as exc:
+        return f"warning: the cluster's capacity was not checked: {exc}"
+    return cluster
+
+
 def submit_warnings(c: Any, sweep_ids: list[int]) -> list[str]:
     """What `ringlab submit` warns of: the runs of these sweeps that the cluster can never
     hold (`cannot_fit`), or that the check could not be made when the cluster is unreachable."""
-    try:
-        cluster = c.request("GET", "/cluster").json()
-    except ClientError as exc:
-        return [f"warning: the cluster's capacity was not checked: {exc}"]
+    cluster = _cluster_or_warning(c)
+    if isinstance(cluster, str):
+        return [cluster]
     lines = []
     for sweep_id in sweep_ids:
         runs = sweep_runs(c, sweep_id, most=MAX_CHECKED_RUNS + 1)
@@ -136,10 +145,9 @@ def dry_run_warnings(c: Any, documents: list[dict[str, Any]]) -> list[str]:
     cluster could never hold (counted from its `placed`), as a real submit warns of runs."""
     if not any(doc["placed"] for doc in documents):
         return []
-    try:
-        cluster = c.request("GET", "/cluster").json()
-    except ClientError as exc:
-        return [f"warning: the cluster's capacity was not checked: {exc}"]
+    cluster = _cluster_or_warning(c)
+    if isinstance(cluster, str):
+        return [cluster]
     lines = []
     for doc in documents:
         needs: dict[str, int] = defaultdict(int)

@@ -17,6 +17,7 @@ import hashlib
 import json
 import operator
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from workers.config import RunConfig
@@ -39,30 +40,21 @@ def cell_key_of(config_json: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(config_json).encode()).hexdigest()
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class Cell:
     """One expanded cell: its normalized config as JSON, its key, its axis values, and its
-    validated RunConfig (built from the JSON when first asked for, for a memoized cell)."""
+    validated RunConfig (built from the JSON when first asked for, for a memoized cell: None
+    until then)."""
 
-    __slots__ = ("_config", "axes", "built_over", "cell_key", "config_json", "varies")
-
-    def __init__(
-        self,
-        config: RunConfig | None,
-        config_json: dict[str, Any],
-        cell_key: str,
-        axes: dict[str, Any],
-        built_over: dict[str, Any] | None = None,
-        varies: tuple[str, ...] = (),
-    ) -> None:
-        self._config = config
-        self.config_json = config_json
-        self.cell_key = cell_key
-        self.axes = axes
-        self.built_over = built_over
-        """The memo's template this cell's JSON copies every field but `varies` from (the
-        same objects), or None: a store diffing the cell against that template (its sweep's
-        first cell) need compare only `varies`."""
-        self.varies = varies
+    _config: RunConfig | None
+    config_json: dict[str, Any]
+    cell_key: str
+    axes: dict[str, Any]
+    built_over: dict[str, Any] | None = None
+    """The memo's template this cell's JSON copies every field but `varies` from (the same
+    objects), or None: a store diffing the cell against that template (its sweep's first
+    cell) need compare only `varies`."""
+    varies: tuple[str, ...] = ()
 
     @property
     def config(self) -> RunConfig:

@@ -237,6 +237,14 @@ def _get_all(
     return values
 
 
+def fresh_processes(config: RunConfig, kind: Kind) -> bool:
+    """Whether the run takes a new gang and drops it after (config.fresh_processes, or a
+    max_seq_len search's own fresh_processes) instead of a warm one it gives back."""
+    return config.fresh_processes or bool(
+        kind == "max_seq_len" and config.search and config.search.fresh_processes
+    )
+
+
 class RunHandle:
     """One run in flight on a gang: poll it for the outcome, kill it to cancel or time out."""
 
@@ -248,17 +256,15 @@ class RunHandle:
         kind: Kind,
         *,
         cold: bool,
-        fresh: bool,
-        deadline: float,
     ) -> None:
+        self._started = time.monotonic()
+        """The placement deadline (pool.placement_timeout_s) counts from here."""
         self.config = config
         self.kind = kind
         self._pool = pool
         self._gang = gang
         self._cold = cold
-        self._fresh = fresh
-        self._deadline = deadline
-        self._started = time.monotonic()
+        self._fresh = fresh_processes(config, kind)
         self._killed: str | None = None
         self._finished = False
         self._lock = threading.Lock()
@@ -349,7 +355,7 @@ class RunHandle:
         ref = self._gang.ready_ref()
         while True:
             self._check_killed()
-            remaining = self._deadline - time.monotonic()
+            remaining = self._started + self._pool.placement_timeout_s - time.monotonic()
             if remaining <= 0:
                 raise PlacementTimeout(
                     f"the {self.config.world_size} bundles of {bundle(self._gang.key.device)} "
@@ -537,23 +543,12 @@ class GangPool:
         against.
         """
         key = GangKey.of(config, _checked_device(config, kind))
-        fresh = config.fresh_processes or bool(
-            kind == "max_seq_len" and config.search and config.search.fresh_processes
-        )
-        gang, cold = self._take(key, fresh)
+        gang, cold = self._take(key, fresh_processes(config, kind))
         if cold:
             ready, _ = ray.wait([gang.ready_ref()], timeout=READY_AT_ONCE_S)
             if not ready and on_waiting is not None:
                 on_waiting()
-        handle = RunHandle(
-            self,
-            gang,
-            config,
-            kind,
-            cold=cold,
-            fresh=fresh,
-            deadline=time.monotonic() + self.placement_timeout_s,
-        )
+        handle = RunHandle(self, gang, config, kind, cold=cold)
         handle._thread.start()
         return handle
 

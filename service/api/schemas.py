@@ -387,16 +387,20 @@ class ComparePair(BaseModel):
     regression: bool
     reasons: list[str] = Field(description="slower, more memory, shorter max length, B <status>.")
     time_ratio: float | None = Field(None, description="B median_s / A median_s.")
-    a_status: str | None = None
-    b_status: str | None = None
+    a_status: str | None = Field(None, description="A's run status.")
+    b_status: str | None = Field(None, description="B's run status.")
     a_median_s: float | None = Field(None, description="A's slowest rank's median time.")
     b_median_s: float | None = Field(None, description="B's slowest rank's median time.")
-    a_tokens_per_s: float | None = None
-    b_tokens_per_s: float | None = None
-    a_peak_memory_bytes: int | None = None
-    b_peak_memory_bytes: int | None = None
-    a_max_seq_len: int | None = None
-    b_max_seq_len: int | None = None
+    a_tokens_per_s: float | None = Field(
+        None, description="A's tokens/s: batch_size * measured_seq_len / median_s."
+    )
+    b_tokens_per_s: float | None = Field(None, description="B's tokens/s.")
+    a_peak_memory_bytes: int | None = Field(None, description="A's largest per-rank peak.")
+    b_peak_memory_bytes: int | None = Field(None, description="B's largest per-rank peak.")
+    a_max_seq_len: int | None = Field(
+        None, description="max_seq_len runs: the longest length that fit in A."
+    )
+    b_max_seq_len: int | None = Field(None, description="The longest length that fit in B.")
     a_iterations: int | None = Field(None, description="A's timed iterations.")
     b_iterations: int | None = Field(None, description="B's timed iterations.")
     a_median_ci_level: float | None = Field(None, description="What A's interval covers.")

@@ -7,13 +7,15 @@ import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Select, delete, exists, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.api import pages
+from service.api.deps import MAX_BIGINT, MAX_ID, NO_NUL
 from service.api.schemas import SweepOut
 from service.db.engine import rowcount
 from service.db.models import (
@@ -465,17 +467,19 @@ RUN_SORT_KEYS = {
 """The only columns GET /runs sorts by (`sort=<key>` ascending, `sort=-<key>` descending)."""
 
 
-@dataclass(frozen=True)
-class RunFilter:
-    """The filters GET /runs accepts; every one is optional."""
+class RunFilter(BaseModel):
+    """The filters GET /runs accepts, each with its bounds (the route's query parameters are
+    these fields); every one is optional."""
 
-    sweep_id: int | None = None
-    kernel: str | None = None
+    model_config = ConfigDict(frozen=True)
+
+    sweep_id: int | None = Field(None, ge=1, le=MAX_ID)
+    kernel: str | None = Field(None, max_length=64, pattern=NO_NUL)
     status: RunStatus | None = None
-    world_size: int | None = None
-    seq_len_min: int | None = None
-    seq_len_max: int | None = None
-    dtype: str | None = None
+    world_size: int | None = Field(None, ge=1, le=4096)
+    seq_len_min: int | None = Field(None, ge=0, le=MAX_BIGINT)
+    seq_len_max: int | None = Field(None, ge=0, le=MAX_BIGINT)
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None
 
     def clauses(self) -> list[Any]:
         where: list[Any] = []

@@ -31,25 +31,18 @@ app = typer.Typer(
 db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 
-COMMANDS: tuple[tuple[str, Callable[..., None], str | None], ...] = (
-    ("serve", processes.serve, processes.SERVE_HELP),
-    ("scheduler", processes.scheduler, None),
-    ("demo", demo.demo, demo.DEMO_HELP),
-    ("submit", submit.submit, None),
-    ("watch", watch.watch, None),
-    ("ls", sweeps.list_sweeps, None),
-    ("show", sweeps.show, None),
-    ("results", results.results, None),
-    ("report", results.report, None),
-    ("cancel", sweeps.cancel, None),
-    ("retry", sweeps.retry, None),
-    ("delete", sweeps.delete, None),
-    ("cluster", sweeps.cluster, None),
-    ("kernels", kernels.kernels, None),
-    ("compare", compare.compare, None),
-    ("export", export.export, None),
-)
-"""Each command's name, function and help text (None: the function's docstring)."""
+COMMANDS: tuple[tuple[str, Callable[..., None]], ...] = (
+    ("serve", processes.serve), ("scheduler", processes.scheduler), ("demo", demo.demo),
+    ("submit", submit.submit), ("watch", watch.watch), ("ls", sweeps.list_sweeps),
+    ("show", sweeps.show), ("results", results.results), ("report", results.report),
+    ("cancel", sweeps.cancel), ("retry", sweeps.retry), ("delete", sweeps.delete),
+    ("cluster", sweeps.cluster), ("kernels", kernels.kernels), ("compare", compare.compare),
+    ("export", export.export),
+)  # fmt: skip
+"""Each command's name and function, in `ringlab --help`'s order."""
+
+HELP_TEXTS = {"serve": processes.SERVE_HELP, "demo": demo.DEMO_HELP}
+"""The commands whose help is not their function's docstring, with their help text."""
 
 DB_COMMANDS: tuple[tuple[str, Callable[..., None]], ...] = (
     ("upgrade", database.db_upgrade),
@@ -58,8 +51,8 @@ DB_COMMANDS: tuple[tuple[str, Callable[..., None]], ...] = (
 )
 """`ringlab db`'s commands."""
 
-for name, command, help_text in COMMANDS:
-    app.command(name, help=help_text)(command)
+for name, command in COMMANDS:
+    app.command(name, help=HELP_TEXTS.get(name))(command)
 for name, command in DB_COMMANDS:
     db_app.command(name)(command)
 

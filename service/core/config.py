@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 
@@ -130,15 +130,9 @@ class Settings(BaseSettings):
         return value or None
 
     def run_limits(self) -> RunLimits:
-        """The caps a submitted sweep is held to (service.spec)."""
-        return RunLimits(
-            timeout_s=self.max_timeout_s,
-            iterations=self.max_iterations,
-            warmup=self.max_warmup,
-            batch_size=self.max_batch_size,
-            elements=self.max_elements,
-            cells=self.max_cells,
-        )
+        """The caps a submitted sweep is held to (service.spec): each RunLimits field from its
+        setting max_<field> (RINGLAB_MAX_<FIELD>)."""
+        return RunLimits(**{f.name: getattr(self, f"max_{f.name}") for f in fields(RunLimits)})
 
 
 def is_loopback(host: str) -> bool:

@@ -35,6 +35,10 @@ def given_params(config: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+PIVOT_ROW_COPIES = ("length", "seq_len", "kernel", "world_size", "searched", "model")
+"""The fields a PivotRow takes from its RunRow as they are (same name, same value)."""
+
+
 @dataclass(frozen=True, slots=True)
 class PivotRow:
     """What a label and a pivot read of a run (axis_value, Varying, service.results.pivot), with

@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Iterable
 from typing import Any
 
-from service.results.labels import AXIS_CONFIG_FIELDS, PivotRow, value_text
+from service.results.labels import AXIS_CONFIG_FIELDS, PIVOT_ROW_COPIES, PivotRow, value_text
 from service.results.report_runs import ResultsLayout
 from service.results.rows import Flag, RunRow
 from service.spec import PivotSpec, canonical_json, nested_axis
@@ -137,12 +137,7 @@ class ReportPlan:
         flags: tuple[Flag, ...] = tuple(r.flags)
         return PivotRow(
             label=self._labels.setdefault(r.label, r.label),
-            length=r.length,
-            seq_len=r.seq_len,
-            kernel=r.kernel,
-            world_size=r.world_size,
-            searched=r.searched,
-            model=r.model,
+            **{name: getattr(r, name) for name in PIVOT_ROW_COPIES},
             config=self._configs.setdefault(canonical_json(config), config),
             params=self._params.setdefault(canonical_json(r.params), r.params),
             flags=flags,

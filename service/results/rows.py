@@ -139,6 +139,11 @@ def _doc(text: str, export: bool = True) -> dict[str, Any]:
     return {"doc": text, "export": export}
 
 
+def _optional(text: str, export: bool = True) -> Any:
+    """A RunRow field that is None unless measured, with its metadata (_doc)."""
+    return field(default=None, metadata=_doc(text, export))
+
+
 @dataclass(kw_only=True, slots=True)
 class RunRow:
     """One run with every number a table or chart shows for it (see the module docstring).
@@ -152,8 +157,8 @@ class RunRow:
     kernel: str
     params: dict[str, Any] = field(metadata=_doc("The kernel's parameters as canonical JSON."))
     seq_len: int = field(metadata=_doc("The cell's length (a max_seq_len search's start)."))
-    measured_seq_len: int | None = field(
-        default=None, metadata=_doc("The length the ranks measured: seq_len, or a search's answer.")
+    measured_seq_len: int | None = _optional(
+        "The length the ranks measured: seq_len, or a search's answer."
     )
     world_size: int
     batch_size: int
@@ -169,185 +174,99 @@ class RunRow:
         default="", metadata=_doc("ok (with the correctness error and its length), OOM, ...")
     )
     attempts: int
-    median_s: float | None = field(
-        default=None, metadata=_doc("Slowest rank's median seconds per iteration.")
+    median_s: float | None = _optional("Slowest rank's median seconds per iteration.")
+    p10_s: float | None = _optional("That rank's 10th percentile.")
+    p90_s: float | None = _optional("That rank's 90th percentile.")
+    median_lo_s: float | None = _optional(
+        "That rank's confidence interval of the median, low end (order statistics; None with "
+        "one iteration)."
     )
-    p10_s: float | None = field(default=None, metadata=_doc("That rank's 10th percentile."))
-    p90_s: float | None = field(default=None, metadata=_doc("That rank's 90th percentile."))
-    median_lo_s: float | None = field(
-        default=None,
-        metadata=_doc(
-            "That rank's confidence interval of the median, low end (order statistics; None with "
-            "one iteration)."
-        ),
+    median_hi_s: float | None = _optional("Its high end.")
+    median_ci_level: float | None = _optional(
+        "Its coverage: >= 0.95 from 6 iterations, below with 2-5 (their range)."
     )
-    median_hi_s: float | None = field(default=None, metadata=_doc("Its high end."))
-    median_ci_level: float | None = field(
-        default=None,
-        metadata=_doc("Its coverage: >= 0.95 from 6 iterations, below with 2-5 (their range)."),
+    iterations: int | None = _optional("Timed iterations run (length of times_s).")
+    tokens_per_s: float | None = _optional("batch_size * measured_seq_len / median_s.")
+    tflops_per_s: float | None = _optional("FLOPs summed over ranks / median_s / 1e12.")
+    flops_per_s_per_rank: float | None = _optional("FLOPs summed / median_s / ranks.")
+    peak_fraction: float | None = _optional("Per-rank FLOP/s / the GPU's dense peak.")
+    matmul_fraction: float | None = _optional(
+        "Per-rank FLOP/s / the node's measured matmul rate (its environment's GEMM probe, "
+        "on CPU as on GPU); None where the probe was not stored."
     )
-    iterations: int | None = field(
-        default=None, metadata=_doc("Timed iterations run (length of times_s).")
-    )
-    tokens_per_s: float | None = field(
-        default=None, metadata=_doc("batch_size * measured_seq_len / median_s.")
-    )
-    tflops_per_s: float | None = field(
-        default=None, metadata=_doc("FLOPs summed over ranks / median_s / 1e12.")
-    )
-    flops_per_s_per_rank: float | None = field(
-        default=None, metadata=_doc("FLOPs summed / median_s / ranks.")
-    )
-    peak_fraction: float | None = field(
-        default=None, metadata=_doc("Per-rank FLOP/s / the GPU's dense peak.")
-    )
-    matmul_fraction: float | None = field(
-        default=None,
-        metadata=_doc(
-            "Per-rank FLOP/s / the node's measured matmul rate (its environment's GEMM probe, "
-            "on CPU as on GPU); None where the probe was not stored."
-        ),
-    )
-    peak_memory_bytes: int | None = field(
-        default=None, metadata=_doc("Largest per-rank peak memory.")
-    )
+    peak_memory_bytes: int | None = _optional("Largest per-rank peak memory.")
     rank_peak_bytes: list[int] = field(
         default_factory=list, metadata=_doc("Each rank's peak memory, in rank order.")
     )
-    input_memory_bytes: int | None = field(
-        default=None, metadata=_doc("Largest memory after the inputs.")
+    input_memory_bytes: int | None = _optional("Largest memory after the inputs.")
+    resident_peak_bytes: int | None = _optional(
+        "CPU: the largest per-rank resident-set (RSS) high-water mark above the baseline, a "
+        "second figure beside the allocator's peak_memory_bytes."
     )
-    resident_peak_bytes: int | None = field(
-        default=None,
-        metadata=_doc(
-            "CPU: the largest per-rank resident-set (RSS) high-water mark above the baseline, a "
-            "second figure beside the allocator's peak_memory_bytes."
-        ),
+    floor_bytes: int | None = _optional("q, k, v, out and lse for one rank's tokens.")
+    memory_per_token_bytes: float | None = _optional("Peak / tokens one rank holds.")
+    max_seq_len: int | None = _optional("max_seq_len runs: the longest length that fit.")
+    exposed_comm_share: float | None = _optional(
+        "Sequence-parallel kernels: time blocked on transfers / time in steps, all ranks."
     )
-    floor_bytes: int | None = field(
-        default=None, metadata=_doc("q, k, v, out and lse for one rank's tokens.")
+    step_coverage: float | None = _optional(
+        "Sequence-parallel kernels: the smallest share of a rank's time its steps account for."
     )
-    memory_per_token_bytes: float | None = field(
-        default=None, metadata=_doc("Peak / tokens one rank holds.")
+    comm_bytes_per_rank: float | None = _optional(
+        "Sequence parallel: bytes moved per rank per timed iteration (the most any rank "
+        "received: K/V hops, all-to-alls, gathers and reduce-scatters)."
     )
-    max_seq_len: int | None = field(
-        default=None, metadata=_doc("max_seq_len runs: the longest length that fit.")
+    ulysses_groups: str | None = _optional(
+        "usp: each Ulysses group's ranks and the node(s) they ran on ('ranks 0-1 on 10.0.0.1;"
+        " ...'); a group across nodes says so."
     )
-    exposed_comm_share: float | None = field(
-        default=None,
-        metadata=_doc(
-            "Sequence-parallel kernels: time blocked on transfers / time in steps, all ranks."
-        ),
+    step_flops_per_s_per_rank: float | None = _optional(
+        "Sequence parallel: one rank's compute rate in its steps (FLOPs over the steps' "
+        "compute seconds, all ranks summed)."
     )
-    step_coverage: float | None = field(
-        default=None,
-        metadata=_doc(
-            "Sequence-parallel kernels: the smallest share of a rank's time its steps account for."
-        ),
+    link_probe_bytes_per_s: float | None = _optional(
+        "W > 1 sequence parallel: the ring link's bandwidth, probed before the timed loop "
+        "(one K/V block pinged to the next rank and back); the slowest rank's."
     )
-    comm_bytes_per_rank: float | None = field(
-        default=None,
-        metadata=_doc(
-            "Sequence parallel: bytes moved per rank per timed iteration (the most any rank "
-            "received: K/V hops, all-to-alls, gathers and reduce-scatters)."
-        ),
+    link_latency_s: float | None = _optional(
+        "The probed links' largest one-way time of a 4-byte message."
     )
-    ulysses_groups: str | None = field(
-        default=None,
-        metadata=_doc(
-            "usp: each Ulysses group's ranks and the node(s) they ran on ('ranks 0-1 on 10.0.0.1;"
-            " ...'); a group across nodes says so."
-        ),
+    link_kind: str | None = _optional(
+        "What the probed link was: loopback (one host), one host (GPU to GPU), network (N hosts)."
     )
-    step_flops_per_s_per_rank: float | None = field(
-        default=None,
-        metadata=_doc(
-            "Sequence parallel: one rank's compute rate in its steps (FLOPs over the steps' "
-            "compute seconds, all ranks summed)."
-        ),
+    crossover_tokens: float | None = _optional(
+        "ring: tokens per rank where compute would hide a step's transfer (F/B)."
     )
-    link_probe_bytes_per_s: float | None = field(
-        default=None,
-        metadata=_doc(
-            "W > 1 sequence parallel: the ring link's bandwidth, probed before the timed loop "
-            "(one K/V block pinged to the next rank and back); the slowest rank's."
-        ),
+    crossover_basis: str | None = _optional(
+        "Where F and B come from: the steps' compute rate and the probed link (with its kind)."
     )
-    link_latency_s: float | None = field(
-        default=None, metadata=_doc("The probed links' largest one-way time of a 4-byte message.")
+    backend: str | None = _optional("The backends the ranks ran, comma-separated.")
+    plan: str | None = _optional(
+        "The execution plans the ranks ran (cpu, cuda), comma-separated: what `plan: auto` "
+        "became on the device; None for kernels without a plan and runs stored before."
     )
-    link_kind: str | None = field(
-        default=None,
-        metadata=_doc(
-            "What the probed link was: loopback (one host), one host (GPU to GPU), network (N "
-            "hosts)."
-        ),
+    max_abs_error: float | None = _optional(
+        "The correctness gate's full check (every row); None: not checked."
     )
-    crossover_tokens: float | None = field(
-        default=None,
-        metadata=_doc("ring: tokens per rank where compute would hide a step's transfer (F/B)."),
+    check_seq_len: int | None = _optional("The length the full check ran at.")
+    sampled_check_error: float | None = _optional(
+        "The gate's sampled rows at the run's own length (None: the full check ran at the "
+        "run's length)."
     )
-    crossover_basis: str | None = field(
-        default=None,
-        metadata=_doc(
-            "Where F and B come from: the steps' compute rate and the probed link (with its kind)."
-        ),
+    sampled_check_seq_len: int | None = _optional("The sampled check's length.")
+    sampled_check_rows: int | None = _optional("Rows the sampled check compared.")
+    baseline_run_id: int | None = _optional("The run the ratios compare with.")
+    baseline: str | None = _optional("What the baseline changes (e.g. W=1, dense).")
+    speedup: float | None = _optional("tokens_per_s / the baseline's.")
+    memory_ratio: float | None = _optional("peak_memory_bytes / the baseline's.")
+    max_len_gain: float | None = _optional("max_seq_len / the baseline's.")
+    efficiency: float | None = _optional("Gain / world-size ratio (W differs only).")
+    speedup_lo: float | None = _optional(
+        "The speedup's interval from both runs' median intervals: a_lo / b_hi."
     )
-    backend: str | None = field(
-        default=None, metadata=_doc("The backends the ranks ran, comma-separated.")
-    )
-    plan: str | None = field(
-        default=None,
-        metadata=_doc(
-            "The execution plans the ranks ran (cpu, cuda), comma-separated: what `plan: auto` "
-            "became on the device; None for kernels without a plan and runs stored before."
-        ),
-    )
-    max_abs_error: float | None = field(
-        default=None,
-        metadata=_doc("The correctness gate's full check (every row); None: not checked."),
-    )
-    check_seq_len: int | None = field(
-        default=None, metadata=_doc("The length the full check ran at.")
-    )
-    sampled_check_error: float | None = field(
-        default=None,
-        metadata=_doc(
-            "The gate's sampled rows at the run's own length (None: the full check ran at the "
-            "run's length)."
-        ),
-    )
-    sampled_check_seq_len: int | None = field(
-        default=None, metadata=_doc("The sampled check's length.")
-    )
-    sampled_check_rows: int | None = field(
-        default=None, metadata=_doc("Rows the sampled check compared.")
-    )
-    baseline_run_id: int | None = field(
-        default=None, metadata=_doc("The run the ratios compare with.")
-    )
-    baseline: str | None = field(
-        default=None, metadata=_doc("What the baseline changes (e.g. W=1, dense).")
-    )
-    speedup: float | None = field(default=None, metadata=_doc("tokens_per_s / the baseline's."))
-    memory_ratio: float | None = field(
-        default=None, metadata=_doc("peak_memory_bytes / the baseline's.")
-    )
-    max_len_gain: float | None = field(default=None, metadata=_doc("max_seq_len / the baseline's."))
-    efficiency: float | None = field(
-        default=None, metadata=_doc("Gain / world-size ratio (W differs only).")
-    )
-    speedup_lo: float | None = field(
-        default=None,
-        metadata=_doc("The speedup's interval from both runs' median intervals: a_lo / b_hi."),
-    )
-    speedup_hi: float | None = field(default=None, metadata=_doc("a_hi / b_lo."))
-    efficiency_lo: float | None = field(
-        default=None, metadata=_doc("speedup_lo / world-size ratio (timed).")
-    )
-    efficiency_hi: float | None = field(
-        default=None, metadata=_doc("speedup_hi / world-size ratio (timed).")
-    )
+    speedup_hi: float | None = _optional("a_hi / b_lo.")
+    efficiency_lo: float | None = _optional("speedup_lo / world-size ratio (timed).")
+    efficiency_hi: float | None = _optional("speedup_hi / world-size ratio (timed).")
     within_noise: list[str] = field(
         default_factory=list,
         metadata=_doc("The ratios whose interval holds 1.0 (speedup, checkpoint_time_ratio)."),
@@ -358,50 +277,28 @@ class RunRow:
     workload: str = field(
         default="attention", metadata=_doc("attention (the kernel alone) or model (training).")
     )
-    model: str | None = field(
-        default=None, metadata=_doc("Model cells: the model's name, else its shape.")
-    )
-    model_shape: str | None = field(
-        default=None, metadata=_doc("Model cells: d_model x heads x layers.")
-    )
+    model: str | None = _optional("Model cells: the model's name, else its shape.")
+    model_shape: str | None = _optional("Model cells: d_model x heads x layers.")
     optimizer: str | None = field(default=None)
     precision: str | None = field(default=None)
     checkpointing: str | None = field(default=None)
-    fixed_bytes: int | None = field(
-        default=None, metadata=_doc("Parameters + gradients + optimizer states.")
-    )
+    fixed_bytes: int | None = _optional("Parameters + gradients + optimizer states.")
     predicted_fixed_bytes: int | None = field(default=None)
-    bytes_per_token: float | None = field(
-        default=None, metadata=_doc("(Step peak - fixed) / rank tokens.")
+    bytes_per_token: float | None = _optional("(Step peak - fixed) / rank tokens.")
+    predicted_peak_bytes: int | None = _optional("The predicted step peak.")
+    predicted_max_seq_len: int | None = _optional(
+        "The longest length predicted to fit the memory budget."
     )
-    predicted_peak_bytes: int | None = field(
-        default=None, metadata=_doc("The predicted step peak.")
+    forward_s: float | None = _optional(
+        "Train mode: the slowest rank's median forward seconds (timed apart within each iteration)."
     )
-    predicted_max_seq_len: int | None = field(
-        default=None, metadata=_doc("The longest length predicted to fit the memory budget.")
+    backward_s: float | None = _optional("Train mode: that rank's median backward seconds.")
+    forward_p10_s: float | None = _optional(
+        "Kernel cells in train mode: its forward's 10th percentile."
     )
-    forward_s: float | None = field(
-        default=None,
-        metadata=_doc(
-            "Train mode: the slowest rank's median forward seconds (timed apart within each "
-            "iteration)."
-        ),
-    )
-    backward_s: float | None = field(
-        default=None, metadata=_doc("Train mode: that rank's median backward seconds.")
-    )
-    forward_p10_s: float | None = field(
-        default=None, metadata=_doc("Kernel cells in train mode: its forward's 10th percentile.")
-    )
-    forward_p90_s: float | None = field(
-        default=None, metadata=_doc("Its forward's 90th percentile.")
-    )
-    backward_p10_s: float | None = field(
-        default=None, metadata=_doc("Its backward's 10th percentile.")
-    )
-    backward_p90_s: float | None = field(
-        default=None, metadata=_doc("Its backward's 90th percentile.")
-    )
+    forward_p90_s: float | None = _optional("Its forward's 90th percentile.")
+    backward_p10_s: float | None = _optional("Its backward's 10th percentile.")
+    backward_p90_s: float | None = _optional("Its backward's 90th percentile.")
     forward_tflops_per_s: float | None = field(
         default=None,
         metadata=_doc(
@@ -409,68 +306,42 @@ class RunRow:
             "summed over ranks / forward_s / 1e12 (tflops_per_s is forward + backward's)."
         ),
     )
-    backward_tflops_per_s: float | None = field(
-        default=None,
-        metadata=_doc(
-            "Its backward FLOPs (forward + backward minus forward) summed over ranks / "
-            "backward_s / 1e12."
-        ),
+    backward_tflops_per_s: float | None = _optional(
+        "Its backward FLOPs (forward + backward minus forward) summed over ranks / "
+        "backward_s / 1e12."
     )
-    optimizer_s: float | None = field(
-        default=None, metadata=_doc("Model cells: median optimizer seconds.")
+    optimizer_s: float | None = _optional("Model cells: median optimizer seconds.")
+    wasted_comm_share: float | None = _optional(
+        "The ranks' wasted_comm_bytes / their comm_bytes (K/V received that kept no pair); "
+        "None for kernels that do not count them."
     )
-    wasted_comm_share: float | None = field(
-        default=None,
-        metadata=_doc(
-            "The ranks' wasted_comm_bytes / their comm_bytes (K/V received that kept no pair); "
-            "None for kernels that do not count them."
-        ),
+    kept_pairs_imbalance: float | None = _optional(
+        "Max / mean over the ranks of kept_pairs (the query-key pairs each rank computes "
+        "under the run's mask and balance); None where a rank does not count them "
+        "(service.results.work_share)."
     )
-    kept_pairs_imbalance: float | None = field(
-        default=None,
-        metadata=_doc(
-            "Max / mean over the ranks of kept_pairs (the query-key pairs each rank computes "
-            "under the run's mask and balance); None where a rank does not count them "
-            "(service.results.work_share)."
-        ),
+    compute_imbalance: float | None = _optional(
+        "Max / mean over the ranks of their measured compute seconds (the step clock's "
+        "step_compute_s); None for kernels without a step clock."
     )
-    compute_imbalance: float | None = field(
-        default=None,
-        metadata=_doc(
-            "Max / mean over the ranks of their measured compute seconds (the step clock's "
-            "step_compute_s); None for kernels without a step clock."
-        ),
+    kept_forward_tflops_per_s: float | None = _optional(
+        "4 x head_dim x kept pairs summed over the ranks x batch rows / the slowest rank's "
+        "forward seconds / 1e12."
     )
-    kept_forward_tflops_per_s: float | None = field(
-        default=None,
-        metadata=_doc(
-            "4 x head_dim x kept pairs summed over the ranks x batch rows / the slowest rank's "
-            "forward seconds / 1e12."
-        ),
+    kept_backward_tflops_per_s: float | None = _optional(
+        "2.5 x those forward FLOPs / the slowest rank's backward seconds / 1e12."
     )
-    kept_backward_tflops_per_s: float | None = field(
-        default=None,
-        metadata=_doc("2.5 x those forward FLOPs / the slowest rank's backward seconds / 1e12."),
+    ideal_run_id: int | None = _optional(
+        "W > 1: the same cell's single-process run that ideal_fraction reads."
     )
-    ideal_run_id: int | None = field(
-        default=None,
-        metadata=_doc("W > 1: the same cell's single-process run that ideal_fraction reads."),
+    ideal_fraction: float | None = _optional(
+        "% of ideal: (that run's median_s / world_size) / median_s; None without one."
     )
-    ideal_fraction: float | None = field(
-        default=None,
-        metadata=_doc(
-            "% of ideal: (that run's median_s / world_size) / median_s; None without one."
-        ),
+    checkpoint_time_ratio: float | None = _optional(
+        "Step time / the same cell's without checkpointing."
     )
-    checkpoint_time_ratio: float | None = field(
-        default=None, metadata=_doc("Step time / the same cell's without checkpointing.")
-    )
-    checkpoint_time_ratio_lo: float | None = field(
-        default=None, metadata=_doc("Its interval's low end.")
-    )
-    checkpoint_time_ratio_hi: float | None = field(
-        default=None, metadata=_doc("Its interval's high end.")
-    )
+    checkpoint_time_ratio_lo: float | None = _optional("Its interval's low end.")
+    checkpoint_time_ratio_hi: float | None = _optional("Its interval's high end.")
     scheme: str = field(
         default="",
         metadata=_doc(
@@ -489,7 +360,7 @@ class RunRow:
     searched: bool = field(metadata=_doc("", export=False))
     ranks: list[StoredRank] = field(metadata=_doc("", export=False))
     probes: list[StoredProbe] = field(metadata=_doc("", export=False))
-    flops_per_s: float | None = field(default=None, metadata=_doc("", export=False))
+    flops_per_s: float | None = _optional("", export=False)
     series: str = field(default="", metadata=_doc("", export=False))
     cotenants: list[int] | None = field(
         default=None,

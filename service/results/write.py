@@ -20,18 +20,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.db import models
 from service.db.engine import rowcount
-from service.db.models import (
-    ArtifactRow,
-    Environment,
-    MemoryComponentRow,
-    Probe,
-    RankResultRow,
-    RingStep,
-    Run,
-    RunStatus,
-    utcnow,
-)
+from service.db.models import Run, RunStatus, utcnow
 from service.leases import Claim, holding
 from workers.results import EnvironmentInfo, ProbeResult, RunOutcome, stored
 from workers.results import RankResult as RankMeasure
@@ -97,7 +88,7 @@ def record_probes(sm: sessionmaker[Session], claim: Claim, probes: Sequence[Prob
             session.rollback()
             return False
         for probe in probes:
-            session.add(Probe(run_id=claim.run_id, **stored(probe)))
+            session.add(models.Probe(run_id=claim.run_id, **stored(probe)))
     return True
 
 
@@ -107,9 +98,11 @@ def _environment_id(session: Session, env: EnvironmentInfo) -> int:
     key = env.hash()
     row = {"created_at": utcnow(), **stored(env), "hash": key}
     session.execute(
-        insert(Environment).values(**row).on_conflict_do_nothing(index_elements=["hash"])
+        insert(models.Environment).values(**row).on_conflict_do_nothing(index_elements=["hash"])
     )
-    return session.scalars(select(Environment.id).where(Environment.hash == key)).one()
+    return session.scalars(
+        select(models.Environment.id).where(models.Environment.hash == key)
+    ).one()
 
 
 def finish(sm: sessionmaker[Session], claim: Claim, completion: Completion) -> bool:
@@ -156,12 +149,12 @@ def finish(sm: sessionmaker[Session], claim: Claim, completion: Completion) -> b
         names = [a["name"] for a in completion.artifacts]
         if names:
             session.execute(
-                delete(ArtifactRow).where(
-                    ArtifactRow.run_id == claim.run_id, ArtifactRow.name.in_(names)
+                delete(models.ArtifactRow).where(
+                    models.ArtifactRow.run_id == claim.run_id, models.ArtifactRow.name.in_(names)
                 )
             )
         for artifact in completion.artifacts:
-            session.add(ArtifactRow(run_id=claim.run_id, **artifact))
+            session.add(models.ArtifactRow(run_id=claim.run_id, **artifact))
         session.flush()
     return True
 
@@ -214,17 +207,19 @@ def _add_results(session: Session, run_id: int, completion: Completion) -> None:
     """The rows of every rank (its components and ring steps), and of every probe."""
     for rank in completion.ranks:
         node = completion.nodes.get(rank.rank)
-        session.add(RankResultRow(run_id=run_id, node=node, **stored(rank)))
+        session.add(models.RankResultRow(run_id=run_id, node=node, **stored(rank)))
         for component in rank.components:
-            session.add(MemoryComponentRow(run_id=run_id, rank=rank.rank, **stored(component)))
+            session.add(
+                models.MemoryComponentRow(run_id=run_id, rank=rank.rank, **stored(component))
+            )
     # The outcome holds every probe: it replaces those stored live while the search ran.
-    session.execute(delete(Probe).where(Probe.run_id == run_id))
+    session.execute(delete(models.Probe).where(models.Probe.run_id == run_id))
     for probe in completion.probes:
-        session.add(Probe(run_id=run_id, **stored(probe)))
+        session.add(models.Probe(run_id=run_id, **stored(probe)))
     steps = [
         {"run_id": run_id, "rank": rank.rank, **stored(step)}
         for rank in completion.ranks
         for step in rank.steps
     ]
     if steps:  # many narrow rows: one executemany
-        session.execute(insert(RingStep), steps)
+        session.execute(insert(models.RingStep), steps)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
@@ -12,10 +12,7 @@ from service import artifacts as artifact_files
 from service.api import ray_link, store
 from service.api.deps import (
     CURSOR_HELP,
-    MAX_BIGINT,
-    MAX_ID,
     MAX_SKIP,
-    NO_NUL,
     SKIP_HELP,
     WITH_COUNT_HELP,
     RunId,
@@ -51,13 +48,7 @@ def _noted(run: RunOut, note: str | None) -> RunOut:
 def list_runs(
     request: Request,
     session: SessionDep,
-    sweep_id: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None,
-    kernel: Annotated[str | None, Query(max_length=64, pattern=NO_NUL)] = None,
-    status_: Annotated[RunStatus | None, Query(alias="status")] = None,
-    world_size: Annotated[int | None, Query(ge=1, le=4096)] = None,
-    seq_len_min: Annotated[int | None, Query(ge=0, le=MAX_BIGINT)] = None,
-    seq_len_max: Annotated[int | None, Query(ge=0, le=MAX_BIGINT)] = None,
-    dtype: Literal["float32", "float16", "bfloat16"] | None = None,
+    filters: Annotated[store.RunFilter, Query()],
     sort: Annotated[RunSort, Query(description="Column to sort by; prefix '-' to reverse.")] = (
         RunSort("-id")
     ),
@@ -68,15 +59,6 @@ def list_runs(
 ) -> Response:
     """Runs matching every given filter, one page at a time, with the count and the next
     page's cursor."""
-    filters = store.RunFilter(
-        sweep_id=sweep_id,
-        kernel=kernel,
-        status=status_,
-        world_size=world_size,
-        seq_len_min=seq_len_min,
-        seq_len_max=seq_len_max,
-        dtype=dtype,
-    )
     found = store.list_runs(
         session, filters, sort=sort.value, skip=skip, limit=limit, cursor=cursor, with_count=count
     )

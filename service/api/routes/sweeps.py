@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import (
@@ -21,6 +22,7 @@ from fastapi import (
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
+from sqlalchemy.orm import Session
 from starlette.background import BackgroundTask
 
 from service.api import ray_link, store, submission
@@ -168,15 +170,14 @@ def create_sweep(
     if dry_run:
         response.status_code = status.HTTP_200_OK
         return submission.check(body.root, settings.run_limits())
+    sub = _Submission(
+        request, session, settings.run_limits(), response, idempotency_key, x_ringlab_submitter
+    )
     out: SweepOut | SweepBatch
     if isinstance(body.root, SweepDocuments):
-        out = _create_many(
-            body.root, request, session, settings, response, idempotency_key, x_ringlab_submitter
-        )
+        out = _create_many(body.root, sub)
     else:
-        out = _create_one(
-            body.root, request, session, settings, response, idempotency_key, x_ringlab_submitter
-        )
+        out = _create_one(body.root, sub)
     factory = request.app.state.sessionmaker
     for made in out.sweeps if isinstance(out, SweepBatch) else [out]:
         if made.total > sweep_results.WARM_CONTEXT_RUNS:  # once answered (see warm_context)
@@ -184,74 +185,71 @@ def create_sweep(
     return out
 
 
-def _create_one(
-    spec: SweepSpec,
-    request: Request,
-    session: SessionDep,
-    settings: SettingsDep,
-    response: Response,
-    idempotency_key: str | None,
-    submitter: str,
-) -> SweepOut:
+@dataclass(frozen=True)
+class _Submission:
+    """What storing a POST /sweeps body needs besides its spec or documents: the request (for
+    the queue's note), the session, the run limits, the response (status, Location), the
+    Idempotency-Key and the submitter."""
+
+    request: Request
+    session: Session
+    limits: RunLimits
+    response: Response
+    idempotency_key: str | None
+    submitter: str
+
+
+def _create_one(spec: SweepSpec, sub: _Submission) -> SweepOut:
     """One spec stored with its runs (201), the replay of its key (200), or a 422."""
     if bad := unstorable_values(spec.model_dump(exclude_unset=True)):
         raise _in_body(bad)
+    key = sub.idempotency_key
     try:
-        existing = store.sweep_for_key(session, idempotency_key, spec) if idempotency_key else None
+        existing = store.sweep_for_key(sub.session, key, spec) if key else None
     except store.IdempotencyConflict as e:
         raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
     if existing is not None:  # answered before expanding: a replay costs one lookup
-        return _stored_before(session, response, existing.id)
-    sweep, stored, created = _store_sweep(
-        session, spec, settings.run_limits(), idempotency_key, submitter
-    )
+        return _stored_before(sub.session, sub.response, existing.id)
+    sweep, stored, created = _store_sweep(sub.session, spec, sub.limits, key, sub.submitter)
     if not created:
-        return _stored_before(session, response, sweep.id)
-    response.headers["Location"] = SWEEP_LOCATION.format(sweep.id)
+        return _stored_before(sub.session, sub.response, sweep.id)
+    sub.response.headers["Location"] = SWEEP_LOCATION.format(sweep.id)
     # Just stored, all queued: no need to count them again.
     out = store.sweep_out(sweep, {**dict.fromkeys(RunStatus, 0), RunStatus.queued: stored})
-    return _noted(out, ray_link.queue_problem(request))
+    return _noted(out, ray_link.queue_problem(sub.request))
 
 
-def _create_many(
-    body: SweepDocuments,
-    request: Request,
-    session: SessionDep,
-    settings: SettingsDep,
-    response: Response,
-    idempotency_key: str | None,
-    submitter: str,
-) -> SweepBatch:
+def _create_many(body: SweepDocuments, sub: _Submission) -> SweepBatch:
     """Every document stored in one transaction (201), the replay of a key (200), or none
     with every document's problems (422)."""
     specs, problems = submission.parse(body)
     if problems:  # every document's problems: the others' expanded too, as a dry run would
-        checked = submission.check(body, settings.run_limits())
+        checked = submission.check(body, sub.limits)
         raise _in_body([p for doc in checked.documents for p in doc.problems])
     documents = [
         store.Document(
             spec,
-            submission.lazy_cells(spec, settings.run_limits()),
-            f"{idempotency_key}-{i}" if idempotency_key else None,
+            submission.lazy_cells(spec, sub.limits),
+            f"{sub.idempotency_key}-{i}" if sub.idempotency_key else None,
         )
         for i, spec in enumerate(specs)
     ]
     try:
-        made = store.create_sweeps(session, documents, submitter)
+        made = store.create_sweeps(sub.session, documents, sub.submitter)
     except SpecError as e:
         raise _in_body(e.errors) from e
     except store.IdempotencyConflict as e:
         raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
     if not any(created for _, _, created in made):
-        response.status_code = status.HTTP_200_OK
-    note = ray_link.queue_problem(request)
+        sub.response.status_code = status.HTTP_200_OK
+    note = ray_link.queue_problem(sub.request)
     out = []
     for sweep, stored, created in made:
         if created:
             counts: dict[str, int] = {**dict.fromkeys(RunStatus, 0), RunStatus.queued: stored}
             out.append(_noted(store.sweep_out(sweep, counts), note))
         else:
-            out.append(_noted(_sweep_or_404(session, sweep.id), note))
+            out.append(_noted(_sweep_or_404(sub.session, sweep.id), note))
     return SweepBatch(sweeps=out)
 
 

@@ -65,8 +65,13 @@ def log_x_layout(title: str, x: str, y: str, **y_extra: Any) -> dict[str, Any]:
         x,
         y,
         xaxis={"type": "log", "title": {"text": x}},
-        yaxis={"title": {"text": y}, **y_extra, "rangemode": "tozero"},
+        yaxis=zero_y_axis(y, **y_extra),
     )
+
+
+def zero_y_axis(y: str, **extra: Any) -> dict[str, Any]:
+    """A y axis titled `y` that starts from zero (extra: more of the axis)."""
+    return {"title": {"text": y}, **extra, "rangemode": "tozero"}
 
 
 def empty_chart(fig: go.Figure, message: str) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from service.results.charts.common import (
     succeeded,
     to_json,
     wrapped,
+    zero_y_axis,
 )
 from service.results.rows import local_tokens, memory_floor
 from service.units import ByteUnit, byte_unit, natural_key
@@ -387,20 +388,17 @@ def _scaling_line(
 
 def peak_fraction_figure(rows: Sequence[Row], styles: Styles | None = None) -> dict[str, Any]:
     """Achieved FLOP/s per rank as a fraction of the device's dense peak, when it is known."""
-    styles = styles or Styles(rows)
-    fig = go.Figure(
-        layout=chart_layout(
-            "Fraction of dense peak",
-            "sequence length (tokens)",
-            "achieved / dense peak FLOP/s (fraction)",
-            xaxis=length_axis(r.length for r in succeeded(rows, "flops_per_s_per_rank")),
-            yaxis={
-                "title": {"text": "achieved / dense peak FLOP/s (fraction)"},
-                "rangemode": "tozero",
-            },
-        )
-    )
     ok = succeeded(rows, "flops_per_s_per_rank")
+    styles = styles or Styles(rows)
+    y_title = "achieved / dense peak FLOP/s (fraction)"
+    layout = chart_layout(
+        "Fraction of dense peak",
+        "sequence length (tokens)",
+        y_title,
+        xaxis=length_axis(r.length for r in ok),
+        yaxis=zero_y_axis(y_title),
+    )
+    fig = go.Figure(layout=layout)
     if not ok:
         return empty_chart(fig, "No succeeded runs with measured FLOP/s yet")
     known = [r for r in ok if r.peak_fraction is not None]
