@@ -40,6 +40,21 @@ def small_spec(name: str = "small", **overrides: Any) -> dict[str, Any]:
     return spec
 
 
+def as_search(spec: dict[str, Any]) -> dict[str, Any]:
+    """`spec` (a grid sweep) as a max_seq_len search from 1,024 to 4,096 tokens: its grid
+    dropped, its other entries shared with `spec`."""
+    rest = {key: value for key, value in spec.items() if key != "grid"}
+    return {**rest, "kind": "max_seq_len", "search": {"start": 1024, "max": 4096}}
+
+
+def refused(client: TestClient, spec: dict[str, Any]) -> dict[str, Any]:
+    """The one problem of the 422 that POST /sweeps answers `spec` with."""
+    r = client.post("/api/v1/sweeps", json=spec)
+    assert r.status_code == 422, r.text
+    [problem] = r.json()["detail"]
+    return problem
+
+
 @contextmanager
 def api_client(database_url: str, **settings: Any) -> Iterator[TestClient]:
     """A TestClient on a fresh app (lifespan run: migrations, engine) for `database_url`."""
