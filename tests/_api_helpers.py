@@ -4,9 +4,12 @@ live uvicorn server: _web_helpers.live_server)."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -80,6 +83,19 @@ def run_in_process(client: TestClient, spec: dict[str, Any]) -> int:
         assert case.status == "ok", case.error
         assert write.finish(sm, claim, write.completion_from_outcome(outcome_of([case], 1)))
     return int(created.json()["id"])
+
+
+def start_serve(port: int, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """`ringlab serve --port port` in a process of its own session (signalled as a group),
+    with environment `env`, its stdout and stderr written to `log`."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def free_port() -> int:
