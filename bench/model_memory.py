@@ -115,22 +115,14 @@ DEFAULT_SEQ = {"cpu": 1024, "cuda": 4096}
 def parse() -> argparse.Namespace:
     """The command line, with the device's default sizes and length filled in."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument(
-        "--sizes",
-        nargs="+",
-        choices=list(SIZES),
-        default=None,
-        help="default: tiny small medium on cpu, 125M on cuda",
-    )
-    ap.add_argument("--seq", type=int, default=None, help="benchmark length (cpu 1024, cuda 4096)")
-    ap.add_argument(
-        "--budget-mib",
-        type=int,
-        default=None,
-        help="search budget for every size (default: each size's own: tiny 320, small 384, "
-        "medium 512, 125M 16384)",
-    )
+    ap.add_argument("--device", default="cpu", choices=list(DEFAULT_SIZES))
+    sizes = ", ".join(f"{' '.join(names)} on {dev}" for dev, names in DEFAULT_SIZES.items())
+    ap.add_argument("--sizes", nargs="+", choices=list(SIZES), help=f"default: {sizes}")
+    seqs = ", ".join(f"{dev} {seq}" for dev, seq in DEFAULT_SEQ.items())
+    ap.add_argument("--seq", type=int, help=f"benchmark length ({seqs})")
+    budgets = ", ".join(f"{size.name} {size.budget_mib}" for size in SIZES.values())
+    own = f"each size's own: {budgets}"
+    ap.add_argument("--budget-mib", type=int, help=f"search budget for every size (default: {own})")
     ap.add_argument("--kernel", default="dense", help="the decoder's attention kernel")
     ap.add_argument("--warmup", type=int, default=1, help="benchmark run (probes: 0)")
     ap.add_argument("--iterations", type=int, default=1, help="benchmark run (probes: 1)")

@@ -1,5 +1,6 @@
 """What several migrations do alike, said once: nullable columns added to a table and dropped
-again, and the tables of per-run rows (an id, the run they belong to, indexed by run).
+again, the tables of per-run rows (an id, the run they belong to, indexed by run), and runs of
+columns of one type (the type named once, not once a column).
 
 Columns are added in place unless `batch` is true: on SQLite batch mode rebuilds the table, and
 dropping the old copy of a table that runs refer to cascades to them (see 0005). Revisions
@@ -15,6 +16,17 @@ from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
+
+
+def columns(kind: Any, *names: str, nullable: bool = False) -> list[sa.Column[Any]]:
+    """The columns `names`, in order, each of type `kind` and the given nullability."""
+    return [sa.Column(name, kind, nullable=nullable) for name in names]
+
+
+def of_type(kind: Any, *names: str) -> dict[str, Any]:
+    """`names` mapped to `kind`, in order: add_columns' and added_columns' name=type pairs for a
+    run of columns of one type."""
+    return dict.fromkeys(names, kind)
 
 
 class _InPlace:

@@ -4,9 +4,12 @@ live uvicorn server: _web_helpers.live_server)."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -40,6 +43,21 @@ def small_spec(name: str = "small", **overrides: Any) -> dict[str, Any]:
     return spec
 
 
+def as_search(spec: dict[str, Any]) -> dict[str, Any]:
+    """`spec` (a grid sweep) as a max_seq_len search from 1,024 to 4,096 tokens: its grid
+    dropped, its other entries shared with `spec`."""
+    rest = {key: value for key, value in spec.items() if key != "grid"}
+    return {**rest, "kind": "max_seq_len", "search": {"start": 1024, "max": 4096}}
+
+
+def refused(client: TestClient, spec: dict[str, Any]) -> dict[str, Any]:
+    """The one problem of the 422 that POST /sweeps answers `spec` with."""
+    r = client.post("/api/v1/sweeps", json=spec)
+    assert r.status_code == 422, r.text
+    [problem] = r.json()["detail"]
+    return problem
+
+
 @contextmanager
 def api_client(database_url: str, **settings: Any) -> Iterator[TestClient]:
     """A TestClient on a fresh app (lifespan run: migrations, engine) for `database_url`."""
@@ -65,6 +83,19 @@ def run_in_process(client: TestClient, spec: dict[str, Any]) -> int:
         assert case.status == "ok", case.error
         assert write.finish(sm, claim, write.completion_from_outcome(outcome_of([case], 1)))
     return int(created.json()["id"])
+
+
+def start_serve(port: int, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """`ringlab serve --port port` in a process of its own session (signalled as a group),
+    with environment `env`, its stdout and stderr written to `log`."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def free_port() -> int:

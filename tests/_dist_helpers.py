@@ -78,18 +78,22 @@ def _from_wire(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+def _join_group(rank: int, world: int, port: int) -> None:
+    """Join the gloo group on loopback `port` with one thread (the W ranks share the machine's
+    cores); a collective waiting on a dead peer raises after PG_TIMEOUT_S."""
+    torch.set_num_threads(1)
+    address = f"tcp://127.0.0.1:{port}"
+    timeout = timedelta(seconds=PG_TIMEOUT_S)
+    dist.init_process_group(
+        "gloo", init_method=address, rank=rank, world_size=world, timeout=timeout
+    )
+
+
 def _rank_main(
     fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, results: Any
 ) -> None:
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=PG_TIMEOUT_S),
-        )
+        _join_group(rank, world, port)
         value = fn(rank, world, *args)
         results.put((rank, "ok", _to_wire(value)))
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent

@@ -6,7 +6,7 @@ Create Date: 2026-11-24 09:00:00
 
 import sqlalchemy as sa
 from alembic import op
-from service.migrations.ops import add_columns, drop_columns
+from service.migrations.ops import add_columns, drop_columns, of_type
 
 revision: str = "0002"
 down_revision: str | None = "0001"
@@ -24,9 +24,7 @@ def upgrade() -> None:
     add_columns(
         "rank_result",
         batch=True,
-        seq_len=sa.BigInteger(),
-        input_memory_bytes=sa.BigInteger(),
-        check_seq_len=sa.BigInteger(),
+        **of_type(sa.BigInteger(), "seq_len", "input_memory_bytes", "check_seq_len"),
     )
     op.execute(BACKFILL_SEQ_LEN)
     with op.batch_alter_table("rank_result") as batch:

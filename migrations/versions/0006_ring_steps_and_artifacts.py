@@ -6,50 +6,45 @@ Create Date: 2026-11-24 17:00:00
 """
 
 import sqlalchemy as sa
-from service.migrations.ops import add_columns, create_run_table, drop_columns, drop_run_table
+from service.migrations import ops
 
 revision: str = "0006"
 down_revision: str | None = "0005"
 
+# rank_result's ring-step totals and link rate, in the order they are added.
+RANK_COLUMNS = {
+    **ops.of_type(sa.Float(), "step_compute_s", "step_wait_s"),
+    "step_received_bytes": sa.BigInteger(),
+    "link_bytes_per_s": sa.Float(),
+}
+
 
 def upgrade() -> None:
-    add_columns("environment", batch=True, plugins=sa.JSON())
-    add_columns(
-        "rank_result",
-        batch=True,
-        step_compute_s=sa.Float(),
-        step_wait_s=sa.Float(),
-        step_received_bytes=sa.BigInteger(),
-        link_bytes_per_s=sa.Float(),
-    )
-    create_run_table(
+    ops.add_columns("environment", batch=True, plugins=sa.JSON())
+    ops.add_columns("rank_result", batch=True, **RANK_COLUMNS)
+    ops.create_run_table(
         "ring_step",
-        sa.Column("rank", sa.Integer(), nullable=False),
-        sa.Column("iteration", sa.Integer(), nullable=False),
+        *ops.columns(sa.Integer(), "rank", "iteration"),
         sa.Column("phase", sa.String(16), nullable=False),
         sa.Column("step", sa.Integer(), nullable=False),
-        sa.Column("compute_s", sa.Float(), nullable=False),
-        sa.Column("wait_s", sa.Float(), nullable=False),
-        sa.Column("sent_bytes", sa.BigInteger(), nullable=False),
-        sa.Column("received_bytes", sa.BigInteger(), nullable=False),
+        *ops.columns(sa.Float(), "compute_s", "wait_s"),
+        *ops.columns(sa.BigInteger(), "sent_bytes", "received_bytes"),
         sa.Column("link_bytes_per_s", sa.Float(), nullable=True),
     )
-    create_run_table(
+    ops.create_run_table(
         "artifact",
         sa.Column("rank", sa.Integer(), nullable=True),
         sa.Column("name", sa.String(200), nullable=False),
         sa.Column("kind", sa.String(32), nullable=False),
         sa.Column("size_bytes", sa.BigInteger(), nullable=False),
-        sa.Column("location", sa.Text(), nullable=True),
-        sa.Column("refused", sa.Text(), nullable=True),
+        *ops.columns(sa.Text(), "location", "refused", nullable=True),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.UniqueConstraint("run_id", "name", name="uq_artifact_run_name"),
     )
 
 
 def downgrade() -> None:
-    drop_run_table("artifact")
-    drop_run_table("ring_step")
-    columns = ("link_bytes_per_s", "step_received_bytes", "step_wait_s", "step_compute_s")
-    drop_columns("rank_result", *columns, batch=True)
-    drop_columns("environment", "plugins", batch=True)
+    ops.drop_run_table("artifact")
+    ops.drop_run_table("ring_step")
+    ops.drop_columns("rank_result", *reversed(RANK_COLUMNS), batch=True)
+    ops.drop_columns("environment", "plugins", batch=True)

@@ -7,18 +7,14 @@ Create Date: 2026-11-28 21:00:00
 """
 
 import sqlalchemy as sa
-from service.migrations.ops import added_columns
+from service.migrations.ops import added_columns, of_type
 
 revision: str = "0018_forward_backward"
 down_revision: str | None = "0017_listing_indexes"
 
 upgrade, downgrade = added_columns(
     "rank_result",
-    forward_p10_s=sa.Float(),
-    forward_p90_s=sa.Float(),
-    backward_p10_s=sa.Float(),
-    backward_p90_s=sa.Float(),
-    forward_times_s=sa.JSON(),
-    backward_times_s=sa.JSON(),
-    forward_flops=sa.Float(),
+    **of_type(sa.Float(), "forward_p10_s", "forward_p90_s", "backward_p10_s", "backward_p90_s"),
+    **of_type(sa.JSON(), "forward_times_s", "backward_times_s"),
+    **of_type(sa.Float(), "forward_flops"),
 )

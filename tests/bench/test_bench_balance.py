@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from _bench_helpers import rows_by_balance
 
-from attention import layouts
 from bench import balance
 
 
 def test_the_printed_imbalances_are_the_masks_own(capsys: pytest.CaptureFixture[str]) -> None:
-    balance.main(["--seq", "2048", "--world", "2", "--mean", "256", "--seeds", "2"])
-    printed = capsys.readouterr().out.splitlines()
-    assert printed[0].startswith("setup: causal documents")
-    rows = {line.split(":")[0].strip(): line for line in printed[1:]}
-    assert sorted(rows) == sorted(layouts.BALANCES)
+    rows = rows_by_balance(balance.main, capsys)
     for seed in (0, 1):
         for name, value in balance.imbalances(2048, 2, 256, seed).items():
             assert f"{value:.4f}" in rows[name].split("seeds:")[1]

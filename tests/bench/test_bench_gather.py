@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _bench_helpers import rows_by_balance
 
 from attention import layouts
 from attention.mask import expand, parse
@@ -25,11 +26,7 @@ def _dense_counts(seed: int, balance: str) -> tuple[list[int], list[int]]:
 
 
 def test_the_printed_bytes_are_the_masks_own(capsys: pytest.CaptureFixture[str]) -> None:
-    gather.main(["--seq", "2048", "--world", "2", "--mean", "256", "--seeds", "2"])
-    printed = capsys.readouterr().out.splitlines()
-    assert printed[0].startswith("setup: causal documents")
-    rows = {line.split(":")[0].strip(): line for line in printed[1:]}
-    assert sorted(rows) == sorted(layouts.BALANCES)
+    rows = rows_by_balance(gather.main, capsys)
     for balance in layouts.BALANCES:
         every, kept = zip(*(_dense_counts(s, balance) for s in (0, 1)), strict=True)
         row = gather.ROW_BYTES

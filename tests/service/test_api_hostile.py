@@ -163,17 +163,27 @@ def test_caps_follow_the_settings_and_name_the_axis_value(tmp_path: Path) -> Non
         assert client.post("/api/v1/sweeps", json=auto).status_code == 201
 
 
+# What a number beyond JSON's exact integers (JavaScript's safe range) is told.
+WITHIN_2_53 = "must be within +-9,007,199,254,740,991 (2^53 - 1)"
+
+
+def _dense(fields: str) -> str:
+    """A sweep body (raw JSON) named n whose base is the dense kernel at length 64 plus
+    `fields` (raw JSON members)."""
+    return '{"name":"n","base":{"kernel":"dense","seq_len":64,' + fields + "}}"
+
+
 @pytest.mark.parametrize(
     ("body", "loc", "why"),
     [
         ('{"name":"\\ud800","base":{}}', ["body", "name"], "unicode"),
         (
-            '{"name":"n","base":{"kernel":"dense","seq_len":64,"params":{"x\\udfff":1}}}',
+            _dense('"params":{"x\\udfff":1}'),
             ["body", "base", "params", "x\\udfff"],
             "key holds a lone surrogate (\\udfff)",
         ),
         (
-            '{"name":"n","base":{"kernel":"dense","seq_len":64,"env":{"NCCL_X":"\\ud800"}}}',
+            _dense('"env":{"NCCL_X":"\\ud800"}'),
             ["body", "base", "env", "NCCL_X"],
             "holds a lone surrogate (\\ud800) at character 0",
         ),
@@ -190,7 +200,7 @@ def test_caps_follow_the_settings_and_name_the_axis_value(tmp_path: Path) -> Non
             "Input should be 'fp32', 'bf16_autocast', 'fp16_autocast' or 'bf16'",
         ),
         (
-            '{"name":"n","base":{"kernel":"dense","seq_len":64,"timeout_s":NaN}}',
+            _dense('"timeout_s":NaN'),
             ["body", "base", "timeout_s"],
             "must be a finite number, got nan",
         ),
@@ -198,18 +208,15 @@ def test_caps_follow_the_settings_and_name_the_axis_value(tmp_path: Path) -> Non
             '{"name":"n","base":{"kernel":"block_sparse","seq_len":4096,"params":'
             '{"block_size":64,"pattern":"dilated","window":4611686018427387904}}}',
             ["body", "base", "params", "window"],
-            "must be within +-9,007,199,254,740,991 (2^53 - 1)",
+            WITHIN_2_53,
         ),
         (
-            '{"name":"n","base":{"kernel":"dense","seq_len":64,"batch_size":9223372036854775808}}',
+            _dense('"batch_size":9223372036854775808'),
             ["body", "base", "batch_size"],
-            "must be within +-9,007,199,254,740,991 (2^53 - 1), got 9.22e+18",
+            WITHIN_2_53 + ", got 9.22e+18",
         ),
         (
-            '{"name":"n","base":{"kernel":"dense","seq_len":64,"params":{"a":'
-            + "[" * 40
-            + "]" * 40
-            + "}}}",
+            _dense('"params":{"a":' + "[" * 40 + "]" * 40 + "}"),
             ["body", "base", "params", "a", *[0] * 29],
             "nested deeper than 32 levels",
         ),

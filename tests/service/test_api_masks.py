@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _api_helpers import api_client
+from _api_helpers import api_client, as_search, refused
 
 from attention.errors import ParamError
 from attention.mask import expand
@@ -121,9 +121,7 @@ def test_a_mask_or_balance_the_kernel_does_not_take_is_a_422_storing_nothing(
     database_url: str, kernel: str, params: dict[str, Any], loc: list[str], says: str
 ) -> None:
     with api_client(database_url) as client:
-        r = client.post(f"{API}/sweeps", json=_sweep(kernel, params))
-        assert r.status_code == 422, r.text
-        [problem] = r.json()["detail"]
+        problem = refused(client, _sweep(kernel, params))
         assert problem["loc"] == ["body", "base", *loc]
         assert says in problem["msg"]
         assert _stored(client) == (0, 0)
@@ -133,13 +131,9 @@ def test_a_mask_or_balance_the_kernel_does_not_take_is_a_422_storing_nothing(
 def test_a_search_refuses_documents_that_fix_the_length(
     database_url: str, mask: dict[str, Any]
 ) -> None:
-    spec = _sweep("ring", {"mask": mask})
-    spec.pop("grid")
-    spec["kind"], spec["search"] = "max_seq_len", {"start": 1024, "max": 4096}
+    spec = as_search(_sweep("ring", {"mask": mask}))
     with api_client(database_url) as client:
-        r = client.post(f"{API}/sweeps", json=spec)
-        assert r.status_code == 422, r.text
-        [problem] = r.json()["detail"]
+        problem = refused(client, spec)
         assert problem["loc"] == ["body", "base", "params", "mask"]
         assert "fix the sequence length" in problem["msg"]
         assert _stored(client) == (0, 0)

@@ -7,10 +7,11 @@ from __future__ import annotations
 import gc
 import tracemalloc
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
-from sqlalchemy import insert, select, update
+from sqlalchemy import Engine, insert, select, update
 from test_report_tables import client_for
 
 from service.db.engine import make_engine, make_sessionmaker
@@ -71,28 +72,44 @@ def traced_peak(read: Callable[[], Any]) -> int:
     return peak
 
 
+def per_run_peak(
+    database_url: str, read: Callable[[Engine, int, int], Any], *, warm_large: bool
+) -> tuple[float, list[int], Any]:
+    """The bytes a run adds to the peak of read(engine, sweep_id, runs), from a sweep of SMALL
+    runs to one of LARGE, and the two peaks. Reads of the small sweep first (and of the large
+    one when `warm_large`: its result is returned, else None) warm imports, caches and the
+    sweeps' contexts; the contexts are dropped after."""
+    small, large = finished_sweep(database_url, SMALL), finished_sweep(database_url, LARGE)
+    engine = make_engine(database_url)
+    try:
+        read(engine, small, SMALL)
+        warmed = read(engine, large, LARGE) if warm_large else None
+        peaks = [
+            traced_peak(partial(read, engine, small, SMALL)),
+            traced_peak(partial(read, engine, large, LARGE)),
+        ]
+    finally:
+        engine.dispose()
+        queries._contexts.clear()
+    return (peaks[1] - peaks[0]) / (LARGE - SMALL), peaks, warmed
+
+
 def test_results_csv_holds_a_page_whatever_the_sweep(database_url: str, monkeypatch: Any) -> None:
     from service.results import service as sweep_results
 
     monkeypatch.setattr(sweep_results, "EXPORT_PAGE", 50)
-    small, large = finished_sweep(database_url, SMALL), finished_sweep(database_url, LARGE)
-    engine = make_engine(database_url)
-    factory = make_sessionmaker(engine)
 
-    def csv_of(sweep_id: int) -> Callable[[], int]:
-        def read() -> int:  # as the response sends it: chunk by chunk, none kept
-            return sum(len(c) for c in sweep_results.results_csv_chunks(factory, sweep_id))
+    def read(engine: Engine, sweep_id: int, runs: int) -> int:
+        """As the response sends it: chunk by chunk, none kept; a header, then a line a run."""
+        chunks = sweep_results.results_csv_chunks(make_sessionmaker(engine), sweep_id)
+        lines = size = 0
+        for chunk in chunks:
+            lines, size = lines + chunk.count("\n"), size + len(chunk)
+        assert lines == runs + 1
+        return size
 
-        return read
-
-    try:
-        for sweep_id in (small, large):  # the sweeps' contexts, found once and kept
-            csv_of(sweep_id)()
-        peaks = [traced_peak(csv_of(small)), traced_peak(csv_of(large))]
-    finally:
-        engine.dispose()
-        queries._contexts.clear()
-    per_run = (peaks[1] - peaks[0]) / (LARGE - SMALL)
+    # the sweeps' contexts, found once and kept
+    per_run, peaks, _ = per_run_peak(database_url, read, warm_large=True)
     assert per_run < 1_000, f"results.csv holds {per_run:.0f} B more per run ({peaks})"
 
 
@@ -100,26 +117,16 @@ def test_a_whole_sweep_read_holds_rows_not_orm_objects(database_url: str, monkey
     """sweep_rows (report.md, compare) keeps every row; the ORM objects it reads them from
     (runs, rank results) live a chunk at a time, so a run costs its row alone."""
     monkeypatch.setattr(queries, "ROWS_CHUNK", 50)
-    small, large = finished_sweep(database_url, SMALL), finished_sweep(database_url, LARGE)
-    engine = make_engine(database_url)
 
-    def rows_of(sweep_id: int, runs: int) -> Callable[[], Any]:
-        def read() -> Any:
-            with make_sessionmaker(engine)() as session:
-                sweep = session.get(Sweep, sweep_id)
-                assert sweep is not None
-                rows = queries.sweep_rows(session, sweep)
-                assert len(rows) == runs and all(r.median_s == 1e-3 for r in rows)
-                return rows
+    def read(engine: Engine, sweep_id: int, runs: int) -> Any:
+        with make_sessionmaker(engine)() as session:
+            sweep = session.get(Sweep, sweep_id)
+            assert sweep is not None
+            rows = queries.sweep_rows(session, sweep)
+            assert len(rows) == runs and all(r.median_s == 1e-3 for r in rows)
+            return rows
 
-        return read
-
-    try:
-        rows_of(small, SMALL)()  # imports and caches warmed
-        peaks = [traced_peak(rows_of(small, SMALL)), traced_peak(rows_of(large, LARGE))]
-    finally:
-        engine.dispose()
-    per_run = (peaks[1] - peaks[0]) / (LARGE - SMALL)
+    per_run, peaks, _ = per_run_peak(database_url, read, warm_large=False)
     assert per_run < 10_000, f"a whole-sweep read holds {per_run:.0f} B per run ({peaks})"
 
 
@@ -134,27 +141,16 @@ def test_a_comparison_holds_its_sides_not_its_rows(database_url: str, monkeypatc
 
     monkeypatch.setattr(sweep_results, "READ_PAGE", 50)
     monkeypatch.setattr(sweeps, "COMPARE_CHUNK_PAIRS", 50)
-    small, large = finished_sweep(database_url, SMALL), finished_sweep(database_url, LARGE)
-    engine = make_engine(database_url)
 
-    def compared(sweep_id: int, runs: int) -> Callable[[], int]:
-        def read() -> int:  # as the response sends it: chunk by chunk, none kept
-            with make_sessionmaker(engine)() as session:
-                found = sweep_results.sweep_comparison(session, sweep_id, sweep_id)
-            assert found.head["only_a"] == found.head["only_b"] == 0
-            assert len(found.a) == len(found.b) == runs
-            return sum(len(chunk) for chunk in compare_json_chunks(found))
+    def read(engine: Engine, sweep_id: int, runs: int) -> int:
+        """As the response sends it: chunk by chunk, none kept."""
+        with make_sessionmaker(engine)() as session:
+            found = sweep_results.sweep_comparison(session, sweep_id, sweep_id)
+        assert found.head["only_a"] == found.head["only_b"] == 0
+        assert len(found.a) == len(found.b) == runs
+        return sum(len(chunk) for chunk in compare_json_chunks(found))
 
-        return read
-
-    try:
-        compared(small, SMALL)()  # imports, caches and the sweeps' contexts warmed
-        compared(large, LARGE)()
-        peaks = [traced_peak(compared(small, SMALL)), traced_peak(compared(large, LARGE))]
-    finally:
-        engine.dispose()
-        queries._contexts.clear()
-    per_run = (peaks[1] - peaks[0]) / (LARGE - SMALL)
+    per_run, peaks, _ = per_run_peak(database_url, read, warm_large=True)
     assert per_run < 2_500, f"a comparison holds {per_run:.0f} B per run ({peaks})"
 
 
@@ -167,27 +163,16 @@ def test_report_md_holds_a_few_hundred_bytes_a_run(database_url: str, monkeypatc
     from service.results import service as sweep_results
 
     monkeypatch.setattr(sweep_results, "READ_PAGE", 50)
-    small, large = finished_sweep(database_url, SMALL), finished_sweep(database_url, LARGE)
-    engine = make_engine(database_url)
 
-    def report(sweep_id: int, runs: int) -> Callable[[], str]:
-        def read() -> str:
-            with make_sessionmaker(engine)() as session:
-                return sweep_results.sweep_report(session, sweep_id)
+    def read(engine: Engine, sweep_id: int, runs: int) -> str:
+        with make_sessionmaker(engine)() as session:
+            text = sweep_results.sweep_report(session, sweep_id)
+        assert f"· {runs} runs: {runs} succeeded" in text
+        return text
 
-        return read
-
-    try:
-        report(small, SMALL)()  # imports, caches and the sweeps' contexts warmed
-        text = report(large, LARGE)()
-        peaks = [traced_peak(report(small, SMALL)), traced_peak(report(large, LARGE))]
-    finally:
-        engine.dispose()
-        queries._contexts.clear()
-    assert f"· {LARGE} runs: {LARGE} succeeded" in text
+    per_run, peaks, text = per_run_peak(database_url, read, warm_large=True)
     lines = [line for line in text.splitlines() if line.startswith("| dense · batch_size=2 | ")]
     assert len(lines) == LARGE // 2  # every run in the results table, read in its second pass
-    per_run = (peaks[1] - peaks[0]) / (LARGE - SMALL)
     assert per_run < 1_000, f"report.md holds {per_run:.0f} B per run ({peaks})"
 
 

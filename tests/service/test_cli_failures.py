@@ -74,6 +74,17 @@ def _ringlab_80(base: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
 
 
+def _point_cli(
+    monkeypatch: pytest.MonkeyPatch, base: str, out: int | None = None, err: int | None = None
+) -> None:
+    """The in-process CLI talks to the server at `base`, its stdout and stderr consoles `out`
+    and `err` columns wide where given (so messages do not wrap)."""
+    monkeypatch.setenv("RINGLAB_URL", base)
+    for stream, width in ((console.out, out), (console.err, err)):
+        if width is not None:
+            monkeypatch.setattr(stream, "width", width)
+
+
 def test_results_has_a_status_column_and_each_failed_runs_reason(
     failed: tuple[str, dict[str, int]],
 ) -> None:
@@ -94,9 +105,7 @@ def test_watch_names_the_reason_of_failed_runs(
     failed: tuple[str, dict[str, int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     base, ids = failed
-    monkeypatch.setenv("RINGLAB_URL", base)
-    monkeypatch.setattr(console.out, "width", 200)
-    monkeypatch.setattr(console.err, "width", 400)
+    _point_cli(monkeypatch, base, out=200, err=400)
     result = runner.invoke(app, ["watch", str(ids["bench"])], catch_exceptions=False)
     assert result.exit_code == 1
     assert f"sweep {ids['bench']}, run {ids['bench_run']} failed: {INFEASIBLE}" in result.stderr
@@ -106,8 +115,7 @@ def test_a_search_whose_runs_were_infeasible_says_so(
     failed: tuple[str, dict[str, int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     base, ids = failed
-    monkeypatch.setenv("RINGLAB_URL", base)
-    monkeypatch.setattr(console.out, "width", 400)
+    _point_cli(monkeypatch, base, out=400)
     result = runner.invoke(app, ["watch", str(ids["search"])], catch_exceptions=False)
     assert result.exit_code == 1
     assert "no length fit" not in result.stdout
@@ -142,8 +150,7 @@ def test_submit_warns_of_runs_the_cluster_cannot_hold(
     settings = Settings(database_url=url, ray_address=address)
     with live_server(make_web_app(settings)) as base:
         cluster_once_connected(lambda path: httpx.get(f"{base}{path}"))
-        monkeypatch.setenv("RINGLAB_URL", base)
-        monkeypatch.setattr(console.err, "width", 400)
+        _point_cli(monkeypatch, base, err=400)
         dry = runner.invoke(app, ["submit", "--dry-run", str(spec)], catch_exceptions=False)
         result = runner.invoke(app, ["submit", str(spec)], catch_exceptions=False)
     assert dry.exit_code == 0, dry.stderr  # a warning, not a problem: submitting stores both

@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _api_helpers import finished_sweep, free_port
+from _api_helpers import finished_sweep, free_port, start_serve
 
 pytestmark = [pytest.mark.ray_process, pytest.mark.timeout(240)]
 
@@ -46,14 +45,7 @@ def _serve(tmp_path: Path, port: int, **env: str) -> subprocess.Popen[bytes]:
     for key in ("RINGLAB_RAY_ADDRESS", "RAY_ADDRESS"):
         if key not in env:
             full.pop(key, None)
-    with (tmp_path / "serve.log").open("wb") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
-            env=full,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    return start_serve(port, full, tmp_path / "serve.log")
 
 
 def _stops_within(proc: subprocess.Popen[bytes], limit_s: float, log: Path) -> float:

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _api_helpers import free_port
+from _api_helpers import free_port, start_serve
 
 pytestmark = [pytest.mark.ray_process, pytest.mark.timeout(300)]
 
@@ -91,17 +91,6 @@ class Watcher:
                 assert run["status"] == "queued", run
 
 
-def _serve(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
 def _wait(what: str, check: Any, timeout: float) -> float:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -124,10 +113,10 @@ def test_serve_outlives_its_ray_and_finishes_every_run(tmp_path: Path) -> None:
     ray_port, api_port = free_port(), free_port()
     base = f"http://127.0.0.1:{api_port}"
     heads = [_head(env, ray_port, temp / "a")]
-    serve = _serve(
+    serve = start_serve(
+        api_port,
         {**env, "RINGLAB_RAY_ADDRESS": f"127.0.0.1:{ray_port}",
          "RINGLAB_DATABASE_URL": f"sqlite:///{tmp_path / 'r.db'}"},
-        api_port,
         tmp_path / "serve.log",
     )  # fmt: skip
     watcher: Watcher | None = None

@@ -9,7 +9,7 @@ import copy
 from typing import Any
 
 import pytest
-from _api_helpers import api_client
+from _api_helpers import api_client, as_search, refused
 
 from service.cli.specs import load_specs
 from service.spec import SpecError, SweepSpec, expand
@@ -166,9 +166,7 @@ def test_a_contradicting_or_untaken_run_level_mask_is_a_422_at_its_path(
     database_url: str, base: dict[str, Any], grid: dict[str, Any] | None, loc: list, says: str
 ) -> None:
     with api_client(database_url) as client:
-        r = client.post(f"{API}/sweeps", json=_sweep(base, grid))
-        assert r.status_code == 422, r.text
-        [problem] = r.json()["detail"]
+        problem = refused(client, _sweep(base, grid))
         assert problem["loc"] == ["body", *loc]
         assert says in problem["msg"]
         assert client.get(f"{API}/runs").json()["count"] == 0
@@ -186,13 +184,9 @@ def test_a_run_level_mask_is_stored_as_params_mask_through_the_api(database_url:
 
 
 def test_a_search_refuses_a_run_level_documents_mask_at_mask(database_url: str) -> None:
-    spec = _sweep({"kernel": "ring", "world_size": 2, "mask": SAMPLED})
-    spec.pop("grid")
-    spec["kind"], spec["search"] = "max_seq_len", {"start": 1024, "max": 4096}
+    spec = as_search(_sweep({"kernel": "ring", "world_size": 2, "mask": SAMPLED}))
     with api_client(database_url) as client:
-        r = client.post(f"{API}/sweeps", json=spec)
-        assert r.status_code == 422, r.text
-        [problem] = r.json()["detail"]
+        problem = refused(client, spec)
         assert problem["loc"] == ["body", "base", "mask"]
         assert "fix the sequence length" in problem["msg"]
         spec["base"]["mask"] = WINDOW  # any length: searched

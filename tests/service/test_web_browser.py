@@ -106,9 +106,13 @@ class Page:
         if response.status >= 400:
             self.problems.append(f"HTTP {response.status}: {response.url}")
 
-    def open(self, path: str) -> Any:
+    def open(self, path: str, charts: int | None = None) -> Any:
+        """The page at `path` once its network is idle (a 200); with `charts`, that many charts
+        drawn on it (charts_drawn)."""
         response = self.page.goto(self.base + path, wait_until="networkidle")
         assert response is not None and response.status == 200, path
+        if charts is not None:
+            self.charts_drawn(charts)
         return self.page
 
     def charts_drawn(self, expected: int) -> None:
@@ -153,8 +157,8 @@ def test_sweeps_list(page: Page, service: tuple[str, Seeded]) -> None:
 
 def test_sweep_page_charts_table_and_screenshot(page: Page, service: tuple[str, Seeded]) -> None:
     seeded = service[1]
-    pg = page.open(f"/sweeps/{seeded.benchmark}")
-    page.charts_drawn(3)  # throughput, memory, fraction of peak: no search, 2 world sizes
+    # charts: throughput, memory, fraction of peak (no search, 2 world sizes)
+    pg = page.open(f"/sweeps/{seeded.benchmark}", charts=3)
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "sweep.png"
     pg.screenshot(path=str(shot), full_page=True)
@@ -227,8 +231,7 @@ def test_the_content_security_policy_admits_the_page_and_blocks_injected_script(
 
 
 def test_max_len_sweep_page_shows_probes(page: Page, service: tuple[str, Seeded]) -> None:
-    pg = page.open(f"/sweeps/{service[1].maxlen}")
-    page.charts_drawn(3)  # throughput, memory, maximum length
+    pg = page.open(f"/sweeps/{service[1].maxlen}", charts=3)  # throughput, memory, maximum length
     traces = pg.evaluate(
         "() => document.getElementById('chart-maxlen').data.map(t => [t.name, t.x.length])"
     )
@@ -240,8 +243,7 @@ def test_max_len_sweep_page_shows_probes(page: Page, service: tuple[str, Seeded]
 
 def test_run_page(page: Page, service: tuple[str, Seeded]) -> None:
     seeded = service[1]
-    pg = page.open(f"/runs/{seeded.ring_run}")
-    page.charts_drawn(1)
+    pg = page.open(f"/runs/{seeded.ring_run}", charts=1)
     assert pg.locator("#ranks tbody tr").count() == 2
     env = pg.locator("#environment")
     assert "NVIDIA H100 80GB HBM3" in env.inner_text()
@@ -272,8 +274,7 @@ def test_a_quote_in_a_run_error_stays_text(page: Page, service: tuple[str, Seede
 
 def test_compare_page(page: Page, service: tuple[str, Seeded]) -> None:
     seeded = service[1]
-    pg = page.open(f"/compare?a={seeded.benchmark}&b={seeded.rerun}")
-    page.charts_drawn(1)
+    pg = page.open(f"/compare?a={seeded.benchmark}&b={seeded.rerun}", charts=1)
     assert pg.locator("#pairs tbody tr").count() == 17
     # ring is 20% slower in the rerun at every length, and its 32K run failed there.
     regressions = pg.locator("#pairs tbody tr.regression")
@@ -495,8 +496,7 @@ def test_the_demo_page_reads_as_drawn(browser: Any, tmp_path: Path) -> None:
     with live_server(make_web_app(Settings(database_url=database))) as base:
         page = Page(browser, base)
         try:
-            pg = page.open(f"/sweeps/{sweep_id}")
-            page.charts_drawn(3)
+            pg = page.open(f"/sweeps/{sweep_id}", charts=3)
             drawn = pg.evaluate(
                 """() => [...document.querySelectorAll('div.chart')].map((c) => ({
                   id: c.id,

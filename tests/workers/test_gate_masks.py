@@ -16,6 +16,7 @@ from attention import layouts
 from attention.mask import expand, parse
 from attention.masks import masked_attention
 from workers import gate, protocol, references
+from workers.config import RunConfig
 from workers.gate import CHECK_ATOL
 
 CPU = torch.device("cpu")
@@ -73,15 +74,19 @@ def test_dense_under_a_mask_passes_the_gate_and_a_kernel_ignoring_it_fails() -> 
     assert gate.max_error(cfg, unmasked, reference, 0, CPU) > 100 * CHECK_ATOL["float32"]
 
 
+def _under_docs(kernel: str, balance: str | None, world: int, **fields: Any) -> RunConfig:
+    """A causal run of `kernel` on S tokens and `world` ranks under DOCS with `balance`, with
+    `fields` on top."""
+    params = {"mask": DOCS, "balance": balance}
+    return config(kernel=kernel, params=params, seq_len=S, world_size=world, causal=True, **fields)
+
+
 def rank_ring_gate(rank: int, world: int, balance: str) -> dict[str, Any]:
     """This rank's gated ring run under DOCS with `balance` (W=2, gloo), and the error of the
     same ring kernel against the reference of OTHER (a kernel wrong for its mask)."""
-    params = {"mask": DOCS, "balance": balance}
-    cfg = config(
-        kernel="ring", params=params, seq_len=S, world_size=world, mode="train", causal=True
-    )
+    cfg = _under_docs("ring", balance, world, mode="train")
     case = protocol.run_case(cfg, rank)
-    module = attention.build("ring", **params)
+    module = attention.build("ring", mask=DOCS, balance=balance)
     other = references.reference_for("dense", {"mask": OTHER})
     wrong = gate.max_error(cfg, module, other, rank, CPU)
     error = None if case.result is None else case.result.max_abs_error
@@ -98,15 +103,7 @@ def test_a_ring_under_a_documents_mask_and_a_balance_passes_the_gate(balance: st
 
 def rank_kept_pairs(rank: int, world: int, kernel: str, balance: str | None) -> int | None:
     """The kept_pairs this rank's RankResult stores for `kernel` under DOCS with `balance`."""
-    params = {"mask": DOCS, "balance": balance}
-    cfg = config(
-        kernel=kernel,
-        params=params,
-        seq_len=S,
-        world_size=world,
-        causal=True,
-        correctness_check=False,
-    )
+    cfg = _under_docs(kernel, balance, world, correctness_check=False)
     case = protocol.run_case(cfg, rank)
     assert case.status == "ok", case.error
     return case.result.kept_pairs
