@@ -108,9 +108,8 @@ class CellMemo:
         self.names = [name for name, _ in axes]
         self.raw = [values for _, values in axes]
         # a run-level mask sets params and causal (service.spec_mask): with a mask axis,
-        # causal is decided with the params, by the same axes; and with a causal axis, as
-        # params.document_lengths is stored as a documents mask holding the cell's causal
-        self.with_causal = "mask" in self.names or "causal" in self.names
+        # causal is decided with the params, by the same axes
+        self.with_causal = "mask" in self.names
         deciding = {"kernel", "params", "mask"} | ({"causal"} if self.with_causal else set())
         self.sets = [
             n if "." not in n and n not in deciding - {"kernel"} else None for n in self.names

@@ -65,11 +65,11 @@ def test_the_three_spellings_store_one_config_and_cell_key(
 
 
 def test_a_causal_axis_stores_each_cells_own_causal_in_its_mask() -> None:
-    """Cells the memo builds (a causal axis decides the stored mask) equal cells built alone."""
+    """A causal axis decides each cell's stored mask: every cell equals the cell built alone."""
     base = {"kernel": "ring", "world_size": 2, "params": {"document_lengths": LENGTHS}}
     grid = {"seq_len": [1024], "causal": [False, True], "batch_size": [1, 2, 3]}
     cells = _cells(base, grid)
-    assert sum(c.built_over is not None for c in cells) > 0  # the memo built some
+    assert len(cells) == 6
     for cell in cells:
         assert cell.config_json["params"]["mask"] == docs(cell.axes["causal"])
         alone = _cells({**base, **cell.axes}, {"seq_len": [1024]})
