@@ -1,6 +1,6 @@
 """`params.document_lengths` is stored as the documents mask it means: `causal` + document_lengths,
-a run-level documents `mask` and `params.mask` store one config with one cell key and one label;
-both spellings at once are one 422 at the path written; on the ring the stored mask runs the same
+a run-level documents `mask` and `params.mask` store one config with one cell key and one label
+(both spellings at once: test_run_mask's REFUSED); on the ring the stored mask runs the same
 contiguous shards with the same blocks; and runs stored before (revision 0026) read the same."""
 
 from __future__ import annotations
@@ -113,61 +113,6 @@ def test_a_causal_ring_without_layout_runs_as_the_run_level_mask_does() -> None:
 
 def _sweep(base: dict[str, Any], grid: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"name": "docs", "base": {**SHAPE, **base}, "grid": grid or {"seq_len": [1024]}}
-
-
-REFUSED = [
-    (
-        {
-            "kernel": "dense",
-            "causal": True,
-            "params": {"document_lengths": LENGTHS, "mask": docs(True)},
-        },
-        None,
-        ["base", "params", "document_lengths"],
-        "give the documents in `mask`",
-    ),
-    (
-        {"kernel": "ring", "world_size": 2, "causal": True, "params": {"mask": docs(True)}},
-        {"seq_len": [1024], "params.document_lengths": [LENGTHS]},
-        ["grid", "params.document_lengths", 0],
-        "give the documents in `mask`",
-    ),
-    (
-        {"kernel": "ring", "world_size": 2, "mask": docs(True)},
-        {"seq_len": [1024], "params.document_lengths": [LENGTHS]},
-        ["base", "mask"],
-        "give the mask here or as params.document_lengths, not both",
-    ),
-    (
-        {"kernel": "dense", "causal": True, "params": {"document_lengths": [768, 255]}},
-        None,
-        ["base", "params", "document_lengths"],
-        "the documents' lengths sum to 1023, but seq_len is 1024",
-    ),
-    (
-        {
-            "kernel": "ulysses",
-            "world_size": 2,
-            "params": {"inner": "dilated", "document_lengths": LENGTHS},
-        },
-        None,
-        ["base", "params", "document_lengths"],
-        "which takes the masks causal, full, not documents",
-    ),
-]
-
-
-@pytest.mark.parametrize(("base", "grid", "loc", "says"), REFUSED)
-def test_both_spellings_at_once_or_a_bad_length_is_one_422_at_its_path(
-    database_url: str, base: dict[str, Any], grid: dict[str, Any] | None, loc: list, says: str
-) -> None:
-    with api_client(database_url) as client:
-        r = client.post(f"{API}/sweeps", json=_sweep(base, grid))
-        assert r.status_code == 422, r.text
-        [problem] = r.json()["detail"]
-        assert problem["loc"] == ["body", *loc]
-        assert says in problem["msg"]
-        assert client.get(f"{API}/runs").json()["count"] == 0
 
 
 def _runs(client: Any, sweep_id: int) -> list[dict[str, Any]]:
