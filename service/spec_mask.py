@@ -16,9 +16,11 @@ params.mask or params.document_lengths, or an explicit `causal` the mask disagre
 The older `params.document_lengths: [...]` is stored the same way (`lengths_as_mask`):
 `params.mask = {kind: documents, causal: <the cell's causal>, lengths: [...]}` and no
 document_lengths, for each kernel whose params take a documents `mask` beside
-document_lengths (dense, ring, ulysses). On the ring that is the same run: document_lengths runs
-on contiguous shards (an explicit `layout: contiguous`, or a balance) and so does the mask on
-those shards, with the same blocks. A kernel whose params take no `mask` (an adapter such as
+document_lengths (dense, ring, ulysses). On the ring that is the same run: document_lengths ran
+on contiguous shards (`layout: contiguous`, the non-causal default, or a balance's order) and the
+mask runs on those shards with the same blocks (a document under 8 tokens is one masked block:
+the same pairs). A causal ring cell with no layout, refused before, now runs as the run-level
+documents mask does (zigzag shards). A kernel whose params take no `mask` (an adapter such as
 ring_flash_attn, which hands the lengths to its own varlen call) keeps document_lengths.
 """
 
