@@ -28,7 +28,7 @@ from service.spec_fields import (
     split_message,
 )
 from service.spec_limits import limit_checks, limit_problems
-from service.spec_mask import RUN_MASK, apply_run_mask
+from service.spec_mask import RUN_MASK, apply_document_lengths, apply_run_mask, lengths_as_mask
 from service.spec_models import SweepSpec
 from service.spec_params import ParamsCheck, normalize_params
 from service.spec_structure import check_structure
@@ -150,6 +150,7 @@ class _Expander:
         self.reported: set[tuple[Loc, str]] = set()
         self.idx: tuple[int, ...] = ()  # the cell being validated
         self.run_mask = False  # whether its params.mask was written as a run-level mask
+        self.from_lengths = False  # whether its params.mask was written as document_lengths
         self.by_cause = _ByCause(lambda axis: self.locate(self.position(self.idx), (axis,)))
         # _check_structure refuses a max_seq_len sweep without its search block
         self.search = (
@@ -176,10 +177,12 @@ class _Expander:
         A run config field the spec leaves out (missing, or refused at its default) is named
         where it would be written: ('base', field, ...). The params.mask of a cell whose mask
         was written at run level is named there (mask, mask.lengths), and so is a causal that
-        only the mask set.
+        only the mask set; one written as params.document_lengths is named there.
         """
         if self.run_mask and tuple(path[:2]) == ("params", "mask"):
             path = (RUN_MASK, *path[2:])
+        elif self.from_lengths and tuple(path[:2]) == ("params", "mask"):
+            path = ("params", "document_lengths")
         elif self.run_mask and tuple(path) == ("causal",) and "causal" not in pos:
             path = path if "causal" in self.spec.base else (RUN_MASK,)
         head = str(path[0])
@@ -270,9 +273,15 @@ class _Expander:
 
     def check_params(self, raw: dict[str, Any], idx: tuple[int, ...], axes: dict[str, Any]) -> bool:
         """Validate kernel and params (cached per distinct pair); normalize raw['params'],
-        after a run-level mask is moved into them and causal (service.spec_mask)."""
+        after a run-level mask is moved into them and causal, and document_lengths into a
+        documents mask (service.spec_mask)."""
         self.run_mask = RUN_MASK in raw
+        self.from_lengths = False
         for path, msg in apply_run_mask(raw):
+            self.add(self.locate(self.position(idx), path), msg, axes)
+            return False
+        self.from_lengths = lengths_as_mask(raw)
+        for path, msg in apply_document_lengths(raw):
             self.add(self.locate(self.position(idx), path), msg, axes)
             return False
         kernel, params = raw.get("kernel"), raw["params"]
@@ -285,8 +294,10 @@ class _Expander:
             if name in ("kernel", "params", RUN_MASK) or name.startswith("params.")
         )
         cached: tuple[Any, ...] = key
+        if self.from_lengths:  # the documents mask holds the cell's causal, set apart
+            cached = (*key, raw["params"]["mask"]["causal"])
         if resolved.holds_unexpanded_mask(params):  # its lengths depend on the seq_len
-            cached = (*key, repr(raw.get("seq_len")))
+            cached = (*cached, repr(raw.get("seq_len")))
         if cached not in self.params_cache:
             self.params_cache[cached] = self.expanded_params(kernel, params, raw.get("seq_len"))
         normalized, problems = self.params_cache[cached]

@@ -12,15 +12,26 @@ key), the form `causal` and `params.mask` already store:
 
 A contradiction is an error naming the field, never a silent choice: a run-level mask beside
 params.mask or params.document_lengths, or an explicit `causal` the mask disagrees with.
+
+The older `params.document_lengths: [...]` is stored the same way (`lengths_as_mask`):
+`params.mask = {kind: documents, causal: <the cell's causal>, lengths: [...]}` and no
+document_lengths, for each kernel whose params take a documents `mask` beside
+document_lengths (dense, ring, ulysses). On the ring that is the same run: document_lengths ran
+on contiguous shards (`layout: contiguous`, the non-causal default, or a balance's order) and the
+mask runs on those shards with the same blocks (a document under 8 tokens is one masked block:
+the same pairs). A causal ring cell with no layout, refused before, now runs as the run-level
+documents mask does (zigzag shards). A kernel whose params take no `mask` (an adapter such as
+ring_flash_attn, which hands the lengths to its own varlen call) keeps document_lengths.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import attention
 from attention.errors import ParamError
-from attention.mask import parse
+from attention.mask import from_legacy, parse
 from attention.mask.takes import LEGACY_MASKS, kernel_mask
 from workers.resolved import EXPANDED_SOURCES, needs_length
 
@@ -77,4 +88,47 @@ def apply_run_mask(raw: dict[str, Any]) -> Problems:
             return [((RUN_MASK,), e.reason)]
     if isinstance(params, dict):  # else the params' own error is reported
         raw["params"] = {**params, "mask": mask}
+    return []
+
+
+def _takes_both(kernel: Any) -> bool:
+    """Whether `kernel`'s params take document_lengths and a documents `mask` beside it."""
+    spec = attention.KERNELS.get(kernel) if isinstance(kernel, str) else None
+    if spec is None or "documents" not in spec.masks or not dataclasses.is_dataclass(spec.params):
+        return False
+    return {"document_lengths", "mask"} <= {f.name for f in dataclasses.fields(spec.params)}
+
+
+def lengths_as_mask(raw: dict[str, Any]) -> bool:
+    """Whether the raw cell config `raw` is one whose params.document_lengths is stored as a
+    documents mask: set, beside no params.mask (the kernel refuses both, at
+    params.document_lengths), for a kernel that takes both spellings, with a bool causal."""
+    params = raw.get("params")
+    if not isinstance(params, dict) or params.get("document_lengths") is None:
+        return False
+    return (
+        params.get("mask") is None and _takes_both(raw.get("kernel")) and _causal(raw) is not None
+    )
+
+
+def _causal(raw: dict[str, Any]) -> bool | None:
+    """The cell's causal as RunConfig will hold it (a model cell's is true), None when it is no
+    bool (RunConfig reports it at causal)."""
+    causal = raw.get("causal", raw.get("workload") == "model")
+    return causal if isinstance(causal, bool) else None
+
+
+def apply_document_lengths(raw: dict[str, Any]) -> Problems:
+    """Store params.document_lengths of `raw` (changed in place) as the documents mask it
+    means when `lengths_as_mask`; the problems as (path, reason), a bad length at
+    params.document_lengths. Otherwise nothing changes."""
+    if not lengths_as_mask(raw):
+        return []
+    params = raw["params"]
+    try:
+        mask = from_legacy(bool(_causal(raw)), params["document_lengths"])
+    except ParamError as e:
+        return [(e.path, e.reason)]
+    kept = {k: v for k, v in params.items() if k != "document_lengths"}
+    raw["params"] = {**kept, "mask": mask}
     return []

@@ -1,7 +1,8 @@
 """A run-level `mask` in a sweep spec: every kind is stored in the one form the older spellings
 (`causal`, `params.mask`) store, with the same cell key; a mask that contradicts params.mask,
 params.document_lengths or an explicit `causal`, or that the kernel does not take, is a 422
-at the path the user wrote, storing nothing."""
+at the path the user wrote, storing nothing; so is params.document_lengths (stored as the
+documents params.mask) beside params.mask, or with a bad length."""
 
 from __future__ import annotations
 
@@ -157,6 +158,37 @@ REFUSED = [
         None,
         ["base", "mask", "window"],
         "unknown field for kind causal",
+    ),
+    # params.document_lengths is stored as params.mask (tests/service/test_document_lengths_mask)
+    (
+        {"kernel": "ring", "world_size": 2, "mask": DOCS},
+        {"seq_len": [1024], "params.document_lengths": [[768, 256]]},
+        ["base", "mask"],
+        "give the mask here or as params.document_lengths, not both",
+    ),
+    (
+        {"kernel": "dense", "causal": True, "params": {"mask": DOCS, "document_lengths": [1024]}},
+        None,
+        ["base", "params", "document_lengths"],
+        "give the documents in `mask`",
+    ),
+    (
+        {"kernel": "ring", "world_size": 2, "causal": True, "params": {"mask": DOCS}},
+        {"seq_len": [1024], "params.document_lengths": [[768, 256]]},
+        ["grid", "params.document_lengths", 0],
+        "give the documents in `mask`",
+    ),
+    (
+        {"kernel": "dense", "causal": True, "params": {"document_lengths": [768, 255]}},
+        None,
+        ["base", "params", "document_lengths"],
+        "the documents' lengths sum to 1023, but seq_len is 1024",
+    ),
+    (
+        {"kernel": "ulysses", "world_size": 2, "params": {"inner": "dilated"}},
+        {"seq_len": [1024], "params.document_lengths": [[768, 256]]},
+        ["grid", "params.document_lengths", 0],
+        "which takes the masks causal, full, not documents",
     ),
 ]
 
