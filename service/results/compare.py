@@ -68,19 +68,14 @@ class Sides:
     the few objects that outlive a read pin, at the size of two 100,000-run sweeps; two
     buffers are given back whole."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows: Iterable[RunRow] = ()) -> None:
+        """The sides of `rows` (built, their labels set), in their order; more with add()."""
         self._records = bytearray()
         self._keys = bytearray()
         self._texts: list[str] = []
         self._text_ids: dict[str, int] = {}
-
-    @classmethod
-    def of(cls, rows: Iterable[RunRow]) -> Sides:
-        """The sides of built rows (their labels already set), in their order."""
-        sides = cls()
         for row in rows:
-            sides.add(row)
-        return sides
+            self.add(row)
 
     def add(self, row: RunRow) -> None:
         """Append a built row's side (its label already set)."""
@@ -203,7 +198,7 @@ def time_change(a: Side, b: Side) -> str | None:
 def compare_rows(a_rows: Iterable[RunRow], b_rows: Iterable[RunRow]) -> list[dict[str, Any]]:
     """Pairs of runs with the same config in sweeps A and B, with B/A ratios and a verdict
     (iter_pairs, kept)."""
-    return list(iter_pairs(Sides.of(a_rows), Sides.of(b_rows)))
+    return list(iter_pairs(Sides(a_rows), Sides(b_rows)))
 
 
 def iter_pairs(a: Sides, b: Sides) -> Iterator[dict[str, Any]]:
@@ -291,6 +286,6 @@ def compare_out(a_id: int, b_id: int, a_rows: Iterable[RunRow], b_rows: Iterable
                 same: bool) -> dict[str, Any]:  # fmt: skip
     """The comparison of two sweeps' rows as plain JSON values, whole: compare_head and every
     pair_out."""
-    a, b = Sides.of(a_rows), Sides.of(b_rows)
+    a, b = Sides(a_rows), Sides(b_rows)
     pairs = [pair_out(p) for p in iter_pairs(a, b)]
     return {**compare_head(a_id, b_id, a, b, same), "pairs": pairs}

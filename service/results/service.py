@@ -121,7 +121,7 @@ reads of them (each pass of report.write_report, compare.Sides)."""
 def sweep_sides(session: Session, sweep: Sweep) -> Sides:
     """Every run of the sweep as a comparison's Sides, in id order: rows built READ_PAGE at a
     time (labels as for the whole sweep: queries.rows_page), each page dropped once packed."""
-    return Sides.of(_SweepRuns(session, sweep).first())
+    return Sides(_SweepRuns(session, sweep).first())
 
 
 @dataclass(frozen=True)
