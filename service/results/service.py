@@ -9,16 +9,16 @@ one runs); a sweep that does not exist is SweepNotFound.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.models import Run, RunStatus, Sweep
 from service.results import baselines, export, queries
-from service.results.compare import Side, compare_head, iter_pairs, pair_out, same_spec
+from service.results.compare import Sides, compare_head, iter_pairs, pair_out, same_spec
 from service.results.report import PivotChoice, report_row, write_report
 from service.results.rows import RunRow
 from service.spec import PivotSpec
@@ -115,27 +115,13 @@ def sweep_components_csv(session: Session, sweep_id: int) -> str:
 
 READ_PAGE = 1_000
 """Runs whose full rows a report or a comparison builds at once before it keeps only what it
-reads of them (each pass of report.write_report, compare.Side)."""
-_Kept = TypeVar("_Kept")
+reads of them (each pass of report.write_report, compare.Sides)."""
 
 
-def _paged(session: Session, sweep: Sweep, keep: Callable[[RunRow], _Kept]) -> list[_Kept]:
-    """keep(row) of every run of the sweep, in id order: rows built READ_PAGE at a time
-    (labels, baselines and ratios as for the whole sweep: queries.rows_page), each page
-    dropped once what is kept of it is taken."""
-    kept: list[_Kept] = []
-    after = 0
-    while True:
-        page = queries.rows_page(session, sweep, after=after, limit=READ_PAGE)
-        if not page:
-            return kept
-        kept += [keep(r) for r in page]
-        after = page[-1].run_id
-
-
-def sweep_sides(session: Session, sweep: Sweep) -> list[Side]:
-    """Every run of the sweep as a comparison's Side, in id order."""
-    return _paged(session, sweep, Side.of)
+def sweep_sides(session: Session, sweep: Sweep) -> Sides:
+    """Every run of the sweep as a comparison's Sides, in id order: rows built READ_PAGE at a
+    time (labels as for the whole sweep: queries.rows_page), each page dropped once packed."""
+    return Sides(_SweepRuns(session, sweep).first())
 
 
 @dataclass(frozen=True)
@@ -145,8 +131,8 @@ class Comparison:
     time."""
 
     head: dict[str, Any]
-    a: list[Side]
-    b: list[Side]
+    a: Sides
+    b: Sides
 
     def pairs(self) -> Iterator[dict[str, Any]]:
         """The pairs in A's order (compare.iter_pairs), each as the API gives it (pair_out)."""
@@ -155,7 +141,7 @@ class Comparison:
 
 def sweep_comparison(session: Session, a_id: int, b_id: int) -> Comparison:
     """Sweep A and sweep B cell by cell (compare.compare_head and iter_pairs): their sides
-    read, in memory a few hundred bytes a run, the pairs never all at once."""
+    read and packed, ~150 bytes a run, the pairs never all at once."""
     with queries.whole_sweep_read(session, a_id, b_id):
         a, b = _sweep(session, a_id), _sweep(session, b_id)
         a_sides, b_sides = sweep_sides(session, a), sweep_sides(session, b)

@@ -6,6 +6,7 @@ plotly.js comes from the plotly Python package's own data, so nothing is fetched
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -292,7 +293,7 @@ def compare_page(
     ] = None,
 ) -> Response:
     """Two sweeps side by side: B/A for every cell with the same config; regressions marked.
-    Both sweeps are held as their sides (compare.Side), and the page is sent as it renders."""
+    Both sweeps are held as their sides (compare.Sides), and the page is sent as it renders."""
     sweeps = store.list_sweeps(session, skip=0, limit=500, kind=None, name=None).data
     context: dict[str, Any] = {"sweeps": [_summary(s) for s in sweeps], "a": a, "b": b}
     context["pairs"] = None
@@ -309,7 +310,7 @@ def compare_page(
         only_b=found.head["only_b"], regressions=found.head["regressions"],
         within_noise=found.head["within_noise"], too_few_count=found.head["too_few"],
         sa=sa, sb=sb, pairs=pairs, figure=figure, tolerance=compare.MEMORY_TOLERANCE,
-        levels=units.levels(r.median_ci_level for r in [*found.a, *found.b]
+        levels=units.levels(r.median_ci_level for r in itertools.chain(found.a, found.b)
                             if r.median_s is not None) or "nothing (no time measured)",
         confidence=compare.CONFIDENCE, too_few=compare.TOO_FEW,
     )  # fmt: skip

@@ -131,10 +131,11 @@ def test_a_whole_sweep_read_holds_rows_not_orm_objects(database_url: str, monkey
 
 
 def test_a_comparison_holds_its_sides_not_its_rows(database_url: str, monkeypatch: Any) -> None:
-    """GET /compare's answer, read and sent as the route does: each run held as its Side (a
-    few hundred bytes; here both sides of a sweep compared with itself), rows built
-    READ_PAGE at a time, the pairs made one at a time as the JSON streams, so a run costs
-    well under its ~5 KB row (it cost ~15 KB)."""
+    """GET /compare's answer, read and sent as the route does: each run held as its packed
+    side (compare.Sides: 130 bytes in two buffers; here both sides of a sweep compared with
+    itself), rows built READ_PAGE at a time, the pairs made one at a time as the JSON streams,
+    so a run costs its two records and the transient index that matches them, ~0.6 KB (as
+    two Side objects it cost ~1.3 KB, as two rows before them ~15 KB)."""
     from service.api.routes import sweeps
     from service.api.routes.sweeps import compare_json_chunks
     from service.results import service as sweep_results
@@ -151,7 +152,98 @@ def test_a_comparison_holds_its_sides_not_its_rows(database_url: str, monkeypatc
         return sum(len(chunk) for chunk in compare_json_chunks(found))
 
     per_run, peaks, _ = per_run_peak(database_url, read, warm_large=True)
-    assert per_run < 2_500, f"a comparison holds {per_run:.0f} B per run ({peaks})"
+    assert per_run < 800, f"a comparison holds {per_run:.0f} B per run ({peaks})"
+
+
+def _blocks() -> int:
+    """Memory blocks Python holds now (tracemalloc running)."""
+    return sum(stat.count for stat in tracemalloc.take_snapshot().statistics("filename"))
+
+
+def traced_blocks(read: Callable[[], Any]) -> int:
+    """The memory blocks what `read` returns holds once it has returned, above those held
+    before: the objects a read keeps until its answer is sent."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = _blocks()
+        kept = read()
+        gc.collect()
+        held = _blocks() - before
+    finally:
+        tracemalloc.stop()
+    del kept
+    return held
+
+
+def test_a_comparison_keeps_no_object_a_run(database_url: str, monkeypatch: Any) -> None:
+    """Between its read and its answer a comparison holds its sides as a few buffers, not as
+    objects a run (as two Side objects it held ~23): a run's objects filled the allocator's
+    arenas, which the few objects that outlive the read then pinned (a 100,000-run sweep
+    compared with itself stayed at +78 MiB of its +113 MiB peak after its answer)."""
+    from service.results import service as sweep_results
+
+    monkeypatch.setattr(sweep_results, "READ_PAGE", 50)
+    small, large = finished_sweep(database_url, SMALL), finished_sweep(database_url, LARGE)
+    engine = make_engine(database_url)
+
+    def compared(sweep_id: int) -> Callable[[], Any]:
+        def read() -> Any:
+            with make_sessionmaker(engine)() as session:
+                return sweep_results.sweep_comparison(session, sweep_id, sweep_id)
+
+        return read
+
+    try:
+        compared(small)()  # imports, caches and the sweeps' contexts warmed
+        compared(large)()
+        held = [traced_blocks(compared(small)), traced_blocks(compared(large))]
+    finally:
+        engine.dispose()
+        queries._contexts.clear()
+    per_run = (held[1] - held[0]) / (LARGE - SMALL)  # the database driver's caches: ~0.06
+    assert per_run < 0.5, f"a comparison holds {per_run:.2f} objects per run ({held})"
+
+
+def test_compare_read_a_page_at_a_time_is_the_comparison_of_its_rows_read_at_once(
+    database_url: str, monkeypatch: Any
+) -> None:
+    """GET /compare as the API sends it (each sweep read a page at a time into its packed
+    sides, the pairs streamed) is the comparison of the sweeps' rows read at once
+    (queries.sweep_rows, compare.compare_out) as one CompareOut, byte for byte: a slower
+    cell, flagged and noisy runs, a sweep against another and against itself."""
+    from test_noise_report import LOW_PEAK, store_dp_sweep
+
+    from service.api.routes.sweeps import _json
+    from service.api.schemas import CompareOut
+    from service.results import service as sweep_results
+    from service.results.compare import compare_out, same_spec
+
+    monkeypatch.setattr(sweep_results, "READ_PAGE", 7)
+    with client_for(database_url) as client:
+        a = store_dp_sweep(client, seed=3)
+        b = store_dp_sweep(client, seed=4, slower=LOW_PEAK)
+        served = {(x, y): client.get(f"/api/v1/sweeps/{x}/compare/{y}") for x, y in
+                  [(a, b), (b, a), (a, a)]}  # fmt: skip
+    engine = make_engine(database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            read = {}
+            for i in (a, b):
+                sweep = session.get(Sweep, i)
+                assert sweep is not None
+                read[i] = (sweep.spec, queries.sweep_rows(session, sweep))
+            at_once = {
+                (x, y): compare_out(x, y, read[x][1], read[y][1], same_spec(read[x][0], read[y][0]))
+                for x, y in served
+            }
+    finally:
+        engine.dispose()
+        queries._contexts.clear()
+    assert at_once[a, b]["regressions"] >= 1 and len(at_once[a, b]["pairs"]) > 2 * 7
+    for key, answer in served.items():
+        assert answer.status_code == 200, answer.text
+        assert answer.text == _json(CompareOut.model_validate(at_once[key]).model_dump(mode="json"))
 
 
 def test_report_md_holds_a_few_hundred_bytes_a_run(database_url: str, monkeypatch: Any) -> None:

@@ -191,7 +191,7 @@ def test_compare_flags_time_only_outside_the_spread_and_memory_beyond_tolerance(
     assert not pairs[1]["regression"] and pairs[1]["time_change"] is None
     assert pairs[2]["reasons"] == ["slower", "more memory"]
     assert pairs[3]["reasons"] == ["B failed"]
-    assert compare.unmatched(a, b) == (1, 0)
+    assert compare.unmatched(compare.Sides(a), compare.Sides(b)) == (1, 0)
     # The chart is coloured by the metric it plots: a faster cell with more memory is green.
     faster = _row(21, median=0.3, seq_len=2048)
     faster.peak_memory_bytes = 300
