@@ -498,8 +498,9 @@ kernel is read from its KernelSpec."""
 
 
 def _builtin_kernel_names(root: Path) -> set[str]:
-    """The `name` of every KernelSpec(...) built under attention/ outside attention/adapters
-    (the plugins'): a string, or a module-level NAME = "..." it names."""
+    """The `name` of every KernelSpec(...) or sharded_spec(...) (attention.ring.sharded) built
+    under attention/ outside attention/adapters (the plugins'): a string, or a module-level
+    NAME = "..." it names, given by keyword (sharded_spec: or as its first argument)."""
     names = set()
     for path in sorted((root / "attention").rglob("*.py")):
         if "adapters" in path.relative_to(root).parts:
@@ -513,13 +514,19 @@ def _builtin_kernel_names(root: Path) -> set[str]:
             if isinstance(target, ast.Name)
         }
         for node in ast.walk(tree):
-            if not (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "KernelSpec"):
+            if not (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", "") in ("KernelSpec", "sharded_spec")
+            ):
                 continue
-            for kw in node.keywords:
-                if kw.arg == "name" and isinstance(kw.value, ast.Constant):
-                    names.add(kw.value.value)
-                elif kw.arg == "name" and isinstance(kw.value, ast.Name):
-                    names.add(constants[kw.value.id])
+            given = [kw.value for kw in node.keywords if kw.arg == "name"]
+            if getattr(node.func, "id", "") == "sharded_spec":
+                given += node.args[:1]
+            for value in given:
+                if isinstance(value, ast.Constant):
+                    names.add(value.value)
+                elif isinstance(value, ast.Name):
+                    names.add(constants[value.id])
     return names
 
 

@@ -113,3 +113,20 @@ class Mask(ABC):
             cnt = torch.minimum(hi[:, None], ends) - torch.maximum(lo[:, None], starts)
             pairs.index_add_(0, q // block_size, cnt.clamp(min=0))
         return BlockMap(seq_len, block_size, pairs)
+
+
+class FieldlessMask(Mask):
+    """A mask without fields (full, causal): its class says whether it is causal, it fits any
+    length, and its dict is its kind alone."""
+
+    is_causal: ClassVar[bool]
+
+    @property
+    def causal(self) -> bool:
+        return self.is_causal
+
+    def check(self, seq_len: int) -> None:
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind}

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from attention.mask.base import Mask
+from attention.mask.base import FieldlessMask
 
 
 @dataclass(frozen=True)
-class Full(Mask):
+class Full(FieldlessMask):
     kind = "full"
-
-    @property
-    def causal(self) -> bool:
-        return False
+    is_causal = False
 
     def keep(self, q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
         return torch.ones_like(q_idx, dtype=torch.bool) & torch.ones_like(k_idx, dtype=torch.bool)
@@ -24,11 +20,5 @@ class Full(Mask):
     def bounds(self, q_idx: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros_like(q_idx), torch.full_like(q_idx, seq_len)
 
-    def check(self, seq_len: int) -> None:
-        return None
-
     def pairs(self, seq_len: int) -> int:
         return seq_len * seq_len
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind}

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from attention import layouts, primitive
+from attention import primitive
 from attention.autograd import bound_merged_attention
 from attention.base import KernelMemory, merged_memory, qkv_bytes
 from attention.errors import ParamError
@@ -39,7 +39,7 @@ from attention.mask.takes import (
     kernel_mask,
 )
 from attention.primitive import empty_result
-from attention.registry import CommOverlap, KernelSpec, register
+from attention.registry import CommOverlap, register
 from attention.ring.collectives import all_gather, reduce_scatter
 from attention.ring.comm import rank_and_world
 from attention.ring.engine import (
@@ -62,7 +62,13 @@ from attention.ring.needed import (
     return_grads,
     traffic,
 )
-from attention.ring.sharded import ShardedKernel, check_group, default_layout
+from attention.ring.sharded import (
+    ALL_BALANCES,
+    ShardedKernel,
+    check_group,
+    default_layout,
+    sharded_spec,
+)
 from attention.ring.steps import clock
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -72,9 +78,6 @@ def check_sp_layout(layout: str | None) -> None:
     """Raise ParamError unless `layout` is None (the default) or one of LAYOUTS."""
     if layout is not None and layout not in LAYOUTS:
         raise ParamError("params.layout", f"must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-
-
-ALLGATHER_BALANCES = frozenset(layouts.BALANCES)
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ class AllGatherParams:
         check_sp_layout(self.layout)
         check_group(self.group)
         object.__setattr__(self, "mask", kernel_mask(self.mask, "allgather_kv", ALL_MASKS))
-        balance = kernel_balance(self.balance, "allgather_kv", ALLGATHER_BALANCES)
+        balance = kernel_balance(self.balance, "allgather_kv", ALL_BALANCES)
         object.__setattr__(self, "balance", balance)
         if balance is not None and self.layout is not None:
             raise ParamError(
@@ -354,22 +357,17 @@ def check_allgather(
 
 
 register(
-    KernelSpec(
-        name="allgather_kv",
-        primitive=True,
-        description=(
-            "Llama-3 context parallelism: every rank all-gathers K and V and computes its own "
-            "queries (contiguous or zigzag); the backward reduce-scatters dK and dV. K/V memory "
-            "per rank grows with the whole length."
-        ),
-        params=AllGatherParams,
-        factory=AllGatherKV,
-        distributed=True,
+    sharded_spec(
+        "allgather_kv",
+        "Llama-3 context parallelism: every rank all-gathers K and V and computes its own "
+        "queries (contiguous or zigzag); the backward reduce-scatters dK and dV. K/V memory "
+        "per rank grows with the whole length.",
+        AllGatherParams,
+        AllGatherKV,
+        check_allgather,
         twin="dense",
-        check=check_allgather,
-        default_layout=default_layout,
         comm_overlap=CommOverlap.BLOCKING,
         masks=ALL_MASKS,
-        balances=ALLGATHER_BALANCES,
+        balances=ALL_BALANCES,
     )
 )

@@ -28,14 +28,14 @@ from attention.hilbert import hilbert_permutation
 from attention.layouts import check_seq_len
 from attention.layouts import positions as layout_positions
 from attention.primitive import accumulator_dtype, empty_result
-from attention.registry import BenchParams, CommOverlap, KernelSpec, register
+from attention.registry import BenchParams, register
 from attention.ring.comm import (
     RingComm,
     Tag,
 )
 from attention.ring.dense import checked_layout
 from attention.ring.engine import Block, step_backward, step_forward, window_blocks
-from attention.ring.sharded import ShardedKernel, check_placement, default_layout
+from attention.ring.sharded import ShardedKernel, check_placement, default_layout, sharded_spec
 from attention.ring.steps import clock
 
 KV_TAGS = (Tag.SPARSE_KV_EVEN, Tag.SPARSE_KV_ODD)
@@ -317,20 +317,14 @@ class RingBlockSparseAttention(ShardedKernel):
 
 
 register(
-    KernelSpec(
-        name="ring_block_sparse",
-        primitive=True,
-        description=(
-            "Block-sparse attention across ranks: only the kept block pairs are computed, and "
-            "K/V go only to the ranks whose query blocks keep them."
-        ),
-        params=RingBlockSparseParams,
-        factory=RingBlockSparseAttention,
-        distributed=True,
+    sharded_spec(
+        "ring_block_sparse",
+        "Block-sparse attention across ranks: only the kept block pairs are computed, and "
+        "K/V go only to the ranks whose query blocks keep them.",
+        RingBlockSparseParams,
+        RingBlockSparseAttention,
+        check_ring_block_sparse,
         twin="block_sparse",
-        check=check_ring_block_sparse,
-        default_layout=default_layout,
-        comm_overlap=CommOverlap.OVERLAPPED,
         bench_params=BenchParams(gpu={}),
     )
 )

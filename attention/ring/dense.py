@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attention import documents, layouts, primitive
+from attention import documents, primitive
 from attention.errors import ParamError
 from attention.layouts import check_seq_len
 from attention.mask.takes import (
@@ -25,14 +25,18 @@ from attention.mask.takes import (
     kernel_balance,
     kernel_mask,
 )
-from attention.registry import BenchParams, CommOverlap, KernelSpec, register
+from attention.registry import BenchParams, register
 from attention.ring.engine import Block, ring_attention
 from attention.ring.mask_plan import mask_in_force, mask_plan, uses_mask_plan
 from attention.ring.mask_plan import token_order as mask_token_order
 from attention.ring.needed import shard_tokens, traffic
-from attention.ring.sharded import ShardedKernel, check_placement, default_layout
-
-RING_BALANCES = frozenset(layouts.BALANCES)
+from attention.ring.sharded import (
+    ALL_BALANCES,
+    ShardedKernel,
+    check_placement,
+    default_layout,
+    sharded_spec,
+)
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ class RingParams:
         check_placement(self.layout, self.group)
         object.__setattr__(self, "document_lengths", documents.normalize(self.document_lengths))
         object.__setattr__(self, "mask", kernel_mask(self.mask, "ring", ALL_MASKS))
-        object.__setattr__(self, "balance", kernel_balance(self.balance, "ring", RING_BALANCES))
+        object.__setattr__(self, "balance", kernel_balance(self.balance, "ring", ALL_BALANCES))
         check_no_lengths(self.mask, self.document_lengths)
         if self.balance is not None and self.layout is not None:
             raise ParamError(
@@ -225,23 +229,17 @@ class RingAttention(ShardedKernel):
 
 
 register(
-    KernelSpec(
-        name="ring",
-        primitive=True,
-        description=(
-            "Ring attention: exact attention over a sequence sharded across ranks (contiguous, "
-            "zigzag or striped); K/V travel the ring, dK/dV travel home in the backward."
-        ),
-        params=RingParams,
-        factory=RingAttention,
-        distributed=True,
+    sharded_spec(
+        "ring",
+        "Ring attention: exact attention over a sequence sharded across ranks (contiguous, "
+        "zigzag or striped); K/V travel the ring, dK/dV travel home in the backward.",
+        RingParams,
+        RingAttention,
+        check_ring,
         twin="dense",
-        check=check_ring,
-        default_layout=default_layout,
-        comm_overlap=CommOverlap.OVERLAPPED,
         dense_baseline=True,
         bench_params=BenchParams(gpu={}),
         masks=ALL_MASKS,
-        balances=RING_BALANCES,
+        balances=ALL_BALANCES,
     )
 )

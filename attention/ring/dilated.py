@@ -48,13 +48,13 @@ from attention.primitive import (
     merge_,
     zero_grads,
 )
-from attention.registry import BenchParams, CommOverlap, KernelSpec, register
+from attention.registry import BenchParams, register
 from attention.ring.comm import (
     Tag,
     exchange,
 )
 from attention.ring.relayout import relayout
-from attention.ring.sharded import ShardedKernel, check_placement
+from attention.ring.sharded import ShardedKernel, check_placement, sharded_spec
 from attention.ring.steps import clock
 from attention.segments import branch_rows, group_bounds, offset_rows
 
@@ -396,21 +396,16 @@ def contiguous_layout(layout: str | None, causal: bool) -> str:
 
 
 register(
-    KernelSpec(
-        name="ring_dilated",
-        primitive=True,
-        description=(
-            "LongNet dilated attention across ranks: segments inside a shard run locally, "
-            "longer ones all-gather only their dilated K/V rows among the ranks they span; "
-            "zigzag or striped shards are moved to contiguous and back."
-        ),
-        params=RingDilatedParams,
-        factory=RingDilatedAttention,
-        distributed=True,
+    sharded_spec(
+        "ring_dilated",
+        "LongNet dilated attention across ranks: segments inside a shard run locally, "
+        "longer ones all-gather only their dilated K/V rows among the ranks they span; "
+        "zigzag or striped shards are moved to contiguous and back.",
+        RingDilatedParams,
+        RingDilatedAttention,
+        check_ring_dilated,
         twin="dilated",
-        check=check_ring_dilated,
         default_layout=contiguous_layout,
-        comm_overlap=CommOverlap.OVERLAPPED,
         device_plan=True,
         bench_params=BenchParams(gpu={}),
     )

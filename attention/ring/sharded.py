@@ -1,5 +1,5 @@
-"""What every kernel on a sharded sequence shares: joining the call across the process group and
-counting this rank's FLOPs from the pairs it computes."""
+"""What every kernel on a sharded sequence shares: joining the call across the process group,
+counting this rank's FLOPs from the pairs it computes, and the facts its KernelSpec declares."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ import torch.distributed as dist
 
 from attention.base import Kernel, attention_flops, check_qkv
 from attention.errors import ParamError
-from attention.layouts import check_layout
+from attention.layouts import BALANCES, check_layout
 from attention.layouts import positions as layout_positions
+from attention.registry import CommOverlap, KernelSpec
 from attention.ring.comm import check_backend, check_same_call, rank_and_world, resolve_group
+
+ALL_BALANCES = frozenset(BALANCES)
+"""Every balance (attention.layouts.BALANCES): what the ring kernels that weigh a mask take."""
 
 
 def check_group(group: Any) -> None:
@@ -101,3 +105,27 @@ class ShardedKernel(Kernel):
         bytes a token each), and of those the bytes of the rows none of its queries keeps a
         pair with (attention.ring.needed). None: the kernel does not count them."""
         return None
+
+
+SHARDED_FACTS: dict[str, Any] = {
+    "default_layout": default_layout,
+    "comm_overlap": CommOverlap.OVERLAPPED,
+}
+"""The KernelSpec fields a ring-family kernel takes unless its registration names its own."""
+
+
+def sharded_spec(
+    name: str,
+    description: str,
+    params: type,
+    factory: type[ShardedKernel],
+    check: Callable[..., None],
+    twin: str,
+    **facts: Any,
+) -> KernelSpec:
+    """The KernelSpec of a ring-family kernel: distributed, its blocks computed by the primitive,
+    `twin` its single-process twin, SHARDED_FACTS unless `facts` (its other KernelSpec fields,
+    by name) says otherwise. One place for what the family shares, so that each registration
+    states only what is its own."""
+    family: dict[str, Any] = {"distributed": True, "primitive": True, "check": check, "twin": twin}
+    return KernelSpec(name, description, params, factory, **family, **(SHARDED_FACTS | facts))

@@ -122,14 +122,10 @@ class StepClock:
             return
         entry = self._steps.setdefault((phase, index), _Step())
         outer, self._open = self._open, entry
-        start = self._mark()
-        cpu = time.thread_time() if self._thread else 0.0
         try:
-            yield
+            with self._span(entry.spans, entry.thread_spans):
+                yield
         finally:
-            entry.spans.append((start, self._mark()))
-            if self._thread:
-                entry.thread_spans.append((cpu, time.thread_time()))
             self._open = outer
 
     @contextlib.contextmanager
@@ -139,14 +135,23 @@ class StepClock:
         if entry is None:
             yield
             return
+        with self._span(entry.waits, entry.thread_waits):
+            yield
+
+    @contextlib.contextmanager
+    def _span(
+        self, spans: list[tuple[Any, Any]], thread_spans: list[tuple[float, float]]
+    ) -> Iterator[None]:
+        """Add the body's (start, end) marks to `spans` and, when the thread's CPU time is
+        read, its (start, end) thread time to `thread_spans`: what a step and a wait record."""
         start = self._mark()
         cpu = time.thread_time() if self._thread else 0.0
         try:
             yield
         finally:
-            entry.waits.append((start, self._mark()))
+            spans.append((start, self._mark()))
             if self._thread:
-                entry.thread_waits.append((cpu, time.thread_time()))
+                thread_spans.append((cpu, time.thread_time()))
 
     def computes(self, anything: bool) -> None:
         """Whether the open step's visit computes anything (False: its plan step is empty);

@@ -38,7 +38,7 @@ from attention.mask.takes import (
     kernel_balance,
     kernel_mask,
 )
-from attention.registry import CommOverlap, KernelSpec, register
+from attention.registry import CommOverlap, register
 from attention.ring.allgather import check_sp_layout
 from attention.ring.collectives import heads_of, tokens_of
 from attention.ring.comm import rank_and_world
@@ -46,11 +46,15 @@ from attention.ring.dense import dense_plan
 from attention.ring.engine import PIECE_BYTES, Block, piece_size, ring_attention
 from attention.ring.mask_plan import mask_in_force, mask_plan, token_order, uses_mask_plan
 from attention.ring.needed import traffic
-from attention.ring.sharded import ShardedKernel, check_group, default_layout
+from attention.ring.sharded import (
+    ALL_BALANCES,
+    ShardedKernel,
+    check_group,
+    default_layout,
+    sharded_spec,
+)
 from attention.ring.steps import clock
 from attention.ring.ulysses import check_heads, replicate_kv
-
-USP_BALANCES = frozenset(layouts.BALANCES)
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,7 @@ class UspParams:
         check_sp_layout(self.layout)
         check_group(self.group)
         object.__setattr__(self, "mask", kernel_mask(self.mask, "usp", ALL_MASKS))
-        object.__setattr__(self, "balance", kernel_balance(self.balance, "usp", USP_BALANCES))
+        object.__setattr__(self, "balance", kernel_balance(self.balance, "usp", ALL_BALANCES))
         if self.balance is not None and self.layout is not None:
             raise ParamError(
                 "params.layout", "a balance sets the shards' order; leave layout unset"
@@ -279,22 +283,17 @@ def check_usp(
 
 
 register(
-    KernelSpec(
-        name="usp",
-        primitive=True,
-        description=(
-            "USP, the 2D hybrid: Ulysses all-to-all inside groups of ulysses_degree ranks, a "
-            "ring of K/V across the groups (contiguous or zigzag)."
-        ),
-        params=UspParams,
-        factory=UspAttention,
-        distributed=True,
+    sharded_spec(
+        "usp",
+        "USP, the 2D hybrid: Ulysses all-to-all inside groups of ulysses_degree ranks, a "
+        "ring of K/V across the groups (contiguous or zigzag).",
+        UspParams,
+        UspAttention,
+        check_usp,
         twin="dense",
-        check=check_usp,
-        default_layout=default_layout,
         comm_overlap=CommOverlap.ALL_TO_ALL_THEN_RING,
         masks=ALL_MASKS,
-        balances=USP_BALANCES,
+        balances=ALL_BALANCES,
         heads_check=lambda p, heads, kv, world: check_heads(
             heads, kv, p.ulysses_degree, "params.ulysses_degree"
         ),

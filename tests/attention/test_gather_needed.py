@@ -17,7 +17,7 @@ import attention
 from attention.errors import ParamError
 from attention.mask import parse
 from attention.ring import engine, mask_plan
-from attention.ring.allgather import ALLGATHER_BALANCES
+from attention.ring.sharded import ALL_BALANCES
 from attention.ring.steps import clock
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 CASES = [
     (mask, balance)
     for mask in MASKS
-    for balance in [None, *sorted(ALLGATHER_BALANCES)]
+    for balance in [None, *sorted(ALL_BALANCES)]
     if balance != "per_document" or mask["kind"] == "documents"
 ]
 ROW_BYTES = 2 * KV_HEADS * SHAPE[3] * 8  # one token's K and V rows, fp64
