@@ -48,6 +48,7 @@ from attention.ring.mask_plan import mask_in_force, mask_plan, token_order, uses
 from attention.ring.needed import traffic
 from attention.ring.sharded import (
     ALL_BALANCES,
+    HeadShape,
     ShardedKernel,
     check_group,
     default_layout,
@@ -222,7 +223,7 @@ class UspAttention(ShardedKernel):
         return num_heads * sum(b.pairs() for step in plan for b in step) // u
 
     def kv_comm_bytes(
-        self, seq_len: int, kv_heads: int, head_bytes: int, causal: bool, rank: int, world: int
+        self, seq_len: int, heads: HeadShape, causal: bool, rank: int, world: int
     ) -> tuple[int, int] | None:
         """The ring's K/V only (the Ulysses all-to-all of k and v is not counted): ring member
         g = rank // U receives the other R - 1 groups' U x seq_len tokens of its H_kv / U
@@ -235,7 +236,7 @@ class UspAttention(ShardedKernel):
             layout = default_layout(self.params.layout, causal)
             order = token_order(mask, None, layout, seq_len * world, ring)
         rows = traffic(mask, order, rank // u, ring, "all")
-        row = 2 * (max(kv_heads, u) // u) * head_bytes  # a token's K and V rows of its heads
+        row = heads.row(max(heads.kv_heads, u) // u)  # its H_kv / U heads
         return rows.received * row, rows.wasted * row
 
 

@@ -13,6 +13,7 @@ from _mask_cases import LENGTHS, MASKS, S, mask_id
 
 import attention
 from attention.mask import parse
+from attention.ring.sharded import HeadShape
 
 WORLD = 4
 HEAD_BYTES = 16 * 4  # head_dim 16, float32
@@ -54,7 +55,7 @@ def test_ring_and_allgather_count_the_rows_their_mask_keeps(
         assert rows == (WORLD - 1) * n
         want = (kept, 0) if needed else (rows, rows - kept)
         row = 2 * 2 * HEAD_BYTES  # two kv heads
-        got = module.kv_comm_bytes(n, 2, HEAD_BYTES, causal, rank, WORLD)
+        got = module.kv_comm_bytes(n, HeadShape(4, 2, HEAD_BYTES), causal, rank, WORLD)
         assert got == (want[0] * row, want[1] * row), (rank, mask_id(mask))
 
 
@@ -72,10 +73,11 @@ def test_usp_counts_its_rings_rows_of_its_heads(balance: str | None, kv_heads: i
     for rank in range(WORLD):
         g = rank // u
         rows, kept = _recount(keep, groups[g], [h for j, h in enumerate(groups) if j != g])
-        got = module.kv_comm_bytes(n, kv_heads, HEAD_BYTES, True, rank, WORLD)
+        got = module.kv_comm_bytes(n, HeadShape(4, kv_heads, HEAD_BYTES), True, rank, WORLD)
         assert got == (rows * row, (rows - kept) * row)
         assert rows == (WORLD // u - 1) * u * n
 
 
 def test_kernels_that_do_not_count_say_none() -> None:
-    assert attention.build("ulysses").kv_comm_bytes(128, 2, HEAD_BYTES, True, 0, 2) is None
+    heads = HeadShape(4, 2, HEAD_BYTES)
+    assert attention.build("ulysses").kv_comm_bytes(128, heads, True, 0, 2) is None
