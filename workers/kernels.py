@@ -8,7 +8,7 @@ import torch
 
 import attention
 from attention.ring.comm import rank_and_world
-from attention.ring.sharded import ShardedKernel
+from attention.ring.sharded import HeadShape, ShardedKernel
 from workers.config import RunConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -131,8 +131,8 @@ def comm_bytes(
         return None, None
     rank, world = rank_and_world(module.params.group)
     head_bytes = config.head_dim * torch.empty((), dtype=DTYPES[config.dtype]).element_size()
-    args = (seq_len, config.kv_heads, head_bytes, config.causal, rank, world)
-    counted = module.kv_comm_bytes(*args)
+    heads = HeadShape(config.num_heads, config.kv_heads, head_bytes)
+    counted = module.kv_comm_bytes(seq_len, heads, config.causal, rank, world)
     if counted is None:
         return None, None
     times = config.local_batch * (2 if train else 1)

@@ -174,16 +174,21 @@ class RankResult(BaseModel):
         description="K/V bytes this rank received per iteration for attention, its whole "
         "local batch (train mode: forward and backward each receive them): ring and allgather_kv "
         "gather all the other shards whole, gather needed only the K/V rows its queries keep a "
-        "pair with, usp the K/V its ring moves (not the Ulysses all-to-all). Exact, from the "
-        "mask and the token order (attention.ring.needed); None for kernels that do not count "
-        "it (single-process kernels, ulysses, ring_block_sparse, ring_dilated) and for ranks "
-        "stored before.",
+        "pair with; ulysses the other ranks' shards for its H_kv / W key/value heads (at least "
+        "one); usp its Ulysses all-to-all's and its ring's K/V, for its H_kv / U heads; "
+        "ring_block_sparse the shards of the steps its block plan computes with; ring_dilated "
+        "each shared segment's dilated rows of a head group for that group's key/value heads, "
+        "and the relayout to contiguous shards of zigzag or striped ones. Exact, from the mask, "
+        "pattern and token order (attention.ring.needed); None for kernels that do not count "
+        "it (single-process kernels) and for ranks stored before.",
     )
     wasted_comm_bytes: int | None = Field(
         None,
         ge=0,
-        description="Of comm_bytes, those of K/V rows (one token's, all its key/value heads) "
-        "none of this rank's queries keeps a pair with; 0 under gather needed.",
+        description="Of comm_bytes, those of K/V rows (one token's, all the key/value heads "
+        "the message carries) none of this rank's queries keeps a pair with under the kernel's "
+        "mask or pattern (ulysses, usp: the queries of its heads; ring_dilated: of the head "
+        "group a segment's message serves); 0 under gather needed.",
     )
     max_abs_error: float | None = Field(
         None,

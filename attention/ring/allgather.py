@@ -64,6 +64,7 @@ from attention.ring.needed import (
 )
 from attention.ring.sharded import (
     ALL_BALANCES,
+    HeadShape,
     ShardedKernel,
     check_group,
     default_layout,
@@ -318,12 +319,12 @@ class AllGatherKV(ShardedKernel):
         return num_heads * sum(b.pairs() for b in self.params.blocks(causal, rank, world, seq_len))
 
     def kv_comm_bytes(
-        self, seq_len: int, kv_heads: int, head_bytes: int, causal: bool, rank: int, world: int
+        self, seq_len: int, heads: HeadShape, causal: bool, rank: int, world: int
     ) -> tuple[int, int] | None:
         """gather all: every other shard, its rows no query here keeps wasted; gather needed:
         only the rows kept, none wasted (needed.traffic)."""
         rows = self.params.kv_traffic(causal, rank, world, seq_len)
-        row = 2 * kv_heads * head_bytes  # a token's K and V rows
+        row = heads.row(heads.kv_heads)
         return rows.received * row, rows.wasted * row
 
     def local_positions(

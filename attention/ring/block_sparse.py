@@ -35,7 +35,14 @@ from attention.ring.comm import (
 )
 from attention.ring.dense import checked_layout
 from attention.ring.engine import Block, step_backward, step_forward, window_blocks
-from attention.ring.sharded import ShardedKernel, check_placement, default_layout, sharded_spec
+from attention.ring.needed import block_keys
+from attention.ring.sharded import (
+    HeadShape,
+    ShardedKernel,
+    check_placement,
+    default_layout,
+    sharded_spec,
+)
 from attention.ring.steps import clock
 
 KV_TAGS = (Tag.SPARSE_KV_EVEN, Tag.SPARSE_KV_ODD)
@@ -314,6 +321,21 @@ class RingBlockSparseAttention(ShardedKernel):
         """This rank's kept block pairs, every step."""
         sched = self._schedule(seq_len * world, world, causal)
         return num_heads * sum(b.pairs() for t in range(world) for b in sched.plan(rank, t))
+
+    def kv_comm_bytes(
+        self, seq_len: int, heads: HeadShape, causal: bool, rank: int, world: int
+    ) -> tuple[int, int] | None:
+        """The whole shard of every step t >= 1 whose plan computes anything (the others are
+        not sent), its rows no block of that step's plan keeps a pair with wasted
+        (needed.block_keys); one pattern for every head."""
+        sched = self._schedule(seq_len * world, world, causal)
+        received = wasted = 0
+        for t in range(1, world):
+            if sched.needs(rank, t):
+                received += seq_len
+                wasted += seq_len - int(block_keys(sched.plan(rank, t), seq_len).sum())
+        row = heads.row(heads.kv_heads)
+        return received * row, wasted * row
 
 
 register(

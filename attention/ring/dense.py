@@ -32,6 +32,7 @@ from attention.ring.mask_plan import token_order as mask_token_order
 from attention.ring.needed import shard_tokens, traffic
 from attention.ring.sharded import (
     ALL_BALANCES,
+    HeadShape,
     ShardedKernel,
     check_placement,
     default_layout,
@@ -216,7 +217,7 @@ class RingAttention(ShardedKernel):
         return num_heads * sum(blk.pairs() for step in plan for blk in step)
 
     def kv_comm_bytes(
-        self, seq_len: int, kv_heads: int, head_bytes: int, causal: bool, rank: int, world: int
+        self, seq_len: int, heads: HeadShape, causal: bool, rank: int, world: int
     ) -> tuple[int, int] | None:
         """Every other shard whole (the ring forwards each), its rows this rank's queries do
         not keep wasted (needed.traffic under gather all)."""
@@ -224,7 +225,7 @@ class RingAttention(ShardedKernel):
         layout = default_layout(self.layout, causal)
         order = shard_tokens(mask, self.params.balance, layout, seq_len * world, world)
         rows = traffic(mask, order, rank, world, "all")
-        row = 2 * kv_heads * head_bytes  # a token's K and V rows
+        row = heads.row(heads.kv_heads)
         return rows.received * row, rows.wasted * row
 
 

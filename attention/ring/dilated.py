@@ -53,8 +53,9 @@ from attention.ring.comm import (
     Tag,
     exchange,
 )
-from attention.ring.relayout import relayout
-from attention.ring.sharded import ShardedKernel, check_placement, sharded_spec
+from attention.ring.needed import offset_kept
+from attention.ring.relayout import relayout, routes
+from attention.ring.sharded import HeadShape, ShardedKernel, check_placement, sharded_spec
 from attention.ring.steps import clock
 from attention.segments import branch_rows, group_bounds, offset_rows
 
@@ -387,6 +388,34 @@ class RingDilatedAttention(ShardedKernel):
                 mine = before * m + m * (m + 1) // 2 if causal else m * sum(counts)
                 pairs += (h1 - h0) * mine
         return pairs
+
+    def kv_comm_bytes(
+        self, seq_len: int, heads: HeadShape, causal: bool, rank: int, world: int
+    ) -> tuple[int, int] | None:
+        """The relayout's K/V rows (zigzag or striped shards: the tokens of this rank's
+        contiguous shard held elsewhere, all kv heads), wasted where no head's offset group
+        attends them (needed.offset_kept); and each shared segment's gather of a head group's
+        dilated rows from the other ranks of its span, for that group's kv heads: all wasted
+        when this rank holds none of the group's rows, the later ranks' when causal."""
+        received = wasted = 0
+        if self.layout != "contiguous" and world > 1:
+            _, recv = routes(seq_len * world, self.layout, "contiguous", rank, world)
+            kept = offset_kept(self.params.branches(), seq_len * world, heads.num_heads)
+            row = heads.row(heads.kv_heads)
+            for peer, rows in enumerate(recv):
+                if peer != rank:
+                    received += rows.numel() * row
+                    wasted += int((~kept[rank * seq_len + rows]).sum()) * row
+        for far in _plan(self.params, seq_len * world, rank, seq_len)[1]:
+            mine = rank - far.first
+            for g, h0, h1 in group_bounds(heads.num_heads, far.r):
+                c0, c1 = _kv_range(h0, h1, heads.num_heads, heads.kv_heads)
+                counts = far.counts(g)
+                others = sum(counts) - counts[mine]
+                unused = others if not counts[mine] else sum(counts[mine + 1 :]) if causal else 0
+                received += others * heads.row(c1 - c0)
+                wasted += unused * heads.row(c1 - c0)
+        return received, wasted
 
 
 def contiguous_layout(layout: str | None, causal: bool) -> str:

@@ -13,7 +13,13 @@ Per forward pass a rank of W receives:
   wasted;
 - `allgather_kv` with `gather: needed`: only the rows of the other shards it needs, sent by
   their owners in one variable all-to-all (MagiAttention's zero-redundant communication): the
-  bytes its mask needs, nothing wasted.
+  bytes its mask needs, nothing wasted;
+- `ulysses` (and `usp`'s all-to-all inside its group): the other ranks' shards for its own
+  key/value heads, wasted where none of the queries of its heads keeps a row;
+- `ring_block_sparse`: only the shards its plan computes with (block_keys says which of their
+  rows it keeps);
+- `ring_dilated`: each shared segment's dilated rows of a head group (offset_kept for the
+  relayout of zigzag or striped shards).
 
 Every rank computes every rank's needs from the mask and the token order alone (no message
 announces them), so sender and receiver agree on each message's size.
@@ -21,6 +27,7 @@ announces them), so sender and receiver agree on each message's size.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +36,8 @@ import torch
 from attention import layouts
 from attention.mask import Mask
 from attention.ring.comm import Tag, exchange
+from attention.ring.engine import Block
+from attention.segments import group_bounds
 
 GATHERS = ("all", "needed")
 """allgather_kv's `gather`: every shard's K/V (all), or only the rows each rank's queries keep
@@ -63,6 +72,34 @@ def needed_rows(mask: Mask, order: torch.Tensor, rank: int, world: int) -> list[
     n = order.numel() // world
     need = kept_keys(mask, order, rank, world)
     return [need[order[s * n : (s + 1) * n].long()].nonzero().flatten() for s in range(world)]
+
+
+def block_keys(blocks: Sequence[Block], keys: int) -> torch.Tensor:
+    """(keys,) bool: the held key rows at least one of `blocks` computes a pair with (all of
+    a full block's keys, the first min(rows, keys) of a top-left causal one's, a masked
+    block's kept keys)."""
+    kept = torch.zeros(keys, dtype=torch.bool)
+    for blk in blocks:
+        keep = blk.keep()
+        if keep is not None:
+            kept[blk.k0 : blk.k1] |= keep.any(0)
+        elif blk.q1 > blk.q0:
+            span = min(blk.q1 - blk.q0, blk.k1 - blk.k0) if blk.causal else blk.k1 - blk.k0
+            kept[blk.k0 : blk.k0 + span] = True
+    return kept
+
+
+def offset_kept(branches: Iterable[tuple[int, int]], seq_len: int, num_heads: int) -> torch.Tensor:
+    """(S,) bool: the positions some head keeps a pair with under LongNet's branches (w, r):
+    a head of group g (attention.segments.group_bounds, inside any global_heads window)
+    attends the rows at offset g of every segment, each at least with itself (causal too);
+    offsets whose group holds none of the heads are attended by none."""
+    offset = torch.arange(seq_len)
+    kept = torch.zeros(seq_len, dtype=torch.bool)
+    for w, r in branches:
+        groups = torch.tensor([g for g, _, _ in group_bounds(num_heads, r)], dtype=torch.int64)
+        kept |= torch.isin(offset % w % r, groups)
+    return kept
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ counting this rank's FLOPs from the pairs it computes, and the facts its KernelS
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +19,20 @@ from attention.ring.comm import check_backend, check_same_call, rank_and_world, 
 
 ALL_BALANCES = frozenset(BALANCES)
 """Every balance (attention.layouts.BALANCES): what the ring kernels that weigh a mask take."""
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """The heads a K/V count needs: `num_heads` query heads (a kernel whose messages follow
+    head groups reads them), `kv_heads` key/value heads of `head_bytes` bytes a token each."""
+
+    num_heads: int
+    kv_heads: int
+    head_bytes: int
+
+    def row(self, kv_heads: int) -> int:
+        """Bytes of one token's K and V rows of `kv_heads` key/value heads."""
+        return 2 * kv_heads * self.head_bytes
 
 
 def check_group(group: Any) -> None:
@@ -98,12 +113,12 @@ class ShardedKernel(Kernel):
         raise NotImplementedError
 
     def kv_comm_bytes(
-        self, seq_len: int, kv_heads: int, head_bytes: int, causal: bool, rank: int, world: int
+        self, seq_len: int, heads: HeadShape, causal: bool, rank: int, world: int
     ) -> tuple[int, int] | None:
         """(received, wasted): bytes of K/V rank `rank` receives in one forward pass on a local
-        shard of `seq_len` tokens (one batch row; `kv_heads` key/value heads of `head_bytes`
-        bytes a token each), and of those the bytes of the rows none of its queries keeps a
-        pair with (attention.ring.needed). None: the kernel does not count them."""
+        shard of `seq_len` tokens (one batch row, `heads`), and of those the bytes of the rows
+        none of its queries keeps a pair with (attention.ring.needed). None: the kernel does
+        not count them."""
         return None
 
 

@@ -34,6 +34,7 @@ import torch
 
 from attention.base import KernelMemory, qkv_bytes
 from attention.errors import ParamError
+from attention.hilbert import hilbert_permutation
 from attention.mask.takes import ALL_MASKS, check_causal, kernel_balance, kernel_mask
 from attention.registry import (
     KERNELS,
@@ -45,9 +46,11 @@ from attention.registry import (
     register,
     structural_periods,
 )
+from attention.ring import needed
 from attention.ring.collectives import heads_of, tokens_of
 from attention.ring.comm import rank_and_world
-from attention.ring.sharded import ShardedKernel, check_group
+from attention.ring.mask_plan import mask_in_force
+from attention.ring.sharded import HeadShape, ShardedKernel, check_group
 from attention.ring.steps import clock
 from attention.segments import global_heads
 
@@ -284,6 +287,45 @@ class UlyssesAttention(ShardedKernel):
         _, world = rank_and_world(self.params.group)
         total = self.inner.flops(batch, seq_len * world, num_heads, head_dim, causal, backward)
         return int(total // world)
+
+    def kv_comm_bytes(
+        self, seq_len: int, heads: HeadShape, causal: bool, rank: int, world: int
+    ) -> tuple[int, int] | None:
+        """The all-to-all of k and v: the other W - 1 ranks' shards for this rank's H_kv / W
+        key/value heads (at least one: replicate_kv), their rows none of the queries of its
+        H / W heads keeps a pair with under the inner kernel's pattern wasted (kept_keys)."""
+        kept = self.kept_keys(seq_len * world, heads.num_heads, causal, rank, world)
+        mine = kept[rank * seq_len : (rank + 1) * seq_len]
+        received = (world - 1) * seq_len
+        wasted = received - (int(kept.sum()) - int(mine.sum()))
+        row = heads.row(max(heads.kv_heads, world) // world)  # its H_kv / W heads
+        return received * row, wasted * row
+
+    def kept_keys(
+        self, seq_len: int, num_heads: int, causal: bool, rank: int, world: int
+    ) -> torch.Tensor:
+        """(S,) bool by global token: the keys at least one query of rank `rank`'s heads keeps
+        on the whole sequence of `seq_len` tokens: the inner dense kernel's mask, block_sparse's
+        block mask, dilated's offset groups of this rank's global heads (both on the Hilbert
+        order's positions under ordering hilbert, mapped back to the tokens)."""
+        inner = self.params.inner
+        p = self.inner.params
+        if inner == "dense":
+            mask = mask_in_force(p.mask, causal, p.document_lengths)
+            return needed.kept_keys(mask, torch.arange(seq_len), 0, 1)
+        if inner == "block_sparse":
+            blocks = self.inner.block_mask(seq_len, causal=causal).any(0)
+            kept = blocks.repeat_interleave(p.block_size)
+        elif inner == "dilated":
+            with global_heads(rank * num_heads // world, num_heads):
+                kept = needed.offset_kept(p.branches(), seq_len, num_heads // world)
+        else:
+            raise ValueError(f"no kept keys for inner kernel {inner!r}")
+        if p.ordering != "hilbert":
+            return kept
+        tokens = torch.empty_like(kept)
+        tokens[hilbert_permutation(seq_len)] = kept
+        return tokens
 
 
 def check_ulysses(

@@ -13,6 +13,9 @@ ranks in the same layout:
 Ring member g of a head slice i is rank g U + i: R rings of R ranks run side by side, each the
 `ring` engine's loop (K/V pieces travel, dK/dV come home).
 
+K/V a rank receives (kv_comm_bytes): the all-to-all's U - 1 members' shards and the ring's
+R - 1 groups' tokens, both of its H_kv / U key/value heads.
+
 Step clock: the ring's steps are steps 0 .. R - 1 of each phase (and backward step R, the
 last dK/dV home); forward step 0 also holds the all-to-all of q, k, v, forward step R the
 output's; backward step 0 also holds the output gradient's, backward step R + 1 those of dq,
@@ -45,9 +48,10 @@ from attention.ring.comm import rank_and_world
 from attention.ring.dense import dense_plan
 from attention.ring.engine import PIECE_BYTES, Block, piece_size, ring_attention
 from attention.ring.mask_plan import mask_in_force, mask_plan, token_order, uses_mask_plan
-from attention.ring.needed import traffic
+from attention.ring.needed import kept_keys, traffic
 from attention.ring.sharded import (
     ALL_BALANCES,
+    HeadShape,
     ShardedKernel,
     check_group,
     default_layout,
@@ -222,21 +226,27 @@ class UspAttention(ShardedKernel):
         return num_heads * sum(b.pairs() for step in plan for b in step) // u
 
     def kv_comm_bytes(
-        self, seq_len: int, kv_heads: int, head_bytes: int, causal: bool, rank: int, world: int
+        self, seq_len: int, heads: HeadShape, causal: bool, rank: int, world: int
     ) -> tuple[int, int] | None:
-        """The ring's K/V only (the Ulysses all-to-all of k and v is not counted): ring member
-        g = rank // U receives the other R - 1 groups' U x seq_len tokens of its H_kv / U
-        key/value heads (at least one: replicate_kv), the rows its group's queries do not keep
-        wasted."""
+        """Both parts, for this rank's H_kv / U key/value heads (at least one: replicate_kv),
+        the rows its group's queries (every token of the group, its H / U heads) do not keep
+        wasted: the Ulysses all-to-all of k and v brings the other U - 1 members' shards, and
+        as ring member g = rank // U it receives the other R - 1 groups' U x seq_len tokens."""
         u, ring = self.params.ulysses_degree, world // self.params.ulysses_degree
+        g = rank // u
         mask = mask_in_force(self.params.mask, causal)
         order = self.params.ring_order(seq_len * world, world, causal)
         if order is None:
             layout = default_layout(self.params.layout, causal)
             order = token_order(mask, None, layout, seq_len * world, ring)
-        rows = traffic(mask, order, rank // u, ring, "all")
-        row = 2 * (max(kv_heads, u) // u) * head_bytes  # a token's K and V rows of its heads
-        return rows.received * row, rows.wasted * row
+        rows = traffic(mask, order, g, ring, "all")
+        kept = kept_keys(mask, order, g, ring)
+        group = order[g * u * seq_len : (g + 1) * u * seq_len].long()
+        mine = self.local_positions(seq_len * world, rank, world, causal=causal).long()
+        members = (u - 1) * seq_len
+        unkept = members - (int(kept[group].sum()) - int(kept[mine].sum()))
+        row = heads.row(max(heads.kv_heads, u) // u)  # its H_kv / U heads
+        return (rows.received + members) * row, (rows.wasted + unkept) * row
 
 
 def ring_piece_bytes(

@@ -12,6 +12,7 @@ from _dist_helpers import run_ranks
 from _workers_helpers import config
 
 import attention
+from attention.block_sparse import BlockSparseAttention
 from attention.mask import expand, parse
 from workers import protocol
 
@@ -96,6 +97,63 @@ def test_a_ring_step_whose_keys_keep_no_pair_says_it_was_skipped() -> None:
         }
         assert got["skipped"] == want
     assert ranks[0]["skipped"] == {0: False, 1: True}
+
+
+SPARSE = {"block_size": 32, "pattern": "random", "num_random": 1, "seed": 0,
+          "layout": "contiguous"}  # fmt: skip
+
+
+def _sparse_recount(rank: int) -> tuple[int, int]:
+    """(rows received, rows wasted) of ring_block_sparse from its dense causal token pattern:
+    rank 1's shard arrives at rank 0 only when some pair of them is kept (causal: never)."""
+    twin = {k: v for k, v in SPARSE.items() if k != "layout"}
+    blocks = BlockSparseAttention(attention.make_params("block_sparse", twin)).block_mask(S)
+    keep = torch.kron(blocks.int(), torch.ones(32, 32, dtype=torch.int)).bool()
+    keep &= torch.ones(S, S).tril().bool()
+    n = S // WORLD
+    sub = keep[rank * n : (rank + 1) * n][:, (1 - rank) * n : (2 - rank) * n]
+    return (n, n - int(sub.any(0).sum())) if sub.any() else (0, 0)
+
+
+def test_ring_block_sparse_stores_the_shards_its_pattern_sends() -> None:
+    """The shards its block plan computes with, their rows no kept pair uses wasted; in the
+    forward exactly what the step clock saw arrive."""
+    ranks = run_ranks(rank_run, WORLD, "ring_block_sparse", SPARSE)
+    for rank, got in enumerate(ranks):
+        rows, wasted = _sparse_recount(rank)
+        assert (got["comm"], got["wasted"]) == (2 * rows * ROW, 2 * wasted * ROW)
+        assert got["received"] == [rows * ROW] * len(got["received"])
+    assert ranks[1]["comm"] > 0 and ranks[0]["comm"] == 0
+
+
+def test_ring_dilated_stores_its_segment_gathers() -> None:
+    """Segments of 320 tokens at rate 2 over two heads (one group each): the segment [0, 320)
+    spans both shards of 256; each rank receives the other's rows of each offset (its one
+    kv head), the forward's as the step clock counted them. Causal: rank 0 precedes rank 1,
+    so every row it receives is wasted and none of rank 1's."""
+    params = {"segment_lengths": (128, 320), "dilation_rates": (1, 2)}
+    ranks = run_ranks(rank_run, WORLD, "ring_dilated", params)
+    others = {0: 320 - 256, 1: 256}  # rows of the segment the other rank holds
+    for rank, got in enumerate(ranks):
+        assert got["comm"] == 2 * others[rank] * ROW
+        assert got["wasted"] == (got["comm"] if rank == 0 else 0)
+        assert got["received"] == [others[rank] * ROW] * len(got["received"])
+
+
+ULYSSES_RUNS = [("ulysses", {"mask": DOCS}), ("usp", {"mask": DOCS, "ulysses_degree": 2})]
+
+
+@pytest.mark.parametrize(("kernel", "params"), ULYSSES_RUNS)
+def test_ulysses_stores_the_kv_of_its_all_to_all(kernel: str, params: dict[str, Any]) -> None:
+    """The other rank's shard for its one key/value head (one kv head replicated to two);
+    every row is kept by a query of the whole sequence (causal documents: each key by
+    itself). Its forward also moves q and the output as many bytes (two heads, one a rank):
+    the step clock saw twice the K/V arrive."""
+    ranks = run_ranks(rank_run, WORLD, kernel, params)
+    n = S // WORLD
+    for got in ranks:
+        assert (got["comm"], got["wasted"]) == (2 * n * ROW, 0)
+        assert got["received"] == [2 * n * ROW] * len(got["received"])
 
 
 def test_a_kernel_that_does_not_count_stores_none() -> None:
