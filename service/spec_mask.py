@@ -19,9 +19,10 @@ document_lengths, for each kernel whose params take a documents `mask` beside
 document_lengths (dense, ring, ulysses). On the ring that is the same run: document_lengths ran
 on contiguous shards (`layout: contiguous`, the non-causal default, or a balance's order) and the
 mask runs on those shards with the same blocks (a document under 8 tokens is one masked block:
-the same pairs). A causal ring cell with no layout, refused before, now runs as the run-level
-documents mask does (zigzag shards). A kernel whose params take no `mask` (an adapter such as
-ring_flash_attn, which hands the lengths to its own varlen call) keeps document_lengths.
+the same pairs). A ring cell with layout zigzag, or a causal one with no layout, was refused
+before and now runs as the run-level documents mask does, on zigzag shards. A kernel whose
+params take no `mask` (an adapter such as ring_flash_attn, which hands the lengths to its own
+varlen call) keeps document_lengths.
 """
 
 from __future__ import annotations

@@ -258,7 +258,8 @@ class RunHandle:
         cold: bool,
     ) -> None:
         self._started = time.monotonic()
-        """The placement deadline (pool.placement_timeout_s) counts from here."""
+        self._timeout_s = pool.placement_timeout_s
+        """The placement deadline: _timeout_s from _started (the pool's, fixed at the start)."""
         self.config = config
         self.kind = kind
         self._pool = pool
@@ -355,12 +356,12 @@ class RunHandle:
         ref = self._gang.ready_ref()
         while True:
             self._check_killed()
-            remaining = self._started + self._pool.placement_timeout_s - time.monotonic()
+            remaining = self._started + self._timeout_s - time.monotonic()
             if remaining <= 0:
                 raise PlacementTimeout(
                     f"the {self.config.world_size} bundles of {bundle(self._gang.key.device)} "
                     f"(placement={self.config.placement}) were not ready within "
-                    f"{self._pool.placement_timeout_s:g} s; free now: {_free_summary()}"
+                    f"{self._timeout_s:g} s; free now: {_free_summary()}"
                 )
             done, _ = ray.wait([ref], timeout=min(WAIT_SLICE_S, remaining))
             if done:

@@ -26,7 +26,9 @@ revision: str = "0026_document_lengths_mask"
 down_revision: str | None = "0025_comm_bytes"
 
 KERNELS = frozenset({"dense", "ring", "ulysses"})
-"""The kernels whose params took both document_lengths and a documents mask at this revision."""
+"""The built-in kernels whose params took both document_lengths and a documents mask at this
+revision. A plugin kernel whose params take both is converted on submission (service.spec_mask)
+but its runs stored before are left as they were: the migration cannot know plugins."""
 
 SWEEP = sa.table("sweep", sa.column("id", sa.Integer), sa.column("base_config", sa.JSON))
 RUN = sa.table(
@@ -58,6 +60,12 @@ def key_of(config: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _differ(a: Any, b: Any) -> bool:
+    """Different as JSON values, as the application's cell delta judges them (1, 1.0 and true
+    are three values, where == calls them equal)."""
+    return json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True)
+
+
 def upgrade() -> None:
     conn = op.get_bind()
     for sweep_id, base in conn.execute(sa.select(SWEEP.c.id, SWEEP.c.base_config)).all():
@@ -79,7 +87,9 @@ def upgrade() -> None:
                 continue  # neither its config nor its sweep's base changed
             stored = new  # a sweep stored before 0005: each run holds its whole config
             if base:
-                stored = {k: v for k, v in new.items() if k not in new_base or new_base[k] != v}
+                stored = {
+                    k: v for k, v in new.items() if k not in new_base or _differ(new_base[k], v)
+                }
             conn.execute(
                 RUN.update().where(RUN.c.id == run_id).values(config=stored, cell_key=new_key)
             )

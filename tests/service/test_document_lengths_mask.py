@@ -242,3 +242,25 @@ def test_the_upgrade_keeps_a_cell_its_sweep_holds_and_other_kernels_lengths(
     engine.dispose()
     assert got[1] == [(cell_key_of(c), c) for c in stored[1]]
     assert got[2] == [(cell.cell_key, new)]
+
+
+def test_the_upgrade_tells_values_apart_as_the_cell_delta_does() -> None:
+    """0026 keeps in a run's stored delta every value its sweep's base holds differently as
+    JSON: the rule of service.db.models.same_json (1, 1.0 and true are three values), not ==,
+    or a run would read back the base's value and miss its own cell key."""
+    import importlib.util
+    from pathlib import Path
+
+    from service.db.models import same_json
+
+    root = Path(__file__).resolve().parents[2]
+    path = root / "migrations" / "versions" / "0026_document_lengths_mask.py"
+    spec = importlib.util.spec_from_file_location("revision_0026", path)
+    assert spec is not None and spec.loader is not None
+    revision = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(revision)
+    values = [1, 1.0, True, 0, False, None, "1", [1], [1.0], {"a": 1}, {"a": 1.0}, {"a": [1, 2]}]
+    for a in values:
+        for b in values:
+            assert revision._differ(a, b) is not same_json(a, b), (a, b)
+    assert not revision._differ({"a": 1, "b": [2]}, {"b": [2], "a": 1})
