@@ -32,6 +32,7 @@ if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
 fi
 
 # --durations: the slowest tests, so the suite can be kept within its 12 minutes on 2 cores
-# Two workers (RINGLAB_TEST_WORKERS): the tests that use or start a Ray run one after another on
-# one of them (tests/conftest.py RAY_GROUP: one local Ray), everything else beside them.
+# Two workers (RINGLAB_TEST_WORKERS): the tests that use or start a Ray are split in two groups
+# (tests/conftest.py RAY_GROUPS), each run one test after another on one worker with that
+# worker's own local Ray, so the two groups' waits overlap; everything else fills in around them.
 exec "$BIN/python" -m pytest -n "${RINGLAB_TEST_WORKERS:-2}" --dist loadgroup --durations=30 "$@"

@@ -102,17 +102,48 @@ def accumulator_windows(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None
     return use
 
 
-RAY_GROUP = "ray"
-"""The xdist group of every test that uses or starts a Ray (scripts/test.sh runs two workers
-with --dist loadgroup): one worker runs them one after another, so the session keeps one
-local Ray and no two Rays start at once; the other worker runs everything else beside it."""
+RAY_GROUPS = ("ray", "ray_b")
+"""The xdist groups of the tests that use or start a Ray (scripts/test.sh runs two workers with
+--dist loadgroup). A group runs on one worker, one test after another, with that worker's own
+local Ray; the two groups run side by side, so one Ray test's waits (a gang starting, a timeout,
+a killed head) overlap the other's. The other tests fill both workers around them."""
+
+RAY_B_FILES = frozenset(
+    {
+        "tests/workers/test_gang.py",
+        "tests/workers/test_gang_start.py",
+        "tests/workers/test_cluster.py",
+        "tests/workers/test_actor.py",
+        "tests/test_device_check.py",
+        "tests/test_suite_groups.py",
+        "tests/service/test_scheduler_concurrent.py",
+        "tests/service/test_warm_gangs_give_back.py",
+        "tests/service/test_api_server.py",
+        "tests/service/test_deploy_cluster.py",
+        "tests/service/test_api.py",
+        "tests/service/test_sp_schemes_service.py",
+        "tests/service/test_own_ray.py",
+        "tests/service/test_ring_steps_service.py",
+        "tests/service/test_ray_unreachable.py",
+        "tests/service/test_cli_failures.py",
+        "tests/attention/test_plugins.py",
+    }
+)
+"""The Ray test files of the second group: about half of the Ray tests' time (pytest
+--durations on 2 cores); a new Ray test file joins the first group unless listed here."""
+
+
+def ray_group(path: str) -> str:
+    """The group of a Ray test in file `path` (relative to the repository root)."""
+    return RAY_GROUPS[1] if path in RAY_B_FILES else RAY_GROUPS[0]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Put the tests that use the session's Ray (marker `ray`, fixture `ray_session`) or start
-    one of their own (marker `ray_process`) in RAY_GROUP."""
+    one of their own (marker `ray_process`) in their RAY_GROUPS group."""
     for item in items:
         uses = "ray_session" in getattr(item, "fixturenames", ())
         if uses or item.get_closest_marker("ray") or item.get_closest_marker("ray_process"):
-            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
+            path = item.nodeid.split("::", 1)[0]
+            item.add_marker(pytest.mark.xdist_group(ray_group(path)))
