@@ -31,6 +31,12 @@ if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
 fi
 
+# One OpenMP thread per test process (and the rank processes tests spawn, which inherit it): two
+# workers, their ranks and Ray's actors already hold more processes than this machine has cores,
+# and torch's default of a thread per core made each op's threads spin-wait on cores the others
+# held (the CPU attention tests took 92 s on two workers, 49 s with one thread each).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
 # --durations: the slowest tests, so the suite can be kept within its 12 minutes on 2 cores
 # Two workers (RINGLAB_TEST_WORKERS): the tests that use or start a Ray are split in two groups
 # (tests/conftest.py RAY_GROUPS), each run one test after another on one worker with that
