@@ -308,11 +308,20 @@ class AllGatherKV(ShardedKernel):
         group, rank, world = self.join(q, k, v, causal)
         check_allgather(self.params, seq_len=q.shape[1] * world, world_size=world, causal=causal)
         self.backend = primitive.backend_for(q.device, q.dtype)
-        needed = self.params.needed(causal, rank, world, q.shape[1])
-        blocks = self.params.blocks(causal, rank, world, q.shape[1], needed)
+        n = q.shape[1]
+        needed, blocks = self.memo(
+            ("plan", causal, rank, world, n), lambda: self._plan(causal, rank, world, n)
+        )
         scale = q.shape[-1] ** -0.5
         args = (blocks, group, scale, needed)
         return bound_merged_attention(q, k, v, _forward, _backward, *args)
+
+    def _plan(
+        self, causal: bool, rank: int, world: int, n: int
+    ) -> tuple[NeededPlan | None, list[Block]]:
+        """This rank's exchange under `gather: needed` (else None) and its blocks."""
+        needed = self.params.needed(causal, rank, world, n)
+        return needed, self.params.blocks(causal, rank, world, n, needed)
 
     def rank_pairs(self, seq_len: int, num_heads: int, causal: bool, rank: int, world: int) -> int:
         """The pairs of this rank's queries against the keys they keep (its blocks)."""

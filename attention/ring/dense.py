@@ -192,7 +192,11 @@ class RingAttention(ShardedKernel):
         self.backend = primitive.backend_for(q.device, q.dtype)
         if self.params.document_lengths is not None or self.params.mask is not None:
             check_ring(self.params, seq_len=q.shape[1] * world, world_size=world, causal=causal)
-        plan = plan_for(self.params, layout, causal, rank, world, q.shape[1])
+        n = q.shape[1]
+        plan = self.memo(
+            ("plan", layout, causal, rank, world, n),
+            lambda: plan_for(self.params, layout, causal, rank, world, n),
+        )
         q, k, v = (t.contiguous() for t in (q, k, v))
         group = group if world > 1 else None
         # balanced work per K/V piece (cut_pieces); the mask plan's pieces are contiguous

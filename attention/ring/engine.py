@@ -15,6 +15,7 @@ A *plan* says, for each step t (holding the K/V of rank (rank - t) mod W), which
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -310,6 +311,22 @@ def _wait_kv(comm: KVComm) -> None:
     comm[1].wait()
 
 
+@functools.lru_cache(maxsize=64)
+def cut_plan(
+    plan: tuple[tuple[Block, ...], ...], pieces: tuple[Piece, ...], p: int, n: int
+) -> tuple[tuple[tuple[Block, ...], ...], ...]:
+    """cut[i][t]: the blocks of step t against the keys of pieces[i] (piece_blocks), cut once
+    per plan and shape instead of inside every step of every call: on a mask's plan of many
+    small tiles the cutting is host time comparable to the compute it feeds (on a GPU, time
+    the kernels wait for)."""
+    return tuple(tuple(tuple(piece_blocks(step, piece, p, n)) for step in plan) for piece in pieces)
+
+
+def frozen(plan: Plan) -> tuple[tuple[Block, ...], ...]:
+    """`plan` as nested tuples (cut_plan's cache key)."""
+    return tuple(tuple(step) for step in plan)
+
+
 def piece_blocks(plan_t: Sequence[Block], piece: Piece, p: int, n: int) -> list[Block]:
     """Blocks of one step restricted to the keys of `piece` (keys piece-local), split by
     query chunks of p rows."""
@@ -366,15 +383,15 @@ def ring_forward(
     if comm is None:
         return _alone_forward(q, k, v, plan[0], pieces, own, p, g, scale)
     out, lse = empty_result(q)
-    for piece in pieces:
+    cut = cut_plan(frozen(plan), tuple(pieces), p, n)
+    for piece, piece_plan in zip(pieces, cut, strict=True):
         kt, vt = _gather(k, piece, own[0]), _gather(v, piece, own[1])
         for t in range(world):
             with clock.step("forward", t):
                 if t < world - 1:
                     _send_kv(comm, kt, vt, bufs[t % 2])
                 clock.computes(bool(plan[t]))  # an empty step: its K/V keep no pair here
-                blocks = piece_blocks(plan[t], piece, p, n)
-                step_forward(q, kt, vt, blocks, out, lse, scale, False, g)
+                step_forward(q, kt, vt, piece_plan[t], out, lse, scale, False, g)
                 if t < world - 1:
                     _wait_kv(comm)
                     kt, vt = bufs[t % 2][0], bufs[t % 2][1]
@@ -507,7 +524,8 @@ def ring_backward(
     shape = (2, bsz, p, k.shape[2], dim)  # one allocation for each pair of buffers
     bufs, own = _buffers(world, pieces, shape, k)
     accs = _Accumulators(world, shape, dk, dv, dkv_comm)
-    for piece in pieces:
+    cut = cut_plan(frozen(plan), tuple(pieces), p, n)
+    for piece, piece_plan in zip(pieces, cut, strict=True):
         kt, vt = _gather(k, piece, own[0]), _gather(v, piece, own[1])
         if accs.home is None:
             accs.acc[accs.held].zero_()
@@ -516,8 +534,7 @@ def ring_backward(
                 if kv_comm is not None and t < world - 1:
                     _send_kv(kv_comm, kt, vt, bufs[t % 2])
                 clock.computes(bool(plan[t]))
-                blocks = piece_blocks(plan[t], piece, p, n)
-                _step_grads((dout, q, out, lse), (kt, vt), blocks, dq, scale, accs, t)
+                _step_grads((dout, q, out, lse), (kt, vt), piece_plan[t], dq, scale, accs, t)
                 accs.start()
                 if kv_comm is not None and t < world - 1:
                     _wait_kv(kv_comm)

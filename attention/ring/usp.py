@@ -185,7 +185,10 @@ class UspAttention(ShardedKernel):
         order = None if balanced else group_order(layout, u, q.shape[1])
         if order is not None:
             qh, kh, vh = (t[:, order] for t in (qh, kh, vh))
-        plan = self._plan(causal, g, ring, qh.shape[1], ring_order)
+        m = qh.shape[1]
+        plan = self.memo(
+            ("plan", causal, g, ring, world, m), lambda: self._plan(causal, g, ring, m, ring_order)
+        )
         ring_members = tuple(j * u + rank % u for j in range(ring))
         fold = causal and layout == "zigzag" and ring_order is None
         out = ring_attention(
