@@ -21,7 +21,11 @@ Per configuration it prints the medians and ranges (min-max) over the timed iter
   pairs x heads, and the iteration (the slowest rank's forward+backward) over the same pairs,
   each also as a ratio to plain causal, taken round by round (median of the rounds' ratios);
 - the pairs the ring's plans compute over the kept pairs (1.0: a skipped pair is never
-  computed) and the plans' block count (how finely the work is cut).
+  computed) and the plans' block count (how finely the work is cut);
+- the same blocks as bare fused calls in the parent process (bare_seconds), per kept pair and
+  as a ratio to plain causal: how much of the time per pair is the op's own cost of the tiles
+  (small causal squares cost their whole square on CPU) and how much the ring's per-block
+  work around it.
 
 The targets are judged on thread CPU time: with more ranks than cores a rank is preempted
 inside its steps, and the wall clock charges that to whichever rank the scheduler picked, while
@@ -46,7 +50,10 @@ import torch.multiprocessing as mp
 import attention
 from attention import layouts
 from attention.mask import parse
+from attention.masked_block import masked_backward, masked_forward
+from attention.primitive import block_backward, block_forward
 from attention.ring.dense import plan_for
+from attention.ring.engine import Block, cut_pieces, cut_plan, frozen, piece_size
 from attention.ring.steps import clock
 from bench.balance import documents_mask, study_arguments
 
@@ -86,6 +93,49 @@ def plan_figures(params: dict, seq: int, world: int) -> tuple[int, int]:
     plans = [plan_for(module.params, "zigzag", True, r, world, n) for r in range(world)]
     blocks = [blk for plan in plans for step in plan for blk in step]
     return sum(blk.pairs() for blk in blocks), len(blocks)
+
+
+def _bare_call(blk: Block, t: tuple[torch.Tensor, ...], backward: bool, scale: float) -> None:
+    """One block's fused forward or backward as a bare primitive call on rows of `t`."""
+    q, k, v, dout, out, lse = t
+    rows, keys = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
+    tile = (q[:, rows], k[:, keys], v[:, keys])
+    keep = blk.keep()
+    if backward:
+        saved = (dout[:, rows], *tile, out[:, rows], lse[:, :, rows])
+        if keep is None:
+            block_backward(*saved, scale=scale, causal=blk.causal)
+        else:
+            masked_backward(*saved, scale=scale, keep=keep)
+    elif keep is None:
+        block_forward(*tile, scale=scale, causal=blk.causal)
+    else:
+        masked_forward(*tile, scale=scale, keep=keep)
+
+
+def bare_seconds(params: dict, seq: int, world: int, heads: int, dim: int) -> float:
+    """Thread CPU seconds of every rank's blocks, cut into K/V pieces and query chunks as the
+    ring cuts them on CPU (engine.cut_plan), run as bare primitive calls (forward and backward,
+    all heads a call) one after another in this process: what the fused op itself costs on the
+    plan's tiles, without the ring's merges, transfers and accumulators."""
+    module = attention.build("ring", **params)
+    n = seq // world
+    fold = "balance" not in params  # plain causal zigzag folds its pieces (RingAttention)
+    g = torch.Generator().manual_seed(1)
+    tensors = (
+        *(torch.randn(1, n, heads, dim, generator=g) for _ in range(5)),
+        torch.zeros(1, heads, n),
+    )
+    t0 = time.thread_time()
+    for rank in range(world):
+        plan = frozen(plan_for(module.params, "zigzag", True, rank, world, n))
+        for backward in (False, True):
+            row_bytes = heads * dim * 4 if backward else 0  # the backward's byte-bounded pieces
+            p = piece_size(n, torch.device("cpu"), row_bytes, parts=2 if fold else 1)
+            for steps in cut_plan(plan, tuple(cut_pieces(n, p, fold)), p, n):
+                for blk in (b for blocks in steps for b in blocks):
+                    _bare_call(blk, tensors, backward, dim**-0.5)
+    return time.thread_time() - t0
 
 
 # ---- one rank's work ---------------------------------------------------------------------------
@@ -213,11 +263,21 @@ def run_ranks(a: dict) -> list[dict[str, list[dict]]]:
 # ---- report ------------------------------------------------------------------------------------
 
 
+def bare_times(a: dict) -> dict[str, list[float]]:
+    """Name -> bare_seconds of each of --rounds rounds, the configurations alternating."""
+    out: dict[str, list[float]] = {name: [] for name in a["configs"]}
+    for _ in range(a["rounds"]):
+        for name, params in a["configs"].items():
+            out[name].append(bare_seconds(params, a["seq"], a["world"], a["heads"], a["dim"]))
+    return out
+
+
 def summarize(
     ranks: list[dict[str, list[dict]]],
     pairs: dict[str, list[int]],
     plans: dict[str, tuple[int, int]],
     heads: int,
+    bare: dict[str, list[float]],
 ) -> dict:
     """Name -> the printed numbers (see the module docstring), from every rank's rows."""
     out: dict[str, dict] = {}
@@ -243,6 +303,7 @@ def summarize(
             "wall_ns_per_pair": [w / total * 1e9 for w in wall],
             "iteration_s": wall,
             "rounds": [it[0]["round"] for it in its],
+            "bare_ns_per_pair": [x / total * 1e9 for x in bare[name]],
         }
     return out
 
@@ -269,17 +330,21 @@ def report(summary: dict, seeds: list[int]) -> list[str]:
     lines = [
         f"{'configuration':>22}  {'pairs imb':>9}  {'measured imb: thread CPU':>24}  "
         f"{'wall':>19}  {'ns/pair: thread CPU':>24}  {'vs causal':>6}  {'iteration ns/pair':>24}"
-        f"  {'vs causal':>6}  {'plan/kept':>9}  {'blocks':>6}"
+        f"  {'vs causal':>6}  {'plan/kept':>9}  {'blocks':>6}  {'bare calls ns/pair':>24}"
+        f"  {'vs causal':>6}"
     ]
     for name, s in summary.items():
         thread_ratio = statistics.median(round_ratios(s, base, "thread_ns_per_pair"))
         wall_ratio = statistics.median(round_ratios(s, base, "wall_ns_per_pair"))
+        bare = [x / y for x, y in zip(s["bare_ns_per_pair"], base["bare_ns_per_pair"], strict=True)]
         s["thread_ratio"], s["wall_ratio"] = thread_ratio, wall_ratio
+        s["bare_ratio"] = statistics.median(bare)
         lines.append(
             f"{name:>22}  {s['pairs_imbalance']:9.4f}  {_m(s['thread_imbalance'], '.3f'):>24}  "
             f"{_m(s['compute_imbalance'], '.3f'):>19}  {_m(s['thread_ns_per_pair'], '.3f'):>24}  "
             f"{thread_ratio:6.3f}  {_m(s['wall_ns_per_pair'], '.3f'):>24}  {wall_ratio:6.3f}  "
-            f"{s['plan_over_kept']:9.4f}  {s['blocks']:6d}"
+            f"{s['plan_over_kept']:9.4f}  {s['blocks']:6d}  "
+            f"{_m(s['bare_ns_per_pair'], '.3f'):>24}  {s['bare_ratio']:6.3f}"
         )
     for seed in seeds:
         names = [n for n in summary if n.startswith(f"seed {seed} ")]
@@ -292,7 +357,8 @@ def report(summary: dict, seeds: list[int]) -> list[str]:
             f"measured thread-CPU imbalance {gap:+.1%} from pairs (target within 10%: "
             f"{'met' if abs(gap) <= 0.10 else 'NOT met'}; wall {gap_wall:+.1%}); time per kept "
             f"pair {s['thread_ratio']:.3f}x causal's (target <= 1.2: "
-            f"{'met' if s['thread_ratio'] <= 1.2 else 'NOT met'}; iteration {s['wall_ratio']:.3f}x)"
+            f"{'met' if s['thread_ratio'] <= 1.2 else 'NOT met'}; iteration "
+            f"{s['wall_ratio']:.3f}x; its blocks as bare fused calls {s['bare_ratio']:.3f}x)"
         )
     return lines
 
@@ -335,7 +401,8 @@ def main(argv: list[str] | None = None) -> dict:
     plans = {n: plan_figures(p, args.seq, args.world) for n, p in a["configs"].items()}
     t0 = time.perf_counter()
     ranks = run_ranks(a)
-    summary = summarize(ranks, pairs, plans, args.heads)
+    bare = bare_times(a)
+    summary = summarize(ranks, pairs, plans, args.heads, bare)
     for line in report(summary, seeds):
         print(line)
     load = os.getloadavg()
@@ -345,9 +412,13 @@ def main(argv: list[str] | None = None) -> dict:
         f"mean over ranks; ns/pair: per kept (query, key) pair and head, the ranks' summed "
         f"compute (thread CPU) or the slowest rank's iteration (wall); plan/kept: the pairs the "
         f"ring's plan computes over the mask's kept pairs (1: none computed and discarded); "
-        f"blocks: the plans' blocks over all ranks and steps (before K/V pieces)"
+        f"blocks: the plans' blocks over all ranks and steps (before K/V pieces); bare calls: "
+        f"every rank's blocks, cut as the ring cuts them, as bare fused calls in one process "
+        f"(thread CPU, each of {args.rounds} alternating rounds; vs causal: median of the "
+        f"rounds' ratios): the op's own cost of the tiles, without the ring's merges, "
+        f"transfers and accumulators"
     )
-    return {"ranks": ranks, "pairs": pairs, "summary": summary}
+    return {"ranks": ranks, "pairs": pairs, "summary": summary, "bare": bare}
 
 
 if __name__ == "__main__":
