@@ -264,11 +264,17 @@ def run_ranks(a: dict) -> list[dict[str, list[dict]]]:
 
 
 def bare_times(a: dict) -> dict[str, list[float]]:
-    """Name -> bare_seconds of each of --rounds rounds, the configurations alternating."""
+    """Name -> bare_seconds of each of --rounds rounds, the configurations alternating, on one
+    intra-op thread as each rank runs (thread CPU time counts the calling thread only)."""
     out: dict[str, list[float]] = {name: [] for name in a["configs"]}
-    for _ in range(a["rounds"]):
-        for name, params in a["configs"].items():
-            out[name].append(bare_seconds(params, a["seq"], a["world"], a["heads"], a["dim"]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(a["rounds"]):
+            for name, params in a["configs"].items():
+                out[name].append(bare_seconds(params, a["seq"], a["world"], a["heads"], a["dim"]))
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
