@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from attention.errors import ParamError
 from attention.primitive import windows
+
+T = TypeVar("T")
 
 BACKWARD_FLOP_FACTOR = 2.5
 """Backward FLOPs per forward FLOP (FlashAttention convention: fwd+bwd = 3.5x forward)."""
@@ -137,6 +140,14 @@ class Kernel(nn.Module):
         a spec's factory may be the class itself."""
         super().__init__()
         self.params = params
+
+    def memo(self, key: Hashable, build: Callable[[], T]) -> T:
+        """build(), once per `key` for this module (its params are frozen): a mask's plan walks
+        every tile in Python, host time each call would otherwise spend again."""
+        built: dict[Hashable, Any] = self.__dict__.setdefault("_built", {})
+        if key not in built:
+            built[key] = build()
+        return built[key]
 
     def flops(
         self,

@@ -93,7 +93,7 @@ class DenseAttention(Kernel):
         check_causal(self.params.mask, causal)
         mask = parse_mask(self.params.mask, seq_len)
         self.backend = primitive.backend_for(q.device, q.dtype)
-        plan = mask_plan(mask, torch.arange(seq_len), 0, 1)
+        plan = self.memo(("plan", seq_len), lambda: mask_plan(mask, torch.arange(seq_len), 0, 1))
         q, k, v = (t.contiguous() for t in (q, k, v))
         return ring_attention(q, k, v, plan, None, q.shape[-1] ** -0.5)
 

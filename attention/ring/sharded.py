@@ -3,9 +3,9 @@ counting this rank's FLOPs from the pairs it computes, and the facts its KernelS
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,8 +16,6 @@ from attention.layouts import BALANCES, check_layout
 from attention.layouts import positions as layout_positions
 from attention.registry import CommOverlap, KernelSpec
 from attention.ring.comm import check_backend, check_same_call, rank_and_world, resolve_group
-
-T = TypeVar("T")
 
 ALL_BALANCES = frozenset(BALANCES)
 """Every balance (attention.layouts.BALANCES): what the ring kernels that weigh a mask take."""
@@ -72,14 +70,6 @@ class ShardedKernel(Kernel):
         """Global positions of the tokens rank `rank` must pass, in its local order."""
         layout = default_layout(self.params.layout, causal)
         return layout_positions(seq_len, layout, rank, world_size)
-
-    def memo(self, key: Hashable, build: Callable[[], T]) -> T:
-        """build(), once per `key` for this module (its params are frozen): a mask's plan walks
-        every tile of the shards in Python, host time each call would otherwise spend again."""
-        built: dict[Hashable, Any] = self.__dict__.setdefault("_built", {})
-        if key not in built:
-            built[key] = build()
-        return built[key]
 
     def join(
         self,

@@ -1,6 +1,6 @@
-"""A ring's plan is built once per shape and cut into K/V pieces once per plan: a mask's plan
-walks every tile in Python, host time that would otherwise be spent again in every iteration
-(and, for the cut, inside every step the step clock times)."""
+"""A kernel builds a mask's plan once per shape, and the ring cuts it into K/V pieces once per
+plan: a plan walks every tile in Python, host time that would otherwise be spent again in every
+iteration (and, for the cut, inside every step the step clock times)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from _dist_helpers import run_ranks
 
 import attention
+from attention import dense as dense_module
 from attention.ring import dense, engine
 from attention.ring.engine import cut_pieces, cut_plan, frozen, piece_blocks
 
@@ -70,3 +71,26 @@ def test_ring_builds_its_plan_once_per_shape() -> None:
     for rank in run_ranks(rank_twice, 2):
         assert rank["builds"] == [64, 32]
         assert rank["same"]
+
+
+def test_dense_under_a_mask_builds_its_plan_once_per_length(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`dense` with a mask builds the mask's plan once for two calls of one length (equal
+    outputs), and once more for another length."""
+    builds: list[int] = []
+    real = dense_module.mask_plan
+
+    def counted(mask, order, rank, world):  # type: ignore[no-untyped-def]
+        builds.append(order.numel())
+        return real(mask, order, rank, world)
+
+    monkeypatch.setattr(dense_module, "mask_plan", counted)
+    module = attention.build("dense", mask={"kind": "sliding_window", "causal": True, "window": 24})
+    outs = []
+    for n in (128, 128, 64):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, n, 2, 8, generator=g) for _ in range(3))
+        outs.append(module(q, k, v, causal=True))
+    assert builds == [128, 64]
+    assert torch.equal(outs[0], outs[1])
