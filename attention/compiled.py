@@ -29,20 +29,22 @@ the op's math backward, and compiled CPU backward code (Inductor's) is never reh
 
 `stats()` reads Dynamo's own counters: the graphs compiled and the seconds spent compiling
 (forward frames and lazily compiled backward graphs), which the engine records per run.
+
+Dynamo is imported on first use, not with this module: importing it costs about a second of
+CPU, and every rank process and Ray actor imports `attention` while most never compile. Until a
+compilation imports it, its counters are zero, so stats() says so without importing it.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch._dynamo
-from torch._dynamo.exc import FailOnRecompileLimitHit
-from torch._dynamo.utils import calculate_time_spent, counters
 from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
 from torch.nn.attention import flex_attention as flex
 
@@ -99,7 +101,12 @@ class Stats:
 
 def stats() -> Stats:
     """Dynamo's counters now: unique_graphs (one per compiled frame: with fullgraph one per
-    kernel entry) and the wall time of whole-frame and lazy backward compilations."""
+    kernel entry) and the wall time of whole-frame and lazy backward compilations. Zero while
+    Dynamo is not imported: nothing in this process has compiled yet (module docstring)."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return Stats(0, 0.0)
+    from torch._dynamo.utils import calculate_time_spent, counters
+
     spent = calculate_time_spent()
     return Stats(int(counters["stats"]["unique_graphs"]), float(spent["total_wall_time"]))
 
@@ -127,6 +134,9 @@ class Compiled:
         self._by_backend: dict[str, Callable[..., Any]] = {}
 
     def __call__(self, backend_name: str, *args: Any, **kwargs: Any) -> Any:
+        import torch._dynamo  # on first use (module docstring)
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+
         compiled = self._by_backend.get(backend_name)
         if compiled is None:
             compiled = torch.compile(self.fn, fullgraph=True, dynamic=False, backend=backend_name)
