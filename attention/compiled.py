@@ -29,20 +29,23 @@ the op's math backward, and compiled CPU backward code (Inductor's) is never reh
 
 `stats()` reads Dynamo's own counters: the graphs compiled and the seconds spent compiling
 (forward frames and lazily compiled backward graphs), which the engine records per run.
+
+Dynamo is imported on first use (torch.compile, or torch's lazy `torch._dynamo` attribute), not
+with this module: importing it costs about a second of CPU, and every rank process and Ray
+actor imports `attention` while most never compile. Until a compilation imports it, its
+counters are zero, so stats() says so without importing it.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch._dynamo
-from torch._dynamo.exc import FailOnRecompileLimitHit
-from torch._dynamo.utils import calculate_time_spent, counters
 from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
 from torch.nn.attention import flex_attention as flex
 
@@ -99,9 +102,13 @@ class Stats:
 
 def stats() -> Stats:
     """Dynamo's counters now: unique_graphs (one per compiled frame: with fullgraph one per
-    kernel entry) and the wall time of whole-frame and lazy backward compilations."""
-    spent = calculate_time_spent()
-    return Stats(int(counters["stats"]["unique_graphs"]), float(spent["total_wall_time"]))
+    kernel entry) and the wall time of whole-frame and lazy backward compilations. Zero while
+    Dynamo is not imported: nothing in this process has compiled yet (module docstring)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return Stats(0, 0.0)
+    spent = utils.calculate_time_spent()
+    return Stats(int(utils.counters["stats"]["unique_graphs"]), float(spent["total_wall_time"]))
 
 
 def _describe(value: Any) -> str:
@@ -133,9 +140,10 @@ class Compiled:
             self._by_backend[backend_name] = compiled
         self.calls += 1
         try:
+            # torch._dynamo: torch imports it on this first access (module docstring)
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 return compiled(*args, **kwargs)
-        except FailOnRecompileLimitHit as exc:
+        except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
             shapes = ", ".join(_describe(a) for a in (*args, *kwargs.values()))
             raise RecompileLimitError(
                 f"compiled kernel {self.name!r} hit its recompile limit ({RECOMPILE_LIMIT} "

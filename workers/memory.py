@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from torch._C._profiler import _ExtraFields_Allocation, _ProfilerEvent
-from torch.profiler import ProfilerActivity, profile
+from torch.autograd.profiler import profile
 
 from attention.errors import is_allocation_failure
 
@@ -71,10 +71,10 @@ def _walk(nodes: list[_ProfilerEvent]) -> Iterator[_ProfilerEvent]:
 def _allocations(session: profile) -> list[tuple[int, int]]:
     """(address, bytes) of every CPU allocation (bytes > 0) and free (bytes < 0) a stopped
     session recorded, in time order."""
-    if session.profiler is None or session.profiler.kineto_results is None:
+    if session.kineto_results is None:
         raise RuntimeError("the profiler session recorded no results")
     timed = []
-    for node in _walk(session.profiler.kineto_results.experimental_event_tree()):
+    for node in _walk(session.kineto_results.experimental_event_tree()):
         fields = node.extra_fields
         if isinstance(fields, _ExtraFields_Allocation) and fields.device.type == "cpu":
             timed.append((node.start_time_ns, fields.ptr, fields.alloc_size))
@@ -130,8 +130,12 @@ class CpuAllocatorLedger:
         self._open()
 
     def _open(self) -> None:
-        session = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        session.start()
+        """Start a session: the autograd profiler that torch.profiler.profile(activities=[CPU],
+        profile_memory=True) runs, the same events, without that wrapper's preparation, which
+        reads `torch._inductor` and so imports Dynamo (about a second of CPU in every rank
+        process that meters a case, though nothing compiles)."""
+        session = profile(use_kineto=True, use_cpu=True, profile_memory=True)
+        session.__enter__()
         self._session = session
 
     def _fold(self) -> None:
@@ -140,7 +144,7 @@ class CpuAllocatorLedger:
         if session is None:
             raise RuntimeError("the CPU allocator ledger is not running: call start() first")
         self._session = None
-        session.stop()
+        session.__exit__(None, None, None)
         for ptr, size in _allocations(session):
             if size > 0:
                 # An address handed out again was freed unseen (on another thread): drop it.
