@@ -63,9 +63,21 @@ def test_inputs_over_the_budget_are_not_allocated() -> None:
     assert case.requested_bytes == _floor(cfg, 3)
 
 
-def test_allocation_failure_is_an_oom_and_the_rank_stays_usable() -> None:
-    # 1 TiB per input; ungated, so the timed run's own allocation fails (the gate's: below)
+def test_allocation_failure_is_an_oom_and_the_rank_stays_usable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed allocation is an oom naming the stage and the bytes asked for, and the rank
+    stays usable: in the timed run once the process has primed the case's shape, and in the
+    warm-up (the prime at PRIME_MIN_LEN) before it has."""
+    monkeypatch.setattr(protocol, "_PRIMED", set())  # this process primed nothing yet
+    # 1 TiB per input; ungated, so no correctness check allocates first (the gate's: below)
     huge = config(seq_len=4096, num_heads=65536, head_dim=1024, correctness_check=False)
+    case = protocol.run_case(huge)
+    assert case.status == "oom" and not case.emulated
+    assert case.error.startswith("the warm-up run ran out of memory")
+    primed = huge.model_copy(update={"seq_len": protocol.PRIME_MIN_LEN})
+    assert case.requested_bytes == _floor(primed, 1)
+    assert protocol.run_case(config()).status == "ok"  # primes the shape, as before a sweep
     case = protocol.run_case(huge)
     assert case.status == "oom" and not case.emulated
     assert "can't allocate memory" in case.error
