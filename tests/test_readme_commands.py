@@ -1,5 +1,5 @@
 """Every command of the README's Quick start and CLI blocks, run as written against a live
-`make run` (the demo: service, scheduler and dashboard, joined to the tests' Ray): the demo's
+`make run` (the demo: service, scheduler and dashboard on a local Ray of its own): the demo's
 own sweep finishes with every run succeeded, and the demo shuts down cleanly on Ctrl-C.
 
 `make test` is the one command not run here: it is the command running this test.
@@ -17,7 +17,6 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -58,9 +57,9 @@ def _read_line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> tupl
     raise AssertionError(f"no {prefix!r} line from make run (exit {proc.poll()}):\n{seen}")
 
 
-@pytest.mark.ray
+@pytest.mark.ray_process
 @pytest.mark.timeout(720)
-def test_readme_commands_run_as_written(tmp_path: Path, ray_session: Any) -> None:
+def test_readme_commands_run_as_written(tmp_path: Path) -> None:
     """`make run`, then the CLI block line by line in one shell, from a folder holding the
     repository's .venv and examples (so report.md lands there, not in the checkout)."""
     port = free_port()
@@ -70,7 +69,6 @@ def test_readme_commands_run_as_written(tmp_path: Path, ray_session: Any) -> Non
         "RINGLAB_DATABASE_URL": f"sqlite:///{tmp_path / 'ringlab.db'}",
         "RINGLAB_URL": f"http://127.0.0.1:{port}",
         "XDG_DATA_HOME": str(tmp_path / "data"),
-        "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address,
     }
     demo = subprocess.Popen(
         ["make", "run"],
