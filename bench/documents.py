@@ -50,10 +50,16 @@ import torch.multiprocessing as mp
 import attention
 from attention import layouts
 from attention.mask import parse
-from attention.masked_block import masked_backward, masked_forward
-from attention.primitive import block_backward, block_forward
 from attention.ring.dense import plan_for
-from attention.ring.engine import Block, cut_pieces, cut_plan, frozen, piece_size
+from attention.ring.engine import (
+    Block,
+    cut_pieces,
+    cut_plan,
+    frozen,
+    piece_size,
+    tile_backward,
+    tile_forward,
+)
 from attention.ring.steps import clock
 from bench.balance import documents_mask, study_arguments
 
@@ -100,17 +106,11 @@ def _bare_call(blk: Block, t: tuple[torch.Tensor, ...], backward: bool, scale: f
     q, k, v, dout, out, lse = t
     rows, keys = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
     tile = (q[:, rows], k[:, keys], v[:, keys])
-    keep = blk.keep()
     if backward:
         saved = (dout[:, rows], *tile, out[:, rows], lse[:, :, rows])
-        if keep is None:
-            block_backward(*saved, scale=scale, causal=blk.causal)
-        else:
-            masked_backward(*saved, scale=scale, keep=keep)
-    elif keep is None:
-        block_forward(*tile, scale=scale, causal=blk.causal)
+        tile_backward(saved, blk, blk.keep(), scale)
     else:
-        masked_forward(*tile, scale=scale, keep=keep)
+        tile_forward(tile, blk, blk.keep(), scale)
 
 
 def bare_seconds(params: dict, seq: int, world: int, heads: int, dim: int) -> float:

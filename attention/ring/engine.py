@@ -96,6 +96,25 @@ Plan = Sequence[Sequence[Block]]
 """plan[t]: the blocks of step t (K/V of rank (rank - t) mod W)."""
 
 
+def tile_forward(
+    tile: tuple[torch.Tensor, ...], blk: Block, keep: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's (out, lse) on its (q, k, v) `tile`: the primitive's full or causal call, or
+    under the mask's predicate `keep` (blk.keep())."""
+    if keep is None:
+        return block_forward(*tile, scale=scale, causal=blk.causal)
+    return masked_forward(*tile, scale=scale, keep=keep)
+
+
+def tile_backward(
+    tile: tuple[torch.Tensor, ...], blk: Block, keep: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's (dq, dk, dv) from its (dout, q, k, v, out, lse) `tile`, as tile_forward."""
+    if keep is None:
+        return block_backward(*tile, scale=scale, causal=blk.causal)
+    return masked_backward(*tile, scale=scale, keep=keep)
+
+
 def step_forward(
     q: torch.Tensor,
     kt: torch.Tensor,
@@ -124,10 +143,7 @@ def step_forward(
                 kt[:, blk.k0 : blk.k1, c0:c1],
                 vt[:, blk.k0 : blk.k1, c0:c1],
             )
-            if keep is None:
-                o_b, l_b = block_forward(*tile, scale=scale, causal=blk.causal)
-            else:
-                o_b, l_b = masked_forward(*tile, scale=scale, keep=keep)
+            o_b, l_b = tile_forward(tile, blk, keep, scale)
             o, s_ = out[:, blk.q0 : blk.q1, hs], lse[:, hs, blk.q0 : blk.q1]
             if fresh and blk.q0 == 0 and blk.q1 == n:
                 o.copy_(o_b)
@@ -154,10 +170,7 @@ def block_grads(
     rows, keys = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
     tile = (dout[:, rows], q[:, rows], kt[:, keys], vt[:, keys], out[:, rows], lse[:, :, rows])
     keep = blk.keep(q.device)
-    if keep is None:
-        dq_b, dk_b, dv_b = block_backward(*tile, scale=scale, causal=blk.causal)
-    else:
-        dq_b, dk_b, dv_b = masked_backward(*tile, scale=scale, keep=keep)
+    dq_b, dk_b, dv_b = tile_backward(tile, blk, keep, scale)
     dq[:, blk.q0 : blk.q1] += dq_b
     return dk_b, dv_b
 
