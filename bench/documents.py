@@ -22,10 +22,13 @@ Per configuration it prints the medians and ranges (min-max) over the timed iter
   each also as a ratio to plain causal, taken round by round (median of the rounds' ratios);
 - the pairs the ring's plans compute over the kept pairs (1.0: a skipped pair is never
   computed) and the plans' block count (how finely the work is cut);
-- the same blocks as bare fused calls in the parent process (bare_seconds), per kept pair and
-  as a ratio to plain causal: how much of the time per pair is the op's own cost of the tiles
-  (small causal squares cost their whole square on CPU) and how much the ring's per-block
-  work around it.
+- the same blocks as bare fused calls (bare_seconds), per kept pair and as a ratio to plain
+  causal: in the ranks, each rank its own blocks right after its ring iterations, all at
+  once, so they share the cores as the ring's steps did; and alone, in the parent process
+  with no rank running. Bare calls against causal's say what the op itself costs on the
+  plan's tiles (small causal squares cost their whole square on CPU); the ring over its bare
+  calls in the ranks, what the ring's per-block work adds; in the ranks against alone, what
+  W ranks sharing fewer cores add (a preempted rank refills its caches).
 
 The targets are judged on thread CPU time: with more ranks than cores a rank is preempted
 inside its steps, and the wall clock charges that to whichever rank the scheduler picked, while
@@ -40,6 +43,7 @@ import socket
 import statistics
 import time
 import traceback
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -113,28 +117,43 @@ def _bare_call(blk: Block, t: tuple[torch.Tensor, ...], backward: bool, scale: f
         tile_forward(tile, blk, blk.keep(), scale)
 
 
-def bare_seconds(params: dict, seq: int, world: int, heads: int, dim: int) -> float:
-    """Thread CPU seconds of every rank's blocks, cut into K/V pieces and query chunks as the
-    ring cuts them on CPU (engine.cut_plan), run as bare primitive calls (forward and backward,
-    all heads a call) one after another in this process: what the fused op itself costs on the
-    plan's tiles, without the ring's merges, transfers and accumulators."""
+def rank_blocks(
+    params: dict, seq: int, world: int, heads: int, dim: int, rank: int
+) -> tuple[list[Block], list[Block]]:
+    """(forward, backward) blocks of `rank`'s ring plan, cut into K/V pieces and query chunks as
+    the ring cuts them on CPU (engine.cut_plan; the backward's pieces are bounded in bytes)."""
     module = attention.build("ring", **params)
     n = seq // world
     fold = "balance" not in params  # plain causal zigzag folds its pieces (RingAttention)
+    plan = frozen(plan_for(module.params, "zigzag", True, rank, world, n))
+    cuts = []
+    for row_bytes in (0, heads * dim * 4):  # forward, backward
+        p = piece_size(n, torch.device("cpu"), row_bytes, parts=2 if fold else 1)
+        pieces = cut_plan(plan, tuple(cut_pieces(n, p, fold)), p, n)
+        cuts.append([blk for steps in pieces for blocks in steps for blk in blocks])
+    return cuts[0], cuts[1]
+
+
+def bare_seconds(
+    params: dict, seq: int, world: int, heads: int, dim: int, ranks: Sequence[int]
+) -> float:
+    """Thread CPU seconds of the blocks of `ranks` (rank_blocks) run as bare primitive calls
+    (forward and backward, all heads a call) one after another on this thread: what the fused
+    op itself costs on the plan's tiles, without the ring's merges, transfers and
+    accumulators. The plans are cut before the clock starts."""
+    blocks = [rank_blocks(params, seq, world, heads, dim, r) for r in ranks]
+    n = seq // world
     g = torch.Generator().manual_seed(1)
     tensors = (
         *(torch.randn(1, n, heads, dim, generator=g) for _ in range(5)),
         torch.zeros(1, heads, n),
     )
     t0 = time.thread_time()
-    for rank in range(world):
-        plan = frozen(plan_for(module.params, "zigzag", True, rank, world, n))
-        for backward in (False, True):
-            row_bytes = heads * dim * 4 if backward else 0  # the backward's byte-bounded pieces
-            p = piece_size(n, torch.device("cpu"), row_bytes, parts=2 if fold else 1)
-            for steps in cut_plan(plan, tuple(cut_pieces(n, p, fold)), p, n):
-                for blk in (b for blocks in steps for b in blocks):
-                    _bare_call(blk, tensors, backward, dim**-0.5)
+    for forward, backward in blocks:
+        for blk in forward:
+            _bare_call(blk, tensors, False, dim**-0.5)
+        for blk in backward:
+            _bare_call(blk, tensors, True, dim**-0.5)
     return time.thread_time() - t0
 
 
@@ -221,10 +240,14 @@ def _rank_main(rank: int, world: int, port: int, a: dict, out: Any) -> None:
         for name in a["configs"]:
             gate(a, name, rank, world)
         got: dict[str, list[dict]] = {name: [] for name in a["configs"]}
+        bare: dict[str, list[float]] = {name: [] for name in a["configs"]}
         for r in range(a["rounds"]):
-            for name in a["configs"]:
+            for name, params in a["configs"].items():
                 got[name] += timed(a, name, rank, world, r)
-        out.put(("ok", rank, got))
+                dist.barrier()  # every rank's bare calls at once, as its ring steps ran
+                args = (params, a["seq"], world, a["heads"], a["dim"], [rank])
+                bare[name].append(bare_seconds(*args))
+        out.put(("ok", rank, (got, bare)))
     except BaseException as exc:  # the parent prints it and stops
         out.put(("error", rank, f"rank {rank}: {exc!r}\n{traceback.format_exc()}"))
     finally:
@@ -238,8 +261,13 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_ranks(a: dict) -> list[dict[str, list[dict]]]:
-    """Every rank's timed rows by configuration, in rank order."""
+RankResult = tuple[dict[str, list[dict]], dict[str, list[float]]]
+"""A rank's timed rows by configuration, and its bare calls' thread CPU seconds by
+configuration, one per round."""
+
+
+def run_ranks(a: dict) -> list[RankResult]:
+    """Every rank's results, in rank order."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
@@ -247,7 +275,7 @@ def run_ranks(a: dict) -> list[dict[str, list[dict]]]:
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, a, out)) for r in range(world)]
     for p in procs:
         p.start()
-    results: dict[int, dict] = {}
+    results: dict[int, RankResult] = {}
     for _ in range(world):
         status, rank, value = out.get()
         if status == "error":
@@ -263,35 +291,40 @@ def run_ranks(a: dict) -> list[dict[str, list[dict]]]:
 # ---- report ------------------------------------------------------------------------------------
 
 
-def bare_times(a: dict) -> dict[str, list[float]]:
-    """Name -> bare_seconds of each of --rounds rounds, the configurations alternating, on one
-    intra-op thread as each rank runs (thread CPU time counts the calling thread only)."""
+def alone_times(a: dict) -> dict[str, list[float]]:
+    """Name -> bare_seconds of every rank's blocks in this process, no rank running, one per
+    round, the configurations alternating, on one intra-op thread as each rank runs (thread
+    CPU time counts the calling thread only): the op's cost of the tiles on an idle core."""
     out: dict[str, list[float]] = {name: [] for name in a["configs"]}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for _ in range(a["rounds"]):
             for name, params in a["configs"].items():
-                out[name].append(bare_seconds(params, a["seq"], a["world"], a["heads"], a["dim"]))
+                args = (params, a["seq"], a["world"], a["heads"], a["dim"], range(a["world"]))
+                out[name].append(bare_seconds(*args))
     finally:
         torch.set_num_threads(threads)
     return out
 
 
 def summarize(
-    ranks: list[dict[str, list[dict]]],
+    ranks: list[RankResult],
     pairs: dict[str, list[int]],
     plans: dict[str, tuple[int, int]],
     heads: int,
-    bare: dict[str, list[float]],
+    alone: dict[str, list[float]],
 ) -> dict:
     """Name -> the printed numbers (see the module docstring), from every rank's rows."""
     out: dict[str, dict] = {}
     for name, per_rank in pairs.items():
-        rows = [r[name] for r in ranks]  # rows[rank][timed iteration], same order on every rank
+        rows = [r[0][name] for r in ranks]  # rows[rank][timed iteration], same order everywhere
         total = sum(per_rank) * heads
         its = list(zip(*rows, strict=True))
         wall = [max(x["wall_s"] for x in it) for it in its]
+        thread = [sum(x["compute_thread_s"] for x in it) / total * 1e9 for it in its]
+        rounds = [it[0]["round"] for it in its]
+        in_ranks = [sum(r) / total * 1e9 for r in zip(*(r[1][name] for r in ranks), strict=True)]
         out[name] = {
             "pairs_per_rank": per_rank,
             "plan_over_kept": plans[name][0] / sum(per_rank),
@@ -303,13 +336,16 @@ def summarize(
             "thread_imbalance": [
                 layouts.imbalance(torch.tensor([x["compute_thread_s"] for x in it])) for it in its
             ],
-            "thread_ns_per_pair": [
-                sum(x["compute_thread_s"] for x in it) / total * 1e9 for it in its
-            ],
+            "thread_ns_per_pair": thread,
             "wall_ns_per_pair": [w / total * 1e9 for w in wall],
             "iteration_s": wall,
-            "rounds": [it[0]["round"] for it in its],
-            "bare_ns_per_pair": [x / total * 1e9 for x in bare[name]],
+            "rounds": rounds,
+            "bare_ns_per_pair": in_ranks,
+            "ring_over_bare": [
+                statistics.median(x for x, rr in zip(thread, rounds, strict=True) if rr == r) / b
+                for r, b in enumerate(in_ranks)
+            ],
+            "alone_ns_per_pair": [x / total * 1e9 for x in alone[name]],
         }
     return out
 
@@ -329,28 +365,42 @@ def _m(xs: list[float], fmt: str) -> str:
     return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}-{max(xs):{fmt}})"
 
 
+def _per_round_ratio(num: list[float], den: list[float]) -> float:
+    """The median over rounds of num / den (one value of each per round)."""
+    return statistics.median(x / y for x, y in zip(num, den, strict=True))
+
+
 def report(summary: dict, seeds: list[int]) -> list[str]:
-    """The table's lines: per configuration its pairs and measured imbalances and time per
-    pair; per seed the verdicts on the best balance (the lowest pairs imbalance)."""
+    """The tables' lines: per configuration its pairs and measured imbalances, then its time
+    per pair (the ring's, its blocks' as bare calls in the ranks and alone); per seed the
+    verdicts on the best balance (the lowest pairs imbalance)."""
     base = summary[CAUSAL]
     lines = [
         f"{'configuration':>22}  {'pairs imb':>9}  {'measured imb: thread CPU':>24}  "
-        f"{'wall':>19}  {'ns/pair: thread CPU':>24}  {'vs causal':>6}  {'iteration ns/pair':>24}"
-        f"  {'vs causal':>6}  {'plan/kept':>9}  {'blocks':>6}  {'bare calls ns/pair':>24}"
-        f"  {'vs causal':>6}"
+        f"{'wall':>19}  {'plan/kept':>9}  {'blocks':>6}"
     ]
     for name, s in summary.items():
-        thread_ratio = statistics.median(round_ratios(s, base, "thread_ns_per_pair"))
-        wall_ratio = statistics.median(round_ratios(s, base, "wall_ns_per_pair"))
-        bare = [x / y for x, y in zip(s["bare_ns_per_pair"], base["bare_ns_per_pair"], strict=True)]
-        s["thread_ratio"], s["wall_ratio"] = thread_ratio, wall_ratio
-        s["bare_ratio"] = statistics.median(bare)
         lines.append(
             f"{name:>22}  {s['pairs_imbalance']:9.4f}  {_m(s['thread_imbalance'], '.3f'):>24}  "
-            f"{_m(s['compute_imbalance'], '.3f'):>19}  {_m(s['thread_ns_per_pair'], '.3f'):>24}  "
-            f"{thread_ratio:6.3f}  {_m(s['wall_ns_per_pair'], '.3f'):>24}  {wall_ratio:6.3f}  "
-            f"{s['plan_over_kept']:9.4f}  {s['blocks']:6d}  "
-            f"{_m(s['bare_ns_per_pair'], '.3f'):>24}  {s['bare_ratio']:6.3f}"
+            f"{_m(s['compute_imbalance'], '.3f'):>19}  {s['plan_over_kept']:9.4f}  "
+            f"{s['blocks']:6d}"
+        )
+    lines.append(
+        f"{'ns per kept pair':>22}  {'ring: thread CPU':>24}  {'vs causal':>6}  "
+        f"{'iteration (wall)':>24}  {'vs causal':>6}  {'bare calls in the ranks':>24}  "
+        f"{'vs causal':>6}  {'ring/bare':>9}  {'bare calls alone':>24}  {'vs causal':>6}"
+    )
+    for name, s in summary.items():
+        s["thread_ratio"] = statistics.median(round_ratios(s, base, "thread_ns_per_pair"))
+        s["wall_ratio"] = statistics.median(round_ratios(s, base, "wall_ns_per_pair"))
+        s["bare_ratio"] = _per_round_ratio(s["bare_ns_per_pair"], base["bare_ns_per_pair"])
+        s["alone_ratio"] = _per_round_ratio(s["alone_ns_per_pair"], base["alone_ns_per_pair"])
+        lines.append(
+            f"{name:>22}  {_m(s['thread_ns_per_pair'], '.3f'):>24}  {s['thread_ratio']:6.3f}  "
+            f"{_m(s['wall_ns_per_pair'], '.3f'):>24}  {s['wall_ratio']:6.3f}  "
+            f"{_m(s['bare_ns_per_pair'], '.3f'):>24}  {s['bare_ratio']:6.3f}  "
+            f"{statistics.median(s['ring_over_bare']):9.3f}  "
+            f"{_m(s['alone_ns_per_pair'], '.3f'):>24}  {s['alone_ratio']:6.3f}"
         )
     for seed in seeds:
         names = [n for n in summary if n.startswith(f"seed {seed} ")]
@@ -364,7 +414,10 @@ def report(summary: dict, seeds: list[int]) -> list[str]:
             f"{'met' if abs(gap) <= 0.10 else 'NOT met'}; wall {gap_wall:+.1%}); time per kept "
             f"pair {s['thread_ratio']:.3f}x causal's (target <= 1.2: "
             f"{'met' if s['thread_ratio'] <= 1.2 else 'NOT met'}; iteration "
-            f"{s['wall_ratio']:.3f}x; its blocks as bare fused calls {s['bare_ratio']:.3f}x)"
+            f"{s['wall_ratio']:.3f}x); its blocks as bare fused calls {s['bare_ratio']:.3f}x "
+            f"in the ranks, {s['alone_ratio']:.3f}x alone; the ring over its bare calls "
+            f"{statistics.median(s['ring_over_bare']):.3f}x (causal "
+            f"{statistics.median(base['ring_over_bare']):.3f}x)"
         )
     return lines
 
@@ -407,8 +460,8 @@ def main(argv: list[str] | None = None) -> dict:
     plans = {n: plan_figures(p, args.seq, args.world) for n, p in a["configs"].items()}
     t0 = time.perf_counter()
     ranks = run_ranks(a)
-    bare = bare_times(a)
-    summary = summarize(ranks, pairs, plans, args.heads, bare)
+    alone = alone_times(a)
+    summary = summarize(ranks, pairs, plans, args.heads, alone)
     for line in report(summary, seeds):
         print(line)
     load = os.getloadavg()
@@ -419,12 +472,14 @@ def main(argv: list[str] | None = None) -> dict:
         f"compute (thread CPU) or the slowest rank's iteration (wall); plan/kept: the pairs the "
         f"ring's plan computes over the mask's kept pairs (1: none computed and discarded); "
         f"blocks: the plans' blocks over all ranks and steps (before K/V pieces); bare calls: "
-        f"every rank's blocks, cut as the ring cuts them, as bare fused calls in one process "
-        f"(thread CPU, each of {args.rounds} alternating rounds; vs causal: median of the "
-        f"rounds' ratios): the op's own cost of the tiles, without the ring's merges, "
-        f"transfers and accumulators"
+        f"each rank's blocks, cut as the ring cuts them, as bare fused calls (thread CPU, each "
+        f"of {args.rounds} alternating rounds; vs causal: median of the rounds' ratios), in the "
+        f"ranks (all at once, right after their ring iterations, sharing the cores as they "
+        f"did) and alone (one process, no rank running): the op's own cost of the tiles, "
+        f"without the ring's merges, transfers and accumulators; ring/bare: the ring's thread "
+        f"CPU over its bare calls in the ranks, round by round"
     )
-    return {"ranks": ranks, "pairs": pairs, "summary": summary, "bare": bare}
+    return {"ranks": ranks, "pairs": pairs, "summary": summary, "alone": alone}
 
 
 if __name__ == "__main__":
