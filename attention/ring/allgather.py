@@ -44,7 +44,6 @@ from attention.ring.collectives import all_gather, reduce_scatter
 from attention.ring.comm import rank_and_world
 from attention.ring.engine import (
     Block,
-    _head_group,
     _row_bytes,
     piece_size,
     restrict,
@@ -223,7 +222,7 @@ def _forward(q, k, v, blocks, group, scale, needed):  # type: ignore[no-untyped-
         p = piece_size(q.shape[1], q.device)
         parts = _chunked(blocks, q.shape[1], kt.shape[1], p)
         out, lse = empty_result(q)
-        step_forward(q, kt, vt, parts, out, lse, scale, False, _head_group(q, p))
+        step_forward(q, kt, vt, parts, out, lse, scale, False, bounded=True)
     return out, lse
 
 

@@ -124,19 +124,17 @@ def step_forward(
     lse: torch.Tensor,
     scale: float,
     fresh: bool,
-    head_group: int | None = None,
+    bounded: bool = False,
 ) -> bool:
     """Compute one step's blocks and merge them into (out, lse); returns whether (out, lse)
     are still untouched (`fresh`: the first full-height block is copied instead of merged).
-    `head_group`: compute each block that many heads at a time (bounds its partial output)."""
+    `bounded`: each block runs the most heads at a time whose partial output for the block's
+    own rows fits PIECE_BYTES (_head_group), else all heads at once."""
     n, heads = q.shape[1], q.shape[2]
-    g = head_group or heads
-    pieces = [
-        p for h0 in range(0, heads, g) for p in kv_head_pieces(h0, h0 + g, heads, kt.shape[2])
-    ]
     for blk in blocks:
+        g = _head_group(q, blk.q1 - blk.q0) if bounded else heads
         keep = blk.keep(q.device)
-        for a0, a1, c0, c1 in pieces:
+        for a0, a1, c0, c1 in _head_pieces(g, heads, kt.shape[2]):
             hs = slice(a0, a1)
             tile = (
                 q[:, blk.q0 : blk.q1, hs],
@@ -153,6 +151,14 @@ def step_forward(
             del o_b, l_b
         fresh = False
     return fresh
+
+
+@functools.lru_cache(maxsize=64)
+def _head_pieces(g: int, heads: int, kv_heads: int) -> tuple[tuple[int, ...], ...]:
+    """Query heads in groups of g, each cut into kv_head_pieces (GQA)."""
+    return tuple(
+        p for h0 in range(0, heads, g) for p in kv_head_pieces(h0, h0 + g, heads, kv_heads)
+    )
 
 
 Saved = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -287,7 +293,9 @@ def _scatter(x: torch.Tensor, piece: Piece, rows: torch.Tensor) -> None:
 
 def _head_group(q: torch.Tensor, rows: int) -> int:
     """Heads per forward block: on CPU the most (a divisor of H) whose fp32 partial output for
-    `rows` query rows fits in PIECE_BYTES (at least 1); all heads on GPUs."""
+    the block's `rows` query rows fits in PIECE_BYTES (at least 1); all heads on GPUs. Bounded
+    by the block's rows, not its piece's: a mask's plan cuts pieces into many small tiles, and
+    a head group more than needed is one more call and merge per tile."""
     bsz, _, heads, dim = q.shape
     if q.device.type != "cpu":
         return heads
@@ -390,11 +398,10 @@ def ring_forward(
     bsz, n, _, dim = q.shape
     world = 1 if comm is None else comm[0].world_size
     p = piece_size(n, q.device, parts=2 if fold else 1)
-    g = _head_group(q, p)
     pieces = cut_pieces(n, p, fold)
     bufs, own = _buffers(world, pieces, (2, bsz, p, k.shape[2], dim), k)
     if comm is None:
-        return _alone_forward(q, k, v, plan[0], pieces, own, p, g, scale)
+        return _alone_forward(q, k, v, plan[0], pieces, own, p, scale)
     out, lse = empty_result(q)
     cut = cut_plan(frozen(plan), tuple(pieces), p, n)
     for piece, piece_plan in zip(pieces, cut, strict=True):
@@ -404,7 +411,7 @@ def ring_forward(
                 if t < world - 1:
                     _send_kv(comm, kt, vt, bufs[t % 2])
                 clock.computes(bool(plan[t]))  # an empty step: its K/V keep no pair here
-                step_forward(q, kt, vt, piece_plan[t], out, lse, scale, False, g)
+                step_forward(q, kt, vt, piece_plan[t], out, lse, scale, False, bounded=True)
                 if t < world - 1:
                     _wait_kv(comm)
                     kt, vt = bufs[t % 2][0], bufs[t % 2][1]
@@ -419,7 +426,6 @@ def _alone_forward(
     pieces: list[Piece],
     own: list[torch.Tensor | None],
     p: int,
-    g: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ring_forward` on one rank (its only step): every K/V piece's blocks for one window of
@@ -430,7 +436,7 @@ def _alone_forward(
         for piece in pieces:
             kt, vt = _gather(k, piece, own[0]), _gather(v, piece, own[1])
             mine = window_blocks(piece_blocks(blocks, piece, p, n), c0, c1)
-            step_forward(q[:, c0:c1], kt, vt, mine, out, lse, scale, False, g)
+            step_forward(q[:, c0:c1], kt, vt, mine, out, lse, scale, False, bounded=True)
 
     with clock.step("forward", 0):
         clock.computes(bool(blocks))
