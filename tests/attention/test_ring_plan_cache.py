@@ -94,3 +94,32 @@ def test_dense_under_a_mask_builds_its_plan_once_per_length(
         outs.append(module(q, k, v, causal=True))
     assert builds == [128, 64]
     assert torch.equal(outs[0], outs[1])
+
+
+def test_a_forward_block_runs_the_most_heads_its_own_rows_allow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The forward's head group is bounded by the block's partial output (rows x heads x
+    head_dim in fp32 within PIECE_BYTES): a 256-row tile runs its 4 heads in one fused call,
+    a 1,024-row one in two, and the merged result equals one call of every head."""
+    calls: list[int] = []
+    real = engine.block_forward
+
+    def counted(q: torch.Tensor, *args: object, **kwargs: object) -> object:
+        calls.append(q.shape[2])  # the heads of this call
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "block_forward", counted)
+    g = torch.Generator().manual_seed(0)
+    heads, dim, n = 4, 64, 1024
+    q, k, v = (torch.randn(1, n, heads, dim, generator=g) for _ in range(3))
+    assert n * heads * dim * 4 > engine.PIECE_BYTES >= 256 * heads * dim * 4
+    for rows, per_block in ((256, [4]), (1024, [2, 2])):
+        blocks = [engine.Block(r0, r0 + rows, 0, n) for r0 in range(0, n, rows)]
+        out, lse = engine.empty_result(q)
+        calls.clear()
+        engine.step_forward(q, k, v, blocks, out, lse, dim**-0.5, True, bounded=True)
+        assert calls == per_block * len(blocks)
+        want, want_lse = real(q, k, v, scale=dim**-0.5)
+        torch.testing.assert_close(out, want.float())
+        torch.testing.assert_close(lse, want_lse)
