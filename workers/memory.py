@@ -15,8 +15,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from torch._C._profiler import _ExtraFields_Allocation, _ProfilerEvent
-from torch.autograd.profiler import profile
+from torch._C._autograd import (
+    _disable_profiler,
+    _enable_profiler,
+    _prepare_profiler,
+    _ProfilerResult,
+)
+from torch._C._profiler import (
+    ProfilerActivity,
+    ProfilerConfig,
+    ProfilerState,
+    RecordScope,
+    _ExperimentalConfig,
+    _ExtraFields_Allocation,
+    _ProfilerEvent,
+)
 
 from attention.errors import is_allocation_failure
 
@@ -68,18 +81,36 @@ def _walk(nodes: list[_ProfilerEvent]) -> Iterator[_ProfilerEvent]:
         yield from _walk(node.children)
 
 
-def _allocations(session: profile) -> list[tuple[int, int]]:
+def _allocations(result: _ProfilerResult) -> list[tuple[int, int]]:
     """(address, bytes) of every CPU allocation (bytes > 0) and free (bytes < 0) a stopped
     session recorded, in time order."""
-    if session.kineto_results is None:
-        raise RuntimeError("the profiler session recorded no results")
     timed = []
-    for node in _walk(session.kineto_results.experimental_event_tree()):
+    for node in _walk(result.experimental_event_tree()):
         fields = node.extra_fields
         if isinstance(fields, _ExtraFields_Allocation) and fields.device.type == "cpu":
             timed.append((node.start_time_ns, fields.ptr, fields.alloc_size))
     timed.sort(key=lambda row: row[0])
     return [(ptr, size) for _, ptr, size in timed]
+
+
+SESSION_SCOPES = {RecordScope.BUILD_FEATURE}
+"""The op scopes a meter's session records: one nothing the meter runs opens, so it records
+allocations only. The default (every scope) includes USER_SCOPE, the RecordFunction that c10d's
+Work starts when a transfer is posted and ends on gloo's thread when the transfer completes,
+which raced with the session: a rank whose ring transfers completed while its session
+recorded or stopped could die by SIGSEGV (seen when a peer ran out of memory mid-ring)."""
+
+
+def _start_session() -> None:
+    """Start a kineto session that records the CPU allocator's allocations and frees: what
+    torch.profiler.profile(activities=[CPU], profile_memory=True) starts, without its op events
+    (SESSION_SCOPES) and without that wrapper's preparation, which reads `torch._inductor` and
+    so imports Dynamo (about a second of CPU in every rank process that meters a case)."""
+    config = ProfilerConfig(
+        ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig()
+    )
+    _prepare_profiler(config, {ProfilerActivity.CPU})
+    _enable_profiler(config, {ProfilerActivity.CPU}, SESSION_SCOPES)
 
 
 class CpuAllocatorLedger:
@@ -107,18 +138,18 @@ class CpuAllocatorLedger:
     """
 
     def __init__(self) -> None:
-        self._session: profile | None = None
+        self._session = False
         self._live: dict[int, int] = {}
         self._current = 0
         self._high = 0
 
     @property
     def running(self) -> bool:
-        return self._session is not None
+        return self._session
 
     def start(self) -> None:
         """Forget what was counted and start counting from zero bytes."""
-        if self._session is not None:
+        if self._session:
             self.stop()
         if torch._C._autograd._profiler_enabled():
             raise RuntimeError(
@@ -130,22 +161,16 @@ class CpuAllocatorLedger:
         self._open()
 
     def _open(self) -> None:
-        """Start a session: the autograd profiler that torch.profiler.profile(activities=[CPU],
-        profile_memory=True) runs, the same events, without that wrapper's preparation, which
-        reads `torch._inductor` and so imports Dynamo (about a second of CPU in every rank
-        process that meters a case, though nothing compiles)."""
-        session = profile(use_kineto=True, use_cpu=True, profile_memory=True)
-        session.__enter__()
-        self._session = session
+        """Start a session (_start_session)."""
+        _start_session()
+        self._session = True
 
     def _fold(self) -> None:
         """Stop the session and fold its CPU allocations and frees into the ledger."""
-        session = self._session
-        if session is None:
+        if not self._session:
             raise RuntimeError("the CPU allocator ledger is not running: call start() first")
-        self._session = None
-        session.__exit__(None, None, None)
-        for ptr, size in _allocations(session):
+        self._session = False
+        for ptr, size in _allocations(_disable_profiler()):
             if size > 0:
                 # An address handed out again was freed unseen (on another thread): drop it.
                 self._current += size - self._live.get(ptr, 0)
@@ -161,12 +186,12 @@ class CpuAllocatorLedger:
 
     def stop(self) -> None:
         """Fold what the session saw and end it (idempotent): nothing more is counted."""
-        if self._session is not None:
+        if self._session:
             self._fold()
 
     def _running(self) -> None:
         """Refuse a reading when nothing is being counted (before start(), after stop())."""
-        if self._session is None:
+        if not self._session:
             raise RuntimeError("the CPU allocator ledger is not running: start() it first")
 
     def current(self) -> int:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from _fresh import fresh_json
 
+from workers import memory
 from workers.config import RunConfig
 from workers.memory import CpuAllocatorLedger, PeakMeter
 from workers.protocol import _timed_loop, run_case
@@ -223,3 +224,22 @@ def test_a_profiled_run_meters_the_same_peak_and_still_traces() -> None:
     assert trace.name == "trace-rank0.json" and trace.data is not None
     assert b"scaled_dot_product" in trace.data
     assert not _profiling()
+
+
+def test_a_meter_session_records_allocations_and_no_user_scope_op() -> None:
+    """The meter's session records the allocator's events and no USER_SCOPE RecordFunction:
+    c10d's Work opens one when a transfer is posted and closes it on gloo's thread when the
+    transfer completes, and that close raced with the session (a rank died by SIGSEGV when
+    its ring's transfers completed while the session recorded or stopped)."""
+    from torch._C._autograd import _disable_profiler
+
+    memory._start_session()
+    try:
+        with torch.autograd.profiler.record_function("ringlab-user-scope"):  # USER_SCOPE
+            kept = torch.ones(1 << 16)
+    finally:
+        result = _disable_profiler()
+    names = [node.name for node in memory._walk(result.experimental_event_tree())]
+    assert "ringlab-user-scope" not in names
+    sizes = [size for _, size in memory._allocations(result)]
+    assert kept.numel() * 4 in sizes  # the allocation inside the scope is still seen
