@@ -107,7 +107,13 @@ def _start_session() -> None:
     (SESSION_SCOPES) and without that wrapper's preparation, which reads `torch._inductor` and
     so imports Dynamo (about a second of CPU in every rank process that meters a case)."""
     config = ProfilerConfig(
-        ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig()
+        ProfilerState.KINETO,
+        report_input_shapes=False,
+        profile_memory=True,
+        with_stack=False,
+        with_flops=False,
+        with_modules=False,
+        experimental_config=_ExperimentalConfig(),
     )
     _prepare_profiler(config, {ProfilerActivity.CPU})
     _enable_profiler(config, {ProfilerActivity.CPU}, SESSION_SCOPES)
